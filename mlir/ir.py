@@ -1,0 +1,237 @@
+"""One place for every MLIR/IREE Python-binding import, plus small typed-builder helpers.
+
+Kernel builders import from here, never from ``iree.compiler`` directly. Dialect modules carry a
+``_d`` suffix so that ``linalg_d.generic`` never collides with local names. Helpers only wrap the
+bindings' builders (no MLIR text is parsed to build a kernel body).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator, Sequence, Union
+
+from iree.compiler import ir
+from iree.compiler.dialects import arith as arith_d
+from iree.compiler.dialects import func as func_d
+from iree.compiler.dialects import linalg as linalg_d
+from iree.compiler.dialects import math as math_d
+from iree.compiler.dialects import scf as scf_d
+from iree.compiler.dialects import tensor as tensor_d
+
+__all__ = [
+    "ir", "arith_d", "func_d", "linalg_d", "math_d", "scf_d", "tensor_d",
+    "DYN", "module_context", "element_type", "tensor_type", "f32", "i1", "i32", "index",
+    "const_index", "const_f32", "const_i32", "dim", "affine_map", "generic", "extract_slice",
+    "insert_slice", "empty", "fill", "ceil_div", "to_index", "select", "expand", "collapse",
+    "sizes_of", "transpose", "convert", "zero_padded",
+]
+
+DYN = ir.ShapedType.get_dynamic_size()
+
+IndexLike = Union[int, ir.Value]
+
+
+@contextlib.contextmanager
+def module_context() -> Iterator[ir.Module]:
+    """Opens a context with an unknown location and yields an empty module to build into."""
+    with ir.Context(), ir.Location.unknown():
+        module = ir.Module.create()
+        yield module
+
+
+def element_type(dtype: str) -> ir.Type:
+    """The MLIR element type for a seed dtype string ("float32", "float16", "bfloat16")."""
+    builders = {"float32": ir.F32Type.get, "float16": ir.F16Type.get, "bfloat16": ir.BF16Type.get}
+    if dtype not in builders:
+        raise ValueError(f"dtype must be one of {sorted(builders)}, got {dtype!r}")
+    return builders[dtype]()
+
+
+def tensor_type(shape: Sequence[int], elem: ir.Type) -> ir.RankedTensorType:
+    return ir.RankedTensorType.get(list(shape), elem)
+
+
+def f32() -> ir.Type:
+    return ir.F32Type.get()
+
+
+def i1() -> ir.Type:
+    return ir.IntegerType.get_signless(1)
+
+
+def i32() -> ir.Type:
+    return ir.IntegerType.get_signless(32)
+
+
+def index() -> ir.Type:
+    return ir.IndexType.get()
+
+
+def const_index(value: int) -> ir.Value:
+    return arith_d.constant(index(), value)
+
+
+def const_f32(value: float) -> ir.Value:
+    return arith_d.constant(f32(), value)
+
+
+def const_i32(value: int) -> ir.Value:
+    return arith_d.constant(i32(), value)
+
+
+def to_index(value: IndexLike) -> ir.Value:
+    """An index Value from a Python int, an index Value, or an i32 Value."""
+    if isinstance(value, int):
+        return const_index(value)
+    if isinstance(value.type, ir.IntegerType):
+        return arith_d.index_cast(index(), value)
+    return value
+
+
+def dim(tensor: ir.Value, axis: int) -> ir.Value:
+    return tensor_d.dim(tensor, const_index(axis))
+
+
+def ceil_div(a: IndexLike, b: IndexLike) -> ir.Value:
+    return arith_d.ceildivsi(to_index(a), to_index(b))
+
+
+def select(cond: ir.Value, a: ir.Value, b: ir.Value) -> ir.Value:
+    return arith_d.select(cond, a, b)
+
+
+def affine_map(n_dims: int, dims: Sequence[int]) -> ir.AffineMap:
+    """The projection ``(d0, ..., d{n_dims-1}) -> (d{dims[0]}, d{dims[1]}, ...)``."""
+    return ir.AffineMap.get(n_dims, 0, [ir.AffineDimExpr.get(d) for d in dims])
+
+
+def generic(
+    inputs: Sequence[ir.Value],
+    outputs: Sequence[ir.Value],
+    maps: Sequence[ir.AffineMap],
+    iterators: str,
+    body: Callable[..., Sequence[ir.Value]],
+) -> list[ir.Value]:
+    """Builds a ``linalg.generic`` and returns its results.
+
+    ``iterators`` spells one letter per loop: ``p`` parallel, ``r`` reduction. ``body`` receives
+    the block arguments (inputs then outputs, as scalars) and returns the values to yield.
+    """
+    kinds = {"p": linalg_d.IteratorType.parallel, "r": linalg_d.IteratorType.reduction}
+    op = linalg_d.GenericOp_(
+        list(inputs),
+        list(outputs),
+        ir.ArrayAttr.get([ir.AffineMapAttr.get(m) for m in maps]),
+        [kinds[c] for c in iterators],
+    )
+    block = op.regions[0].blocks[0]
+    with ir.InsertionPoint(block):
+        linalg_d.YieldOp(list(body(*block.arguments)))
+    return list(op.results)
+
+
+def _split_static(values: Sequence[IndexLike]) -> tuple[list[ir.Value], list[int]]:
+    dynamic, static = [], []
+    for v in values:
+        if isinstance(v, int):
+            static.append(v)
+        else:
+            static.append(DYN)
+            dynamic.append(v)
+    return dynamic, static
+
+
+def extract_slice(
+    source: ir.Value, offsets: Sequence[IndexLike], sizes: Sequence[IndexLike]
+) -> ir.Value:
+    """A unit-stride ``tensor.extract_slice``; an int is static, a Value dynamic."""
+    dyn_off, st_off = _split_static(offsets)
+    dyn_size, st_size = _split_static(sizes)
+    elem = ir.RankedTensorType(source.type).element_type
+    result = tensor_type(st_size, elem)
+    return tensor_d.extract_slice(
+        result, source, dyn_off, dyn_size, [], st_off, st_size, [1] * len(st_size)
+    )
+
+
+def insert_slice(
+    source: ir.Value, dest: ir.Value, offsets: Sequence[IndexLike], sizes: Sequence[IndexLike]
+) -> ir.Value:
+    """A unit-stride ``tensor.insert_slice`` of ``source`` into ``dest`` at ``offsets``."""
+    dyn_off, st_off = _split_static(offsets)
+    dyn_size, st_size = _split_static(sizes)
+    return tensor_d.insert_slice(
+        source, dest, dyn_off, dyn_size, [], st_off, st_size, [1] * len(st_size)
+    )
+
+
+def empty(sizes: Sequence[IndexLike], elem: ir.Type) -> ir.Value:
+    """``tensor.empty`` with int (static) or Value (dynamic) sizes."""
+    return tensor_d.empty(list(sizes), elem)
+
+
+def fill(value: ir.Value, sizes: Sequence[IndexLike], elem: ir.Type) -> ir.Value:
+    """A tensor of ``sizes`` filled with the scalar ``value``."""
+    out = empty(sizes, elem)
+    return linalg_d.fill(value, outs=[out])
+
+
+def expand(source: ir.Value, groups: Sequence[Sequence[int]], sizes: Sequence[IndexLike]) -> ir.Value:
+    """``tensor.expand_shape``: source dim i becomes the result dims in ``groups[i]``."""
+    dynamic, static = _split_static(sizes)
+    elem = ir.RankedTensorType(source.type).element_type
+    return tensor_d.expand_shape(tensor_type(static, elem), source, groups, dynamic, static)
+
+
+def collapse(source: ir.Value, groups: Sequence[Sequence[int]]) -> ir.Value:
+    """``tensor.collapse_shape``: each group of source dims becomes one result dim."""
+    src = ir.RankedTensorType(source.type)
+    shape = []
+    for group in groups:
+        sizes = [src.shape[i] for i in group]
+        shape.append(DYN if DYN in sizes else _product(sizes))
+    return tensor_d.collapse_shape(tensor_type(shape, src.element_type), source, groups)
+
+
+def _product(values: Sequence[int]) -> int:
+    result = 1
+    for v in values:
+        result *= v
+    return result
+
+
+def sizes_of(tensor: ir.Value) -> list[IndexLike]:
+    """Each dim of ``tensor``: an int where static, a ``tensor.dim`` Value where dynamic."""
+    shape = ir.RankedTensorType(tensor.type).shape
+    return [dim(tensor, i) if s == DYN else s for i, s in enumerate(shape)]
+
+
+def transpose(source: ir.Value, permutation: Sequence[int]) -> ir.Value:
+    """``linalg.transpose``: result dim i is source dim ``permutation[i]``."""
+    sizes = sizes_of(source)
+    elem = ir.RankedTensorType(source.type).element_type
+    init = empty([sizes[p] for p in permutation], elem)
+    return linalg_d.transpose(source, outs=[init], permutation=list(permutation)).results[0]
+
+
+def convert(source: ir.Value, elem: ir.Type) -> ir.Value:
+    """Elementwise float conversion (extf or truncf) of ``source`` to ``elem``; no-op if equal."""
+    src = ir.RankedTensorType(source.type)
+    if src.element_type == elem:
+        return source
+    rank = src.rank
+    ident = affine_map(rank, tuple(range(rank)))
+    widen = ir.FloatType(elem).width > ir.FloatType(src.element_type).width
+
+    def body(x, _o):
+        return [arith_d.extf(elem, x) if widen else arith_d.truncf(elem, x)]
+
+    out = empty(sizes_of(source), elem)
+    return generic([source], [out], [ident, ident], "p" * rank, body)[0]
+
+
+def zero_padded(source: ir.Value, sizes: Sequence[IndexLike]) -> ir.Value:
+    """``source`` placed at the origin of a zero tensor of ``sizes`` (a high-side pad)."""
+    elem = ir.RankedTensorType(source.type).element_type
+    zeros = fill(arith_d.constant(elem, 0.0), sizes, elem)
+    return insert_slice(source, zeros, [0] * len(sizes), sizes_of(source))

@@ -1,0 +1,223 @@
+"""The one online-softmax emitter every variant uses.
+
+A variant hands over a tile of queries, a KV-tile loader and a mask predicate; the emitter builds
+an ``scf.for`` over KV tiles that carries the running max, running sum and accumulator (log2
+domain, float32), then normalises. Shapes (B = batch or work items, H = KV heads, M = query rows
+of the tile with the GQA group folded in, N = KV columns of one tile):
+
+    q_tile      [B, H, M, d_qk]   dtype
+    keys        [B, H, N, d_qk]   dtype   (from the loader, one KV tile)
+    values      [B, H, N, d_v]    dtype
+    scores      [B, H, M, N]      f32     s = sm_scale * log2(e) * q.k, masked -> -inf
+    row_max     [B, H, M]         f32     starts at NO_KEY_MAX (finite, so exp2 never sees inf-inf)
+    row_sum     [B, H, M]         f32     sum of 2^(s - row_max) over valid keys
+    acc         [B, H, M, d_v]    f32     sum of 2^(s - row_max) * v over valid keys
+
+Masked keys weigh exactly zero (semantics §11.2) and a row that never sees a valid key ends with
+output 0 and lse EMPTY_ROW_LSE (§11.3).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from .ir import (
+    affine_map, arith_d, const_f32, const_index, dim, empty, f32, fill, generic, ir, linalg_d,
+    math_d, scf_d,
+)
+
+LOG2E = 1.0 / math.log(2.0)
+EMPTY_ROW_LSE = -5.0e4
+NO_KEY_MAX = -1.0e30
+
+
+
+@dataclass(frozen=True)
+class KvTile:
+    """One KV tile as the loader returns it: keys [B, H, N, d_qk] and values [B, H, N, d_v]."""
+
+    keys: ir.Value
+    values: ir.Value
+
+
+@dataclass(frozen=True)
+class ScoreIndices:
+    """Index values visible to a mask predicate inside the score generic.
+
+    ``b, h, m, n`` are positions inside the tile; ``kv_start`` is the logical KV column of n == 0.
+    """
+
+    b: ir.Value
+    h: ir.Value
+    m: ir.Value
+    n: ir.Value
+    kv_start: ir.Value
+
+
+@dataclass(frozen=True)
+class ScoreMask:
+    """Which (row, column) pairs enter the softmax.
+
+    ``operands`` are extra tensors the predicate reads, each with the score dims it is indexed by
+    (e.g. ``(valid_lens, (0,))`` for a per-batch length); the predicate receives their scalars.
+    """
+
+    predicate: Callable[[ScoreIndices, Sequence[ir.Value]], ir.Value]
+    operands: tuple[tuple[ir.Value, tuple[int, ...]], ...] = ()
+
+
+@dataclass(frozen=True)
+class AttentionTile:
+    """Normalised result of one query tile: output [B, H, M, d_v] f32, lse [B, H, M] f32 (base 2)."""
+
+    output: ir.Value
+    lse: ir.Value
+
+
+def _extend(value: ir.Value) -> ir.Value:
+    """A scalar widened to f32 (no-op for f32)."""
+    if isinstance(value.type, ir.F32Type):
+        return value
+    return arith_d.extf(f32(), value)
+
+
+def _contract(lhs: ir.Value, rhs: ir.Value, init: ir.Value, lhs_dims, rhs_dims, out_dims) -> ir.Value:
+    """``init + sum_k f32(lhs) * f32(rhs)`` over 5 loops (b, h, m, x, k), k the reduction."""
+    maps = [affine_map(5, lhs_dims), affine_map(5, rhs_dims), affine_map(5, out_dims)]
+
+    def body(a, b, acc):
+        return [arith_d.addf(acc, arith_d.mulf(_extend(a), _extend(b)))]
+
+    return generic([lhs, rhs], [init], maps, "ppppr", body)[0]
+
+
+def _scores(q_tile: ir.Value, keys: ir.Value, sizes: list) -> ir.Value:
+    """Raw dot products q.k in f32: [B, H, M, N]."""
+    zero = fill(const_f32(0.0), sizes, f32())
+    # loops (b, h, m, n, k)
+    return _contract(q_tile, keys, zero, (0, 1, 2, 4), (0, 1, 3, 4), (0, 1, 2, 3))
+
+
+def _scale_and_mask(raw: ir.Value, mask: ScoreMask, kv_start: ir.Value, scale: float) -> ir.Value:
+    """scores = raw * scale where the mask holds, else -inf."""
+    ident = affine_map(4, (0, 1, 2, 3))
+    extra_vals = [t for t, _ in mask.operands]
+    extra_maps = [affine_map(4, dims) for _, dims in mask.operands]
+    out = empty([dim(raw, 0), *ir.RankedTensorType(raw.type).shape[1:]], f32())
+    scale_c = const_f32(scale)
+    neg_inf = const_f32(float("-inf"))
+
+    def body(s, *rest):
+        extras = rest[:-1]
+        idx = ScoreIndices(*(linalg_d.IndexOp(i).result for i in range(4)), kv_start=kv_start)
+        valid = mask.predicate(idx, extras)
+        return [arith_d.select(valid, arith_d.mulf(s, scale_c), neg_inf)]
+
+    return generic([raw, *extra_vals], [out], [ident, *extra_maps, ident], "pppp", body)[0]
+
+
+def _reduce_rows(tile: ir.Value, init_value: float, combine) -> ir.Value:
+    """[B, H, M, N] -> [B, H, M] reduced over N with ``combine``, starting from ``init_value``.
+
+    The init is a fresh fill (not the running state): IREE distributes a reduction only when its
+    output starts from a fill, so the running state is combined in a separate elementwise step.
+    """
+    sizes = [dim(tile, 0), *ir.RankedTensorType(tile.type).shape[1:3]]
+    init = fill(const_f32(init_value), sizes, f32())
+    maps = [affine_map(4, (0, 1, 2, 3)), affine_map(4, (0, 1, 2))]
+    return generic([tile], [init], maps, "pppr", lambda x, acc: [combine(x, acc)])[0]
+
+
+def _elementwise(inputs: Sequence[ir.Value], row_inputs: Sequence[ir.Value], body) -> ir.Value:
+    """f32 result shaped like ``inputs[0]``; ``row_inputs`` are [B, H, M] broadcast over the rest."""
+    like = inputs[0]
+    rank = ir.RankedTensorType(like.type).rank
+    ident = affine_map(rank, tuple(range(rank)))
+    row = affine_map(rank, (0, 1, 2))
+    out = empty([dim(like, 0), *ir.RankedTensorType(like.type).shape[1:]], f32())
+    maps = [ident] * len(inputs) + [row] * len(row_inputs) + [ident]
+    return generic([*inputs, *row_inputs], [out], maps, "p" * rank, lambda *a: [body(*a[:-1])])[0]
+
+
+def _step_state(prev_max, prev_sum, prev_acc, scores, values):
+    """One online-softmax update with the scores [B, H, M, N] and values [B, H, N, d_v] of a tile."""
+    tile_max = _reduce_rows(scores, NO_KEY_MAX, arith_d.maximumf)
+    new_max = _elementwise([prev_max, tile_max], [], arith_d.maximumf)
+    alpha = _elementwise([prev_max, new_max], [], lambda old, new: math_d.exp2(arith_d.subf(old, new)))
+    probs = _elementwise([scores], [new_max], lambda s, m: math_d.exp2(arith_d.subf(s, m)))
+    tile_sum = _reduce_rows(probs, 0.0, arith_d.addf)
+    new_sum = _elementwise([prev_sum, alpha, tile_sum], [],
+                           lambda l, a, t: arith_d.addf(arith_d.mulf(l, a), t))
+    pv_sizes = [dim(prev_acc, 0), *ir.RankedTensorType(prev_acc.type).shape[1:]]
+    pv = _contract(probs, values, fill(const_f32(0.0), pv_sizes, f32()),
+                   (0, 1, 2, 4), (0, 1, 4, 3), (0, 1, 2, 3))  # loops (b, h, m, d, n)
+    new_acc = _elementwise([prev_acc, pv], [alpha],
+                           lambda acc, x, a: arith_d.addf(arith_d.mulf(acc, a), x))
+    return new_max, new_sum, new_acc
+
+
+def _finalize(acc: ir.Value, row_max: ir.Value, row_sum: ir.Value) -> AttentionTile:
+    """output = acc / row_sum and lse = row_max + log2(row_sum); rows with no key: 0 and -5e4."""
+    zero = const_f32(0.0)
+    empty_lse = const_f32(EMPTY_ROW_LSE)
+    shape = ir.RankedTensorType(acc.type).shape
+    out = empty([dim(acc, 0), *shape[1:]], f32())
+    ident4 = affine_map(4, (0, 1, 2, 3))
+    row4 = affine_map(4, (0, 1, 2))
+
+    def normalize(a, s, _o):
+        has_key = arith_d.cmpf(arith_d.CmpFPredicate.OGT, s, zero)
+        return [arith_d.select(has_key, arith_d.divf(a, s), zero)]
+
+    output = generic([acc, row_sum], [out], [ident4, row4, ident4], "pppp", normalize)[0]
+
+    lse_out = empty([dim(acc, 0), *shape[1:3]], f32())
+    ident3 = affine_map(3, (0, 1, 2))
+
+    def lse_body(m, s, _o):
+        has_key = arith_d.cmpf(arith_d.CmpFPredicate.OGT, s, zero)
+        return [arith_d.select(has_key, arith_d.addf(m, math_d.log2(s)), empty_lse)]
+
+    lse = generic([row_max, row_sum], [lse_out], [ident3, ident3, ident3], "ppp", lse_body)[0]
+    return AttentionTile(output=output, lse=lse)
+
+
+def online_softmax(
+    q_tile: ir.Value,
+    *,
+    num_kv_tiles: ir.Value,
+    kv_tile: int,
+    d_v: int,
+    load_kv_tile: Callable[[ir.Value], KvTile],
+    mask: ScoreMask,
+    sm_scale: float,
+) -> AttentionTile:
+    """Attention of one query tile over ``num_kv_tiles`` KV tiles of ``kv_tile`` columns.
+
+    ``q_tile`` is [B, H, M, d_qk]; ``load_kv_tile(tile_index)`` is called inside the loop body and
+    returns that tile's keys and values; ``mask`` decides validity per (b, h, m, n). The result is
+    normalised (f32) with a base-2 lse that includes ``sm_scale``.
+    """
+    q_shape = ir.RankedTensorType(q_tile.type).shape
+    batch = dim(q_tile, 0)
+    heads, rows = q_shape[1], q_shape[2]
+    state_rows = [batch, heads, rows]
+    init_max = fill(const_f32(NO_KEY_MAX), state_rows, f32())
+    init_sum = fill(const_f32(0.0), state_rows, f32())
+    init_acc = fill(const_f32(0.0), [*state_rows, d_v], f32())
+    score_sizes = [*state_rows, kv_tile]
+    score_scale = sm_scale * LOG2E
+
+    loop = scf_d.ForOp(const_index(0), num_kv_tiles, const_index(1), [init_max, init_sum, init_acc])
+    with ir.InsertionPoint(loop.body):
+        tile_index = loop.induction_variable
+        prev_max, prev_sum, prev_acc = loop.inner_iter_args
+        tile = load_kv_tile(tile_index)
+        kv_start = arith_d.muli(tile_index, const_index(kv_tile))
+        raw = _scores(q_tile, tile.keys, score_sizes)
+        scores = _scale_and_mask(raw, mask, kv_start, score_scale)
+        scf_d.YieldOp(list(_step_state(prev_max, prev_sum, prev_acc, scores, tile.values)))
+    row_max, row_sum, acc = loop.results
+    return _finalize(acc, row_max, row_sum)

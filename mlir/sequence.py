@@ -1,0 +1,202 @@
+"""Dense sequence prefill: ``batch_sequence_prefill_kv`` and ``batch_sequence_prefill_kv_masked``.
+
+Layout inside the kernel (G = h_q // h_kv folded into the query rows, so each K/V tile is loaded
+once per KV head):
+
+    q  [B, Lq, h_q, d]  -> [B, h_kv, Lq_pad * G, d]   row r holds token r // G, head h*G + r % G
+    k  [B, Lk, h_kv, d] -> [B, h_kv, Lk_pad, d]       (v likewise)
+
+An outer ``scf.for`` walks query tiles of ``q_tile`` tokens; for each, the online-softmax
+emitter walks KV tiles of ``kv_tile`` columns. With a causal mask the KV loop stops at the last
+tile the query tile can see, so fully masked tiles cost nothing. Peak scratch per step is one
+[B, h_kv, q_tile * G, kv_tile] f32 score tile: no Lq x Lk buffer exists at any length.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+from .ir import (
+    arith_d, ceil_div, collapse, const_index, convert, dim, element_type, empty, expand,
+    extract_slice, f32, fill, func_d, i32, insert_slice, ir, module_context, scf_d, tensor_type,
+    to_index, transpose, zero_padded, DYN, const_f32,
+)
+from .online_softmax import KvTile, ScoreIndices, ScoreMask, online_softmax
+from .specs import MaskedSequencePrefillSpec, SequencePrefillSpec
+
+SequenceSpec = Union[SequencePrefillSpec, MaskedSequencePrefillSpec]
+
+
+def _kv_heads_major(x: ir.Value, padded_len: ir.Value) -> ir.Value:
+    """[B, L, h_kv, d] -> zero-padded [B, h_kv, padded_len, d]."""
+    xt = transpose(x, (0, 2, 1, 3))
+    shape = ir.RankedTensorType(xt.type).shape
+    return zero_padded(xt, [dim(xt, 0), shape[1], padded_len, shape[3]])
+
+
+def _queries_grouped(q: ir.Value, h_kv: int, group: int, padded_len: ir.Value) -> ir.Value:
+    """[B, Lq, h_q, d] -> zero-padded [B, h_kv, padded_len * G, d] (token-major, head-minor rows)."""
+    batch, length, d = dim(q, 0), dim(q, 1), ir.RankedTensorType(q.type).shape[3]
+    q5 = expand(q, [[0], [1], [2, 3], [4]], [batch, length, h_kv, group, d])
+    qt = transpose(q5, (0, 2, 1, 3, 4))
+    padded = zero_padded(qt, [batch, h_kv, padded_len, group, d])
+    return collapse(padded, [[0], [1], [2, 3], [4]])
+
+
+def _ungroup(rows: ir.Value, h_kv: int, group: int, length: ir.Value) -> ir.Value:
+    """[B, h_kv, L_pad * G, ...] -> [B, length, h_q, ...]: the inverse of the query layout."""
+    shape = ir.RankedTensorType(rows.type).shape
+    batch = dim(rows, 0)
+    tail = list(shape[3:])
+    padded_tokens = arith_d.divsi(dim(rows, 2), const_index(group))
+    r5 = expand(rows, [[0], [1], [2, 3], *[[4 + i] for i in range(len(tail))]],
+                [batch, h_kv, padded_tokens, group, *tail])
+    valid = extract_slice(r5, [0] * (4 + len(tail)), [batch, h_kv, length, group, *tail])
+    perm = (0, 2, 1, 3, *range(4, 4 + len(tail)))
+    back = transpose(valid, perm)
+    return collapse(back, [[0], [1], [2, 3], *[[4 + i] for i in range(len(tail))]])
+
+
+class _Lengths:
+    """Index values shared by mask predicates: per-call lengths and the query tile's first token."""
+
+    def __init__(self, q_len: ir.Value, kv_len: ir.Value, group: int):
+        self.q_len = q_len
+        self.kv_len = kv_len
+        self.group = group
+        self.diagonal = arith_d.subi(kv_len, q_len)  # col <= row + diagonal (bottom-right causal)
+
+    def token(self, first_token: ir.Value, m: ir.Value) -> ir.Value:
+        return arith_d.addi(first_token, arith_d.divui(m, const_index(self.group)))
+
+
+def _lt(a, b):
+    return arith_d.cmpi(arith_d.CmpIPredicate.slt, a, b)
+
+
+def _le(a, b):
+    return arith_d.cmpi(arith_d.CmpIPredicate.sle, a, b)
+
+
+def _and(*conds):
+    result = conds[0]
+    for c in conds[1:]:
+        result = arith_d.andi(result, c)
+    return result
+
+
+def _sequence_mask(spec: SequencePrefillSpec, lengths: _Lengths, first_token: ir.Value) -> ScoreMask:
+    def predicate(idx: ScoreIndices, _extras):
+        col = arith_d.addi(idx.kv_start, idx.n)
+        conds = [_lt(col, lengths.kv_len)]
+        if spec.causal:
+            row = lengths.token(first_token, idx.m)
+            conds.append(_le(col, arith_d.addi(row, lengths.diagonal)))
+        return _and(*conds)
+
+    return ScoreMask(predicate=predicate)
+
+
+def _masked_sequence_mask(
+    spec: MaskedSequencePrefillSpec, lengths: _Lengths, first_token: ir.Value, valid_lens: ir.Value
+) -> ScoreMask:
+    def predicate(idx: ScoreIndices, extras):
+        valid_len = arith_d.index_cast(ir.IndexType.get(), extras[0])
+        col = arith_d.addi(idx.kv_start, idx.n)
+        row = lengths.token(first_token, idx.m)
+        if spec.mask_mode == "padded":
+            return _and(_lt(col, lengths.kv_len), _lt(col, valid_len), _lt(row, valid_len))
+        first_valid_row = arith_d.subi(lengths.q_len, valid_len)
+        first_valid_col = arith_d.subi(lengths.kv_len, valid_len)
+        return _and(
+            _lt(col, lengths.kv_len),
+            _le(first_valid_row, row),
+            _le(first_valid_col, col),
+            _le(col, arith_d.addi(row, lengths.diagonal)),
+        )
+
+    return ScoreMask(predicate=predicate, operands=((valid_lens, (0,)),))
+
+
+def _visible_kv_tiles(spec: SequenceSpec, lengths: _Lengths, first_token, num_kv_tiles):
+    """KV tiles a query tile must visit: all of them, or up to its last row's diagonal if causal."""
+    if not spec.causal:
+        return num_kv_tiles
+    last_token_end = arith_d.minsi(arith_d.addi(first_token, const_index(spec.q_tile)), lengths.q_len)
+    kv_end = arith_d.addi(last_token_end, lengths.diagonal)
+    kv_end = arith_d.maxsi(arith_d.minsi(kv_end, lengths.kv_len), const_index(0))
+    return ceil_div(kv_end, spec.kv_tile)
+
+
+def build_sequence_prefill(spec: SequenceSpec) -> ir.Module:
+    """The verified module for a dense (or masked) sequence-prefill spec; symbol ``spec.symbol``."""
+    masked = isinstance(spec, MaskedSequencePrefillSpec)
+    with module_context() as module:
+        dt = element_type(spec.dtype)
+        q_type = tensor_type([DYN, DYN, spec.h_q, spec.d], dt)
+        kv_type = tensor_type([DYN, DYN, spec.h_kv, spec.d], dt)
+        arg_types = [q_type, kv_type, kv_type]
+        if masked:
+            arg_types.append(tensor_type([DYN], i32()))
+        out_type = tensor_type([DYN, DYN, spec.h_q, spec.d], dt)
+        lse_type = tensor_type([DYN, DYN, spec.h_q], f32())
+        with ir.InsertionPoint(module.body):
+            fn = func_d.FuncOp(spec.symbol, (arg_types, [out_type, lse_type]))
+            with ir.InsertionPoint(fn.add_entry_block()):
+                outputs = _emit_body(spec, *fn.arguments)
+                func_d.ReturnOp(outputs)
+        module.operation.verify()
+        return module
+
+
+def _emit_body(spec: SequenceSpec, q, k, v, valid_lens=None):
+    group, h_kv, d = spec.group_size, spec.h_kv, spec.d
+    dt = element_type(spec.dtype)
+    batch = dim(q, 0)
+    lengths = _Lengths(dim(q, 1), dim(k, 1), group)
+    num_q_tiles = ceil_div(lengths.q_len, spec.q_tile)
+    num_kv_tiles = ceil_div(lengths.kv_len, spec.kv_tile)
+    q_rows = _queries_grouped(q, h_kv, group, arith_d.muli(num_q_tiles, const_index(spec.q_tile)))
+    kv_padded = arith_d.muli(num_kv_tiles, const_index(spec.kv_tile))
+    keys = _kv_heads_major(k, kv_padded)
+    values = _kv_heads_major(v, kv_padded)
+
+    tile_rows = spec.q_tile * group
+    total_rows = dim(q_rows, 2)
+    out_init = empty([batch, h_kv, total_rows, d], dt)
+    lse_init = empty([batch, h_kv, total_rows], f32())
+
+    def load_kv_tile(tile_index):
+        start = arith_d.muli(tile_index, const_index(spec.kv_tile))
+        sizes = [batch, h_kv, spec.kv_tile, d]
+        return KvTile(
+            keys=extract_slice(keys, [0, 0, start, 0], sizes),
+            values=extract_slice(values, [0, 0, start, 0], sizes),
+        )
+
+    loop = scf_d.ForOp(const_index(0), num_q_tiles, const_index(1), [out_init, lse_init])
+    with ir.InsertionPoint(loop.body):
+        out_acc, lse_acc = loop.inner_iter_args
+        tile = loop.induction_variable
+        first_token = arith_d.muli(tile, const_index(spec.q_tile))
+        first_row = arith_d.muli(tile, const_index(tile_rows))
+        q_tile = extract_slice(q_rows, [0, 0, first_row, 0], [batch, h_kv, tile_rows, d])
+        if valid_lens is not None:
+            mask = _masked_sequence_mask(spec, lengths, first_token, valid_lens)
+        else:
+            mask = _sequence_mask(spec, lengths, first_token)
+        result = online_softmax(
+            q_tile,
+            num_kv_tiles=_visible_kv_tiles(spec, lengths, first_token, num_kv_tiles),
+            kv_tile=spec.kv_tile,
+            d_v=d,
+            load_kv_tile=load_kv_tile,
+            mask=mask,
+            sm_scale=spec.sm_scale,
+        )
+        out_acc = insert_slice(convert(result.output, dt), out_acc, [0, 0, first_row, 0],
+                               [batch, h_kv, tile_rows, d])
+        lse_acc = insert_slice(result.lse, lse_acc, [0, 0, first_row], [batch, h_kv, tile_rows])
+        scf_d.YieldOp([out_acc, lse_acc])
+    out_rows, lse_rows = loop.results
+    return [_ungroup(out_rows, h_kv, group, lengths.q_len), _ungroup(lse_rows, h_kv, group, lengths.q_len)]

@@ -1,0 +1,111 @@
+"""On-disk cache of compiled artifacts, keyed by everything that affects the vmfb.
+
+Layout: ``<root>/<compiler version>/<target tag>/<spec name>-<key[:16]>/`` holding
+``kernel.vmfb``, ``kernel.mlir``, ``compile_command.txt`` and ``spec.json``. The key is the sha256
+of the IR text, the flags, the target and the compiler version. Writes go to a temporary file and
+are renamed into place; an exclusive file lock plus a re-check after acquiring it means two
+processes asking for the same artifact compile it once.
+
+Environment:
+    LINALG_PREFILL_CACHE_DIR   cache root (default ``~/.cache/linalg-prefill``)
+    LINALG_PREFILL_CACHE=0     disable the cache (always compile, store nothing)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Callable, Iterator
+
+from iree.compiler.version import VERSION as COMPILER_VERSION
+
+from .targets import Target
+
+
+def artifact_key(ir_text: str, target: Target) -> str:
+    """sha256 over the IR, the target, its flags and the compiler version."""
+    h = hashlib.sha256()
+    for part in (COMPILER_VERSION, target.tag, "\0".join(target.flags()), ir_text):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Writes ``data`` to ``path`` through a temporary file in the same folder and a rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def file_lock(path: Path) -> Iterator[None]:
+    """An exclusive advisory lock on ``path`` (created if missing) for the duration of the block."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+class ArtifactCache:
+    """Compiled vmfb files under ``root``; ``enabled=False`` compiles every time."""
+
+    def __init__(self, root: str | os.PathLike, *, enabled: bool = True):
+        self.root = Path(root).expanduser()
+        self.enabled = enabled
+
+    def entry_dir(self, spec, target: Target, key: str) -> Path:
+        return self.root / COMPILER_VERSION / target.tag / f"{spec.name}-{key[:16]}"
+
+    def get_or_build(self, spec, target: Target, ir_text: str, build: Callable[[], bytes]) -> bytes:
+        """The cached vmfb for (spec, target, ir_text), calling ``build()`` once if missing."""
+        if not self.enabled:
+            return build()
+        key = artifact_key(ir_text, target)
+        folder = self.entry_dir(spec, target, key)
+        vmfb = folder / "kernel.vmfb"
+        if vmfb.exists():
+            return vmfb.read_bytes()
+        with file_lock(folder.with_name(folder.name + ".lock")):
+            if vmfb.exists():
+                return vmfb.read_bytes()
+            data = build()
+            atomic_write(folder / "kernel.mlir", ir_text.encode())
+            atomic_write(folder / "compile_command.txt", " ".join(target.flags()).encode())
+            atomic_write(folder / "spec.json", json.dumps(
+                {"name": spec.name, "symbol": spec.symbol, "fields": spec.fields(),
+                 "target": target.tag, "key": key, "compiler_version": COMPILER_VERSION},
+                indent=2, sort_keys=True).encode())
+            atomic_write(vmfb, data)
+        return data
+
+    def clear(self) -> int:
+        """Removes every cached artifact; returns how many were removed."""
+        import shutil
+
+        count = sum(1 for _ in self.root.glob("*/*/*/kernel.vmfb")) if self.root.exists() else 0
+        if self.root.exists():
+            shutil.rmtree(self.root)
+        return count
+
+
+def default_cache() -> ArtifactCache:
+    """The cache named by the environment (see module docstring)."""
+    root = os.environ.get("LINALG_PREFILL_CACHE_DIR", "~/.cache/linalg-prefill")
+    enabled = os.environ.get("LINALG_PREFILL_CACHE", "1") not in ("0", "false", "off", "no")
+    return ArtifactCache(root, enabled=enabled)

@@ -1,0 +1,35 @@
+"""IREE compilation of a spec's module, through the on-disk artifact cache."""
+
+from __future__ import annotations
+
+import logging
+
+from iree.compiler import tools as iree_tools
+from iree.compiler.version import VERSION as COMPILER_VERSION  # noqa: F401 (re-exported)
+
+from ..mlir import build_module
+from .cache import ArtifactCache, default_cache
+from .targets import Target, target_for
+
+log = logging.getLogger("linalg_prefill")
+
+
+class CompileError(RuntimeError):
+    """IREE rejected a module; the message carries the flags and IREE's diagnostics."""
+
+
+def compile_ir(ir_text: str, target: Target) -> bytes:
+    """vmfb bytes for MLIR text; raises CompileError with the flags and diagnostics."""
+    flags = target.flags()
+    try:
+        return iree_tools.compile_str(ir_text, input_type="auto", extra_args=flags)
+    except iree_tools.CompilerToolError as err:
+        raise CompileError(f"iree-compile failed for {target.tag} with flags {flags}:\n{err}") from None
+
+
+def compile(spec, backend: str | Target = "llvm-cpu", *, cache: ArtifactCache | None = None) -> bytes:  # noqa: A001
+    """vmfb bytes for ``spec`` on ``backend``, compiled once and then served from the cache."""
+    target = target_for(backend)
+    ir_text = str(build_module(spec))
+    store = default_cache() if cache is None else cache
+    return store.get_or_build(spec, target, ir_text, lambda: compile_ir(ir_text, target))

@@ -1,0 +1,55 @@
+"""Compilation targets: which IREE flags build a vmfb for a backend.
+
+``llvm-cpu`` defaults to the host CPU (``--iree-llvmcpu-target-cpu=host`` resolves to a named CPU
+with all its features); pass ``cpu="x86-64-v3"`` or another LLVM CPU name for an artifact that
+runs on other machines. ``cuda`` defaults to ``sm_80``: IREE 3.13 has no sm_90/sm_100 target
+("missing GPU target"), and Hopper runs sm_80 PTX through the driver's JIT (notes/measured.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+BACKENDS = ("llvm-cpu", "cuda")
+RUNTIME_DRIVER = {"llvm-cpu": "local-task", "cuda": "cuda"}
+
+
+@dataclass(frozen=True)
+class Target:
+    """A backend plus its architecture: ``Target("llvm-cpu", "host")``, ``Target("cuda", "sm_80")``."""
+
+    backend: str
+    arch: str = ""
+    extra_flags: tuple[str, ...] = field(default=())
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if not self.arch:
+            object.__setattr__(self, "arch", "host" if self.backend == "llvm-cpu" else "sm_80")
+
+    @property
+    def driver(self) -> str:
+        """The IREE runtime driver that runs this target's artifacts."""
+        return RUNTIME_DRIVER[self.backend]
+
+    @property
+    def tag(self) -> str:
+        """Filename-safe id, e.g. ``llvm-cpu-host`` or ``cuda-sm_80``."""
+        return f"{self.backend}-{self.arch}"
+
+    def flags(self) -> list[str]:
+        if self.backend == "llvm-cpu":
+            base = [
+                "--iree-hal-target-device=local",
+                "--iree-hal-local-target-device-backends=llvm-cpu",
+                f"--iree-llvmcpu-target-cpu={self.arch}",
+            ]
+        else:
+            base = ["--iree-hal-target-device=cuda", f"--iree-cuda-target={self.arch}"]
+        return [*base, "--iree-opt-level=O3", *self.extra_flags]
+
+
+def target_for(backend: str | Target) -> Target:
+    """A Target from a backend name (defaults for its arch) or an existing Target."""
+    return backend if isinstance(backend, Target) else Target(backend)

@@ -1,0 +1,51 @@
+"""Loading a vmfb on a device and calling its entry point with numpy (or device) arrays."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Sequence
+
+import iree.runtime as rt
+import numpy as np
+
+from .devices import get_device
+
+
+class LoadedKernel:
+    """One entry point of a vmfb loaded into its own context on a device.
+
+    ``kernel(*args)`` takes numpy arrays (copied to the device), IREE ``DeviceArray``s (used in
+    place) and Python scalars, and returns the results as numpy arrays, or as ``DeviceArray``s
+    with ``to_host=False``. Calls are serialised by a lock, so one object may be shared by threads.
+    """
+
+    def __init__(self, vmfb: bytes, symbol: str, driver: str):
+        self.driver = driver
+        self.symbol = symbol
+        self.device = get_device(driver)
+        self._config = rt.Config(device=self.device)
+        self._context = rt.SystemContext(config=self._config)
+        self._vm_module = rt.VmModule.copy_buffer(self._context.instance, vmfb)
+        self._context.add_vm_module(self._vm_module)
+        self._function = self._context.modules[self._vm_module.name][symbol]
+        self._lock = threading.Lock()
+
+    def __call__(self, *args: Any, to_host: bool = True) -> tuple:
+        with self._lock:
+            results = self._function(*args)
+        if not isinstance(results, (tuple, list)):
+            results = (results,)
+        if to_host:
+            return tuple(_to_numpy(r) for r in results)
+        return tuple(results)
+
+
+def _to_numpy(value) -> np.ndarray:
+    if isinstance(value, rt.DeviceArray):
+        return value.to_host()
+    return np.asarray(value)
+
+
+def as_device_arrays(device: rt.HalDevice, arrays: Sequence[np.ndarray]) -> list:
+    """Uploads arrays once so repeated calls reuse them without a host-to-device copy."""
+    return [rt.asdevicearray(device, a, implicit_host_transfer=True) for a in arrays]
