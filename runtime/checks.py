@@ -1,0 +1,84 @@
+"""Host-side input checks (semantics §11.8): run before any kernel, raise InputError naming the arg.
+
+Each check returns the normalised value (a C-contiguous numpy array of the expected dtype) so a
+caller can pass it straight to the kernel. Non-contiguous arrays are accepted and copied.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import ml_dtypes
+import numpy as np
+
+from .errors import InputError
+
+NUMPY_DTYPES = {
+    "float32": np.dtype(np.float32),
+    "float16": np.dtype(np.float16),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+}
+
+
+def as_array(name: str, value) -> np.ndarray:
+    """``value`` as a numpy array (numpy, torch CPU tensors via __array__/DLPack, lists)."""
+    if isinstance(value, np.ndarray):
+        return value
+    if hasattr(value, "detach") and hasattr(value, "cpu"):  # torch.Tensor without importing torch
+        value = value.detach().cpu()
+        if str(value.dtype) == "torch.bfloat16":
+            return value.view(dtype=_torch_int16()).numpy().view(ml_dtypes.bfloat16)
+        return value.numpy()
+    try:
+        return np.asarray(value)
+    except Exception as err:  # noqa: BLE001 - any conversion failure is a bad argument
+        raise InputError(f"{name}: cannot be read as an array ({err})") from None
+
+
+def _torch_int16():
+    import torch
+
+    return torch.int16
+
+
+def check_tensor(name: str, value, *, dtype: str, shape: Sequence[int | None]) -> np.ndarray:
+    """An array of dtype ``dtype`` and rank ``len(shape)``; ``None`` entries match any size."""
+    array = as_array(name, value)
+    expected = NUMPY_DTYPES[dtype]
+    if array.dtype != expected:
+        raise InputError(f"{name}: expected dtype {dtype}, got {array.dtype}")
+    _check_shape(name, array, shape)
+    return np.ascontiguousarray(array)
+
+
+def check_int32(name: str, value, *, shape: Sequence[int | None]) -> np.ndarray:
+    """An int32 index array of the given shape (other integer dtypes are rejected, not cast)."""
+    array = as_array(name, value)
+    if array.dtype != np.int32:
+        raise InputError(f"{name}: expected dtype int32, got {array.dtype}")
+    _check_shape(name, array, shape)
+    return np.ascontiguousarray(array)
+
+
+def _check_shape(name: str, array: np.ndarray, shape: Sequence[int | None]) -> None:
+    if array.ndim != len(shape):
+        raise InputError(f"{name}: expected rank {len(shape)} with shape {_spell(shape)}, got shape {array.shape}")
+    for axis, (got, want) in enumerate(zip(array.shape, shape)):
+        if want is not None and got != want:
+            raise InputError(f"{name}: expected shape {_spell(shape)}, got {array.shape} (axis {axis})")
+
+
+def _spell(shape: Sequence[int | None]) -> str:
+    return "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+
+
+def check_same(name: str, got: int, other: str, want: int) -> None:
+    if got != want:
+        raise InputError(f"{name}: size {got} must equal {other} ({want})")
+
+
+def check_range(name: str, array: np.ndarray, low: int, high: int) -> None:
+    """Every element in [low, high]."""
+    if array.size and (array.min() < low or array.max() > high):
+        bad = array[(array < low) | (array > high)][0]
+        raise InputError(f"{name}: values must lie in [{low}, {high}], found {bad}")

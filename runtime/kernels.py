@@ -1,0 +1,95 @@
+"""``open_kernel``: a spec compiled (through the cache) and loaded on a device, with input checks.
+
+    kernel = open_kernel(SequencePrefillSpec(h_q=32, h_kv=8, d=128, dtype="float32",
+                                             causal=True, sm_scale=128 ** -0.5))
+    output, lse = kernel(q, k, v)     # numpy in, numpy out; checked before the kernel runs
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from ..mlir.specs import MaskedSequencePrefillSpec, SequencePrefillSpec
+from ..pipeline import ArtifactCache, Target, compile, target_for
+from .checks import check_int32, check_range, check_same, check_tensor
+from .errors import InputError
+from .module import LoadedKernel
+
+
+def _check_sequence(spec, q, k, v) -> tuple[np.ndarray, ...]:
+    """q [B, Lq, h_q, d], k/v [B, Lk, h_kv, d], all in spec.dtype."""
+    q = check_tensor("q", q, dtype=spec.dtype, shape=(None, None, spec.h_q, spec.d))
+    k = check_tensor("k", k, dtype=spec.dtype, shape=(None, None, spec.h_kv, spec.d))
+    v = check_tensor("v", v, dtype=spec.dtype, shape=(None, None, spec.h_kv, spec.d))
+    check_same("k.shape[0]", k.shape[0], "q.shape[0] (batch)", q.shape[0])
+    check_same("v.shape[0]", v.shape[0], "q.shape[0] (batch)", q.shape[0])
+    check_same("v.shape[1]", v.shape[1], "k.shape[1] (kv_len)", k.shape[1])
+    return q, k, v
+
+
+def _check_masked(spec, q, k, v, valid_lens) -> tuple[np.ndarray, ...]:
+    q, k, v = _check_sequence(spec, q, k, v)
+    valid_lens = check_int32("valid_lens", valid_lens, shape=(q.shape[0],))
+    check_range("valid_lens", valid_lens, 0, min(q.shape[1], k.shape[1]))
+    return q, k, v, valid_lens
+
+
+_CHECKS: dict[type, Callable[..., tuple]] = {
+    SequencePrefillSpec: _check_sequence,
+    MaskedSequencePrefillSpec: _check_masked,
+}
+
+
+class Kernel:
+    """A loaded kernel for one spec on one device. Calling it checks the inputs, then runs it.
+
+    Returns ``(output, lse)`` as numpy arrays, or IREE device arrays with ``to_host=False``.
+    Thread-safe: concurrent calls are serialised per kernel.
+    """
+
+    def __init__(self, spec, target: Target, loaded: LoadedKernel):
+        self.spec = spec
+        self.target = target
+        self._loaded = loaded
+        self._check = _CHECKS[type(spec)]
+
+    @property
+    def device(self):
+        return self._loaded.device
+
+    def __call__(self, *args: Any, to_host: bool = True):
+        arrays = self._check(self.spec, *args)
+        empty = _empty_result(self.spec, arrays[0])
+        if empty is not None:
+            return empty
+        return self._loaded(*arrays, to_host=to_host)
+
+    def __repr__(self) -> str:
+        return f"Kernel({self.spec.name}, {self.target.tag})"
+
+
+def _empty_result(spec, q: np.ndarray):
+    """Outputs for a call with no query rows (the kernel is not launched for zero-size work)."""
+    if q.shape[0] and q.shape[1]:
+        return None
+    return np.zeros(q.shape, q.dtype), np.zeros(q.shape[:3], np.float32)
+
+
+def open_kernel(
+    spec,
+    backend: str | Target = "llvm-cpu",
+    *,
+    driver: str | None = None,
+    cache: ArtifactCache | None = None,
+) -> Kernel:
+    """Compiles ``spec`` for ``backend`` (cached on disk) and loads it on ``driver``.
+
+    ``driver`` defaults to the backend's (``local-task`` for llvm-cpu, ``cuda`` for cuda).
+    """
+    if type(spec) not in _CHECKS:
+        raise InputError(f"spec: unsupported spec type {type(spec).__name__}")
+    target = target_for(backend)
+    vmfb = compile(spec, target, cache=cache)
+    return Kernel(spec, target, LoadedKernel(vmfb, spec.symbol, driver or target.driver))

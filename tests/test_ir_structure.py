@@ -1,0 +1,76 @@
+"""Layer (a): the built IR, without compiling anything."""
+
+import pytest
+
+from linalg_prefill.mlir import MaskedSequencePrefillSpec, SequencePrefillSpec, build_module
+
+
+def _ir(spec) -> str:
+    return str(build_module(spec))
+
+
+def test_sequence_module_has_seed_symbol_and_dynamic_signature():
+    text = _ir(SequencePrefillSpec(8, 2, 64, "float16", causal=True, sm_scale=0.125))
+    assert "func.func @batch_sequence_prefill_kv(" in text
+    assert "tensor<?x?x8x64xf16>, %arg1: tensor<?x?x2x64xf16>, %arg2: tensor<?x?x2x64xf16>" in text
+    assert "-> (tensor<?x?x8x64xf16>, tensor<?x?x8xf32>)" in text
+
+
+def test_masked_module_takes_valid_lens():
+    text = _ir(MaskedSequencePrefillSpec(4, 4, 64, "bfloat16", mask_mode="padded", sm_scale=0.125))
+    assert "func.func @batch_sequence_prefill_kv_masked(" in text
+    assert "%arg3: tensor<?xi32>" in text
+
+
+def test_online_softmax_is_an_scf_loop_of_linalg_ops_in_log2_domain():
+    text = _ir(SequencePrefillSpec(4, 4, 64, "float32", causal=False, sm_scale=0.125, kv_tile=32))
+    assert text.count("scf.for") == 2  # query tiles, and KV tiles inside
+    assert "math.exp2" in text and "math.log2" in text
+    assert "math.exp " not in text
+    assert "iree_linalg_ext" not in text
+    # score tiles are [B, h_kv, q_tile * G, kv_tile]: never Lq x Lk
+    assert "tensor<?x4x64x32xf32>" in text
+
+
+def test_score_tile_folds_gqa_group_into_rows():
+    text = _ir(SequencePrefillSpec(8, 2, 64, "float32", causal=True, sm_scale=1.0, q_tile=16, kv_tile=32))
+    assert "tensor<?x2x64x32xf32>" in text  # 16 tokens x G=4 rows, one KV head axis of 2
+
+
+def test_causal_adds_a_diagonal_predicate_and_tile_bound():
+    causal = _ir(SequencePrefillSpec(4, 4, 64, "float32", causal=True, sm_scale=1.0))
+    plain = _ir(SequencePrefillSpec(4, 4, 64, "float32", causal=False, sm_scale=1.0))
+    assert causal.count("arith.cmpi sle") > plain.count("arith.cmpi sle")
+    assert "arith.minsi" in causal and "arith.minsi" not in plain
+
+
+def test_spec_name_spells_every_field_and_differs_per_field():
+    base = SequencePrefillSpec(8, 2, 64, "float32", causal=True, sm_scale=0.125)
+    name = base.name
+    assert name.startswith("batch_sequence_prefill_kv_hq8_hkv2_d64_float32_causal1_sm0p125")
+    variants = [
+        SequencePrefillSpec(8, 2, 64, "float16", causal=True, sm_scale=0.125),
+        SequencePrefillSpec(8, 2, 64, "float32", causal=False, sm_scale=0.125),
+        SequencePrefillSpec(8, 2, 64, "float32", causal=True, sm_scale=0.25),
+        SequencePrefillSpec(8, 2, 64, "float32", causal=True, sm_scale=0.125, kv_tile=64),
+    ]
+    assert len({name, *(v.name for v in variants)}) == 5
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(h_q=6, h_kv=4), "multiple of h_kv"),
+        (dict(dtype="float64"), "dtype"),
+        (dict(kv_tile=0), "kv_tile"),
+    ],
+)
+def test_spec_rejects_bad_fields(kwargs, message):
+    fields = dict(h_q=8, h_kv=2, d=64, dtype="float32", causal=False, sm_scale=1.0) | kwargs
+    with pytest.raises(ValueError, match=message):
+        SequencePrefillSpec(**fields)
+
+
+def test_masked_spec_rejects_unknown_mask_mode():
+    with pytest.raises(ValueError, match="mask_mode"):
+        MaskedSequencePrefillSpec(4, 4, 64, "float32", mask_mode="causal", sm_scale=1.0)
