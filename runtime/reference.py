@@ -19,12 +19,29 @@ Decisions of §11 implemented here:
 All inputs (float16, bfloat16, float32, float64) are converted to float64 first; nothing is
 rounded back to the kernel dtype.  Work is vectorised per batch entry (and per chunk of query rows
 to bound memory) with ``numpy.matmul``.
+
+Example
+-------
+Two query rows against three keys with ``q = 0`` (uniform weights), bottom-right causal: row 0
+sees keys 0..1, row 1 sees all three.
+
+>>> import numpy as np
+>>> from linalg_prefill.runtime import reference as ref
+>>> q = np.zeros((2, 1, 4), np.float32)
+>>> k = np.ones((3, 1, 4), np.float32)
+>>> v = np.arange(3, dtype=np.float32).reshape(3, 1, 1).repeat(4, axis=-1)
+>>> out, lse = ref.batch_prefill_ragged_kv(
+...     q, np.array([0, 2]), k, v, np.array([0, 3]), np.zeros(2, int), np.zeros(1, int),
+...     1, 0, 1.0, 1e4, 0.5)  # causal, rotary_mode, rope_scale, rope_theta, sm_scale
+>>> out[:, 0, 0].tolist(), np.round(lse[:, 0], 6).tolist()
+([0.5, 1.0], [1.0, 1.584963])
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -50,7 +67,9 @@ MASK_MODES = ("padded", "causal_padded_left")
 
 _LOG2E = 1.0 / math.log(2.0)
 # Score elements per chunk of query rows (float64): bounds the temporaries to a few x 32 MiB.
-_CHUNK_ELEMS = 1 << 22
+_CHUNK_ELEMS = 1 << 21
+# At most this many query rows per chunk, so that causal chunks skip the keys they never see.
+_CHUNK_ROWS = 128
 
 
 def _f64(x: Any) -> np.ndarray:
@@ -100,16 +119,19 @@ def attend(
     q = _f64(q_rows)
     k = _f64(k_rows)
     v = _f64(v_rows)
-    s = np.matmul(q, np.swapaxes(k, -1, -2)) * (float(sm_scale) * _LOG2E)
-    valid = np.broadcast_to(np.asarray(valid, dtype=bool), s.shape)
+    s = np.matmul(q, np.swapaxes(k, -1, -2))
     if s.shape[-1] == 0:
         return np.zeros(s.shape[:-1] + (v.shape[-1],)), np.full(s.shape[:-1], EMPTY_ROW_LSE)
-    s = np.where(valid, s, -np.inf)
+    s *= float(sm_scale) * _LOG2E
+    valid = np.broadcast_to(np.asarray(valid, dtype=bool), s.shape)
+    np.copyto(s, -np.inf, where=~valid)
     has = valid.any(axis=-1)
     m = np.where(has, s.max(axis=-1), 0.0)
-    p = np.exp2(s - m[..., None])  # exp2(-inf) == 0: masked keys weigh exactly 0
+    s -= m[..., None]
+    p = np.exp2(s, out=s)  # exp2(-inf) == 0: masked keys weigh exactly 0
     d = np.where(has, p.sum(axis=-1), 1.0)
-    out = np.matmul(p, v) / d[..., None]
+    out = np.matmul(p, v)
+    out /= d[..., None]
     lse = np.where(has, m + np.log2(d), EMPTY_ROW_LSE)
     return out, lse
 
@@ -135,13 +157,18 @@ def _attend_heads(
     vh = np.ascontiguousarray(_f64(v).transpose(1, 0, 2))  # [h_kv, N, d_v]
     # q head h = kv * g + j  ->  [h_kv, g, M, d]
     qh = _f64(q).transpose(1, 0, 2).reshape(h_kv, g, m_rows, d_qk)
-    step = max(1, _CHUNK_ELEMS // max(1, h_q * n_rows))
+    step = max(1, min(_CHUNK_ROWS, _CHUNK_ELEMS // max(1, h_q * n_rows)))
     for a in range(0, m_rows, step):
         b = min(m_rows, a + step)
         mc = b - a
+        # Only the span of columns that some row of the chunk attends to (trims causal work).
+        cols = np.flatnonzero(valid[a:b].any(axis=0))
+        if cols.size == 0:
+            continue  # every row of the chunk is empty: out 0, lse EMPTY_ROW_LSE
+        c0, c1 = int(cols[0]), int(cols[-1]) + 1
         qc = qh[:, :, a:b].reshape(h_kv, g * mc, d_qk)
-        vc = np.tile(valid[a:b], (g, 1))[None]  # [1, g*mc, N]
-        o, s = attend(qc, kh, vh, vc, sm_scale)
+        vc = np.tile(valid[a:b, c0:c1], (g, 1))[None]  # [1, g*mc, c1-c0]
+        o, s = attend(qc, kh[:, c0:c1], vh[:, c0:c1], vc, sm_scale)
         out[a:b] = o.reshape(h_q, mc, d_v).transpose(1, 0, 2)
         lse[a:b] = s.reshape(h_q, mc).T
     return out, lse

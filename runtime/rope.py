@@ -64,7 +64,8 @@ Any other ``rope_type`` raises :class:`ValueError`.
 from __future__ import annotations
 
 import math
-from typing import Any, Literal, Mapping
+from collections.abc import Mapping
+from typing import Any, Literal
 
 import numpy as np
 

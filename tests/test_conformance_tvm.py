@@ -1,0 +1,222 @@
+"""Conformance of the float64 reference with apache-tvm 0.27's own CPU prefill kernels.
+
+The seed's ``_attention_prefill_cpu`` (paged) and ``_attention_prefill_ragged_cpu`` (ragged) are
+compiled for LLVM and run on float32 data; their output and base-2 lse must match
+``linalg_prefill.runtime.reference`` on every row that has at least one valid key.  Rows without
+one are implementation-defined in the seed (§5, §9.2) and are left out.
+
+Scope (semantics §11.5 / §11.7):
+
+* RoPE: only the absent key (``{}``), llama3 and longrope are compared; gptj, llama4 and yarn
+  differ from the seed on purpose.
+* Sliding window: the PyPI kernels carry the post-seed window mask (§3.1,
+  ``sliding_window_size`` = 1024 by default), so sliding-window calls are compared with
+  ``causal=0``; the one ``causal=1`` case builds the kernel with ``sliding_window_size=0``, which
+  selects the seed's plain causal mask (``_causal_or_sliding_cross_mask`` falls back to
+  ``_causal_mask`` when the size is 0).
+
+The seed kernels are scalar loops (the paged one walks ``max_num_pages * page_size`` rows per
+query row), so sizes are small.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+tvm = pytest.importorskip("tvm")
+_prefill = pytest.importorskip("tvm.relax.frontend.nn.llm._prefill_kernels")
+
+from linalg_prefill.runtime import reference as R  # noqa: E402
+
+pytestmark = pytest.mark.conformance
+
+# float32 kernels vs a float64 reference: measured max error ~2e-6 (out and lse) at these sizes.
+ATOL = 2e-5
+RTOL = 2e-5
+
+ROPE = {
+    "default": {},
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    },
+    "longrope": {"rope_type": "longrope", "max_position_embeddings": 4096, "original_max_position_embeddings": 256},
+}
+
+
+@functools.cache
+def _paged_kernel(h_kv, h_q, d, page_size, sliding, rope_name, window_size=1024):
+    f = _prefill._attention_prefill_cpu(
+        h_kv, h_q, d, "float32", sliding, ROPE[rope_name], page_size=page_size, sliding_window_size=window_size
+    )
+    return tvm.compile(tvm.IRModule({"main": f}), target={"kind": "llvm"})["main"]
+
+
+@functools.cache
+def _ragged_kernel(h_kv, h_q, d_qk, d_v, rope_name):
+    f = _prefill._attention_prefill_ragged_cpu(h_kv, h_q, d_qk, d_v, "float32", ROPE[rope_name])
+    return tvm.compile(tvm.IRModule({"main": f}), target={"kind": "llvm"})["main"]
+
+
+def _run(kernel, inputs, out_shape, lse_shape, scalars):
+    dev = tvm.cpu()
+    out = np.zeros(out_shape, np.float32)
+    lse = np.zeros(lse_shape, np.float32)
+    args = [tvm.runtime.tensor(np.ascontiguousarray(a), dev) for a in (*inputs, out, lse)]
+    causal, rotary, rope_scale, rope_theta, sm_scale = scalars
+    kernel(*args, int(causal), int(rotary), float(rope_scale), float(rope_theta), float(sm_scale))
+    return args[-2].numpy(), args[-1].numpy()
+
+
+def _valid_rows(q_indptr, kv_lens, causal):
+    """Boolean [total_q]: row has at least one valid key (§3)."""
+    keep = np.zeros(int(q_indptr[-1]), bool)
+    for b, kv in enumerate(kv_lens):
+        qo = int(q_indptr[b + 1] - q_indptr[b])
+        for i in range(qo):
+            keep[q_indptr[b] + i] = kv > 0 and (not causal or i >= qo - kv)
+    return keep
+
+
+def _compare(got, want, keep):
+    out, lse = got
+    w_out, w_lse = want
+    assert keep.any()
+    assert np.all(np.isfinite(out[keep])) and np.all(np.isfinite(lse[keep]))
+    np.testing.assert_allclose(out[keep], w_out[keep], rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(lse[keep], w_lse[keep], rtol=RTOL, atol=ATOL)
+
+
+def _paged_inputs(rng, qo_lens, phys_lens, page_size, h_q, h_kv, d, sw=None, extra_pages=2):
+    """Paged inputs with shuffled page ids, partial last pages and entries without pages."""
+    n_pages = [-(-L // page_size) for L in phys_lens]
+    total_pages = sum(n_pages) + extra_pages
+    page_values = rng.permutation(total_pages)[: sum(n_pages)].astype(np.int32)
+    page_indptr = np.concatenate([[0], np.cumsum(n_pages)]).astype(np.int32)
+    last = np.array([(L - 1) % page_size + 1 if L else 0 for L in phys_lens], np.int32)
+    if sw is None:
+        length_info, kv_lens = last, list(phys_lens)
+    else:
+        off = [o if L else 0 for (o, _), L in zip(sw, phys_lens)]
+        sink = [s if L else 0 for (_, s), L in zip(sw, phys_lens)]
+        length_info = np.array([last, off, sink], np.int32)
+        kv_lens = [L - o + s if L else 0 for L, o, s in zip(phys_lens, off, sink)]
+    q_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+    total = int(q_indptr[-1])
+    inputs = (
+        rng.uniform(-1, 1, (total, h_q, d)).astype(np.float32),
+        q_indptr,
+        rng.uniform(-1, 1, (total_pages, 2, h_kv, page_size, d)).astype(np.float32),
+        page_indptr,
+        page_values,
+        length_info,
+        rng.integers(0, 100, len(qo_lens)).astype(np.int32),  # k_rope_pos_offset
+        rng.integers(0, 200, total).astype(np.int32),  # q_rope_position
+    )
+    return inputs, kv_lens
+
+
+def _check_paged(rng, h_q, h_kv, d, page_size, causal, rope_name, rotary, rope_scale, qo, phys, sw=None, window=1024):
+    sliding = sw is not None
+    inputs, kv_lens = _paged_inputs(rng, qo, phys, page_size, h_q, h_kv, d, sw=sw)
+    scalars = (causal, rotary, rope_scale, 1e4, d**-0.5)
+    kernel = _paged_kernel(h_kv, h_q, d, page_size, sliding, rope_name, window)
+    total = int(inputs[1][-1])
+    got = _run(kernel, inputs, (total, h_q, d), (total, h_q), scalars)
+    want = R.batch_prefill_paged_kv(*inputs, *scalars, rope_scaling=ROPE[rope_name], sliding_window=sliding)
+    _compare(got, want, _valid_rows(inputs[1], kv_lens, causal))
+
+
+# qo > kv for entry 1 (rows without a valid key under causal), no pages for entry 2, qo 0 for
+# entry 3, partial last pages elsewhere.
+PAGED_QO = [3, 6, 2, 0, 4]
+PAGED_KV = [13, 4, 0, 9, 20]
+
+
+@pytest.mark.parametrize("heads", [(2, 2), (4, 1), (8, 1)], ids=["g1", "g4", "g8"])
+@pytest.mark.parametrize("page_size", [8, 16])
+@pytest.mark.parametrize("causal", [0, 1])
+def test_paged_no_rope(heads, page_size, causal):
+    rng = np.random.default_rng(100 * heads[0] + page_size + causal)
+    _check_paged(rng, heads[0], heads[1], 32, page_size, causal, "default", 0, 1.0, PAGED_QO, PAGED_KV)
+
+
+@pytest.mark.parametrize("rope_name", ["default", "llama3"])
+@pytest.mark.parametrize("rope_scale", [1.0, 0.5, 2.0])
+@pytest.mark.parametrize("causal", [0, 1])
+def test_paged_inline_rope(rope_name, rope_scale, causal):
+    rng = np.random.default_rng(int(rope_scale * 10) + causal)
+    _check_paged(rng, 4, 1, 32, 8, causal, rope_name, 1, rope_scale, PAGED_QO, PAGED_KV)
+
+
+@pytest.mark.parametrize("heads", [(2, 2), (8, 1)], ids=["g1", "g8"])
+@pytest.mark.parametrize("page_size", [8, 16])
+@pytest.mark.parametrize("rotary", [0, 1])
+def test_paged_sliding_window(heads, page_size, rotary):
+    """§2 remap: (sw_off, sink) per entry; entry 2 has no pages.  causal=0 (§11.7)."""
+    rng = np.random.default_rng(7 * heads[0] + page_size + rotary)
+    phys = [21, 9, 0, 12, 30]
+    sw = [(10, 4), (5, 2), (0, 0), (6, 0), (17, 3)]
+    _check_paged(rng, heads[0], heads[1], 32, page_size, 0, "llama3", rotary, 1.5, [3, 5, 2, 2, 4], phys, sw=sw)
+
+
+def test_paged_sliding_window_causal_seed_mask():
+    """causal=1 with the post-seed window mask switched off (``sliding_window_size=0``)."""
+    rng = np.random.default_rng(5)
+    phys = [21, 9, 12]
+    sw = [(10, 4), (5, 2), (6, 0)]
+    _check_paged(rng, 4, 1, 32, 8, 1, "default", 1, 1.0, [3, 9, 2], phys, sw=sw, window=0)
+
+
+def _ragged_inputs(rng, qo, kv, h_q, h_kv, d_qk, d_v):
+    q_indptr = np.concatenate([[0], np.cumsum(qo)]).astype(np.int32)
+    kv_indptr = np.concatenate([[0], np.cumsum(kv)]).astype(np.int32)
+    return (
+        rng.uniform(-1, 1, (q_indptr[-1], h_q, d_qk)).astype(np.float32),
+        q_indptr,
+        rng.uniform(-1, 1, (kv_indptr[-1], h_kv, d_qk)).astype(np.float32),
+        rng.uniform(-1, 1, (kv_indptr[-1], h_kv, d_v)).astype(np.float32),
+        kv_indptr,
+        rng.integers(0, 200, q_indptr[-1]).astype(np.int32),  # q_rope_position
+        rng.integers(0, 100, len(qo)).astype(np.int32),  # k_rope_pos_offset
+    )
+
+
+def _check_ragged(rng, h_q, h_kv, d_qk, d_v, causal, rope_name, rotary, rope_scale, qo, kv):
+    inputs = _ragged_inputs(rng, qo, kv, h_q, h_kv, d_qk, d_v)
+    scalars = (causal, rotary, rope_scale, 1e4, d_qk**-0.5)
+    kernel = _ragged_kernel(h_kv, h_q, d_qk, d_v, rope_name)
+    total = int(inputs[1][-1])
+    got = _run(kernel, inputs, (total, h_q, d_v), (total, h_q), scalars)
+    want = R.batch_prefill_ragged_kv(*inputs, *scalars, rope_scaling=ROPE[rope_name])
+    _compare(got, want, _valid_rows(inputs[1], kv, causal))
+
+
+RAGGED_QO = [5, 7, 2, 3]
+RAGGED_KV = [5, 3, 0, 9]
+
+
+@pytest.mark.parametrize("causal", [0, 1])
+def test_ragged_mla_dims(causal):
+    """d_qk = 192 != d_v = 128 (the runtime's MLA self-attention shape), no RoPE."""
+    rng = np.random.default_rng(40 + causal)
+    _check_ragged(rng, 2, 2, 192, 128, causal, "default", 0, 1.0, RAGGED_QO, RAGGED_KV)
+
+
+@pytest.mark.parametrize("rope_name", ["default", "llama3", "longrope"])
+@pytest.mark.parametrize("rope_scale", [1.0, 0.25])
+@pytest.mark.parametrize("causal", [0, 1])
+def test_ragged_gqa_rope(rope_name, rope_scale, causal):
+    rng = np.random.default_rng(50 + causal + int(4 * rope_scale))
+    _check_ragged(rng, 8, 2, 32, 32, causal, rope_name, 1, rope_scale, RAGGED_QO, RAGGED_KV)
+
+
+def test_ragged_d_qk_ne_d_v_rope():
+    rng = np.random.default_rng(60)
+    _check_ragged(rng, 4, 1, 48, 16, 1, "llama3", 1, 2.0, RAGGED_QO, RAGGED_KV)
