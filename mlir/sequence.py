@@ -19,9 +19,9 @@ from typing import Union
 from .ir import (
     arith_d, ceil_div, collapse, const_index, convert, dim, element_type, empty, expand,
     extract_slice, f32, fill, func_d, i32, insert_slice, ir, module_context, scf_d, tensor_type,
-    to_index, transpose, zero_padded, DYN, const_f32,
+    to_index, transpose, zero_padded, DYN, const_f32, affine_map, generic, tensor_d,
 )
-from .online_softmax import KvTile, ScoreIndices, ScoreMask, online_softmax
+from .online_softmax import EMPTY_ROW_LSE, KvTile, ScoreIndices, ScoreMask, online_softmax
 from .specs import MaskedSequencePrefillSpec, SequencePrefillSpec
 
 SequenceSpec = Union[SequencePrefillSpec, MaskedSequencePrefillSpec]
@@ -118,6 +118,22 @@ def _masked_sequence_mask(
     return ScoreMask(predicate=predicate, operands=((valid_lens, (0,)),))
 
 
+def _wait_for(lse_tile: ir.Value) -> ir.Value:
+    """An index that is always 0 but that the host can only know after ``lse_tile`` is computed.
+
+    Adding it to the next offset makes the host wait for each query tile before issuing the
+    next. Without it the host loop runs ahead of the device and the transient buffers of every
+    in-flight KV step stay allocated (measured: peak memory grew faster than linearly in L).
+    The lse tile is first reduced into a 0-d tensor so the read is valid even for B == 0.
+    """
+    zero_d = fill(const_f32(EMPTY_ROW_LSE), [], f32())
+    maps = [affine_map(3, (0, 1, 2)), ir.AffineMap.get(3, 0, [])]
+    smallest = generic([lse_tile], [zero_d], maps, "rrr", lambda x, acc: [arith_d.minimumf(x, acc)])[0]
+    value = tensor_d.extract(smallest, [])
+    impossible = arith_d.cmpf(arith_d.CmpFPredicate.OLT, value, const_f32(-1.0e30))
+    return arith_d.select(impossible, const_index(1), const_index(0))
+
+
 def _visible_kv_tiles(spec: SequenceSpec, lengths: _Lengths, first_token, num_kv_tiles):
     """KV tiles a query tile must visit: all of them, or up to its last row's diagonal if causal."""
     if not spec.causal:
@@ -194,6 +210,7 @@ def _emit_body(spec: SequenceSpec, q, k, v, valid_lens=None):
             mask=mask,
             sm_scale=spec.sm_scale,
         )
+        first_row = arith_d.addi(first_row, _wait_for(result.lse))
         out_acc = insert_slice(convert(result.output, dt), out_acc, [0, 0, first_row, 0],
                                [batch, h_kv, tile_rows, d])
         lse_acc = insert_slice(result.lse, lse_acc, [0, 0, first_row], [batch, h_kv, tile_rows])
