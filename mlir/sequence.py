@@ -19,7 +19,7 @@ from typing import Union
 from .ir import (
     arith_d, ceil_div, collapse, const_index, convert, dim, element_type, empty, expand,
     extract_slice, f32, fill, func_d, i32, insert_slice, ir, module_context, scf_d, tensor_type,
-    to_index, transpose, zero_padded, DYN, const_f32, affine_map, generic, tensor_d,
+    transpose, zero_padded, DYN, const_f32, affine_map, generic, tensor_d,
 )
 from .online_softmax import EMPTY_ROW_LSE, KvTile, ScoreIndices, ScoreMask, online_softmax
 from .specs import MaskedSequencePrefillSpec, SequencePrefillSpec
