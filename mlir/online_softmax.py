@@ -162,25 +162,13 @@ def _finalize(acc: ir.Value, row_max: ir.Value, row_sum: ir.Value) -> AttentionT
     """output = acc / row_sum and lse = row_max + log2(row_sum); rows with no key: 0 and -5e4."""
     zero = const_f32(0.0)
     empty_lse = const_f32(EMPTY_ROW_LSE)
-    shape = ir.RankedTensorType(acc.type).shape
-    out = empty([dim(acc, 0), *shape[1:]], f32())
-    ident4 = affine_map(4, (0, 1, 2, 3))
-    row4 = affine_map(4, (0, 1, 2))
 
-    def normalize(a, s, _o):
-        has_key = arith_d.cmpf(arith_d.CmpFPredicate.OGT, s, zero)
-        return [arith_d.select(has_key, arith_d.divf(a, s), zero)]
+    def has_key(s):
+        return arith_d.cmpf(arith_d.CmpFPredicate.OGT, s, zero)
 
-    output = generic([acc, row_sum], [out], [ident4, row4, ident4], "pppp", normalize)[0]
-
-    lse_out = empty([dim(acc, 0), *shape[1:3]], f32())
-    ident3 = affine_map(3, (0, 1, 2))
-
-    def lse_body(m, s, _o):
-        has_key = arith_d.cmpf(arith_d.CmpFPredicate.OGT, s, zero)
-        return [arith_d.select(has_key, arith_d.addf(m, math_d.log2(s)), empty_lse)]
-
-    lse = generic([row_max, row_sum], [lse_out], [ident3, ident3, ident3], "ppp", lse_body)[0]
+    output = _elementwise([acc], [row_sum], lambda a, s: arith_d.select(has_key(s), arith_d.divf(a, s), zero))
+    lse = _elementwise([row_max, row_sum], [],
+                       lambda m, s: arith_d.select(has_key(s), arith_d.addf(m, math_d.log2(s)), empty_lse))
     return AttentionTile(output=output, lse=lse)
 
 
