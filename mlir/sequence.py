@@ -4,7 +4,8 @@ Layout inside the kernel (G = h_q // h_kv folded into the query rows, so each K/
 once per KV head):
 
     q  [B, Lq, h_q, d]  -> [B, h_kv, Lq_pad * G, d]   row r holds token r // G, head h*G + r % G
-    k  [B, Lk, h_kv, d] -> [B, h_kv, Lk_pad, d]       (v likewise)
+    k  [B, Lk, h_kv, d] -> [B, h_kv, Lk_pad / kv_tile, d, kv_tile]  (tiles transposed, contiguous)
+    v  [B, Lk, h_kv, d] -> [B, h_kv, Lk_pad, d]
 
 An outer ``scf.for`` walks query tiles of ``q_tile`` tokens; for each, the online-softmax
 emitter walks KV tiles of ``kv_tile`` columns. With a causal mask the KV loop stops at the last
@@ -32,6 +33,14 @@ def _kv_heads_major(x: ir.Value, padded_len: ir.Value) -> ir.Value:
     xt = transpose(x, (0, 2, 1, 3))
     shape = ir.RankedTensorType(xt.type).shape
     return zero_padded(xt, [dim(xt, 0), shape[1], padded_len, shape[3]])
+
+
+def _key_tiles(k: ir.Value, num_tiles: ir.Value, kv_tile: int) -> ir.Value:
+    """[B, L, h_kv, d] -> [B, h_kv, num_tiles, d, kv_tile]: each tile transposed and contiguous."""
+    padded = _kv_heads_major(k, arith_d.muli(num_tiles, const_index(kv_tile)))
+    batch, h_kv, d = dim(padded, 0), *[ir.RankedTensorType(padded.type).shape[i] for i in (1, 3)]
+    tiled = expand(padded, [[0], [1], [2, 3], [4]], [batch, h_kv, num_tiles, kv_tile, d])
+    return transpose(tiled, (0, 1, 2, 4, 3))
 
 
 def _queries_grouped(q: ir.Value, h_kv: int, group: int, padded_len: ir.Value) -> ir.Value:
@@ -174,7 +183,7 @@ def _emit_body(spec: SequenceSpec, q, k, v, valid_lens=None):
     num_kv_tiles = ceil_div(lengths.kv_len, spec.kv_tile)
     q_rows = _queries_grouped(q, h_kv, group, arith_d.muli(num_q_tiles, const_index(spec.q_tile)))
     kv_padded = arith_d.muli(num_kv_tiles, const_index(spec.kv_tile))
-    keys = _kv_heads_major(k, kv_padded)
+    keys = _key_tiles(k, num_kv_tiles, spec.kv_tile)
     values = _kv_heads_major(v, kv_padded)
 
     tile_rows = spec.q_tile * group
@@ -184,10 +193,10 @@ def _emit_body(spec: SequenceSpec, q, k, v, valid_lens=None):
 
     def load_kv_tile(tile_index):
         start = arith_d.muli(tile_index, const_index(spec.kv_tile))
-        sizes = [batch, h_kv, spec.kv_tile, d]
         return KvTile(
-            keys=extract_slice(keys, [0, 0, start, 0], sizes),
-            values=extract_slice(values, [0, 0, start, 0], sizes),
+            keys=collapse(extract_slice(keys, [0, 0, tile_index, 0, 0], [batch, h_kv, 1, d, spec.kv_tile]),
+                          [[0], [1], [2, 3], [4]]),
+            values=extract_slice(values, [0, 0, start, 0], [batch, h_kv, spec.kv_tile, d]),
         )
 
     loop = scf_d.ForOp(const_index(0), num_q_tiles, const_index(1), [out_init, lse_init])
