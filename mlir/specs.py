@@ -8,6 +8,7 @@ and names the artifact. Runtime scalars and sequence lengths are kernel argument
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from dataclasses import dataclass
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -119,6 +120,190 @@ class MaskedSequencePrefillSpec:
         return (
             f"{self.symbol}_hq{self.h_q}_hkv{self.h_kv}_d{self.d}_{self.dtype}"
             f"_{self.mask_mode}_sm{_scale_tag(self.sm_scale)}_qt{self.q_tile}_kt{self.kv_tile}"
+        )
+
+    def fields(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+ROPE_FIELDS = {
+    "default": (),
+    "gptj": (),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "llama4": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "longrope": ("max_position_embeddings", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings"),
+}
+PAGE_SIZES_TESTED = (1, 8, 16, 32, 64)
+
+
+def freeze_rope_scaling(rope_scaling) -> tuple:
+    """A Hugging Face style ``rope_scaling`` dict (``{}``/None for plain RoPE) as sorted items.
+
+    Specs are frozen and hashable, so the dict is stored as ``(("factor", 8.0), ...)``. Unknown
+    rope types and missing required keys raise ``ValueError`` here, at spec creation.
+    """
+    if isinstance(rope_scaling, tuple):
+        rope_scaling = dict(rope_scaling)
+    items = dict(rope_scaling or {})
+    kind = items.get("rope_type") or items.get("type") or "default"
+    if kind not in ROPE_FIELDS:
+        raise ValueError(f"rope_scaling: unsupported rope_type {kind!r}; expected one of {tuple(ROPE_FIELDS)}")
+    missing = [key for key in ROPE_FIELDS[kind] if key not in items]
+    if missing:
+        raise ValueError(f"rope_scaling: rope_type {kind!r} needs {missing}")
+    if "type" in items and "rope_type" not in items:
+        items["rope_type"] = items.pop("type")
+    return tuple(sorted((key, value) for key, value in items.items() if value is not None))
+
+
+def _rope_tag(rope_scaling: tuple) -> str:
+    items = dict(rope_scaling)
+    kind = items.get("rope_type", "default")
+    if len(items) <= (1 if "rope_type" in items else 0):
+        return kind
+    digest = hashlib.sha256(repr(rope_scaling).encode()).hexdigest()[:8]
+    return f"{kind}-{digest}"
+
+
+def _check_positive(**values: int) -> None:
+    for key, value in values.items():
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{key} must be a positive int, got {value!r}")
+
+
+@dataclass(frozen=True)
+class RaggedPrefillSpec:
+    """Ragged KV prefill, ``batch_prefill_ragged_kv`` (semantics §1.2).
+
+    ``(q [Lq, h_q, d_qk], q_indptr [B+1], k [Lk, h_kv, d_qk], v [Lk, h_kv, d_v], kv_indptr [B+1],
+    q_rope_position [Lq], k_rope_pos_offset [B], causal, rotary_mode, rope_scale, rope_theta,
+    sm_scale) -> (output [Lq, h_q, d_v], lse [Lq, h_q] float32)``.
+    """
+
+    h_q: int
+    h_kv: int
+    d_qk: int
+    d_v: int
+    dtype: str
+    rope_scaling: tuple = ()
+    q_tile: int = DEFAULT_Q_TILE
+    kv_tile: int = DEFAULT_KV_TILE
+
+    symbol = "batch_prefill_ragged_kv"
+
+    def __post_init__(self):
+        object.__setattr__(self, "rope_scaling", freeze_rope_scaling(self.rope_scaling))
+        _check_heads(self.h_q, self.h_kv)
+        _check_positive(d_qk=self.d_qk, d_v=self.d_v)
+        _check_common(self)
+
+    @property
+    def group_size(self) -> int:
+        return self.h_q // self.h_kv
+
+    @property
+    def name(self) -> str:
+        return (
+            f"{self.symbol}_hq{self.h_q}_hkv{self.h_kv}_dqk{self.d_qk}_dv{self.d_v}_{self.dtype}"
+            f"_rope-{_rope_tag(self.rope_scaling)}_qt{self.q_tile}_kt{self.kv_tile}"
+        )
+
+    def fields(self) -> dict:
+        fields = dataclasses.asdict(self)
+        fields["rope_scaling"] = dict(self.rope_scaling)
+        return fields
+
+
+@dataclass(frozen=True)
+class PagedPrefillSpec:
+    """Paged KV prefill, ``batch_prefill_paged_kv[_sliding_window]`` (semantics §1.1, §2).
+
+    ``(q [Lq, h_q, d], q_indptr [B+1], pages [P, 2, h_kv, page_size, d], page_indptr [B+1],
+    page_values [nnz], length_info [B] or [3, B], k_rope_pos_offset [B], q_rope_position [Lq],
+    causal, rotary_mode, rope_scale, rope_theta, sm_scale) -> (output [Lq, h_q, d], lse [Lq, h_q])``.
+    """
+
+    h_q: int
+    h_kv: int
+    d: int
+    dtype: str
+    page_size: int = 16
+    rope_scaling: tuple = ()
+    sliding_window: bool = False
+    q_tile: int = DEFAULT_Q_TILE
+    kv_tile: int = DEFAULT_KV_TILE
+
+    def __post_init__(self):
+        object.__setattr__(self, "rope_scaling", freeze_rope_scaling(self.rope_scaling))
+        _check_heads(self.h_q, self.h_kv)
+        _check_positive(d=self.d, page_size=self.page_size)
+        _check_common(self)
+
+    @property
+    def symbol(self) -> str:
+        return "batch_prefill_paged_kv" + ("_sliding_window" if self.sliding_window else "")
+
+    @property
+    def group_size(self) -> int:
+        return self.h_q // self.h_kv
+
+    @property
+    def name(self) -> str:
+        return (
+            f"{self.symbol}_hq{self.h_q}_hkv{self.h_kv}_d{self.d}_{self.dtype}_ps{self.page_size}"
+            f"_rope-{_rope_tag(self.rope_scaling)}_qt{self.q_tile}_kt{self.kv_tile}"
+        )
+
+    def fields(self) -> dict:
+        fields = dataclasses.asdict(self)
+        fields["rope_scaling"] = dict(self.rope_scaling)
+        return fields
+
+
+@dataclass(frozen=True)
+class MlaPagedPrefillSpec:
+    """Paged MLA prefill over a latent cache, ``batch_prefill_paged_kv_mla[_sliding_window]`` (§1.3).
+
+    ``(q [Lq, h_q, d_latent + d_rope], q_indptr [B+1], pages [P, page_size, d_latent + d_rope],
+    page_indptr [B+1], page_values [nnz], length_info [B] or [3, B], causal, sm_scale)
+    -> (output [Lq, h_q, d_latent], lse [Lq, h_q])``. One shared KV head; no RoPE inside.
+    """
+
+    h_q: int
+    d_latent: int
+    d_rope: int
+    dtype: str
+    page_size: int = 16
+    sliding_window: bool = False
+    q_tile: int = 16
+    kv_tile: int = DEFAULT_KV_TILE
+
+    def __post_init__(self):
+        _check_positive(h_q=self.h_q, d_latent=self.d_latent, page_size=self.page_size)
+        if not isinstance(self.d_rope, int) or self.d_rope < 0:
+            raise ValueError(f"d_rope must be a non-negative int, got {self.d_rope!r}")
+        _check_common(self)
+
+    h_kv = 1
+
+    @property
+    def symbol(self) -> str:
+        return "batch_prefill_paged_kv_mla" + ("_sliding_window" if self.sliding_window else "")
+
+    @property
+    def d_qk(self) -> int:
+        return self.d_latent + self.d_rope
+
+    @property
+    def group_size(self) -> int:
+        return self.h_q
+
+    @property
+    def name(self) -> str:
+        return (
+            f"{self.symbol}_hq{self.h_q}_dl{self.d_latent}_dr{self.d_rope}_{self.dtype}"
+            f"_ps{self.page_size}_qt{self.q_tile}_kt{self.kv_tile}"
         )
 
     def fields(self) -> dict:
