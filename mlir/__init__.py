@@ -1,12 +1,20 @@
 """IR builders: typed MLIR bindings, one online-softmax emitter, one spec per variant."""
 
-from .specs import MaskedSequencePrefillSpec, SequencePrefillSpec
+from .kv_cache import build_mla_prefill, build_paged_prefill, build_ragged_prefill
 from .sequence import build_sequence_prefill
+from .specs import (
+    MaskedSequencePrefillSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec,
+    SequencePrefillSpec,
+)
 
 _BUILDERS = {
     SequencePrefillSpec: build_sequence_prefill,
     MaskedSequencePrefillSpec: build_sequence_prefill,
+    RaggedPrefillSpec: build_ragged_prefill,
+    PagedPrefillSpec: build_paged_prefill,
+    MlaPagedPrefillSpec: build_mla_prefill,
 }
+SPEC_TYPES = tuple(_BUILDERS)
 
 
 def build_module(spec):
@@ -18,4 +26,7 @@ def build_module(spec):
     return builder(spec)
 
 
-__all__ = ["SequencePrefillSpec", "MaskedSequencePrefillSpec", "build_module", "build_sequence_prefill"]
+__all__ = [
+    "SequencePrefillSpec", "MaskedSequencePrefillSpec", "RaggedPrefillSpec", "PagedPrefillSpec",
+    "MlaPagedPrefillSpec", "SPEC_TYPES", "build_module",
+]

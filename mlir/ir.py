@@ -23,7 +23,7 @@ __all__ = [
     "DYN", "module_context", "element_type", "tensor_type", "f32", "i1", "i32", "index",
     "const_index", "const_f32", "const_i32", "dim", "affine_map", "generic", "extract_slice",
     "insert_slice", "empty", "fill", "ceil_div", "to_index", "select", "expand", "collapse",
-    "sizes_of", "transpose", "convert", "zero_padded",
+    "sizes_of", "transpose", "convert", "zero_padded", "tie_dims",
 ]
 
 DYN = ir.ShapedType.get_dynamic_size()
@@ -235,3 +235,17 @@ def zero_padded(source: ir.Value, sizes: Sequence[IndexLike]) -> ir.Value:
     elem = ir.RankedTensorType(source.type).element_type
     zeros = fill(arith_d.constant(elem, 0.0), sizes, elem)
     return insert_slice(source, zeros, [0] * len(sizes), sizes_of(source))
+
+
+def tie_dims(tensor: ir.Value, sizes: Sequence[IndexLike]) -> ir.Value:
+    """``tensor`` annotated with its dynamic dims (``flow.tensor.tie_shape``).
+
+    IREE must know the dynamic dims of every tensor that crosses host-side control flow (``scf.if``
+    results, ``scf.for`` iter_args and results) and cannot always derive them; tying states them.
+    ``sizes`` lists every dim; only the Values (dynamic dims) are used.
+    """
+    dynamic = [s for s in sizes if not isinstance(s, int)]
+    if not dynamic:
+        return tensor
+    op = ir.Operation.create("flow.tensor.tie_shape", results=[tensor.type], operands=[tensor, *dynamic])
+    return op.result

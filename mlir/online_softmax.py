@@ -6,7 +6,7 @@ domain, float32), then normalises. Shapes (B = batch or work items, H = KV heads
 of the tile with the GQA group folded in, N = KV columns of one tile):
 
     q_tile      [B, H, M, d_qk]   dtype
-    keys        [B, H, N, d_qk]   dtype   (from the loader, one KV tile)
+    keys        [B, H, d_qk, N]   dtype   (from the loader, one KV tile, transposed)
     values      [B, H, N, d_v]    dtype
     scores      [B, H, M, N]      f32     s = sm_scale * log2(e) * q.k, masked -> -inf
     row_max     [B, H, M]         f32     starts at NO_KEY_MAX (finite, so exp2 never sees inf-inf)
@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Sequence, Union
 
 from .ir import (
-    affine_map, arith_d, const_f32, const_index, dim, empty, f32, fill, generic, ir, linalg_d,
-    math_d, scf_d,
+    affine_map, arith_d, const_f32, const_index, empty, f32, fill, generic, ir, linalg_d,
+    math_d, scf_d, sizes_of,
 )
 
 LOG2E = 1.0 / math.log(2.0)
@@ -105,20 +105,19 @@ def _scores(q_tile: ir.Value, keys: ir.Value, sizes: list) -> ir.Value:
     return _contract(q_tile, keys, zero, (0, 1, 2, 4), (0, 1, 4, 3), (0, 1, 2, 3))
 
 
-def _scale_and_mask(raw: ir.Value, mask: ScoreMask, kv_start: ir.Value, scale: float) -> ir.Value:
+def _scale_and_mask(raw: ir.Value, mask: ScoreMask, kv_start: ir.Value, scale: ir.Value) -> ir.Value:
     """scores = raw * scale where the mask holds, else -inf."""
     ident = affine_map(4, (0, 1, 2, 3))
     extra_vals = [t for t, _ in mask.operands]
     extra_maps = [affine_map(4, dims) for _, dims in mask.operands]
-    out = empty([dim(raw, 0), *ir.RankedTensorType(raw.type).shape[1:]], f32())
-    scale_c = const_f32(scale)
+    out = empty(sizes_of(raw), f32())
     neg_inf = const_f32(float("-inf"))
 
     def body(s, *rest):
         extras = rest[:-1]
         idx = ScoreIndices(*(linalg_d.IndexOp(i).result for i in range(4)), kv_start=kv_start)
         valid = mask.predicate(idx, extras)
-        return [arith_d.select(valid, arith_d.mulf(s, scale_c), neg_inf)]
+        return [arith_d.select(valid, arith_d.mulf(s, scale), neg_inf)]
 
     return generic([raw, *extra_vals], [out], [ident, *extra_maps, ident], "pppp", body)[0]
 
@@ -129,7 +128,7 @@ def _reduce_rows(tile: ir.Value, init_value: float, combine) -> ir.Value:
     The init is a fresh fill (not the running state): IREE distributes a reduction only when its
     output starts from a fill, so the running state is combined in a separate elementwise step.
     """
-    sizes = [dim(tile, 0), *ir.RankedTensorType(tile.type).shape[1:3]]
+    sizes = sizes_of(tile)[:3]
     init = fill(const_f32(init_value), sizes, f32())
     maps = [affine_map(4, (0, 1, 2, 3)), affine_map(4, (0, 1, 2))]
     return generic([tile], [init], maps, "pppr", lambda x, acc: [combine(x, acc)])[0]
@@ -141,7 +140,7 @@ def _elementwise(inputs: Sequence[ir.Value], row_inputs: Sequence[ir.Value], bod
     rank = ir.RankedTensorType(like.type).rank
     ident = affine_map(rank, tuple(range(rank)))
     row = affine_map(rank, (0, 1, 2))
-    out = empty([dim(like, 0), *ir.RankedTensorType(like.type).shape[1:]], f32())
+    out = empty(sizes_of(like), f32())
     maps = [ident] * len(inputs) + [row] * len(row_inputs) + [ident]
     return generic([*inputs, *row_inputs], [out], maps, "p" * rank, lambda *a: [body(*a[:-1])])[0]
 
@@ -155,7 +154,7 @@ def _step_state(prev_max, prev_sum, prev_acc, scores, values):
     tile_sum = _reduce_rows(probs, 0.0, arith_d.addf)
     new_sum = _elementwise([prev_sum, alpha, tile_sum], [],
                            lambda l, a, t: arith_d.addf(arith_d.mulf(l, a), t))
-    pv_sizes = [dim(prev_acc, 0), *ir.RankedTensorType(prev_acc.type).shape[1:]]
+    pv_sizes = sizes_of(prev_acc)
     pv = _contract(probs, values, fill(const_f32(0.0), pv_sizes, f32()),
                    (0, 1, 2, 4), (0, 1, 4, 3), (0, 1, 2, 3))  # loops (b, h, m, d, n)
     new_acc = _elementwise([prev_acc, pv], [alpha],
@@ -164,16 +163,21 @@ def _step_state(prev_max, prev_sum, prev_acc, scores, values):
 
 
 def _finalize(acc: ir.Value, row_max: ir.Value, row_sum: ir.Value) -> AttentionTile:
-    """output = acc / row_sum and lse = row_max + log2(row_sum); rows with no key: 0 and -5e4."""
+    """output = acc / row_sum and lse = row_max + log2(row_sum); rows with no key: 0 and -5e4.
+
+    A row has no valid key exactly when its sum is 0 (every weight was exp2(-inf) = 0). The test
+    is ``sum == 0`` rather than ``sum > 0`` so that a NaN sum (NaN in that row's inputs) stays NaN
+    in the output instead of passing for an empty row.
+    """
     zero = const_f32(0.0)
     empty_lse = const_f32(EMPTY_ROW_LSE)
 
-    def has_key(s):
-        return arith_d.cmpf(arith_d.CmpFPredicate.OGT, s, zero)
+    def no_key(s):
+        return arith_d.cmpf(arith_d.CmpFPredicate.OEQ, s, zero)
 
-    output = _elementwise([acc], [row_sum], lambda a, s: arith_d.select(has_key(s), arith_d.divf(a, s), zero))
+    output = _elementwise([acc], [row_sum], lambda a, s: arith_d.select(no_key(s), zero, arith_d.divf(a, s)))
     lse = _elementwise([row_max, row_sum], [],
-                       lambda m, s: arith_d.select(has_key(s), arith_d.addf(m, math_d.log2(s)), empty_lse))
+                       lambda m, s: arith_d.select(no_key(s), empty_lse, arith_d.addf(m, math_d.log2(s))))
     return AttentionTile(output=output, lse=lse)
 
 
@@ -185,23 +189,27 @@ def online_softmax(
     d_v: int,
     load_kv_tile: Callable[[ir.Value], KvTile],
     mask: ScoreMask,
-    sm_scale: float,
+    sm_scale: Union[float, ir.Value],
 ) -> AttentionTile:
     """Attention of one query tile over ``num_kv_tiles`` KV tiles of ``kv_tile`` columns.
 
     ``q_tile`` is [B, H, M, d_qk]; ``load_kv_tile(tile_index)`` is called inside the loop body and
     returns that tile's keys and values; ``mask`` decides validity per (b, h, m, n). The result is
-    normalised (f32) with a base-2 lse that includes ``sm_scale``.
+    normalised (f32) with a base-2 lse that includes ``sm_scale`` (a Python float folded in as a
+    constant, or an f32 Value for kernels that take it at run time).
     """
     q_shape = ir.RankedTensorType(q_tile.type).shape
-    batch = dim(q_tile, 0)
+    batch = sizes_of(q_tile)[0]
     heads, rows = q_shape[1], q_shape[2]
     state_rows = [batch, heads, rows]
     init_max = fill(const_f32(NO_KEY_MAX), state_rows, f32())
     init_sum = fill(const_f32(0.0), state_rows, f32())
     init_acc = fill(const_f32(0.0), [*state_rows, d_v], f32())
     score_sizes = [*state_rows, kv_tile]
-    score_scale = sm_scale * LOG2E
+    if isinstance(sm_scale, ir.Value):
+        score_scale = arith_d.mulf(sm_scale, const_f32(LOG2E))
+    else:
+        score_scale = const_f32(sm_scale * LOG2E)
 
     loop = scf_d.ForOp(const_index(0), num_kv_tiles, const_index(1), [init_max, init_sum, init_acc])
     with ir.InsertionPoint(loop.body):

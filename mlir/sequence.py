@@ -18,11 +18,12 @@ from __future__ import annotations
 from typing import Union
 
 from .ir import (
-    arith_d, ceil_div, collapse, const_index, convert, dim, element_type, empty, expand,
-    extract_slice, f32, fill, func_d, i32, insert_slice, ir, module_context, scf_d, tensor_type,
-    transpose, zero_padded, DYN, const_f32, affine_map, generic, tensor_d,
+    DYN, arith_d, ceil_div, collapse, const_index, convert, dim, element_type, empty, expand,
+    extract_slice, f32, func_d, i32, insert_slice, ir, module_context, scf_d, tensor_type,
+    transpose, zero_padded,
 )
-from .online_softmax import EMPTY_ROW_LSE, KvTile, ScoreIndices, ScoreMask, online_softmax
+from .layout import group_query_rows, ungroup_rows, wait_for
+from .online_softmax import KvTile, ScoreIndices, ScoreMask, online_softmax
 from .specs import MaskedSequencePrefillSpec, SequencePrefillSpec
 
 SequenceSpec = Union[SequencePrefillSpec, MaskedSequencePrefillSpec]
@@ -41,29 +42,6 @@ def _key_tiles(k: ir.Value, num_tiles: ir.Value, kv_tile: int) -> ir.Value:
     batch, h_kv, d = dim(padded, 0), *[ir.RankedTensorType(padded.type).shape[i] for i in (1, 3)]
     tiled = expand(padded, [[0], [1], [2, 3], [4]], [batch, h_kv, num_tiles, kv_tile, d])
     return transpose(tiled, (0, 1, 2, 4, 3))
-
-
-def _queries_grouped(q: ir.Value, h_kv: int, group: int, padded_len: ir.Value) -> ir.Value:
-    """[B, Lq, h_q, d] -> zero-padded [B, h_kv, padded_len * G, d] (token-major, head-minor rows)."""
-    batch, length, d = dim(q, 0), dim(q, 1), ir.RankedTensorType(q.type).shape[3]
-    q5 = expand(q, [[0], [1], [2, 3], [4]], [batch, length, h_kv, group, d])
-    qt = transpose(q5, (0, 2, 1, 3, 4))
-    padded = zero_padded(qt, [batch, h_kv, padded_len, group, d])
-    return collapse(padded, [[0], [1], [2, 3], [4]])
-
-
-def _ungroup(rows: ir.Value, h_kv: int, group: int, length: ir.Value) -> ir.Value:
-    """[B, h_kv, L_pad * G, ...] -> [B, length, h_q, ...]: the inverse of the query layout."""
-    shape = ir.RankedTensorType(rows.type).shape
-    batch = dim(rows, 0)
-    tail = list(shape[3:])
-    padded_tokens = arith_d.divsi(dim(rows, 2), const_index(group))
-    r5 = expand(rows, [[0], [1], [2, 3], *[[4 + i] for i in range(len(tail))]],
-                [batch, h_kv, padded_tokens, group, *tail])
-    valid = extract_slice(r5, [0] * (4 + len(tail)), [batch, h_kv, length, group, *tail])
-    perm = (0, 2, 1, 3, *range(4, 4 + len(tail)))
-    back = transpose(valid, perm)
-    return collapse(back, [[0], [1], [2, 3], *[[4 + i] for i in range(len(tail))]])
 
 
 class _Lengths:
@@ -127,22 +105,6 @@ def _masked_sequence_mask(
     return ScoreMask(predicate=predicate, operands=((valid_lens, (0,)),))
 
 
-def _wait_for(lse_tile: ir.Value) -> ir.Value:
-    """An index that is always 0 but that the host can only know after ``lse_tile`` is computed.
-
-    Adding it to the next offset makes the host wait for each query tile before issuing the
-    next. Without it the host loop runs ahead of the device and the transient buffers of every
-    in-flight KV step stay allocated (measured: peak memory grew faster than linearly in L).
-    The lse tile is first reduced into a 0-d tensor so the read is valid even for B == 0.
-    """
-    zero_d = fill(const_f32(EMPTY_ROW_LSE), [], f32())
-    maps = [affine_map(3, (0, 1, 2)), ir.AffineMap.get(3, 0, [])]
-    smallest = generic([lse_tile], [zero_d], maps, "rrr", lambda x, acc: [arith_d.minimumf(x, acc)])[0]
-    value = tensor_d.extract(smallest, [])
-    impossible = arith_d.cmpf(arith_d.CmpFPredicate.OLT, value, const_f32(-1.0e30))
-    return arith_d.select(impossible, const_index(1), const_index(0))
-
-
 def _visible_kv_tiles(spec: SequenceSpec, lengths: _Lengths, first_token, num_kv_tiles):
     """KV tiles a query tile must visit: all of them, or up to its last row's diagonal if causal."""
     if not spec.causal:
@@ -181,7 +143,7 @@ def _emit_body(spec: SequenceSpec, q, k, v, valid_lens=None):
     lengths = _Lengths(dim(q, 1), dim(k, 1), group)
     num_q_tiles = ceil_div(lengths.q_len, spec.q_tile)
     num_kv_tiles = ceil_div(lengths.kv_len, spec.kv_tile)
-    q_rows = _queries_grouped(q, h_kv, group, arith_d.muli(num_q_tiles, const_index(spec.q_tile)))
+    q_rows = group_query_rows(q, h_kv, group, arith_d.muli(num_q_tiles, const_index(spec.q_tile)))
     kv_padded = arith_d.muli(num_kv_tiles, const_index(spec.kv_tile))
     keys = _key_tiles(k, num_kv_tiles, spec.kv_tile)
     values = _kv_heads_major(v, kv_padded)
@@ -219,10 +181,11 @@ def _emit_body(spec: SequenceSpec, q, k, v, valid_lens=None):
             mask=mask,
             sm_scale=spec.sm_scale,
         )
-        first_row = arith_d.addi(first_row, _wait_for(result.lse))
+        first_row = arith_d.addi(first_row, wait_for(result.lse))
         out_acc = insert_slice(convert(result.output, dt), out_acc, [0, 0, first_row, 0],
                                [batch, h_kv, tile_rows, d])
         lse_acc = insert_slice(result.lse, lse_acc, [0, 0, first_row], [batch, h_kv, tile_rows])
         scf_d.YieldOp([out_acc, lse_acc])
     out_rows, lse_rows = loop.results
-    return [_ungroup(out_rows, h_kv, group, lengths.q_len), _ungroup(lse_rows, h_kv, group, lengths.q_len)]
+    padded_tokens = arith_d.muli(num_q_tiles, const_index(spec.q_tile))
+    return [ungroup_rows(rows, h_kv, group, lengths.q_len, padded_tokens) for rows in (out_rows, lse_rows)]

@@ -11,10 +11,14 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..mlir.specs import MaskedSequencePrefillSpec, SequencePrefillSpec
+from ..mlir.specs import (
+    MaskedSequencePrefillSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec,
+    SequencePrefillSpec,
+)
 from ..pipeline import ArtifactCache, Target, compile, target_for
 from .checks import check_int32, check_range, check_same, check_tensor
 from .errors import InputError
+from .kv_checks import check_mla, check_paged, check_ragged
 from .module import LoadedKernel
 
 
@@ -39,6 +43,9 @@ def _check_masked(spec, q, k, v, valid_lens) -> tuple[np.ndarray, ...]:
 _CHECKS: dict[type, Callable[..., tuple]] = {
     SequencePrefillSpec: _check_sequence,
     MaskedSequencePrefillSpec: _check_masked,
+    RaggedPrefillSpec: check_ragged,
+    PagedPrefillSpec: check_paged,
+    MlaPagedPrefillSpec: check_mla,
 }
 
 
@@ -71,10 +78,19 @@ class Kernel:
 
 
 def _empty_result(spec, q: np.ndarray):
-    """Outputs for a call with no query rows (the kernel is not launched for zero-size work)."""
-    if q.shape[0] and q.shape[1]:
+    """Outputs for a call with no query rows (the kernel is not launched for zero-size work).
+
+    Dense variants have q [B, L, h_q, d]; the KV-cache variants q [L, h_q, d_qk] and an output
+    with ``spec.d_v`` (ragged) or ``spec.d_latent`` (MLA) columns.
+    """
+    if q.ndim == 4:
+        if q.shape[0] and q.shape[1]:
+            return None
+        return np.zeros(q.shape, q.dtype), np.zeros(q.shape[:3], np.float32)
+    if q.shape[0]:
         return None
-    return np.zeros(q.shape, q.dtype), np.zeros(q.shape[:3], np.float32)
+    d_out = getattr(spec, "d_v", None) or getattr(spec, "d_latent", None) or spec.d
+    return np.zeros((0, spec.h_q, d_out), q.dtype), np.zeros((0, spec.h_q), np.float32)
 
 
 def open_kernel(

@@ -1,0 +1,432 @@
+"""KV-cache prefill: ``batch_prefill_ragged_kv``, ``batch_prefill_paged_kv[_sliding_window]`` and
+``batch_prefill_paged_kv_mla[_sliding_window]`` (semantics §1.1-§1.3, §2-§6, §11).
+
+The kernels keep the seed's arguments (index arrays and runtime scalars) and walk the batch
+entries in an ``scf.for`` on the host side of the IREE program, so an entry costs what its own
+tokens cost: no entry is padded to the longest one. Per entry:
+
+1. its KV rows are loaded token-major, ``[kv_pad, h_kv, d]`` with ``kv_pad`` its length rounded up
+   to the KV tile: a slice for ragged KV, a gather through the page table for paged KV and MLA;
+2. keys get RoPE at ``k_rope_pos_offset[b] + row`` when ``rotary_mode == 1`` (never values);
+3. rows past the entry's length are zeroed and K/V are laid out in KV tiles
+   (keys ``[1, h_kv, T, d_qk, kv_tile]``, values ``[1, h_kv, T * kv_tile, d_v]``);
+4. each query tile of ``q_tile`` tokens (GQA group folded into rows) runs the online-softmax
+   emitter over the entry's KV tiles, stopping at the causal diagonal when ``causal == 1``.
+
+Queries are rotated once for the whole call (``q_rope_position``) and padded by one query tile,
+so a tile that starts near the end of an entry never reads out of bounds. Its rows past the entry
+belong to the next entry (or the padding); they are written, then overwritten when the next entry
+(processed later) writes its own rows, and the padding is dropped at the end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Union
+
+from .ir import (
+    DYN, arith_d, ceil_div, collapse, const_index, convert, dim, element_type, empty,
+    expand, extract_slice, f32, func_d, generic, i32, index, insert_slice, ir, linalg_d,
+    module_context, scf_d, sizes_of, tensor_d, tensor_type, tie_dims, zero_padded, affine_map,
+)
+from .layout import group_query_rows, ungroup_rows, wait_for
+from .online_softmax import KvTile, ScoreIndices, ScoreMask, online_softmax
+from .rope import apply_rope
+from .specs import MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec
+
+KvCacheSpec = Union[RaggedPrefillSpec, PagedPrefillSpec, MlaPagedPrefillSpec]
+
+
+@dataclass(frozen=True)
+class EntryKv:
+    """One batch entry's KV as a loader returns it.
+
+    ``keys`` [kv_pad, h_kv, d_qk] and ``values`` [kv_pad, h_kv, d_v], token-major, where
+    ``kv_pad = ceil(kv_len / kv_tile) * kv_tile``; rows at or past ``kv_len`` may hold anything
+    finite or not (they are zeroed before use). ``rope_offset`` is the i32 RoPE position of row 0,
+    or None for variants without RoPE.
+    """
+
+    kv_len: ir.Value
+    keys: ir.Value
+    values: ir.Value
+    rope_offset: ir.Value | None = None
+
+
+@dataclass(frozen=True)
+class RopeArgs:
+    """The runtime RoPE scalars: ``rotary_mode`` (i32), ``rope_scale`` and ``rope_theta`` (f32)."""
+
+    rotary_mode: ir.Value
+    scale: ir.Value
+    theta: ir.Value
+    rope_scaling: dict
+
+
+def _index_at(array: ir.Value, position: ir.Value) -> ir.Value:
+    """``array[position]`` of an i32 tensor, as an index."""
+    return arith_d.index_cast(index(), tensor_d.extract(array, [position]))
+
+
+def _is_one(flag: ir.Value) -> ir.Value:
+    return arith_d.cmpi(arith_d.CmpIPredicate.eq, flag, arith_d.constant(i32(), 1))
+
+
+def _lt(a, b):
+    return arith_d.cmpi(arith_d.CmpIPredicate.slt, a, b)
+
+
+def _le(a, b):
+    return arith_d.cmpi(arith_d.CmpIPredicate.sle, a, b)
+
+
+def _rotated_if(rope: RopeArgs | None, x: ir.Value, positions: ir.Value) -> ir.Value:
+    """``x`` [N, H, D] with RoPE applied when ``rotary_mode == 1`` (``positions``: [N] i32 or a
+    scalar i32 first position)."""
+    if rope is None:
+        return x
+    sizes = sizes_of(x)
+    branch = scf_d.IfOp(_is_one(rope.rotary_mode), [x.type], has_else=True)
+    with ir.InsertionPoint(branch.then_block):
+        scf_d.YieldOp([apply_rope(x, positions, theta=rope.theta, scale=rope.scale,
+                                  rope_scaling=rope.rope_scaling)])
+    with ir.InsertionPoint(branch.else_block):
+        scf_d.YieldOp([x])
+    return tie_dims(branch.results[0], sizes)
+
+
+def _kv_tiles(x: ir.Value, kv_len: ir.Value, num_tiles: ir.Value, kv_tile: int, keys: bool) -> ir.Value:
+    """Token-major [T * kv_tile, h, d] -> keys [1, h, T, d, kv_tile] or values [1, h, T * kv_tile, d].
+
+    Rows at or past ``kv_len`` become 0, so nothing another entry (or NaN padding) left there can
+    reach this entry's result: a masked key weighs 0, and 0 * NaN would still be NaN.
+    """
+    h, d = ir.RankedTensorType(x.type).shape[1:]
+    tiled = expand(x, [[0, 1], [2], [3]], [num_tiles, kv_tile, h, d])
+    elem = ir.RankedTensorType(x.type).element_type
+    zero = arith_d.constant(elem, 0.0)
+    if keys:  # loops (h, t, j, n)
+        out = empty([h, num_tiles, d, kv_tile], elem)
+        source_map, col_dim = affine_map(4, (1, 3, 0, 2)), 3
+    else:  # loops (h, t, n, j)
+        out = empty([h, num_tiles, kv_tile, d], elem)
+        source_map, col_dim = affine_map(4, (1, 2, 0, 3)), 2
+
+    def body(value, _out):
+        tile = linalg_d.IndexOp(1).result
+        col = arith_d.addi(arith_d.muli(tile, const_index(kv_tile)), linalg_d.IndexOp(col_dim).result)
+        return [arith_d.select(_lt(col, kv_len), value, zero)]
+
+    result = generic([tiled], [out], [source_map, affine_map(4, range(4))], "pppp", body)[0]
+    if keys:
+        return expand(result, [[0, 1], [2], [3], [4]], [1, h, num_tiles, d, kv_tile])
+    return expand(collapse(result, [[0], [1, 2], [3]]), [[0, 1], [2], [3]],
+                  [1, h, arith_d.muli(num_tiles, const_index(kv_tile)), d])
+
+
+def _attend_entries(
+    spec: KvCacheSpec,
+    q: ir.Value,
+    q_indptr: ir.Value,
+    *,
+    d_v: int,
+    load_entry: Callable[[ir.Value], EntryKv],
+    causal: ir.Value,
+    sm_scale: ir.Value,
+    rope: RopeArgs | None,
+) -> list[ir.Value]:
+    """Output [Lq, h_q, d_v] (dtype) and lse [Lq, h_q] (f32) for q [Lq, h_q, d_qk] (already rotated)."""
+    group, h_kv = spec.group_size, spec.h_kv
+    q_shape = ir.RankedTensorType(q.type)
+    d_qk, dt = q_shape.shape[2], q_shape.element_type
+    total_q = dim(q, 0)
+    padded_tokens = arith_d.addi(total_q, const_index(spec.q_tile))
+    q4 = expand(q, [[0, 1], [2], [3]], [1, total_q, spec.h_q, d_qk])
+    q_rows = group_query_rows(q4, h_kv, group, padded_tokens)
+    total_rows = dim(q_rows, 2)
+    tile_rows = spec.q_tile * group
+    out_rows = empty([1, h_kv, total_rows, d_v], dt)
+    lse_rows = empty([1, h_kv, total_rows], f32())
+    causal_on = _is_one(causal)
+
+    batch = arith_d.subi(dim(q_indptr, 0), const_index(1))
+    entries = scf_d.ForOp(const_index(0), batch, const_index(1), [out_rows, lse_rows])
+    out_sizes, lse_sizes = [1, h_kv, total_rows, d_v], [1, h_kv, total_rows]
+
+    def tied(pair):
+        return [tie_dims(pair[0], out_sizes), tie_dims(pair[1], lse_sizes)]
+
+    with ir.InsertionPoint(entries.body):
+        b = entries.induction_variable
+        q_start = _index_at(q_indptr, b)
+        qo_len = arith_d.subi(_index_at(q_indptr, arith_d.addi(b, const_index(1))), q_start)
+        kv = load_entry(b)
+        num_kv_tiles = ceil_div(kv.kv_len, spec.kv_tile)
+        rotated_keys = _rotated_if(rope, kv.keys, kv.rope_offset)
+        keys = _kv_tiles(rotated_keys, kv.kv_len, num_kv_tiles, spec.kv_tile, keys=True)
+        values = _kv_tiles(kv.values, kv.kv_len, num_kv_tiles, spec.kv_tile, keys=False)
+        diagonal = arith_d.subi(kv.kv_len, qo_len)  # causal: col <= row + diagonal
+
+        def load_kv_tile(tile_index):
+            start = arith_d.muli(tile_index, const_index(spec.kv_tile))
+            tile_keys = extract_slice(keys, [0, 0, tile_index, 0, 0], [1, h_kv, 1, d_qk, spec.kv_tile])
+            return KvTile(
+                keys=collapse(tile_keys, [[0], [1], [2, 3], [4]]),
+                values=extract_slice(values, [0, 0, start, 0], [1, h_kv, spec.kv_tile, d_v]),
+            )
+
+        q_tiles = scf_d.ForOp(const_index(0), ceil_div(qo_len, spec.q_tile), const_index(1),
+                              tied(entries.inner_iter_args))
+        with ir.InsertionPoint(q_tiles.body):
+            out_acc, lse_acc = tied(q_tiles.inner_iter_args)
+            first_local = arith_d.muli(q_tiles.induction_variable, const_index(spec.q_tile))
+            first_row = arith_d.muli(arith_d.addi(q_start, first_local), const_index(group))
+            q_tile = extract_slice(q_rows, [0, 0, first_row, 0], [1, h_kv, tile_rows, d_qk])
+
+            def valid(idx: ScoreIndices, _extras):
+                col = arith_d.addi(idx.kv_start, idx.n)
+                row = arith_d.addi(first_local, arith_d.divui(idx.m, const_index(group)))
+                in_diagonal = _le(col, arith_d.addi(row, diagonal))
+                causal_ok = arith_d.ori(arith_d.xori(causal_on, arith_d.constant(ir.IntegerType.get_signless(1), 1)),
+                                        in_diagonal)
+                return arith_d.andi(_lt(col, kv.kv_len), causal_ok)
+
+            last_row_end = arith_d.minsi(arith_d.addi(first_local, const_index(spec.q_tile)), qo_len)
+            causal_end = arith_d.maxsi(arith_d.minsi(arith_d.addi(last_row_end, diagonal), kv.kv_len),
+                                       const_index(0))
+            visible = arith_d.select(causal_on, ceil_div(causal_end, spec.kv_tile), num_kv_tiles)
+            result = online_softmax(
+                q_tile, num_kv_tiles=visible, kv_tile=spec.kv_tile, d_v=d_v,
+                load_kv_tile=load_kv_tile, mask=ScoreMask(predicate=valid), sm_scale=sm_scale,
+            )
+            first_row = arith_d.addi(first_row, wait_for(result.lse))
+            out_acc = insert_slice(convert(result.output, dt), out_acc, [0, 0, first_row, 0],
+                                   [1, h_kv, tile_rows, d_v])
+            lse_acc = insert_slice(result.lse, lse_acc, [0, 0, first_row], [1, h_kv, tile_rows])
+            scf_d.YieldOp([out_acc, lse_acc])
+        scf_d.YieldOp(tied(q_tiles.results))
+
+    out_rows, lse_rows = tied(entries.results)
+    output = ungroup_rows(out_rows, h_kv, group, total_q, padded_tokens)
+    lse = ungroup_rows(lse_rows, h_kv, group, total_q, padded_tokens)
+    return [collapse(output, [[0, 1], [2], [3]]), collapse(lse, [[0, 1], [2]])]
+
+
+def _padded_rows(x: ir.Value, extra: int) -> ir.Value:
+    """[N, ...] -> [N + extra, ...] with zero rows appended, so a slice may run ``extra`` past N."""
+    shape = ir.RankedTensorType(x.type).shape
+    return zero_padded(x, [arith_d.addi(dim(x, 0), const_index(extra)), *shape[1:]])
+
+
+def _ragged_loader(spec: RaggedPrefillSpec, k, v, kv_indptr, k_rope_pos_offset):
+    """Entry b's KV is rows [kv_indptr[b], kv_indptr[b + 1]) of k and v: a slice, no gather."""
+    k_padded = _padded_rows(k, spec.kv_tile)
+    v_padded = _padded_rows(v, spec.kv_tile)
+
+    def load(b: ir.Value) -> EntryKv:
+        start = _index_at(kv_indptr, b)
+        kv_len = arith_d.subi(_index_at(kv_indptr, arith_d.addi(b, const_index(1))), start)
+        kv_pad = arith_d.muli(ceil_div(kv_len, spec.kv_tile), const_index(spec.kv_tile))
+        return EntryKv(
+            kv_len=kv_len,
+            keys=extract_slice(k_padded, [start, 0, 0], [kv_pad, spec.h_kv, spec.d_qk]),
+            values=extract_slice(v_padded, [start, 0, 0], [kv_pad, spec.h_kv, spec.d_v]),
+            rope_offset=tensor_d.extract(k_rope_pos_offset, [b]),
+        )
+
+    return load
+
+
+@dataclass(frozen=True)
+class _PageTable:
+    """Index values locating one entry's rows in the page table (§2)."""
+
+    first_page: ir.Value  # position of the entry's first page in page_values
+    physical_len: ir.Value  # rows stored in its pages
+    kv_len: ir.Value  # logical rows (after the sink/window remap)
+    window_offset: ir.Value  # physical row of logical row ``sink`` (0 without sliding window)
+    sink: ir.Value
+
+
+def _page_table(spec, b, page_indptr, length_info) -> _PageTable:
+    first_page = _index_at(page_indptr, b)
+    num_pages = arith_d.subi(_index_at(page_indptr, arith_d.addi(b, const_index(1))), first_page)
+    has_pages = arith_d.cmpi(arith_d.CmpIPredicate.sgt, num_pages, const_index(0))
+    zero = const_index(0)
+    if spec.sliding_window:
+        def info(row):
+            return arith_d.index_cast(index(), tensor_d.extract(length_info, [const_index(row), b]))
+        last_page_len, window_offset, sink = info(0), info(1), info(2)
+    else:
+        last_page_len, window_offset, sink = _index_at(length_info, b), zero, zero
+    full_pages = arith_d.muli(arith_d.subi(num_pages, const_index(1)), const_index(spec.page_size))
+    physical_len = arith_d.select(has_pages, arith_d.addi(full_pages, last_page_len), zero)
+    logical_len = arith_d.addi(arith_d.subi(physical_len, window_offset), sink)
+    kv_len = arith_d.select(has_pages, arith_d.maxsi(logical_len, zero), zero)
+    return _PageTable(first_page, physical_len, kv_len, window_offset, sink)
+
+
+def _gather_rows(spec, table: _PageTable, page_values, fetch, out_shapes, elem) -> list[ir.Value]:
+    """Token-major tensors of ``kv_pad`` rows gathered through the page table.
+
+    ``fetch(page, slot, out_indices)`` returns one scalar per output for logical row ``r`` whose
+    physical position is ``(page, slot)``; every index is clamped into range, so rows past
+    ``kv_len`` (whose result is zeroed later) never read out of bounds.
+    """
+    kv_pad = arith_d.muli(ceil_div(table.kv_len, spec.kv_tile), const_index(spec.kv_tile))
+    outs = [empty([kv_pad, *shape], elem) for shape in out_shapes]
+    rank = 1 + len(out_shapes[0])
+    last_page_slot = arith_d.maxsi(arith_d.subi(dim(page_values, 0), const_index(1)), const_index(0))
+    last_row = arith_d.maxsi(arith_d.subi(table.physical_len, const_index(1)), const_index(0))
+
+    def body(which, _out):
+        r = linalg_d.IndexOp(0).result
+        remapped = arith_d.addi(arith_d.subi(r, table.sink), table.window_offset)
+        physical = arith_d.select(_lt(r, table.sink), r, remapped)
+        physical = arith_d.maxsi(arith_d.minsi(physical, last_row), const_index(0))
+        page_slot = arith_d.addi(table.first_page, arith_d.divui(physical, const_index(spec.page_size)))
+        page_slot = arith_d.minsi(page_slot, last_page_slot)
+        page = arith_d.index_cast(index(), tensor_d.extract(page_values, [page_slot]))
+        slot = arith_d.remui(physical, const_index(spec.page_size))
+        out_indices = [linalg_d.IndexOp(i).result for i in range(1, rank)]
+        return [fetch(page, slot, out_indices)[which]]
+
+    # One generic per output: a multi-result gather fused with its consumer fails to compile
+    # for h_kv == 1 ("write affecting operations on global resources", IREE 3.13).
+    ident = affine_map(rank, range(rank))
+    return [generic([], [out], [ident], "p" * rank, lambda o, which=which: body(which, o))[0]
+            for which, out in enumerate(outs)]
+
+
+def _clamped_page(page: ir.Value, pages: ir.Value) -> ir.Value:
+    """A page id forced into [0, P): the host checks reject bad ids; this only guarantees no
+    out-of-bounds read if a caller bypasses them."""
+    last = arith_d.subi(dim(pages, 0), const_index(1))
+    return arith_d.maxsi(arith_d.minsi(page, last), const_index(0))
+
+
+def _paged_loader(spec: PagedPrefillSpec, pages, page_indptr, page_values, length_info, k_rope_pos_offset):
+    """Entry b's K and V rows gathered from pages [P, 2, h_kv, page_size, d]."""
+    elem = element_type(spec.dtype)
+
+    def load(b: ir.Value) -> EntryKv:
+        table = _page_table(spec, b, page_indptr, length_info)
+
+        def fetch(page, slot, out_indices):
+            head, col = out_indices
+            page = _clamped_page(page, pages)
+            return [tensor_d.extract(pages, [page, const_index(which), head, slot, col]) for which in (0, 1)]
+
+        keys, values = _gather_rows(spec, table, page_values, fetch, [[spec.h_kv, spec.d]] * 2, elem)
+        return EntryKv(kv_len=table.kv_len, keys=keys, values=values,
+                       rope_offset=tensor_d.extract(k_rope_pos_offset, [b]))
+
+    return load
+
+
+def _mla_loader(spec: MlaPagedPrefillSpec, pages, page_indptr, page_values, length_info):
+    """Entry b's latent rows from pages [P, page_size, d_latent + d_rope]: keys are whole rows,
+    values their first d_latent columns (one shared KV head)."""
+    elem = element_type(spec.dtype)
+
+    def load(b: ir.Value) -> EntryKv:
+        table = _page_table(spec, b, page_indptr, length_info)
+
+        def fetch(page, slot, out_indices):
+            _head, col = out_indices
+            return [tensor_d.extract(pages, [_clamped_page(page, pages), slot, col])]
+
+        rows = _gather_rows(spec, table, page_values, fetch, [[1, spec.d_qk]], elem)[0]
+        values = extract_slice(rows, [0, 0, 0], [dim(rows, 0), 1, spec.d_latent])
+        return EntryKv(kv_len=table.kv_len, keys=rows, values=values)
+
+    return load
+
+
+def _function(spec, arg_types: list, d_v: int, d_qk: int, emit) -> ir.Module:
+    """A verified module with one function ``spec.symbol(*args) -> (output, lse)``."""
+    with module_context() as module:
+        dt = element_type(spec.dtype)
+        out_type = tensor_type([DYN, spec.h_q, d_v], dt)
+        lse_type = tensor_type([DYN, spec.h_q], f32())
+        with ir.InsertionPoint(module.body):
+            fn = func_d.FuncOp(spec.symbol, ([t() for t in arg_types], [out_type, lse_type]))
+            with ir.InsertionPoint(fn.add_entry_block()):
+                func_d.ReturnOp(emit(*fn.arguments))
+        module.operation.verify()
+        return module
+
+
+def _rank1_i32():
+    return tensor_type([DYN], i32())
+
+
+def _length_info_type(spec):
+    return tensor_type([3, DYN] if spec.sliding_window else [DYN], i32())
+
+
+def build_ragged_prefill(spec: RaggedPrefillSpec) -> ir.Module:
+    """``batch_prefill_ragged_kv(q, q_indptr, k, v, kv_indptr, q_rope_position, k_rope_pos_offset,
+    causal, rotary_mode, rope_scale, rope_theta, sm_scale) -> (output, lse)``."""
+    dt = lambda: element_type(spec.dtype)  # noqa: E731 - types need the open context
+    arg_types = [
+        lambda: tensor_type([DYN, spec.h_q, spec.d_qk], dt()), _rank1_i32,
+        lambda: tensor_type([DYN, spec.h_kv, spec.d_qk], dt()),
+        lambda: tensor_type([DYN, spec.h_kv, spec.d_v], dt()), _rank1_i32, _rank1_i32, _rank1_i32,
+        i32, i32, f32, f32, f32,
+    ]
+
+    def emit(q, q_indptr, k, v, kv_indptr, q_rope_position, k_rope_pos_offset,
+             causal, rotary_mode, rope_scale, rope_theta, sm_scale):
+        rope = RopeArgs(rotary_mode, rope_scale, rope_theta, dict(spec.rope_scaling))
+        return _attend_entries(
+            spec, _rotated_if(rope, q, q_rope_position), q_indptr, d_v=spec.d_v,
+            load_entry=_ragged_loader(spec, k, v, kv_indptr, k_rope_pos_offset),
+            causal=causal, sm_scale=sm_scale, rope=rope,
+        )
+
+    return _function(spec, arg_types, spec.d_v, spec.d_qk, emit)
+
+
+def build_paged_prefill(spec: PagedPrefillSpec) -> ir.Module:
+    """``batch_prefill_paged_kv[_sliding_window](q, q_indptr, pages, page_indptr, page_values,
+    length_info, k_rope_pos_offset, q_rope_position, causal, rotary_mode, rope_scale, rope_theta,
+    sm_scale) -> (output, lse)``."""
+    dt = lambda: element_type(spec.dtype)  # noqa: E731
+    arg_types = [
+        lambda: tensor_type([DYN, spec.h_q, spec.d], dt()), _rank1_i32,
+        lambda: tensor_type([DYN, 2, spec.h_kv, spec.page_size, spec.d], dt()), _rank1_i32, _rank1_i32,
+        lambda: _length_info_type(spec), _rank1_i32, _rank1_i32,
+        i32, i32, f32, f32, f32,
+    ]
+
+    def emit(q, q_indptr, pages, page_indptr, page_values, length_info, k_rope_pos_offset,
+             q_rope_position, causal, rotary_mode, rope_scale, rope_theta, sm_scale):
+        rope = RopeArgs(rotary_mode, rope_scale, rope_theta, dict(spec.rope_scaling))
+        return _attend_entries(
+            spec, _rotated_if(rope, q, q_rope_position), q_indptr, d_v=spec.d,
+            load_entry=_paged_loader(spec, pages, page_indptr, page_values, length_info, k_rope_pos_offset),
+            causal=causal, sm_scale=sm_scale, rope=rope,
+        )
+
+    return _function(spec, arg_types, spec.d, spec.d, emit)
+
+
+def build_mla_prefill(spec: MlaPagedPrefillSpec) -> ir.Module:
+    """``batch_prefill_paged_kv_mla[_sliding_window](q, q_indptr, pages, page_indptr, page_values,
+    length_info, causal, sm_scale) -> (output [Lq, h_q, d_latent], lse)``."""
+    dt = lambda: element_type(spec.dtype)  # noqa: E731
+    arg_types = [
+        lambda: tensor_type([DYN, spec.h_q, spec.d_qk], dt()), _rank1_i32,
+        lambda: tensor_type([DYN, spec.page_size, spec.d_qk], dt()), _rank1_i32, _rank1_i32,
+        lambda: _length_info_type(spec), i32, f32,
+    ]
+
+    def emit(q, q_indptr, pages, page_indptr, page_values, length_info, causal, sm_scale):
+        return _attend_entries(
+            spec, q, q_indptr, d_v=spec.d_latent,
+            load_entry=_mla_loader(spec, pages, page_indptr, page_values, length_info),
+            causal=causal, sm_scale=sm_scale, rope=None,
+        )
+
+    return _function(spec, arg_types, spec.d_latent, spec.d_qk, emit)

@@ -1,0 +1,58 @@
+"""Row layouts shared by the variants: GQA groups folded into query rows, and back.
+
+A KV head's G = h_q // h_kv query heads are folded into its rows, token-major and head-minor,
+so one K/V tile serves the whole group:
+
+    q    [B, L, h_q, d]  ->  [B, h_kv, L_pad * G, d]    row r: token r // G, head h * G + r % G
+    rows [B, h_kv, L_pad * G, ...]  ->  [B, L, h_q, ...]  (the inverse, padding dropped)
+"""
+
+from __future__ import annotations
+
+from .ir import (
+    affine_map, arith_d, collapse, const_f32, const_index, expand, extract_slice, f32, fill,
+    generic, ir, sizes_of, tensor_d, transpose, zero_padded,
+)
+from .online_softmax import EMPTY_ROW_LSE
+
+
+def group_query_rows(q: ir.Value, h_kv: int, group: int, padded_len: ir.Value) -> ir.Value:
+    """[B, Lq, h_q, d] -> zero-padded [B, h_kv, padded_len * G, d] (token-major, head-minor rows)."""
+    batch, length, _, d = sizes_of(q)
+    q5 = expand(q, [[0], [1], [2, 3], [4]], [batch, length, h_kv, group, d])
+    qt = transpose(q5, (0, 2, 1, 3, 4))
+    padded = zero_padded(qt, [batch, h_kv, padded_len, group, d])
+    return collapse(padded, [[0], [1], [2, 3], [4]])
+
+
+def ungroup_rows(rows: ir.Value, h_kv: int, group: int, length: ir.Value, padded_tokens: ir.Value) -> ir.Value:
+    """[B, h_kv, padded_tokens * G, ...] -> [B, length, h_q, ...]: the inverse of the query layout.
+
+    ``padded_tokens`` is passed in rather than read back with ``tensor.dim``: ``rows`` is usually
+    the result of a loop, and IREE cannot resolve the dynamic dims of loop results.
+    """
+    shape = ir.RankedTensorType(rows.type).shape
+    batch = sizes_of(rows)[0]
+    tail = list(shape[3:])
+    r5 = expand(rows, [[0], [1], [2, 3], *[[4 + i] for i in range(len(tail))]],
+                [batch, h_kv, padded_tokens, group, *tail])
+    valid = extract_slice(r5, [0] * (4 + len(tail)), [batch, h_kv, length, group, *tail])
+    perm = (0, 2, 1, 3, *range(4, 4 + len(tail)))
+    back = transpose(valid, perm)
+    return collapse(back, [[0], [1], [2, 3], *[[4 + i] for i in range(len(tail))]])
+
+
+def wait_for(lse_tile: ir.Value) -> ir.Value:
+    """An index that is always 0 but that the host can only know after ``lse_tile`` is computed.
+
+    Adding it to the next offset makes the host wait for each query tile before issuing the
+    next. Without it the host loop runs ahead of the device and the transient buffers of every
+    in-flight KV step stay allocated (measured: peak memory grew faster than linearly in L).
+    The lse tile is first reduced into a 0-d tensor so the read is valid even for B == 0.
+    """
+    zero_d = fill(const_f32(EMPTY_ROW_LSE), [], f32())
+    maps = [affine_map(3, (0, 1, 2)), ir.AffineMap.get(3, 0, [])]
+    smallest = generic([lse_tile], [zero_d], maps, "rrr", lambda x, acc: [arith_d.minimumf(x, acc)])[0]
+    value = tensor_d.extract(smallest, [])
+    impossible = arith_d.cmpf(arith_d.CmpFPredicate.OLT, value, const_f32(-1.0e30))
+    return arith_d.select(impossible, const_index(1), const_index(0))

@@ -1,0 +1,278 @@
+"""Host-side checks of the KV-cache variants' seed-ABI arguments (semantics §1.1-§1.3, §2, §11.8).
+
+One function per variant, taking the kernel's arguments in ABI order (after the spec) and
+returning them normalised in the same order:
+
+* arrays as C-contiguous numpy arrays of the expected dtype (non-contiguous input is copied; a
+  wrong dtype is rejected, never cast; torch CPU tensors are read through :func:`as_array`);
+* int scalars (``causal``, ``rotary_mode``) as Python ``int``;
+* float scalars (``rope_scale``, ``rope_theta``, ``sm_scale``) as Python ``float``.
+
+Every violation raises :class:`InputError` whose message starts with the argument's name and
+states what was expected and what was found. Once a call passes, no kernel read is out of bounds
+and no RoPE position overflows int32.
+
+Notation: ``Lq`` query rows, ``Lk`` ragged KV rows, ``B`` batch entries (``len(q_indptr) - 1``),
+``P`` pages (``max_num_pages``), ``nnz`` used page slots (``len(page_values)``).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+
+from .checks import as_array, check_int32, check_range, check_same, check_tensor
+from .errors import InputError
+
+INT32_MAX = int(np.iinfo(np.int32).max)
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+__all__ = ["check_indptr", "check_mla", "check_paged", "check_ragged", "paged_kv_lengths"]
+
+
+# ----------------------------------------------------------------------------- variants
+
+
+def check_ragged(spec, q, q_indptr, k, v, kv_indptr, q_rope_position, k_rope_pos_offset,
+                 causal, rotary_mode, rope_scale, rope_theta, sm_scale) -> tuple:
+    """Arguments of ``batch_prefill_ragged_kv`` (§1.2) for a ``RaggedPrefillSpec``.
+
+    q [Lq, h_q, d_qk], q_indptr [B+1] i32, k [Lk, h_kv, d_qk], v [Lk, h_kv, d_v],
+    kv_indptr [B+1] i32, q_rope_position [Lq] i32, k_rope_pos_offset [B] i32, then the scalars.
+    """
+    q = check_tensor("q", q, dtype=spec.dtype, shape=(None, spec.h_q, spec.d_qk))
+    k = check_tensor("k", k, dtype=spec.dtype, shape=(None, spec.h_kv, spec.d_qk))
+    v = check_tensor("v", v, dtype=spec.dtype, shape=(None, spec.h_kv, spec.d_v))
+    check_same("v.shape[0]", v.shape[0], "k.shape[0] (Lk)", k.shape[0])
+    q_indptr = check_indptr("q_indptr", q_indptr, None, q.shape[0], "Lq (rows of q)")
+    batch = q_indptr.shape[0] - 1
+    kv_indptr = check_indptr("kv_indptr", kv_indptr, batch, k.shape[0], "Lk (rows of k)")
+    q_rope_position = check_int32("q_rope_position", q_rope_position, shape=(q.shape[0],))
+    k_rope_pos_offset = check_int32("k_rope_pos_offset", k_rope_pos_offset, shape=(batch,))
+    causal, rotary_mode, rope_scale, rope_theta, sm_scale = _check_rope_scalars(
+        causal, rotary_mode, rope_scale, rope_theta, sm_scale, spec.d_qk, "d_qk")
+    if rotary_mode == 1:
+        kv_len = np.diff(kv_indptr.astype(np.int64))
+        _check_positions(q_rope_position, k_rope_pos_offset, kv_len)
+    return (q, q_indptr, k, v, kv_indptr, q_rope_position, k_rope_pos_offset,
+            causal, rotary_mode, rope_scale, rope_theta, sm_scale)
+
+
+def check_paged(spec, q, q_indptr, pages, page_indptr, page_values, length_info,
+                k_rope_pos_offset, q_rope_position, causal, rotary_mode, rope_scale, rope_theta,
+                sm_scale) -> tuple:
+    """Arguments of ``batch_prefill_paged_kv[_sliding_window]`` (§1.1) for a ``PagedPrefillSpec``.
+
+    q [Lq, h_q, d], q_indptr [B+1] i32, pages [P, 2, h_kv, page_size, d], page_indptr [B+1] i32,
+    page_values [nnz] i32, length_info [B] i32 (or [3, B] with ``spec.sliding_window``),
+    k_rope_pos_offset [B] i32, q_rope_position [Lq] i32, then the scalars.
+    """
+    q = check_tensor("q", q, dtype=spec.dtype, shape=(None, spec.h_q, spec.d))
+    pages = check_tensor("pages", pages, dtype=spec.dtype,
+                         shape=(None, 2, spec.h_kv, spec.page_size, spec.d))
+    q_indptr, page_indptr, page_values, length_info = _check_page_table(
+        spec, q, pages, q_indptr, page_indptr, page_values, length_info)
+    batch = q_indptr.shape[0] - 1
+    k_rope_pos_offset = check_int32("k_rope_pos_offset", k_rope_pos_offset, shape=(batch,))
+    q_rope_position = check_int32("q_rope_position", q_rope_position, shape=(q.shape[0],))
+    causal, rotary_mode, rope_scale, rope_theta, sm_scale = _check_rope_scalars(
+        causal, rotary_mode, rope_scale, rope_theta, sm_scale, spec.d, "d")
+    if rotary_mode == 1:
+        kv_len = paged_kv_lengths(page_indptr, length_info, spec.page_size, spec.sliding_window)
+        _check_positions(q_rope_position, k_rope_pos_offset, kv_len)
+    return (q, q_indptr, pages, page_indptr, page_values, length_info, k_rope_pos_offset,
+            q_rope_position, causal, rotary_mode, rope_scale, rope_theta, sm_scale)
+
+
+def check_mla(spec, q, q_indptr, pages, page_indptr, page_values, length_info, causal,
+              sm_scale) -> tuple:
+    """Arguments of ``batch_prefill_paged_kv_mla[_sliding_window]`` (§1.3) for a
+    ``MlaPagedPrefillSpec``.
+
+    q [Lq, h_q, d_latent + d_rope], q_indptr [B+1] i32, pages [P, page_size, d_latent + d_rope],
+    page_indptr [B+1] i32, page_values [nnz] i32, length_info [B] i32 (or [3, B]), causal,
+    sm_scale.
+    """
+    q = check_tensor("q", q, dtype=spec.dtype, shape=(None, spec.h_q, spec.d_qk))
+    pages = check_tensor("pages", pages, dtype=spec.dtype, shape=(None, spec.page_size, spec.d_qk))
+    q_indptr, page_indptr, page_values, length_info = _check_page_table(
+        spec, q, pages, q_indptr, page_indptr, page_values, length_info)
+    causal = _check_choice("causal", causal, (0, 1))
+    sm_scale = _check_float("sm_scale", sm_scale)
+    return q, q_indptr, pages, page_indptr, page_values, length_info, causal, sm_scale
+
+
+# ----------------------------------------------------------------------------- KV lengths
+
+
+def paged_kv_lengths(page_indptr: np.ndarray, length_info: np.ndarray, page_size: int,
+                     sliding_window: bool) -> np.ndarray:
+    """Logical KV length of every entry, int64 [B] (semantics §2), from checked arrays.
+
+    ``page_indptr`` [B+1]; ``length_info`` [B] (last_page_len) or, with ``sliding_window``,
+    [3, B] (last_page_len, sw_off, sink). An entry with no pages has length 0 whatever its
+    ``length_info``; otherwise ``(n_pages - 1) * page_size + last_page_len - sw_off + sink``.
+    Computed in int64, so it never overflows.
+    """
+    n_pages = np.diff(np.asarray(page_indptr, dtype=np.int64))
+    info = np.asarray(length_info, dtype=np.int64)
+    phys = _physical_lengths(n_pages, info[0] if sliding_window else info, page_size)
+    if not sliding_window:
+        return phys
+    return np.where(n_pages > 0, phys - info[1] + info[2], 0)
+
+
+def _physical_lengths(n_pages: np.ndarray, last_page_len: np.ndarray, page_size: int) -> np.ndarray:
+    """Used slots of each entry, int64 [B]: ``(n_pages - 1) * page_size + last_page_len``, or 0."""
+    return np.where(n_pages > 0, (n_pages - 1) * page_size + last_page_len, 0)
+
+
+# ----------------------------------------------------------------------------- index arrays
+
+
+def check_indptr(name: str, value, batch: int | None, total: int, total_name: str) -> np.ndarray:
+    """A CSR offset array, int32 [B+1]: starts at 0, non-decreasing, ends at ``total``.
+
+    ``batch=None`` accepts any B >= 0 (the array defines B); otherwise the length must be B+1.
+    """
+    indptr = check_int32(name, value, shape=(None if batch is None else batch + 1,))
+    if indptr.shape[0] == 0:
+        raise InputError(f"{name}: expected length B+1 >= 1, got an empty array")
+    if indptr[0] != 0:
+        raise InputError(f"{name}: expected to start at 0, found {indptr[0]}")
+    steps = np.diff(indptr.astype(np.int64))
+    if np.any(steps < 0):
+        at = int(np.argmax(steps < 0))
+        raise InputError(
+            f"{name}: expected non-decreasing values, found {indptr[at]} then {indptr[at + 1]} "
+            f"at index {at}")
+    if indptr[-1] != total:
+        raise InputError(f"{name}: expected to end at {total_name} = {total}, found {indptr[-1]}")
+    return indptr
+
+
+def _check_page_table(spec, q, pages, q_indptr, page_indptr, page_values, length_info) -> tuple:
+    """q_indptr [B+1], page_indptr [B+1], page_values [nnz] in [0, P) and length_info [B] or
+    [3, B] against checked ``q`` [Lq, ...] and ``pages`` [P, ...]; returns the four arrays."""
+    q_indptr = check_indptr("q_indptr", q_indptr, None, q.shape[0], "Lq (rows of q)")
+    batch = q_indptr.shape[0] - 1
+    page_values = check_int32("page_values", page_values, shape=(None,))
+    page_indptr = check_indptr("page_indptr", page_indptr, batch, page_values.shape[0],
+                               "nnz (length of page_values)")
+    _check_page_ids(page_values, pages.shape[0])
+    shape = (3, batch) if spec.sliding_window else (batch,)
+    length_info = check_int32("length_info", length_info, shape=shape)
+    _check_length_info(length_info, page_indptr, spec.page_size, spec.sliding_window)
+    return q_indptr, page_indptr, page_values, length_info
+
+
+def _check_page_ids(page_values: np.ndarray, num_pages: int) -> None:
+    """Every page id [nnz] in [0, P)."""
+    bad = (page_values < 0) | (page_values >= num_pages)
+    if np.any(bad):
+        at = int(np.argmax(bad))
+        raise InputError(f"page_values: page ids expected in [0, P) = [0, {num_pages}), "
+                         f"found {page_values[at]} at index {at}")
+
+
+def _check_length_info(length_info: np.ndarray, page_indptr: np.ndarray, page_size: int,
+                       sliding_window: bool) -> None:
+    """For every entry with pages: last_page_len in [1, page_size] and, with a sliding window,
+    sw_off and sink in [0, phys] where phys = (n_pages - 1) * page_size + last_page_len.
+
+    This keeps the sink rows [0, sink) and the window rows [sw_off, phys) inside the entry's
+    pages and the length ``phys - sw_off + sink`` non-negative. Entries with no pages are skipped.
+    """
+    n_pages = np.diff(page_indptr.astype(np.int64))
+    info = length_info.astype(np.int64)
+    last = info[0] if sliding_window else info
+    element = "length_info[0, {b}]" if sliding_window else "length_info[{b}]"
+    _check_entries(f"last_page_len ({element})", n_pages > 0, last, 1, page_size)
+    if sliding_window:
+        phys = _physical_lengths(n_pages, last, page_size)
+        _check_entries("sliding-window offset sw_off (length_info[1, {b}])", n_pages > 0, info[1], 0, phys)
+        _check_entries("sink length (length_info[2, {b}])", n_pages > 0, info[2], 0, phys)
+
+
+def _check_entries(what: str, used: np.ndarray, values: np.ndarray, low, high) -> None:
+    """``low <= values[b] <= high[b]`` for every entry ``b`` with ``used[b]`` (bounds may be
+    per-entry arrays); the error names the first offending entry."""
+    high = np.broadcast_to(high, values.shape)
+    bad = used & ((values < low) | (values > high))
+    if np.any(bad):
+        b = int(np.argmax(bad))
+        raise InputError(
+            f"length_info: {what.format(b=b)} of entry {b} (which has pages) expected in "
+            f"[{low}, {int(high[b])}], found {int(values[b])}")
+
+
+def _check_positions(q_rope_position: np.ndarray, k_rope_pos_offset: np.ndarray,
+                     kv_len: np.ndarray) -> None:
+    """RoPE positions (rotary_mode 1): q_rope_position [Lq] >= 0, k_rope_pos_offset [B] >= 0 and
+    k_rope_pos_offset[b] + kv_len[b] <= INT32_MAX, so ``offset + r`` never overflows int32."""
+    check_range("q_rope_position", q_rope_position, 0, INT32_MAX)
+    check_range("k_rope_pos_offset", k_rope_pos_offset, 0, INT32_MAX)
+    last = k_rope_pos_offset.astype(np.int64) + kv_len
+    if np.any(last > INT32_MAX):
+        b = int(np.argmax(last > INT32_MAX))
+        raise InputError(
+            f"k_rope_pos_offset: entry {b}: offset + kv_len expected <= {INT32_MAX} (int32), "
+            f"found {int(k_rope_pos_offset[b])} + {int(kv_len[b])} = {int(last[b])}")
+
+
+# ----------------------------------------------------------------------------- scalars
+
+
+def _check_rope_scalars(causal, rotary_mode, rope_scale, rope_theta, sm_scale, dim: int,
+                        dim_name: str) -> tuple:
+    """causal, rotary_mode in {0, 1}; finite float32 scales; with rotary_mode 1 also
+    rope_scale > 0, rope_theta > 0 and an even rotated dim ``dim``. Returns the five scalars."""
+    causal = _check_choice("causal", causal, (0, 1))
+    rotary_mode = _check_choice("rotary_mode", rotary_mode, (0, 1))
+    rope_scale = _check_float("rope_scale", rope_scale)
+    rope_theta = _check_float("rope_theta", rope_theta)
+    sm_scale = _check_float("sm_scale", sm_scale)
+    if rotary_mode == 1:
+        _check_positive("rope_scale", rope_scale)
+        _check_positive("rope_theta", rope_theta)
+        if dim % 2:
+            raise InputError(f"rotary_mode: 1 rotates all {dim_name} = {dim} dims, expected an even "
+                             f"{dim_name}, found an odd one")
+    return causal, rotary_mode, rope_scale, rope_theta, sm_scale
+
+
+def _scalar(name: str, value) -> numbers.Real:
+    """A real, non-bool scalar: Python/numpy numbers, 0-d numpy arrays or torch tensors."""
+    if not isinstance(value, numbers.Number):
+        array = as_array(name, value)
+        if array.ndim:
+            raise InputError(f"{name}: expected a scalar, got an array of shape {array.shape}")
+        value = array[()]
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise InputError(f"{name}: expected a real number (not bool), got {type(value).__name__} {value!r}")
+    return value
+
+
+def _check_choice(name: str, value, choices: tuple[int, ...]) -> int:
+    """An integer scalar (int32 in the ABI) that is one of ``choices``; returned as ``int``."""
+    value = _scalar(name, value)
+    if not isinstance(value, numbers.Integral):
+        raise InputError(f"{name}: expected an integer in {choices}, got {type(value).__name__} {value!r}")
+    if int(value) not in choices:
+        raise InputError(f"{name}: expected one of {choices}, found {int(value)}")
+    return int(value)
+
+
+def _check_float(name: str, value) -> float:
+    """A real scalar finite in float32 (float32 in the ABI); returned as ``float``."""
+    value = float(_scalar(name, value))
+    if not math.isfinite(value) or abs(value) > FLOAT32_MAX:
+        raise InputError(f"{name}: expected a finite float32 value, found {value}")
+    return value
+
+
+def _check_positive(name: str, value: float) -> None:
+    if value <= 0:
+        raise InputError(f"{name}: expected > 0 with rotary_mode 1, found {value}")

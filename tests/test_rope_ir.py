@@ -1,0 +1,180 @@
+"""The inline RoPE emitter (:mod:`linalg_prefill.mlir.rope`) against the float64 reference."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from conftest import NUMPY_DTYPE, assert_close, max_error, uniform
+from linalg_prefill.mlir.ir import DYN, element_type, f32, func_d, i32, ir, module_context, tensor_type
+from linalg_prefill.mlir.rope import apply_rope
+from linalg_prefill.pipeline import Target, compile_ir
+from linalg_prefill.runtime.module import LoadedKernel
+from linalg_prefill.runtime.rope import apply_rope as reference_rope
+from linalg_prefill.runtime.rope import rope_pairing
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8192}
+LLAMA3_STEP = {**LLAMA3, "high_freq_factor": 1.0}
+LLAMA4 = {**LLAMA3, "rope_type": "llama4"}
+LONGROPE = {"rope_type": "longrope", "max_position_embeddings": 131072,
+            "original_max_position_embeddings": 4096}
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096,
+        "beta_fast": 32, "beta_slow": 1}
+YARN_ILTS = {**YARN, "inv_theta_log_scale": 0.05}
+YARN_FLAT = {**YARN, "beta_fast": 8, "beta_slow": 8}  # low == high: the ramp is a 0.001-wide step
+
+# (rope_scaling, head_dim, theta): each compiled kernel runs at (theta, 0.5) and (2 theta, 2.0).
+F32_CASES = {
+    "absent": ({}, 64, 10000.0),
+    "default": ({"rope_type": "default"}, 128, 10000.0),
+    "gptj": ({"rope_type": "gptj"}, 64, 10000.0),
+    "llama3": (LLAMA3, 128, 500000.0),
+    "llama3-step": (LLAMA3_STEP, 64, 500000.0),
+    "llama4": (LLAMA4, 128, 500000.0),
+    "longrope": (LONGROPE, 64, 10000.0),
+    "yarn": (YARN, 128, 10000.0),
+    "yarn-ilts": (YARN_ILTS, 64, 1000000.0),
+    "yarn-flat": (YARN_FLAT, 64, 10000.0),
+}
+HEADS = 3
+ROWS = 37
+
+
+def _module(dtype: str, head_dim: int, rope_scaling: dict, *, first_scalar: bool = False,
+            rows: int = DYN) -> ir.Module:
+    """``@rope(x [rows, HEADS, D], positions [rows] i32 | first i32, theta f32, scale f32)``."""
+    with module_context() as module:
+        x_type = tensor_type([rows, HEADS, head_dim], element_type(dtype))
+        pos_type = i32() if first_scalar else tensor_type([rows], i32())
+        with ir.InsertionPoint(module.body):
+            fn = func_d.FuncOp("rope", ([x_type, pos_type, f32(), f32()], [x_type]))
+            with ir.InsertionPoint(fn.add_entry_block()):
+                x, positions, theta, scale = fn.arguments
+                func_d.ReturnOp([apply_rope(x, positions, theta=theta, scale=scale, rope_scaling=rope_scaling)])
+        module.operation.verify()
+        return module
+
+
+def _kernel(module: ir.Module) -> LoadedKernel:
+    """Call it with Python float / int scalars: numpy scalars fail ("not a value type")."""
+    return LoadedKernel(compile_ir(str(module), Target("llvm-cpu")), "rope", "local-task")
+
+
+def _positions(rng: np.random.Generator, rows: int) -> np.ndarray:
+    """i32 [rows] in [0, 4096), including both ends."""
+    pos = rng.integers(0, 4096, size=rows).astype(np.int32)
+    pos[:2] = (0, 4095)
+    return pos
+
+
+def _f32_atol(positions: np.ndarray, scale: float) -> float:
+    """1e-4 plus the error the float32 angle itself carries.
+
+    ``position * scale``, the frequency and their product are each rounded to f32 (as HF and vLLM
+    do), each costing up to ``2^-24 * A`` for an angle of size ``A <= max(position) * scale``
+    (every frequency is <= 1); |d out / d angle| = |sin * x_a + cos * x_b| <= sqrt(2) for |x| <= 1.
+    At A ~ 8192 this is 2e-3: no f32 angle computation can reach 1e-4 there (half an ulp of 8192
+    is 4.9e-4 rad). For A <= 2048 it is 6e-4; observed errors are ~8e-5 and ~4e-4 respectively.
+    """
+    return 1e-4 + 3.0 * math.sqrt(2.0) * 2.0**-24 * float(np.max(positions)) * scale
+
+
+@pytest.mark.parametrize("case", list(F32_CASES))
+def test_float32_matches_reference(case):
+    rope_scaling, head_dim, theta = F32_CASES[case]
+    kernel = _kernel(_module("float32", head_dim, rope_scaling))
+    rng = np.random.default_rng(sum(map(ord, case)))
+    x = uniform(rng, (ROWS, HEADS, head_dim), "float32")
+    pos = _positions(rng, ROWS)
+    for run_theta, scale in ((theta, 0.5), (2.0 * theta, 2.0)):
+        (got,) = kernel(x, pos, run_theta, scale)
+        want = reference_rope(x, pos, rope_theta=run_theta, rope_scale=scale, rope_scaling=rope_scaling)
+        assert got.dtype == np.float32 and got.shape == x.shape
+        err = max_error(got, want)
+        assert err <= _f32_atol(pos, scale), f"{case} theta={run_theta} scale={scale}: max error {err:.3g}"
+        pair0 = _pair_zero(rope_scaling, head_dim)
+        assert max_error(got[..., pair0], want[..., pair0]) <= 1e-5, f"{case}: cos/sin of large angles"
+
+
+def _pair_zero(rope_scaling: dict, head_dim: int) -> list[int]:
+    """Elements of pair 0, whose frequency is exactly 1.
+
+    With scale 0.5 or 2.0 their f32 angle ``position * scale`` is exact, so their only error is
+    the evaluation of cos/sin at angles up to ~8e3 (unreduced, IREE's math.cos is off by 2e-4).
+    """
+    return [0, 1] if rope_pairing(rope_scaling) == "interleaved" else [0, head_dim // 2]
+
+
+@pytest.mark.parametrize("dtype, rope_scaling", [("float16", LLAMA3), ("bfloat16", {"rope_type": "gptj"})])
+def test_low_precision_matches_reference(dtype, rope_scaling):
+    kernel = _kernel(_module(dtype, 128, rope_scaling))
+    rng = np.random.default_rng(7)
+    x = uniform(rng, (ROWS, HEADS, 128), dtype)
+    pos = _positions(rng, ROWS)
+    (got,) = kernel(x, pos, 500000.0, 0.5)
+    want = reference_rope(x, pos, rope_theta=500000.0, rope_scale=0.5, rope_scaling=rope_scaling)
+    assert got.dtype == NUMPY_DTYPE[dtype]
+    assert_close("rope", got, want.astype(NUMPY_DTYPE[dtype]), dtype)
+
+
+def test_first_position_scalar_with_static_rows():
+    """positions = first + row, on a module whose row count is static."""
+    rows, head_dim, first = 16, 64, 3000
+    kernel = _kernel(_module("float32", head_dim, YARN, first_scalar=True, rows=rows))
+    rng = np.random.default_rng(3)
+    x = uniform(rng, (rows, HEADS, head_dim), "float32")
+    pos = first + np.arange(rows, dtype=np.int32)
+    for theta, scale in ((10000.0, 0.5), (20000.0, 2.0)):
+        (got,) = kernel(x, first, theta, scale)
+        want = reference_rope(x, pos, rope_theta=theta, rope_scale=scale, rope_scaling=YARN)
+        assert max_error(got, want) <= _f32_atol(pos, scale)
+
+
+def _generics(module: ir.Module) -> list[tuple[ir.Operation, list[str]]]:
+    """Each linalg.generic of ``@rope`` with the op names of its body."""
+    body = module.body.operations[0].regions[0].blocks[0]
+    return [
+        (op, [inner.operation.name for inner in op.regions[0].blocks[0].operations])
+        for op in body.operations
+        if op.operation.name == "linalg.generic"
+    ]
+
+
+def _result_types(op: ir.Operation) -> list[str]:
+    return [str(r.type) for r in op.results]
+
+
+def test_cos_sin_computed_once_per_row_and_pair_not_per_head():
+    module = _module("float16", 128, LLAMA3)
+    text = str(module)
+    assert text.count("math.cos") == 1 and text.count("math.sin") == 1
+    (table,) = [op for op, names in _generics(module) if "math.cos" in names and "math.sin" in names]
+    assert _result_types(table) == ["tensor<?x64xf32>"] * 2  # [N, D/2]: no head axis
+    (freqs,) = [op for op, names in _generics(module) if "math.exp2" in names]
+    assert _result_types(freqs) == ["tensor<64xf32>"]
+
+
+@pytest.mark.parametrize("rope_scaling, split", [({}, "2x64"), ({"rope_type": "gptj"}, "64x2")])
+def test_rotation_is_one_generic_over_the_expanded_pairs_without_math(rope_scaling, split):
+    module = _module("bfloat16", 128, rope_scaling)
+    assert "tensor.expand_shape %arg0 [[0], [1], [2, 3]]" in str(module)
+    rotations = [(op, names) for op, names in _generics(module)
+                 if _result_types(op) == [f"tensor<?x{HEADS}x{split}xbf16>"]]
+    assert len(rotations) == 1
+    names = rotations[0][1]
+    assert "linalg.index" in names and "arith.truncf" in names
+    assert not [n for n in names if n.startswith("math.")]
+
+
+@pytest.mark.parametrize("bad", [{"rope_type": "dynamic"}, {"rope_type": ""}])
+def test_unknown_rope_type_is_rejected(bad):
+    with pytest.raises(ValueError, match="rope_type"):
+        _module("float32", 64, bad)
+
+
+def test_odd_head_dim_is_rejected():
+    with pytest.raises(ValueError, match="even"):
+        _module("float32", 63, {})
