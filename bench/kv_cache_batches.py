@@ -63,8 +63,10 @@ def torch_loop(q, k, v, indptr):
     import torch
     import torch.nn.functional as F
 
-    entries = [(torch.from_numpy(q[a:b].transpose(1, 0, 2).copy()), torch.from_numpy(k[a:b].transpose(1, 0, 2).copy()),
-                torch.from_numpy(v[a:b].transpose(1, 0, 2).copy())) for a, b in zip(indptr[:-1], indptr[1:])]
+    def heads_major(x):  # [n, h, d] -> [1, h, n, d]: the 4-D layout SDPA's fast CPU path takes
+        return torch.from_numpy(np.ascontiguousarray(x.transpose(1, 0, 2)[None]))
+
+    entries = [(heads_major(q[a:b]), heads_major(k[a:b]), heads_major(v[a:b])) for a, b in zip(indptr[:-1], indptr[1:])]
 
     def run():
         for tq, tk, tv in entries:

@@ -2,7 +2,10 @@
 
 import pytest
 
-from linalg_prefill.mlir import MaskedSequencePrefillSpec, SequencePrefillSpec, build_module
+from linalg_prefill.mlir import (
+    MaskedSequencePrefillSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec,
+    build_module,
+)
 
 
 def _ir(spec) -> str:
@@ -24,17 +27,17 @@ def test_masked_module_takes_valid_lens():
 
 def test_online_softmax_is_an_scf_loop_of_linalg_ops_in_log2_domain():
     text = _ir(SequencePrefillSpec(4, 4, 64, "float32", causal=False, sm_scale=0.125, kv_tile=32))
-    assert text.count("scf.for") == 2  # query tiles, and KV tiles inside
+    assert text.count("scf.for") == 3  # batch entries, their query tiles, and KV tiles inside
     assert "math.exp2" in text and "math.log2" in text
     assert "math.exp " not in text
     assert "iree_linalg_ext" not in text
-    # score tiles are [B, h_kv, q_tile * G, kv_tile]: never Lq x Lk
-    assert "tensor<?x4x64x32xf32>" in text
+    # score tiles are [1, h_kv, q_tile * G, kv_tile], static: never Lq x Lk
+    assert "tensor<1x4x64x32xf32>" in text
 
 
 def test_score_tile_folds_gqa_group_into_rows():
     text = _ir(SequencePrefillSpec(8, 2, 64, "float32", causal=True, sm_scale=1.0, q_tile=16, kv_tile=32))
-    assert "tensor<?x2x64x32xf32>" in text  # 16 tokens x G=4 rows, one KV head axis of 2
+    assert "tensor<1x2x64x32xf32>" in text  # 16 tokens x G=4 rows, one KV head axis of 2
 
 
 def test_causal_adds_a_diagonal_predicate_and_tile_bound():
@@ -74,3 +77,34 @@ def test_spec_rejects_bad_fields(kwargs, message):
 def test_masked_spec_rejects_unknown_mask_mode():
     with pytest.raises(ValueError, match="mask_mode"):
         MaskedSequencePrefillSpec(4, 4, 64, "float32", mask_mode="causal", sm_scale=1.0)
+
+
+def test_kv_cache_modules_keep_the_seed_abi():
+    """Argument order and types of the seed (§1.1-§1.3); the rope arguments differ in order
+    between paged and ragged (§9.5) and both keep it."""
+    ragged = _ir(RaggedPrefillSpec(8, 2, 192, 128, "float16"))
+    assert ("func.func @batch_prefill_ragged_kv(%arg0: tensor<?x8x192xf16>, %arg1: tensor<?xi32>, "
+            "%arg2: tensor<?x2x192xf16>, %arg3: tensor<?x2x128xf16>, %arg4: tensor<?xi32>, %arg5: tensor<?xi32>, "
+            "%arg6: tensor<?xi32>, %arg7: i32, %arg8: i32, %arg9: f32, %arg10: f32, %arg11: f32) "
+            "-> (tensor<?x8x128xf16>, tensor<?x8xf32>)") in ragged
+    paged = _ir(PagedPrefillSpec(8, 2, 64, "bfloat16", page_size=16, sliding_window=True))
+    assert ("func.func @batch_prefill_paged_kv_sliding_window(%arg0: tensor<?x8x64xbf16>, %arg1: tensor<?xi32>, "
+            "%arg2: tensor<?x2x2x16x64xbf16>, %arg3: tensor<?xi32>, %arg4: tensor<?xi32>, %arg5: tensor<3x?xi32>, "
+            "%arg6: tensor<?xi32>, %arg7: tensor<?xi32>, %arg8: i32, %arg9: i32, %arg10: f32, %arg11: f32, %arg12: f32)"
+            ) in paged
+    mla = _ir(MlaPagedPrefillSpec(16, 512, 64, "float16", page_size=16))
+    assert ("func.func @batch_prefill_paged_kv_mla(%arg0: tensor<?x16x576xf16>, %arg1: tensor<?xi32>, "
+            "%arg2: tensor<?x16x576xf16>, %arg3: tensor<?xi32>, %arg4: tensor<?xi32>, %arg5: tensor<?xi32>, "
+            "%arg6: i32, %arg7: f32) -> (tensor<?x16x512xf16>, tensor<?x16xf32>)") in mla
+
+
+def test_kv_cache_variants_share_the_one_emitter():
+    """Entries, their query tiles, then the emitter's KV loop; scores are static [1, h_kv, rows, N]
+    tiles (G folded into rows) and MLA folds all h_q heads onto its single latent head."""
+    ragged = _ir(RaggedPrefillSpec(8, 2, 64, 64, "float32", q_tile=16, kv_tile=32))
+    assert ragged.count("scf.for") == 3 and ragged.count("math.exp2") >= 2
+    assert "tensor<1x2x64x32xf32>" in ragged
+    mla = _ir(MlaPagedPrefillSpec(16, 512, 64, "float32", q_tile=16, kv_tile=32))
+    assert mla.count("scf.for") == 3 and "tensor<1x1x256x32xf32>" in mla
+    assert "math.cos" not in mla  # MLA applies no RoPE (§1.3)
+    assert "math.cos" in ragged and "scf.if" in ragged  # inline RoPE under rotary_mode == 1
