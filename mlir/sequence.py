@@ -18,11 +18,11 @@ from __future__ import annotations
 from typing import Union
 
 from .ir import (
-    DYN, arith_d, ceil_div, collapse, const_index, convert, dim, element_type, empty, expand,
+    DYN, arith_d, ceil_div, collapse, const_index, dim, element_type, empty, expand,
     extract_slice, f32, func_d, i32, insert_slice, ir, module_context, scf_d, tensor_d, tensor_type,
     tie_dims, transpose, zero_padded,
 )
-from .layout import group_query_rows, ungroup_rows, wait_for
+from .layout import group_query_rows, pack_tile, ungroup_rows, unpack_rows, wait_for
 from .online_softmax import KvTile, ScoreIndices, ScoreMask, online_softmax
 from .specs import MaskedSequencePrefillSpec, SequencePrefillSpec
 
@@ -151,12 +151,12 @@ def _emit_body(spec: SequenceSpec, q, k, v, valid_lens=None):
 
     tile_rows = spec.q_tile * group
     total_rows = arith_d.muli(padded_tokens, const_index(group))
-    out_sizes, lse_sizes = [batch, h_kv, total_rows, d], [batch, h_kv, total_rows]
+    packed_sizes = [batch, h_kv, total_rows, d + 1]  # output columns, then lse (pack_tile)
 
-    def tied(pair):
-        return [tie_dims(pair[0], out_sizes), tie_dims(pair[1], lse_sizes)]
+    def tied(values):
+        return [tie_dims(value, packed_sizes) for value in values]
 
-    entries = scf_d.ForOp(const_index(0), batch, const_index(1), [empty(out_sizes, dt), empty(lse_sizes, f32())])
+    entries = scf_d.ForOp(const_index(0), batch, const_index(1), [empty(packed_sizes, f32())])
     with ir.InsertionPoint(entries.body):
         b = entries.induction_variable
         valid_len = None
@@ -171,9 +171,12 @@ def _emit_body(spec: SequenceSpec, q, k, v, valid_lens=None):
                 values=extract_slice(values, [b, 0, start, 0], [1, h_kv, spec.kv_tile, d]),
             )
 
-        q_tiles = scf_d.ForOp(const_index(0), num_q_tiles, const_index(1), tied(entries.inner_iter_args))
+        # An entry-sized buffer per batch entry, inserted once: IREE copies a loop-carried tensor
+        # on every iteration (see pack_tile), so the per-tile copy is one entry's rows.
+        entry_sizes = [1, h_kv, total_rows, d + 1]
+        q_tiles = scf_d.ForOp(const_index(0), num_q_tiles, const_index(1), [empty(entry_sizes, f32())])
         with ir.InsertionPoint(q_tiles.body):
-            out_acc, lse_acc = tied(q_tiles.inner_iter_args)
+            rows_acc = tie_dims(q_tiles.inner_iter_args[0], entry_sizes)
             first_token = arith_d.muli(q_tiles.induction_variable, const_index(spec.q_tile))
             first_row = arith_d.muli(first_token, const_index(group))
             q_tile = extract_slice(q_rows, [b, 0, first_row, 0], [1, h_kv, tile_rows, d])
@@ -191,10 +194,11 @@ def _emit_body(spec: SequenceSpec, q, k, v, valid_lens=None):
                 sm_scale=spec.sm_scale,
             )
             first_row = arith_d.addi(first_row, wait_for(result.lse))
-            out_acc = insert_slice(convert(result.output, dt), out_acc, [b, 0, first_row, 0],
-                                   [1, h_kv, tile_rows, d])
-            lse_acc = insert_slice(result.lse, lse_acc, [b, 0, first_row], [1, h_kv, tile_rows])
-            scf_d.YieldOp([out_acc, lse_acc])
-        scf_d.YieldOp(tied(q_tiles.results))
-    out_rows, lse_rows = tied(entries.results)
+            rows_acc = insert_slice(pack_tile(result.output, result.lse), rows_acc, [0, 0, first_row, 0],
+                                    [1, h_kv, tile_rows, d + 1])
+            scf_d.YieldOp([rows_acc])
+        entry_rows = tie_dims(q_tiles.results[0], entry_sizes)
+        (batch_rows,) = tied(entries.inner_iter_args)
+        scf_d.YieldOp([insert_slice(entry_rows, batch_rows, [b, 0, 0, 0], entry_sizes)])
+    out_rows, lse_rows = unpack_rows(tied(entries.results)[0], packed_sizes, dt)
     return [ungroup_rows(rows, h_kv, group, lengths.q_len, padded_tokens) for rows in (out_rows, lse_rows)]
