@@ -13,10 +13,15 @@ from dataclasses import dataclass
 
 DTYPES = ("float32", "float16", "bfloat16")
 
-# Default tiles, measured on llvm-cpu (2-core AMD EPYC, znver3) for B=1, h_q=32, h_kv=8, d=128,
-# L=2048 causal f32 (tokens x columns -> ms): 64x256 1280, 64x128 1087, 128x128 1096, 32x64 1267,
-# 128x64 1155. A score tile is [B, h_kv, q_tile * G, kv_tile] f32.
-DEFAULT_Q_TILE = 64
+# Default tiles, measured on llvm-cpu (2-core AMD EPYC, znver3) for B=1, h_q=32, h_kv=8, d=128
+# causal f32, query tokens x KV columns -> ms (bench-style best of 2, after the static-tile and
+# packed-state changes): L=512: 64x128 78, 128x128 79, 128x256 99; L=2048: 64x128 936-1008,
+# 128x128 892-921, 128x256 954-1038; L=4096: 64x128 6194, 128x128 4819, 256x128 4648, 128x256 4499.
+# Bigger query tiles read K/V fewer times, which matters once K/V outgrow the cache (L=4096).
+# The KV-cache variants keep 64-token query tiles: their entries are often short, and a query
+# tile of a short entry is mostly padding. A score tile is [1, h_kv, q_tile * G, kv_tile] f32.
+DEFAULT_Q_TILE = 128
+KV_CACHE_Q_TILE = 64
 DEFAULT_KV_TILE = 128
 MASK_MODES = ("padded", "causal_padded_left")
 
@@ -187,7 +192,7 @@ class RaggedPrefillSpec:
     d_v: int
     dtype: str
     rope_scaling: tuple = ()
-    q_tile: int = DEFAULT_Q_TILE
+    q_tile: int = KV_CACHE_Q_TILE
     kv_tile: int = DEFAULT_KV_TILE
 
     symbol = "batch_prefill_ragged_kv"
@@ -231,7 +236,7 @@ class PagedPrefillSpec:
     page_size: int = 16
     rope_scaling: tuple = ()
     sliding_window: bool = False
-    q_tile: int = DEFAULT_Q_TILE
+    q_tile: int = KV_CACHE_Q_TILE
     kv_tile: int = DEFAULT_KV_TILE
 
     def __post_init__(self):

@@ -220,3 +220,60 @@ def test_ragged_gqa_rope(rope_name, rope_scale, causal):
 def test_ragged_d_qk_ne_d_v_rope():
     rng = np.random.default_rng(60)
     _check_ragged(rng, 4, 1, 48, 16, 1, "llama3", 1, 2.0, RAGGED_QO, RAGGED_KV)
+
+
+# ---------------------------------------------------------------------------------------------
+# Our compiled kernels against the seed's kernels directly (llvm-cpu, float32), same inputs.
+
+KERNEL_ATOL = 1e-4  # both float32; RoPE angles are rounded differently (f32 vs TVM's f32 order)
+
+
+def _compare_kernels(got, want, keep):
+    out, lse = got
+    w_out, w_lse = want
+    assert keep.any()
+    np.testing.assert_allclose(out[keep], w_out[keep], rtol=0, atol=KERNEL_ATOL)
+    np.testing.assert_allclose(lse[keep], w_lse[keep], rtol=0, atol=KERNEL_ATOL)
+
+
+@pytest.mark.parametrize("causal, rotary", [(0, 0), (1, 1), (0, 1)])
+def test_our_paged_kernel_matches_the_seed(causal, rotary, cache):
+    from linalg_prefill.mlir import PagedPrefillSpec
+    from linalg_prefill.runtime import open_kernel
+
+    rng = np.random.default_rng(40 + 2 * causal + rotary)
+    inputs, kv_lens = _paged_inputs(rng, PAGED_QO, PAGED_KV, 8, 4, 1, 32)
+    scalars = (causal, rotary, 0.5, 1e4, 32 ** -0.5)
+    seed = _run(_paged_kernel(1, 4, 32, 8, False, "llama3"), inputs, (int(inputs[1][-1]), 4, 32),
+                (int(inputs[1][-1]), 4), scalars)
+    ours = open_kernel(PagedPrefillSpec(4, 1, 32, "float32", page_size=8, rope_scaling=ROPE["llama3"]), cache=cache)
+    _compare_kernels(ours(*inputs, *scalars), seed, _valid_rows(inputs[1], kv_lens, causal))
+
+
+def test_our_sliding_window_kernel_matches_the_seed(cache):
+    from linalg_prefill.mlir import PagedPrefillSpec
+    from linalg_prefill.runtime import open_kernel
+
+    rng = np.random.default_rng(44)
+    phys, sw = [21, 9, 0, 12, 30], [(10, 4), (5, 2), (0, 0), (6, 0), (17, 3)]
+    inputs, kv_lens = _paged_inputs(rng, [3, 5, 2, 2, 4], phys, 8, 4, 1, 32, sw=sw)
+    scalars = (0, 1, 1.5, 1e4, 32 ** -0.5)
+    total = int(inputs[1][-1])
+    seed = _run(_paged_kernel(1, 4, 32, 8, True, "default"), inputs, (total, 4, 32), (total, 4), scalars)
+    ours = open_kernel(PagedPrefillSpec(4, 1, 32, "float32", page_size=8, sliding_window=True), cache=cache)
+    _compare_kernels(ours(*inputs, *scalars), seed, _valid_rows(inputs[1], kv_lens, 0))
+
+
+@pytest.mark.parametrize("causal, rotary", [(1, 0), (1, 1), (0, 1)])
+def test_our_ragged_kernel_matches_the_seed(causal, rotary, cache):
+    from linalg_prefill.mlir import RaggedPrefillSpec
+    from linalg_prefill.runtime import open_kernel
+
+    rng = np.random.default_rng(50 + 2 * causal + rotary)
+    qo, kv = [3, 6, 2, 0, 4], [13, 4, 0, 9, 20]
+    inputs = _ragged_inputs(rng, qo, kv, 4, 2, 32, 16)
+    scalars = (causal, rotary, 2.0, 1e4, 32 ** -0.5)
+    total = int(inputs[1][-1])
+    seed = _run(_ragged_kernel(2, 4, 32, 16, "longrope"), inputs, (total, 4, 16), (total, 4), scalars)
+    ours = open_kernel(RaggedPrefillSpec(4, 2, 32, 16, "float32", ROPE["longrope"]), cache=cache)
+    _compare_kernels(ours(*inputs, *scalars), seed, _valid_rows(inputs[1], kv, causal))
