@@ -25,11 +25,11 @@ from dataclasses import dataclass
 from typing import Callable, Union
 
 from .ir import (
-    DYN, arith_d, ceil_div, collapse, const_index, dim, element_type, empty,
+    DYN, arith_d, ceil_div, collapse, const_index, convert, dim, element_type, empty,
     expand, extract_slice, f32, func_d, generic, i32, index, insert_slice, ir, linalg_d,
     module_context, scf_d, sizes_of, tensor_d, tensor_type, tie_dims, zero_padded, affine_map,
 )
-from .layout import group_query_rows, pack_tile, ungroup_rows, unpack_rows, wait_for
+from .layout import group_query_rows, ungroup_rows, wait_for
 from .online_softmax import KvTile, ScoreIndices, ScoreMask, online_softmax
 from .rope import apply_rope
 from .specs import MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec
@@ -145,14 +145,21 @@ def _attend_entries(
     q_rows = group_query_rows(q4, h_kv, group, padded_tokens)
     total_rows = dim(q_rows, 2)
     tile_rows = spec.q_tile * group
+    out_rows = empty([1, h_kv, total_rows, d_v], dt)
+    lse_rows = empty([1, h_kv, total_rows], f32())
     causal_on = _is_one(causal)
-    packed_sizes = [1, h_kv, total_rows, d_v + 1]  # output columns, then lse (pack_tile)
 
-    def tied(values):
-        return [tie_dims(value, packed_sizes) for value in values]
-
+    # The loops carry the batch's output and lse directly. Carrying one packed buffer per entry
+    # (as mlir/sequence.py does) measured faster (mixed ragged batch 1.31 s vs 1.48 s: IREE copies
+    # loop-carried tensors every iteration) but made paged calls fail intermittently in IREE 3.13,
+    # about 1 call in 15 ("transient buffer has not been committed" at hal.fence.await).
     batch = arith_d.subi(dim(q_indptr, 0), const_index(1))
-    entries = scf_d.ForOp(const_index(0), batch, const_index(1), [empty(packed_sizes, f32())])
+    entries = scf_d.ForOp(const_index(0), batch, const_index(1), [out_rows, lse_rows])
+    out_sizes, lse_sizes = [1, h_kv, total_rows, d_v], [1, h_kv, total_rows]
+
+    def tied(pair):
+        return [tie_dims(pair[0], out_sizes), tie_dims(pair[1], lse_sizes)]
+
     with ir.InsertionPoint(entries.body):
         b = entries.induction_variable
         q_start = _index_at(q_indptr, b)
@@ -172,19 +179,10 @@ def _attend_entries(
                 values=extract_slice(values, [0, 0, start, 0], [1, h_kv, spec.kv_tile, d_v]),
             )
 
-        # The query tiles write into an entry-sized buffer, inserted into the batch's once per
-        # entry: IREE copies a loop-carried tensor on every iteration (see pack_tile), so the
-        # per-tile copy is then the entry's size, not the batch's.
-        # An entry without queries still runs one query tile, over no KV tile (so it costs one
-        # tiny step) into rows that a later entry or the padding owns: IREE 3.13 fails at run time
-        # on a loop-carried buffer of a loop that runs no iteration ("transient buffer has not
-        # been committed").
-        has_queries = arith_d.cmpi(arith_d.CmpIPredicate.sgt, qo_len, const_index(0))
-        num_q_tiles = arith_d.maxsi(ceil_div(qo_len, spec.q_tile), const_index(1))
-        entry_sizes = [1, h_kv, arith_d.muli(num_q_tiles, const_index(tile_rows)), d_v + 1]
-        q_tiles = scf_d.ForOp(const_index(0), num_q_tiles, const_index(1), [empty(entry_sizes, f32())])
+        q_tiles = scf_d.ForOp(const_index(0), ceil_div(qo_len, spec.q_tile), const_index(1),
+                              tied(entries.inner_iter_args))
         with ir.InsertionPoint(q_tiles.body):
-            rows_acc = tie_dims(q_tiles.inner_iter_args[0], entry_sizes)
+            out_acc, lse_acc = tied(q_tiles.inner_iter_args)
             first_local = arith_d.muli(q_tiles.induction_variable, const_index(spec.q_tile))
             first_row = arith_d.muli(arith_d.addi(q_start, first_local), const_index(group))
             q_tile = extract_slice(q_rows, [0, 0, first_row, 0], [1, h_kv, tile_rows, d_qk])
@@ -201,21 +199,18 @@ def _attend_entries(
             causal_end = arith_d.maxsi(arith_d.minsi(arith_d.addi(last_row_end, diagonal), kv.kv_len),
                                        const_index(0))
             visible = arith_d.select(causal_on, ceil_div(causal_end, spec.kv_tile), num_kv_tiles)
-            visible = arith_d.select(has_queries, visible, const_index(0))
             result = online_softmax(
                 q_tile, num_kv_tiles=visible, kv_tile=spec.kv_tile, d_v=d_v,
                 load_kv_tile=load_kv_tile, mask=ScoreMask(predicate=valid), sm_scale=sm_scale,
             )
-            local_row = arith_d.addi(arith_d.muli(first_local, const_index(group)), wait_for(result.lse))
-            rows_acc = insert_slice(pack_tile(result.output, result.lse), rows_acc, [0, 0, local_row, 0],
-                                    [1, h_kv, tile_rows, d_v + 1])
-            scf_d.YieldOp([rows_acc])
-        entry_rows = tie_dims(q_tiles.results[0], entry_sizes)
-        (batch_rows,) = tied(entries.inner_iter_args)
-        entry_start = arith_d.muli(q_start, const_index(group))
-        scf_d.YieldOp([insert_slice(entry_rows, batch_rows, [0, 0, entry_start, 0], entry_sizes)])
+            first_row = arith_d.addi(first_row, wait_for(result.lse))
+            out_acc = insert_slice(convert(result.output, dt), out_acc, [0, 0, first_row, 0],
+                                   [1, h_kv, tile_rows, d_v])
+            lse_acc = insert_slice(result.lse, lse_acc, [0, 0, first_row], [1, h_kv, tile_rows])
+            scf_d.YieldOp([out_acc, lse_acc])
+        scf_d.YieldOp(tied(q_tiles.results))
 
-    out_rows, lse_rows = unpack_rows(tied(entries.results)[0], packed_sizes, dt)
+    out_rows, lse_rows = tied(entries.results)
     output = ungroup_rows(out_rows, h_kv, group, total_q, padded_tokens)
     lse = ungroup_rows(lse_rows, h_kv, group, total_q, padded_tokens)
     return [collapse(output, [[0, 1], [2], [3]]), collapse(lse, [[0, 1], [2]])]

@@ -1,19 +1,41 @@
-"""The ``linalg-prefill`` command."""
+"""The ``linalg-prefill`` command.
+
+    linalg-prefill build --model configs/llama-3-8b.json --backends llvm-cpu,cuda --out build/llama
+    linalg-prefill list build/llama
+    linalg-prefill show-config
+    linalg-prefill demo
+    linalg-prefill clear-cache
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from ..mlir.specs import DTYPES
 from .cache import default_cache
+from .targets import BACKENDS, Target
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="linalg-prefill", description=__doc__)
+    parser = argparse.ArgumentParser(prog="linalg-prefill", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="build the kernels, run them on the CPU against the reference")
     demo.add_argument("--backends", default="llvm-cpu,cuda", help="comma-separated backends to build")
     sub.add_parser("clear-cache", help="remove every cached artifact")
+    build = sub.add_parser("build", help="compile every kernel variant a model needs into a folder with a manifest")
+    build.add_argument("--model", required=True, help="Hugging Face config.json or a project TOML/JSON config")
+    build.add_argument("--out", required=True, help="output folder (vmfb files and manifest.json)")
+    build.add_argument("--backends", default="llvm-cpu,cuda", help="comma-separated, from " + ",".join(BACKENDS))
+    build.add_argument("--dtype", choices=DTYPES, help="override the config's dtype")
+    build.add_argument("--page-size", type=int, help="override the config's KV-cache page size (default 16)")
+    build.add_argument("--jobs", type=int, help="parallel compiles (default: CPU count)")
+    build.add_argument("--cpu", default="host", help="LLVM CPU for llvm-cpu, e.g. x86-64-v3 (default host)")
+    build.add_argument("--cuda-arch", default="sm_80", help="CUDA target for cuda (default sm_80)")
+    listing = sub.add_parser("list", help="list a build folder's artifacts and check their sha256")
+    listing.add_argument("dir", help="a folder written by `linalg-prefill build`")
+    sub.add_parser("show-config", help="IREE versions, HAL drivers, usable devices")
     args = parser.parse_args(argv)
     if args.command == "demo":
         from .demo import run_demo
@@ -23,7 +45,85 @@ def main(argv=None) -> int:
         cache = default_cache()
         print(f"removed {cache.clear()} artifacts from {cache.root}")
         return 0
+    if args.command == "build":
+        return _build(args)
+    if args.command == "list":
+        return _list(args.dir)
+    if args.command == "show-config":
+        return _show_config()
     return 2
+
+
+def _build(args) -> int:
+    """``build``: model config -> specs -> artifacts; prints the summary line."""
+    from .artifacts import build_artifacts
+    from .compiler import CompileError
+    from .model_config import load_model_config, specs_for_model
+
+    arch = {"llvm-cpu": args.cpu, "cuda": args.cuda_arch}
+    try:
+        cfg = load_model_config(args.model, dtype=args.dtype, page_size=args.page_size)
+        targets = [Target(b, arch.get(b, "")) for b in args.backends.split(",") if b]
+    except (OSError, ValueError) as err:
+        print(f"linalg-prefill build: error: {err}", file=sys.stderr)
+        return 2
+    specs = specs_for_model(cfg)
+    print(f"{cfg.name}: {len(specs)} variants for {', '.join(t.tag for t in targets)}")
+    try:
+        report = build_artifacts(specs, targets, args.out, jobs=args.jobs, model=cfg)
+    except CompileError as err:
+        print(f"linalg-prefill build: error: {err}", file=sys.stderr)
+        return 1
+    print(report.summary())
+    return 0
+
+
+def _list(out_dir: str) -> int:
+    """``list``: one row per artifact with its sha256 check; 1 if any is BAD or missing."""
+    from .artifacts import ArtifactError, load_manifest, verify_artifact
+    from .demo import _print_table
+
+    try:
+        manifest = load_manifest(out_dir)
+    except ArtifactError as err:
+        print(f"linalg-prefill list: error: {err}", file=sys.stderr)
+        return 1
+    rows, bad = [], 0
+    for entry in manifest["artifacts"]:
+        try:
+            verify_artifact(entry, out_dir)
+            check = "ok"
+        except ArtifactError:
+            check = "BAD"
+            bad += 1
+        rows.append((entry["variant"], entry["target"], entry["file"], _size(entry["bytes"]), check))
+    print(f"model {manifest['model']}, IREE compiler {manifest['compiler_version']}")
+    _print_table(("variant", "backend", "file", "size", "sha256"), rows)
+    if bad:
+        print(f"\n{bad} of {len(rows)} artifacts BAD (modified or missing): rebuild with `linalg-prefill build`")
+    return 1 if bad else 0
+
+
+def _size(count: int) -> str:
+    return f"{count / 1024:.0f} KiB" if count < 1 << 20 else f"{count / (1 << 20):.1f} MiB"
+
+
+def _show_config() -> int:
+    """``show-config``: compiler and runtime versions, HAL drivers, which devices can be created."""
+    import iree.runtime as rt
+    from iree.runtime.version import VERSION as RUNTIME_VERSION
+
+    from ..runtime import device_available
+    from .compiler import COMPILER_VERSION
+
+    cache = default_cache()
+    print(f"IREE compiler     {COMPILER_VERSION}")
+    print(f"IREE runtime      {RUNTIME_VERSION}")
+    print(f"HAL drivers       {', '.join(rt.query_available_drivers())}")
+    for driver in ("local-task", "cuda"):
+        print(f"device {driver:<10} {'usable' if device_available(driver) else 'not usable'}")
+    print(f"artifact cache    {cache.root}{'' if cache.enabled else ' (disabled)'}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,237 @@
+"""Model configs -> specs, AOT artifact builds with a manifest, and the build/list/show-config CLI."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+
+from linalg_prefill.mlir import (
+    MaskedSequencePrefillSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec,
+)
+from linalg_prefill.pipeline import COMPILER_VERSION, ArtifactCache, CompileError, Target
+from linalg_prefill.pipeline.artifacts import (
+    ArtifactError, build_artifacts, load_manifest, verify_artifact,
+)
+from linalg_prefill.pipeline.cli import main
+from linalg_prefill.pipeline.model_config import load_model_config, specs_for_model
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+TINY = CONFIGS / "tiny.toml"
+
+
+def _by_type(specs) -> dict:
+    out: dict = {}
+    for spec in specs:
+        out.setdefault(type(spec), []).append(spec)
+    return out
+
+
+def test_llama_3_8b_specs():
+    cfg = load_model_config(CONFIGS / "llama-3-8b.json")
+    assert (cfg.h_q, cfg.h_kv, cfg.head_dim, cfg.v_head_dim, cfg.dtype) == (32, 8, 128, 128, "bfloat16")
+    assert cfg.rope_theta == 500000.0 and not cfg.sliding_window and cfg.mla is None
+    assert cfg.rope_scaling == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    specs = _by_type(specs_for_model(cfg))
+    assert {t: len(s) for t, s in specs.items()} == {
+        RaggedPrefillSpec: 1, PagedPrefillSpec: 1, SequencePrefillSpec: 1, MaskedSequencePrefillSpec: 2}
+    ragged, paged = specs[RaggedPrefillSpec][0], specs[PagedPrefillSpec][0]
+    assert ragged == RaggedPrefillSpec(32, 8, 128, 128, "bfloat16", cfg.rope_scaling)
+    assert paged.fields()["rope_scaling"] == cfg.rope_scaling
+    assert (paged.page_size, paged.sliding_window) == (16, False)
+    assert specs[SequencePrefillSpec][0] == SequencePrefillSpec(32, 8, 128, "bfloat16", True, 128 ** -0.5)
+    assert sorted(s.mask_mode for s in specs[MaskedSequencePrefillSpec]) == ["causal_padded_left", "padded"]
+
+
+def test_mistral_gets_a_sliding_window_paged_spec():
+    cfg = load_model_config(CONFIGS / "mistral-7b.json")
+    assert cfg.sliding_window and cfg.rope_scaling == {} and cfg.rope_theta == 10000.0
+    paged = [s for s in specs_for_model(cfg) if isinstance(s, PagedPrefillSpec)]
+    assert [p.sliding_window for p in paged] == [False, True]
+    assert paged[1].symbol == "batch_prefill_paged_kv_sliding_window"
+    assert len(specs_for_model(cfg)) == 6
+
+
+def test_qwen2_window_off_when_use_sliding_window_is_false():
+    cfg = load_model_config(CONFIGS / "qwen2-0.5b.json")
+    assert (cfg.h_q, cfg.h_kv, cfg.head_dim, cfg.rope_theta) == (14, 2, 64, 1e6)
+    assert not cfg.sliding_window and len(specs_for_model(cfg)) == 5
+
+
+def test_deepseek_v2_lite_is_mla():
+    cfg = load_model_config(CONFIGS / "deepseek-v2-lite.json")
+    assert cfg.mla is not None and cfg.rope_scaling["rope_type"] == "yarn"
+    assert specs_for_model(cfg) == [
+        RaggedPrefillSpec(16, 16, 192, 128, "bfloat16", rope_scaling={}),
+        MlaPagedPrefillSpec(16, 512, 64, "bfloat16", page_size=16),
+    ]
+
+
+def test_tiny_toml_and_overrides():
+    cfg = load_model_config(TINY)
+    assert (cfg.name, cfg.h_q, cfg.h_kv, cfg.head_dim, cfg.dtype) == ("tiny", 4, 2, 64, "float32")
+    specs = specs_for_model(load_model_config(TINY, dtype="float16", page_size=32))
+    assert {s.dtype for s in specs} == {"float16"}
+    assert [s.page_size for s in specs if isinstance(s, PagedPrefillSpec)] == [32]
+
+
+HF = {"num_attention_heads": 8, "num_key_value_heads": 2, "hidden_size": 512, "torch_dtype": "float16"}
+
+
+@pytest.mark.parametrize("name, change, key", [
+    ("missing_heads", {"num_attention_heads": None}, "num_attention_heads"),
+    ("bad_kv_heads", {"num_key_value_heads": 3}, "num_key_value_heads"),
+    ("bad_dtype", {"torch_dtype": "float8_e4m3fn"}, "torch_dtype"),
+    ("no_dtype", {"torch_dtype": None}, "torch_dtype"),
+    ("linear_rope", {"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling"),
+    ("native_typo", {"h_q": 4, "h_kv": 2, "head_dim": 64, "dtype": "float32", "heads": 4}, "heads"),
+    ("native_missing", {"h_q": 4, "h_kv": 2, "dtype": "float32"}, "head_dim"),
+    ("native_no_dtype", {"h_q": 4, "h_kv": 2, "head_dim": 64}, "dtype: missing"),
+])
+def test_bad_config_names_the_key(tmp_path, name, change, key):
+    raw = change if "h_q" in change else {k: v for k, v in {**HF, **change}.items() if v is not None}
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match=key):
+        load_model_config(path)
+
+
+@pytest.fixture(scope="module")
+def build_cache(tmp_path_factory) -> ArtifactCache:
+    """A cache of this module's own, so the first build really compiles."""
+    return ArtifactCache(tmp_path_factory.mktemp("build-cache"))
+
+
+@pytest.fixture(scope="module")
+def tiny_build(tmp_path_factory, build_cache):
+    """configs/tiny.toml built for llvm-cpu: (specs, out dir, first report, second report, progress text)."""
+    cfg = load_model_config(TINY)
+    specs = specs_for_model(cfg)
+    out = tmp_path_factory.mktemp("tiny-build")
+    first = build_artifacts(specs, ["llvm-cpu"], out, jobs=2, cache=build_cache, progress=False, model=cfg)
+    progress = io.StringIO()
+    second = build_artifacts(specs, ["llvm-cpu"], out, jobs=2, cache=build_cache, progress=progress, model=cfg)
+    return specs, out, first, second, progress.getvalue()
+
+
+def test_build_writes_verified_manifest(tiny_build):
+    specs, out, first, _, _ = tiny_build
+    assert (first.compiled, first.reused) == (len(specs), 0)
+    manifest = load_manifest(out)
+    assert manifest["format"] == 1 and manifest["compiler_version"] == COMPILER_VERSION
+    assert manifest["model"] == "tiny" and manifest["model_config"]["head_dim"] == 64
+    entries = manifest["artifacts"]
+    assert [e["variant"] for e in entries] == [s.name for s in specs]
+    for spec, entry in zip(specs, entries):
+        assert entry["symbol"] == spec.symbol and entry["spec_type"] == type(spec).__name__
+        assert entry["spec"] == spec.fields()
+        assert (entry["backend"], entry["target"]) == ("llvm-cpu", "llvm-cpu-host")
+        assert "--iree-llvmcpu-target-cpu=host" in entry["flags"]
+        assert entry["file"] == f"llvm-cpu-host/{spec.name}.vmfb"
+        path = verify_artifact(entry, out)
+        assert path.stat().st_size == entry["bytes"] > 0
+
+
+def test_second_build_compiles_nothing(tiny_build):
+    specs, out, first, second, progress = tiny_build
+    assert (second.compiled, second.reused) == (0, len(specs))
+    assert "0 compiled" in second.summary()
+    assert progress.count("cached") == len(specs) and "compiled" not in progress
+    assert second.entries == first.entries
+
+
+def test_concurrent_builds_into_one_folder(tiny_build, build_cache, tmp_path):
+    specs = tiny_build[0][:2]
+    reports, errors = [], []
+
+    def build():
+        try:
+            reports.append(build_artifacts(specs, ["llvm-cpu"], tmp_path, jobs=1, cache=build_cache, progress=False))
+        except Exception as err:  # noqa: BLE001 (reported by the assert below)
+            errors.append(err)
+
+    threads = [threading.Thread(target=build) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors and len(reports) == 2
+    for entry in load_manifest(tmp_path)["artifacts"]:
+        verify_artifact(entry, tmp_path)
+
+
+def test_tampered_artifact_is_bad(tiny_build, tmp_path, capsys):
+    out = tmp_path / "copy"
+    shutil.copytree(tiny_build[1], out)
+    entries = load_manifest(out)["artifacts"]
+    with open(out / entries[0]["file"], "r+b") as f:
+        f.seek(100)
+        f.write(b"\xff\x00\xff")
+    (out / entries[1]["file"]).unlink()
+    assert main(["list", str(out)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    status = {line.split()[0]: line.split()[-1] for line in lines if line.startswith("batch_")}
+    assert status[entries[0]["variant"]] == "BAD" and status[entries[1]["variant"]] == "BAD"
+    assert status[entries[2]["variant"]] == "ok"
+    with pytest.raises(ArtifactError, match="sha256.*linalg-prefill build"):
+        verify_artifact(entries[0], out)
+    with pytest.raises(ArtifactError, match="missing.*linalg-prefill build"):
+        verify_artifact(entries[1], out)
+
+
+def test_manifest_from_another_compiler_raises(tiny_build, tmp_path, capsys):
+    manifest = json.loads((tiny_build[1] / "manifest.json").read_text())
+    manifest["compiler_version"] = "0.0.1"
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match="IREE compiler 0.0.1.*linalg-prefill build"):
+        load_manifest(tmp_path)
+    assert main(["list", str(tmp_path)]) == 1
+    assert "0.0.1" in capsys.readouterr().err
+    with pytest.raises(ArtifactError, match="no manifest"):
+        load_manifest(tmp_path / "nothing")
+
+
+def test_cuda_artifact_builds_without_a_gpu(build_cache, tmp_path):
+    spec = SequencePrefillSpec(4, 2, 64, "float32", causal=True, sm_scale=0.125)
+    report = build_artifacts([spec], ["cuda"], tmp_path, jobs=1, cache=build_cache, progress=False)
+    (entry,) = report.entries
+    assert (entry["backend"], entry["target"]) == ("cuda", "cuda-sm_80")
+    assert "--iree-cuda-target=sm_80" in entry["flags"]
+    verify_artifact(entry, tmp_path)
+
+
+def test_failed_compile_raises_and_writes_no_manifest(build_cache, tmp_path):
+    spec = SequencePrefillSpec(4, 2, 64, "float32", causal=True, sm_scale=0.125)
+    broken = Target("llvm-cpu", "host", ("--no-such-iree-flag",))
+    with pytest.raises(CompileError, match="1 of 1 artifacts failed"):
+        build_artifacts([spec], [broken], tmp_path, jobs=1, cache=build_cache, progress=False)
+    assert not (tmp_path / "manifest.json").exists()
+
+
+def test_cli_build_list_show_config(tiny_build, build_cache, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("LINALG_PREFILL_CACHE_DIR", str(build_cache.root))
+    monkeypatch.delenv("LINALG_PREFILL_CACHE", raising=False)
+    out = tmp_path / "out"
+    assert main(["build", "--model", str(TINY), "--backends", "llvm-cpu", "--out", str(out), "--jobs", "2"]) == 0
+    captured = capsys.readouterr()
+    assert "5 artifacts: 0 compiled, 5 reused" in captured.out
+    assert captured.err.count("cached") == 5
+    assert main(["list", str(out)]) == 0
+    listing = capsys.readouterr().out
+    assert listing.count(" ok") == 5 and "BAD" not in listing
+    assert main(["show-config"]) == 0
+    shown = capsys.readouterr().out
+    assert f"IREE compiler     {COMPILER_VERSION}" in shown
+    assert "device local-task usable" in shown and "device cuda" in shown
+
+
+def test_cli_build_rejects_a_bad_config(tmp_path, capsys):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({**HF, "torch_dtype": "int8"}))
+    assert main(["build", "--model", str(path), "--backends", "llvm-cpu", "--out", str(tmp_path / "o")]) == 2
+    assert "torch_dtype" in capsys.readouterr().err
