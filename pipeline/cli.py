@@ -2,6 +2,7 @@
 
     linalg-prefill build --model configs/llama-3-8b.json --backends llvm-cpu,cuda --out build/llama
     linalg-prefill list build/llama
+    linalg-prefill check build/llama --backends llvm-cpu,cuda
     linalg-prefill show-config
     linalg-prefill demo
     linalg-prefill clear-cache
@@ -35,6 +36,12 @@ def main(argv=None) -> int:
     build.add_argument("--cuda-arch", default="sm_80", help="CUDA target for cuda (default sm_80)")
     listing = sub.add_parser("list", help="list a build folder's artifacts and check their sha256")
     listing.add_argument("dir", help="a folder written by `linalg-prefill build`")
+    check = sub.add_parser("check", help="run every artifact of a build folder on small random inputs "
+                                          "against the float64 reference and across backends")
+    check.add_argument("dir", help="a folder written by `linalg-prefill build`")
+    check.add_argument("--backends", default="llvm-cpu,cuda",
+                       help="comma-separated; a backend without a device here is skipped")
+    check.add_argument("--seed", type=int, default=0, help="random seed of the inputs")
     sub.add_parser("show-config", help="IREE versions, HAL drivers, usable devices")
     args = parser.parse_args(argv)
     if args.command == "demo":
@@ -49,6 +56,8 @@ def main(argv=None) -> int:
         return _build(args)
     if args.command == "list":
         return _list(args.dir)
+    if args.command == "check":
+        return _check(args.dir, [b for b in args.backends.split(",") if b], args.seed)
     if args.command == "show-config":
         return _show_config()
     return 2
@@ -102,6 +111,44 @@ def _list(out_dir: str) -> int:
     if bad:
         print(f"\n{bad} of {len(rows)} artifacts BAD (modified or missing): rebuild with `linalg-prefill build`")
     return 1 if bad else 0
+
+
+def _check(out_dir: str, backends: list, seed: int) -> int:
+    """``check``: each variant on the requested backends it was built for, against the reference;
+    prints one table per variant; 0 when all ran within tolerance, 1 otherwise or if nothing ran."""
+    import numpy as np
+
+    from ..runtime.artifact_set import open_artifacts, spec_from_entry
+    from ..runtime.compare import compare_backends, example_inputs
+    from .artifacts import ArtifactError, load_manifest
+
+    try:
+        manifest = load_manifest(out_dir)
+        sets = {backend: open_artifacts(out_dir, backend, aot_only=True) for backend in backends}
+    except ValueError as err:  # ArtifactError or an unknown backend
+        print(f"linalg-prefill check: error: {err}", file=sys.stderr)
+        return 2
+    variants: dict = {}
+    for entry in manifest["artifacts"]:
+        if entry["backend"] in sets:
+            variants.setdefault(entry["variant"], (spec_from_entry(entry), []))[1].append(entry["backend"])
+    rng = np.random.default_rng(seed)
+    failures, ran = 0, 0
+    for spec, built in variants.values():
+        try:
+            report = compare_backends(spec, example_inputs(spec, rng), tuple(dict.fromkeys(built)), artifacts=sets)
+        except (ArtifactError, RuntimeError) as err:
+            print(f"{spec.name}: error: {err}\n")
+            failures += 1
+            continue
+        print(report.table() + "\n")
+        failures += not report.ok
+        ran += len(report.ran)
+    verdict = "all within tolerance" if not failures else f"{failures} OUT OF TOLERANCE or failed"
+    print(f"{len(variants)} variants, {ran} backend runs: {verdict}")
+    if not ran:
+        print(f"nothing ran: no artifact for {', '.join(backends)} with a device here")
+    return 1 if failures or not ran else 0
 
 
 def _size(count: int) -> str:

@@ -1,0 +1,111 @@
+"""Kernels from an AOT build folder (``linalg-prefill build``), with a JIT fallback.
+
+    artifacts = open_artifacts("build/llama-3-8b", "llvm-cpu")
+    kernel = artifacts.kernel(spec)       # the folder's vmfb, sha256-checked, loaded once
+    output, lse = kernel(*args)
+
+A spec the folder lacks is compiled into the artifact cache (as :func:`open_kernel` does), or,
+with ``aot_only=True``, raises :class:`ArtifactError` saying how to build it.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from ..mlir import specs as spec_types
+from ..pipeline import ArtifactCache, Target, target_for
+from ..pipeline.artifacts import ArtifactError, load_manifest, verify_artifact
+from .kernels import Kernel, open_kernel
+from .module import LoadedKernel
+
+__all__ = ["ArtifactSet", "open_artifacts", "spec_from_entry"]
+
+
+def spec_from_entry(entry: dict):
+    """The spec a manifest entry was built from (``spec_type`` and ``spec`` fields)."""
+    spec_type = getattr(spec_types, entry["spec_type"], None)
+    if not isinstance(spec_type, type):
+        raise ArtifactError(f"{entry['variant']}: unknown spec type {entry['spec_type']!r}")
+    return spec_type(**entry["spec"])
+
+
+class ArtifactSet:
+    """The artifacts of one build folder for one backend, loaded on demand.
+
+    ``kernel(spec)`` returns the same :class:`Kernel` for the same spec, from any thread (a lock
+    guards the loaded kernels; a kernel is loaded, or compiled, while the lock is held).
+    """
+
+    def __init__(self, root: Path, backend: str | Target, manifest: dict, *, aot_only: bool,
+                 cache: ArtifactCache | None):
+        self.root = root
+        self.backend = backend
+        self.aot_only = aot_only
+        self._cache = cache
+        self.entries = _entries(manifest, backend)
+        self._kernels: dict = {}
+        self._lock = threading.Lock()
+
+    def specs(self) -> list:
+        """The specs this folder has artifacts for on this backend, in manifest order."""
+        return [spec_from_entry(entry) for entry in self.entries.values()]
+
+    def kernel(self, spec) -> Kernel:
+        """The loaded kernel for ``spec``: the folder's artifact, else compiled (JIT) unless aot_only."""
+        with self._lock:
+            kernel = self._kernels.get(spec)
+            if kernel is None:
+                kernel = self._kernels[spec] = self._load(spec)
+            return kernel
+
+    def _load(self, spec) -> Kernel:
+        entry = self.entries.get(spec.name)
+        if entry is not None:
+            vmfb = verify_artifact(entry, self.root).read_bytes()
+            target = _entry_target(entry)
+            return Kernel(spec, target, LoadedKernel(vmfb, spec.symbol, target.driver))
+        if self.aot_only:
+            backend = target_for(self.backend).backend
+            raise ArtifactError(
+                f"{spec.name}: no {backend} artifact in {self.root} (aot_only); build it there with "
+                f"`linalg-prefill build --model CONFIG --out {self.root} --backends {backend}` (a model "
+                f"that needs this variant) or pipeline.artifacts.build_artifacts([spec], [{backend!r}], "
+                f"{str(self.root)!r}), or open the folder with aot_only=False to compile it on first use")
+        return open_kernel(spec, self.backend, cache=self._cache)
+
+    def __repr__(self) -> str:
+        return f"ArtifactSet({self.root}, {target_for(self.backend).tag}, {len(self.entries)} artifacts)"
+
+
+def _entries(manifest: dict, backend: str | Target) -> dict:
+    """variant -> manifest entry for ``backend``; of several archs, the backend's default wins."""
+    default = target_for(backend).tag
+    entries: dict = {}
+    for entry in manifest["artifacts"]:
+        if _matches(entry, backend) and (entry["variant"] not in entries or entry["target"] == default):
+            entries[entry["variant"]] = entry
+    return entries
+
+
+def _matches(entry: dict, backend: str | Target) -> bool:
+    """A backend name matches any arch of that backend; a Target matches its tag only."""
+    if isinstance(backend, Target):
+        return entry["target"] == backend.tag
+    return entry["backend"] == backend
+
+
+def _entry_target(entry: dict) -> Target:
+    """The Target of a manifest entry (its tag is ``<backend>-<arch>``)."""
+    return Target(entry["backend"], entry["target"][len(entry["backend"]) + 1:])
+
+
+def open_artifacts(dir, backend: str | Target = "llvm-cpu", *, aot_only: bool = False,
+                   cache: ArtifactCache | None = None) -> ArtifactSet:
+    """The build folder ``dir`` for ``backend``; raises ArtifactError if its manifest is unusable
+    (ValueError for an unknown backend).
+
+    ``cache`` is where specs missing from the folder are compiled (default: the environment's).
+    """
+    root = Path(dir)
+    return ArtifactSet(root, backend, load_manifest(root), aot_only=aot_only, cache=cache)

@@ -1,0 +1,387 @@
+"""FlashInfer-style plan/run wrappers over the prefill kernels.
+
+``plan(...)`` runs once per batch: it checks the index arrays on the host (semantics §11.8),
+derives the defaults (natural RoPE positions, ``sm_scale = 1/sqrt(d_qk)`` §11.10), keeps host
+metadata (query/KV lengths per entry) and uploads the index arrays to the kernel's device once.
+``run(...)`` runs once per layer with that layer's tensors, checks them against the plan and
+returns ``(output, lse)``; ``to_host=False`` keeps both on the device (IREE ``DeviceArray``)::
+
+    wrapper = RaggedPrefillWrapper(spec)                       # or artifacts=open_artifacts(dir)
+    wrapper.plan(q_indptr, kv_indptr, causal=True, rope=dict(rope_theta=5e5))
+    for layer in layers:
+        output, lse = wrapper.run(q[layer], k[layer], v[layer])
+
+Tensors may be numpy arrays, torch CPU tensors, or ``DeviceArray``s on the kernel's device
+(passed through without a copy). A wrapper may be shared by threads: each ``plan`` builds a new
+frozen :class:`Plan` and swaps it in with one assignment, and every ``run`` uses the plan that was
+current when it started; kernel calls are serialised by the kernel's lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+import iree.runtime as rt
+import numpy as np
+
+from ..mlir.specs import (
+    MaskedSequencePrefillSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec,
+)
+from ..pipeline import target_for
+from .checks import NUMPY_DTYPES, check_int32, check_range, check_tensor
+from .errors import InputError
+from .kernels import Kernel, open_kernel
+from .kv_checks import (
+    INT32_MAX, _check_choice, _check_float, _check_length_info, _check_positions, _check_rope_scalars,
+    check_indptr, paged_kv_lengths,
+)
+from .module import as_device_arrays
+
+__all__ = ["MaskedSequencePrefillWrapper", "MlaPagedPrefillWrapper", "PagedPrefillWrapper", "Plan",
+           "RaggedPrefillWrapper", "SequencePrefillWrapper", "natural_positions"]
+
+DEFAULT_ROPE_THETA = 1e4
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One batch, as ``plan`` checked it; read-only (a new plan replaces it, never mutates it).
+
+    ``arrays``: read-only copies of the checked host index arrays by ABI name (int32); ``device``: the same arrays on
+    the kernel's device; ``scalars``: the trailing runtime scalars in ABI order; ``qo_lens`` and
+    ``kv_lens``: int64 [B] query rows and (logical) KV rows per entry (the masked wrapper: both
+    are valid_lens); ``rows``: Lq, the query rows of a layer; ``kv_rows``: Lk (ragged) or the
+    fewest pages a layer's cache may have (paged, MLA: the largest page id + 1). The dense
+    wrappers take their sizes from each layer's tensors (``rows`` and ``kv_rows`` are 0).
+    """
+
+    arrays: Mapping
+    device: Mapping
+    scalars: tuple
+    qo_lens: np.ndarray
+    kv_lens: np.ndarray
+    rows: int
+    kv_rows: int
+
+
+class _Wrapper:
+    """The kernel for ``spec``, opened on first use, and the current plan.
+
+    ``backend``: a backend name or :class:`Target` (default ``"llvm-cpu"``, or the artifacts'
+    backend); ``artifacts``: an :class:`ArtifactSet` to take the kernel from; ``cache``: the
+    artifact cache a kernel is compiled into when it does not come from ``artifacts``.
+    """
+
+    spec_type: type
+
+    def __init__(self, spec, backend=None, artifacts=None, cache=None):
+        if not isinstance(spec, self.spec_type):
+            raise InputError(f"spec: {type(self).__name__} needs a {self.spec_type.__name__}, "
+                             f"got {type(spec).__name__}")
+        if artifacts is not None and backend is not None and \
+                target_for(backend).backend != target_for(artifacts.backend).backend:
+            raise ValueError(f"backend {backend!r} differs from the artifacts' {artifacts.backend!r}")
+        self.spec = spec
+        self._backend = backend or "llvm-cpu"
+        self._artifacts = artifacts
+        self._cache = cache
+        self._kernel: Kernel | None = None
+        self._lock = threading.Lock()
+        self._plan: Plan | None = None
+
+    @property
+    def kernel(self) -> Kernel:
+        """The loaded kernel (compiled or loaded from the artifacts on first use)."""
+        with self._lock:
+            if self._kernel is None:
+                self._kernel = (self._artifacts.kernel(self.spec) if self._artifacts is not None
+                                else open_kernel(self.spec, self._backend, cache=self._cache))
+            return self._kernel
+
+    @property
+    def current_plan(self) -> Plan | None:
+        return self._plan
+
+    def _planned(self) -> Plan:
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError(f"{type(self).__name__}.run() called before plan(): call plan(...) "
+                               "once per batch with its index arrays, then run(...) once per layer")
+        return plan
+
+    def _new_plan(self, arrays: dict, scalars: tuple, qo_lens, kv_lens, rows: int, kv_rows: int) -> Plan:
+        """Freezes copies of ``arrays``, uploads them to the kernel's device once, and makes the
+        result the current plan (one assignment, so concurrent runs see the old or the new plan)."""
+        frozen = {}
+        for name, array in arrays.items():
+            frozen[name] = np.array(array, copy=True)
+            frozen[name].setflags(write=False)
+        for lens in (qo_lens, kv_lens):
+            lens.setflags(write=False)
+        device = dict(zip(frozen, as_device_arrays(self.kernel.device, list(frozen.values()))))
+        self._plan = Plan(MappingProxyType(frozen), MappingProxyType(device), scalars, qo_lens, kv_lens,
+                          rows, kv_rows)
+        return self._plan
+
+    def _launch(self, args: tuple, out_shape: tuple, to_host: bool) -> tuple:
+        """Runs the kernel on ABI-ordered ``args``; a call with no query rows returns zeros
+        (output ``out_shape`` in the spec dtype, lse float32) without launching it."""
+        if np.prod(out_shape[:-2]):
+            # Not Kernel.__call__: its host checks would download the device arrays (the plan's
+            # index arrays included); plan() and run() check the same conditions without that.
+            return self.kernel._loaded(*args, to_host=to_host)
+        zeros = (np.zeros(out_shape, NUMPY_DTYPES[self.spec.dtype]), np.zeros(out_shape[:-1], np.float32))
+        return zeros if to_host else tuple(as_device_arrays(self.kernel.device, zeros))
+
+
+# ----------------------------------------------------------------------------- KV-cache wrappers
+
+
+class RaggedPrefillWrapper(_Wrapper):
+    """``batch_prefill_ragged_kv`` (§1.2): q [Lq, h_q, d_qk], k [Lk, h_kv, d_qk], v [Lk, h_kv, d_v]
+    -> output [Lq, h_q, d_v], lse [Lq, h_q] float32."""
+
+    spec_type = RaggedPrefillSpec
+
+    def plan(self, q_indptr, kv_indptr, *, causal=True, rope=None, q_rope_position=None,
+             k_rope_pos_offset=None, sm_scale=None) -> Plan:
+        """q_indptr, kv_indptr int32 [B+1]; ``rope`` None (no RoPE) or ``dict(rope_scale=,
+        rope_theta=)``; positions default as :func:`natural_positions`; ``sm_scale`` 1/sqrt(d_qk)."""
+        q_indptr = _indptr("q_indptr", q_indptr)
+        batch = q_indptr.shape[0] - 1
+        kv_indptr = _indptr("kv_indptr", kv_indptr, batch)
+        qo_lens, kv_lens = np.diff(q_indptr.astype(np.int64)), np.diff(kv_indptr.astype(np.int64))
+        q_pos, k_off = natural_positions(q_indptr, kv_lens, q_rope_position, k_rope_pos_offset)
+        scalars = _rope_scalars(causal, rope, sm_scale, self.spec.d_qk, "d_qk")
+        if scalars[1] == 1:
+            _check_positions(q_pos, k_off, kv_lens)
+        arrays = {"q_indptr": q_indptr, "kv_indptr": kv_indptr, "q_rope_position": q_pos,
+                  "k_rope_pos_offset": k_off}
+        return self._new_plan(arrays, scalars, qo_lens, kv_lens, int(q_indptr[-1]), int(kv_indptr[-1]))
+
+    def run(self, q, k, v, *, to_host: bool = True) -> tuple:
+        """One layer: q [Lq, h_q, d_qk], k [Lk, h_kv, d_qk], v [Lk, h_kv, d_v] in spec.dtype."""
+        plan, spec = self._planned(), self.spec
+        q = _rows("q", _tensor("q", q, spec.dtype, (None, spec.h_q, spec.d_qk)), plan.rows, "q_indptr[-1]")
+        k = _rows("k", _tensor("k", k, spec.dtype, (None, spec.h_kv, spec.d_qk)), plan.kv_rows, "kv_indptr[-1]")
+        v = _rows("v", _tensor("v", v, spec.dtype, (None, spec.h_kv, spec.d_v)), plan.kv_rows, "kv_indptr[-1]")
+        dev = plan.device
+        args = (q, dev["q_indptr"], k, v, dev["kv_indptr"], dev["q_rope_position"], dev["k_rope_pos_offset"],
+                *plan.scalars)
+        return self._launch(args, (plan.rows, spec.h_q, spec.d_v), to_host)
+
+
+class PagedPrefillWrapper(_Wrapper):
+    """``batch_prefill_paged_kv[_sliding_window]`` (§1.1): q [Lq, h_q, d], pages [P, 2, h_kv,
+    page_size, d] -> output [Lq, h_q, d], lse [Lq, h_q] float32."""
+
+    spec_type = PagedPrefillSpec
+
+    def plan(self, q_indptr, page_indptr, page_values, length_info, *, causal=False, rope=None,
+             q_rope_position=None, k_rope_pos_offset=None, sm_scale=None) -> Plan:
+        """q_indptr, page_indptr int32 [B+1], page_values [nnz], length_info = last_page_len [B]
+        (or [3, B] last_page_len, sw_off, sink with a sliding window); the rest as
+        :meth:`RaggedPrefillWrapper.plan` (``sm_scale`` default 1/sqrt(d))."""
+        arrays, kv_lens, pages_needed = _page_table(self.spec, q_indptr, page_indptr, page_values, length_info)
+        q_pos, k_off = natural_positions(arrays["q_indptr"], kv_lens, q_rope_position, k_rope_pos_offset)
+        scalars = _rope_scalars(causal, rope, sm_scale, self.spec.d, "d")
+        if scalars[1] == 1:
+            _check_positions(q_pos, k_off, kv_lens)
+        arrays.update(k_rope_pos_offset=k_off, q_rope_position=q_pos)
+        qo_lens = np.diff(arrays["q_indptr"].astype(np.int64))
+        return self._new_plan(arrays, scalars, qo_lens, kv_lens, int(arrays["q_indptr"][-1]), pages_needed)
+
+    def run(self, q, pages, *, to_host: bool = True) -> tuple:
+        """One layer: q [Lq, h_q, d], pages [P, 2, h_kv, page_size, d] in spec.dtype."""
+        plan, spec = self._planned(), self.spec
+        q = _rows("q", _tensor("q", q, spec.dtype, (None, spec.h_q, spec.d)), plan.rows, "q_indptr[-1]")
+        pages = _page_count(_tensor("pages", pages, spec.dtype, (None, 2, spec.h_kv, spec.page_size, spec.d)),
+                            plan.kv_rows)
+        dev = plan.device
+        args = (q, dev["q_indptr"], pages, dev["page_indptr"], dev["page_values"], dev["length_info"],
+                dev["k_rope_pos_offset"], dev["q_rope_position"], *plan.scalars)
+        return self._launch(args, (plan.rows, spec.h_q, spec.d), to_host)
+
+
+class MlaPagedPrefillWrapper(_Wrapper):
+    """``batch_prefill_paged_kv_mla[_sliding_window]`` (§1.3): q [Lq, h_q, d_latent + d_rope],
+    pages [P, page_size, d_latent + d_rope] -> output [Lq, h_q, d_latent], lse [Lq, h_q] float32."""
+
+    spec_type = MlaPagedPrefillSpec
+
+    def plan(self, q_indptr, page_indptr, page_values, length_info, *, causal=False, sm_scale) -> Plan:
+        """As :meth:`PagedPrefillWrapper.plan` without RoPE; ``sm_scale`` is required (DeepSeek:
+        (qk_nope + qk_rope)^-0.5, not (d_latent + d_rope)^-0.5)."""
+        arrays, kv_lens, pages_needed = _page_table(self.spec, q_indptr, page_indptr, page_values, length_info)
+        scalars = (_check_choice("causal", _int(causal), (0, 1)), _check_float("sm_scale", sm_scale))
+        qo_lens = np.diff(arrays["q_indptr"].astype(np.int64))
+        return self._new_plan(arrays, scalars, qo_lens, kv_lens, int(arrays["q_indptr"][-1]), pages_needed)
+
+    def run(self, q, pages, *, to_host: bool = True) -> tuple:
+        """One layer: q [Lq, h_q, d_latent + d_rope], pages [P, page_size, d_latent + d_rope]."""
+        plan, spec = self._planned(), self.spec
+        q = _rows("q", _tensor("q", q, spec.dtype, (None, spec.h_q, spec.d_qk)), plan.rows, "q_indptr[-1]")
+        pages = _page_count(_tensor("pages", pages, spec.dtype, (None, spec.page_size, spec.d_qk)), plan.kv_rows)
+        dev = plan.device
+        args = (q, dev["q_indptr"], pages, dev["page_indptr"], dev["page_values"], dev["length_info"],
+                *plan.scalars)
+        return self._launch(args, (plan.rows, spec.h_q, spec.d_latent), to_host)
+
+
+# ----------------------------------------------------------------------------- dense wrappers
+
+
+class SequencePrefillWrapper(_Wrapper):
+    """``batch_sequence_prefill_kv`` (§1.4): q [B, Lq, h_q, d], k/v [B, Lk, h_kv, d] -> output
+    [B, Lq, h_q, d], lse [B, Lq, h_q] float32. Causal and sm_scale are the spec's; no plan."""
+
+    spec_type = SequencePrefillSpec
+
+    def run(self, q, k, v, *, to_host: bool = True) -> tuple:
+        q, k, v = _dense(self.spec, q, k, v)
+        return self._launch((q, k, v), (*q.shape[:2], self.spec.h_q, self.spec.d), to_host)
+
+
+class MaskedSequencePrefillWrapper(_Wrapper):
+    """``batch_sequence_prefill_kv_masked`` (§7): as :class:`SequencePrefillWrapper` plus
+    valid_lens [B] int32, given once per batch to ``plan``."""
+
+    spec_type = MaskedSequencePrefillSpec
+
+    def plan(self, valid_lens) -> Plan:
+        """valid_lens int32 [B], each in [0, min(Lq, Lk)] of every layer's q and k."""
+        valid_lens = check_int32("valid_lens", valid_lens, shape=(None,))
+        check_range("valid_lens", valid_lens, 0, INT32_MAX)
+        arrays = {"valid_lens": valid_lens}
+        lens = valid_lens.astype(np.int64)
+        return self._new_plan(arrays, (), lens, lens.copy(), 0, 0)
+
+    def run(self, q, k, v, *, to_host: bool = True) -> tuple:
+        """One layer: q [B, Lq, h_q, d], k/v [B, Lk, h_kv, d] with B and valid_lens as planned."""
+        plan = self._planned()
+        q, k, v = _dense(self.spec, q, k, v)
+        batch = plan.arrays["valid_lens"].shape[0]
+        if q.shape[0] != batch:
+            raise InputError(f"q: expected batch {batch} (length of the planned valid_lens), got {q.shape[0]}")
+        limit, longest = min(q.shape[1], k.shape[1]), int(plan.kv_lens.max(initial=0))
+        if longest > limit:
+            raise InputError(f"valid_lens: planned lengths must lie in [0, min(Lq, Lk)] = [0, {limit}] "
+                             f"for this layer's q and k, found {longest}")
+        return self._launch((q, k, v, plan.device["valid_lens"]), (*q.shape[:2], self.spec.h_q, self.spec.d),
+                            to_host)
+
+
+# ----------------------------------------------------------------------------- plan helpers
+
+
+def natural_positions(q_indptr: np.ndarray, kv_lens: np.ndarray, q_rope_position=None,
+                      k_rope_pos_offset=None) -> tuple[np.ndarray, np.ndarray]:
+    """q_rope_position int32 [Lq] and k_rope_pos_offset int32 [B]: given ones checked for dtype
+    and shape, missing ones natural.
+
+    Natural: K row r of entry b at ``k_rope_pos_offset[b] + r`` with offset 0, query row i at
+    ``offset + kv_len - qo_len + i`` (aligned bottom-right, like the causal mask). An entry with
+    qo_len > kv_len gets the offset ``qo_len - kv_len`` instead of 0, so no position is negative
+    (RoPE depends on position differences, which stay the same).
+    """
+    rows = int(q_indptr[-1])
+    qo_lens = np.diff(q_indptr.astype(np.int64))
+    if k_rope_pos_offset is None:
+        k_off = np.maximum(qo_lens - kv_lens, 0).astype(np.int32)
+    else:
+        k_off = check_int32("k_rope_pos_offset", k_rope_pos_offset, shape=(len(kv_lens),))
+    if q_rope_position is not None:
+        return check_int32("q_rope_position", q_rope_position, shape=(rows,)), k_off
+    starts = k_off.astype(np.int64) + kv_lens - qo_lens - q_indptr[:-1]
+    return (np.repeat(starts, qo_lens) + np.arange(rows)).astype(np.int32), k_off
+
+
+def _indptr(name: str, value, batch: int | None = None) -> np.ndarray:
+    """A CSR offset array int32 [B+1] (starts at 0, non-decreasing); its last value is the row count."""
+    array = check_int32(name, value, shape=(None,))
+    end = int(array[-1]) if array.size else 0
+    return check_indptr(name, array, batch, end, "its last value")
+
+
+def _page_table(spec, q_indptr, page_indptr, page_values, length_info) -> tuple[dict, np.ndarray, int]:
+    """The checked page table (arrays by ABI name), KV lengths int64 [B] and the pages a layer needs."""
+    q_indptr = _indptr("q_indptr", q_indptr)
+    batch = q_indptr.shape[0] - 1
+    page_values = check_int32("page_values", page_values, shape=(None,))
+    check_range("page_values", page_values, 0, INT32_MAX - 1)
+    page_indptr = check_indptr("page_indptr", page_indptr, batch, page_values.shape[0],
+                               "nnz (length of page_values)")
+    shape = (3, batch) if spec.sliding_window else (batch,)
+    length_info = check_int32("length_info", length_info, shape=shape)
+    _check_length_info(length_info, page_indptr, spec.page_size, spec.sliding_window)
+    kv_lens = paged_kv_lengths(page_indptr, length_info, spec.page_size, spec.sliding_window)
+    arrays = {"q_indptr": q_indptr, "page_indptr": page_indptr, "page_values": page_values,
+              "length_info": length_info}
+    return arrays, kv_lens, int(page_values.max(initial=-1)) + 1
+
+
+def _int(flag) -> int:
+    """``causal`` given as a bool or an int."""
+    return int(flag) if isinstance(flag, (bool, np.bool_)) else flag
+
+
+def _rope_scalars(causal, rope, sm_scale, dim: int, dim_name: str) -> tuple:
+    """(causal, rotary_mode, rope_scale, rope_theta, sm_scale), checked; ``rope`` None means
+    rotary_mode 0, a dict ``rope_scale`` (default 1) and ``rope_theta`` (default 1e4) mode 1."""
+    if rope is None:
+        rotary_mode, rope_scale, rope_theta = 0, 1.0, DEFAULT_ROPE_THETA
+    elif isinstance(rope, Mapping):
+        unknown = sorted(set(rope) - {"rope_scale", "rope_theta"})
+        if unknown:
+            raise InputError(f"rope: unknown keys {unknown}; expected rope_scale and/or rope_theta")
+        rotary_mode, rope_scale, rope_theta = 1, rope.get("rope_scale", 1.0), rope.get("rope_theta", DEFAULT_ROPE_THETA)
+    else:
+        raise InputError(f"rope: expected None or dict(rope_scale=, rope_theta=), got {type(rope).__name__}")
+    sm_scale = dim ** -0.5 if sm_scale is None else sm_scale
+    return _check_rope_scalars(_int(causal), rotary_mode, rope_scale, rope_theta, sm_scale, dim, dim_name)
+
+
+# ----------------------------------------------------------------------------- run helpers
+
+
+def _tensor(name: str, value, dtype: str, shape: tuple):
+    """``value`` checked as ``dtype`` with ``shape`` (None: any size): a DeviceArray as is (no
+    download), anything else as a C-contiguous numpy array (torch CPU tensors included)."""
+    if not isinstance(value, rt.DeviceArray):
+        return check_tensor(name, value, dtype=dtype, shape=shape)
+    if np.dtype(value.dtype) != NUMPY_DTYPES[dtype]:
+        raise InputError(f"{name}: expected dtype {dtype}, got {value.dtype}")
+    got = tuple(value.shape)
+    if len(got) != len(shape) or any(w is not None and g != w for g, w in zip(got, shape)):
+        spelled = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise InputError(f"{name}: expected shape {spelled}, got {got}")
+    return value
+
+
+def _rows(name: str, array, want: int, source: str):
+    if array.shape[0] != want:
+        raise InputError(f"{name}: expected {want} rows ({source} of the plan), got {array.shape[0]}")
+    return array
+
+
+def _page_count(pages, needed: int):
+    if pages.shape[0] < needed:
+        raise InputError(f"pages: expected at least {needed} pages (the plan's page_values refer to page "
+                         f"{needed - 1}), got {pages.shape[0]}")
+    return pages
+
+
+def _dense(spec, q, k, v) -> tuple:
+    """q [B, Lq, h_q, d], k/v [B, Lk, h_kv, d] with matching B and Lk."""
+    q = _tensor("q", q, spec.dtype, (None, None, spec.h_q, spec.d))
+    k = _tensor("k", k, spec.dtype, (None, None, spec.h_kv, spec.d))
+    v = _tensor("v", v, spec.dtype, (None, None, spec.h_kv, spec.d))
+    for name, array in (("k", k), ("v", v)):
+        if array.shape[0] != q.shape[0]:
+            raise InputError(f"{name}: expected batch {q.shape[0]} (q.shape[0]), got {array.shape[0]}")
+    if v.shape[1] != k.shape[1]:
+        raise InputError(f"v: expected {k.shape[1]} rows (k.shape[1], Lk), got {v.shape[1]}")
+    return q, k, v
