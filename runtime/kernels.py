@@ -71,7 +71,12 @@ class Kernel:
         empty = _empty_result(self.spec, arrays[0])
         if empty is not None:
             return empty
-        return self._loaded(*arrays, to_host=to_host)
+        return self.launch(*arrays, to_host=to_host)
+
+    def launch(self, *checked_args: Any, to_host: bool = True):
+        """Runs the kernel on arguments already checked (e.g. by a wrapper's plan): numpy arrays,
+        IREE device arrays (used in place) and Python scalars, in the seed's order. No checks."""
+        return self._loaded(*checked_args, to_host=to_host)
 
     def __repr__(self) -> str:
         return f"Kernel({self.spec.name}, {self.target.tag})"

@@ -51,11 +51,11 @@ def check_ragged(spec, q, q_indptr, k, v, kv_indptr, q_rope_position, k_rope_pos
     kv_indptr = check_indptr("kv_indptr", kv_indptr, batch, k.shape[0], "Lk (rows of k)")
     q_rope_position = check_int32("q_rope_position", q_rope_position, shape=(q.shape[0],))
     k_rope_pos_offset = check_int32("k_rope_pos_offset", k_rope_pos_offset, shape=(batch,))
-    causal, rotary_mode, rope_scale, rope_theta, sm_scale = _check_rope_scalars(
+    causal, rotary_mode, rope_scale, rope_theta, sm_scale = check_rope_scalars(
         causal, rotary_mode, rope_scale, rope_theta, sm_scale, spec.d_qk, "d_qk")
     if rotary_mode == 1:
         kv_len = np.diff(kv_indptr.astype(np.int64))
-        _check_positions(q_rope_position, k_rope_pos_offset, kv_len)
+        check_positions(q_rope_position, k_rope_pos_offset, kv_len)
     return (q, q_indptr, k, v, kv_indptr, q_rope_position, k_rope_pos_offset,
             causal, rotary_mode, rope_scale, rope_theta, sm_scale)
 
@@ -77,11 +77,11 @@ def check_paged(spec, q, q_indptr, pages, page_indptr, page_values, length_info,
     batch = q_indptr.shape[0] - 1
     k_rope_pos_offset = check_int32("k_rope_pos_offset", k_rope_pos_offset, shape=(batch,))
     q_rope_position = check_int32("q_rope_position", q_rope_position, shape=(q.shape[0],))
-    causal, rotary_mode, rope_scale, rope_theta, sm_scale = _check_rope_scalars(
+    causal, rotary_mode, rope_scale, rope_theta, sm_scale = check_rope_scalars(
         causal, rotary_mode, rope_scale, rope_theta, sm_scale, spec.d, "d")
     if rotary_mode == 1:
         kv_len = paged_kv_lengths(page_indptr, length_info, spec.page_size, spec.sliding_window)
-        _check_positions(q_rope_position, k_rope_pos_offset, kv_len)
+        check_positions(q_rope_position, k_rope_pos_offset, kv_len)
     return (q, q_indptr, pages, page_indptr, page_values, length_info, k_rope_pos_offset,
             q_rope_position, causal, rotary_mode, rope_scale, rope_theta, sm_scale)
 
@@ -99,8 +99,8 @@ def check_mla(spec, q, q_indptr, pages, page_indptr, page_values, length_info, c
     pages = check_tensor("pages", pages, dtype=spec.dtype, shape=(None, spec.page_size, spec.d_qk))
     q_indptr, page_indptr, page_values, length_info = _check_page_table(
         spec, q, pages, q_indptr, page_indptr, page_values, length_info)
-    causal = _check_choice("causal", causal, (0, 1))
-    sm_scale = _check_float("sm_scale", sm_scale)
+    causal = check_choice("causal", causal, (0, 1))
+    sm_scale = check_float("sm_scale", sm_scale)
     return q, q_indptr, pages, page_indptr, page_values, length_info, causal, sm_scale
 
 
@@ -164,7 +164,7 @@ def _check_page_table(spec, q, pages, q_indptr, page_indptr, page_values, length
     _check_page_ids(page_values, pages.shape[0])
     shape = (3, batch) if spec.sliding_window else (batch,)
     length_info = check_int32("length_info", length_info, shape=shape)
-    _check_length_info(length_info, page_indptr, spec.page_size, spec.sliding_window)
+    check_length_info(length_info, page_indptr, spec.page_size, spec.sliding_window)
     return q_indptr, page_indptr, page_values, length_info
 
 
@@ -177,7 +177,7 @@ def _check_page_ids(page_values: np.ndarray, num_pages: int) -> None:
                          f"found {page_values[at]} at index {at}")
 
 
-def _check_length_info(length_info: np.ndarray, page_indptr: np.ndarray, page_size: int,
+def check_length_info(length_info: np.ndarray, page_indptr: np.ndarray, page_size: int,
                        sliding_window: bool) -> None:
     """For every entry with pages: last_page_len in [1, page_size] and, with a sliding window,
     sw_off and sink in [0, phys] where phys = (n_pages - 1) * page_size + last_page_len.
@@ -208,7 +208,7 @@ def _check_entries(what: str, used: np.ndarray, values: np.ndarray, low, high) -
             f"[{low}, {int(high[b])}], found {int(values[b])}")
 
 
-def _check_positions(q_rope_position: np.ndarray, k_rope_pos_offset: np.ndarray,
+def check_positions(q_rope_position: np.ndarray, k_rope_pos_offset: np.ndarray,
                      kv_len: np.ndarray) -> None:
     """RoPE positions (rotary_mode 1): q_rope_position [Lq] >= 0, k_rope_pos_offset [B] >= 0 and
     k_rope_pos_offset[b] + kv_len[b] <= INT32_MAX, so ``offset + r`` never overflows int32."""
@@ -225,15 +225,15 @@ def _check_positions(q_rope_position: np.ndarray, k_rope_pos_offset: np.ndarray,
 # ----------------------------------------------------------------------------- scalars
 
 
-def _check_rope_scalars(causal, rotary_mode, rope_scale, rope_theta, sm_scale, dim: int,
+def check_rope_scalars(causal, rotary_mode, rope_scale, rope_theta, sm_scale, dim: int,
                         dim_name: str) -> tuple:
     """causal, rotary_mode in {0, 1}; finite float32 scales; with rotary_mode 1 also
     rope_scale > 0, rope_theta > 0 and an even rotated dim ``dim``. Returns the five scalars."""
-    causal = _check_choice("causal", causal, (0, 1))
-    rotary_mode = _check_choice("rotary_mode", rotary_mode, (0, 1))
-    rope_scale = _check_float("rope_scale", rope_scale)
-    rope_theta = _check_float("rope_theta", rope_theta)
-    sm_scale = _check_float("sm_scale", sm_scale)
+    causal = check_choice("causal", causal, (0, 1))
+    rotary_mode = check_choice("rotary_mode", rotary_mode, (0, 1))
+    rope_scale = check_float("rope_scale", rope_scale)
+    rope_theta = check_float("rope_theta", rope_theta)
+    sm_scale = check_float("sm_scale", sm_scale)
     if rotary_mode == 1:
         _check_positive("rope_scale", rope_scale)
         _check_positive("rope_theta", rope_theta)
@@ -255,7 +255,7 @@ def _scalar(name: str, value) -> numbers.Real:
     return value
 
 
-def _check_choice(name: str, value, choices: tuple[int, ...]) -> int:
+def check_choice(name: str, value, choices: tuple[int, ...]) -> int:
     """An integer scalar (int32 in the ABI) that is one of ``choices``; returned as ``int``."""
     value = _scalar(name, value)
     if not isinstance(value, numbers.Integral):
@@ -265,7 +265,7 @@ def _check_choice(name: str, value, choices: tuple[int, ...]) -> int:
     return int(value)
 
 
-def _check_float(name: str, value) -> float:
+def check_float(name: str, value) -> float:
     """A real scalar finite in float32 (float32 in the ABI); returned as ``float``."""
     value = float(_scalar(name, value))
     if not math.isfinite(value) or abs(value) > FLOAT32_MAX:

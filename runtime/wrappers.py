@@ -35,7 +35,7 @@ from .checks import NUMPY_DTYPES, check_int32, check_range, check_tensor
 from .errors import InputError
 from .kernels import Kernel, open_kernel
 from .kv_checks import (
-    INT32_MAX, _check_choice, _check_float, _check_length_info, _check_positions, _check_rope_scalars,
+    INT32_MAX, check_choice, check_float, check_length_info, check_positions, check_rope_scalars,
     check_indptr, paged_kv_lengths,
 )
 from .module import as_device_arrays
@@ -132,7 +132,7 @@ class _Wrapper:
         if np.prod(out_shape[:-2]):
             # Not Kernel.__call__: its host checks would download the device arrays (the plan's
             # index arrays included); plan() and run() check the same conditions without that.
-            return self.kernel._loaded(*args, to_host=to_host)
+            return self.kernel.launch(*args, to_host=to_host)
         zeros = (np.zeros(out_shape, NUMPY_DTYPES[self.spec.dtype]), np.zeros(out_shape[:-1], np.float32))
         return zeros if to_host else tuple(as_device_arrays(self.kernel.device, zeros))
 
@@ -157,7 +157,7 @@ class RaggedPrefillWrapper(_Wrapper):
         q_pos, k_off = natural_positions(q_indptr, kv_lens, q_rope_position, k_rope_pos_offset)
         scalars = _rope_scalars(causal, rope, sm_scale, self.spec.d_qk, "d_qk")
         if scalars[1] == 1:
-            _check_positions(q_pos, k_off, kv_lens)
+            check_positions(q_pos, k_off, kv_lens)
         arrays = {"q_indptr": q_indptr, "kv_indptr": kv_indptr, "q_rope_position": q_pos,
                   "k_rope_pos_offset": k_off}
         return self._new_plan(arrays, scalars, qo_lens, kv_lens, int(q_indptr[-1]), int(kv_indptr[-1]))
@@ -189,7 +189,7 @@ class PagedPrefillWrapper(_Wrapper):
         q_pos, k_off = natural_positions(arrays["q_indptr"], kv_lens, q_rope_position, k_rope_pos_offset)
         scalars = _rope_scalars(causal, rope, sm_scale, self.spec.d, "d")
         if scalars[1] == 1:
-            _check_positions(q_pos, k_off, kv_lens)
+            check_positions(q_pos, k_off, kv_lens)
         arrays.update(k_rope_pos_offset=k_off, q_rope_position=q_pos)
         qo_lens = np.diff(arrays["q_indptr"].astype(np.int64))
         return self._new_plan(arrays, scalars, qo_lens, kv_lens, int(arrays["q_indptr"][-1]), pages_needed)
@@ -216,7 +216,7 @@ class MlaPagedPrefillWrapper(_Wrapper):
         """As :meth:`PagedPrefillWrapper.plan` without RoPE; ``sm_scale`` is required (DeepSeek:
         (qk_nope + qk_rope)^-0.5, not (d_latent + d_rope)^-0.5)."""
         arrays, kv_lens, pages_needed = _page_table(self.spec, q_indptr, page_indptr, page_values, length_info)
-        scalars = (_check_choice("causal", _int(causal), (0, 1)), _check_float("sm_scale", sm_scale))
+        scalars = (check_choice("causal", _int(causal), (0, 1)), check_float("sm_scale", sm_scale))
         qo_lens = np.diff(arrays["q_indptr"].astype(np.int64))
         return self._new_plan(arrays, scalars, qo_lens, kv_lens, int(arrays["q_indptr"][-1]), pages_needed)
 
@@ -316,7 +316,7 @@ def _page_table(spec, q_indptr, page_indptr, page_values, length_info) -> tuple[
                                "nnz (length of page_values)")
     shape = (3, batch) if spec.sliding_window else (batch,)
     length_info = check_int32("length_info", length_info, shape=shape)
-    _check_length_info(length_info, page_indptr, spec.page_size, spec.sliding_window)
+    check_length_info(length_info, page_indptr, spec.page_size, spec.sliding_window)
     kv_lens = paged_kv_lengths(page_indptr, length_info, spec.page_size, spec.sliding_window)
     arrays = {"q_indptr": q_indptr, "page_indptr": page_indptr, "page_values": page_values,
               "length_info": length_info}
@@ -341,7 +341,7 @@ def _rope_scalars(causal, rope, sm_scale, dim: int, dim_name: str) -> tuple:
     else:
         raise InputError(f"rope: expected None or dict(rope_scale=, rope_theta=), got {type(rope).__name__}")
     sm_scale = dim ** -0.5 if sm_scale is None else sm_scale
-    return _check_rope_scalars(_int(causal), rotary_mode, rope_scale, rope_theta, sm_scale, dim, dim_name)
+    return check_rope_scalars(_int(causal), rotary_mode, rope_scale, rope_theta, sm_scale, dim, dim_name)
 
 
 # ----------------------------------------------------------------------------- run helpers
