@@ -10,10 +10,13 @@ README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
 def test_readme_examples_run_and_agree_with_the_reference():
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
-    assert len(blocks) >= 2
+    assert len(blocks) >= 3
     dense = {}
     exec(blocks[0], dense)  # noqa: S102 - our own README
     assert np.max(np.abs(dense["output"] - dense["want"])) <= 1e-4
     kv = {}
     exec(blocks[1], kv)  # noqa: S102
     assert kv["output"].shape == (25, 32, 128) and np.isfinite(kv["output"]).all()
+    wrappers = {}
+    exec(blocks[2], wrappers)  # noqa: S102
+    assert wrappers["prefix_output"].shape == (25, 32, 128) and np.isfinite(wrappers["output"]).all()
