@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all bench venv clean
+.PHONY: demo test test-all bench gpu-bundle venv clean
 
 venv: $(STAMP)
 
@@ -26,6 +26,10 @@ test-all: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) bench/dense_prefill.py
+
+# CUDA artifacts + cases + cp312 wheels in build/gpu-bundle; on the GPU machine: python3 gpu_runner.py
+gpu-bundle: $(STAMP)
+	$(PY) bench/gpu_bundle.py --out build/gpu-bundle
 
 clean:
 	rm -rf $(VENV) build *.egg-info
