@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import iree.runtime as rt
 import ml_dtypes
 import numpy as np
 
@@ -41,13 +42,22 @@ def _torch_int16():
     return torch.int16
 
 
-def check_tensor(name: str, value, *, dtype: str, shape: Sequence[int | None]) -> np.ndarray:
-    """An array of dtype ``dtype`` and rank ``len(shape)``; ``None`` entries match any size."""
-    array = as_array(name, value)
+def check_tensor(name: str, value, *, dtype: str, shape: Sequence[int | None]):
+    """An array of dtype ``dtype`` and rank ``len(shape)``; ``None`` entries match any size.
+
+    An IREE ``DeviceArray`` is checked by its dtype and shape and returned as it is (no copy to
+    the host); anything else comes back as a C-contiguous numpy array.
+    """
     expected = NUMPY_DTYPES[dtype]
+    if isinstance(value, rt.DeviceArray):
+        if str(value.dtype) != expected.name:
+            raise InputError(f"{name}: expected dtype {dtype}, got {value.dtype}")
+        _check_shape(name, tuple(value.shape), shape)
+        return value
+    array = as_array(name, value)
     if array.dtype != expected:
         raise InputError(f"{name}: expected dtype {dtype}, got {array.dtype}")
-    _check_shape(name, array, shape)
+    _check_shape(name, array.shape, shape)
     return np.ascontiguousarray(array)
 
 
@@ -56,16 +66,16 @@ def check_int32(name: str, value, *, shape: Sequence[int | None]) -> np.ndarray:
     array = as_array(name, value)
     if array.dtype != np.int32:
         raise InputError(f"{name}: expected dtype int32, got {array.dtype}")
-    _check_shape(name, array, shape)
+    _check_shape(name, array.shape, shape)
     return np.ascontiguousarray(array)
 
 
-def _check_shape(name: str, array: np.ndarray, shape: Sequence[int | None]) -> None:
-    if array.ndim != len(shape):
-        raise InputError(f"{name}: expected rank {len(shape)} with shape {_spell(shape)}, got shape {array.shape}")
-    for axis, (got, want) in enumerate(zip(array.shape, shape)):
+def _check_shape(name: str, got_shape: tuple, shape: Sequence[int | None]) -> None:
+    if len(got_shape) != len(shape):
+        raise InputError(f"{name}: expected rank {len(shape)} with shape {_spell(shape)}, got shape {got_shape}")
+    for axis, (got, want) in enumerate(zip(got_shape, shape)):
         if want is not None and got != want:
-            raise InputError(f"{name}: expected shape {_spell(shape)}, got {array.shape} (axis {axis})")
+            raise InputError(f"{name}: expected shape {_spell(shape)}, got {got_shape} (axis {axis})")
 
 
 def _spell(shape: Sequence[int | None]) -> str:

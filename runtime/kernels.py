@@ -16,7 +16,7 @@ from ..mlir.specs import (
     SequencePrefillSpec,
 )
 from ..pipeline import ArtifactCache, Target, compile, target_for
-from .checks import check_int32, check_range, check_same, check_tensor
+from .checks import NUMPY_DTYPES, check_int32, check_range, check_same, check_tensor
 from .errors import InputError
 from .kv_checks import check_mla, check_paged, check_ragged
 from .module import LoadedKernel
@@ -88,14 +88,15 @@ def _empty_result(spec, q: np.ndarray):
     Dense variants have q [B, L, h_q, d]; the KV-cache variants q [L, h_q, d_qk] and an output
     with ``spec.d_v`` (ragged) or ``spec.d_latent`` (MLA) columns.
     """
-    if q.ndim == 4:
-        if q.shape[0] and q.shape[1]:
+    shape, dtype = tuple(q.shape), NUMPY_DTYPES[spec.dtype]  # q may be an IREE DeviceArray
+    if len(shape) == 4:
+        if shape[0] and shape[1]:
             return None
-        return np.zeros(q.shape, q.dtype), np.zeros(q.shape[:3], np.float32)
-    if q.shape[0]:
+        return np.zeros(shape, dtype), np.zeros(shape[:3], np.float32)
+    if shape[0]:
         return None
     d_out = getattr(spec, "d_v", None) or getattr(spec, "d_latent", None) or spec.d
-    return np.zeros((0, spec.h_q, d_out), q.dtype), np.zeros((0, spec.h_q), np.float32)
+    return np.zeros((0, spec.h_q, d_out), dtype), np.zeros((0, spec.h_q), np.float32)
 
 
 def open_kernel(

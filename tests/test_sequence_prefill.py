@@ -161,3 +161,25 @@ def test_non_contiguous_inputs_are_copied(cache):
     out, _ = open_kernel(spec, cache=cache)(q, k, v)
     want, _ = reference.batch_sequence_prefill_kv(q, k, v, causal=True, sm_scale=0.125)
     assert_close("output", out, want, "float32")
+
+
+def test_device_arrays_pass_through_without_a_host_copy(cache):
+    """IREE DeviceArrays are checked by dtype and shape and used in place; a wrong one is still
+    rejected by name. The result equals the numpy call's bitwise."""
+    import iree.runtime as rt
+
+    spec = SequencePrefillSpec(8, 2, 64, "bfloat16", causal=True, sm_scale=0.125)
+    kernel = open_kernel(spec, cache=cache)
+    rng = np.random.default_rng(9)
+    q, k, v = (uniform(rng, (2, 40, h, 64), "bfloat16") for h in (8, 2, 2))
+    on_device = [rt.asdevicearray(kernel.device, x) for x in (q, k, v)]
+    out, lse = kernel(*on_device, to_host=False)
+    assert isinstance(out, rt.DeviceArray)
+    want = kernel(q, k, v)
+    np.testing.assert_array_equal(out.to_host(), want[0])
+    np.testing.assert_array_equal(lse.to_host(), want[1])
+    wrong = rt.asdevicearray(kernel.device, q.astype(np.float32))
+    with pytest.raises(InputError, match="^q: expected dtype bfloat16"):
+        kernel(wrong, *on_device[1:])
+    with pytest.raises(InputError, match="^k: expected shape"):
+        kernel(on_device[0], rt.asdevicearray(kernel.device, q), on_device[2])
