@@ -57,10 +57,10 @@ def _load_case(path):
             if kind == "random":
                 shape, dtype = value
                 drawn = rng.uniform(-1, 1, shape).astype(np.float32)
-                args.append(drawn.astype(_as_bfloat16(None) if dtype == "bfloat16" else dtype))
+                args.append(drawn.astype(_bfloat16() if dtype == "bfloat16" else dtype))
             elif kind == "array":
                 array = data[value[0]]
-                args.append(array.view(_as_bfloat16(None)) if meta["dtype"] == "bfloat16" and array.dtype == np.uint16
+                args.append(array.view(_bfloat16()) if meta["dtype"] == "bfloat16" and array.dtype == np.uint16
                             else array)
             else:
                 args.append(value[0])
@@ -68,7 +68,7 @@ def _load_case(path):
         return meta, args, *want
 
 
-def _as_bfloat16(_unused):
+def _bfloat16():
     """The bfloat16 dtype (ml_dtypes ships as a wheel; numpy has none)."""
     import ml_dtypes
 

@@ -23,7 +23,7 @@ __all__ = [
     "DYN", "module_context", "element_type", "tensor_type", "f32", "i1", "i32", "index",
     "const_index", "const_f32", "const_i32", "dim", "affine_map", "generic", "extract_slice",
     "insert_slice", "empty", "fill", "ceil_div", "to_index", "select", "expand", "collapse",
-    "sizes_of", "transpose", "convert", "zero_padded", "tie_dims",
+    "sizes_of", "transpose", "convert", "zero_padded", "tie_dims", "lt", "le",
 ]
 
 DYN = ir.ShapedType.get_dynamic_size()
@@ -98,6 +98,16 @@ def ceil_div(a: IndexLike, b: IndexLike) -> ir.Value:
 
 def select(cond: ir.Value, a: ir.Value, b: ir.Value) -> ir.Value:
     return arith_d.select(cond, a, b)
+
+
+def lt(a: ir.Value, b: ir.Value) -> ir.Value:
+    """``a < b`` for signed index (or integer) values."""
+    return arith_d.cmpi(arith_d.CmpIPredicate.slt, a, b)
+
+
+def le(a: ir.Value, b: ir.Value) -> ir.Value:
+    """``a <= b`` for signed index (or integer) values."""
+    return arith_d.cmpi(arith_d.CmpIPredicate.sle, a, b)
 
 
 def affine_map(n_dims: int, dims: Sequence[int]) -> ir.AffineMap:

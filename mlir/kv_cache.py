@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Callable, Union
 
 from .ir import (
+    le, lt,
     DYN, arith_d, ceil_div, collapse, const_index, convert, dim, element_type, empty,
     expand, extract_slice, f32, func_d, generic, i32, index, insert_slice, ir, linalg_d,
     module_context, scf_d, sizes_of, tensor_d, tensor_type, tie_dims, zero_padded, affine_map,
@@ -72,14 +73,6 @@ def _is_one(flag: ir.Value) -> ir.Value:
     return arith_d.cmpi(arith_d.CmpIPredicate.eq, flag, arith_d.constant(i32(), 1))
 
 
-def _lt(a, b):
-    return arith_d.cmpi(arith_d.CmpIPredicate.slt, a, b)
-
-
-def _le(a, b):
-    return arith_d.cmpi(arith_d.CmpIPredicate.sle, a, b)
-
-
 def _rotated_if(rope: RopeArgs | None, x: ir.Value, positions: ir.Value) -> ir.Value:
     """``x`` [N, H, D] with RoPE applied when ``rotary_mode == 1`` (``positions``: [N] i32 or a
     scalar i32 first position)."""
@@ -115,7 +108,7 @@ def _kv_tiles(x: ir.Value, kv_len: ir.Value, num_tiles: ir.Value, kv_tile: int, 
     def body(value, _out):
         tile = linalg_d.IndexOp(1).result
         col = arith_d.addi(arith_d.muli(tile, const_index(kv_tile)), linalg_d.IndexOp(col_dim).result)
-        return [arith_d.select(_lt(col, kv_len), value, zero)]
+        return [arith_d.select(lt(col, kv_len), value, zero)]
 
     result = generic([tiled], [out], [source_map, affine_map(4, range(4))], "pppp", body)[0]
     if keys:
@@ -190,10 +183,10 @@ def _attend_entries(
             def valid(idx: ScoreIndices, _extras):
                 col = arith_d.addi(idx.kv_start, idx.n)
                 row = arith_d.addi(first_local, arith_d.divui(idx.m, const_index(group)))
-                in_diagonal = _le(col, arith_d.addi(row, diagonal))
+                in_diagonal = le(col, arith_d.addi(row, diagonal))
                 causal_ok = arith_d.ori(arith_d.xori(causal_on, arith_d.constant(ir.IntegerType.get_signless(1), 1)),
                                         in_diagonal)
-                return arith_d.andi(_lt(col, kv.kv_len), causal_ok)
+                return arith_d.andi(lt(col, kv.kv_len), causal_ok)
 
             last_row_end = arith_d.minsi(arith_d.addi(first_local, const_index(spec.q_tile)), qo_len)
             causal_end = arith_d.maxsi(arith_d.minsi(arith_d.addi(last_row_end, diagonal), kv.kv_len),
@@ -286,7 +279,7 @@ def _gather_rows(spec, table: _PageTable, page_values, fetch, out_shapes, elem) 
     def body(which, _out):
         r = linalg_d.IndexOp(0).result
         remapped = arith_d.addi(arith_d.subi(r, table.sink), table.window_offset)
-        physical = arith_d.select(_lt(r, table.sink), r, remapped)
+        physical = arith_d.select(lt(r, table.sink), r, remapped)
         physical = arith_d.maxsi(arith_d.minsi(physical, last_row), const_index(0))
         page_slot = arith_d.addi(table.first_page, arith_d.divui(physical, const_index(spec.page_size)))
         page_slot = arith_d.minsi(page_slot, last_page_slot)
@@ -347,7 +340,7 @@ def _mla_loader(spec: MlaPagedPrefillSpec, pages, page_indptr, page_values, leng
     return load
 
 
-def _function(spec, arg_types: list, d_v: int, d_qk: int, emit) -> ir.Module:
+def _function(spec, arg_types: list, d_v: int, emit) -> ir.Module:
     """A verified module with one function ``spec.symbol(*args) -> (output, lse)``."""
     with module_context() as module:
         dt = element_type(spec.dtype)
@@ -389,7 +382,7 @@ def build_ragged_prefill(spec: RaggedPrefillSpec) -> ir.Module:
             causal=causal, sm_scale=sm_scale, rope=rope,
         )
 
-    return _function(spec, arg_types, spec.d_v, spec.d_qk, emit)
+    return _function(spec, arg_types, spec.d_v, emit)
 
 
 def build_paged_prefill(spec: PagedPrefillSpec) -> ir.Module:
@@ -413,7 +406,7 @@ def build_paged_prefill(spec: PagedPrefillSpec) -> ir.Module:
             causal=causal, sm_scale=sm_scale, rope=rope,
         )
 
-    return _function(spec, arg_types, spec.d, spec.d, emit)
+    return _function(spec, arg_types, spec.d, emit)
 
 
 def build_mla_prefill(spec: MlaPagedPrefillSpec) -> ir.Module:
@@ -433,4 +426,4 @@ def build_mla_prefill(spec: MlaPagedPrefillSpec) -> ir.Module:
             causal=causal, sm_scale=sm_scale, rope=None,
         )
 
-    return _function(spec, arg_types, spec.d_latent, spec.d_qk, emit)
+    return _function(spec, arg_types, spec.d_latent, emit)

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Union
 
 from .ir import (
+    le, lt,
     DYN, arith_d, ceil_div, collapse, const_index, dim, element_type, empty, expand,
     extract_slice, f32, func_d, i32, insert_slice, ir, module_context, scf_d, tensor_d, tensor_type,
     tie_dims, transpose, zero_padded,
@@ -57,14 +58,6 @@ class _Lengths:
         return arith_d.addi(first_token, arith_d.divui(m, const_index(self.group)))
 
 
-def _lt(a, b):
-    return arith_d.cmpi(arith_d.CmpIPredicate.slt, a, b)
-
-
-def _le(a, b):
-    return arith_d.cmpi(arith_d.CmpIPredicate.sle, a, b)
-
-
 def _and(*conds):
     result = conds[0]
     for c in conds[1:]:
@@ -75,10 +68,10 @@ def _and(*conds):
 def _sequence_mask(spec: SequencePrefillSpec, lengths: _Lengths, first_token: ir.Value) -> ScoreMask:
     def predicate(idx: ScoreIndices, _extras):
         col = arith_d.addi(idx.kv_start, idx.n)
-        conds = [_lt(col, lengths.kv_len)]
+        conds = [lt(col, lengths.kv_len)]
         if spec.causal:
             row = lengths.token(first_token, idx.m)
-            conds.append(_le(col, arith_d.addi(row, lengths.diagonal)))
+            conds.append(le(col, arith_d.addi(row, lengths.diagonal)))
         return _and(*conds)
 
     return ScoreMask(predicate=predicate)
@@ -91,14 +84,14 @@ def _masked_sequence_mask(
         col = arith_d.addi(idx.kv_start, idx.n)
         row = lengths.token(first_token, idx.m)
         if spec.mask_mode == "padded":
-            return _and(_lt(col, lengths.kv_len), _lt(col, valid_len), _lt(row, valid_len))
+            return _and(lt(col, lengths.kv_len), lt(col, valid_len), lt(row, valid_len))
         first_valid_row = arith_d.subi(lengths.q_len, valid_len)
         first_valid_col = arith_d.subi(lengths.kv_len, valid_len)
         return _and(
-            _lt(col, lengths.kv_len),
-            _le(first_valid_row, row),
-            _le(first_valid_col, col),
-            _le(col, arith_d.addi(row, lengths.diagonal)),
+            lt(col, lengths.kv_len),
+            le(first_valid_row, row),
+            le(first_valid_col, col),
+            le(col, arith_d.addi(row, lengths.diagonal)),
         )
 
     return ScoreMask(predicate=predicate)

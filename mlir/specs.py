@@ -45,8 +45,24 @@ def _check_common(spec) -> None:
         raise ValueError(f"q_tile and kv_tile must be positive, got {spec.q_tile}, {spec.kv_tile}")
 
 
+class _SpecBase:
+    """What every spec derives the same way from its fields (the dataclasses inherit it)."""
+
+    @property
+    def group_size(self) -> int:
+        """G = h_q // h_kv query heads per KV head (h_q for MLA, whose h_kv is 1)."""
+        return self.h_q // self.h_kv
+
+    def fields(self) -> dict:
+        """The spec's fields as plain values (``rope_scaling`` back as a dict)."""
+        fields = dataclasses.asdict(self)
+        if "rope_scaling" in fields:
+            fields["rope_scaling"] = dict(self.rope_scaling)
+        return fields
+
+
 @dataclass(frozen=True)
-class SequencePrefillSpec:
+class SequencePrefillSpec(_SpecBase):
     """Dense batched prefill, ``batch_sequence_prefill_kv(q, k, v) -> (output, lse)``.
 
     q [B, qo_len, h_q, d], k/v [B, kv_len, h_kv, d] in ``dtype``; output like q, lse [B, qo_len,
@@ -70,10 +86,6 @@ class SequencePrefillSpec:
         _check_common(self)
 
     @property
-    def group_size(self) -> int:
-        return self.h_q // self.h_kv
-
-    @property
     def name(self) -> str:
         return (
             f"{self.symbol}_hq{self.h_q}_hkv{self.h_kv}_d{self.d}_{self.dtype}"
@@ -81,12 +93,9 @@ class SequencePrefillSpec:
             f"_qt{self.q_tile}_kt{self.kv_tile}"
         )
 
-    def fields(self) -> dict:
-        return dataclasses.asdict(self)
-
 
 @dataclass(frozen=True)
-class MaskedSequencePrefillSpec:
+class MaskedSequencePrefillSpec(_SpecBase):
     """Dense batched prefill with per-entry valid length,
     ``batch_sequence_prefill_kv_masked(q, k, v, valid_lens) -> (output, lse)``.
 
@@ -113,10 +122,6 @@ class MaskedSequencePrefillSpec:
             raise ValueError(f"mask_mode must be one of {MASK_MODES}, got {self.mask_mode!r}")
 
     @property
-    def group_size(self) -> int:
-        return self.h_q // self.h_kv
-
-    @property
     def causal(self) -> bool:
         return self.mask_mode == "causal_padded_left"
 
@@ -126,9 +131,6 @@ class MaskedSequencePrefillSpec:
             f"{self.symbol}_hq{self.h_q}_hkv{self.h_kv}_d{self.d}_{self.dtype}"
             f"_{self.mask_mode}_sm{_scale_tag(self.sm_scale)}_qt{self.q_tile}_kt{self.kv_tile}"
         )
-
-    def fields(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 ROPE_FIELDS = {
@@ -178,7 +180,7 @@ def _check_positive(**values: int) -> None:
 
 
 @dataclass(frozen=True)
-class RaggedPrefillSpec:
+class RaggedPrefillSpec(_SpecBase):
     """Ragged KV prefill, ``batch_prefill_ragged_kv`` (semantics §1.2).
 
     ``(q [Lq, h_q, d_qk], q_indptr [B+1], k [Lk, h_kv, d_qk], v [Lk, h_kv, d_v], kv_indptr [B+1],
@@ -204,24 +206,15 @@ class RaggedPrefillSpec:
         _check_common(self)
 
     @property
-    def group_size(self) -> int:
-        return self.h_q // self.h_kv
-
-    @property
     def name(self) -> str:
         return (
             f"{self.symbol}_hq{self.h_q}_hkv{self.h_kv}_dqk{self.d_qk}_dv{self.d_v}_{self.dtype}"
             f"_rope-{_rope_tag(self.rope_scaling)}_qt{self.q_tile}_kt{self.kv_tile}"
         )
 
-    def fields(self) -> dict:
-        fields = dataclasses.asdict(self)
-        fields["rope_scaling"] = dict(self.rope_scaling)
-        return fields
-
 
 @dataclass(frozen=True)
-class PagedPrefillSpec:
+class PagedPrefillSpec(_SpecBase):
     """Paged KV prefill, ``batch_prefill_paged_kv[_sliding_window]`` (semantics §1.1, §2).
 
     ``(q [Lq, h_q, d], q_indptr [B+1], pages [P, 2, h_kv, page_size, d], page_indptr [B+1],
@@ -250,24 +243,15 @@ class PagedPrefillSpec:
         return "batch_prefill_paged_kv" + ("_sliding_window" if self.sliding_window else "")
 
     @property
-    def group_size(self) -> int:
-        return self.h_q // self.h_kv
-
-    @property
     def name(self) -> str:
         return (
             f"{self.symbol}_hq{self.h_q}_hkv{self.h_kv}_d{self.d}_{self.dtype}_ps{self.page_size}"
             f"_rope-{_rope_tag(self.rope_scaling)}_qt{self.q_tile}_kt{self.kv_tile}"
         )
 
-    def fields(self) -> dict:
-        fields = dataclasses.asdict(self)
-        fields["rope_scaling"] = dict(self.rope_scaling)
-        return fields
-
 
 @dataclass(frozen=True)
-class MlaPagedPrefillSpec:
+class MlaPagedPrefillSpec(_SpecBase):
     """Paged MLA prefill over a latent cache, ``batch_prefill_paged_kv_mla[_sliding_window]`` (§1.3).
 
     ``(q [Lq, h_q, d_latent + d_rope], q_indptr [B+1], pages [P, page_size, d_latent + d_rope],
@@ -301,15 +285,8 @@ class MlaPagedPrefillSpec:
         return self.d_latent + self.d_rope
 
     @property
-    def group_size(self) -> int:
-        return self.h_q
-
-    @property
     def name(self) -> str:
         return (
             f"{self.symbol}_hq{self.h_q}_dl{self.d_latent}_dr{self.d_rope}_{self.dtype}"
             f"_ps{self.page_size}_qt{self.q_tile}_kt{self.kv_tile}"
         )
-
-    def fields(self) -> dict:
-        return dataclasses.asdict(self)

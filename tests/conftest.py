@@ -59,3 +59,21 @@ def assert_close(name: str, got, want, dtype: str) -> None:
 
 def max_error(got, want) -> float:
     return float(np.max(np.abs(np.asarray(got, np.float64) - np.asarray(want, np.float64)), initial=0.0))
+
+
+class TensorLike:
+    """The part of a torch CPU tensor that ``runtime.checks.as_array`` reads (detach, cpu, numpy,
+    dtype): lets the torch adapter be tested without torch, which the test extra does not install."""
+
+    def __init__(self, array):
+        self._array = array
+        self.dtype = f"torch.{array.dtype}"
+
+    def detach(self):
+        return self
+
+    def cpu(self):
+        return self
+
+    def numpy(self):
+        return self._array

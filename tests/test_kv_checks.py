@@ -16,6 +16,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from conftest import TensorLike
 from linalg_prefill.mlir.specs import MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec
 from linalg_prefill.runtime import reference as R
 from linalg_prefill.runtime.errors import InputError
@@ -173,29 +174,12 @@ def test_non_contiguous_input_is_copied(variant):
             assert a == b and type(a) is type(b)
 
 
-class _TensorLike:
-    """The part of torch.Tensor that ``as_array`` uses (detach, cpu, numpy, dtype)."""
-
-    def __init__(self, array):
-        self._array = array
-        self.dtype = f"torch.{array.dtype}"
-
-    def detach(self):
-        return self
-
-    def cpu(self):
-        return self
-
-    def numpy(self):
-        return self._array
-
-
 def test_tensor_like_objects_are_read_through_numpy():
     """Torch CPU tensors are read as torch exposes them (detach().cpu().numpy()); this duck-typed
     stand-in checks the adapter without torch, which the test extra does not install."""
     spec = make_spec("mla")
     args = build("mla", spec)
-    as_tensors = dict(args, q=_TensorLike(args["q"]), q_indptr=_TensorLike(args["q_indptr"]))
+    as_tensors = dict(args, q=TensorLike(args["q"]), q_indptr=TensorLike(args["q_indptr"]))
     got = check("mla", spec, as_tensors)
     np.testing.assert_array_equal(got[0], args["q"])
     assert got[1].dtype == np.int32

@@ -15,7 +15,7 @@ import iree.runtime as rt
 import numpy as np
 import pytest
 
-from conftest import LSE_TOLERANCE, assert_close, max_error, uniform
+from conftest import LSE_TOLERANCE, TensorLike, assert_close, max_error, uniform
 from linalg_prefill.mlir import (
     MaskedSequencePrefillSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec,
 )
@@ -152,28 +152,11 @@ def test_sequence_and_masked_match_reference(cache):
         masked.run(q[:, :10], k[:, :10], v[:, :10])
 
 
-class _TensorLike:
-    """The part of a torch CPU tensor that the wrappers read (detach, cpu, numpy, dtype)."""
-
-    def __init__(self, array):
-        self._array = array
-        self.dtype = f"torch.{array.dtype}"
-
-    def detach(self):
-        return self
-
-    def cpu(self):
-        return self
-
-    def numpy(self):
-        return self._array
-
-
 def test_tensor_like_inputs(ragged):
     """Torch-style tensors are read through detach().cpu().numpy() (torch is not a test dependency)."""
     wrapper, layers = ragged
     q, k, v = layers[0]
-    got = wrapper.run(*(_TensorLike(x) for x in (q, k, v)))
+    got = wrapper.run(*(TensorLike(x) for x in (q, k, v)))
     want = wrapper.run(q, k, v)
     assert all(np.array_equal(a, b) for a, b in zip(got, want))
 
