@@ -4,4 +4,32 @@ Subpackages:
     linalg_prefill.mlir      IR builders (one online-softmax emitter, one spec per variant)
     linalg_prefill.pipeline  IREE compilation and the on-disk artifact cache
     linalg_prefill.runtime   loading modules, devices, input checks, the float64 reference
+
+Environment:
+    LINALG_PREFILL_LOG    log level of the ``linalg_prefill`` logger printed to stderr (debug, info,
+                          warning, error); unset: nothing is configured (the application decides);
+                          another value is ignored with a warning
 """
+
+import logging as _logging
+import os as _os
+
+
+def _configure_logging() -> None:
+    level = _os.environ.get("LINALG_PREFILL_LOG", "").strip().upper()
+    if not level:
+        return
+    if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+        import warnings
+
+        warnings.warn(f"LINALG_PREFILL_LOG: expected debug, info, warning or error, got {level.lower()!r}; "
+                      "ignored", stacklevel=2)
+        return
+    logger = _logging.getLogger("linalg_prefill")
+    handler = _logging.StreamHandler()
+    handler.setFormatter(_logging.Formatter("linalg_prefill %(levelname)s: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(level)
+
+
+_configure_logging()

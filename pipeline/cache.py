@@ -4,7 +4,9 @@ Layout: ``<root>/<compiler version>/<target tag>/<spec name>-<key[:16]>/`` holdi
 ``kernel.vmfb``, ``kernel.mlir``, ``compile_command.txt`` and ``spec.json``. The key is the sha256
 of the IR text, the flags, the target and the compiler version. Writes go to a temporary file and
 are renamed into place; an exclusive file lock plus a re-check after acquiring it means two
-processes asking for the same artifact compile it once.
+processes asking for the same artifact compile it once. ``spec.json`` records the vmfb's sha256: a
+cached file that no longer matches it (truncated, overwritten) is compiled again, and a cache
+folder that cannot be written is skipped with a warning (the kernel is compiled, not stored).
 
 Environment:
     LINALG_PREFILL_CACHE_DIR   cache root (default ``~/.cache/linalg-prefill``)
@@ -14,9 +16,11 @@ Environment:
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -25,6 +29,9 @@ from typing import Callable, Iterator
 from iree.compiler.version import VERSION as COMPILER_VERSION
 
 from .targets import Target
+
+log = logging.getLogger(__name__)
+_UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.ENOTDIR)  # cache unusable
 
 
 def artifact_key(ir_text: str, target: Target) -> str:
@@ -73,25 +80,29 @@ class ArtifactCache:
         return self.root / COMPILER_VERSION / target.tag / f"{spec.name}-{key[:16]}"
 
     def get_or_build(self, spec, target: Target, ir_text: str, build: Callable[[], bytes]) -> bytes:
-        """The cached vmfb for (spec, target, ir_text), calling ``build()`` once if missing."""
+        """The cached vmfb for (spec, target, ir_text), calling ``build()`` once if missing or damaged."""
         if not self.enabled:
             return build()
         key = artifact_key(ir_text, target)
         folder = self.entry_dir(spec, target, key)
-        vmfb = folder / "kernel.vmfb"
-        if vmfb.exists():
-            return vmfb.read_bytes()
-        with file_lock(folder.with_name(folder.name + ".lock")):
-            if vmfb.exists():
-                return vmfb.read_bytes()
-            data = build()
-            atomic_write(folder / "kernel.mlir", ir_text.encode())
-            atomic_write(folder / "compile_command.txt", " ".join(target.flags()).encode())
-            atomic_write(folder / "spec.json", json.dumps(
-                {"name": spec.name, "symbol": spec.symbol, "fields": spec.fields(),
-                 "target": target.tag, "key": key, "compiler_version": COMPILER_VERSION},
-                indent=2, sort_keys=True).encode())
-            atomic_write(vmfb, data)
+        cached = _read_verified(folder)
+        if cached is not None:
+            log.debug("cache hit %s", folder)
+            return cached
+        data = None
+        try:
+            with file_lock(folder.with_name(folder.name + ".lock")):
+                cached = _read_verified(folder)
+                if cached is not None:
+                    return cached
+                data = build()
+                _store(folder, spec, target, key, ir_text, data)
+        except OSError as err:
+            if err.errno not in _UNWRITABLE:
+                raise
+            log.warning("artifact cache %s is not writable (%s); using the kernel without storing it. Set "
+                        "LINALG_PREFILL_CACHE_DIR to a writable folder or LINALG_PREFILL_CACHE=0", self.root, err)
+            return data if data is not None else build()
         return data
 
     def clear(self) -> int:
@@ -102,6 +113,33 @@ class ArtifactCache:
         if self.root.exists():
             shutil.rmtree(self.root)
         return count
+
+
+def _read_verified(folder: Path) -> bytes | None:
+    """The folder's vmfb when present and matching the sha256 in its spec.json, else None."""
+    vmfb = folder / "kernel.vmfb"
+    if not vmfb.exists():
+        return None
+    data = vmfb.read_bytes()
+    try:
+        recorded = json.loads((folder / "spec.json").read_text())["sha256"]
+    except (OSError, ValueError, KeyError):
+        recorded = None
+    if recorded != hashlib.sha256(data).hexdigest():
+        log.warning("cached artifact %s is damaged (sha256 mismatch); compiling it again", vmfb)
+        return None
+    return data
+
+
+def _store(folder: Path, spec, target: Target, key: str, ir_text: str, data: bytes) -> None:
+    """Writes the vmfb last, after the spec.json that records its sha256."""
+    atomic_write(folder / "kernel.mlir", ir_text.encode())
+    atomic_write(folder / "compile_command.txt", " ".join(target.flags()).encode())
+    atomic_write(folder / "spec.json", json.dumps(
+        {"name": spec.name, "symbol": spec.symbol, "fields": spec.fields(), "target": target.tag, "key": key,
+         "compiler_version": COMPILER_VERSION, "sha256": hashlib.sha256(data).hexdigest()},
+        indent=2, sort_keys=True).encode())
+    atomic_write(folder / "kernel.vmfb", data)
 
 
 def default_cache() -> ArtifactCache:

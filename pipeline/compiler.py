@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 from iree.compiler import tools as iree_tools
 from iree.compiler.version import VERSION as COMPILER_VERSION  # noqa: F401 (re-exported)
@@ -11,7 +12,7 @@ from ..mlir import build_module
 from .cache import ArtifactCache, default_cache
 from .targets import Target, target_for
 
-log = logging.getLogger("linalg_prefill")
+log = logging.getLogger(__name__)
 
 
 class CompileError(RuntimeError):
@@ -21,10 +22,13 @@ class CompileError(RuntimeError):
 def compile_ir(ir_text: str, target: Target) -> bytes:
     """vmfb bytes for MLIR text; raises CompileError with the flags and diagnostics."""
     flags = target.flags()
+    start = time.perf_counter()
     try:
-        return iree_tools.compile_str(ir_text, input_type="auto", extra_args=flags)
+        vmfb = iree_tools.compile_str(ir_text, input_type="auto", extra_args=flags)
     except iree_tools.CompilerToolError as err:
         raise CompileError(f"iree-compile failed for {target.tag} with flags {flags}:\n{err}") from None
+    log.info("compiled for %s in %.1f s (%d bytes)", target.tag, time.perf_counter() - start, len(vmfb))
+    return vmfb
 
 
 def compile(spec, backend: str | Target = "llvm-cpu", *, cache: ArtifactCache | None = None) -> bytes:  # noqa: A001
@@ -32,4 +36,9 @@ def compile(spec, backend: str | Target = "llvm-cpu", *, cache: ArtifactCache | 
     target = target_for(backend)
     ir_text = str(build_module(spec))
     store = default_cache() if cache is None else cache
-    return store.get_or_build(spec, target, ir_text, lambda: compile_ir(ir_text, target))
+
+    def build() -> bytes:
+        log.info("compiling %s for %s", spec.name, target.tag)
+        return compile_ir(ir_text, target)
+
+    return store.get_or_build(spec, target, ir_text, build)

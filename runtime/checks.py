@@ -87,6 +87,13 @@ def check_same(name: str, got: int, other: str, want: int) -> None:
         raise InputError(f"{name}: size {got} must equal {other} ({want})")
 
 
+def check_on_device(name: str, value, device: rt.HalDevice) -> None:
+    """An IREE ``DeviceArray`` must live on ``device`` (the kernel's); host arrays always pass."""
+    if isinstance(value, rt.DeviceArray) and value._device is not device:
+        raise InputError(f"{name}: is an IREE device array on another device than the kernel's; upload it "
+                         "with iree.runtime.asdevicearray(kernel.device, array) or pass a numpy array")
+
+
 def check_range(name: str, array: np.ndarray, low: int, high: int) -> None:
     """Every element in [low, high]."""
     if array.size and (array.min() < low or array.max() > high):

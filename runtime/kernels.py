@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable
 
 import numpy as np
@@ -16,7 +17,7 @@ from ..mlir.specs import (
     SequencePrefillSpec,
 )
 from ..pipeline import ArtifactCache, Target, compile, target_for
-from .checks import NUMPY_DTYPES, check_int32, check_range, check_same, check_tensor
+from .checks import NUMPY_DTYPES, check_int32, check_on_device, check_range, check_same, check_tensor
 from .errors import InputError
 from .kv_checks import check_mla, check_paged, check_ragged
 from .module import LoadedKernel
@@ -61,12 +62,15 @@ class Kernel:
         self.target = target
         self._loaded = loaded
         self._check = _CHECKS[type(spec)]
+        self._arg_names = tuple(inspect.signature(self._check).parameters)[1:]  # the seed's ABI names
 
     @property
     def device(self):
         return self._loaded.device
 
     def __call__(self, *args: Any, to_host: bool = True):
+        for name, value in zip(self._arg_names, args):
+            check_on_device(name, value, self.device)
         arrays = self._check(self.spec, *args)
         empty = _empty_result(self.spec, arrays[0])
         if empty is not None:

@@ -24,14 +24,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-import iree.runtime as rt
 import numpy as np
 
 from ..mlir.specs import (
     MaskedSequencePrefillSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec,
 )
 from ..pipeline import target_for
-from .checks import NUMPY_DTYPES, check_int32, check_range, check_tensor
+from .checks import NUMPY_DTYPES, check_int32, check_on_device, check_range, check_tensor
 from .errors import InputError
 from .kernels import Kernel, open_kernel
 from .kv_checks import (
@@ -164,10 +163,10 @@ class RaggedPrefillWrapper(_Wrapper):
 
     def run(self, q, k, v, *, to_host: bool = True) -> tuple:
         """One layer: q [Lq, h_q, d_qk], k [Lk, h_kv, d_qk], v [Lk, h_kv, d_v] in spec.dtype."""
-        plan, spec = self._planned(), self.spec
-        q = _rows("q", _tensor("q", q, spec.dtype, (None, spec.h_q, spec.d_qk)), plan.rows, "q_indptr[-1]")
-        k = _rows("k", _tensor("k", k, spec.dtype, (None, spec.h_kv, spec.d_qk)), plan.kv_rows, "kv_indptr[-1]")
-        v = _rows("v", _tensor("v", v, spec.dtype, (None, spec.h_kv, spec.d_v)), plan.kv_rows, "kv_indptr[-1]")
+        plan, spec, device = self._planned(), self.spec, self.kernel.device
+        q = _rows("q", _tensor("q", q, spec.dtype, (None, spec.h_q, spec.d_qk), device), plan.rows, "q_indptr[-1]")
+        k = _rows("k", _tensor("k", k, spec.dtype, (None, spec.h_kv, spec.d_qk), device), plan.kv_rows, "kv_indptr[-1]")
+        v = _rows("v", _tensor("v", v, spec.dtype, (None, spec.h_kv, spec.d_v), device), plan.kv_rows, "kv_indptr[-1]")
         dev = plan.device
         args = (q, dev["q_indptr"], k, v, dev["kv_indptr"], dev["q_rope_position"], dev["k_rope_pos_offset"],
                 *plan.scalars)
@@ -196,9 +195,9 @@ class PagedPrefillWrapper(_Wrapper):
 
     def run(self, q, pages, *, to_host: bool = True) -> tuple:
         """One layer: q [Lq, h_q, d], pages [P, 2, h_kv, page_size, d] in spec.dtype."""
-        plan, spec = self._planned(), self.spec
-        q = _rows("q", _tensor("q", q, spec.dtype, (None, spec.h_q, spec.d)), plan.rows, "q_indptr[-1]")
-        pages = _page_count(_tensor("pages", pages, spec.dtype, (None, 2, spec.h_kv, spec.page_size, spec.d)),
+        plan, spec, device = self._planned(), self.spec, self.kernel.device
+        q = _rows("q", _tensor("q", q, spec.dtype, (None, spec.h_q, spec.d), device), plan.rows, "q_indptr[-1]")
+        pages = _page_count(_tensor("pages", pages, spec.dtype, (None, 2, spec.h_kv, spec.page_size, spec.d), device),
                             plan.kv_rows)
         dev = plan.device
         args = (q, dev["q_indptr"], pages, dev["page_indptr"], dev["page_values"], dev["length_info"],
@@ -222,9 +221,9 @@ class MlaPagedPrefillWrapper(_Wrapper):
 
     def run(self, q, pages, *, to_host: bool = True) -> tuple:
         """One layer: q [Lq, h_q, d_latent + d_rope], pages [P, page_size, d_latent + d_rope]."""
-        plan, spec = self._planned(), self.spec
-        q = _rows("q", _tensor("q", q, spec.dtype, (None, spec.h_q, spec.d_qk)), plan.rows, "q_indptr[-1]")
-        pages = _page_count(_tensor("pages", pages, spec.dtype, (None, spec.page_size, spec.d_qk)), plan.kv_rows)
+        plan, spec, device = self._planned(), self.spec, self.kernel.device
+        q = _rows("q", _tensor("q", q, spec.dtype, (None, spec.h_q, spec.d_qk), device), plan.rows, "q_indptr[-1]")
+        pages = _page_count(_tensor("pages", pages, spec.dtype, (None, spec.page_size, spec.d_qk), device), plan.kv_rows)
         dev = plan.device
         args = (q, dev["q_indptr"], pages, dev["page_indptr"], dev["page_values"], dev["length_info"],
                 *plan.scalars)
@@ -241,7 +240,7 @@ class SequencePrefillWrapper(_Wrapper):
     spec_type = SequencePrefillSpec
 
     def run(self, q, k, v, *, to_host: bool = True) -> tuple:
-        q, k, v = _dense(self.spec, q, k, v)
+        q, k, v = _dense(self.spec, q, k, v, self.kernel.device)
         return self._launch((q, k, v), (*q.shape[:2], self.spec.h_q, self.spec.d), to_host)
 
 
@@ -262,7 +261,7 @@ class MaskedSequencePrefillWrapper(_Wrapper):
     def run(self, q, k, v, *, to_host: bool = True) -> tuple:
         """One layer: q [B, Lq, h_q, d], k/v [B, Lk, h_kv, d] with B and valid_lens as planned."""
         plan = self._planned()
-        q, k, v = _dense(self.spec, q, k, v)
+        q, k, v = _dense(self.spec, q, k, v, self.kernel.device)
         batch = plan.arrays["valid_lens"].shape[0]
         if q.shape[0] != batch:
             raise InputError(f"q: expected batch {batch} (length of the planned valid_lens), got {q.shape[0]}")
@@ -347,18 +346,11 @@ def _rope_scalars(causal, rope, sm_scale, dim: int, dim_name: str) -> tuple:
 # ----------------------------------------------------------------------------- run helpers
 
 
-def _tensor(name: str, value, dtype: str, shape: tuple):
-    """``value`` checked as ``dtype`` with ``shape`` (None: any size): a DeviceArray as is (no
-    download), anything else as a C-contiguous numpy array (torch CPU tensors included)."""
-    if not isinstance(value, rt.DeviceArray):
-        return check_tensor(name, value, dtype=dtype, shape=shape)
-    if np.dtype(value.dtype) != NUMPY_DTYPES[dtype]:
-        raise InputError(f"{name}: expected dtype {dtype}, got {value.dtype}")
-    got = tuple(value.shape)
-    if len(got) != len(shape) or any(w is not None and g != w for g, w in zip(got, shape)):
-        spelled = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-        raise InputError(f"{name}: expected shape {spelled}, got {got}")
-    return value
+def _tensor(name: str, value, dtype: str, shape: tuple, device):
+    """``value`` checked as ``dtype`` with ``shape`` (None: any size): a DeviceArray on ``device`` as
+    is (no download), anything else as a C-contiguous numpy array (torch CPU tensors included)."""
+    check_on_device(name, value, device)
+    return check_tensor(name, value, dtype=dtype, shape=shape)
 
 
 def _rows(name: str, array, want: int, source: str):
@@ -374,11 +366,11 @@ def _page_count(pages, needed: int):
     return pages
 
 
-def _dense(spec, q, k, v) -> tuple:
+def _dense(spec, q, k, v, device) -> tuple:
     """q [B, Lq, h_q, d], k/v [B, Lk, h_kv, d] with matching B and Lk."""
-    q = _tensor("q", q, spec.dtype, (None, None, spec.h_q, spec.d))
-    k = _tensor("k", k, spec.dtype, (None, None, spec.h_kv, spec.d))
-    v = _tensor("v", v, spec.dtype, (None, None, spec.h_kv, spec.d))
+    q = _tensor("q", q, spec.dtype, (None, None, spec.h_q, spec.d), device)
+    k = _tensor("k", k, spec.dtype, (None, None, spec.h_kv, spec.d), device)
+    v = _tensor("v", v, spec.dtype, (None, None, spec.h_kv, spec.d), device)
     for name, array in (("k", k), ("v", v)):
         if array.shape[0] != q.shape[0]:
             raise InputError(f"{name}: expected batch {q.shape[0]} (q.shape[0]), got {array.shape[0]}")

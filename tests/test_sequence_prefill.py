@@ -183,3 +183,6 @@ def test_device_arrays_pass_through_without_a_host_copy(cache):
         kernel(wrong, *on_device[1:])
     with pytest.raises(InputError, match="^k: expected shape"):
         kernel(on_device[0], rt.asdevicearray(kernel.device, q), on_device[2])
+    elsewhere = rt.asdevicearray(rt.get_device("local-sync"), v)  # another device than the kernel's
+    with pytest.raises(InputError, match="^v: is an IREE device array on another device"):
+        kernel(*on_device[:2], elsewhere)

@@ -250,6 +250,8 @@ def test_outputs_stay_on_device(ragged):
     assert np.array_equal(again[0], host_out)
     with pytest.raises(InputError, match="^q: expected shape"):
         wrapper.run(rt.asdevicearray(wrapper.kernel.device, q[:, :2]), k, v)
+    with pytest.raises(InputError, match="^k: is an IREE device array on another device"):
+        wrapper.run(q, rt.asdevicearray(rt.get_device("local-sync"), k), v)
 
 
 def test_threads_share_one_wrapper(ragged):
