@@ -3,6 +3,7 @@
     linalg-prefill build --model configs/llama-3-8b.json --backends llvm-cpu,cuda --out build/llama
     linalg-prefill list build/llama
     linalg-prefill check build/llama --backends llvm-cpu,cuda
+    linalg-prefill bench build/llama --backends llvm-cpu --tokens 1024 --json bench.json
     linalg-prefill show-config
     linalg-prefill demo
     linalg-prefill clear-cache
@@ -42,6 +43,15 @@ def main(argv=None) -> int:
     check.add_argument("--backends", default="llvm-cpu,cuda",
                        help="comma-separated; a backend without a device here is skipped")
     check.add_argument("--seed", type=int, default=0, help="random seed of the inputs")
+    bench = sub.add_parser("bench", help="time every artifact of a build folder (and torch SDPA on the same "
+                                         "work when torch is installed)")
+    bench.add_argument("dir", help="a folder written by `linalg-prefill build`")
+    bench.add_argument("--backends", default="llvm-cpu,cuda",
+                       help="comma-separated; a backend without a device here is skipped")
+    bench.add_argument("--tokens", type=int, default=1024, help="query tokens = keys per entry (default 1024)")
+    bench.add_argument("--batch", type=int, default=1, help="batch entries (default 1)")
+    bench.add_argument("--repeat", type=int, default=3, help="timed calls per figure, best kept (default 3)")
+    bench.add_argument("--json", help="also write the rows to this JSON file")
     sub.add_parser("show-config", help="IREE versions, HAL drivers, usable devices")
     args = parser.parse_args(argv)
     if args.command == "demo":
@@ -58,6 +68,8 @@ def main(argv=None) -> int:
         return _list(args.dir)
     if args.command == "check":
         return _check(args.dir, [b for b in args.backends.split(",") if b], args.seed)
+    if args.command == "bench":
+        return _bench(args)
     if args.command == "show-config":
         return _show_config()
     return 2
@@ -149,6 +161,27 @@ def _check(out_dir: str, backends: list, seed: int) -> int:
     if not ran:
         print(f"nothing ran: no artifact for {', '.join(backends)} with a device here")
     return 1 if failures or not ran else 0
+
+
+def _bench(args) -> int:
+    """``bench``: one row per artifact and backend; 1 if nothing ran."""
+    from .bench import HEADER, bench_artifacts, write_json
+
+    for name in ("tokens", "batch", "repeat"):
+        if getattr(args, name) < 1:
+            print(f"linalg-prefill bench: error: --{name} must be at least 1", file=sys.stderr)
+            return 2
+    print(HEADER)
+    try:
+        rows = bench_artifacts(args.dir, [b for b in args.backends.split(",") if b], tokens=args.tokens,
+                               batch=args.batch, repeat=args.repeat)
+    except ValueError as err:  # ArtifactError or an unknown backend
+        print(f"linalg-prefill bench: error: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        write_json(rows, args.json)
+        print(f"wrote {len(rows)} rows to {args.json}")
+    return 0 if rows else 1
 
 
 def _size(count: int) -> str:

@@ -146,20 +146,25 @@ def _format_table(header: tuple, rows: list) -> str:
 # ----------------------------------------------------------------------------- example inputs
 
 
-def example_inputs(spec, rng: np.random.Generator) -> tuple:
-    """A small valid seed-ABI call for ``spec`` (values in [-1, 1), causal, RoPE on where it exists).
+def example_inputs(spec, rng: np.random.Generator, entries=EXAMPLE_ENTRIES) -> tuple:
+    """A valid seed-ABI call for ``spec`` (values in [-1, 1), causal, RoPE on where it exists).
 
-    KV-cache variants get the entries :data:`EXAMPLE_ENTRIES` (one with qo_len > kv_len, one with
-    no KV), random RoPE offsets and shuffled pages with unused ones; sliding-window entries keep 2
-    sinks and evict 5 rows. Dense: B=2, qo_len 20 > kv_len 17; masked: valid_lens [16, 5, 0].
+    ``entries``: (qo_len, kv_len) per batch entry. KV-cache variants get random RoPE offsets and
+    shuffled pages with unused ones; sliding-window entries keep 2 sinks and evict 5 rows. The
+    dense variants take B = len(entries) and the first entry's lengths; the default entries give
+    dense B=2, qo_len 20 > kv_len 17, and masked B=3, length 16, valid_lens [16, 5, 0].
     """
+    default = entries is EXAMPLE_ENTRIES
+    batch, qo_len, kv_len = (2, 20, 17) if default else (len(entries), *entries[0])
     if isinstance(spec, SequencePrefillSpec):
-        return _uniform(rng, spec, (2, 20, spec.h_q, spec.d)), *(_uniform(rng, spec, (2, 17, spec.h_kv, spec.d))
-                                                                 for _ in range(2))
+        return (_uniform(rng, spec, (batch, qo_len, spec.h_q, spec.d)),
+                *(_uniform(rng, spec, (batch, kv_len, spec.h_kv, spec.d)) for _ in range(2)))
     if isinstance(spec, MaskedSequencePrefillSpec):
-        q, k, v = (_uniform(rng, spec, (3, 16, h, spec.d)) for h in (spec.h_q, spec.h_kv, spec.h_kv))
-        return q, k, v, np.array([16, 5, 0], np.int32)
-    qo_lens, kv_lens = (np.array(x, np.int64) for x in zip(*EXAMPLE_ENTRIES))
+        batch, length = (3, 16) if default else (batch, min(qo_len, kv_len))
+        q, k, v = (_uniform(rng, spec, (batch, length, h, spec.d)) for h in (spec.h_q, spec.h_kv, spec.h_kv))
+        valid = [16, 5, 0] if default else [length] * batch
+        return q, k, v, np.array(valid, np.int32)
+    qo_lens, kv_lens = (np.array(x, np.int64) for x in zip(*entries))
     q_indptr = _indptr(qo_lens)
     rows = int(q_indptr[-1])
     if isinstance(spec, RaggedPrefillSpec):

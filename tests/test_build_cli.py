@@ -1,13 +1,15 @@
-"""Model configs -> specs, AOT artifact builds with a manifest, and the build/list/show-config CLI."""
+"""Model configs -> specs, AOT artifact builds with a manifest, and the build/list/show-config/bench CLI."""
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import shutil
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from linalg_prefill.mlir import (
@@ -17,6 +19,7 @@ from linalg_prefill.pipeline import COMPILER_VERSION, ArtifactCache, CompileErro
 from linalg_prefill.pipeline.artifacts import (
     ArtifactError, build_artifacts, load_manifest, verify_artifact,
 )
+from linalg_prefill.pipeline.bench import attention_flops
 from linalg_prefill.pipeline.cli import main
 from linalg_prefill.pipeline.model_config import load_model_config, specs_for_model
 
@@ -235,3 +238,32 @@ def test_cli_build_rejects_a_bad_config(tmp_path, capsys):
     path.write_text(json.dumps({**HF, "torch_dtype": "int8"}))
     assert main(["build", "--model", str(path), "--backends", "llvm-cpu", "--out", str(tmp_path / "o")]) == 2
     assert "torch_dtype" in capsys.readouterr().err
+
+
+def test_cli_bench_times_every_artifact(tiny_build, tmp_path, capsys):
+    specs, out = tiny_build[0], tiny_build[1]
+    report = tmp_path / "bench.json"
+    assert main(["bench", str(out), "--backends", "llvm-cpu", "--tokens", "40", "--batch", "2", "--repeat", "1",
+                 "--json", str(report)]) == 0
+    rows = json.loads(report.read_text())
+    assert [r["variant"] for r in rows] == [s.name for s in specs]
+    for spec, row in zip(specs, rows):
+        assert row["backend"] == "llvm-cpu" and row["ours_ms"] > 0
+        assert row["gflops"] == pytest.approx(attention_flops(spec, 2, 40) / row["ours_ms"] / 1e6)
+        assert (row["torch_ms"] is None) == (importlib.util.find_spec("torch") is None)
+    printed = capsys.readouterr().out
+    assert printed.count("llvm-cpu") == len(specs) and f"wrote {len(specs)} rows" in printed
+    assert main(["bench", str(out), "--tokens", "0"]) == 2
+    assert "--tokens must be at least 1" in capsys.readouterr().err
+    assert main(["bench", str(tmp_path / "missing")]) == 2
+    assert "no manifest" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mask_mode, causal", [("padded", False), ("causal_padded_left", True)])
+def test_bench_flops_count_the_unmasked_pairs(mask_mode, causal):
+    spec = MaskedSequencePrefillSpec(8, 2, 64, "float32", mask_mode=mask_mode, sm_scale=0.125)
+    tokens = 13
+    visible = np.tril(np.ones((tokens, tokens))) if causal else np.ones((tokens, tokens))
+    assert attention_flops(spec, 3, tokens) == 3 * visible.sum() * 2 * 8 * (64 + 64)
+    mla = MlaPagedPrefillSpec(16, 512, 64, "float32", page_size=16)
+    assert attention_flops(mla, 1, tokens) == np.tril(np.ones((tokens, tokens))).sum() * 2 * 16 * (576 + 512)

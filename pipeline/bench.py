@@ -1,0 +1,138 @@
+"""``linalg-prefill bench``: time every artifact of a build folder, and torch SDPA on the same work.
+
+Each variant runs one prefill from an empty cache: ``batch`` entries of ``tokens`` query tokens
+against as many keys (dense variants: B = batch, qo_len = kv_len = tokens), causal except for a
+non-causal dense spec and the right-padded mask. GFLOP/s count the unmasked query-key pairs only:
+2 · pairs · h_q · (d_qk + d_v). When torch is installed, its ``scaled_dot_product_attention``
+(CPU, same causality, ``enable_gqa=True``, one call per entry,
+the threads torch was given) runs the same attention in the same process; ``ratio`` is torch's
+time over ours (above 1: we are faster). Times are the best of ``repeat`` calls after one warm-up.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from ..mlir.specs import MaskedSequencePrefillSpec, MlaPagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec
+
+
+@dataclass(frozen=True)
+class BenchRow:
+    """One variant on one backend; ``torch_ms``/``ratio`` are None when torch did not run."""
+
+    variant: str
+    backend: str
+    dtype: str
+    batch: int
+    tokens: int
+    ours_ms: float
+    gflops: float
+    torch_ms: float | None
+    ratio: float | None
+
+
+def head_dims(spec) -> tuple[int, int, int, int]:
+    """(h_q, h_kv, d_qk, d_v) of any spec; MLA is one latent KV head of d_latent + d_rope."""
+    if isinstance(spec, MlaPagedPrefillSpec):
+        return spec.h_q, 1, spec.d_latent + spec.d_rope, spec.d_latent
+    if isinstance(spec, RaggedPrefillSpec):
+        return spec.h_q, spec.h_kv, spec.d_qk, spec.d_v
+    return spec.h_q, spec.h_kv, spec.d, spec.d
+
+
+def is_causal(spec) -> bool:
+    """Whether the benchmarked call is causal (KV-cache variants run with causal=1)."""
+    if isinstance(spec, SequencePrefillSpec):
+        return spec.causal
+    return not (isinstance(spec, MaskedSequencePrefillSpec) and spec.mask_mode == "padded")
+
+
+def attention_flops(spec, batch: int, tokens: int) -> float:
+    """FLOPs of the unmasked pairs of ``batch`` prefills of ``tokens`` (qo_len = kv_len)."""
+    h_q, _, d_qk, d_v = head_dims(spec)
+    pairs = tokens * (tokens + 1) // 2 if is_causal(spec) else tokens * tokens
+    return 2.0 * batch * pairs * h_q * (d_qk + d_v)
+
+
+def best_time(fn, repeat: int) -> float:
+    """Seconds of the fastest of ``repeat`` calls of ``fn`` after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def torch_sdpa(spec, batch: int, tokens: int, rng: np.random.Generator):
+    """A callable running torch SDPA on the variant's attention (None without torch)."""
+    try:
+        import torch
+        import torch.nn.functional as F
+    except ImportError:
+        return None
+    h_q, h_kv, d_qk, d_v = head_dims(spec)
+    dtype = getattr(torch, spec.dtype)
+    dense = isinstance(spec, (SequencePrefillSpec, MaskedSequencePrefillSpec))
+    calls, rows = (1, batch) if dense else (batch, 1)
+
+    def tensor(heads, dim):
+        return torch.from_numpy(rng.uniform(-1, 1, (rows, heads, tokens, dim)).astype(np.float32)).to(dtype)
+
+    inputs = [(tensor(h_q, d_qk), tensor(h_kv, d_qk), tensor(h_kv, d_v)) for _ in range(calls)]
+    causal = is_causal(spec)
+
+    def run():
+        for q, k, v in inputs:
+            F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True, scale=d_qk ** -0.5)
+
+    return run
+
+
+def bench_artifacts(out_dir: str, backends: list[str], *, tokens: int, batch: int, repeat: int,
+                    seed: int = 0, log=print) -> list[BenchRow]:
+    """Times every artifact of ``out_dir`` on each backend with a device here (see module doc)."""
+    from ..runtime.artifact_set import open_artifacts
+    from ..runtime.compare import example_inputs
+    from ..runtime.devices import device_available
+    from .targets import target_for
+
+    rng = np.random.default_rng(seed)
+    rows, peer_ms = [], {}
+    for backend in backends:
+        if not device_available(target_for(backend).driver):
+            log(f"{backend}: no device here, skipped")
+            continue
+        artifacts = open_artifacts(out_dir, backend, aot_only=True)
+        for spec in artifacts.specs():
+            kernel = artifacts.kernel(spec)
+            args = example_inputs(spec, rng, entries=[(tokens, tokens)] * batch)
+            ours = best_time(lambda: kernel(*args), repeat)
+            if spec.name not in peer_ms:
+                peer = torch_sdpa(spec, batch, tokens, rng)
+                peer_ms[spec.name] = None if peer is None else best_time(peer, repeat) * 1e3
+            theirs = peer_ms[spec.name]
+            rows.append(BenchRow(spec.name, backend, spec.dtype, batch, tokens, ours * 1e3,
+                                 attention_flops(spec, batch, tokens) / ours / 1e9, theirs,
+                                 None if theirs is None else theirs / (ours * 1e3)))
+            log(format_row(rows[-1]))
+    return rows
+
+
+HEADER = f"{'variant':<92} {'backend':<9} {'ours ms':>9} {'GFLOP/s':>8} {'torch ms':>9} {'ratio':>6}"
+
+
+def format_row(row: BenchRow) -> str:
+    torch_ms = "-" if row.torch_ms is None else f"{row.torch_ms:.1f}"
+    ratio = "-" if row.ratio is None else f"{row.ratio:.2f}"
+    return f"{row.variant:<92} {row.backend:<9} {row.ours_ms:>9.1f} {row.gflops:>8.1f} {torch_ms:>9} {ratio:>6}"
+
+
+def write_json(rows: list[BenchRow], path: str) -> None:
+    with open(path, "w") as f:
+        json.dump([asdict(r) for r in rows], f, indent=2)
