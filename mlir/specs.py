@@ -26,6 +26,10 @@ DEFAULT_KV_TILE = 128
 MASK_MODES = ("padded", "causal_padded_left")
 
 
+class SpecError(ValueError):
+    """A spec field is invalid; the message names the field and what was expected."""
+
+
 def _scale_tag(value: float) -> str:
     """A float spelled exactly and filename-safe: 0.125 -> '0p125'."""
     return repr(float(value)).replace(".", "p").replace("-", "m").replace("+", "")
@@ -33,16 +37,16 @@ def _scale_tag(value: float) -> str:
 
 def _check_heads(h_q: int, h_kv: int) -> None:
     if h_q <= 0 or h_kv <= 0:
-        raise ValueError(f"h_q and h_kv must be positive, got h_q={h_q}, h_kv={h_kv}")
+        raise SpecError(f"h_q and h_kv must be positive, got h_q={h_q}, h_kv={h_kv}")
     if h_q % h_kv:
-        raise ValueError(f"h_q ({h_q}) must be a multiple of h_kv ({h_kv})")
+        raise SpecError(f"h_q ({h_q}) must be a multiple of h_kv ({h_kv})")
 
 
 def _check_common(spec) -> None:
     if spec.dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {DTYPES}, got {spec.dtype!r}")
+        raise SpecError(f"dtype must be one of {DTYPES}, got {spec.dtype!r}")
     if spec.q_tile <= 0 or spec.kv_tile <= 0:
-        raise ValueError(f"q_tile and kv_tile must be positive, got {spec.q_tile}, {spec.kv_tile}")
+        raise SpecError(f"q_tile and kv_tile must be positive, got {spec.q_tile}, {spec.kv_tile}")
 
 
 class _SpecBase:
@@ -119,7 +123,7 @@ class MaskedSequencePrefillSpec(_SpecBase):
         _check_heads(self.h_q, self.h_kv)
         _check_common(self)
         if self.mask_mode not in MASK_MODES:
-            raise ValueError(f"mask_mode must be one of {MASK_MODES}, got {self.mask_mode!r}")
+            raise SpecError(f"mask_mode must be one of {MASK_MODES}, got {self.mask_mode!r}")
 
     @property
     def causal(self) -> bool:
@@ -155,10 +159,10 @@ def freeze_rope_scaling(rope_scaling) -> tuple:
     items = dict(rope_scaling or {})
     kind = items.get("rope_type") or items.get("type") or "default"
     if kind not in ROPE_FIELDS:
-        raise ValueError(f"rope_scaling: unsupported rope_type {kind!r}; expected one of {tuple(ROPE_FIELDS)}")
+        raise SpecError(f"rope_scaling: unsupported rope_type {kind!r}; expected one of {tuple(ROPE_FIELDS)}")
     missing = [key for key in ROPE_FIELDS[kind] if key not in items]
     if missing:
-        raise ValueError(f"rope_scaling: rope_type {kind!r} needs {missing}")
+        raise SpecError(f"rope_scaling: rope_type {kind!r} needs {missing}")
     if "type" in items and "rope_type" not in items:
         items["rope_type"] = items.pop("type")
     return tuple(sorted((key, value) for key, value in items.items() if value is not None))
@@ -176,7 +180,7 @@ def _rope_tag(rope_scaling: tuple) -> str:
 def _check_positive(**values: int) -> None:
     for key, value in values.items():
         if not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{key} must be a positive int, got {value!r}")
+            raise SpecError(f"{key} must be a positive int, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -271,7 +275,7 @@ class MlaPagedPrefillSpec(_SpecBase):
     def __post_init__(self):
         _check_positive(h_q=self.h_q, d_latent=self.d_latent, page_size=self.page_size)
         if not isinstance(self.d_rope, int) or self.d_rope < 0:
-            raise ValueError(f"d_rope must be a non-negative int, got {self.d_rope!r}")
+            raise SpecError(f"d_rope must be a non-negative int, got {self.d_rope!r}")
         _check_common(self)
 
     h_kv = 1

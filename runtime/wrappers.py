@@ -295,7 +295,12 @@ def natural_positions(q_indptr: np.ndarray, kv_lens: np.ndarray, q_rope_position
     if q_rope_position is not None:
         return check_int32("q_rope_position", q_rope_position, shape=(rows,)), k_off
     starts = k_off.astype(np.int64) + kv_lens - qo_lens - q_indptr[:-1]
-    return (np.repeat(starts, qo_lens) + np.arange(rows)).astype(np.int32), k_off
+    positions = np.repeat(starts, qo_lens) + np.arange(rows)
+    if positions.size and positions.max() > INT32_MAX:
+        entry = int(np.searchsorted(q_indptr, int(positions.argmax()), side="right")) - 1
+        raise InputError(f"k_rope_pos_offset: entry {entry}'s query positions (offset + kv_len - qo_len + i) "
+                         f"reach {int(positions.max())}, beyond int32 ({INT32_MAX})")
+    return positions.astype(np.int32), k_off
 
 
 def _indptr(name: str, value, batch: int | None = None) -> np.ndarray:
