@@ -4,7 +4,7 @@ from .kv_cache import build_mla_prefill, build_paged_prefill, build_ragged_prefi
 from .sequence import build_sequence_prefill
 from .specs import (
     MaskedSequencePrefillSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec,
-    SequencePrefillSpec,
+    SequencePrefillSpec, SpecError,
 )
 
 _BUILDERS = {
@@ -28,5 +28,5 @@ def build_module(spec):
 
 __all__ = [
     "SequencePrefillSpec", "MaskedSequencePrefillSpec", "RaggedPrefillSpec", "PagedPrefillSpec",
-    "MlaPagedPrefillSpec", "SPEC_TYPES", "build_module",
+    "MlaPagedPrefillSpec", "SPEC_TYPES", "SpecError", "build_module",
 ]
