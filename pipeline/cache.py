@@ -124,7 +124,8 @@ def _read_verified(folder: Path) -> bytes | None:
     try:
         recorded = json.loads((folder / "spec.json").read_text())["sha256"]
     except (OSError, ValueError, KeyError):
-        recorded = None
+        log.info("cached artifact %s has no recorded sha256; compiling it again", vmfb)
+        return None
     if recorded != hashlib.sha256(data).hexdigest():
         log.warning("cached artifact %s is damaged (sha256 mismatch); compiling it again", vmfb)
         return None

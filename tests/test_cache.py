@@ -61,10 +61,10 @@ def test_damaged_entry_is_compiled_again(tmp_path, caplog, damage):
         vmfb.write_bytes(bytes(flipped))
     else:
         (vmfb.parent / "spec.json").unlink()
-    with caplog.at_level(logging.WARNING, logger="linalg_prefill"):
+    with caplog.at_level(logging.INFO, logger="linalg_prefill"):
         assert cache.get_or_build(SPEC, TARGET, IR, compiler) == compiler.data
     assert compiler.calls == 2
-    assert "damaged" in caplog.text
+    assert ("no recorded sha256" if damage == "drop spec.json" else "damaged") in caplog.text
     assert vmfb.read_bytes() == compiler.data  # repaired in place
     assert cache.get_or_build(SPEC, TARGET, IR, compiler) == compiler.data and compiler.calls == 2
 

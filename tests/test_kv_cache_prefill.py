@@ -11,10 +11,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import BACKENDS, LSE_TOLERANCE, NUMPY_DTYPE, assert_close, max_error, uniform
+from conftest import BACKENDS, NUMPY_DTYPE, assert_matches_reference, uniform
 from linalg_prefill.mlir import MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec
 from linalg_prefill.runtime import open_kernel, reference
-from linalg_prefill.runtime.reference import EMPTY_ROW_LSE
 from linalg_prefill.runtime.rope import apply_rope
 
 # (qo_len, kv_len) per entry; kv_len is the logical length (after any sink/window remap).
@@ -47,17 +46,6 @@ def _positions(rng, q_indptr, kv_lens):
         qo = q_indptr[b + 1] - q_indptr[b]
         q_pos[q_indptr[b]:q_indptr[b + 1]] = offsets[b] + max(kv_len - qo, 0) + np.arange(qo)
     return q_pos, offsets
-
-
-def _check_result(name, got, want, dtype):
-    """Output and lse against the reference; rows without a valid key exactly 0 and -5e4."""
-    (out, lse), (want_out, want_lse) = got, want
-    empty = want_lse == EMPTY_ROW_LSE
-    keep = ~empty
-    assert_close(f"{name} output", out[keep], want_out[keep], dtype)
-    assert max_error(lse[keep], want_lse[keep]) <= LSE_TOLERANCE, f"{name} lse"
-    assert np.all(np.asarray(out, np.float64)[empty] == 0.0), f"{name}: empty rows must be 0"
-    assert np.all(lse[empty] == EMPTY_ROW_LSE), f"{name}: empty rows must have lse -5e4"
 
 
 def _rounded_rope(x, positions, dtype, **rope):
@@ -97,7 +85,7 @@ def _run_ragged(spec, backend, cache, *, entries=ENTRIES, rotary_modes=(0, 1), r
                 want = reference.batch_prefill_ragged_kv(q, q_indptr, k, v, kv_indptr, q_pos, k_offsets, causal,
                                                          rotary, rope_scale, 1e4, sm_scale,
                                                          rope_scaling=dict(spec.rope_scaling))
-            _check_result(f"{spec.name} causal={causal} rotary={rotary}", got, want, spec.dtype)
+            assert_matches_reference(f"{spec.name} causal={causal} rotary={rotary}", got, want, spec.dtype)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -165,7 +153,7 @@ def _run_paged(spec, backend, cache, *, entries=ENTRIES, window=None, rotary_mod
             got = kernel(*args, *scalars)
             want = reference.batch_prefill_paged_kv(*args, *scalars, rope_scaling=dict(spec.rope_scaling),
                                                     sliding_window=spec.sliding_window)
-            _check_result(f"{spec.name} causal={causal} rotary={rotary}", got, want, spec.dtype)
+            assert_matches_reference(f"{spec.name} causal={causal} rotary={rotary}", got, want, spec.dtype)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -212,7 +200,7 @@ def _run_mla(spec, backend, cache, *, entries=ENTRIES, window=None, seed=0):
     for causal in (0, 1):
         args = (q, q_indptr, pages, page_indptr, page_values, length_info.astype(np.int32), causal, sm_scale)
         want = reference.batch_prefill_paged_kv_mla(*args, d_latent=spec.d_latent, sliding_window=spec.sliding_window)
-        _check_result(f"{spec.name} causal={causal}", kernel(*args), want, spec.dtype)
+        assert_matches_reference(f"{spec.name} causal={causal}", kernel(*args), want, spec.dtype)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

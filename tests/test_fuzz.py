@@ -1,0 +1,224 @@
+"""Differential fuzzing: Hypothesis draws variants, batch layouts, lengths (0 and 1 included), page
+tables (shuffled, shared between sequences, unused pages), RoPE settings and dtypes, and the
+compiled llvm-cpu kernel must match the float64 reference on every draw.
+
+CI runs a fixed, derandomised set: ``FUZZ_EXAMPLES`` (default 100) draws for the KV-cache variants,
+100 for the dense ones, plus the batch-order and NaN-isolation properties (60 + 40): 300 draws.
+``LINALG_PREFILL_FUZZ=5000`` raises the per-test count and draws fresh random examples each run.
+The twelve specs compile once per session (small heads and dims, some with tiny tiles so that short
+entries still walk several query and KV tiles).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import assert_matches_reference, uniform
+from linalg_prefill.mlir import (
+    MaskedSequencePrefillSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec,
+)
+from linalg_prefill.runtime import open_kernel
+from linalg_prefill.runtime.compare import reference_for
+from linalg_prefill.runtime.kv_checks import paged_kv_lengths
+
+FUZZ_EXAMPLES = int(os.environ.get("LINALG_PREFILL_FUZZ", "0"))
+THOROUGH = FUZZ_EXAMPLES > 0
+
+
+def fuzz_settings(ci_examples: int):
+    """``ci_examples`` derandomised draws in CI; LINALG_PREFILL_FUZZ random draws when set."""
+    return settings(max_examples=FUZZ_EXAMPLES or ci_examples, deadline=None, derandomize=not THOROUGH,
+                    database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                                         HealthCheck.function_scoped_fixture])
+
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64}
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 32,
+        "beta_slow": 1}
+
+KV_SPECS = [
+    RaggedPrefillSpec(4, 2, 32, 16, "float32"),
+    RaggedPrefillSpec(4, 1, 32, 32, "bfloat16", rope_scaling=LLAMA3),
+    RaggedPrefillSpec(2, 2, 16, 16, "float16", q_tile=8, kv_tile=16),
+    PagedPrefillSpec(4, 2, 32, "float32", page_size=4),
+    PagedPrefillSpec(4, 2, 32, "bfloat16", page_size=8, sliding_window=True, rope_scaling=YARN),
+    PagedPrefillSpec(8, 2, 16, "float16", page_size=1, q_tile=8, kv_tile=16),
+    MlaPagedPrefillSpec(4, 32, 16, "float32", page_size=4),
+    MlaPagedPrefillSpec(2, 16, 8, "bfloat16", page_size=8, sliding_window=True),
+]
+DENSE_SPECS = [
+    SequencePrefillSpec(4, 2, 32, "float32", causal=True, sm_scale=32 ** -0.5),
+    SequencePrefillSpec(4, 4, 16, "bfloat16", causal=False, sm_scale=0.3, q_tile=8, kv_tile=16),
+    MaskedSequencePrefillSpec(4, 2, 32, "float16", "padded", sm_scale=32 ** -0.5),
+    MaskedSequencePrefillSpec(2, 1, 32, "float32", "causal_padded_left", sm_scale=0.2, q_tile=8, kv_tile=16),
+]
+
+_KERNELS: dict = {}
+
+
+def kernel_for(spec, cache):
+    if spec not in _KERNELS:
+        _KERNELS[spec] = open_kernel(spec, cache=cache)
+    return _KERNELS[spec]
+
+
+def _indptr(lengths) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+
+
+# ----------------------------------------------------------------------------- drawing calls
+
+
+@st.composite
+def kv_call(draw, spec, *, share_pages=None):
+    """A valid seed-ABI call of a KV-cache ``spec``: (args tuple, q_indptr, kv_lens)."""
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    batch = draw(st.integers(1, 4))
+    qo_lens = [draw(st.sampled_from([0, 1, 2, 5, 9, 17, 24])) for _ in range(batch)]
+    q_indptr = _indptr(qo_lens)
+    causal = draw(st.integers(0, 1))
+    sm_scale = draw(st.sampled_from([None, 0.05, 0.5]))
+    if isinstance(spec, RaggedPrefillSpec):
+        kv_lens = np.array([draw(st.sampled_from([0, 1, 3, 8, 16, 33, 40])) for _ in range(batch)], np.int64)
+        q = uniform(rng, (q_indptr[-1], spec.h_q, spec.d_qk), spec.dtype)
+        k = uniform(rng, (kv_lens.sum(), spec.h_kv, spec.d_qk), spec.dtype)
+        v = uniform(rng, (kv_lens.sum(), spec.h_kv, spec.d_v), spec.dtype)
+        q_pos, k_off = _positions(draw, rng, q_indptr, kv_lens)
+        rope = _rope_scalars(draw, spec.d_qk, sm_scale)
+        return (q, q_indptr, k, v, _indptr(kv_lens), q_pos, k_off, causal, *rope), q_indptr, kv_lens
+    page_indptr, page_values, length_info, num_pages = _page_table(draw, rng, spec, batch, share_pages)
+    kv_lens = paged_kv_lengths(page_indptr, length_info, spec.page_size, spec.sliding_window)
+    if isinstance(spec, MlaPagedPrefillSpec):
+        q = uniform(rng, (q_indptr[-1], spec.h_q, spec.d_qk), spec.dtype)
+        pages = uniform(rng, (num_pages, spec.page_size, spec.d_qk), spec.dtype)
+        scale = spec.d_qk ** -0.5 if sm_scale is None else sm_scale
+        return (q, q_indptr, pages, page_indptr, page_values, length_info, causal, scale), q_indptr, kv_lens
+    q = uniform(rng, (q_indptr[-1], spec.h_q, spec.d), spec.dtype)
+    pages = uniform(rng, (num_pages, 2, spec.h_kv, spec.page_size, spec.d), spec.dtype)
+    q_pos, k_off = _positions(draw, rng, q_indptr, kv_lens)
+    rope = _rope_scalars(draw, spec.d, sm_scale)
+    return ((q, q_indptr, pages, page_indptr, page_values, length_info, k_off, q_pos, causal, *rope),
+            q_indptr, kv_lens)
+
+
+def _positions(draw, rng, q_indptr, kv_lens):
+    """Natural positions after a random offset per entry, or random positions."""
+    batch = len(kv_lens)
+    k_off = rng.integers(0, 100, batch).astype(np.int32)
+    if draw(st.booleans()):
+        return rng.integers(0, 300, int(q_indptr[-1])).astype(np.int32), k_off
+    qo_lens = np.diff(q_indptr)
+    k_off = k_off + np.maximum(qo_lens - kv_lens, 0).astype(np.int32)
+    starts = k_off + kv_lens - qo_lens
+    q_pos = np.concatenate([s + np.arange(n) for s, n in zip(starts, qo_lens)] + [np.zeros(0)])
+    return q_pos.astype(np.int32), k_off
+
+
+def _rope_scalars(draw, dim: int, sm_scale) -> tuple:
+    """(rotary_mode, rope_scale, rope_theta, sm_scale)."""
+    return (draw(st.integers(0, 1)), draw(st.sampled_from([1.0, 0.5, 2.0])),
+            draw(st.sampled_from([1e4, 5e5])), dim ** -0.5 if sm_scale is None else sm_scale)
+
+
+def _page_table(draw, rng, spec, batch: int, share_pages):
+    """(page_indptr, page_values, length_info, num_pages): 0-4 pages per entry, spare pages, ids
+    shuffled, or drawn with repeats so that sequences share pages."""
+    n_pages = [draw(st.integers(0, 4)) for _ in range(batch)]
+    needed = sum(n_pages)
+    num_pages = needed + draw(st.integers(0, 3)) + (needed == 0)
+    shared = draw(st.booleans()) if share_pages is None else share_pages
+    page_values = (rng.integers(0, num_pages, needed) if shared else rng.permutation(num_pages)[:needed])
+    last = np.array([draw(st.integers(1, spec.page_size)) for _ in range(batch)])
+    if not spec.sliding_window:
+        return _indptr(n_pages), page_values.astype(np.int32), last.astype(np.int32), num_pages
+    phys = np.maximum((np.array(n_pages) - 1) * spec.page_size + last, 0)
+    sw_off = np.array([draw(st.integers(0, int(p))) for p in phys])
+    sink = np.array([draw(st.integers(0, min(int(p), 3))) for p in phys])
+    length_info = np.stack([last, sw_off, sink]).astype(np.int32)
+    return _indptr(n_pages), page_values.astype(np.int32), length_info, num_pages
+
+
+@st.composite
+def dense_call(draw, spec):
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    batch = draw(st.integers(1, 3))
+    qo_len = draw(st.sampled_from([1, 2, 7, 16, 31]))
+    kv_len = qo_len if isinstance(spec, MaskedSequencePrefillSpec) else draw(st.sampled_from([1, 5, 16, 40]))
+    q = uniform(rng, (batch, qo_len, spec.h_q, spec.d), spec.dtype)
+    k, v = (uniform(rng, (batch, kv_len, spec.h_kv, spec.d), spec.dtype) for _ in range(2))
+    if isinstance(spec, SequencePrefillSpec):
+        return q, k, v
+    valid = [draw(st.integers(0, min(qo_len, kv_len))) for _ in range(batch)]
+    return q, k, v, np.array(valid, np.int32)
+
+
+# ----------------------------------------------------------------------------- properties
+
+
+def rotates(spec, args) -> bool:
+    """Whether a KV-cache call applies RoPE (rotary_mode, the 9th/10th argument; MLA has none)."""
+    if isinstance(spec, MlaPagedPrefillSpec):
+        return False
+    return args[8 if isinstance(spec, RaggedPrefillSpec) else 9] == 1
+
+
+@fuzz_settings(100)
+@given(data=st.data())
+def test_kv_cache_variants_match_the_reference(cache, data):
+    spec = data.draw(st.sampled_from(KV_SPECS), label="spec")
+    args, _, _ = data.draw(kv_call(spec), label="call")
+    got = kernel_for(spec, cache)(*args)
+    assert_matches_reference(spec.name, got, reference_for(spec, args), spec.dtype, rotated=rotates(spec, args))
+
+
+@fuzz_settings(100)
+@given(data=st.data())
+def test_dense_variants_match_the_reference(cache, data):
+    spec = data.draw(st.sampled_from(DENSE_SPECS), label="spec")
+    args = data.draw(dense_call(spec), label="call")
+    got = kernel_for(spec, cache)(*args)
+    assert_matches_reference(spec.name, got, reference_for(spec, args), spec.dtype)
+
+
+@fuzz_settings(60)
+@given(data=st.data())
+def test_entry_results_do_not_depend_on_batch_order(cache, data):
+    """Reversing a ragged float32 batch gives each entry bitwise the same output and lse."""
+    spec = KV_SPECS[0]
+    args, q_indptr, kv_lens = data.draw(kv_call(spec), label="call")
+    q, _, k, v, kv_indptr, q_pos, k_off, *scalars = args
+    kernel = kernel_for(spec, cache)
+    out, lse = kernel(*args)
+    order = np.arange(len(kv_lens))[::-1]
+    q_rows = [np.arange(q_indptr[b], q_indptr[b + 1]) for b in order]
+    kv_rows = [np.arange(kv_indptr[b], kv_indptr[b + 1]) for b in order]
+    rq, rkv = np.concatenate(q_rows), np.concatenate(kv_rows)
+    out_r, lse_r = kernel(q[rq], _indptr([len(r) for r in q_rows]), k[rkv], v[rkv],
+                          _indptr([len(r) for r in kv_rows]), q_pos[rq], k_off[order], *scalars)
+    np.testing.assert_array_equal(out_r, out[rq])
+    np.testing.assert_array_equal(lse_r, lse[rq])
+
+
+@fuzz_settings(40)
+@given(data=st.data())
+def test_nan_in_one_sequence_never_reaches_another(cache, data):
+    """NaN in every page of one paged entry (pages not shared) changes no other entry's rows."""
+    spec = KV_SPECS[3]
+    args, q_indptr, _ = data.draw(kv_call(spec, share_pages=False), label="call")
+    q, _, pages, page_indptr, page_values, *rest = args
+    batch = len(q_indptr) - 1
+    victim = data.draw(st.integers(0, batch - 1), label="victim")
+    kernel = kernel_for(spec, cache)
+    clean = kernel(*args)
+    poisoned = pages.copy()
+    poisoned[page_values[page_indptr[victim]:page_indptr[victim + 1]]] = np.nan
+    dirty = kernel(q, q_indptr, poisoned, page_indptr, page_values, *rest)
+    others = np.ones(q_indptr[-1], bool)
+    others[q_indptr[victim]:q_indptr[victim + 1]] = False
+    np.testing.assert_array_equal(dirty[0][others], clean[0][others])
+    np.testing.assert_array_equal(dirty[1][others], clean[1][others])
