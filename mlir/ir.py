@@ -247,6 +247,25 @@ def zero_padded(source: ir.Value, sizes: Sequence[IndexLike]) -> ir.Value:
     return insert_slice(source, zeros, [0] * len(sizes), sizes_of(source))
 
 
+def on_target_device(tensor: ir.Value, sizes: Sequence[IndexLike]) -> ir.Value:
+    """``tensor`` placed on the compile target's device (``flow.tensor.transfer`` to
+    ``@__device_0``, the one device every artifact targets); ``sizes`` as for :func:`tie_dims`.
+
+    Use it on the initial value of every loop-carried tensor. Without it IREE 3.13 cannot tell
+    which device the carried value lives on, inserts a ``stream.async.transfer`` of it on every
+    iteration and copies the whole tensor each trip (a 16-tile loop over a 32 MiB output copied
+    512 MiB). With it the tile updates happen in place; tests/test_ir_structure.py checks that the
+    stream IR of our loops has no copy left. (A ``stream.affinity`` attribute on the function does
+    the same but trips IREE's IPO pass; IREE's Python bindings have no builder for
+    ``#hal.device.affinity``, so that attribute is parsed.)
+    """
+    dynamic = [s for s in sizes if not isinstance(s, int)]
+    affinity = ir.Attribute.parse("#hal.device.affinity<@__device_0>")
+    op = ir.Operation.create("flow.tensor.transfer", results=[tensor.type], operands=[tensor, *dynamic],
+                             attributes={"target": affinity})
+    return op.result
+
+
 def tie_dims(tensor: ir.Value, sizes: Sequence[IndexLike]) -> ir.Value:
     """``tensor`` annotated with its dynamic dims (``flow.tensor.tie_shape``).
 

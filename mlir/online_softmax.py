@@ -25,7 +25,7 @@ from typing import Callable, Sequence, Union
 
 from .ir import (
     affine_map, arith_d, const_f32, const_index, empty, f32, fill, generic, ir, linalg_d,
-    math_d, scf_d, sizes_of,
+    math_d, on_target_device, scf_d, sizes_of,
 )
 
 LOG2E = 1.0 / math.log(2.0)
@@ -211,7 +211,9 @@ def online_softmax(
     else:
         score_scale = const_f32(sm_scale * LOG2E)
 
-    loop = scf_d.ForOp(const_index(0), num_kv_tiles, const_index(1), [init_max, init_sum, init_acc])
+    init = [on_target_device(init_max, state_rows), on_target_device(init_sum, state_rows),
+            on_target_device(init_acc, [*state_rows, d_v])]
+    loop = scf_d.ForOp(const_index(0), num_kv_tiles, const_index(1), init)
     with ir.InsertionPoint(loop.body):
         tile_index = loop.induction_variable
         prev_max, prev_sum, prev_acc = loop.inner_iter_args

@@ -20,7 +20,8 @@ from typing import Union
 from .ir import (
     le, lt,
     DYN, arith_d, ceil_div, collapse, const_index, dim, element_type, empty, expand,
-    extract_slice, f32, func_d, i32, insert_slice, ir, module_context, scf_d, tensor_d, tensor_type,
+    extract_slice, f32, func_d, i32, insert_slice, ir, module_context, on_target_device, scf_d,
+    tensor_d, tensor_type,
     tie_dims, transpose, zero_padded,
 )
 from .layout import group_query_rows, pack_tile, ungroup_rows, unpack_rows, wait_for
@@ -149,7 +150,7 @@ def _emit_body(spec: SequenceSpec, q, k, v, valid_lens=None):
     def tied(values):
         return [tie_dims(value, packed_sizes) for value in values]
 
-    entries = scf_d.ForOp(const_index(0), batch, const_index(1), [empty(packed_sizes, f32())])
+    entries = scf_d.ForOp(const_index(0), batch, const_index(1), [on_target_device(empty(packed_sizes, f32()), packed_sizes)])
     with ir.InsertionPoint(entries.body):
         b = entries.induction_variable
         valid_len = None
@@ -167,7 +168,8 @@ def _emit_body(spec: SequenceSpec, q, k, v, valid_lens=None):
         # An entry-sized buffer per batch entry, inserted once: IREE copies a loop-carried tensor
         # on every iteration (see pack_tile), so the per-tile copy is one entry's rows.
         entry_sizes = [1, h_kv, total_rows, d + 1]
-        q_tiles = scf_d.ForOp(const_index(0), num_q_tiles, const_index(1), [empty(entry_sizes, f32())])
+        q_tiles = scf_d.ForOp(const_index(0), num_q_tiles, const_index(1),
+                              [on_target_device(empty(entry_sizes, f32()), entry_sizes)])
         with ir.InsertionPoint(q_tiles.body):
             rows_acc = tie_dims(q_tiles.inner_iter_args[0], entry_sizes)
             first_token = arith_d.muli(q_tiles.induction_variable, const_index(spec.q_tile))

@@ -1,6 +1,7 @@
 """Layer (a): the built IR, without compiling anything."""
 
 import pytest
+from iree.compiler import ir
 
 from linalg_prefill.mlir import (
     MaskedSequencePrefillSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec,
@@ -108,3 +109,85 @@ def test_kv_cache_variants_share_the_one_emitter():
     assert mla.count("scf.for") == 3 and "tensor<1x1x256x32xf32>" in mla
     assert "math.cos" not in mla  # MLA applies no RoPE (§1.3)
     assert "math.cos" in ragged and "scf.if" in ragged  # inline RoPE under rotary_mode == 1
+
+
+LOOP_SPECS = [
+    SequencePrefillSpec(8, 2, 64, "float32", causal=True, sm_scale=0.125),
+    MaskedSequencePrefillSpec(8, 2, 64, "bfloat16", "padded", 0.125),
+    RaggedPrefillSpec(8, 2, 64, 32, "float32"),
+    PagedPrefillSpec(8, 2, 64, "float16", page_size=16, sliding_window=True),
+    MlaPagedPrefillSpec(4, 64, 16, "float32", page_size=16),
+]
+
+
+@pytest.mark.parametrize("spec", LOOP_SPECS, ids=lambda s: s.symbol)
+def test_every_loop_starts_on_the_target_device(spec):
+    """Each scf.for's carried tensors enter the loop through flow.tensor.transfer (or are the
+    enclosing loop's own carried values): see mlir/ir.py on_target_device."""
+    module = build_module(spec)
+    loops = []
+
+    def visit(op):
+        if op.operation.name == "scf.for":
+            loops.append(op.operation)
+        for region in op.operation.regions:
+            for block in region.blocks:
+                for inner in block.operations:
+                    visit(inner)
+
+    visit(module.operation)
+    assert loops
+    for loop in loops:
+        for init in list(loop.operands)[3:]:
+            if not str(init.type).startswith("tensor<"):
+                continue
+            owner = _defining_op(init)
+            if owner is not None and owner.name == "flow.tensor.tie_shape":  # the enclosing loop's value
+                assert _defining_op(owner.operands[0]) is None, str(owner)
+                continue
+            assert owner is not None and owner.name == "flow.tensor.transfer", f"loop init {init}"
+
+
+@pytest.mark.parametrize("spec", LOOP_SPECS[::2], ids=lambda s: s.symbol)
+def test_stream_ir_copies_no_loop_carried_tensor(spec):
+    """Compiled to IREE's stream phase, the only copies left inside the host loops are scalar
+    reads (index arrays, at most 128 bytes): without on_target_device IREE 3.13 copies every
+    carried tensor whole on every iteration."""
+    import re
+
+    from iree.compiler import tools
+
+    from linalg_prefill.pipeline import Target
+
+    flags = [*Target("llvm-cpu").flags(), "--compile-to=stream", "--mlir-print-debuginfo=false"]
+    stream = tools.compile_str(str(build_module(spec)), input_type="auto", extra_args=flags)
+    text = stream.decode() if isinstance(stream, bytes) else stream
+    host = text[text.index(f"util.func public @{spec.symbol}("):]
+    sizes = [size for block in _loop_blocks(host)
+             for size in re.findall(r"stream\.cmd\.copy %\w+\[%\w+\], %\w+\[%\w+\], (%\w+)", block)]
+    assert sizes, "expected the scalar index reads inside the loops"
+    for size in sizes:
+        constant = re.fullmatch(r"%c(\d+)", size)
+        assert constant and int(constant.group(1)) <= 128, f"copy of {size} bytes inside a host loop"
+
+
+def _defining_op(value):
+    """The operation that defines ``value``, or None for a block argument."""
+    owner = value.owner
+    return None if isinstance(owner, ir.Block) else getattr(owner, "operation", owner)
+
+
+def _loop_blocks(host: str) -> list[str]:
+    """The blocks of a function in IREE's stream IR (loops lowered to cf) that belong to a loop: a
+    branch back to an earlier block ^bbH from block ^bbE puts every block from H to E in a loop."""
+    import re
+
+    parts = re.split(r"\n  \^bb(\d+)", host)
+    blocks = [("entry", parts[0])] + list(zip(parts[1::2], parts[2::2]))
+    position = {name: i for i, (name, _) in enumerate(blocks)}
+    inside = set()
+    for i, (_, body) in enumerate(blocks):
+        for target in re.findall(r"cf\.(?:cond_)?br [^\n]*?\^bb(\d+)", body):
+            if position[target] <= i:
+                inside.update(range(position[target], i + 1))
+    return [blocks[i][1] for i in sorted(inside)]
