@@ -34,7 +34,7 @@ from .ir import (
 from .layout import group_query_rows, ungroup_rows, wait_for
 from .online_softmax import KvTile, ScoreIndices, ScoreMask, online_softmax
 from .rope import apply_rope
-from .specs import MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec
+from .specs import SMALL_Q_TILE, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec
 
 KvCacheSpec = Union[RaggedPrefillSpec, PagedPrefillSpec, MlaPagedPrefillSpec]
 
@@ -174,13 +174,11 @@ def _attend_entries(
                 values=extract_slice(values, [0, 0, start, 0], [1, h_kv, spec.kv_tile, d_v]),
             )
 
-        q_tiles = scf_d.ForOp(const_index(0), ceil_div(qo_len, spec.q_tile), const_index(1),
-                              tied(entries.inner_iter_args))
-        with ir.InsertionPoint(q_tiles.body):
-            out_acc, lse_acc = tied(q_tiles.inner_iter_args)
-            first_local = arith_d.muli(q_tiles.induction_variable, const_index(spec.q_tile))
+        def attend_tile(first_local, tile_tokens: int, out_acc, lse_acc):
+            """Queries [first_local, first_local + tile_tokens) of the entry against its KV."""
             first_row = arith_d.muli(arith_d.addi(q_start, first_local), const_index(group))
-            q_tile = extract_slice(q_rows, [0, 0, first_row, 0], [1, h_kv, tile_rows, d_qk])
+            rows = tile_tokens * group
+            q_tile = extract_slice(q_rows, [0, 0, first_row, 0], [1, h_kv, rows, d_qk])
 
             def valid(idx: ScoreIndices, _extras):
                 col = arith_d.addi(idx.kv_start, idx.n)
@@ -190,7 +188,7 @@ def _attend_entries(
                                         in_diagonal)
                 return arith_d.andi(lt(col, kv.kv_len), causal_ok)
 
-            last_row_end = arith_d.minsi(arith_d.addi(first_local, const_index(spec.q_tile)), qo_len)
+            last_row_end = arith_d.minsi(arith_d.addi(first_local, const_index(tile_tokens)), qo_len)
             causal_end = arith_d.maxsi(arith_d.minsi(arith_d.addi(last_row_end, diagonal), kv.kv_len),
                                        const_index(0))
             visible = arith_d.select(causal_on, ceil_div(causal_end, spec.kv_tile), num_kv_tiles)
@@ -199,11 +197,30 @@ def _attend_entries(
                 load_kv_tile=load_kv_tile, mask=ScoreMask(predicate=valid), sm_scale=sm_scale,
             )
             first_row = arith_d.addi(first_row, wait_for(result.lse))
-            out_acc = insert_slice(convert(result.output, dt), out_acc, [0, 0, first_row, 0],
-                                   [1, h_kv, tile_rows, d_v])
-            lse_acc = insert_slice(result.lse, lse_acc, [0, 0, first_row], [1, h_kv, tile_rows])
-            scf_d.YieldOp([out_acc, lse_acc])
-        scf_d.YieldOp(tied(q_tiles.results))
+            out_acc = insert_slice(convert(result.output, dt), out_acc, [0, 0, first_row, 0], [1, h_kv, rows, d_v])
+            lse_acc = insert_slice(result.lse, lse_acc, [0, 0, first_row], [1, h_kv, rows])
+            return [out_acc, lse_acc]
+
+        def all_tiles():
+            q_tiles = scf_d.ForOp(const_index(0), ceil_div(qo_len, spec.q_tile), const_index(1),
+                                  tied(entries.inner_iter_args))
+            with ir.InsertionPoint(q_tiles.body):
+                first_local = arith_d.muli(q_tiles.induction_variable, const_index(spec.q_tile))
+                scf_d.YieldOp(attend_tile(first_local, spec.q_tile, *tied(q_tiles.inner_iter_args)))
+            return tied(q_tiles.results)
+
+        if spec.q_tile <= SMALL_Q_TILE:
+            scf_d.YieldOp(all_tiles())
+        else:
+            # A short entry (at most SMALL_Q_TILE queries, e.g. a chunk of a few tokens against a
+            # long cache) runs one small tile instead of a mostly padded q_tile.
+            is_short = arith_d.andi(lt(const_index(0), qo_len), le(qo_len, const_index(SMALL_Q_TILE)))
+            short = scf_d.IfOp(is_short, [v.type for v in entries.inner_iter_args], has_else=True)
+            with ir.InsertionPoint(short.then_block):
+                scf_d.YieldOp(attend_tile(const_index(0), SMALL_Q_TILE, *tied(entries.inner_iter_args)))
+            with ir.InsertionPoint(short.else_block):
+                scf_d.YieldOp(all_tiles())
+            scf_d.YieldOp(tied(short.results))
 
     out_rows, lse_rows = tied(entries.results)
     output = ungroup_rows(out_rows, h_kv, group, total_q, padded_tokens)

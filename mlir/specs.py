@@ -21,6 +21,9 @@ DTYPES = ("float32", "float16", "bfloat16")
 # The KV-cache variants keep 64-token query tiles: their entries are often short, and a query
 # tile of a short entry is mostly padding. A score tile is [1, h_kv, q_tile * G, kv_tile] f32.
 DEFAULT_Q_TILE = 128
+# Query tile of a call (dense) or entry (KV cache) with at most this many query tokens: a 16-token
+# chunk against 256 cached tokens padded to a 128-token tile computed 8x the needed work.
+SMALL_Q_TILE = 16
 KV_CACHE_Q_TILE = 64
 DEFAULT_KV_TILE = 128
 MASK_MODES = ("padded", "causal_padded_left")
