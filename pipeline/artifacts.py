@@ -129,7 +129,7 @@ def _build_one(spec, target: Target, path: Path, cache: ArtifactCache) -> tuple[
 
     def build() -> bytes:
         ran.append(True)
-        return compile_ir(ir_text, target)
+        return compile_ir(ir_text, target, spec.name)
 
     data = cache.get_or_build(spec, target, ir_text, build)
     atomic_write(path, data)

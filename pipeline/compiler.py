@@ -19,15 +19,17 @@ class CompileError(RuntimeError):
     """IREE rejected a module; the message carries the flags and IREE's diagnostics."""
 
 
-def compile_ir(ir_text: str, target: Target) -> bytes:
-    """vmfb bytes for MLIR text; raises CompileError with the flags and diagnostics."""
+def compile_ir(ir_text: str, target: Target, name: str = "module") -> bytes:
+    """vmfb bytes for MLIR text; raises CompileError with the flags and diagnostics. ``name``
+    (the spec's) only labels the log lines."""
     flags = target.flags()
+    log.info("compiling %s for %s", name, target.tag)
     start = time.perf_counter()
     try:
         vmfb = iree_tools.compile_str(ir_text, input_type="auto", extra_args=flags)
     except iree_tools.CompilerToolError as err:
         raise CompileError(f"iree-compile failed for {target.tag} with flags {flags}:\n{err}") from None
-    log.info("compiled for %s in %.1f s (%d bytes)", target.tag, time.perf_counter() - start, len(vmfb))
+    log.info("compiled %s for %s in %.1f s (%d bytes)", name, target.tag, time.perf_counter() - start, len(vmfb))
     return vmfb
 
 
@@ -36,9 +38,4 @@ def compile(spec, backend: str | Target = "llvm-cpu", *, cache: ArtifactCache | 
     target = target_for(backend)
     ir_text = str(build_module(spec))
     store = default_cache() if cache is None else cache
-
-    def build() -> bytes:
-        log.info("compiling %s for %s", spec.name, target.tag)
-        return compile_ir(ir_text, target)
-
-    return store.get_or_build(spec, target, ir_text, build)
+    return store.get_or_build(spec, target, ir_text, lambda: compile_ir(ir_text, target, spec.name))
