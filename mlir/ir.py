@@ -105,6 +105,11 @@ def lt(a: ir.Value, b: ir.Value) -> ir.Value:
     return arith_d.cmpi(arith_d.CmpIPredicate.slt, a, b)
 
 
+def logical_not(flag: ir.Value) -> ir.Value:
+    """``!flag`` for an i1."""
+    return arith_d.xori(flag, arith_d.constant(ir.IntegerType.get_signless(1), 1))
+
+
 def le(a: ir.Value, b: ir.Value) -> ir.Value:
     """``a <= b`` for signed index (or integer) values."""
     return arith_d.cmpi(arith_d.CmpIPredicate.sle, a, b)

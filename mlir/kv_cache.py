@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Callable, Union
 
 from .ir import (
-    le, lt,
+    le, logical_not, lt,
     DYN, arith_d, ceil_div, collapse, const_index, convert, dim, element_type, empty,
     expand, extract_slice, f32, func_d, generic, i32, index, insert_slice, ir, linalg_d,
     module_context, on_target_device, scf_d, sizes_of, tensor_d, tensor_type, tie_dims, zero_padded,
@@ -184,8 +184,7 @@ def _attend_entries(
                 col = arith_d.addi(idx.kv_start, idx.n)
                 row = arith_d.addi(first_local, arith_d.divui(idx.m, const_index(group)))
                 in_diagonal = le(col, arith_d.addi(row, diagonal))
-                causal_ok = arith_d.ori(arith_d.xori(causal_on, arith_d.constant(ir.IntegerType.get_signless(1), 1)),
-                                        in_diagonal)
+                causal_ok = arith_d.ori(logical_not(causal_on), in_diagonal)
                 return arith_d.andi(lt(col, kv.kv_len), causal_ok)
 
             last_row_end = arith_d.minsi(arith_d.addi(first_local, const_index(tile_tokens)), qo_len)
@@ -201,26 +200,31 @@ def _attend_entries(
             lse_acc = insert_slice(result.lse, lse_acc, [0, 0, first_row], [1, h_kv, rows])
             return [out_acc, lse_acc]
 
-        def all_tiles():
-            q_tiles = scf_d.ForOp(const_index(0), ceil_div(qo_len, spec.q_tile), const_index(1),
-                                  tied(entries.inner_iter_args))
+        def all_tiles(carried):
+            q_tiles = scf_d.ForOp(const_index(0), ceil_div(qo_len, spec.q_tile), const_index(1), carried)
             with ir.InsertionPoint(q_tiles.body):
                 first_local = arith_d.muli(q_tiles.induction_variable, const_index(spec.q_tile))
                 scf_d.YieldOp(attend_tile(first_local, spec.q_tile, *tied(q_tiles.inner_iter_args)))
             return tied(q_tiles.results)
 
         if spec.q_tile <= SMALL_Q_TILE:
-            scf_d.YieldOp(all_tiles())
+            scf_d.YieldOp(all_tiles(tied(entries.inner_iter_args)))
         else:
             # A short entry (at most SMALL_Q_TILE queries, e.g. a chunk of a few tokens against a
-            # long cache) runs one small tile instead of a mostly padded q_tile.
+            # long cache) runs one small tile instead of a mostly padded q_tile. Two scf.if ops
+            # with their work in the then-branch: IREE 3.13 miscompiled loops in an else-branch
+            # (mlir/sequence.py).
             is_short = arith_d.andi(lt(const_index(0), qo_len), le(qo_len, const_index(SMALL_Q_TILE)))
-            short = scf_d.IfOp(is_short, [v.type for v in entries.inner_iter_args], has_else=True)
-            with ir.InsertionPoint(short.then_block):
-                scf_d.YieldOp(attend_tile(const_index(0), SMALL_Q_TILE, *tied(entries.inner_iter_args)))
-            with ir.InsertionPoint(short.else_block):
-                scf_d.YieldOp(all_tiles())
-            scf_d.YieldOp(tied(short.results))
+            carried = tied(entries.inner_iter_args)
+            for condition, attend in ((is_short, lambda acc: attend_tile(const_index(0), SMALL_Q_TILE, *acc)),
+                                      (logical_not(is_short), all_tiles)):
+                branch = scf_d.IfOp(condition, [v.type for v in carried], has_else=True)
+                with ir.InsertionPoint(branch.then_block):
+                    scf_d.YieldOp(attend(carried))
+                with ir.InsertionPoint(branch.else_block):
+                    scf_d.YieldOp(carried)
+                carried = tied(branch.results)
+            scf_d.YieldOp(carried)
 
     out_rows, lse_rows = tied(entries.results)
     output = ungroup_rows(out_rows, h_kv, group, total_q, padded_tokens)

@@ -18,15 +18,15 @@ from __future__ import annotations
 from typing import Union
 
 from .ir import (
-    le, lt,
+    le, logical_not, lt,
     DYN, arith_d, ceil_div, collapse, const_index, dim, element_type, empty, expand,
-    extract_slice, f32, func_d, i32, insert_slice, ir, module_context, on_target_device, scf_d,
+    extract_slice, f32, func_d, i32, insert_slice, ir, module_context, on_target_device, scf_d, sizes_of,
     tensor_d, tensor_type,
     tie_dims, transpose, zero_padded,
 )
 from .layout import group_query_rows, pack_tile, ungroup_rows, unpack_rows, wait_for
 from .online_softmax import KvTile, ScoreIndices, ScoreMask, online_softmax
-from .specs import MaskedSequencePrefillSpec, SequencePrefillSpec
+from .specs import SMALL_Q_TILE, MaskedSequencePrefillSpec, SequencePrefillSpec
 
 SequenceSpec = Union[SequencePrefillSpec, MaskedSequencePrefillSpec]
 
@@ -98,11 +98,11 @@ def _masked_sequence_mask(
     return ScoreMask(predicate=predicate)
 
 
-def _visible_kv_tiles(spec: SequenceSpec, lengths: _Lengths, first_token, num_kv_tiles):
+def _visible_kv_tiles(spec: SequenceSpec, q_tile: int, lengths: _Lengths, first_token, num_kv_tiles):
     """KV tiles a query tile must visit: all of them, or up to its last row's diagonal if causal."""
     if not spec.causal:
         return num_kv_tiles
-    last_token_end = arith_d.minsi(arith_d.addi(first_token, const_index(spec.q_tile)), lengths.q_len)
+    last_token_end = arith_d.minsi(arith_d.addi(first_token, const_index(q_tile)), lengths.q_len)
     kv_end = arith_d.addi(last_token_end, lengths.diagonal)
     kv_end = arith_d.maxsi(arith_d.minsi(kv_end, lengths.kv_len), const_index(0))
     return ceil_div(kv_end, spec.kv_tile)
@@ -123,27 +123,52 @@ def build_sequence_prefill(spec: SequenceSpec) -> ir.Module:
         with ir.InsertionPoint(module.body):
             fn = func_d.FuncOp(spec.symbol, (arg_types, [out_type, lse_type]))
             with ir.InsertionPoint(fn.add_entry_block()):
-                outputs = _emit_body(spec, *fn.arguments)
-                func_d.ReturnOp(outputs)
+                func_d.ReturnOp(_emit_sized_body(spec, *fn.arguments))
         module.operation.verify()
         return module
 
 
-def _emit_body(spec: SequenceSpec, q, k, v, valid_lens=None):
+def _emit_sized_body(spec: SequenceSpec, q, k, v, valid_lens=None):
+    """The body with ``spec.q_tile``, or, for a call of at most SMALL_Q_TILE query tokens (a short
+    chunk against a long prefix), with SMALL_Q_TILE-token tiles instead of one mostly padded tile."""
+    if spec.q_tile <= SMALL_Q_TILE:
+        return _emit_body(spec, spec.q_tile, q, k, v, valid_lens)
+    sizes = [[*sizes_of(q)[:3], spec.d], sizes_of(q)[:3]]
+    is_short = le(dim(q, 1), const_index(SMALL_Q_TILE))
+    # Two scf.if ops, each with its body in the then-branch: IREE 3.13 miscompiled the same body
+    # in an else-branch (wrong outputs for every length that took it).
+    results = [empty(size, ir.RankedTensorType(t).element_type) for size, t in zip(sizes, (q.type, _lse_type(q)))]
+    for condition, tile_tokens in ((is_short, SMALL_Q_TILE), (logical_not(is_short), spec.q_tile)):
+        branch = scf_d.IfOp(condition, [q.type, _lse_type(q)], has_else=True)
+        with ir.InsertionPoint(branch.then_block):
+            outputs = _emit_body(spec, tile_tokens, q, k, v, valid_lens)
+            scf_d.YieldOp([tie_dims(value, size) for value, size in zip(outputs, sizes)])
+        with ir.InsertionPoint(branch.else_block):
+            scf_d.YieldOp(results)
+        results = [tie_dims(value, size) for value, size in zip(branch.results, sizes)]
+    return results
+
+
+def _lse_type(q: ir.Value) -> ir.Type:
+    return tensor_type([DYN, DYN, ir.RankedTensorType(q.type).shape[2]], f32())
+
+
+def _emit_body(spec: SequenceSpec, tile_tokens: int, q, k, v, valid_lens=None):
     """Batch entries one at a time (an ``scf.for`` over B), so every dispatch inside works on
-    static [1, h_kv, ...] tiles: measured 1.2x faster than tiles with a dynamic batch dim."""
+    static [1, h_kv, ...] tiles: measured 1.2x faster than tiles with a dynamic batch dim.
+    Query tiles have ``tile_tokens`` tokens."""
     group, h_kv, d = spec.group_size, spec.h_kv, spec.d
     dt = element_type(spec.dtype)
     batch = dim(q, 0)
     lengths = _Lengths(dim(q, 1), dim(k, 1), group)
-    num_q_tiles = ceil_div(lengths.q_len, spec.q_tile)
+    num_q_tiles = ceil_div(lengths.q_len, tile_tokens)
     num_kv_tiles = ceil_div(lengths.kv_len, spec.kv_tile)
-    padded_tokens = arith_d.muli(num_q_tiles, const_index(spec.q_tile))
+    padded_tokens = arith_d.muli(num_q_tiles, const_index(tile_tokens))
     q_rows = group_query_rows(q, h_kv, group, padded_tokens)
     keys = _key_tiles(k, num_kv_tiles, spec.kv_tile)
     values = _kv_heads_major(v, arith_d.muli(num_kv_tiles, const_index(spec.kv_tile)))
 
-    tile_rows = spec.q_tile * group
+    tile_rows = tile_tokens * group
     total_rows = arith_d.muli(padded_tokens, const_index(group))
     packed_sizes = [batch, h_kv, total_rows, d + 1]  # output columns, then lse (pack_tile)
 
@@ -172,7 +197,7 @@ def _emit_body(spec: SequenceSpec, q, k, v, valid_lens=None):
                               [on_target_device(empty(entry_sizes, f32()), entry_sizes)])
         with ir.InsertionPoint(q_tiles.body):
             rows_acc = tie_dims(q_tiles.inner_iter_args[0], entry_sizes)
-            first_token = arith_d.muli(q_tiles.induction_variable, const_index(spec.q_tile))
+            first_token = arith_d.muli(q_tiles.induction_variable, const_index(tile_tokens))
             first_row = arith_d.muli(first_token, const_index(group))
             q_tile = extract_slice(q_rows, [b, 0, first_row, 0], [1, h_kv, tile_rows, d])
             if valid_len is not None:
@@ -181,7 +206,7 @@ def _emit_body(spec: SequenceSpec, q, k, v, valid_lens=None):
                 mask = _sequence_mask(spec, lengths, first_token)
             result = online_softmax(
                 q_tile,
-                num_kv_tiles=_visible_kv_tiles(spec, lengths, first_token, num_kv_tiles),
+                num_kv_tiles=_visible_kv_tiles(spec, tile_tokens, lengths, first_token, num_kv_tiles),
                 kv_tile=spec.kv_tile,
                 d_v=d,
                 load_kv_tile=load_kv_tile,

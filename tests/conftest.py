@@ -18,10 +18,11 @@ LSE_TOLERANCE = 1e-4
 # as the seed does, and f32 cos/sin (kernel) against f64 ones (reference) round some elements to the
 # neighbouring value, one ulp apart (2^-8 relative in bf16). That moves scores by up to ~1e-3 each.
 # Measured (60 random ragged calls, positions < 500, d=32, bf16): lse error 6e-7 with RoPE off and
-# 2.8e-3 to 4.5e-3 with it on; fp16 3.6e-4. Hence (output atol, rtol) and lse tolerances for them:
-ROTATED_TOLERANCE = {"float32": (TOLERANCE["float32"], LSE_TOLERANCE),
-                     "float16": ((1e-3, 1e-3), 1e-3),
-                     "bfloat16": ((5e-3, 8e-3), 1e-2)}
+# 2.8e-3 to 4.5e-3 with it on; fp16 3.6e-4; 1000-draw fuzzing found 1.2e-2 at |lse| ~ 2-4 (bf16,
+# yarn). Hence (atol, rtol) for their output and lse:
+ROTATED_TOLERANCE = {"float32": (TOLERANCE["float32"], (LSE_TOLERANCE, 0.0)),
+                     "float16": ((1e-3, 1e-3), (1e-3, 1e-3)),
+                     "bfloat16": ((5e-3, 8e-3), (1e-2, 4e-3))}
 NUMPY_DTYPE = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 
 BACKENDS = [
@@ -74,9 +75,9 @@ def assert_matches_reference(name: str, got, want, dtype: str, *, rotated: bool 
     (out, lse), (want_out, want_lse) = got, want
     empty = want_lse == EMPTY_ROW_LSE
     keep = ~empty
-    out_tolerance, lse_tolerance = ROTATED_TOLERANCE[dtype] if rotated else (TOLERANCE[dtype], LSE_TOLERANCE)
+    out_tolerance, lse_tolerance = ROTATED_TOLERANCE[dtype] if rotated else (TOLERANCE[dtype], (LSE_TOLERANCE, 0.0))
     assert_close(f"{name} output", out[keep], want_out[keep], dtype, out_tolerance)
-    assert max_error(lse[keep], want_lse[keep]) <= lse_tolerance, f"{name} lse"
+    assert_close(f"{name} lse", lse[keep], want_lse[keep], dtype, lse_tolerance)
     assert np.all(np.asarray(out, np.float64)[empty] == 0.0), f"{name}: empty rows must be 0"
     assert np.all(lse[empty] == EMPTY_ROW_LSE), f"{name}: empty rows must have lse -5e4"
 
