@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all bench gpu-bundle venv clean
+.PHONY: demo test test-all bench bench-report gpu-bundle venv clean
 
 venv: $(STAMP)
 
@@ -26,6 +26,11 @@ test-all: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) bench/dense_prefill.py
+
+# The whole table against torch SDPA, IREE's fused op and the seed's TVM kernels: JSON + PNG
+bench-report: $(STAMP)
+	$(PY) -m pip install --quiet -e '.[bench]'
+	$(PY) bench/report.py --tvm --out build/bench-report
 
 # CUDA artifacts + cases + cp312 wheels in build/gpu-bundle; on the GPU machine: python3 gpu_runner.py
 gpu-bundle: $(STAMP)

@@ -1,0 +1,252 @@
+"""The performance table against the peers, as JSON and a PNG chart, in one run.
+
+    .venv/bin/python bench/report.py [--lengths 512,2048,8192] [--dtypes float32,bfloat16,float16]
+                                     [--tvm] [--out build/bench-report]
+
+Every figure is ours and the peer's from the same process (torch on 2 threads, interleaved):
+
+* dense causal prefill, B=1, h_q=32, h_kv=8, d=128, per dtype and length, vs torch SDPA;
+* IREE's fused ``iree_linalg_ext.attention`` against our decomposition (non-causal f32, L=1024);
+* a small prefill: 16 new tokens against 256 cached ones (ragged kernel) vs torch SDPA with the
+  bottom-right causal mask;
+* the mixed-length ragged and paged batches of ``kv_cache_batches.py`` vs the dense kernel and a
+  torch SDPA loop over the entries;
+* with ``--tvm``: the seed's own CPU kernels (apache-tvm 0.27) on one 512-token sequence, paged
+  and ragged.
+
+GFLOP/s count the unmasked query-key pairs (4 * d * h_q per pair). ``ratio`` is the peer's time
+over ours (above 1: we are faster). Writes ``report.json`` and ``report.png`` (matplotlib: GFLOP/s
+against sequence length, one panel per dtype) into ``--out``. Needs the ``bench`` extra (torch,
+matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from linalg_prefill.mlir import PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec  # noqa: E402
+from linalg_prefill.runtime import open_kernel  # noqa: E402
+from linalg_prefill.runtime.checks import NUMPY_DTYPES  # noqa: E402
+
+H_Q, H_KV, D = 32, 8, 128
+
+
+def best_time(fn, repeat: int) -> float:
+    """Seconds of the fastest of ``repeat`` calls after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def pair_flops(pairs: int, heads: int = H_Q, d: int = D) -> float:
+    return 4.0 * d * heads * pairs
+
+
+def causal_pairs(q_len: int, kv_len: int) -> int:
+    """Unmasked pairs of a bottom-right causal q_len x kv_len block."""
+    rows = np.arange(q_len)
+    return int(np.clip(rows + kv_len - q_len + 1, 0, kv_len).sum())
+
+
+def to_torch(x: np.ndarray, dtype: str):
+    """[L, h, d] or [1, L, h, d] numpy -> [1, h, L, d] torch tensor of ``dtype``."""
+    import torch
+
+    x = x if x.ndim == 3 else x[0]
+    return torch.from_numpy(np.ascontiguousarray(x.astype(np.float32).transpose(1, 0, 2))[None]).to(
+        getattr(torch, dtype))
+
+
+def row(section: str, name: str, dtype: str, length, ours_s: float, peer: str, peer_s: float | None,
+        flops: float) -> dict:
+    return dict(section=section, name=name, dtype=dtype, L=length, ours_ms=ours_s * 1e3,
+                ours_gflops=flops / ours_s / 1e9, peer=peer, peer_ms=None if peer_s is None else peer_s * 1e3,
+                peer_gflops=None if peer_s is None else flops / peer_s / 1e9,
+                ratio=None if peer_s is None else peer_s / ours_s)
+
+
+def dense_rows(lengths, dtypes, rng) -> list[dict]:
+    import torch.nn.functional as F
+
+    rows = []
+    for dtype in dtypes:
+        kernel = open_kernel(SequencePrefillSpec(H_Q, H_KV, D, dtype, causal=True, sm_scale=D ** -0.5))
+        for length in lengths:
+            q, k, v = (rng.uniform(-1, 1, (1, length, h, D)).astype(NUMPY_DTYPES[dtype]) for h in (H_Q, H_KV, H_KV))
+            tq, tk, tv = (to_torch(x, dtype) for x in (q, k, v))
+            repeat = 1 if length >= 8192 else 3
+            ours = best_time(lambda: kernel(q, k, v), repeat)
+            peer = best_time(lambda: F.scaled_dot_product_attention(tq, tk, tv, is_causal=True, enable_gqa=True),
+                             repeat)
+            rows.append(row("dense", "causal prefill", dtype, length, ours, "torch SDPA", peer,
+                            pair_flops(causal_pairs(length, length))))
+            print(format_row(rows[-1]), flush=True)
+    return rows
+
+
+def fused_row(length: int = 1024) -> dict:
+    from dense_prefill import bench_fused
+
+    fused = bench_fused(length, 3)
+    flops = pair_flops(length * length, heads=fused["heads"])
+    ours_s, fused_s = flops / fused["ours_gflops"] / 1e9, flops / fused["fused_gflops"] / 1e9
+    return row("fused", "non-causal, 8 heads", "float32", length, ours_s, "IREE fused attention", fused_s, flops)
+
+
+def small_prefill_row(rng, q_len: int = 16, kv_len: int = 256) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    kernel = open_kernel(RaggedPrefillSpec(H_Q, H_KV, D, D, "float32"))
+    q = rng.uniform(-1, 1, (q_len, H_Q, D)).astype(np.float32)
+    k, v = (rng.uniform(-1, 1, (kv_len, H_KV, D)).astype(np.float32) for _ in range(2))
+    args = (q, np.array([0, q_len], np.int32), k, v, np.array([0, kv_len], np.int32),
+            np.arange(kv_len - q_len, kv_len, dtype=np.int32), np.zeros(1, np.int32), 1, 0, 1.0, 1e4, D ** -0.5)
+    tq, tk, tv = (to_torch(x, "float32") for x in (q, k, v))
+    mask = torch.ones(q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len)
+    ours = best_time(lambda: kernel(*args), 20)
+    peer = best_time(lambda: F.scaled_dot_product_attention(tq, tk, tv, attn_mask=mask, enable_gqa=True), 20)
+    return row("small", f"{q_len} new tokens vs {kv_len} cached", "float32", q_len, ours, "torch SDPA", peer,
+               pair_flops(causal_pairs(q_len, kv_len)))
+
+
+def batch_rows(rng, lengths=(37, 512, 1024, 96, 2048, 5), dense_length: int = 1024) -> list[dict]:
+    from kv_cache_batches import PAGE_SIZE, paged_inputs, ragged_inputs, torch_loop
+
+    q, indptr, k, v = ragged_inputs(list(lengths), rng)
+    pages, page_indptr, page_values, last = paged_inputs(k, v, indptr, list(lengths), rng)
+    zeros_b, zeros_q = np.zeros(len(lengths), np.int32), np.zeros(q.shape[0], np.int32)
+    scalars = (1, 0, 1.0, 1e4, D ** -0.5)
+    ragged = open_kernel(RaggedPrefillSpec(H_Q, H_KV, D, D, "float32"))
+    paged = open_kernel(PagedPrefillSpec(H_Q, H_KV, D, "float32", page_size=PAGE_SIZE))
+    dense = open_kernel(SequencePrefillSpec(H_Q, H_KV, D, "float32", causal=True, sm_scale=D ** -0.5))
+    dq, dk, dv = (rng.uniform(-1, 1, (1, dense_length, h, D)).astype(np.float32) for h in (H_Q, H_KV, H_KV))
+    flops = pair_flops(sum(causal_pairs(n, n) for n in lengths))
+    dense_s = best_time(lambda: dense(dq, dk, dv), 3)
+    dense_rate = pair_flops(causal_pairs(dense_length, dense_length)) / dense_s
+    peer_s = best_time(torch_loop(q, k, v, indptr), 3)
+    rows = []
+    for name, call in (("ragged batch", lambda: ragged(q, indptr, k, v, indptr, zeros_q, zeros_b, *scalars)),
+                       ("paged batch", lambda: paged(q, indptr, pages, page_indptr, page_values, last, zeros_b,
+                                                     zeros_q, *scalars))):
+        ours = best_time(call, 3)
+        rows.append(row("batch", name, "float32", int(q.shape[0]), ours, "torch SDPA loop", peer_s, flops))
+        rows[-1]["vs_dense"] = flops / ours / dense_rate
+    return rows
+
+
+def tvm_rows(rng, length: int = 512) -> list[dict]:
+    """The seed's CPU kernels against ours on one causal sequence of ``length`` tokens."""
+    import tvm
+    from tvm.relax.frontend.nn.llm._prefill_kernels import _attention_prefill_cpu, _attention_prefill_ragged_cpu
+
+    from kv_cache_batches import PAGE_SIZE, paged_inputs, ragged_inputs
+
+    q, indptr, k, v = ragged_inputs([length], rng)
+    pages, page_indptr, page_values, last = paged_inputs(k, v, indptr, [length], rng)
+    zeros_b, zeros_q = np.zeros(1, np.int32), np.zeros(length, np.int32)
+    scalars = (1, 0, 1.0, 1e4, D ** -0.5)
+    dev = tvm.cpu()
+    out = [tvm.runtime.tensor(x, dev) for x in (np.zeros((length, H_Q, D), np.float32),
+                                                 np.zeros((length, H_Q), np.float32))]
+    build = lambda f: tvm.compile(tvm.IRModule({"main": f}), target={"kind": "llvm"})["main"]  # noqa: E731
+    seed_ragged = build(_attention_prefill_ragged_cpu(H_KV, H_Q, D, D, "float32", {}))
+    seed_paged = build(_attention_prefill_cpu(H_KV, H_Q, D, "float32", False, {}, page_size=PAGE_SIZE))
+    tensors = lambda *xs: [tvm.runtime.tensor(x, dev) for x in xs]  # noqa: E731
+    ragged_args = tensors(q, indptr, k, v, indptr, zeros_q, zeros_b) + out
+    paged_args = tensors(q, indptr, pages, page_indptr, page_values, last, zeros_b, zeros_q) + out
+    flops = pair_flops(causal_pairs(length, length))
+    ragged = open_kernel(RaggedPrefillSpec(H_Q, H_KV, D, D, "float32"))
+    paged = open_kernel(PagedPrefillSpec(H_Q, H_KV, D, "float32", page_size=PAGE_SIZE))
+    rows = []
+    for name, ours_call, seed_call in (
+            ("ragged", lambda: ragged(q, indptr, k, v, indptr, zeros_q, zeros_b, *scalars),
+             lambda: seed_ragged(*ragged_args, *scalars)),
+            ("paged", lambda: paged(q, indptr, pages, page_indptr, page_values, last, zeros_b, zeros_q, *scalars),
+             lambda: seed_paged(*paged_args, *scalars))):
+        rows.append(row("seed", name, "float32", length, best_time(ours_call, 3), "seed TVM CPU kernel",
+                        best_time(seed_call, 1), flops))
+    return rows
+
+
+def format_row(r: dict) -> str:
+    peer = "-" if r["peer_ms"] is None else f"{r['peer_ms']:.1f}"
+    ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
+    return (f"{r['section']:<6} {r['name']:<32} {r['dtype']:<9} {r['L']!s:>6} {r['ours_ms']:>10.1f} "
+            f"{r['ours_gflops']:>8.1f} {r['peer']:<22} {peer:>10} {ratio:>6}")
+
+
+HEADER = (f"{'what':<6} {'case':<32} {'dtype':<9} {'L':>6} {'ours ms':>10} {'GFLOP/s':>8} {'peer':<22} "
+          f"{'peer ms':>10} {'ratio':>6}")
+
+
+def draw(rows: list[dict], path: str) -> None:
+    """GFLOP/s against L for the dense rows, one panel per dtype; the fused and seed rows as points."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dense = [r for r in rows if r["section"] == "dense"]
+    dtypes = list(dict.fromkeys(r["dtype"] for r in dense))
+    fig, axes = plt.subplots(1, len(dtypes), figsize=(5 * len(dtypes), 4), squeeze=False)
+    for ax, dtype in zip(axes[0], dtypes):
+        mine = [r for r in dense if r["dtype"] == dtype]
+        lengths = [r["L"] for r in mine]
+        ax.plot(lengths, [r["ours_gflops"] for r in mine], "o-", label="linalg-prefill (llvm-cpu)")
+        ax.plot(lengths, [r["peer_gflops"] for r in mine], "s--", label="torch SDPA")
+        for r in rows:
+            if r["dtype"] == dtype and r["section"] in ("fused", "seed"):
+                ax.plot([r["L"]], [r["peer_gflops"]], "x", markersize=9, label=f"{r['peer']} ({r['name']})")
+        ax.set(title=f"causal prefill, {dtype}", xlabel="sequence length", ylabel="GFLOP/s", xscale="log")
+        ax.minorticks_off()
+        ax.set_xticks(lengths, [str(n) for n in lengths])
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("B=1, h_q=32, h_kv=8, d=128, 2 CPU cores")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", default="512,2048,8192")
+    parser.add_argument("--dtypes", default="float32,bfloat16,float16")
+    parser.add_argument("--tvm", action="store_true", help="also time the seed's TVM CPU kernels (slow)")
+    parser.add_argument("--out", default="build/bench-report")
+    args = parser.parse_args()
+    import torch
+
+    torch.set_num_threads(2)
+    rng = np.random.default_rng(0)
+    os.makedirs(args.out, exist_ok=True)
+    print(HEADER, flush=True)
+    rows = dense_rows([int(x) for x in args.lengths.split(",")], args.dtypes.split(","), rng)
+    for extra in ([fused_row()], [small_prefill_row(rng)], batch_rows(rng), tvm_rows(rng) if args.tvm else []):
+        for r in extra:
+            rows.append(r)
+            print(format_row(r), flush=True)
+    for r in rows:
+        if "vs_dense" in r:
+            print(f"{r['name']}: {r['vs_dense']:.2f} of the dense kernel's throughput")
+    with open(os.path.join(args.out, "report.json"), "w") as f:
+        json.dump(rows, f, indent=2)
+    draw(rows, os.path.join(args.out, "report.png"))
+    print(f"wrote {args.out}/report.json and {args.out}/report.png")
+
+
+if __name__ == "__main__":
+    main()
