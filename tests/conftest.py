@@ -36,12 +36,13 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
+    """Large runs (marked ``expensive``) are deselected, not skipped, unless --run-expensive."""
     if config.getoption("--run-expensive"):
         return
-    skip = pytest.mark.skip(reason="large grid: pass --run-expensive")
-    for item in items:
-        if "expensive" in item.keywords:
-            item.add_marker(skip)
+    expensive = [item for item in items if "expensive" in item.keywords]
+    if expensive:
+        config.hook.pytest_deselected(items=expensive)
+        items[:] = [item for item in items if "expensive" not in item.keywords]
 
 
 @pytest.fixture(scope="session")
