@@ -175,7 +175,8 @@ def _emit_body(spec: SequenceSpec, tile_tokens: int, q, k, v, valid_lens=None):
     def tied(values):
         return [tie_dims(value, packed_sizes) for value in values]
 
-    entries = scf_d.ForOp(const_index(0), batch, const_index(1), [on_target_device(empty(packed_sizes, f32()), packed_sizes)])
+    packed = on_target_device(empty(packed_sizes, f32()), packed_sizes)
+    entries = scf_d.ForOp(const_index(0), batch, const_index(1), [packed])
     with ir.InsertionPoint(entries.body):
         b = entries.induction_variable
         valid_len = None
@@ -190,13 +191,11 @@ def _emit_body(spec: SequenceSpec, tile_tokens: int, q, k, v, valid_lens=None):
                 values=extract_slice(values, [b, 0, start, 0], [1, h_kv, spec.kv_tile, d]),
             )
 
-        # An entry-sized buffer per batch entry, inserted once: IREE copies a loop-carried tensor
-        # on every iteration (see pack_tile), so the per-tile copy is one entry's rows.
-        entry_sizes = [1, h_kv, total_rows, d + 1]
-        q_tiles = scf_d.ForOp(const_index(0), num_q_tiles, const_index(1),
-                              [on_target_device(empty(entry_sizes, f32()), entry_sizes)])
+        # The query-tile loop writes straight into the batch's packed buffer: its initial value
+        # went through on_target_device, so IREE updates it in place.
+        q_tiles = scf_d.ForOp(const_index(0), num_q_tiles, const_index(1), tied(entries.inner_iter_args))
         with ir.InsertionPoint(q_tiles.body):
-            rows_acc = tie_dims(q_tiles.inner_iter_args[0], entry_sizes)
+            (rows_acc,) = tied(q_tiles.inner_iter_args)
             first_token = arith_d.muli(q_tiles.induction_variable, const_index(tile_tokens))
             first_row = arith_d.muli(first_token, const_index(group))
             q_tile = extract_slice(q_rows, [b, 0, first_row, 0], [1, h_kv, tile_rows, d])
@@ -214,11 +213,9 @@ def _emit_body(spec: SequenceSpec, tile_tokens: int, q, k, v, valid_lens=None):
                 sm_scale=spec.sm_scale,
             )
             first_row = arith_d.addi(first_row, wait_for(result.lse))
-            rows_acc = insert_slice(pack_tile(result.output, result.lse), rows_acc, [0, 0, first_row, 0],
+            rows_acc = insert_slice(pack_tile(result.output, result.lse), rows_acc, [b, 0, first_row, 0],
                                     [1, h_kv, tile_rows, d + 1])
             scf_d.YieldOp([rows_acc])
-        entry_rows = tie_dims(q_tiles.results[0], entry_sizes)
-        (batch_rows,) = tied(entries.inner_iter_args)
-        scf_d.YieldOp([insert_slice(entry_rows, batch_rows, [b, 0, 0, 0], entry_sizes)])
+        scf_d.YieldOp(tied(q_tiles.results))
     out_rows, lse_rows = unpack_rows(tied(entries.results)[0], packed_sizes, dt)
     return [ungroup_rows(rows, h_kv, group, lengths.q_len, padded_tokens) for rows in (out_rows, lse_rows)]

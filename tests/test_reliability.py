@@ -71,8 +71,8 @@ def _peak_memory(*args: str) -> dict:
     return json.loads(run.stdout.splitlines()[-1])
 
 
-@pytest.mark.parametrize("args", [("--length", "4096"), ("--entries", "64", "--length", "256")],
-                         ids=["dense-4096", "ragged-64x256"])
+@pytest.mark.parametrize("args", [("--length", "8192"), ("--entries", "64", "--length", "256")],
+                         ids=["dense-8192", "ragged-64x256"])
 def test_peak_memory_stays_under_twice_the_io(args):
     figures = _peak_memory(*args)
     assert figures["ratio"] < 2.0, figures
