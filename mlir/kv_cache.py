@@ -145,8 +145,9 @@ def _attend_entries(
 
     # The loops carry the batch's output and lse directly; entering the loop through
     # on_target_device lets IREE update them in place (64 entries of 256 tokens: 47 s -> 2.9 s).
-    # Per-entry buffers (as mlir/sequence.py carries) made paged calls fail intermittently in
-    # IREE 3.13, about 1 call in 15 ("transient buffer has not been committed" at hal.fence.await).
+    # (An earlier version carried a buffer per entry instead; it made paged calls fail
+    # intermittently in IREE 3.13, about 1 call in 15: "transient buffer has not been committed"
+    # at hal.fence.await.)
     batch = arith_d.subi(dim(q_indptr, 0), const_index(1))
     out_sizes, lse_sizes = [1, h_kv, total_rows, d_v], [1, h_kv, total_rows]
     entries = scf_d.ForOp(const_index(0), batch, const_index(1),
