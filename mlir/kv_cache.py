@@ -138,7 +138,6 @@ def _attend_entries(
     q4 = expand(q, [[0, 1], [2], [3]], [1, total_q, spec.h_q, d_qk])
     q_rows = group_query_rows(q4, h_kv, group, padded_tokens)
     total_rows = dim(q_rows, 2)
-    tile_rows = spec.q_tile * group
     out_rows = empty([1, h_kv, total_rows, d_v], dt)
     lse_rows = empty([1, h_kv, total_rows], f32())
     causal_on = _is_one(causal)
