@@ -12,27 +12,17 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 
 from linalg_prefill.mlir import SequencePrefillSpec  # noqa: E402
+from linalg_prefill.pipeline.bench import best_time  # noqa: E402
 from linalg_prefill.runtime import open_kernel  # noqa: E402
 from linalg_prefill.runtime.checks import NUMPY_DTYPES  # noqa: E402
 
 H_Q, H_KV, D = 32, 8, 128
-
-
-def best_time(fn, repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def attention_flops(q_len: int, kv_len: int, heads: int, d: int, causal: bool) -> float:

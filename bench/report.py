@@ -26,28 +26,17 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 
 from linalg_prefill.mlir import PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec  # noqa: E402
+from linalg_prefill.pipeline.bench import best_time  # noqa: E402
 from linalg_prefill.runtime import open_kernel  # noqa: E402
 from linalg_prefill.runtime.checks import NUMPY_DTYPES  # noqa: E402
 
 H_Q, H_KV, D = 32, 8, 128
-
-
-def best_time(fn, repeat: int) -> float:
-    """Seconds of the fastest of ``repeat`` calls after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def pair_flops(pairs: int, heads: int = H_Q, d: int = D) -> float:

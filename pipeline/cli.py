@@ -39,15 +39,11 @@ def main(argv=None) -> int:
     listing.add_argument("dir", help="a folder written by `linalg-prefill build`")
     check = sub.add_parser("check", help="run every artifact of a build folder on small random inputs "
                                           "against the float64 reference and across backends")
-    check.add_argument("dir", help="a folder written by `linalg-prefill build`")
-    check.add_argument("--backends", default="llvm-cpu,cuda",
-                       help="comma-separated; a backend without a device here is skipped")
+    _add_folder_and_backends(check)
     check.add_argument("--seed", type=int, default=0, help="random seed of the inputs")
     bench = sub.add_parser("bench", help="time every artifact of a build folder (and torch SDPA on the same "
                                          "work when torch is installed)")
-    bench.add_argument("dir", help="a folder written by `linalg-prefill build`")
-    bench.add_argument("--backends", default="llvm-cpu,cuda",
-                       help="comma-separated; a backend without a device here is skipped")
+    _add_folder_and_backends(bench)
     bench.add_argument("--tokens", type=int, default=1024, help="query tokens = keys per entry (default 1024)")
     bench.add_argument("--batch", type=int, default=1, help="batch entries (default 1)")
     bench.add_argument("--repeat", type=int, default=3, help="timed calls per figure, best kept (default 3)")
@@ -73,6 +69,13 @@ def main(argv=None) -> int:
     if args.command == "show-config":
         return _show_config()
     return 2
+
+
+def _add_folder_and_backends(parser) -> None:
+    """The build-folder argument and --backends of the commands that run a folder's artifacts."""
+    parser.add_argument("dir", help="a folder written by `linalg-prefill build`")
+    parser.add_argument("--backends", default="llvm-cpu,cuda",
+                        help="comma-separated; a backend without a device here is skipped")
 
 
 def _build(args) -> int:
