@@ -1,18 +1,26 @@
 """Makes a folder that checks the CUDA artifacts on a GPU machine with no registry (``make gpu-bundle``).
 
-    .venv/bin/python bench/gpu_bundle.py [--out build/gpu-bundle] [--backend cuda] [--no-wheels]
+    .venv/bin/python bench/gpu_bundle.py [--out build/gpu-bundle] [--backend cuda] [--models ...]
+                                         [--recorded DIR] [--no-wheels]
 
-The folder holds, next to ``gpu_runner.py`` (numpy + IREE runtime only):
+The folder holds, next to ``gpu_runner.py`` (numpy + IREE runtime only) and ``gpu_check.sh``:
 
-* ``artifacts/``: every variant of the example models compiled for ``--backend`` (sm_80 for CUDA);
-* ``cases/*.npz``: for each artifact a small seed-ABI call (``runtime.compare.example_inputs``:
-  mixed lengths, a qo_len > kv_len entry, shuffled pages) with its float64 reference output
-  (stored as float32), plus ``bench-*`` cases (dense causal L=2048, a mixed ragged batch) that
-  the runner times on inputs it draws itself, so the bundle stays under the 64 MiB a device
-  call can carry;
+* ``artifacts/``: every spec of its cases compiled for ``--backend`` (sm_80 for CUDA);
+* ``cases/*.npz``: one seed-ABI call each, with the ``runtime.reference`` function and keyword
+  arguments that evaluate it and the (atol, rtol) its output and lse must meet:
+  - a small call per variant of the example models (``runtime.compare.example_inputs``: mixed
+    lengths, a qo_len > kv_len entry, shuffled pages; ``compare.TOLERANCE``);
+  - with ``--recorded DIR``, every llvm-cpu call the backend-parametrized tests made, as recorded by
+    ``LINALG_PREFILL_RECORD_CASES=DIR make test`` (``tests/conftest.py``), with the tests' own
+    tolerances: the tests' CUDA layer, replayed where the compiler cannot be installed;
+  - ``bench-*`` cases (dense causal L=2048, a mixed ragged batch), timed only.
+  Arrays the tests drew with their ``uniform`` helper are stored as the PCG64 state, shape and dtype
+  that draw them again (and the sha1 the redraw must match), so the bundle stays well under the
+  64 MiB a device call can carry; the reference is computed on the GPU machine's CPU from
+  ``reference/`` (copies of ``runtime/reference.py`` and ``runtime/rope.py``, numpy only);
 * ``wheels/``: the cp312 wheels of iree-base-runtime (same version as here), numpy and ml_dtypes.
 
-Copy the folder to the GPU machine and run ``python3 gpu_runner.py`` there (well under 5 minutes).
+Copy the folder to the GPU machine and run ``python3 gpu_runner.py`` there.
 ``--backend llvm-cpu`` makes the same bundle for this machine's CPU, which is how the runner is
 tested without a GPU.
 """
@@ -20,8 +28,11 @@ tested without a GPU.
 from __future__ import annotations
 
 import argparse
+import glob
+import hashlib
 import json
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -31,12 +42,13 @@ import numpy as np
 from linalg_prefill.mlir import RaggedPrefillSpec, SequencePrefillSpec
 from linalg_prefill.pipeline import Target, compile
 from linalg_prefill.pipeline.model_config import load_model_config, specs_for_model
-from linalg_prefill.runtime.compare import example_inputs, reference_for
+from linalg_prefill.runtime.compare import TOLERANCE, example_inputs, reference_call
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 MODELS = ("tiny.toml", "mistral-7b.json", "deepseek-v2-lite.json")
 WHEELS = ("iree-base-runtime==3.13.0", "numpy", "ml_dtypes")
+REFERENCE_FILES = ("reference.py", "rope.py")
 
 
 def bench_cases(rng):
@@ -57,28 +69,54 @@ def bench_cases(rng):
     yield "bench-ragged-mixed-batch", ragged, args, 4.0 * 128 * 32 * sum(n * (n + 1) / 2 for n in lengths)
 
 
-def save_case(path, name, spec, file, args, flops=0.0) -> None:
-    """One .npz: the call's arrays and scalars, and (small cases) the float64 reference.
+def redraw(draw: dict) -> np.ndarray:
+    """The array ``tests/conftest.py: uniform`` drew from this PCG64 state (the runner's twin)."""
+    import ml_dtypes
+
+    rng = np.random.Generator(np.random.PCG64())
+    rng.bit_generator.state = draw["state"]
+    dtype = ml_dtypes.bfloat16 if draw["dtype"] == "bfloat16" else draw["dtype"]
+    return rng.uniform(-1.0, 1.0, size=draw["shape"]).astype(dtype)
+
+
+def recorded_cases(directory: str):
+    """(name, spec, args as (kind, value) pairs, tolerance) of every call recorded in ``directory``."""
+    for path in sorted(glob.glob(os.path.join(directory, "*.pkl"))):
+        with open(path, "rb") as f:
+            case = pickle.load(f)
+        args = []
+        for kind, value in case["args"]:
+            if kind == "uniform" and hashlib.sha1(redraw(value).tobytes()).hexdigest() != value["sha1"]:
+                raise SystemExit(f"{path}: an argument drawn by uniform() was changed before the call")
+            args.append((kind, value))
+        test = case["test"].split("::")[-1]
+        yield f"test-{os.path.basename(path)[:-4]}-{test}", case["spec"], args, case["tolerance"]
+
+
+def save_case(path, name, spec, file, args, tolerance=None, flops=0.0) -> None:
+    """One .npz: the call's arguments (``args``: plain values, or (kind, value) pairs from
+    ``recorded_cases``), and for checked cases the reference call and tolerance.
 
     ``bench-*`` cases store only the shapes of their large float inputs (the runner draws them)
-    and no reference, so the bundle stays small enough to carry (its correctness is the small
-    cases' job); their index arrays are stored as they are.
+    and no reference; their index arrays are stored as they are.
     """
     bench = name.startswith("bench-")
     arrays, meta_args = {}, []
     for i, a in enumerate(args):
-        if isinstance(a, np.ndarray) and bench and a.dtype.kind == "f":
+        kind, a = a if isinstance(a, tuple) and len(a) == 2 and a[0] in ("uniform", "value") else ("value", a)
+        if kind == "uniform":
+            meta_args.append(["uniform", a])
+        elif isinstance(a, np.ndarray) and bench and a.dtype.kind == "f":
             meta_args.append(["random", list(a.shape), a.dtype.name])
         elif isinstance(a, np.ndarray):
             key = f"arg{i}"
             arrays[key] = a.view(np.uint16) if a.dtype.name == "bfloat16" else a
             meta_args.append(["array", key])
         else:
-            meta_args.append(["scalar", a])
-    if not bench:
-        want_out, want_lse = reference_for(spec, args)
-        arrays["want_out"], arrays["want_lse"] = np.asarray(want_out, np.float32), np.asarray(want_lse, np.float32)
+            meta_args.append(["scalar", a.item() if isinstance(a, np.generic) else a])
     meta = dict(name=name, symbol=spec.symbol, dtype=spec.dtype, file=file, args=meta_args, flops=flops)
+    if not bench:
+        meta.update(reference=reference_call(spec), tolerance=tolerance)
     np.savez_compressed(path, meta=json.dumps(meta), **arrays)
 
 
@@ -86,32 +124,44 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.path.join(ROOT, "build", "gpu-bundle"))
     parser.add_argument("--backend", default="cuda")
+    parser.add_argument("--models", nargs="+", default=MODELS, help="model configs under configs/ to take specs from")
+    parser.add_argument("--recorded", help="a folder of calls recorded by LINALG_PREFILL_RECORD_CASES")
     parser.add_argument("--no-wheels", action="store_true", help="skip downloading the cp312 wheels")
     args = parser.parse_args()
     target = Target(args.backend)
-    for sub in ("artifacts", "cases"):
+    for sub in ("artifacts", "cases", "reference"):
         shutil.rmtree(os.path.join(args.out, sub), ignore_errors=True)
         os.makedirs(os.path.join(args.out, sub))
-    shutil.copy(os.path.join(HERE, "gpu_runner.py"), args.out)
+    for tool in ("gpu_runner.py", "gpu_check.sh"):
+        shutil.copy(os.path.join(HERE, tool), args.out)
+    for file in REFERENCE_FILES:
+        shutil.copy(os.path.join(ROOT, "runtime", file), os.path.join(args.out, "reference"))
+    open(os.path.join(args.out, "reference", "__init__.py"), "w").close()
     rng = np.random.default_rng(0)
     specs = {}
-    for model in MODELS:
+    for model in args.models:
         for spec in specs_for_model(load_model_config(os.path.join(ROOT, "configs", model))):
             specs[spec.name] = spec
-    cases = [(name, spec, example_inputs(spec, rng), 0.0) for name, spec in specs.items()]
-    cases += list(bench_cases(rng))
-    for name, spec, call, flops in cases:
+    example_tolerance = lambda spec: [[TOLERANCE[spec.dtype], 0.0]] * 2  # noqa: E731 (max abs error)
+    cases = [(name, spec, example_inputs(spec, rng), example_tolerance(spec), 0.0) for name, spec in specs.items()]
+    if args.recorded:
+        cases += [(name, spec, call, tolerance, 0.0) for name, spec, call, tolerance in recorded_cases(args.recorded)]
+    cases += [(name, spec, call, None, flops) for name, spec, call, flops in bench_cases(rng)]
+    built = set()
+    for name, spec, call, tolerance, flops in cases:
         file = os.path.join("artifacts", f"{spec.name}.vmfb")
-        with open(os.path.join(args.out, file), "wb") as f:
-            f.write(compile(spec, target))
-        save_case(os.path.join(args.out, "cases", f"{name}.npz"), name, spec, file, call, flops)
-        print(f"built {file} and its case", file=sys.stderr)
+        if file not in built:
+            with open(os.path.join(args.out, file), "wb") as f:
+                f.write(compile(spec, target))
+            built.add(file)
+            print(f"built {file}", file=sys.stderr)
+        save_case(os.path.join(args.out, "cases", f"{name}.npz"), name, spec, file, call, tolerance, flops)
     if not args.no_wheels:
         subprocess.run([sys.executable, "-m", "pip", "download", *WHEELS, "--only-binary=:all:",
                         "--python-version", "3.12", "--platform", "manylinux_2_28_x86_64",
                         "--platform", "manylinux_2_17_x86_64", "-d", os.path.join(args.out, "wheels")], check=True)
-    print(f"bundle ready: {args.out} ({len(cases)} cases for {target.tag}); on the GPU machine run "
-          f"`python3 gpu_runner.py` inside it")
+    print(f"bundle ready: {args.out} ({len(cases)} cases, {len(built)} artifacts for {target.tag}); on the GPU "
+          f"machine run `python3 gpu_runner.py` inside it")
 
 
 if __name__ == "__main__":

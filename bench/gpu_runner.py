@@ -1,19 +1,24 @@
 """Runs a GPU bundle (made by ``bench/gpu_bundle.py``) on the machine with the GPU.
 
-    python3 gpu_runner.py [--driver cuda] [--repeat 5]
+    python3 gpu_runner.py [--driver cuda] [--repeat 5] [--log FILE] [--max-seconds S] [--only TEXT]
+                          [--runtime-flag=--cuda_async_allocations=false ...]
 
 Needs only Python 3.12, numpy and the IREE runtime; when ``import iree.runtime`` fails it first
 unpacks the wheels shipped in ``wheels/`` into ``deps/`` (a wheel is a zip file: no pip, no
-registry). For every case in ``cases/`` it runs the artifact on the device, compares output and
-lse with the float64 reference computed when the bundle was made (rows with a valid key; rows
-without one must be exactly 0 and -5e4) and prints a table; the ``bench-*`` cases are also timed.
-Exit code 0 when every case is within tolerance.
+registry). For every case in ``cases/`` it redraws or loads the arguments, runs the artifact on the
+device, computes the float64 reference on the CPU with the bundle's ``reference/`` copy and
+checks output and lse elementwise against the case's (atol, rtol), on rows with a valid key; rows
+without one must be exactly 0 and -5e4. The ``bench-*`` cases are timed instead, next to torch's
+``scaled_dot_product_attention`` on the same GPU when torch with CUDA is installed. Prints the
+failures and a summary (``--log`` gets every case's line). Exit code 0 when every case passed.
 """
 
 from __future__ import annotations
 
 import argparse
 import glob
+import hashlib
+import importlib
 import importlib.util
 import json
 import os
@@ -22,7 +27,6 @@ import time
 import zipfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-TOLERANCE = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 3e-2}
 EMPTY_ROW_LSE = -5.0e4
 
 
@@ -34,7 +38,9 @@ def _importable(module: str) -> bool:
 
 
 def _ensure_deps() -> None:
+    """Unpacks the shipped wheels into deps/ when the IREE runtime, numpy or ml_dtypes is missing."""
     deps = os.path.join(HERE, "deps")
+    sys.path.insert(0, HERE)  # reference/
     sys.path.insert(0, deps)
     if _importable("iree.runtime") and _importable("numpy") and _importable("ml_dtypes"):
         return
@@ -45,8 +51,28 @@ def _ensure_deps() -> None:
     importlib.invalidate_caches()
 
 
+def _bfloat16():
+    """The bfloat16 dtype (ml_dtypes ships as a wheel; numpy has none)."""
+    import ml_dtypes
+
+    return ml_dtypes.bfloat16
+
+
+def _redraw(draw: dict):
+    """The array the tests' ``uniform`` drew from this PCG64 state (twin of gpu_bundle.redraw)."""
+    import numpy as np
+
+    rng = np.random.Generator(np.random.PCG64())
+    rng.bit_generator.state = draw["state"]
+    dtype = _bfloat16() if draw["dtype"] == "bfloat16" else draw["dtype"]
+    array = rng.uniform(-1.0, 1.0, size=draw["shape"]).astype(dtype)
+    if hashlib.sha1(array.tobytes()).hexdigest() != draw["sha1"]:
+        raise RuntimeError("this numpy draws other numbers from the recorded PCG64 state")
+    return array
+
+
 def _load_case(path):
-    """(meta, call arguments, reference output or None, reference lse or None)."""
+    """(meta, call arguments)."""
     import numpy as np
 
     rng = np.random.default_rng(0)
@@ -54,7 +80,9 @@ def _load_case(path):
         meta = json.loads(str(data["meta"]))
         args = []
         for kind, *value in meta["args"]:
-            if kind == "random":
+            if kind == "uniform":
+                args.append(_redraw(value[0]))
+            elif kind == "random":
                 shape, dtype = value
                 drawn = rng.uniform(-1, 1, shape).astype(np.float32)
                 args.append(drawn.astype(_bfloat16() if dtype == "bfloat16" else dtype))
@@ -64,27 +92,32 @@ def _load_case(path):
                             else array)
             else:
                 args.append(value[0])
-        want = (data["want_out"], data["want_lse"]) if "want_out" in data else (None, None)
-        return meta, args, *want
+        return meta, args
 
 
-def _bfloat16():
-    """The bfloat16 dtype (ml_dtypes ships as a wheel; numpy has none)."""
-    import ml_dtypes
+class Kernels:
+    """One loaded module per artifact file (loading JIT-compiles its PTX: do it once)."""
 
-    return ml_dtypes.bfloat16
+    def __init__(self, rt, device):
+        self.rt, self.device, self.functions = rt, device, {}
+
+    def function(self, meta):
+        key = (meta["file"], meta["symbol"])
+        if key not in self.functions:
+            context = self.rt.SystemContext(config=self.rt.Config(device=self.device))
+            with open(os.path.join(HERE, meta["file"]), "rb") as f:
+                module = self.rt.VmModule.copy_buffer(context.instance, f.read())
+            context.add_vm_module(module)
+            self.functions[key] = (context, context.modules[module.name][meta["symbol"]])
+        return self.functions[key][1]
 
 
-def _run_case(rt, device, meta, args, repeat: int):
+def _run(kernels, meta, args, repeat: int):
+    """(output, lse) on the host, and the best of ``repeat`` timed calls (bench cases only)."""
     import numpy as np
 
-    config = rt.Config(device=device)
-    context = rt.SystemContext(config=config)
-    with open(os.path.join(HERE, meta["file"]), "rb") as f:
-        module = rt.VmModule.copy_buffer(context.instance, f.read())
-    context.add_vm_module(module)
-    function = context.modules[module.name][meta["symbol"]]
-    device_args = [rt.asdevicearray(device, a) if isinstance(a, np.ndarray) else a for a in args]
+    function = kernels.function(meta)
+    device_args = [kernels.rt.asdevicearray(kernels.device, a) if isinstance(a, np.ndarray) else a for a in args]
     out, lse = function(*device_args)
     out, lse = out.to_host(), lse.to_host()
     times = []
@@ -96,37 +129,126 @@ def _run_case(rt, device, meta, args, repeat: int):
     return out, lse, (min(times) if times else None)
 
 
+def _excess(got, want, tolerance) -> tuple[float, float]:
+    """(max |got - want|, max of |got - want| - (atol + rtol |want|)): passes when the second <= 0."""
+    import numpy as np
+
+    atol, rtol = tolerance
+    error = np.abs(np.asarray(got, np.float64) - want)
+    return float(np.max(error, initial=0.0)), float(np.max(error - (atol + rtol * np.abs(want)), initial=-1.0))
+
+
+def _check(meta, args, out, lse) -> tuple[float, float, bool, bool]:
+    """(max output error, max lse error, empty rows exact, within tolerance) against the reference."""
+    import numpy as np
+    from reference import reference
+
+    name, kwargs = meta["reference"]
+    want_out, want_lse = getattr(reference, name)(*args, **kwargs)
+    valid = want_lse != EMPTY_ROW_LSE
+    (out_tol, lse_tol) = meta["tolerance"]
+    err_out, excess_out = _excess(out[valid], want_out[valid], out_tol)
+    err_lse, excess_lse = _excess(lse[valid], want_lse[valid], lse_tol)
+    empty_ok = bool(np.all(out.astype(np.float64)[~valid] == 0) and np.all(lse[~valid] == EMPTY_ROW_LSE))
+    return err_out, err_lse, empty_ok, excess_out <= 0 and excess_lse <= 0 and empty_ok
+
+
+def _torch_seconds(meta, args, repeat: int):
+    """Best time of torch SDPA on the GPU for a bench case's attention, or None without torch/CUDA.
+
+    Dense: one call on [B, H, L, D] (causal, GQA). Ragged: one call per entry (qo_len == kv_len,
+    so torch's top-left causal mask is the bottom-right one)."""
+    if not _importable("torch"):
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    dtype = getattr(torch, meta["dtype"])
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    if meta["symbol"] == "batch_sequence_prefill_kv":
+        q, k, v = (torch.tensor(a.astype("float32")).to("cuda", dtype).transpose(1, 2) for a in args[:3])
+        calls = [(q, k, v)]
+    else:
+        q, indptr, k, v = args[0], args[1], args[2], args[3]
+        calls = []
+        for b in range(len(indptr) - 1):
+            rows = slice(int(indptr[b]), int(indptr[b + 1]))
+            calls.append(tuple(torch.tensor(a[rows].astype("float32")).to("cuda", dtype).transpose(0, 1)[None]
+                               for a in (q, k, v)))
+    times = []
+    for _ in range(repeat + 1):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for q, k, v in calls:
+            sdpa(q, k, v, is_causal=True, enable_gqa=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return min(times[1:])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--driver", default="cuda")
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--log", help="write every case's line here too")
+    parser.add_argument("--only", help="run only the cases whose file name contains this text")
+    parser.add_argument("--runtime-flag", action="append", default=[],
+                        help="an IREE runtime flag, e.g. --runtime-flag=--cuda_async_allocations=false")
+    parser.add_argument("--max-seconds", type=float, default=float("inf"),
+                        help="stop starting new cases after this long (the summary says how many ran)")
     args = parser.parse_args()
     _ensure_deps()
     import iree.runtime as rt
-    import numpy as np
 
+    if args.runtime_flag:
+        rt.flags.parse_flags(*args.runtime_flag)
     device = rt.get_device(args.driver)
-    print(f"device {args.driver}: {device}")
-    failures = 0
-    print(f"{'case':<58} {'max err out':>12} {'max err lse':>12} {'empty ok':>8} {'ms':>9} {'GFLOP/s':>8}")
-    for path in sorted(glob.glob(os.path.join(HERE, "cases", "*.npz"))):
-        meta, call_args, want_out, want_lse = _load_case(path)
-        out, lse, seconds = _run_case(rt, device, meta, call_args, args.repeat)
-        timing = f"{seconds * 1e3:>9.2f} {meta['flops'] / seconds / 1e9:>8.1f}" if seconds else f"{'-':>9} {'-':>8}"
-        if want_out is None:  # a bench case: timed only
-            print(f"{meta['name'][:58]:<58} {'-':>12} {'-':>12} {'-':>8} {timing}")
+    kernels = Kernels(rt, device)
+    log = open(args.log, "w") if args.log else None
+    started = time.perf_counter()
+
+    def emit(line: str, always: bool = False) -> None:
+        if log:
+            print(line, file=log, flush=True)
+        if always:
+            print(line, flush=True)
+
+    emit(f"device {args.driver}: {device} {' '.join(args.runtime_flag)}", always=True)
+    emit(f"{'case':<70} {'err out':>9} {'err lse':>9} {'empty':>5}", always=True)
+    paths = sorted(path for path in glob.glob(os.path.join(HERE, "cases", "*.npz"))
+                   if args.only is None or args.only in os.path.basename(path))
+    passed = failed = 0
+    for path in paths:
+        if time.perf_counter() - started > args.max_seconds:
+            break
+        try:
+            meta, call_args = _load_case(path)
+            out, lse, seconds = _run(kernels, meta, call_args, args.repeat)
+        except Exception as error:  # noqa: BLE001 (a case that cannot run is a failure to report)
+            failed += 1
+            emit(f"{os.path.basename(path)[:70]:<70} ERROR {type(error).__name__}: {error}", always=True)
+            # A failed call can leave the device unusable (every later allocation failed on CUDA):
+            # the next case starts on a fresh device.
+            device = rt.get_driver(args.driver).create_default_device()
+            kernels = Kernels(rt, device)
             continue
-        valid = want_lse != EMPTY_ROW_LSE
-        err_out = float(np.max(np.abs(out.astype(np.float64) - want_out)[valid], initial=0.0))
-        err_lse = float(np.max(np.abs(lse.astype(np.float64) - want_lse)[valid], initial=0.0))
-        empty_ok = bool(np.all(out.astype(np.float64)[~valid] == 0) and np.all(lse[~valid] == EMPTY_ROW_LSE))
-        tol = TOLERANCE[meta["dtype"]]
-        ok = err_out <= tol and err_lse <= tol and empty_ok
-        failures += not ok
-        print(f"{meta['name'][:58]:<58} {err_out:>12.2e} {err_lse:>12.2e} {str(empty_ok):>8} {timing}"
-              f"{'' if ok else '  OUT OF TOLERANCE'}")
-    print(f"{'all cases within tolerance' if not failures else f'{failures} case(s) out of tolerance'}")
-    return 1 if failures else 0
+        if seconds is not None:
+            torch_seconds = _torch_seconds(meta, call_args, args.repeat)
+            peer = (f"; torch SDPA {torch_seconds * 1e3:.2f} ms, {meta['flops'] / torch_seconds / 1e9:.1f} GFLOP/s, "
+                    f"ratio (torch time / ours) {torch_seconds / seconds:.2f}") if torch_seconds else ""
+            emit(f"{meta['name']}: {seconds * 1e3:.2f} ms, {meta['flops'] / seconds / 1e9:.1f} GFLOP/s{peer}",
+                 always=True)
+            continue
+        err_out, err_lse, empty_ok, ok = _check(meta, call_args, out, lse)
+        passed += ok
+        failed += not ok
+        emit(f"{meta['name'][:70]:<70} {err_out:>9.2e} {err_lse:>9.2e} {str(empty_ok):>5}"
+             f"{'' if ok else '  OUT OF TOLERANCE'}", always=not ok)
+    ran = passed + failed
+    emit(f"{passed} of {ran} checked cases within tolerance ({len(paths)} cases in the bundle, "
+         f"{len(kernels.functions)} artifacts loaded last, {time.perf_counter() - started:.0f} s)", always=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

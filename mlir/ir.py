@@ -22,7 +22,7 @@ __all__ = [
     "ir", "arith_d", "func_d", "linalg_d", "math_d", "scf_d", "tensor_d",
     "DYN", "module_context", "element_type", "tensor_type", "f32", "i1", "i32", "index",
     "const_index", "const_f32", "const_i32", "dim", "affine_map", "generic", "extract_slice",
-    "insert_slice", "empty", "fill", "ceil_div", "to_index", "select", "expand", "collapse",
+    "insert_slice", "empty", "fill", "ceil_div", "storage_tiles", "to_index", "select", "expand", "collapse",
     "sizes_of", "transpose", "convert", "zero_padded", "tie_dims", "lt", "le",
 ]
 
@@ -94,6 +94,16 @@ def dim(tensor: ir.Value, axis: int) -> ir.Value:
 
 def ceil_div(a: IndexLike, b: IndexLike) -> ir.Value:
     return arith_d.ceildivsi(to_index(a), to_index(b))
+
+
+def storage_tiles(length: IndexLike, tile: int) -> ir.Value:
+    """Tiles a buffer of ``length`` rows is padded to: ceil(length / tile), but at least 1.
+
+    Loops still run ceil(length / tile) times; the spare tile only keeps a zero-length entry from
+    allocating a zero-byte buffer, which IREE 3.13's CUDA driver rejects (``hal.device.queue.alloca``
+    INVALID_ARGUMENT; the llvm-cpu driver accepts it).
+    """
+    return arith_d.maxsi(ceil_div(length, tile), const_index(1))
 
 
 def select(cond: ir.Value, a: ir.Value, b: ir.Value) -> ir.Value:

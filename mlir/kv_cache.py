@@ -28,7 +28,8 @@ from .ir import (
     le, logical_not, lt,
     DYN, arith_d, ceil_div, collapse, const_index, convert, dim, element_type, empty,
     expand, extract_slice, f32, func_d, generic, i32, index, insert_slice, ir, linalg_d,
-    module_context, on_target_device, scf_d, sizes_of, tensor_d, tensor_type, tie_dims, zero_padded,
+    module_context, on_target_device, scf_d, sizes_of, storage_tiles, tensor_d, tensor_type, tie_dims,
+    zero_padded,
     affine_map,
 )
 from .layout import group_query_rows, ungroup_rows, wait_for
@@ -44,7 +45,7 @@ class EntryKv:
     """One batch entry's KV as a loader returns it.
 
     ``keys`` [kv_pad, h_kv, d_qk] and ``values`` [kv_pad, h_kv, d_v], token-major, where
-    ``kv_pad = ceil(kv_len / kv_tile) * kv_tile``; rows at or past ``kv_len`` may hold anything
+    ``kv_pad = storage_tiles(kv_len, kv_tile) * kv_tile``; rows at or past ``kv_len`` may hold anything
     finite or not (they are zeroed before use). ``rope_offset`` is the i32 RoPE position of row 0,
     or None for variants without RoPE.
     """
@@ -161,9 +162,10 @@ def _attend_entries(
         qo_len = arith_d.subi(_index_at(q_indptr, arith_d.addi(b, const_index(1))), q_start)
         kv = load_entry(b)
         num_kv_tiles = ceil_div(kv.kv_len, spec.kv_tile)
+        stored_tiles = storage_tiles(kv.kv_len, spec.kv_tile)
         rotated_keys = _rotated_if(rope, kv.keys, kv.rope_offset)
-        keys = _kv_tiles(rotated_keys, kv.kv_len, num_kv_tiles, spec.kv_tile, keys=True)
-        values = _kv_tiles(kv.values, kv.kv_len, num_kv_tiles, spec.kv_tile, keys=False)
+        keys = _kv_tiles(rotated_keys, kv.kv_len, stored_tiles, spec.kv_tile, keys=True)
+        values = _kv_tiles(kv.values, kv.kv_len, stored_tiles, spec.kv_tile, keys=False)
         diagonal = arith_d.subi(kv.kv_len, qo_len)  # causal: col <= row + diagonal
 
         def load_kv_tile(tile_index):
@@ -246,7 +248,7 @@ def _ragged_loader(spec: RaggedPrefillSpec, k, v, kv_indptr, k_rope_pos_offset):
     def load(b: ir.Value) -> EntryKv:
         start = _index_at(kv_indptr, b)
         kv_len = arith_d.subi(_index_at(kv_indptr, arith_d.addi(b, const_index(1))), start)
-        kv_pad = arith_d.muli(ceil_div(kv_len, spec.kv_tile), const_index(spec.kv_tile))
+        kv_pad = arith_d.muli(storage_tiles(kv_len, spec.kv_tile), const_index(spec.kv_tile))
         return EntryKv(
             kv_len=kv_len,
             keys=extract_slice(k_padded, [start, 0, 0], [kv_pad, spec.h_kv, spec.d_qk]),
@@ -293,7 +295,7 @@ def _gather_rows(spec, table: _PageTable, page_values, fetch, out_shapes, elem) 
     physical position is ``(page, slot)``; every index is clamped into range, so rows past
     ``kv_len`` (whose result is zeroed later) never read out of bounds.
     """
-    kv_pad = arith_d.muli(ceil_div(table.kv_len, spec.kv_tile), const_index(spec.kv_tile))
+    kv_pad = arith_d.muli(storage_tiles(table.kv_len, spec.kv_tile), const_index(spec.kv_tile))
     outs = [empty([kv_pad, *shape], elem) for shape in out_shapes]
     rank = 1 + len(out_shapes[0])
     last_page_slot = arith_d.maxsi(arith_d.subi(dim(page_values, 0), const_index(1)), const_index(0))

@@ -21,7 +21,7 @@ from .ir import (
     le, logical_not, lt,
     DYN, arith_d, ceil_div, collapse, const_index, dim, element_type, empty, expand,
     extract_slice, f32, func_d, i32, insert_slice, ir, module_context, on_target_device, scf_d, sizes_of,
-    tensor_d, tensor_type,
+    storage_tiles, tensor_d, tensor_type,
     tie_dims, transpose, zero_padded,
 )
 from .layout import group_query_rows, pack_tile, ungroup_rows, unpack_rows, wait_for
@@ -165,8 +165,9 @@ def _emit_body(spec: SequenceSpec, tile_tokens: int, q, k, v, valid_lens=None):
     num_kv_tiles = ceil_div(lengths.kv_len, spec.kv_tile)
     padded_tokens = arith_d.muli(num_q_tiles, const_index(tile_tokens))
     q_rows = group_query_rows(q, h_kv, group, padded_tokens)
-    keys = _key_tiles(k, num_kv_tiles, spec.kv_tile)
-    values = _kv_heads_major(v, arith_d.muli(num_kv_tiles, const_index(spec.kv_tile)))
+    stored_tiles = storage_tiles(lengths.kv_len, spec.kv_tile)
+    keys = _key_tiles(k, stored_tiles, spec.kv_tile)
+    values = _kv_heads_major(v, arith_d.muli(stored_tiles, const_index(spec.kv_tile)))
 
     tile_rows = tile_tokens * group
     total_rows = arith_d.muli(padded_tokens, const_index(group))

@@ -24,7 +24,7 @@ from .kernels import open_kernel
 from .wrappers import natural_positions
 
 __all__ = ["BackendResult", "ComparisonReport", "TOLERANCE", "compare_backends", "example_inputs",
-           "reference_for"]
+           "reference_call", "reference_for"]
 
 #: Max abs error of output and lse against the float64 reference (a check threshold, inputs in [-1, 1]).
 TOLERANCE = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 3e-2}
@@ -116,20 +116,27 @@ def compare_backends(spec, args, backends=("llvm-cpu", "cuda"), *, cache: Artifa
     return ComparisonReport(spec, TOLERANCE[spec.dtype], tuple(results), pairwise)
 
 
+def reference_call(spec) -> tuple[str, dict]:
+    """The ``runtime.reference`` function that evaluates ``spec``'s seed-ABI calls and the keyword
+    arguments (plain JSON values) that carry the spec's compile-time choices to it."""
+    if isinstance(spec, SequencePrefillSpec):
+        return "batch_sequence_prefill_kv", dict(causal=spec.causal, sm_scale=spec.sm_scale)
+    if isinstance(spec, MaskedSequencePrefillSpec):
+        return "batch_sequence_prefill_kv_masked", dict(mask_mode=spec.mask_mode, sm_scale=spec.sm_scale)
+    if isinstance(spec, RaggedPrefillSpec):
+        return "batch_prefill_ragged_kv", dict(rope_scaling=dict(spec.rope_scaling))
+    if isinstance(spec, PagedPrefillSpec):
+        return "batch_prefill_paged_kv", dict(rope_scaling=dict(spec.rope_scaling),
+                                              sliding_window=spec.sliding_window)
+    if isinstance(spec, MlaPagedPrefillSpec):
+        return "batch_prefill_paged_kv_mla", dict(d_latent=spec.d_latent, sliding_window=spec.sliding_window)
+    raise TypeError(f"spec: unsupported spec type {type(spec).__name__}")
+
+
 def reference_for(spec, args) -> tuple[np.ndarray, np.ndarray]:
     """The float64 (output, lse) of the seed-ABI call ``args`` for ``spec`` (runtime.reference)."""
-    if isinstance(spec, SequencePrefillSpec):
-        return reference.batch_sequence_prefill_kv(*args, causal=spec.causal, sm_scale=spec.sm_scale)
-    if isinstance(spec, MaskedSequencePrefillSpec):
-        return reference.batch_sequence_prefill_kv_masked(*args, mask_mode=spec.mask_mode, sm_scale=spec.sm_scale)
-    if isinstance(spec, RaggedPrefillSpec):
-        return reference.batch_prefill_ragged_kv(*args, rope_scaling=dict(spec.rope_scaling))
-    if isinstance(spec, PagedPrefillSpec):
-        return reference.batch_prefill_paged_kv(*args, rope_scaling=dict(spec.rope_scaling),
-                                                sliding_window=spec.sliding_window)
-    if isinstance(spec, MlaPagedPrefillSpec):
-        return reference.batch_prefill_paged_kv_mla(*args, d_latent=spec.d_latent, sliding_window=spec.sliding_window)
-    raise TypeError(f"spec: unsupported spec type {type(spec).__name__}")
+    name, kwargs = reference_call(spec)
+    return getattr(reference, name)(*args, **kwargs)
 
 
 def _max_abs(a: np.ndarray, b: np.ndarray) -> float:

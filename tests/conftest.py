@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
+import itertools
+import os
+import pickle
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -45,6 +50,56 @@ def pytest_collection_modifyitems(config, items):
         items[:] = [item for item in items if "expensive" not in item.keywords]
 
 
+RECORD_DIR = os.environ.get("LINALG_PREFILL_RECORD_CASES")
+_RECORDED = itertools.count()
+# id(array) -> (array, how ``uniform`` drew it), kept while recording: a recorded call stores the
+# draw (PCG64 state, shape, dtype) instead of the array, so a replay bundle stays small.
+_UNIFORM_DRAWS: dict[int, tuple] = {}
+
+
+def _recorded_argument(value):
+    """A kernel argument as recorded: ("uniform", draw + sha1 of the array's bytes now) for arrays
+    drawn by ``uniform`` (the replay redraws them and keeps the draw only when the bytes match),
+    else ("value", value)."""
+    drawn = _UNIFORM_DRAWS.get(id(value))
+    if drawn is not None and drawn[0] is value:
+        return "uniform", dict(drawn[1], sha1=hashlib.sha1(value.tobytes()).hexdigest())
+    return "value", value
+
+
+@pytest.fixture(autouse=True)
+def record_backend_cases(request, monkeypatch):
+    """With ``LINALG_PREFILL_RECORD_CASES=DIR``, every llvm-cpu kernel call of a test parametrized
+    over BACKENDS is pickled into DIR as ``{test, spec, args, tolerance}`` (``args``: see
+    ``_recorded_argument``), so that
+    ``bench/gpu_bundle.py --recorded DIR`` can replay the same calls on CUDA on a GPU machine, where
+    the compiler these tests need cannot be installed. ``tolerance`` is ((atol, rtol) output,
+    (atol, rtol) lse): ROTATED_TOLERANCE for KV-cache calls with rotary_mode 1."""
+    directory = RECORD_DIR
+    callspec = getattr(request.node, "callspec", None)
+    if not directory or callspec is None or callspec.params.get("backend") != "llvm-cpu" \
+            or not hasattr(request.module, "open_kernel"):
+        return
+    os.makedirs(directory, exist_ok=True)
+    real_open_kernel = request.module.open_kernel
+
+    def recording_open_kernel(spec, *args, **kwargs):
+        kernel = real_open_kernel(spec, *args, **kwargs)
+
+        def call(*call_args):
+            rotated = hasattr(spec, "rope_scaling") and call_args[-4] == 1
+            tolerance = ROTATED_TOLERANCE[spec.dtype] if rotated else (TOLERANCE[spec.dtype], (LSE_TOLERANCE, 0.0))
+            case = dict(test=request.node.nodeid, spec=spec, args=[_recorded_argument(a) for a in call_args],
+                        tolerance=tolerance)
+            with open(os.path.join(directory, f"case-{os.getpid()}-{next(_RECORDED):05d}.pkl"), "wb") as f:
+                pickle.dump(case, f)
+            return kernel(*call_args)
+
+        return call
+
+    monkeypatch.setattr(request.module, "open_kernel", recording_open_kernel)
+
+
 @pytest.fixture(scope="session")
 def cache(tmp_path_factory) -> ArtifactCache:
     """One cache for the session: each spec compiles once however many tests use it."""
@@ -53,7 +108,11 @@ def cache(tmp_path_factory) -> ArtifactCache:
 
 def uniform(rng: np.random.Generator, shape, dtype: str) -> np.ndarray:
     """Inputs in [-1, 1) in the kernel dtype."""
-    return rng.uniform(-1.0, 1.0, size=shape).astype(NUMPY_DTYPE[dtype])
+    state = rng.bit_generator.state if RECORD_DIR else None
+    drawn = rng.uniform(-1.0, 1.0, size=shape).astype(NUMPY_DTYPE[dtype])
+    if RECORD_DIR and isinstance(rng.bit_generator, np.random.PCG64):
+        _UNIFORM_DRAWS[id(drawn)] = (drawn, dict(state=state, shape=list(np.shape(drawn)), dtype=dtype))
+    return drawn
 
 
 def assert_close(name: str, got, want, dtype: str, tolerance: tuple | None = None) -> None:

@@ -1,0 +1,63 @@
+"""The GPU check's tooling, run for the CPU: record test calls, bundle them, replay them.
+
+A GPU machine here has no registry and cannot install the compiler, so the CUDA layer of the
+numerics tests runs there as a replay: ``LINALG_PREFILL_RECORD_CASES`` records the llvm-cpu calls
+of the backend-parametrized tests (tests/conftest.py), ``bench/gpu_bundle.py`` compiles their specs
+and stores the calls, and ``bench/gpu_runner.py`` runs them against the reference it computes
+there. This test makes the same bundle for llvm-cpu and runs it with the local-task driver.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+# Two recorded tests: dense (B=3, 300 x 300 included) and ragged with RoPE on and off.
+RECORDED_TESTS = ["tests/test_sequence_prefill.py::test_sequence_prefill_float32[heads0-64-True-llvm-cpu]",
+                  "tests/test_kv_cache_prefill.py::test_ragged_half[bfloat16-llvm-cpu]"]
+
+
+def _run(command, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(command, capture_output=True, text=True, cwd=ROOT, **kwargs)
+
+
+def _runner(bundle: Path) -> subprocess.CompletedProcess:
+    return _run([sys.executable, str(bundle / "gpu_runner.py"), "--driver", "local-task", "--repeat", "1"])
+
+
+def test_recorded_calls_replay_from_a_bundle(tmp_path):
+    recorded, bundle = tmp_path / "recorded", tmp_path / "bundle"
+    env = dict(os.environ, LINALG_PREFILL_RECORD_CASES=str(recorded))
+    tests = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *RECORDED_TESTS], env=env)
+    assert tests.returncode == 0, tests.stdout[-2000:]
+    calls = len(list(recorded.glob("*.pkl")))
+    assert calls == 6 + 4, f"expected 6 dense and 4 ragged calls, recorded {calls}"
+
+    build = _run([sys.executable, "bench/gpu_bundle.py", "--backend", "llvm-cpu", "--models", "tiny.toml",
+                  "--recorded", str(recorded), "--no-wheels", "--out", str(bundle)])
+    assert build.returncode == 0, build.stderr[-2000:]
+    cases = sorted(bundle.glob("cases/*.npz"))
+    # The recorded inputs travel as PCG64 draws, not arrays: the bundle stays small.
+    assert sum(path.stat().st_size for path in cases if path.name.startswith("test-")) < 50_000
+
+    run = _runner(bundle)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    checked = len(cases) - 2  # the two bench-* cases are timed, not checked
+    assert f"{checked} of {checked} checked cases within tolerance" in run.stdout
+
+    # A case whose reference disagrees with the kernel (causal flipped) must fail the run.
+    path = next(p for p in cases if "test_sequence_prefill_float32" in p.name and "-00005-" in p.name)
+    with np.load(path) as data:
+        arrays = dict(data)
+    meta = json.loads(str(arrays.pop("meta")))
+    meta["reference"][1]["causal"] = not meta["reference"][1]["causal"]
+    np.savez_compressed(path, meta=json.dumps(meta), **arrays)
+    run = _runner(bundle)
+    assert run.returncode == 1
+    assert "OUT OF TOLERANCE" in run.stdout and f"{checked - 1} of {checked} checked" in run.stdout
