@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence, Union
 
 from .ir import (
-    affine_map, arith_d, const_f32, const_index, empty, f32, fill, generic, ir, linalg_d,
+    affine_map, arith_d, collapse, const_f32, const_index, empty, expand, f32, fill, generic, ir, linalg_d,
     math_d, on_target_device, scf_d, sizes_of,
 )
 
@@ -88,14 +88,37 @@ def _extend(value: ir.Value) -> ir.Value:
     return arith_d.extf(f32(), value)
 
 
+#: Discardable attribute on the two contraction generics (scores and probs x values). The pipeline
+#: replaces it with a target-specific tiling where it has measured one (pipeline/tuning.py).
+CONTRACTION_MARKER = "linalg_prefill.contraction"
+
+
 def _contract(lhs: ir.Value, rhs: ir.Value, init: ir.Value, lhs_dims, rhs_dims, out_dims) -> ir.Value:
-    """``init + sum_k f32(lhs) * f32(rhs)`` over 5 loops (b, h, m, x, k), k the reduction."""
-    maps = [affine_map(5, lhs_dims), affine_map(5, rhs_dims), affine_map(5, out_dims)]
+    """``init + sum_k f32(lhs) * f32(rhs)`` over loops (b, h, m, x, k), k the reduction.
+
+    With a static unit B (every variant's tiles are [1, H, ...]) the generic is built without it,
+    as loops (h, m, x, k): IREE drops unit loops anyway, and rebuilding the op would discard the
+    tiling the pipeline attaches to it.
+    """
+    if all(ir.RankedTensorType(x.type).shape[0] == 1 for x in (lhs, rhs, init)):
+        squeeze = [[0, 1], [2], [3]]
+        shape = ir.RankedTensorType(init.type).shape
+        result = _contract_generic(collapse(lhs, squeeze), collapse(rhs, squeeze), collapse(init, squeeze),
+                                   *(tuple(d - 1 for d in dims[1:]) for dims in (lhs_dims, rhs_dims, out_dims)))
+        return expand(result, squeeze, [1, *shape[1:]])
+    return _contract_generic(lhs, rhs, init, lhs_dims, rhs_dims, out_dims)
+
+
+def _contract_generic(lhs: ir.Value, rhs: ir.Value, init: ir.Value, lhs_dims, rhs_dims, out_dims) -> ir.Value:
+    loops = len(out_dims) + 1
+    maps = [affine_map(loops, lhs_dims), affine_map(loops, rhs_dims), affine_map(loops, out_dims)]
 
     def body(a, b, acc):
         return [arith_d.addf(acc, arith_d.mulf(_extend(a), _extend(b)))]
 
-    return generic([lhs, rhs], [init], maps, "ppppr", body)[0]
+    result = generic([lhs, rhs], [init], maps, "p" * (loops - 1) + "r", body)[0]
+    result.owner.attributes[CONTRACTION_MARKER] = ir.UnitAttr.get()
+    return result
 
 
 def _scores(q_tile: ir.Value, keys: ir.Value, sizes: list) -> ir.Value:

@@ -18,11 +18,9 @@ from __future__ import annotations
 from typing import Union
 
 from .ir import (
-    le, logical_not, lt,
-    DYN, arith_d, ceil_div, collapse, const_index, dim, element_type, empty, expand,
-    extract_slice, f32, func_d, i32, insert_slice, ir, module_context, on_target_device, scf_d, sizes_of,
-    storage_tiles, tensor_d, tensor_type,
-    tie_dims, transpose, zero_padded,
+    DYN, affine_map, arith_d, ceil_div, collapse, const_index, dim, element_type, empty,
+    extract_slice, f32, fill, func_d, generic, i32, insert_slice, ir, le, linalg_d, logical_not, lt, module_context,
+    on_target_device, scf_d, sizes_of, storage_tiles, tensor_d, tensor_type, tie_dims, transpose, zero_padded,
 )
 from .layout import group_query_rows, pack_tile, ungroup_rows, unpack_rows, wait_for
 from .online_softmax import KvTile, ScoreIndices, ScoreMask, online_softmax
@@ -39,11 +37,36 @@ def _kv_heads_major(x: ir.Value, padded_len: ir.Value) -> ir.Value:
 
 
 def _key_tiles(k: ir.Value, num_tiles: ir.Value, kv_tile: int) -> ir.Value:
-    """[B, L, h_kv, d] -> [B, h_kv, num_tiles, d, kv_tile]: each tile transposed and contiguous."""
-    padded = _kv_heads_major(k, arith_d.muli(num_tiles, const_index(kv_tile)))
-    batch, h_kv, d = dim(padded, 0), *[ir.RankedTensorType(padded.type).shape[i] for i in (1, 3)]
-    tiled = expand(padded, [[0], [1], [2, 3], [4]], [batch, h_kv, num_tiles, kv_tile, d])
-    return transpose(tiled, (0, 1, 2, 4, 3))
+    """[B, L, h_kv, d] -> [B, h_kv, num_tiles, d, kv_tile]: each tile transposed (k-major) and
+    contiguous, rows at or past L zero.
+
+    One generic that reads ``k`` itself (row clamped to L - 1, then zeroed), not a transpose of a
+    padded copy: IREE 3.13 folds a plain transpose into the scores contraction inside the loop,
+    which then reads keys [N, d] (n-major) and ran at 52 GFLOP/s instead of 88-97 with the tuned
+    tiling (pipeline/tuning.py), and a padded copy would cost another K of memory. With L == 0
+    there is no row to read, so the tiles are then a plain zero fill (an ``scf.if``).
+    """
+    kv_len = dim(k, 1)
+    batch, h_kv, d = dim(k, 0), *ir.RankedTensorType(k.type).shape[2:]
+    elem = ir.RankedTensorType(k.type).element_type
+    sizes = [batch, h_kv, num_tiles, d, kv_tile]
+    zero = arith_d.constant(elem, 0.0)
+    has_keys = lt(const_index(0), kv_len)
+    branch = scf_d.IfOp(has_keys, [tensor_type([DYN, h_kv, DYN, d, kv_tile], elem)], has_else=True)
+    with ir.InsertionPoint(branch.then_block):
+        last_row = arith_d.subi(kv_len, const_index(1))
+
+        def body(_out):  # loops (b, h, t, j, n): key row t * kv_tile + n, dim j
+            b, h, t, j, n = (linalg_d.IndexOp(i).result for i in range(5))
+            row = arith_d.addi(arith_d.muli(t, const_index(kv_tile)), n)
+            value = tensor_d.extract(k, [b, arith_d.minsi(row, last_row), h, j])
+            return [arith_d.select(lt(row, kv_len), value, zero)]
+
+        tiles = generic([], [empty(sizes, elem)], [affine_map(5, range(5))], "ppppp", body)[0]
+        scf_d.YieldOp([tiles])
+    with ir.InsertionPoint(branch.else_block):
+        scf_d.YieldOp([fill(zero, sizes, elem)])
+    return tie_dims(branch.results[0], sizes)
 
 
 class _Lengths:

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from ..mlir import build_module
 from .cache import ArtifactCache, atomic_write, default_cache, file_lock
 from .compiler import COMPILER_VERSION, CompileError, compile_ir
+from .tuning import tuned_ir
 from .model_config import ModelConfig
 from .targets import Target, target_for
 
@@ -124,7 +124,7 @@ def _build_one(spec, target: Target, path: Path, cache: ArtifactCache) -> tuple[
     Returns (compiled, sha256, size, seconds); ``compiled`` is True only when this call ran IREE.
     """
     start = time.perf_counter()
-    ir_text = str(build_module(spec))
+    ir_text = tuned_ir(spec, target)
     ran = []
 
     def build() -> bytes:

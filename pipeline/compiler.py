@@ -8,9 +8,9 @@ import time
 from iree.compiler import tools as iree_tools
 from iree.compiler.version import VERSION as COMPILER_VERSION  # noqa: F401 (re-exported)
 
-from ..mlir import build_module
 from .cache import ArtifactCache, default_cache
 from .targets import Target, target_for
+from .tuning import tuned_ir
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,6 @@ def compile_ir(ir_text: str, target: Target, name: str = "module") -> bytes:
 def compile(spec, backend: str | Target = "llvm-cpu", *, cache: ArtifactCache | None = None) -> bytes:  # noqa: A001
     """vmfb bytes for ``spec`` on ``backend``, compiled once and then served from the cache."""
     target = target_for(backend)
-    ir_text = str(build_module(spec))
+    ir_text = tuned_ir(spec, target)
     store = default_cache() if cache is None else cache
     return store.get_or_build(spec, target, ir_text, lambda: compile_ir(ir_text, target, spec.name))
