@@ -29,9 +29,10 @@ def test_masked_module_takes_valid_lens():
 def test_online_softmax_is_an_scf_loop_of_linalg_ops_in_log2_domain():
     text = _ir(SequencePrefillSpec(4, 4, 64, "float32", causal=False, sm_scale=0.125, kv_tile=32))
     # batch entries, their query tiles, and KV tiles inside; twice: 16-token tiles for calls of
-    # at most 16 queries (SMALL_Q_TILE), spec.q_tile ones otherwise
+    # at most 16 queries (SMALL_Q_TILE), spec.q_tile ones otherwise; per tile size one scf.if
+    # choosing the path and one building the key tiles (a zero fill when kv_len == 0)
     assert text.count("scf.for") == 6
-    assert text.count("scf.if") == 2
+    assert text.count("scf.if") == 4
     assert "math.exp2" in text and "math.log2" in text
     assert "math.exp " not in text
     assert "iree_linalg_ext" not in text
@@ -48,7 +49,7 @@ def test_causal_adds_a_diagonal_predicate_and_tile_bound():
     causal = _ir(SequencePrefillSpec(4, 4, 64, "float32", causal=True, sm_scale=1.0))
     plain = _ir(SequencePrefillSpec(4, 4, 64, "float32", causal=False, sm_scale=1.0))
     assert causal.count("arith.cmpi sle") > plain.count("arith.cmpi sle")
-    assert "arith.minsi" in causal and "arith.minsi" not in plain
+    assert causal.count("arith.minsi") > plain.count("arith.minsi")  # the causal KV tile bound
 
 
 def test_spec_name_spells_every_field_and_differs_per_field():
