@@ -20,7 +20,7 @@ from typing import Union
 from .ir import (
     DYN, affine_map, arith_d, ceil_div, collapse, const_index, dim, element_type, empty,
     extract_slice, f32, fill, func_d, generic, i32, insert_slice, ir, le, linalg_d, logical_not, lt, module_context,
-    on_target_device, scf_d, sizes_of, storage_tiles, tensor_d, tensor_type, tie_dims, transpose, zero_padded,
+    on_target_device, scf_d, sizes_of, storage_tiles, tensor_d, tensor_type, tie_dims,
 )
 from .layout import group_query_rows, pack_tile, ungroup_rows, unpack_rows, wait_for
 from .online_softmax import KvTile, ScoreIndices, ScoreMask, online_softmax
@@ -29,41 +29,40 @@ from .specs import SMALL_Q_TILE, MaskedSequencePrefillSpec, SequencePrefillSpec
 SequenceSpec = Union[SequencePrefillSpec, MaskedSequencePrefillSpec]
 
 
-def _kv_heads_major(x: ir.Value, padded_len: ir.Value) -> ir.Value:
-    """[B, L, h_kv, d] -> zero-padded [B, h_kv, padded_len, d]."""
-    xt = transpose(x, (0, 2, 1, 3))
-    shape = ir.RankedTensorType(xt.type).shape
-    return zero_padded(xt, [dim(xt, 0), shape[1], padded_len, shape[3]])
+def _kv_tiles(x: ir.Value, num_tiles: ir.Value, kv_tile: int, keys: bool) -> ir.Value:
+    """[B, L, h_kv, d] -> keys [B, h_kv, num_tiles, d, kv_tile] (each tile transposed, k-major)
+    or values [B, h_kv, num_tiles * kv_tile, d]; rows at or past L are zero.
 
-
-def _key_tiles(k: ir.Value, num_tiles: ir.Value, kv_tile: int) -> ir.Value:
-    """[B, L, h_kv, d] -> [B, h_kv, num_tiles, d, kv_tile]: each tile transposed (k-major) and
-    contiguous, rows at or past L zero.
-
-    One generic that reads ``k`` itself (row clamped to L - 1, then zeroed), not a transpose of a
-    padded copy: IREE 3.13 folds a plain transpose into the scores contraction inside the loop,
-    which then reads keys [N, d] (n-major) and ran at 52 GFLOP/s instead of 88-97 with the tuned
-    tiling (pipeline/tuning.py), and a padded copy would cost another K of memory. With L == 0
-    there is no row to read, so the tiles are then a plain zero fill (an ``scf.if``).
+    One generic that reads ``x`` itself (row clamped to L - 1, then zeroed) rather than a
+    transpose of a zero-padded copy: the copy cost another K or V of memory and ran as a slow
+    element-wise memcpy, and IREE 3.13 folds a plain key transpose into the scores contraction
+    inside the loop, which then reads keys [N, d] (n-major) at 52 GFLOP/s instead of 88-97 with
+    the tuned tiling (pipeline/tuning.py). With L == 0 there is no row to read, so the tiles are
+    then a zero fill (an ``scf.if``).
     """
-    kv_len = dim(k, 1)
-    batch, h_kv, d = dim(k, 0), *ir.RankedTensorType(k.type).shape[2:]
-    elem = ir.RankedTensorType(k.type).element_type
-    sizes = [batch, h_kv, num_tiles, d, kv_tile]
+    length = dim(x, 1)
+    batch, h_kv, d = dim(x, 0), *ir.RankedTensorType(x.type).shape[2:]
+    elem = ir.RankedTensorType(x.type).element_type
+    rows = arith_d.muli(num_tiles, const_index(kv_tile))
+    sizes = [batch, h_kv, num_tiles, d, kv_tile] if keys else [batch, h_kv, rows, d]
     zero = arith_d.constant(elem, 0.0)
-    has_keys = lt(const_index(0), kv_len)
-    branch = scf_d.IfOp(has_keys, [tensor_type([DYN, h_kv, DYN, d, kv_tile], elem)], has_else=True)
+    result_type = tensor_type([DYN if isinstance(s, ir.Value) else s for s in sizes], elem)
+    branch = scf_d.IfOp(lt(const_index(0), length), [result_type], has_else=True)
     with ir.InsertionPoint(branch.then_block):
-        last_row = arith_d.subi(kv_len, const_index(1))
+        last_row = arith_d.subi(length, const_index(1))
 
-        def body(_out):  # loops (b, h, t, j, n): key row t * kv_tile + n, dim j
-            b, h, t, j, n = (linalg_d.IndexOp(i).result for i in range(5))
-            row = arith_d.addi(arith_d.muli(t, const_index(kv_tile)), n)
-            value = tensor_d.extract(k, [b, arith_d.minsi(row, last_row), h, j])
-            return [arith_d.select(lt(row, kv_len), value, zero)]
+        def body(_out):
+            index = [linalg_d.IndexOp(i).result for i in range(len(sizes))]
+            if keys:  # loops (b, h, t, j, n): row t * kv_tile + n, dim j
+                b, h, t, j, n = index
+                row = arith_d.addi(arith_d.muli(t, const_index(kv_tile)), n)
+            else:  # loops (b, h, row, j)
+                b, h, row, j = index
+            value = tensor_d.extract(x, [b, arith_d.minsi(row, last_row), h, j])
+            return [arith_d.select(lt(row, length), value, zero)]
 
-        tiles = generic([], [empty(sizes, elem)], [affine_map(5, range(5))], "ppppp", body)[0]
-        scf_d.YieldOp([tiles])
+        loops = len(sizes)
+        scf_d.YieldOp([generic([], [empty(sizes, elem)], [affine_map(loops, range(loops))], "p" * loops, body)[0]])
     with ir.InsertionPoint(branch.else_block):
         scf_d.YieldOp([fill(zero, sizes, elem)])
     return tie_dims(branch.results[0], sizes)
@@ -189,8 +188,8 @@ def _emit_body(spec: SequenceSpec, tile_tokens: int, q, k, v, valid_lens=None):
     padded_tokens = arith_d.muli(num_q_tiles, const_index(tile_tokens))
     q_rows = group_query_rows(q, h_kv, group, padded_tokens)
     stored_tiles = storage_tiles(lengths.kv_len, spec.kv_tile)
-    keys = _key_tiles(k, stored_tiles, spec.kv_tile)
-    values = _kv_heads_major(v, arith_d.muli(stored_tiles, const_index(spec.kv_tile)))
+    keys = _kv_tiles(k, stored_tiles, spec.kv_tile, keys=True)
+    values = _kv_tiles(v, stored_tiles, spec.kv_tile, keys=False)
 
     tile_rows = tile_tokens * group
     total_rows = arith_d.muli(padded_tokens, const_index(group))
