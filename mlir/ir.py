@@ -23,7 +23,7 @@ __all__ = [
     "DYN", "module_context", "element_type", "tensor_type", "f32", "i1", "i32", "index",
     "const_index", "const_f32", "const_i32", "dim", "affine_map", "generic", "extract_slice",
     "insert_slice", "empty", "fill", "ceil_div", "storage_tiles", "to_index", "select", "expand", "collapse",
-    "sizes_of", "transpose", "convert", "zero_padded", "tie_dims", "lt", "le",
+    "sizes_of", "transpose", "convert", "zero_padded", "tie_dims", "lt", "le", "logical_not", "one_of",
 ]
 
 DYN = ir.ShapedType.get_dynamic_size()
@@ -118,6 +118,24 @@ def lt(a: ir.Value, b: ir.Value) -> ir.Value:
 def logical_not(flag: ir.Value) -> ir.Value:
     """``!flag`` for an i1."""
     return arith_d.xori(flag, arith_d.constant(ir.IntegerType.get_signless(1), 1))
+
+
+def one_of(condition: ir.Value, if_true: Callable, if_false: Callable, carried: Sequence[ir.Value],
+           tie: Callable) -> list[ir.Value]:
+    """``if_true(carried)`` when ``condition`` holds, else ``if_false(carried)``; both return values
+    typed like ``carried``, and ``tie`` states the dynamic dims of each branch's results.
+
+    Built as two ``scf.if`` ops, each with its work in the then-branch and ``carried`` passed
+    through the else-branch: IREE 3.13 miscompiled loops placed in an else-branch (wrong outputs).
+    """
+    for holds, body in ((condition, if_true), (logical_not(condition), if_false)):
+        branch = scf_d.IfOp(holds, [value.type for value in carried], has_else=True)
+        with ir.InsertionPoint(branch.then_block):
+            scf_d.YieldOp(list(body(carried)))
+        with ir.InsertionPoint(branch.else_block):
+            scf_d.YieldOp(list(carried))
+        carried = tie(branch.results)
+    return list(carried)
 
 
 def le(a: ir.Value, b: ir.Value) -> ir.Value:

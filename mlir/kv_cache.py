@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Callable, Union
 
 from .ir import (
-    le, logical_not, lt,
+    le, logical_not, lt, one_of,
     DYN, arith_d, ceil_div, collapse, const_index, convert, dim, element_type, empty,
     expand, extract_slice, f32, func_d, generic, i32, index, insert_slice, ir, linalg_d,
     module_context, on_target_device, scf_d, sizes_of, storage_tiles, tensor_d, tensor_type, tie_dims,
@@ -213,20 +213,10 @@ def _attend_entries(
             scf_d.YieldOp(all_tiles(tied(entries.inner_iter_args)))
         else:
             # A short entry (at most SMALL_Q_TILE queries, e.g. a chunk of a few tokens against a
-            # long cache) runs one small tile instead of a mostly padded q_tile. Two scf.if ops
-            # with their work in the then-branch: IREE 3.13 miscompiled loops in an else-branch
-            # (mlir/sequence.py).
+            # long cache) runs one small tile instead of a mostly padded q_tile.
             is_short = arith_d.andi(lt(const_index(0), qo_len), le(qo_len, const_index(SMALL_Q_TILE)))
-            carried = tied(entries.inner_iter_args)
-            for condition, attend in ((is_short, lambda acc: attend_tile(const_index(0), SMALL_Q_TILE, *acc)),
-                                      (logical_not(is_short), all_tiles)):
-                branch = scf_d.IfOp(condition, [v.type for v in carried], has_else=True)
-                with ir.InsertionPoint(branch.then_block):
-                    scf_d.YieldOp(attend(carried))
-                with ir.InsertionPoint(branch.else_block):
-                    scf_d.YieldOp(carried)
-                carried = tied(branch.results)
-            scf_d.YieldOp(carried)
+            scf_d.YieldOp(one_of(is_short, lambda acc: attend_tile(const_index(0), SMALL_Q_TILE, *acc), all_tiles,
+                                 tied(entries.inner_iter_args), tied))
 
     out_rows, lse_rows = tied(entries.results)
     output = ungroup_rows(out_rows, h_kv, group, total_q, padded_tokens)

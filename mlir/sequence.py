@@ -19,7 +19,7 @@ from typing import Union
 
 from .ir import (
     DYN, affine_map, arith_d, ceil_div, collapse, const_index, dim, element_type, empty,
-    extract_slice, f32, fill, func_d, generic, i32, insert_slice, ir, le, linalg_d, logical_not, lt, module_context,
+    extract_slice, f32, fill, func_d, generic, i32, insert_slice, ir, le, linalg_d, lt, module_context, one_of,
     on_target_device, scf_d, sizes_of, storage_tiles, tensor_d, tensor_type, tie_dims,
 )
 from .layout import group_query_rows, pack_tile, ungroup_rows, unpack_rows, wait_for
@@ -156,19 +156,16 @@ def _emit_sized_body(spec: SequenceSpec, q, k, v, valid_lens=None):
     if spec.q_tile <= SMALL_Q_TILE:
         return _emit_body(spec, spec.q_tile, q, k, v, valid_lens)
     sizes = [[*sizes_of(q)[:3], spec.d], sizes_of(q)[:3]]
+
+    def tied(values):
+        return [tie_dims(value, size) for value, size in zip(values, sizes)]
+
+    def body(tile_tokens):
+        return lambda _unused: tied(_emit_body(spec, tile_tokens, q, k, v, valid_lens))
+
     is_short = le(dim(q, 1), const_index(SMALL_Q_TILE))
-    # Two scf.if ops, each with its body in the then-branch: IREE 3.13 miscompiled the same body
-    # in an else-branch (wrong outputs for every length that took it).
-    results = [empty(size, ir.RankedTensorType(t).element_type) for size, t in zip(sizes, (q.type, _lse_type(q)))]
-    for condition, tile_tokens in ((is_short, SMALL_Q_TILE), (logical_not(is_short), spec.q_tile)):
-        branch = scf_d.IfOp(condition, [q.type, _lse_type(q)], has_else=True)
-        with ir.InsertionPoint(branch.then_block):
-            outputs = _emit_body(spec, tile_tokens, q, k, v, valid_lens)
-            scf_d.YieldOp([tie_dims(value, size) for value, size in zip(outputs, sizes)])
-        with ir.InsertionPoint(branch.else_block):
-            scf_d.YieldOp(results)
-        results = [tie_dims(value, size) for value, size in zip(branch.results, sizes)]
-    return results
+    placeholders = [empty(size, ir.RankedTensorType(t).element_type) for size, t in zip(sizes, (q.type, _lse_type(q)))]
+    return one_of(is_short, body(SMALL_Q_TILE), body(spec.q_tile), placeholders, tied)
 
 
 def _lse_type(q: ir.Value) -> ir.Type:
