@@ -84,26 +84,23 @@ def recorded_cases(directory: str):
     for path in sorted(glob.glob(os.path.join(directory, "*.pkl"))):
         with open(path, "rb") as f:
             case = pickle.load(f)
-        args = []
         for kind, value in case["args"]:
             if kind == "uniform" and hashlib.sha1(redraw(value).tobytes()).hexdigest() != value["sha1"]:
                 raise SystemExit(f"{path}: an argument drawn by uniform() was changed before the call")
-            args.append((kind, value))
         test = case["test"].split("::")[-1]
-        yield f"test-{os.path.basename(path)[:-4]}-{test}", case["spec"], args, case["tolerance"]
+        yield f"test-{os.path.basename(path)[:-4]}-{test}", case["spec"], case["args"], case["tolerance"]
 
 
 def save_case(path, name, spec, file, args, tolerance=None, flops=0.0) -> None:
-    """One .npz: the call's arguments (``args``: plain values, or (kind, value) pairs from
-    ``recorded_cases``), and for checked cases the reference call and tolerance.
+    """One .npz: the call's arguments (``args``: (kind, value) pairs, kind "uniform" for a
+    recorded draw, "value" otherwise), and for checked cases the reference call and tolerance.
 
     ``bench-*`` cases store only the shapes of their large float inputs (the runner draws them)
     and no reference; their index arrays are stored as they are.
     """
     bench = name.startswith("bench-")
     arrays, meta_args = {}, []
-    for i, a in enumerate(args):
-        kind, a = a if isinstance(a, tuple) and len(a) == 2 and a[0] in ("uniform", "value") else ("value", a)
+    for i, (kind, a) in enumerate(args):
         if kind == "uniform":
             meta_args.append(["uniform", a])
         elif isinstance(a, np.ndarray) and bench and a.dtype.kind == "f":
@@ -143,10 +140,12 @@ def main() -> None:
         for spec in specs_for_model(load_model_config(os.path.join(ROOT, "configs", model))):
             specs[spec.name] = spec
     example_tolerance = lambda spec: [[TOLERANCE[spec.dtype], 0.0]] * 2  # noqa: E731 (max abs error)
-    cases = [(name, spec, example_inputs(spec, rng), example_tolerance(spec), 0.0) for name, spec in specs.items()]
+    values = lambda call: [("value", a) for a in call]  # noqa: E731
+    cases = [(name, spec, values(example_inputs(spec, rng)), example_tolerance(spec), 0.0)
+             for name, spec in specs.items()]
     if args.recorded:
         cases += [(name, spec, call, tolerance, 0.0) for name, spec, call, tolerance in recorded_cases(args.recorded)]
-    cases += [(name, spec, call, None, flops) for name, spec, call, flops in bench_cases(rng)]
+    cases += [(name, spec, values(call), None, flops) for name, spec, call, flops in bench_cases(rng)]
     built = set()
     for name, spec, call, tolerance, flops in cases:
         file = os.path.join("artifacts", f"{spec.name}.vmfb")
