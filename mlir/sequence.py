@@ -6,6 +6,8 @@ once per KV head):
     q  [B, Lq, h_q, d]  -> [B, h_kv, Lq_pad * G, d]   row r holds token r // G, head h*G + r % G
     k  [B, Lk, h_kv, d] -> [B, h_kv, Lk_pad / kv_tile, d, kv_tile]  (tiles transposed, contiguous)
     v  [B, Lk, h_kv, d] -> [B, h_kv, Lk_pad, d]
+    output [B, Lq_pad, h_q, d] and lse [B, Lq_pad, h_q]: each query tile is written back in token
+    order as soon as it is done (layout.write_tile); the padding is sliced off at the end.
 
 An outer ``scf.for`` walks query tiles of ``q_tile`` tokens; for each, the online-softmax
 emitter walks KV tiles of ``kv_tile`` columns. With a causal mask the KV loop stops at the last
@@ -19,10 +21,10 @@ from typing import Union
 
 from .ir import (
     DYN, affine_map, arith_d, ceil_div, collapse, const_index, dim, element_type, empty,
-    extract_slice, f32, fill, func_d, generic, i32, insert_slice, ir, le, linalg_d, lt, module_context, one_of,
+    extract_slice, f32, fill, func_d, generic, i32, ir, le, linalg_d, lt, module_context, one_of,
     on_target_device, scf_d, sizes_of, storage_tiles, tensor_d, tensor_type, tie_dims,
 )
-from .layout import group_query_rows, pack_tile, ungroup_rows, unpack_rows, wait_for
+from .layout import group_query_rows, wait_for, write_tile
 from .online_softmax import KvTile, ScoreIndices, ScoreMask, online_softmax
 from .specs import SMALL_Q_TILE, MaskedSequencePrefillSpec, SequencePrefillSpec
 
@@ -189,14 +191,17 @@ def _emit_body(spec: SequenceSpec, tile_tokens: int, q, k, v, valid_lens=None):
     values = _kv_tiles(v, stored_tiles, spec.kv_tile, keys=False)
 
     tile_rows = tile_tokens * group
-    total_rows = arith_d.muli(padded_tokens, const_index(group))
-    packed_sizes = [batch, h_kv, total_rows, d + 1]  # output columns, then lse (pack_tile)
+    out_sizes = [batch, padded_tokens, spec.h_q, d]
+    lse_sizes = [batch, padded_tokens, spec.h_q]
 
-    def tied(values):
-        return [tie_dims(value, packed_sizes) for value in values]
+    def tied(pair):
+        return [tie_dims(pair[0], out_sizes), tie_dims(pair[1], lse_sizes)]
 
-    packed = on_target_device(empty(packed_sizes, f32()), packed_sizes)
-    entries = scf_d.ForOp(const_index(0), batch, const_index(1), [packed])
+    # The loops carry the outputs in token order, padded to whole query tiles; each tile is
+    # written in place (the initial values went through on_target_device) and the final slice
+    # drops the padding (see layout.write_tile for why the padding is needed).
+    results = [on_target_device(empty(out_sizes, dt), out_sizes), on_target_device(empty(lse_sizes, f32()), lse_sizes)]
+    entries = scf_d.ForOp(const_index(0), batch, const_index(1), results)
     with ir.InsertionPoint(entries.body):
         b = entries.induction_variable
         valid_len = None
@@ -211,11 +216,9 @@ def _emit_body(spec: SequenceSpec, tile_tokens: int, q, k, v, valid_lens=None):
                 values=extract_slice(values, [b, 0, start, 0], [1, h_kv, spec.kv_tile, d]),
             )
 
-        # The query-tile loop writes straight into the batch's packed buffer: its initial value
-        # went through on_target_device, so IREE updates it in place.
         q_tiles = scf_d.ForOp(const_index(0), num_q_tiles, const_index(1), tied(entries.inner_iter_args))
         with ir.InsertionPoint(q_tiles.body):
-            (rows_acc,) = tied(q_tiles.inner_iter_args)
+            out_acc, lse_acc = tied(q_tiles.inner_iter_args)
             first_token = arith_d.muli(q_tiles.induction_variable, const_index(tile_tokens))
             first_row = arith_d.muli(first_token, const_index(group))
             q_tile = extract_slice(q_rows, [b, 0, first_row, 0], [1, h_kv, tile_rows, d])
@@ -232,10 +235,11 @@ def _emit_body(spec: SequenceSpec, tile_tokens: int, q, k, v, valid_lens=None):
                 mask=mask,
                 sm_scale=spec.sm_scale,
             )
-            first_row = arith_d.addi(first_row, wait_for(result.lse))
-            rows_acc = insert_slice(pack_tile(result.output, result.lse), rows_acc, [b, 0, first_row, 0],
-                                    [1, h_kv, tile_rows, d + 1])
-            scf_d.YieldOp([rows_acc])
+            first_token = arith_d.addi(first_token, wait_for(result.lse))
+            out_acc = write_tile(result.output, out_acc, b, first_token, group)
+            lse_acc = write_tile(result.lse, lse_acc, b, first_token, group)
+            scf_d.YieldOp([out_acc, lse_acc])
         scf_d.YieldOp(tied(q_tiles.results))
-    out_rows, lse_rows = unpack_rows(tied(entries.results)[0], packed_sizes, dt)
-    return [ungroup_rows(rows, h_kv, group, lengths.q_len, padded_tokens) for rows in (out_rows, lse_rows)]
+    out, lse = tied(entries.results)
+    return [extract_slice(out, [0, 0, 0, 0], [batch, lengths.q_len, spec.h_q, d]),
+            extract_slice(lse, [0, 0, 0], [batch, lengths.q_len, spec.h_q])]

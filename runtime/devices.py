@@ -8,11 +8,19 @@ import iree.runtime as rt
 
 DEFAULT_CPU_DRIVER = "local-task"
 
+#: CPU devices get IREE's caching allocator: a kernel's transient buffers (score tiles, padded
+#: outputs) are then reused from call to call instead of coming fresh from the system allocator,
+#: whose large blocks are new mmap'ed pages that fault in on first touch. Measured on the dense
+#: f32 L=2048 kernel (iree-benchmark-module, 2 threads): 589 -> 545 ms with --device_allocator=caching.
+CPU_ALLOCATORS = ["caching"]
+
 
 @functools.cache
 def get_device(driver: str) -> rt.HalDevice:
     """A process-wide device for ``driver`` ("local-task", "local-sync", "cuda", "cuda://0")."""
     try:
+        if driver.startswith("local-"):
+            return rt.get_driver(driver).create_default_device(allocators=CPU_ALLOCATORS)
         return rt.get_device(driver)
     except (RuntimeError, ValueError) as err:
         raise RuntimeError(f"cannot create IREE device {driver!r}: {err}") from None
