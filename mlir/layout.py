@@ -4,15 +4,14 @@ A KV head's G = h_q // h_kv query heads are folded into its rows, token-major an
 so one K/V tile serves the whole group:
 
     q    [B, L, h_q, d]  ->  [B, h_kv, L_pad * G, d]    row r: token r // G, head h * G + r % G
-    rows [B, h_kv, L_pad * G, ...]  ->  [B, L, h_q, ...]  (the inverse, padding dropped)
-
-``write_tile`` does the inverse for one query tile at a time, straight into a token-order output.
+    tile [1, h_kv, T * G, ...]      ->  out[b, t0 : t0 + T] of [B, L_pad, h_q, ...]  (the inverse,
+                                        one query tile at a time, into a token-order output)
 """
 
 from __future__ import annotations
 
 from .ir import (
-    IndexLike, affine_map, arith_d, collapse, const_f32, const_index, empty, expand, extract_slice, f32, fill,
+    IndexLike, affine_map, arith_d, collapse, const_f32, const_index, empty, expand, f32, fill,
     generic, insert_slice, ir, sizes_of, tensor_d, transpose, zero_padded,
 )
 from .online_softmax import EMPTY_ROW_LSE
@@ -25,23 +24,6 @@ def group_query_rows(q: ir.Value, h_kv: int, group: int, padded_len: ir.Value) -
     qt = transpose(q5, (0, 2, 1, 3, 4))
     padded = zero_padded(qt, [batch, h_kv, padded_len, group, d])
     return collapse(padded, [[0], [1], [2, 3], [4]])
-
-
-def ungroup_rows(rows: ir.Value, h_kv: int, group: int, length: ir.Value, padded_tokens: ir.Value) -> ir.Value:
-    """[B, h_kv, padded_tokens * G, ...] -> [B, length, h_q, ...]: the inverse of the query layout.
-
-    ``padded_tokens`` is passed in rather than read back with ``tensor.dim``: ``rows`` is usually
-    the result of a loop, and IREE cannot resolve the dynamic dims of loop results.
-    """
-    shape = ir.RankedTensorType(rows.type).shape
-    batch = sizes_of(rows)[0]
-    tail = list(shape[3:])
-    r5 = expand(rows, [[0], [1], [2, 3], *[[4 + i] for i in range(len(tail))]],
-                [batch, h_kv, padded_tokens, group, *tail])
-    valid = extract_slice(r5, [0] * (4 + len(tail)), [batch, h_kv, length, group, *tail])
-    perm = (0, 2, 1, 3, *range(4, 4 + len(tail)))
-    back = transpose(valid, perm)
-    return collapse(back, [[0], [1], [2, 3], *[[4 + i] for i in range(len(tail))]])
 
 
 def write_tile(rows: ir.Value, dest: ir.Value, entry: IndexLike, first_token: ir.Value, group: int) -> ir.Value:
