@@ -8,7 +8,7 @@ tokens cost: no entry is padded to the longest one. Per entry:
 1. its KV rows are loaded token-major, ``[kv_pad, h_kv, d]`` with ``kv_pad`` its length rounded up
    to the KV tile: a slice for ragged KV, a gather through the page table for paged KV and MLA;
 2. keys get RoPE at ``k_rope_pos_offset[b] + row`` when ``rotary_mode == 1`` (never values);
-3. rows past the entry's length are zeroed and K/V are laid out in KV tiles
+3. rows past the entry's length are zeroed and K/V are laid out in KV tiles, widened to f32
    (keys ``[1, h_kv, T, d_qk, kv_tile]``, values ``[1, h_kv, T * kv_tile, d_v]``);
 4. each query tile of ``q_tile`` tokens (GQA group folded into rows) runs the online-softmax
    emitter over the entry's KV tiles, stopping at the causal diagonal when ``causal == 1``.
@@ -26,10 +26,9 @@ from typing import Callable, Union
 
 from .ir import (
     le, logical_not, lt, one_of,
-    DYN, arith_d, ceil_div, collapse, const_index, dim, element_type, empty,
+    DYN, arith_d, ceil_div, collapse, const_index, convert, dim, element_type, empty, fill,
     expand, extract_slice, f32, func_d, generic, i32, index, ir, linalg_d,
     module_context, on_target_device, scf_d, sizes_of, storage_tiles, tensor_d, tensor_type, tie_dims,
-    zero_padded,
     affine_map,
 )
 from .layout import group_query_rows, wait_for, write_tile
@@ -91,14 +90,15 @@ def _rotated_if(rope: RopeArgs | None, x: ir.Value, positions: ir.Value) -> ir.V
 
 
 def _kv_tiles(x: ir.Value, kv_len: ir.Value, num_tiles: ir.Value, kv_tile: int, keys: bool) -> ir.Value:
-    """Token-major [T * kv_tile, h, d] -> keys [1, h, T, d, kv_tile] or values [1, h, T * kv_tile, d].
+    """Token-major [T * kv_tile, h, d] -> keys [1, h, T, d, kv_tile] or values [1, h, T * kv_tile, d],
+    widened to f32 (see sequence.py: ``_kv_tiles``).
 
     Rows at or past ``kv_len`` become 0, so nothing another entry (or NaN padding) left there can
     reach this entry's result: a masked key weighs 0, and 0 * NaN would still be NaN.
     """
     h, d = ir.RankedTensorType(x.type).shape[1:]
     tiled = expand(x, [[0, 1], [2], [3]], [num_tiles, kv_tile, h, d])
-    elem = ir.RankedTensorType(x.type).element_type
+    elem = f32()
     zero = arith_d.constant(elem, 0.0)
     if keys:  # loops (h, t, j, n)
         out = empty([h, num_tiles, d, kv_tile], elem)
@@ -110,6 +110,8 @@ def _kv_tiles(x: ir.Value, kv_len: ir.Value, num_tiles: ir.Value, kv_tile: int, 
     def body(value, _out):
         tile = linalg_d.IndexOp(1).result
         col = arith_d.addi(arith_d.muli(tile, const_index(kv_tile)), linalg_d.IndexOp(col_dim).result)
+        if value.type != elem:
+            value = arith_d.extf(elem, value)
         return [arith_d.select(lt(col, kv_len), value, zero)]
 
     result = generic([tiled], [out], [source_map, affine_map(4, range(4))], "pppp", body)[0]
@@ -137,7 +139,7 @@ def _attend_entries(
     total_q = dim(q, 0)
     padded_tokens = arith_d.addi(total_q, const_index(spec.q_tile))
     q4 = expand(q, [[0, 1], [2], [3]], [1, total_q, spec.h_q, d_qk])
-    q_rows = group_query_rows(q4, h_kv, group, padded_tokens)
+    q_rows = convert(group_query_rows(q4, h_kv, group, padded_tokens), f32())
     out_rows = empty([1, padded_tokens, spec.h_q, d_v], dt)
     lse_rows = empty([1, padded_tokens, spec.h_q], f32())
     causal_on = _is_one(causal)
@@ -223,16 +225,39 @@ def _attend_entries(
     return [collapse(output, [[0, 1], [2], [3]]), collapse(lse, [[0, 1], [2]])]
 
 
-def _padded_rows(x: ir.Value, extra: int) -> ir.Value:
-    """[N, ...] -> [N + extra, ...] with zero rows appended, so a slice may run ``extra`` past N."""
-    shape = ir.RankedTensorType(x.type).shape
-    return zero_padded(x, [arith_d.addi(dim(x, 0), const_index(extra)), *shape[1:]])
+def _with_a_row(x: ir.Value) -> ir.Value:
+    """``x`` [N, ...], or one zero row in its place when N == 0, so that a row index clamped into
+    [0, rows - 1] always reads inside it. No copy when N > 0."""
+    sizes = sizes_of(x)
+    branch = scf_d.IfOp(lt(sizes[0], const_index(1)), [x.type], has_else=True)
+    with ir.InsertionPoint(branch.then_block):
+        elem = ir.RankedTensorType(x.type).element_type
+        scf_d.YieldOp([fill(arith_d.constant(elem, 0.0), [const_index(1), *sizes[1:]], elem)])
+    with ir.InsertionPoint(branch.else_block):
+        scf_d.YieldOp([x])
+    return tie_dims(branch.results[0], [arith_d.maxsi(sizes[0], const_index(1)), *sizes[1:]])
+
+
+def _entry_rows(x: ir.Value, start: ir.Value, rows: ir.Value) -> ir.Value:
+    """Rows [start, start + rows) of ``x`` [N, ...] (N >= 1), each index clamped into [0, N - 1]: the
+    rows past the entry read its neighbour's (or the last) rows, never out of bounds, and the
+    caller zeroes them. One gather generic: before, K and V were each zero-padded (a fill and a
+    copy of the whole tensor) and then sliced (a second copy per entry)."""
+    sizes = sizes_of(x)
+    last = arith_d.subi(sizes[0], const_index(1))
+    rank = len(sizes)
+
+    def body(_out):
+        row = arith_d.minsi(arith_d.addi(start, linalg_d.IndexOp(0).result), last)
+        return [tensor_d.extract(x, [row, *[linalg_d.IndexOp(i).result for i in range(1, rank)]])]
+
+    out = empty([rows, *sizes[1:]], ir.RankedTensorType(x.type).element_type)
+    return generic([], [out], [affine_map(rank, range(rank))], "p" * rank, body)[0]
 
 
 def _ragged_loader(spec: RaggedPrefillSpec, k, v, kv_indptr, k_rope_pos_offset):
-    """Entry b's KV is rows [kv_indptr[b], kv_indptr[b + 1]) of k and v: a slice, no gather."""
-    k_padded = _padded_rows(k, spec.kv_tile)
-    v_padded = _padded_rows(v, spec.kv_tile)
+    """Entry b's KV is rows [kv_indptr[b], kv_indptr[b + 1]) of k and v."""
+    k_rows, v_rows = _with_a_row(k), _with_a_row(v)
 
     def load(b: ir.Value) -> EntryKv:
         start = _index_at(kv_indptr, b)
@@ -240,8 +265,8 @@ def _ragged_loader(spec: RaggedPrefillSpec, k, v, kv_indptr, k_rope_pos_offset):
         kv_pad = arith_d.muli(storage_tiles(kv_len, spec.kv_tile), const_index(spec.kv_tile))
         return EntryKv(
             kv_len=kv_len,
-            keys=extract_slice(k_padded, [start, 0, 0], [kv_pad, spec.h_kv, spec.d_qk]),
-            values=extract_slice(v_padded, [start, 0, 0], [kv_pad, spec.h_kv, spec.d_v]),
+            keys=_entry_rows(k_rows, start, kv_pad),
+            values=_entry_rows(v_rows, start, kv_pad),
             rope_offset=tensor_d.extract(k_rope_pos_offset, [b]),
         )
 

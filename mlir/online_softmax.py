@@ -5,9 +5,9 @@ an ``scf.for`` over KV tiles that carries the running max, running sum and accum
 domain, float32), then normalises. Shapes (B = batch or work items, H = KV heads, M = query rows
 of the tile with the GQA group folded in, N = KV columns of one tile):
 
-    q_tile      [B, H, M, d_qk]   dtype
-    keys        [B, H, d_qk, N]   dtype   (from the loader, one KV tile, transposed)
-    values      [B, H, N, d_v]    dtype
+    q_tile      [B, H, M, d_qk]   dtype or f32 (the dense and KV-cache variants widen to f32 first)
+    keys        [B, H, d_qk, N]   same    (from the loader, one KV tile, transposed)
+    values      [B, H, N, d_v]    same
     scores      [B, H, M, N]      f32     s = sm_scale * log2(e) * q.k, masked -> -inf
     row_max     [B, H, M]         f32     starts at NO_KEY_MAX (finite, so exp2 never sees inf-inf)
     row_sum     [B, H, M]         f32     sum of 2^(s - row_max) over valid keys

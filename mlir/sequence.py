@@ -3,9 +3,9 @@
 Layout inside the kernel (G = h_q // h_kv folded into the query rows, so each K/V tile is loaded
 once per KV head):
 
-    q  [B, Lq, h_q, d]  -> [B, h_kv, Lq_pad * G, d]   row r holds token r // G, head h*G + r % G
-    k  [B, Lk, h_kv, d] -> [B, h_kv, Lk_pad / kv_tile, d, kv_tile]  (tiles transposed, contiguous)
-    v  [B, Lk, h_kv, d] -> [B, h_kv, Lk_pad, d]
+    q  [B, Lq, h_q, d]  -> [B, h_kv, Lq_pad * G, d] f32  row r holds token r // G, head h*G + r % G
+    k  [B, Lk, h_kv, d] -> [B, h_kv, Lk_pad / kv_tile, d, kv_tile] f32  (tiles transposed, contiguous)
+    v  [B, Lk, h_kv, d] -> [B, h_kv, Lk_pad, d] f32
     output [B, Lq_pad, h_q, d] and lse [B, Lq_pad, h_q]: each query tile is written back in token
     order as soon as it is done (layout.write_tile); the padding is sliced off at the end.
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Union
 
 from .ir import (
-    DYN, affine_map, arith_d, ceil_div, collapse, const_index, dim, element_type, empty,
+    DYN, affine_map, arith_d, ceil_div, collapse, const_index, convert, dim, element_type, empty,
     extract_slice, f32, fill, func_d, generic, i32, ir, le, linalg_d, lt, module_context, one_of,
     on_target_device, scf_d, sizes_of, storage_tiles, tensor_d, tensor_type, tie_dims,
 )
@@ -32,7 +32,7 @@ SequenceSpec = Union[SequencePrefillSpec, MaskedSequencePrefillSpec]
 
 
 def _kv_tiles(x: ir.Value, num_tiles: ir.Value, kv_tile: int, keys: bool) -> ir.Value:
-    """[B, L, h_kv, d] -> keys [B, h_kv, num_tiles, d, kv_tile] (each tile transposed, k-major)
+    """[B, L, h_kv, d] -> f32 keys [B, h_kv, num_tiles, d, kv_tile] (each tile transposed, k-major)
     or values [B, h_kv, num_tiles * kv_tile, d]; rows at or past L are zero.
 
     One generic that reads ``x`` itself (row clamped to L - 1, then zeroed) rather than a
@@ -41,10 +41,15 @@ def _kv_tiles(x: ir.Value, num_tiles: ir.Value, kv_tile: int, keys: bool) -> ir.
     inside the loop, which then reads keys [N, d] (n-major) at 52 GFLOP/s instead of 88-97 with
     the tuned tiling (pipeline/tuning.py). With L == 0 there is no row to read, so the tiles are
     then a zero fill (an ``scf.if``).
+
+    The tiles (and the query rows) are f32 whatever the input dtype: the contractions then run
+    the f32 code the tuning was measured on instead of widening f16/bf16 in their inner loop,
+    once per use (iree-benchmark-module, dense causal L=2048: bf16 680-727 -> 594-607 ms, f16
+    820-882 -> 580-606 ms). It costs K and V once more in f32, O(L), never O(L^2).
     """
     length = dim(x, 1)
     batch, h_kv, d = dim(x, 0), *ir.RankedTensorType(x.type).shape[2:]
-    elem = ir.RankedTensorType(x.type).element_type
+    elem = f32()
     rows = arith_d.muli(num_tiles, const_index(kv_tile))
     sizes = [batch, h_kv, num_tiles, d, kv_tile] if keys else [batch, h_kv, rows, d]
     zero = arith_d.constant(elem, 0.0)
@@ -61,6 +66,8 @@ def _kv_tiles(x: ir.Value, num_tiles: ir.Value, kv_tile: int, keys: bool) -> ir.
             else:  # loops (b, h, row, j)
                 b, h, row, j = index
             value = tensor_d.extract(x, [b, arith_d.minsi(row, last_row), h, j])
+            if value.type != elem:
+                value = arith_d.extf(elem, value)
             return [arith_d.select(lt(row, length), value, zero)]
 
         loops = len(sizes)
@@ -185,7 +192,7 @@ def _emit_body(spec: SequenceSpec, tile_tokens: int, q, k, v, valid_lens=None):
     num_q_tiles = ceil_div(lengths.q_len, tile_tokens)
     num_kv_tiles = ceil_div(lengths.kv_len, spec.kv_tile)
     padded_tokens = arith_d.muli(num_q_tiles, const_index(tile_tokens))
-    q_rows = group_query_rows(q, h_kv, group, padded_tokens)
+    q_rows = convert(group_query_rows(q, h_kv, group, padded_tokens), f32())
     stored_tiles = storage_tiles(lengths.kv_len, spec.kv_tile)
     keys = _kv_tiles(k, stored_tiles, spec.kv_tile, keys=True)
     values = _kv_tiles(v, stored_tiles, spec.kv_tile, keys=False)

@@ -12,7 +12,9 @@ DEFAULT_CPU_DRIVER = "local-task"
 #: outputs) are then reused from call to call instead of coming fresh from the system allocator,
 #: whose large blocks are new mmap'ed pages that fault in on first touch. Measured on the dense
 #: f32 L=2048 kernel (iree-benchmark-module, 2 threads): 589 -> 545 ms with --device_allocator=caching.
-CPU_ALLOCATORS = ["caching"]
+#: Bounded (at most 512 MiB and 64 free buffers kept; larger requests go straight through): the
+#: unbounded form keeps every size a process ever allocated, which varying shapes would grow.
+CPU_ALLOCATORS = ["caching:device_local=*;512mib;64"]
 
 
 @functools.cache
