@@ -13,19 +13,21 @@ from dataclasses import dataclass
 
 DTYPES = ("float32", "float16", "bfloat16")
 
-# Default tiles, measured on llvm-cpu (2-core AMD EPYC, znver3) for B=1, h_q=32, h_kv=8, d=128
-# causal f32, query tokens x KV columns -> ms (bench-style best of 2, after the static-tile and
-# packed-state changes): L=512: 64x128 78, 128x128 79, 128x256 99; L=2048: 64x128 936-1008,
-# 128x128 892-921, 128x256 954-1038; L=4096: 64x128 6194, 128x128 4819, 256x128 4648, 128x256 4499.
-# Bigger query tiles read K/V fewer times, which matters once K/V outgrow the cache (L=4096).
-# The KV-cache variants keep 64-token query tiles: their entries are often short, and a query
-# tile of a short entry is mostly padding. A score tile is [1, h_kv, q_tile * G, kv_tile] f32.
-DEFAULT_Q_TILE = 128
+# Dense tiles, measured on llvm-cpu (2-core AMD EPYC, znver3) for B=1, h_q=32, h_kv=8, d=128
+# causal f32, query tokens x KV columns -> ms (iree-benchmark-module, median of 3, two rounds,
+# after the f32 tiles and token-order output): L=512: 128x128 60-75, 256x256 64-69;
+# L=2048: 128x128 668-686, 256x128 649-764, 128x256 623-690, 256x256 581-610;
+# L=8192: 128x128 9477-10600, 128x256 8693-9138, 256x256 7980-8025.
+# Bigger tiles read K/V and the query tile fewer times, which matters once they outgrow the cache.
+# The KV-cache variants keep 64 x 128 tiles: their entries are often short, and a tile of a short
+# entry is mostly padding. A score tile is [1, h_kv, q_tile * G, kv_tile] f32.
+DENSE_Q_TILE = 256
+DENSE_KV_TILE = 256
 # Query tile of a call (dense) or entry (KV cache) with at most this many query tokens: a 16-token
 # chunk against 256 cached tokens padded to a 128-token tile computed 8x the needed work.
 SMALL_Q_TILE = 16
 KV_CACHE_Q_TILE = 64
-DEFAULT_KV_TILE = 128
+KV_CACHE_KV_TILE = 128
 MASK_MODES = ("padded", "causal_padded_left")
 
 
@@ -83,8 +85,8 @@ class SequencePrefillSpec(_SpecBase):
     dtype: str
     causal: bool
     sm_scale: float
-    q_tile: int = DEFAULT_Q_TILE
-    kv_tile: int = DEFAULT_KV_TILE
+    q_tile: int = DENSE_Q_TILE
+    kv_tile: int = DENSE_KV_TILE
 
     symbol = "batch_sequence_prefill_kv"
 
@@ -117,8 +119,8 @@ class MaskedSequencePrefillSpec(_SpecBase):
     dtype: str
     mask_mode: str
     sm_scale: float
-    q_tile: int = DEFAULT_Q_TILE
-    kv_tile: int = DEFAULT_KV_TILE
+    q_tile: int = DENSE_Q_TILE
+    kv_tile: int = DENSE_KV_TILE
 
     symbol = "batch_sequence_prefill_kv_masked"
 
@@ -202,7 +204,7 @@ class RaggedPrefillSpec(_SpecBase):
     dtype: str
     rope_scaling: tuple = ()
     q_tile: int = KV_CACHE_Q_TILE
-    kv_tile: int = DEFAULT_KV_TILE
+    kv_tile: int = KV_CACHE_KV_TILE
 
     symbol = "batch_prefill_ragged_kv"
 
@@ -237,7 +239,7 @@ class PagedPrefillSpec(_SpecBase):
     rope_scaling: tuple = ()
     sliding_window: bool = False
     q_tile: int = KV_CACHE_Q_TILE
-    kv_tile: int = DEFAULT_KV_TILE
+    kv_tile: int = KV_CACHE_KV_TILE
 
     def __post_init__(self):
         object.__setattr__(self, "rope_scaling", freeze_rope_scaling(self.rope_scaling))
@@ -273,7 +275,7 @@ class MlaPagedPrefillSpec(_SpecBase):
     page_size: int = 16
     sliding_window: bool = False
     q_tile: int = 16
-    kv_tile: int = DEFAULT_KV_TILE
+    kv_tile: int = KV_CACHE_KV_TILE
 
     def __post_init__(self):
         _check_positive(h_q=self.h_q, d_latent=self.d_latent, page_size=self.page_size)
