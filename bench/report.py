@@ -3,7 +3,7 @@
     .venv/bin/python bench/report.py [--lengths 512,2048,8192] [--dtypes float32,bfloat16,float16]
                                      [--tvm] [--out build/bench-report]
 
-Every figure is ours and the peer's from the same process (torch on 2 threads, interleaved):
+Every figure is ours and the peer's from the same process (torch on 2 threads; ours and the peer's calls interleaved):
 
 * dense causal prefill, B=1, h_q=32, h_kv=8, d=128, per dtype and length, vs torch SDPA;
 * IREE's fused ``iree_linalg_ext.attention`` against our decomposition (non-causal f32, L=1024);
@@ -32,7 +32,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 
 from linalg_prefill.mlir import PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec  # noqa: E402
-from linalg_prefill.pipeline.bench import best_time  # noqa: E402
+from linalg_prefill.pipeline.bench import best_time, best_times  # noqa: E402
 from linalg_prefill.runtime import open_kernel  # noqa: E402
 from linalg_prefill.runtime.checks import NUMPY_DTYPES  # noqa: E402
 
@@ -75,10 +75,10 @@ def dense_rows(lengths, dtypes, rng) -> list[dict]:
         for length in lengths:
             q, k, v = (rng.uniform(-1, 1, (1, length, h, D)).astype(NUMPY_DTYPES[dtype]) for h in (H_Q, H_KV, H_KV))
             tq, tk, tv = (to_torch(x, dtype) for x in (q, k, v))
-            repeat = 1 if length >= 8192 else 3
-            ours = best_time(lambda: kernel(q, k, v), repeat)
-            peer = best_time(lambda: F.scaled_dot_product_attention(tq, tk, tv, is_causal=True, enable_gqa=True),
-                             repeat)
+            repeat = 2 if length >= 8192 else 5
+            ours, peer = best_times([lambda: kernel(q, k, v),
+                                     lambda: F.scaled_dot_product_attention(tq, tk, tv, is_causal=True, enable_gqa=True)],
+                                    repeat)
             rows.append(row("dense", "causal prefill", dtype, length, ours, "torch SDPA", peer,
                             pair_flops(causal_pairs(length, length))))
             print(format_row(rows[-1]), flush=True)
@@ -105,8 +105,8 @@ def small_prefill_row(rng, q_len: int = 16, kv_len: int = 256) -> dict:
             np.arange(kv_len - q_len, kv_len, dtype=np.int32), np.zeros(1, np.int32), 1, 0, 1.0, 1e4, D ** -0.5)
     tq, tk, tv = (to_torch(x, "float32") for x in (q, k, v))
     mask = torch.ones(q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len)
-    ours = best_time(lambda: kernel(*args), 20)
-    peer = best_time(lambda: F.scaled_dot_product_attention(tq, tk, tv, attn_mask=mask, enable_gqa=True), 20)
+    ours, peer = best_times([lambda: kernel(*args),
+                             lambda: F.scaled_dot_product_attention(tq, tk, tv, attn_mask=mask, enable_gqa=True)], 30)
     return row("small", f"{q_len} new tokens vs {kv_len} cached", "float32", q_len, ours, "torch SDPA", peer,
                pair_flops(causal_pairs(q_len, kv_len)))
 
@@ -123,14 +123,13 @@ def batch_rows(rng, lengths=(37, 512, 1024, 96, 2048, 5), dense_length: int = 10
     dense = open_kernel(SequencePrefillSpec(H_Q, H_KV, D, "float32", causal=True, sm_scale=D ** -0.5))
     dq, dk, dv = (rng.uniform(-1, 1, (1, dense_length, h, D)).astype(np.float32) for h in (H_Q, H_KV, H_KV))
     flops = pair_flops(sum(causal_pairs(n, n) for n in lengths))
-    dense_s = best_time(lambda: dense(dq, dk, dv), 3)
+    calls = [lambda: dense(dq, dk, dv), torch_loop(q, k, v, indptr),
+             lambda: ragged(q, indptr, k, v, indptr, zeros_q, zeros_b, *scalars),
+             lambda: paged(q, indptr, pages, page_indptr, page_values, last, zeros_b, zeros_q, *scalars)]
+    dense_s, peer_s, *batch_s = best_times(calls, 3)
     dense_rate = pair_flops(causal_pairs(dense_length, dense_length)) / dense_s
-    peer_s = best_time(torch_loop(q, k, v, indptr), 3)
     rows = []
-    for name, call in (("ragged batch", lambda: ragged(q, indptr, k, v, indptr, zeros_q, zeros_b, *scalars)),
-                       ("paged batch", lambda: paged(q, indptr, pages, page_indptr, page_values, last, zeros_b,
-                                                     zeros_q, *scalars))):
-        ours = best_time(call, 3)
+    for name, ours in zip(("ragged batch", "paged batch"), batch_s):
         rows.append(row("batch", name, "float32", int(q.shape[0]), ours, "torch SDPA loop", peer_s, flops))
         rows[-1]["vs_dense"] = flops / ours / dense_rate
     return rows

@@ -69,6 +69,21 @@ def best_time(fn, repeat: int) -> float:
     return min(times)
 
 
+def best_times(fns, repeat: int) -> list[float]:
+    """Seconds of the fastest of ``repeat`` calls of each of ``fns``, calls interleaved (one of
+    each per round, after one warm-up call each), so that a slow phase of a noisy machine hits
+    every contender rather than whichever ran during it."""
+    for fn in fns:
+        fn()
+    times = [[] for _ in fns]
+    for _ in range(repeat):
+        for fn, spent in zip(fns, times):
+            start = time.perf_counter()
+            fn()
+            spent.append(time.perf_counter() - start)
+    return [min(spent) for spent in times]
+
+
 def torch_sdpa(spec, batch: int, tokens: int, rng: np.random.Generator):
     """A callable running torch SDPA on the variant's attention (None without torch)."""
     try:
