@@ -213,6 +213,7 @@ def online_softmax(
     load_kv_tile: Callable[[ir.Value], KvTile],
     mask: ScoreMask,
     sm_scale: Union[float, ir.Value],
+    unmasked_tiles: ir.Value | None = None,
 ) -> AttentionTile:
     """Attention of one query tile over ``num_kv_tiles`` KV tiles of ``kv_tile`` columns.
 
@@ -220,30 +221,43 @@ def online_softmax(
     returns that tile's keys and values; ``mask`` decides validity per (b, h, m, n). The result is
     normalised (f32) with a base-2 lse that includes ``sm_scale`` (a Python float folded in as a
     constant, or an f32 Value for kernels that take it at run time).
+
+    ``unmasked_tiles``, when given, is a count of leading tiles the caller knows the mask holds
+    everywhere on (e.g. left of the causal diagonal): they run in a first loop without the mask,
+    whose per-element index arithmetic is most of the row-softmax dispatch's cost on AVX2.
     """
     q_shape = ir.RankedTensorType(q_tile.type).shape
     batch = sizes_of(q_tile)[0]
     heads, rows = q_shape[1], q_shape[2]
     state_rows = [batch, heads, rows]
-    init_max = fill(const_f32(NO_KEY_MAX), state_rows, f32())
-    init_sum = fill(const_f32(0.0), state_rows, f32())
-    init_acc = fill(const_f32(0.0), [*state_rows, d_v], f32())
+    state_sizes = [state_rows, state_rows, [*state_rows, d_v]]
+    init = [fill(const_f32(NO_KEY_MAX), state_rows, f32()), fill(const_f32(0.0), state_rows, f32()),
+            fill(const_f32(0.0), [*state_rows, d_v], f32())]
     score_sizes = [*state_rows, kv_tile]
     if isinstance(sm_scale, ir.Value):
         score_scale = arith_d.mulf(sm_scale, const_f32(LOG2E))
     else:
         score_scale = const_f32(sm_scale * LOG2E)
 
-    init = [on_target_device(init_max, state_rows), on_target_device(init_sum, state_rows),
-            on_target_device(init_acc, [*state_rows, d_v])]
-    loop = scf_d.ForOp(const_index(0), num_kv_tiles, const_index(1), init)
-    with ir.InsertionPoint(loop.body):
-        tile_index = loop.induction_variable
-        prev_max, prev_sum, prev_acc = loop.inner_iter_args
-        tile = load_kv_tile(tile_index)
-        kv_start = arith_d.muli(tile_index, const_index(kv_tile))
-        raw = _scores(q_tile, tile.keys, score_sizes)
-        scores = _scale_and_mask(raw, mask, kv_start, score_scale)
-        scf_d.YieldOp(list(_step_state(prev_max, prev_sum, prev_acc, scores, tile.values)))
-    row_max, row_sum, acc = loop.results
+    phases = [(const_index(0), num_kv_tiles, mask)]
+    if unmasked_tiles is not None:
+        first_masked = arith_d.minsi(unmasked_tiles, num_kv_tiles)
+        phases = [(const_index(0), first_masked, None), (first_masked, num_kv_tiles, mask)]
+    state = init
+    for start, end, phase_mask in phases:
+        carried = [on_target_device(value, sizes) for value, sizes in zip(state, state_sizes)]
+        loop = scf_d.ForOp(start, end, const_index(1), carried)
+        with ir.InsertionPoint(loop.body):
+            tile_index = loop.induction_variable
+            prev_max, prev_sum, prev_acc = loop.inner_iter_args
+            tile = load_kv_tile(tile_index)
+            raw = _scores(q_tile, tile.keys, score_sizes)
+            if phase_mask is None:
+                scores = _elementwise([raw], [], lambda s: arith_d.mulf(s, score_scale))
+            else:
+                kv_start = arith_d.muli(tile_index, const_index(kv_tile))
+                scores = _scale_and_mask(raw, phase_mask, kv_start, score_scale)
+            scf_d.YieldOp(list(_step_state(prev_max, prev_sum, prev_acc, scores, tile.values)))
+        state = list(loop.results)
+    row_max, row_sum, acc = state
     return _finalize(acc, row_max, row_sum)

@@ -28,10 +28,11 @@ def test_masked_module_takes_valid_lens():
 
 def test_online_softmax_is_an_scf_loop_of_linalg_ops_in_log2_domain():
     text = _ir(SequencePrefillSpec(4, 4, 64, "float32", causal=False, sm_scale=0.125, kv_tile=32))
-    # batch entries, their query tiles, and KV tiles inside; twice: 16-token tiles for calls of
-    # at most 16 queries (SMALL_Q_TILE), spec.q_tile ones otherwise; per tile size one scf.if
-    # choosing the path and one each building the key and value tiles (zero fills when kv_len == 0)
-    assert text.count("scf.for") == 6
+    # batch entries, their query tiles, and KV tiles inside in two loops (the tiles the mask holds
+    # on everywhere, without it; then the rest); twice: 16-token tiles for calls of at most 16
+    # queries (SMALL_Q_TILE), spec.q_tile ones otherwise; per tile size one scf.if choosing the
+    # path and one each building the key and value tiles (zero fills when kv_len == 0)
+    assert text.count("scf.for") == 8
     assert text.count("scf.if") == 6
     assert "math.exp2" in text and "math.log2" in text
     assert "math.exp " not in text
