@@ -23,7 +23,7 @@ __all__ = [
     "DYN", "module_context", "element_type", "tensor_type", "f32", "i1", "i32", "index",
     "const_index", "const_f32", "const_i32", "dim", "affine_map", "generic", "extract_slice",
     "insert_slice", "empty", "fill", "ceil_div", "storage_tiles", "to_index", "select", "expand", "collapse",
-    "sizes_of", "transpose", "convert", "zero_padded", "tie_dims", "lt", "le", "logical_not", "one_of",
+    "sizes_of", "transpose", "convert", "zero_padded", "tie_dims", "lt", "le", "logical_not", "one_of", "widened",
 ]
 
 DYN = ir.ShapedType.get_dynamic_size()
@@ -65,6 +65,13 @@ def i32() -> ir.Type:
 
 def index() -> ir.Type:
     return ir.IndexType.get()
+
+
+def widened(value: ir.Value) -> ir.Value:
+    """A float scalar as f32: extended when narrower (f16, bf16), unchanged when already f32."""
+    if isinstance(value.type, ir.F32Type):
+        return value
+    return arith_d.extf(f32(), value)
 
 
 def const_index(value: int) -> ir.Value:

@@ -28,7 +28,7 @@ from .ir import (
     le, logical_not, lt, one_of,
     DYN, arith_d, ceil_div, collapse, const_index, convert, dim, element_type, empty, fill,
     expand, extract_slice, f32, func_d, generic, i32, index, ir, linalg_d,
-    module_context, on_target_device, scf_d, sizes_of, storage_tiles, tensor_d, tensor_type, tie_dims,
+    module_context, on_target_device, scf_d, sizes_of, storage_tiles, tensor_d, tensor_type, tie_dims, widened,
     affine_map,
 )
 from .layout import group_query_rows, wait_for, write_tile
@@ -110,8 +110,7 @@ def _kv_tiles(x: ir.Value, kv_len: ir.Value, num_tiles: ir.Value, kv_tile: int, 
     def body(value, _out):
         tile = linalg_d.IndexOp(1).result
         col = arith_d.addi(arith_d.muli(tile, const_index(kv_tile)), linalg_d.IndexOp(col_dim).result)
-        if value.type != elem:
-            value = arith_d.extf(elem, value)
+        value = widened(value)
         return [arith_d.select(lt(col, kv_len), value, zero)]
 
     result = generic([tiled], [out], [source_map, affine_map(4, range(4))], "pppp", body)[0]

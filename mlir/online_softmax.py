@@ -25,7 +25,7 @@ from typing import Callable, Sequence, Union
 
 from .ir import (
     affine_map, arith_d, collapse, const_f32, const_index, empty, expand, f32, fill, generic, ir, linalg_d,
-    math_d, on_target_device, scf_d, sizes_of,
+    math_d, on_target_device, scf_d, sizes_of, widened,
 )
 
 LOG2E = 1.0 / math.log(2.0)
@@ -81,13 +81,6 @@ class AttentionTile:
     lse: ir.Value
 
 
-def _extend(value: ir.Value) -> ir.Value:
-    """A scalar widened to f32 (no-op for f32)."""
-    if isinstance(value.type, ir.F32Type):
-        return value
-    return arith_d.extf(f32(), value)
-
-
 #: Discardable attribute on the two contraction generics (scores and probs x values). The pipeline
 #: replaces it with a target-specific tiling where it has measured one (pipeline/tuning.py).
 CONTRACTION_MARKER = "linalg_prefill.contraction"
@@ -114,7 +107,7 @@ def _contract_generic(lhs: ir.Value, rhs: ir.Value, init: ir.Value, lhs_dims, rh
     maps = [affine_map(loops, lhs_dims), affine_map(loops, rhs_dims), affine_map(loops, out_dims)]
 
     def body(a, b, acc):
-        return [arith_d.addf(acc, arith_d.mulf(_extend(a), _extend(b)))]
+        return [arith_d.addf(acc, arith_d.mulf(widened(a), widened(b)))]
 
     result = generic([lhs, rhs], [init], maps, "p" * (loops - 1) + "r", body)[0]
     result.owner.attributes[CONTRACTION_MARKER] = ir.UnitAttr.get()

@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 from .ir import (
     affine_map, arith_d, collapse, const_f32, const_i32, const_index, empty, expand, extract_slice, f32,
-    generic, i32, ir, linalg_d, math_d, sizes_of,
+    generic, i32, ir, linalg_d, math_d, sizes_of, widened,
 )
 
 __all__ = ["apply_rope"]
@@ -255,7 +255,7 @@ def _rotate(x: ir.Value, cos: ir.Value, sin: ir.Value, pairing: str) -> ir.Value
 
     def body(xa, xb, cos_v, sin_v, _out):
         first = arith_d.cmpi(arith_d.CmpIPredicate.eq, linalg_d.IndexOp(member).result, const_index(0))
-        xa, xb = _to_f32(xa), _to_f32(xb)
+        xa, xb = widened(xa), widened(xb)
         own = arith_d.select(first, xa, xb)
         partner = arith_d.select(first, arith_d.negf(xb), xa)
         out = arith_d.addf(arith_d.mulf(cos_v, own), arith_d.mulf(sin_v, partner))
@@ -274,6 +274,3 @@ def _pair_member(x4: ir.Value, member: int, which: int) -> ir.Value:
     groups = [[0], [1], [2, 3]]
     return collapse(extract_slice(x4, offsets, sizes), groups)
 
-
-def _to_f32(v: ir.Value) -> ir.Value:
-    return v if v.type == f32() else arith_d.extf(f32(), v)

@@ -22,7 +22,7 @@ from typing import Union
 from .ir import (
     DYN, affine_map, arith_d, ceil_div, collapse, const_index, convert, dim, element_type, empty,
     extract_slice, f32, fill, func_d, generic, i32, ir, le, linalg_d, lt, module_context, one_of,
-    on_target_device, scf_d, sizes_of, storage_tiles, tensor_d, tensor_type, tie_dims,
+    on_target_device, scf_d, sizes_of, storage_tiles, tensor_d, tensor_type, tie_dims, widened,
 )
 from .layout import group_query_rows, wait_for, write_tile
 from .online_softmax import KvTile, ScoreIndices, ScoreMask, online_softmax
@@ -65,9 +65,7 @@ def _kv_tiles(x: ir.Value, num_tiles: ir.Value, kv_tile: int, keys: bool) -> ir.
                 row = arith_d.addi(arith_d.muli(t, const_index(kv_tile)), n)
             else:  # loops (b, h, row, j)
                 b, h, row, j = index
-            value = tensor_d.extract(x, [b, arith_d.minsi(row, last_row), h, j])
-            if value.type != elem:
-                value = arith_d.extf(elem, value)
+            value = widened(tensor_d.extract(x, [b, arith_d.minsi(row, last_row), h, j]))
             return [arith_d.select(lt(row, length), value, zero)]
 
         loops = len(sizes)
