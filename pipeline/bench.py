@@ -60,13 +60,7 @@ def attention_flops(spec, batch: int, tokens: int) -> float:
 
 def best_time(fn, repeat: int) -> float:
     """Seconds of the fastest of ``repeat`` calls of ``fn`` after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+    return best_times([fn], repeat)[0]
 
 
 def best_times(fns, repeat: int) -> list[float]:
