@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from .ir import (
     IndexLike, affine_map, arith_d, collapse, const_f32, const_index, empty, expand, f32, fill,
-    generic, insert_slice, ir, sizes_of, tensor_d, transpose, zero_padded,
+    generic, insert_slice, ir, on_target_device, sizes_of, tensor_d, transpose, zero_padded,
 )
 from .online_softmax import EMPTY_ROW_LSE
 
@@ -56,17 +56,30 @@ def write_tile(rows: ir.Value, dest: ir.Value, entry: IndexLike, first_token: ir
                         [entry, first_token, 0, *[0] * len(tail)], [1, tokens, h_kv * group, *tail])
 
 
-def wait_for(lse_tile: ir.Value) -> ir.Value:
-    """An index that is always 0 but that the host can only know after ``lse_tile`` is computed.
+def first_fence() -> ir.Value:
+    """The fence a loop over query tiles starts with (see :func:`fence_after`): a 0-d f32 tensor."""
+    return on_target_device(fill(const_f32(0.0), [], f32()), [])
 
-    Adding it to the next offset makes the host wait for each query tile before issuing the
-    next. Without it the host loop runs ahead of the device and the transient buffers of every
-    in-flight KV step stay allocated (measured: peak memory grew faster than linearly in L).
-    The lse tile is first reduced into a 0-d tensor so the read is valid even for B == 0.
-    """
+
+def fence_after(lse_tile: ir.Value) -> ir.Value:
+    """A 0-d f32 tensor (the smallest lse of ``lse_tile`` [B, H, M]) that exists only once that
+    query tile is computed. The loops carry it to the next tile, which passes it to
+    :func:`waited`. Reduced to 0-d so that it is valid even for B == 0."""
     zero_d = fill(const_f32(EMPTY_ROW_LSE), [], f32())
     maps = [affine_map(3, (0, 1, 2)), ir.AffineMap.get(3, 0, [])]
-    smallest = generic([lse_tile], [zero_d], maps, "rrr", lambda x, acc: [arith_d.minimumf(x, acc)])[0]
-    value = tensor_d.extract(smallest, [])
+    return generic([lse_tile], [zero_d], maps, "rrr", lambda x, acc: [arith_d.minimumf(x, acc)])[0]
+
+
+def waited(fence: ir.Value) -> ir.Value:
+    """An index that is always 0 but that the host can only know once ``fence`` is computed.
+
+    Adding it to an offset of the next query tile makes the host wait for the previous tile
+    before it issues the next one. Without it the host loop runs ahead of the device and the
+    transient buffers of every in-flight KV step stay allocated (measured: peak memory grew
+    faster than linearly in L). The wait sits at the start of the next tile rather than the end
+    of the previous one, so the last tile of a call (the only one, for a short call) does not
+    wait: a single-tile ragged call, iree-benchmark-module: 5.7-5.8 -> 4.4-5.2 ms.
+    """
+    value = tensor_d.extract(fence, [])
     impossible = arith_d.cmpf(arith_d.CmpFPredicate.OLT, value, const_f32(-1.0e30))
     return arith_d.select(impossible, const_index(1), const_index(0))

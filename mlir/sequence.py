@@ -24,7 +24,7 @@ from .ir import (
     extract_slice, f32, fill, func_d, generic, i32, ir, le, linalg_d, lt, module_context, one_of,
     on_target_device, scf_d, sizes_of, storage_tiles, tensor_d, tensor_type, tie_dims, widened,
 )
-from .layout import group_query_rows, wait_for, write_tile
+from .layout import fence_after, first_fence, group_query_rows, waited, write_tile
 from .online_softmax import KvTile, ScoreIndices, ScoreMask, online_softmax
 from .specs import SMALL_Q_TILE, MaskedSequencePrefillSpec, SequencePrefillSpec
 
@@ -210,13 +210,15 @@ def _emit_body(spec: SequenceSpec, tile_tokens: int, q, k, v, valid_lens=None):
     out_sizes = [batch, padded_tokens, spec.h_q, d]
     lse_sizes = [batch, padded_tokens, spec.h_q]
 
-    def tied(pair):
-        return [tie_dims(pair[0], out_sizes), tie_dims(pair[1], lse_sizes)]
+    def tied(carried):
+        return [tie_dims(carried[0], out_sizes), tie_dims(carried[1], lse_sizes), carried[2]]
 
     # The loops carry the outputs in token order, padded to whole query tiles; each tile is
     # written in place (the initial values went through on_target_device) and the final slice
-    # drops the padding (see layout.write_tile for why the padding is needed).
-    results = [on_target_device(empty(out_sizes, dt), out_sizes), on_target_device(empty(lse_sizes, f32()), lse_sizes)]
+    # drops the padding (see layout.write_tile for why the padding is needed). They also carry
+    # the previous tile's fence (layout.waited).
+    results = [on_target_device(empty(out_sizes, dt), out_sizes), on_target_device(empty(lse_sizes, f32()), lse_sizes),
+               first_fence()]
     entries = scf_d.ForOp(const_index(0), batch, const_index(1), results)
     with ir.InsertionPoint(entries.body):
         b = entries.induction_variable
@@ -234,9 +236,9 @@ def _emit_body(spec: SequenceSpec, tile_tokens: int, q, k, v, valid_lens=None):
 
         q_tiles = scf_d.ForOp(const_index(0), num_q_tiles, const_index(1), tied(entries.inner_iter_args))
         with ir.InsertionPoint(q_tiles.body):
-            out_acc, lse_acc = tied(q_tiles.inner_iter_args)
+            out_acc, lse_acc, fence = tied(q_tiles.inner_iter_args)
             first_token = arith_d.muli(q_tiles.induction_variable, const_index(tile_tokens))
-            first_row = arith_d.muli(first_token, const_index(group))
+            first_row = arith_d.addi(arith_d.muli(first_token, const_index(group)), waited(fence))
             q_tile = extract_slice(q_rows, [b, 0, first_row, 0], [1, h_kv, tile_rows, d])
             if valid_len is not None:
                 mask = _masked_sequence_mask(spec, lengths, first_token, valid_len)
@@ -252,11 +254,10 @@ def _emit_body(spec: SequenceSpec, tile_tokens: int, q, k, v, valid_lens=None):
                 sm_scale=spec.sm_scale,
                 unmasked_tiles=None if valid_len is not None else _unmasked_kv_tiles(spec, lengths, first_token),
             )
-            first_token = arith_d.addi(first_token, wait_for(result.lse))
             out_acc = write_tile(result.output, out_acc, b, first_token, group)
             lse_acc = write_tile(result.lse, lse_acc, b, first_token, group)
-            scf_d.YieldOp([out_acc, lse_acc])
+            scf_d.YieldOp([out_acc, lse_acc, fence_after(result.lse)])
         scf_d.YieldOp(tied(q_tiles.results))
-    out, lse = tied(entries.results)
+    out, lse, _fence = tied(entries.results)
     return [extract_slice(out, [0, 0, 0, 0], [batch, lengths.q_len, spec.h_q, d]),
             extract_slice(lse, [0, 0, 0], [batch, lengths.q_len, spec.h_q])]
