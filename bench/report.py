@@ -3,7 +3,8 @@
     .venv/bin/python bench/report.py [--lengths 512,2048,8192] [--dtypes float32,bfloat16,float16]
                                      [--tvm] [--out build/bench-report]
 
-Every figure is ours and the peer's from the same process (torch on 2 threads; ours and the peer's calls interleaved):
+Every figure is ours and the peer's from the same process (torch on 2 threads), calls alternating
+between ours and the peer's (``best_times``; the small prefill in bursts of 10 calls each, see there):
 
 * dense causal prefill, B=1, h_q=32, h_kv=8, d=128, per dtype and length, vs torch SDPA;
 * IREE's fused ``iree_linalg_ext.attention`` against our decomposition (non-causal f32, L=1024);

@@ -23,7 +23,7 @@ __all__ = [
     "DYN", "module_context", "element_type", "tensor_type", "f32", "i1", "i32", "index",
     "const_index", "const_f32", "const_i32", "dim", "affine_map", "generic", "extract_slice",
     "insert_slice", "empty", "fill", "ceil_div", "storage_tiles", "to_index", "select", "expand", "collapse",
-    "sizes_of", "transpose", "convert", "zero_padded", "tie_dims", "lt", "le", "logical_not", "one_of", "widened",
+    "sizes_of", "tie_dims", "lt", "le", "logical_not", "one_of", "widened",
 ]
 
 DYN = ir.ShapedType.get_dynamic_size()
@@ -254,37 +254,6 @@ def sizes_of(tensor: ir.Value) -> list[IndexLike]:
     """Each dim of ``tensor``: an int where static, a ``tensor.dim`` Value where dynamic."""
     shape = ir.RankedTensorType(tensor.type).shape
     return [dim(tensor, i) if s == DYN else s for i, s in enumerate(shape)]
-
-
-def transpose(source: ir.Value, permutation: Sequence[int]) -> ir.Value:
-    """``linalg.transpose``: result dim i is source dim ``permutation[i]``."""
-    sizes = sizes_of(source)
-    elem = ir.RankedTensorType(source.type).element_type
-    init = empty([sizes[p] for p in permutation], elem)
-    return linalg_d.transpose(source, outs=[init], permutation=list(permutation)).results[0]
-
-
-def convert(source: ir.Value, elem: ir.Type) -> ir.Value:
-    """Elementwise float conversion (extf or truncf) of ``source`` to ``elem``; no-op if equal."""
-    src = ir.RankedTensorType(source.type)
-    if src.element_type == elem:
-        return source
-    rank = src.rank
-    ident = affine_map(rank, tuple(range(rank)))
-    widen = ir.FloatType(elem).width > ir.FloatType(src.element_type).width
-
-    def body(x, _o):
-        return [arith_d.extf(elem, x) if widen else arith_d.truncf(elem, x)]
-
-    out = empty(sizes_of(source), elem)
-    return generic([source], [out], [ident, ident], "p" * rank, body)[0]
-
-
-def zero_padded(source: ir.Value, sizes: Sequence[IndexLike]) -> ir.Value:
-    """``source`` placed at the origin of a zero tensor of ``sizes`` (a high-side pad)."""
-    elem = ir.RankedTensorType(source.type).element_type
-    zeros = fill(arith_d.constant(elem, 0.0), sizes, elem)
-    return insert_slice(source, zeros, [0] * len(sizes), sizes_of(source))
 
 
 def on_target_device(tensor: ir.Value, sizes: Sequence[IndexLike]) -> ir.Value:

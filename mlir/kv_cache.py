@@ -26,7 +26,7 @@ from typing import Callable, Union
 
 from .ir import (
     le, logical_not, lt, one_of,
-    DYN, arith_d, ceil_div, collapse, const_index, convert, dim, element_type, empty, fill,
+    DYN, arith_d, ceil_div, collapse, const_index, dim, element_type, empty, fill,
     expand, extract_slice, f32, func_d, generic, i32, index, ir, linalg_d,
     module_context, on_target_device, scf_d, sizes_of, storage_tiles, tensor_d, tensor_type, tie_dims, widened,
     affine_map,
@@ -150,8 +150,9 @@ def _attend_entries(
     d_qk, dt = q_shape.shape[2], q_shape.element_type
     total_q = dim(q, 0)
     padded_tokens = arith_d.addi(total_q, const_index(spec.q_tile))
-    q4 = expand(q, [[0, 1], [2], [3]], [1, total_q, spec.h_q, d_qk])
-    q_rows = convert(group_query_rows(q4, h_kv, group, padded_tokens), f32())
+    q_source = _with_a_row(q)  # the rows' clamped gather then reads inside it even when Lq == 0
+    q4 = expand(q_source, [[0, 1], [2], [3]], [1, dim(q_source, 0), spec.h_q, d_qk])
+    q_rows = group_query_rows(q4, h_kv, group, padded_tokens)
     out_rows = empty([1, padded_tokens, spec.h_q, d_v], dt)
     lse_rows = empty([1, padded_tokens, spec.h_q], f32())
     causal_on = _is_one(causal)

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Union
 
 from .ir import (
-    DYN, affine_map, arith_d, ceil_div, collapse, const_index, convert, dim, element_type, empty,
+    DYN, affine_map, arith_d, ceil_div, collapse, const_index, dim, element_type, empty,
     extract_slice, f32, fill, func_d, generic, i32, ir, le, linalg_d, lt, module_context, one_of,
     on_target_device, scf_d, sizes_of, storage_tiles, tensor_d, tensor_type, tie_dims, widened,
 )
@@ -201,7 +201,7 @@ def _emit_body(spec: SequenceSpec, tile_tokens: int, q, k, v, valid_lens=None):
     num_q_tiles = ceil_div(lengths.q_len, tile_tokens)
     num_kv_tiles = ceil_div(lengths.kv_len, spec.kv_tile)
     padded_tokens = arith_d.muli(num_q_tiles, const_index(tile_tokens))
-    q_rows = convert(group_query_rows(q, h_kv, group, padded_tokens), f32())
+    q_rows = group_query_rows(q, h_kv, group, padded_tokens)
     stored_tiles = storage_tiles(lengths.kv_len, spec.kv_tile)
     keys = _kv_tiles(k, stored_tiles, spec.kv_tile, keys=True)
     values = _kv_tiles(v, stored_tiles, spec.kv_tile, keys=False)
