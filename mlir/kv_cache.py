@@ -150,8 +150,7 @@ def _attend_entries(
     d_qk, dt = q_shape.shape[2], q_shape.element_type
     total_q = dim(q, 0)
     padded_tokens = arith_d.addi(total_q, const_index(spec.q_tile))
-    q_source = _with_a_row(q)  # the rows' clamped gather then reads inside it even when Lq == 0
-    q4 = expand(q_source, [[0, 1], [2], [3]], [1, dim(q_source, 0), spec.h_q, d_qk])
+    q4 = expand(q, [[0, 1], [2], [3]], [1, total_q, spec.h_q, d_qk])
     q_rows = group_query_rows(q4, h_kv, group, padded_tokens)
     out_rows = empty([1, padded_tokens, spec.h_q, d_v], dt)
     lse_rows = empty([1, padded_tokens, spec.h_q], f32())
