@@ -105,13 +105,14 @@ def test_kv_cache_modules_keep_the_seed_abi():
 
 
 def test_kv_cache_variants_share_the_one_emitter():
-    """Entries, their query tiles, then the emitter's KV loop; scores are static [1, h_kv, rows, N]
-    tiles (G folded into rows) and MLA folds all h_q heads onto its single latent head."""
+    """Entries, their query tiles, then the emitter's two KV loops (tiles the mask holds on
+    everywhere, then the rest); scores are static [1, h_kv, rows, N] tiles (G folded into rows)
+    and MLA folds all h_q heads onto its single latent head."""
     ragged = _ir(RaggedPrefillSpec(8, 2, 64, 64, "float32", q_tile=16, kv_tile=32))
-    assert ragged.count("scf.for") == 3 and ragged.count("math.exp2") >= 2
+    assert ragged.count("scf.for") == 4 and ragged.count("math.exp2") >= 2
     assert "tensor<1x2x64x32xf32>" in ragged
     mla = _ir(MlaPagedPrefillSpec(16, 512, 64, "float32", q_tile=16, kv_tile=32))
-    assert mla.count("scf.for") == 3 and "tensor<1x1x256x32xf32>" in mla
+    assert mla.count("scf.for") == 4 and "tensor<1x1x256x32xf32>" in mla
     assert "math.cos" not in mla  # MLA applies no RoPE (§1.3)
     assert "math.cos" in ragged and "scf.if" in ragged  # inline RoPE under rotary_mode == 1
 
