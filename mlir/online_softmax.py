@@ -138,13 +138,27 @@ def _scale_and_mask(raw: ir.Value, mask: ScoreMask, kv_start: ir.Value, scale: i
     return generic([raw, *extra_vals], [out], [ident, *extra_maps, ident], "pppp", body)[0]
 
 
+#: Widest row a single reduction covers. IREE 3.13's CUDA backend fails on a 256-column row
+#: reduction ("failed to distribute"); reduced as two 128-column chunks, it compiles.
+REDUCTION_CHUNK = 128
+
+
 def _reduce_rows(tile: ir.Value, init_value: float, combine) -> ir.Value:
     """[B, H, M, N] -> [B, H, M] reduced over N with ``combine``, starting from ``init_value``.
 
     The init is a fresh fill (not the running state): IREE distributes a reduction only when its
     output starts from a fill, so the running state is combined in a separate elementwise step.
+    A row wider than REDUCTION_CHUNK (a multiple of it) is first reduced chunk by chunk,
+    [B, H, M, N / chunk, chunk] -> [B, H, M, N / chunk].
     """
     sizes = sizes_of(tile)[:3]
+    width = ir.RankedTensorType(tile.type).shape[3]
+    if width > REDUCTION_CHUNK and width % REDUCTION_CHUNK == 0:
+        chunks = width // REDUCTION_CHUNK
+        split = expand(tile, [[0], [1], [2], [3, 4]], [*sizes, chunks, REDUCTION_CHUNK])
+        init = fill(const_f32(init_value), [*sizes, chunks], f32())
+        maps = [affine_map(5, (0, 1, 2, 3, 4)), affine_map(5, (0, 1, 2, 3))]
+        tile = generic([split], [init], maps, "ppppr", lambda x, acc: [combine(x, acc)])[0]
     init = fill(const_f32(init_value), sizes, f32())
     maps = [affine_map(4, (0, 1, 2, 3)), affine_map(4, (0, 1, 2))]
     return generic([tile], [init], maps, "pppr", lambda x, acc: [combine(x, acc)])[0]

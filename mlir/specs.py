@@ -19,12 +19,15 @@ DTYPES = ("float32", "float16", "bfloat16")
 # L=2048: 128x128 668-686, 256x128 649-764, 128x256 623-690, 256x256 581-610;
 # L=8192: 128x128 9477-10600, 128x256 8693-9138, 256x128 8409-9109, 256x256 7379-8025.
 # Bigger tiles read K/V and the query tile fewer times, which matters once they outgrow the cache.
-# 256-column KV tiles would be faster still on llvm-cpu, but IREE 3.13's CUDA backend fails on
-# their row reduction ("failed to distribute"), and a spec must compile for both backends.
+# 256-column KV tiles need the row reductions in 128-column chunks (online_softmax._reduce_rows)
+# for IREE 3.13's CUDA backend; with them, 256x256 against 256x128 (same VM, alternating rounds):
+# L=512 56-69 vs 74-83 ms, L=2048 593-702 vs 621-777, L=8192 7990-8197 vs 8195-8423.
 # The KV-cache variants keep 64 x 128 tiles: their entries are often short, and a tile of a short
-# entry is mostly padding. A score tile is [1, h_kv, q_tile * G, kv_tile] f32.
+# entry is mostly padding (the mixed-length ragged batch of bench/kv_cache_batches.py took
+# 737-805 ms with 64 x 256 tiles against 672-745 with 64 x 128). A score tile is
+# [1, h_kv, q_tile * G, kv_tile] f32.
 DENSE_Q_TILE = 256
-DENSE_KV_TILE = 128
+DENSE_KV_TILE = 256
 # Query tile of a call (dense) or entry (KV cache) with at most this many query tokens: a 16-token
 # chunk against 256 cached tokens padded to a 128-token tile computed 8x the needed work.
 SMALL_Q_TILE = 16
