@@ -32,7 +32,7 @@ from .ir import (
     affine_map,
 )
 from .layout import fence_after, first_fence, group_query_rows, waited, write_tile
-from .online_softmax import KvTile, ScoreIndices, ScoreMask, online_softmax
+from .online_softmax import KvTile, ScoreIndices, ScoreMask, online_softmax, unmasked_kv_tiles
 from .rope import apply_rope
 from .specs import SMALL_Q_TILE, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec
 
@@ -199,15 +199,6 @@ def _attend_entries(
                 values=extract_slice(values, [0, 0, start, 0], [1, h_kv, spec.kv_tile, d_v]),
             )
 
-        def unmasked_tiles(first_local):
-            """Leading KV tiles every row of the query tile sees whole: inside kv_len and, if
-            causal, left of the diagonal of the tile's first row (rows past the entry, which
-            belong to the next one or the padding, only see more). They skip the mask."""
-            inside = arith_d.divsi(kv.kv_len, const_index(spec.kv_tile))
-            first_row_end = arith_d.addi(arith_d.addi(first_local, diagonal), const_index(1))
-            left_of_diagonal = arith_d.divsi(arith_d.maxsi(first_row_end, const_index(0)), const_index(spec.kv_tile))
-            return arith_d.select(causal_on, arith_d.minsi(inside, left_of_diagonal), inside)
-
         def attend_tile(first_local, tile_tokens: int, out_acc, lse_acc, fence):
             """Queries [first_local, first_local + tile_tokens) of the entry against its KV."""
             first_row = arith_d.addi(arith_d.muli(arith_d.addi(q_start, first_local), const_index(group)),
@@ -229,7 +220,8 @@ def _attend_entries(
             result = online_softmax(
                 q_tile, num_kv_tiles=visible, kv_tile=spec.kv_tile, d_v=d_v,
                 load_kv_tile=load_kv_tile, mask=ScoreMask(predicate=valid), sm_scale=sm_scale,
-                unmasked_tiles=unmasked_tiles(first_local),
+                # rows past the entry (the next entry's, or padding) only see more than its first row
+                unmasked_tiles=unmasked_kv_tiles(kv.kv_len, first_local, diagonal, spec.kv_tile, causal_on),
             )
             first_token = arith_d.addi(q_start, first_local)
             return [write_tile(result.output, out_acc, 0, first_token, group),

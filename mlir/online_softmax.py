@@ -211,6 +211,21 @@ def _finalize(acc: ir.Value, row_max: ir.Value, row_sum: ir.Value) -> AttentionT
     return AttentionTile(output=output, lse=lse)
 
 
+def unmasked_kv_tiles(kv_len: ir.Value, first_row: ir.Value, diagonal: ir.Value, kv_tile: int,
+                      causal: Union[bool, ir.Value]) -> ir.Value:
+    """Leading KV tiles every query row from ``first_row`` on sees whole (``online_softmax``'s
+    ``unmasked_tiles``): inside ``kv_len`` and, when causal, left of the bottom-right diagonal of
+    ``first_row`` (col <= row + diagonal), the most restricted row. ``causal`` is a Python bool,
+    or an i1 Value for kernels that take it at run time."""
+    inside = arith_d.divsi(kv_len, const_index(kv_tile))
+    if causal is False:
+        return inside
+    first_row_end = arith_d.addi(arith_d.addi(first_row, diagonal), const_index(1))
+    left_of_diagonal = arith_d.divsi(arith_d.maxsi(first_row_end, const_index(0)), const_index(kv_tile))
+    causal_limit = arith_d.minsi(inside, left_of_diagonal)
+    return causal_limit if causal is True else arith_d.select(causal, causal_limit, inside)
+
+
 def online_softmax(
     q_tile: ir.Value,
     *,

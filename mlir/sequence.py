@@ -25,7 +25,7 @@ from .ir import (
     on_target_device, scf_d, sizes_of, storage_tiles, tensor_d, tensor_type, tie_dims, widened,
 )
 from .layout import fence_after, first_fence, group_query_rows, waited, write_tile
-from .online_softmax import KvTile, ScoreIndices, ScoreMask, online_softmax
+from .online_softmax import KvTile, ScoreIndices, ScoreMask, online_softmax, unmasked_kv_tiles
 from .specs import SMALL_Q_TILE, MaskedSequencePrefillSpec, SequencePrefillSpec
 
 SequenceSpec = Union[SequencePrefillSpec, MaskedSequencePrefillSpec]
@@ -137,17 +137,6 @@ def _visible_kv_tiles(spec: SequenceSpec, q_tile: int, lengths: _Lengths, first_
     return ceil_div(kv_end, spec.kv_tile)
 
 
-def _unmasked_kv_tiles(spec: SequencePrefillSpec, lengths: _Lengths, first_token: ir.Value) -> ir.Value:
-    """Leading KV tiles every row of the query tile sees whole: inside kv_len and, if causal, left
-    of the diagonal of the tile's first token (the most restricted row)."""
-    inside = arith_d.divsi(lengths.kv_len, const_index(spec.kv_tile))
-    if not spec.causal:
-        return inside
-    first_row_end = arith_d.addi(arith_d.addi(first_token, lengths.diagonal), const_index(1))
-    left_of_diagonal = arith_d.divsi(arith_d.maxsi(first_row_end, const_index(0)), const_index(spec.kv_tile))
-    return arith_d.minsi(inside, left_of_diagonal)
-
-
 def build_sequence_prefill(spec: SequenceSpec) -> ir.Module:
     """The verified module for a dense (or masked) sequence-prefill spec; symbol ``spec.symbol``."""
     masked = isinstance(spec, MaskedSequencePrefillSpec)
@@ -252,7 +241,8 @@ def _emit_body(spec: SequenceSpec, tile_tokens: int, q, k, v, valid_lens=None):
                 load_kv_tile=load_kv_tile,
                 mask=mask,
                 sm_scale=spec.sm_scale,
-                unmasked_tiles=None if valid_len is not None else _unmasked_kv_tiles(spec, lengths, first_token),
+                unmasked_tiles=None if valid_len is not None else unmasked_kv_tiles(
+                    lengths.kv_len, first_token, lengths.diagonal, spec.kv_tile, spec.causal),
             )
             out_acc = write_tile(result.output, out_acc, b, first_token, group)
             lse_acc = write_tile(result.lse, lse_acc, b, first_token, group)
