@@ -79,7 +79,9 @@ def first_fence() -> ir.Value:
     The first tile's :func:`waited` then reads a value that is ready at once. The fill used before
     was queued behind the query and K/V layout dispatches, so the host stalled until they were done
     before it issued any KV step. Small ragged call (16 queries, 256 keys), iree-benchmark-module
-    mean of 300 calls, three alternating runs: 3.3-4.1 ms with the fill, 2.3-3.2 with the constant.
+    mean of 300 calls, three alternating runs: 3.3-4.1 ms with the fill, 2.3-3.2 with the constant
+    and the short-call query padding of kv_cache._query_padding (the old padding with the read
+    skipped on the first tile: 3.1-3.3).
     (Skipping the read with an ``scf.if`` on the first tile instead made IREE 3.13 fail two-entry
     calls: "transient buffer has not been committed" at hal.fence.await.)
     """
