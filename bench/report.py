@@ -121,9 +121,9 @@ def small_prefill_rows(rng, q_len: int = 16, kv_len: int = 256) -> list[dict]:
          lambda: F.scaled_dot_product_attention(tq, tk, tv, attn_mask=mask, enable_gqa=True)],
         repeat=10, burst=10)
     flops = pair_flops(causal_pairs(q_len, kv_len))
-    name = f"{q_len} new tokens vs {kv_len} cached"
+    name = f"{q_len} new vs {kv_len} cached"
     return [row("small", f"{name}, on device", "float32", q_len, resident, "torch SDPA", peer, flops),
-            row("small", f"{name}, numpy in/out", "float32", q_len, on_host, "torch SDPA", peer, flops)]
+            row("small", f"{name}, numpy i/o", "float32", q_len, on_host, "torch SDPA", peer, flops)]
 
 
 def batch_rows(rng, lengths=(37, 512, 1024, 96, 2048, 5), dense_length: int = 1024) -> list[dict]:
