@@ -1,6 +1,7 @@
 """IR builders: typed MLIR bindings, one online-softmax emitter, one spec per variant."""
 
 from .kv_cache import build_mla_prefill, build_paged_prefill, build_ragged_prefill
+from .online_softmax import CUDA_ROW_CHUNK
 from .sequence import build_sequence_prefill
 from .specs import (
     MaskedSequencePrefillSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec,
@@ -17,13 +18,15 @@ _BUILDERS = {
 SPEC_TYPES = tuple(_BUILDERS)
 
 
-def build_module(spec):
-    """The verified MLIR module for any variant spec."""
+def build_module(spec, *, row_chunk: int | None = CUDA_ROW_CHUNK):
+    """The verified MLIR module for any variant spec. ``row_chunk`` is the widest row the online
+    softmax reduces in one op (None: whole rows); the default compiles for every target, and
+    pipeline/tuning.py picks the one measured best per target."""
     try:
         builder = _BUILDERS[type(spec)]
     except KeyError:
         raise TypeError(f"no IR builder for {type(spec).__name__}") from None
-    return builder(spec)
+    return builder(spec, row_chunk=row_chunk)
 
 
 __all__ = [

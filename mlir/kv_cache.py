@@ -32,7 +32,9 @@ from .ir import (
     affine_map,
 )
 from .layout import fence_after, first_fence, group_query_rows, waited, write_tile
-from .online_softmax import KvTile, ScoreIndices, ScoreMask, online_softmax, unmasked_kv_tiles
+from .online_softmax import (
+    CUDA_ROW_CHUNK, KvTile, ScoreIndices, ScoreMask, online_softmax, unmasked_kv_tiles,
+)
 from .rope import apply_rope
 from .specs import SMALL_Q_TILE, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec
 
@@ -154,8 +156,10 @@ def _attend_entries(
     causal: ir.Value,
     sm_scale: ir.Value,
     rope: RopeArgs | None,
+    row_chunk: int | None,
 ) -> list[ir.Value]:
-    """Output [Lq, h_q, d_v] (dtype) and lse [Lq, h_q] (f32) for q [Lq, h_q, d_qk] (already rotated)."""
+    """Output [Lq, h_q, d_v] (dtype) and lse [Lq, h_q] (f32) for q [Lq, h_q, d_qk] (already rotated).
+    ``row_chunk``: the widest row the online softmax reduces in one op (None: whole rows)."""
     group, h_kv = spec.group_size, spec.h_kv
     q_shape = ir.RankedTensorType(q.type)
     d_qk, dt = q_shape.shape[2], q_shape.element_type
@@ -233,6 +237,7 @@ def _attend_entries(
                 load_kv_tile=load_kv_tile, mask=ScoreMask(predicate=valid), sm_scale=sm_scale,
                 # rows past the entry (the next entry's, or padding) only see more than its first row
                 unmasked_tiles=unmasked_kv_tiles(kv.kv_len, first_local, diagonal, spec.kv_tile, causal_on),
+                row_chunk=row_chunk,
             )
             first_token = arith_d.addi(q_start, first_local)
             return [write_tile(result.output, out_acc, 0, first_token, group),
@@ -434,7 +439,7 @@ def _length_info_type(spec):
     return tensor_type([3, DYN] if spec.sliding_window else [DYN], i32())
 
 
-def build_ragged_prefill(spec: RaggedPrefillSpec) -> ir.Module:
+def build_ragged_prefill(spec: RaggedPrefillSpec, *, row_chunk: int | None = CUDA_ROW_CHUNK) -> ir.Module:
     """``batch_prefill_ragged_kv(q, q_indptr, k, v, kv_indptr, q_rope_position, k_rope_pos_offset,
     causal, rotary_mode, rope_scale, rope_theta, sm_scale) -> (output, lse)``."""
     dt = lambda: element_type(spec.dtype)  # noqa: E731 - types need the open context
@@ -451,13 +456,13 @@ def build_ragged_prefill(spec: RaggedPrefillSpec) -> ir.Module:
         return _attend_entries(
             spec, _rotated_if(rope, q, q_rope_position), q_indptr, d_v=spec.d_v,
             load_entry=_ragged_loader(spec, k, v, kv_indptr, k_rope_pos_offset),
-            causal=causal, sm_scale=sm_scale, rope=rope,
+            causal=causal, sm_scale=sm_scale, rope=rope, row_chunk=row_chunk,
         )
 
     return _function(spec, arg_types, spec.d_v, emit)
 
 
-def build_paged_prefill(spec: PagedPrefillSpec) -> ir.Module:
+def build_paged_prefill(spec: PagedPrefillSpec, *, row_chunk: int | None = CUDA_ROW_CHUNK) -> ir.Module:
     """``batch_prefill_paged_kv[_sliding_window](q, q_indptr, pages, page_indptr, page_values,
     length_info, k_rope_pos_offset, q_rope_position, causal, rotary_mode, rope_scale, rope_theta,
     sm_scale) -> (output, lse)``."""
@@ -475,13 +480,13 @@ def build_paged_prefill(spec: PagedPrefillSpec) -> ir.Module:
         return _attend_entries(
             spec, _rotated_if(rope, q, q_rope_position), q_indptr, d_v=spec.d,
             load_entry=_paged_loader(spec, pages, page_indptr, page_values, length_info, k_rope_pos_offset),
-            causal=causal, sm_scale=sm_scale, rope=rope,
+            causal=causal, sm_scale=sm_scale, rope=rope, row_chunk=row_chunk,
         )
 
     return _function(spec, arg_types, spec.d, emit)
 
 
-def build_mla_prefill(spec: MlaPagedPrefillSpec) -> ir.Module:
+def build_mla_prefill(spec: MlaPagedPrefillSpec, *, row_chunk: int | None = CUDA_ROW_CHUNK) -> ir.Module:
     """``batch_prefill_paged_kv_mla[_sliding_window](q, q_indptr, pages, page_indptr, page_values,
     length_info, causal, sm_scale) -> (output [Lq, h_q, d_latent], lse)``."""
     dt = lambda: element_type(spec.dtype)  # noqa: E731
@@ -495,7 +500,7 @@ def build_mla_prefill(spec: MlaPagedPrefillSpec) -> ir.Module:
         return _attend_entries(
             spec, q, q_indptr, d_v=spec.d_latent,
             load_entry=_mla_loader(spec, pages, page_indptr, page_values, length_info),
-            causal=causal, sm_scale=sm_scale, rope=None,
+            causal=causal, sm_scale=sm_scale, rope=None, row_chunk=row_chunk,
         )
 
     return _function(spec, arg_types, spec.d_latent, emit)

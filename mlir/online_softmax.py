@@ -138,24 +138,25 @@ def _scale_and_mask(raw: ir.Value, mask: ScoreMask, kv_start: ir.Value, scale: i
     return generic([raw, *extra_vals], [out], [ident, *extra_maps, ident], "pppp", body)[0]
 
 
-#: Widest row a single reduction covers. IREE 3.13's CUDA backend fails on a 256-column row
-#: reduction ("failed to distribute"); reduced as two 128-column chunks, it compiles.
-REDUCTION_CHUNK = 128
+#: Widest row IREE 3.13's CUDA backend reduces in one op: a 256-column row reduction fails there
+#: ("failed to distribute"); reduced as two 128-column chunks, it compiles. The default
+#: ``row_chunk`` of the builders; pipeline/tuning.py picks it per target.
+CUDA_ROW_CHUNK = 128
 
 
-def _reduce_rows(tile: ir.Value, init_value: float, combine) -> ir.Value:
+def _reduce_rows(tile: ir.Value, init_value: float, combine, row_chunk: int | None) -> ir.Value:
     """[B, H, M, N] -> [B, H, M] reduced over N with ``combine``, starting from ``init_value``.
 
     The init is a fresh fill (not the running state): IREE distributes a reduction only when its
     output starts from a fill, so the running state is combined in a separate elementwise step.
-    A row wider than REDUCTION_CHUNK (a multiple of it) is first reduced chunk by chunk,
-    [B, H, M, N / chunk, chunk] -> [B, H, M, N / chunk].
+    A row wider than ``row_chunk`` (a multiple of it) is first reduced chunk by chunk,
+    [B, H, M, N / chunk, chunk] -> [B, H, M, N / chunk]; ``row_chunk=None`` reduces whole rows.
     """
     sizes = sizes_of(tile)[:3]
     width = ir.RankedTensorType(tile.type).shape[3]
-    if width > REDUCTION_CHUNK and width % REDUCTION_CHUNK == 0:
-        chunks = width // REDUCTION_CHUNK
-        split = expand(tile, [[0], [1], [2], [3, 4]], [*sizes, chunks, REDUCTION_CHUNK])
+    if row_chunk is not None and width > row_chunk and width % row_chunk == 0:
+        chunks = width // row_chunk
+        split = expand(tile, [[0], [1], [2], [3, 4]], [*sizes, chunks, row_chunk])
         init = fill(const_f32(init_value), [*sizes, chunks], f32())
         maps = [affine_map(5, (0, 1, 2, 3, 4)), affine_map(5, (0, 1, 2, 3))]
         tile = generic([split], [init], maps, "ppppr", lambda x, acc: [combine(x, acc)])[0]
@@ -175,13 +176,13 @@ def _elementwise(inputs: Sequence[ir.Value], row_inputs: Sequence[ir.Value], bod
     return generic([*inputs, *row_inputs], [out], maps, "p" * rank, lambda *a: [body(*a[:-1])])[0]
 
 
-def _step_state(prev_max, prev_sum, prev_acc, scores, values):
+def _step_state(prev_max, prev_sum, prev_acc, scores, values, row_chunk: int | None):
     """One online-softmax update with the scores [B, H, M, N] and values [B, H, N, d_v] of a tile."""
-    tile_max = _reduce_rows(scores, NO_KEY_MAX, arith_d.maximumf)
+    tile_max = _reduce_rows(scores, NO_KEY_MAX, arith_d.maximumf, row_chunk)
     new_max = _elementwise([prev_max, tile_max], [], arith_d.maximumf)
     alpha = _elementwise([prev_max, new_max], [], lambda old, new: math_d.exp2(arith_d.subf(old, new)))
     probs = _elementwise([scores], [new_max], lambda s, m: math_d.exp2(arith_d.subf(s, m)))
-    tile_sum = _reduce_rows(probs, 0.0, arith_d.addf)
+    tile_sum = _reduce_rows(probs, 0.0, arith_d.addf, row_chunk)
     new_sum = _elementwise([prev_sum, alpha, tile_sum], [],
                            lambda l, a, t: arith_d.addf(arith_d.mulf(l, a), t))
     pv_sizes = sizes_of(prev_acc)
@@ -236,6 +237,7 @@ def online_softmax(
     mask: ScoreMask,
     sm_scale: Union[float, ir.Value],
     unmasked_tiles: ir.Value | None = None,
+    row_chunk: int | None = CUDA_ROW_CHUNK,
 ) -> AttentionTile:
     """Attention of one query tile over ``num_kv_tiles`` KV tiles of ``kv_tile`` columns.
 
@@ -247,6 +249,8 @@ def online_softmax(
     ``unmasked_tiles``, when given, is a count of leading tiles the caller knows the mask holds
     everywhere on (e.g. left of the causal diagonal): they run in a first loop without the mask,
     whose per-element index arithmetic is most of the row-softmax dispatch's cost on AVX2.
+
+    ``row_chunk`` is the widest row reduced in one op (see ``_reduce_rows``), or None.
     """
     q_shape = ir.RankedTensorType(q_tile.type).shape
     batch = sizes_of(q_tile)[0]
@@ -279,7 +283,7 @@ def online_softmax(
             else:
                 kv_start = arith_d.muli(tile_index, const_index(kv_tile))
                 scores = _scale_and_mask(raw, phase_mask, kv_start, score_scale)
-            scf_d.YieldOp(list(_step_state(prev_max, prev_sum, prev_acc, scores, tile.values)))
+            scf_d.YieldOp(list(_step_state(prev_max, prev_sum, prev_acc, scores, tile.values, row_chunk)))
         state = list(loop.results)
     row_max, row_sum, acc = state
     return _finalize(acc, row_max, row_sum)

@@ -20,7 +20,8 @@ DTYPES = ("float32", "float16", "bfloat16")
 # L=8192: 128x128 9477-10600, 128x256 8693-9138, 256x128 8409-9109, 256x256 7379-8025.
 # Bigger tiles read K/V and the query tile fewer times, which matters once they outgrow the cache.
 # 256-column KV tiles need the row reductions in 128-column chunks (online_softmax._reduce_rows)
-# for IREE 3.13's CUDA backend; with them, 256x256 against 256x128 (same VM, alternating rounds):
+# for IREE 3.13's CUDA backend (llvm-cpu reduces whole rows: pipeline/tuning.py ROW_CHUNK); with
+# the chunks on both, 256x256 against 256x128 (same VM, alternating rounds):
 # L=512 56-69 vs 74-83 ms, L=2048 593-702 vs 621-777, L=8192 7990-8197 vs 8195-8423.
 # The KV-cache variants keep 64 x 128 tiles: their entries are often short, and a tile of a short
 # entry is mostly padding (the mixed-length ragged batch of bench/kv_cache_batches.py took

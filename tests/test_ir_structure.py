@@ -41,6 +41,18 @@ def test_online_softmax_is_an_scf_loop_of_linalg_ops_in_log2_domain():
     assert "tensor<1x4x64x32xf32>" in text
 
 
+def test_row_reductions_are_chunked_for_cuda_and_whole_for_llvm_cpu():
+    from linalg_prefill.pipeline import Target
+    from linalg_prefill.pipeline.tuning import tuned_ir
+
+    spec = SequencePrefillSpec(8, 2, 64, "float32", causal=True, sm_scale=0.125, q_tile=32, kv_tile=256)
+    chunked = "tensor<1x2x128x2x128xf32>"  # [1, h_kv, q_tile * G rows, 2 chunks, 128 columns]
+    assert chunked in tuned_ir(spec, Target("cuda"))
+    assert chunked in _ir(spec)  # the default builds what every target compiles
+    cpu = tuned_ir(spec, Target("llvm-cpu"))
+    assert chunked not in cpu and "tensor<1x2x128x256xf32>" in cpu
+
+
 def test_score_tile_folds_gqa_group_into_rows():
     text = _ir(SequencePrefillSpec(8, 2, 64, "float32", causal=True, sm_scale=1.0, q_tile=16, kv_tile=32))
     assert "tensor<1x2x64x32xf32>" in text  # 16 tokens x G=4 rows, one KV head axis of 2
