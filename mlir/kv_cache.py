@@ -139,7 +139,8 @@ def _query_padding(spec: KvCacheSpec, total_q: ir.Value) -> ir.Value:
     """Rows the queries (and outputs) are padded by: one query tile, so that a tile starting
     near the end never reads out of bounds; only SMALL_Q_TILE when the whole call has at most
     that many queries, as every entry then runs one SMALL_Q_TILE tile (a 16-token call pads to
-    32 rows instead of 80: the fill and transpose of its query rows took 76 us, iree-profile)."""
+    32 tokens instead of 80: the fill and transpose of its query rows had taken 76 us under
+    iree-profile)."""
     if spec.q_tile <= SMALL_Q_TILE:
         return const_index(spec.q_tile)
     return arith_d.select(le(total_q, const_index(SMALL_Q_TILE)), const_index(SMALL_Q_TILE),
