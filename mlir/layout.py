@@ -74,16 +74,15 @@ def write_tile(rows: ir.Value, dest: ir.Value, entry: IndexLike, first_token: ir
 
 
 def first_fence() -> ir.Value:
-    """The fence a loop over query tiles starts with (see :func:`fence_after`): a 0-d f32 constant.
+    """The fence a loop over query tiles starts with (see :func:`fence_after`): a 0-d f32 constant,
+    which needs no dispatch (a fill did).
 
-    The first tile's :func:`waited` then reads a value that is ready at once. The fill used before
-    was queued behind the query and K/V layout dispatches, so the host stalled until they were done
-    before it issued any KV step. Small ragged call (16 queries, 256 keys), iree-benchmark-module
-    mean of 300 calls, three alternating runs: 3.3-4.1 ms with the fill, 2.3-3.2 with the constant
-    and the short-call query padding of kv_cache._query_padding (the old padding with the read
-    skipped on the first tile: 3.1-3.3).
-    (Skipping the read with an ``scf.if`` on the first tile instead made IREE 3.13 fail two-entry
-    calls: "transient buffer has not been committed" at hal.fence.await.)
+    The first tile still reads it back, and IREE's local-task queue runs submissions in order, so
+    that read completes only after the dispatches queued before it (iree-profile timeline of the
+    small ragged call). Against the fill, the constant measured the same: iree-benchmark-module
+    mean of 300 calls, four alternating runs, 4.7-5.0 ms with the fill and 4.4-5.0 with the
+    constant. Skipping the first tile's read with an ``scf.if`` made IREE 3.13 fail two-entry calls
+    ("transient buffer has not been committed" at hal.fence.await).
     """
     zero = ir.DenseElementsAttr.get_splat(ir.RankedTensorType.get([], f32()), ir.FloatAttr.get(f32(), 0.0))
     return on_target_device(arith_d.constant(zero.type, zero), [])
