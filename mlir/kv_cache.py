@@ -32,9 +32,7 @@ from .ir import (
     affine_map,
 )
 from .layout import fence_after, first_fence, group_query_rows, waited, write_tile
-from .online_softmax import (
-    CUDA_ROW_CHUNK, KvTile, ScoreIndices, ScoreMask, online_softmax, unmasked_kv_tiles,
-)
+from .online_softmax import KvTile, ScoreIndices, ScoreMask, online_softmax, unmasked_kv_tiles
 from .rope import apply_rope
 from .specs import SMALL_Q_TILE, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec
 
@@ -440,7 +438,7 @@ def _length_info_type(spec):
     return tensor_type([3, DYN] if spec.sliding_window else [DYN], i32())
 
 
-def build_ragged_prefill(spec: RaggedPrefillSpec, *, row_chunk: int | None = CUDA_ROW_CHUNK) -> ir.Module:
+def build_ragged_prefill(spec: RaggedPrefillSpec, *, row_chunk: int | None) -> ir.Module:
     """``batch_prefill_ragged_kv(q, q_indptr, k, v, kv_indptr, q_rope_position, k_rope_pos_offset,
     causal, rotary_mode, rope_scale, rope_theta, sm_scale) -> (output, lse)``."""
     dt = lambda: element_type(spec.dtype)  # noqa: E731 - types need the open context
@@ -463,7 +461,7 @@ def build_ragged_prefill(spec: RaggedPrefillSpec, *, row_chunk: int | None = CUD
     return _function(spec, arg_types, spec.d_v, emit)
 
 
-def build_paged_prefill(spec: PagedPrefillSpec, *, row_chunk: int | None = CUDA_ROW_CHUNK) -> ir.Module:
+def build_paged_prefill(spec: PagedPrefillSpec, *, row_chunk: int | None) -> ir.Module:
     """``batch_prefill_paged_kv[_sliding_window](q, q_indptr, pages, page_indptr, page_values,
     length_info, k_rope_pos_offset, q_rope_position, causal, rotary_mode, rope_scale, rope_theta,
     sm_scale) -> (output, lse)``."""
@@ -487,7 +485,7 @@ def build_paged_prefill(spec: PagedPrefillSpec, *, row_chunk: int | None = CUDA_
     return _function(spec, arg_types, spec.d, emit)
 
 
-def build_mla_prefill(spec: MlaPagedPrefillSpec, *, row_chunk: int | None = CUDA_ROW_CHUNK) -> ir.Module:
+def build_mla_prefill(spec: MlaPagedPrefillSpec, *, row_chunk: int | None) -> ir.Module:
     """``batch_prefill_paged_kv_mla[_sliding_window](q, q_indptr, pages, page_indptr, page_values,
     length_info, causal, sm_scale) -> (output [Lq, h_q, d_latent], lse)``."""
     dt = lambda: element_type(spec.dtype)  # noqa: E731

@@ -139,8 +139,8 @@ def _scale_and_mask(raw: ir.Value, mask: ScoreMask, kv_start: ir.Value, scale: i
 
 
 #: Widest row IREE 3.13's CUDA backend reduces in one op: a 256-column row reduction fails there
-#: ("failed to distribute"); reduced as two 128-column chunks, it compiles. The default
-#: ``row_chunk`` of the builders; pipeline/tuning.py picks it per target.
+#: ("failed to distribute"); reduced as two 128-column chunks, it compiles. build_module's default
+#: ``row_chunk``; pipeline/tuning.py picks it per target.
 CUDA_ROW_CHUNK = 128
 
 
@@ -237,7 +237,7 @@ def online_softmax(
     mask: ScoreMask,
     sm_scale: Union[float, ir.Value],
     unmasked_tiles: ir.Value | None = None,
-    row_chunk: int | None = CUDA_ROW_CHUNK,
+    row_chunk: int | None,
 ) -> AttentionTile:
     """Attention of one query tile over ``num_kv_tiles`` KV tiles of ``kv_tile`` columns.
 

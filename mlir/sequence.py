@@ -25,7 +25,7 @@ from .ir import (
     on_target_device, scf_d, sizes_of, storage_tiles, tensor_d, tensor_type, tie_dims, widened,
 )
 from .layout import fence_after, first_fence, group_query_rows, waited, write_tile
-from .online_softmax import CUDA_ROW_CHUNK, KvTile, ScoreIndices, ScoreMask, online_softmax, unmasked_kv_tiles
+from .online_softmax import KvTile, ScoreIndices, ScoreMask, online_softmax, unmasked_kv_tiles
 from .specs import SMALL_Q_TILE, MaskedSequencePrefillSpec, SequencePrefillSpec
 
 SequenceSpec = Union[SequencePrefillSpec, MaskedSequencePrefillSpec]
@@ -137,7 +137,7 @@ def _visible_kv_tiles(spec: SequenceSpec, q_tile: int, lengths: _Lengths, first_
     return ceil_div(kv_end, spec.kv_tile)
 
 
-def build_sequence_prefill(spec: SequenceSpec, *, row_chunk: int | None = CUDA_ROW_CHUNK) -> ir.Module:
+def build_sequence_prefill(spec: SequenceSpec, *, row_chunk: int | None) -> ir.Module:
     """The verified module for a dense (or masked) sequence-prefill spec; symbol ``spec.symbol``.
     ``row_chunk``: the widest row the online softmax reduces in one op (None: whole rows)."""
     masked = isinstance(spec, MaskedSequencePrefillSpec)
