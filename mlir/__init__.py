@@ -1,5 +1,8 @@
 """IR builders: typed MLIR bindings, one online-softmax emitter, one spec per variant."""
 
+from .fused_kernels import (
+    build_fused_mla_prefill, build_fused_paged_prefill, build_fused_ragged_prefill, build_fused_sequence_prefill,
+)
 from .kv_cache import build_mla_prefill, build_paged_prefill, build_ragged_prefill
 from .online_softmax import CUDA_ROW_CHUNK
 from .sequence import build_sequence_prefill
@@ -16,6 +19,13 @@ _BUILDERS = {
     MlaPagedPrefillSpec: build_mla_prefill,
 }
 SPEC_TYPES = tuple(_BUILDERS)
+_FUSED_BUILDERS = {
+    SequencePrefillSpec: build_fused_sequence_prefill,
+    MaskedSequencePrefillSpec: build_fused_sequence_prefill,
+    RaggedPrefillSpec: build_fused_ragged_prefill,
+    PagedPrefillSpec: build_fused_paged_prefill,
+    MlaPagedPrefillSpec: build_fused_mla_prefill,
+}
 
 
 def build_module(spec, *, row_chunk: int | None = CUDA_ROW_CHUNK):
@@ -29,7 +39,16 @@ def build_module(spec, *, row_chunk: int | None = CUDA_ROW_CHUNK):
     return builder(spec, row_chunk=row_chunk)
 
 
+def build_fused_module(spec):
+    """The verified MLIR module of the fused lowering (mlir/fused_kernels.py) for any spec."""
+    try:
+        builder = _FUSED_BUILDERS[type(spec)]
+    except KeyError:
+        raise TypeError(f"no IR builder for {type(spec).__name__}") from None
+    return builder(spec)
+
+
 __all__ = [
     "SequencePrefillSpec", "MaskedSequencePrefillSpec", "RaggedPrefillSpec", "PagedPrefillSpec",
-    "MlaPagedPrefillSpec", "SPEC_TYPES", "SpecError", "build_module",
+    "MlaPagedPrefillSpec", "SPEC_TYPES", "SpecError", "build_module", "build_fused_module",
 ]

@@ -275,6 +275,20 @@ def on_target_device(tensor: ir.Value, sizes: Sequence[IndexLike]) -> ir.Value:
     return op.result
 
 
+def own_dispatch(build: Callable[[], ir.Value], result_type: ir.Type, sizes: Sequence[IndexLike]) -> ir.Value:
+    """The ``result_type`` tensor ``build()`` makes, computed in a ``flow.dispatch.region`` of its
+    own (``sizes`` as for :func:`tie_dims`), so that IREE fuses nothing else into its dispatch: a
+    tensor only the host reads then gets a staging buffer of its own instead of a slot in a shared
+    transient one, which IREE 3.13 copied to the host element by element at every read."""
+    dynamic = [s for s in sizes if not isinstance(s, int)]
+    region_op = ir.Operation.create(
+        "flow.dispatch.region", results=[result_type], operands=dynamic,
+        attributes={"operandSegmentSizes": ir.DenseI32ArrayAttr.get([len(dynamic), 0])}, regions=2)
+    with ir.InsertionPoint(region_op.regions[0].blocks.append()):
+        ir.Operation.create("flow.return", operands=[build()])
+    return region_op.result
+
+
 def tie_dims(tensor: ir.Value, sizes: Sequence[IndexLike]) -> ir.Value:
     """``tensor`` annotated with its dynamic dims (``flow.tensor.tie_shape``).
 

@@ -32,6 +32,7 @@ from .ir import (
     affine_map,
 )
 from .layout import fence_after, first_fence, group_query_rows, waited, write_tile
+from .masks import kv_cache_validity
 from .online_softmax import KvTile, ScoreIndices, ScoreMask, online_softmax, unmasked_kv_tiles
 from .rope import apply_rope
 from .specs import SMALL_Q_TILE, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec
@@ -222,10 +223,8 @@ def _attend_entries(
 
             def valid(idx: ScoreIndices, _extras):
                 col = arith_d.addi(idx.kv_start, idx.n)
-                row = arith_d.addi(first_local, arith_d.divui(idx.m, const_index(group)))
-                in_diagonal = le(col, arith_d.addi(row, diagonal))
-                causal_ok = arith_d.ori(logical_not(causal_on), in_diagonal)
-                return arith_d.andi(lt(col, kv.kv_len), causal_ok)
+                return kv_cache_validity(col, lambda: arith_d.addi(first_local, arith_d.divui(idx.m, const_index(group))),
+                                         kv_len=kv.kv_len, diagonal=diagonal, causal=causal_on)
 
             last_row_end = arith_d.minsi(arith_d.addi(first_local, const_index(tile_tokens)), qo_len)
             causal_end = arith_d.maxsi(arith_d.minsi(arith_d.addi(last_row_end, diagonal), kv.kv_len),
@@ -353,22 +352,38 @@ def _gather_rows(spec, table: _PageTable, page_values, fetch, shape, elem) -> ir
     kv_pad = arith_d.muli(storage_tiles(table.kv_len, spec.kv_tile), const_index(spec.kv_tile))
     out = empty([kv_pad, *shape], elem)
     rank = 1 + len(shape)
-    last_page_slot = arith_d.maxsi(arith_d.subi(dim(page_values, 0), const_index(1)), const_index(0))
-    last_row = arith_d.maxsi(arith_d.subi(table.physical_len, const_index(1)), const_index(0))
+    bounds = page_bounds(table, page_values)
 
     def body(_out):
-        r = linalg_d.IndexOp(0).result
-        remapped = arith_d.addi(arith_d.subi(r, table.sink), table.window_offset)
-        physical = arith_d.select(lt(r, table.sink), r, remapped)
-        physical = arith_d.maxsi(arith_d.minsi(physical, last_row), const_index(0))
-        page_slot = arith_d.addi(table.first_page, arith_d.divui(physical, const_index(spec.page_size)))
-        page_slot = arith_d.minsi(page_slot, last_page_slot)
-        page = arith_d.index_cast(index(), tensor_d.extract(page_values, [page_slot]))
-        slot = arith_d.remui(physical, const_index(spec.page_size))
+        page, slot = physical_row(spec, table, page_values, linalg_d.IndexOp(0).result, bounds)
         out_indices = [linalg_d.IndexOp(i).result for i in range(1, rank)]
         return [fetch(page, slot, out_indices)]
 
     return generic([], [out], [affine_map(rank, range(rank))], "p" * rank, body)[0]
+
+
+def page_bounds(table: _PageTable, page_values: ir.Value) -> tuple[ir.Value, ir.Value]:
+    """(last page slot of page_values, last physical row of the entry), both at least 0: the
+    clamps of :func:`physical_row`."""
+    last_page_slot = arith_d.maxsi(arith_d.subi(dim(page_values, 0), const_index(1)), const_index(0))
+    last_row = arith_d.maxsi(arith_d.subi(table.physical_len, const_index(1)), const_index(0))
+    return last_page_slot, last_row
+
+
+def physical_row(spec, table: _PageTable, page_values: ir.Value, r: ir.Value,
+                 bounds: tuple[ir.Value, ir.Value]) -> tuple[ir.Value, ir.Value]:
+    """(page id, slot) of the entry's logical row ``r`` (§2): the sink rows [0, sink) are the
+    first physical rows, the rest start at ``window_offset``; every index is clamped into range
+    (``bounds`` from :func:`page_bounds`), so rows past kv_len never read out of bounds."""
+    last_page_slot, last_row = bounds
+    remapped = arith_d.addi(arith_d.subi(r, table.sink), table.window_offset)
+    physical = arith_d.select(lt(r, table.sink), r, remapped)
+    physical = arith_d.maxsi(arith_d.minsi(physical, last_row), const_index(0))
+    page_slot = arith_d.addi(table.first_page, arith_d.divui(physical, const_index(spec.page_size)))
+    page_slot = arith_d.minsi(page_slot, last_page_slot)
+    page = arith_d.index_cast(index(), tensor_d.extract(page_values, [page_slot]))
+    slot = arith_d.remui(physical, const_index(spec.page_size))
+    return page, slot
 
 
 def _clamped_page(page: ir.Value, pages: ir.Value) -> ir.Value:

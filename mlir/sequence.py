@@ -24,6 +24,7 @@ from .ir import (
     extract_slice, f32, fill, func_d, generic, i32, ir, le, linalg_d, lt, module_context, one_of,
     on_target_device, scf_d, sizes_of, storage_tiles, tensor_d, tensor_type, tie_dims, widened,
 )
+from .masks import sequence_validity
 from .layout import fence_after, first_fence, group_query_rows, waited, write_tile
 from .online_softmax import KvTile, ScoreIndices, ScoreMask, online_softmax, unmasked_kv_tiles
 from .specs import SMALL_Q_TILE, MaskedSequencePrefillSpec, SequencePrefillSpec
@@ -88,41 +89,12 @@ class _Lengths:
         return arith_d.addi(first_token, arith_d.divui(m, const_index(self.group)))
 
 
-def _and(*conds):
-    result = conds[0]
-    for c in conds[1:]:
-        result = arith_d.andi(result, c)
-    return result
-
-
-def _sequence_mask(spec: SequencePrefillSpec, lengths: _Lengths, first_token: ir.Value) -> ScoreMask:
+def _sequence_mask(spec: SequenceSpec, lengths: _Lengths, first_token: ir.Value,
+                   valid_len: ir.Value | None = None) -> ScoreMask:
     def predicate(idx: ScoreIndices, _extras):
         col = arith_d.addi(idx.kv_start, idx.n)
-        conds = [lt(col, lengths.kv_len)]
-        if spec.causal:
-            row = lengths.token(first_token, idx.m)
-            conds.append(le(col, arith_d.addi(row, lengths.diagonal)))
-        return _and(*conds)
-
-    return ScoreMask(predicate=predicate)
-
-
-def _masked_sequence_mask(
-    spec: MaskedSequencePrefillSpec, lengths: _Lengths, first_token: ir.Value, valid_len: ir.Value
-) -> ScoreMask:
-    def predicate(idx: ScoreIndices, _extras):
-        col = arith_d.addi(idx.kv_start, idx.n)
-        row = lengths.token(first_token, idx.m)
-        if spec.mask_mode == "padded":
-            return _and(lt(col, lengths.kv_len), lt(col, valid_len), lt(row, valid_len))
-        first_valid_row = arith_d.subi(lengths.q_len, valid_len)
-        first_valid_col = arith_d.subi(lengths.kv_len, valid_len)
-        return _and(
-            lt(col, lengths.kv_len),
-            le(first_valid_row, row),
-            le(first_valid_col, col),
-            le(col, arith_d.addi(row, lengths.diagonal)),
-        )
+        return sequence_validity(spec, col, lambda: lengths.token(first_token, idx.m), q_len=lengths.q_len,
+                                 kv_len=lengths.kv_len, diagonal=lengths.diagonal, valid_len=valid_len)
 
     return ScoreMask(predicate=predicate)
 
@@ -230,10 +202,7 @@ def _emit_body(spec: SequenceSpec, tile_tokens: int, row_chunk: int | None, q, k
             first_token = arith_d.muli(q_tiles.induction_variable, const_index(tile_tokens))
             first_row = arith_d.addi(arith_d.muli(first_token, const_index(group)), waited(fence))
             q_tile = extract_slice(q_rows, [b, 0, first_row, 0], [1, h_kv, tile_rows, d])
-            if valid_len is not None:
-                mask = _masked_sequence_mask(spec, lengths, first_token, valid_len)
-            else:
-                mask = _sequence_mask(spec, lengths, first_token)
+            mask = _sequence_mask(spec, lengths, first_token, valid_len)
             result = online_softmax(
                 q_tile,
                 num_kv_tiles=_visible_kv_tiles(spec, tile_tokens, lengths, first_token, num_kv_tiles),

@@ -21,7 +21,8 @@ contraction k-major ([h, d, N]); with [h, N, d] every tiling tried stayed near 4
 
 from __future__ import annotations
 
-from ..mlir import build_module
+from ..mlir import build_fused_module, build_module
+from ..mlir.attention_op import ATTENTION_MARKER, TILE
 from ..mlir.ir import ir
 from ..mlir.online_softmax import CONTRACTION_MARKER, CUDA_ROW_CHUNK
 from .targets import Target
@@ -44,22 +45,74 @@ def _cpu_compilation_info(loops: int) -> ir.Attribute:
         "translation_info = #iree_codegen.translation_info<pipeline = #iree_cpu.pipeline<DoubleTilingExpert>>>")
 
 
-def apply_tuning(module: ir.Module, target: Target) -> ir.Module:
-    """Replaces every contraction marker in ``module`` (in place) for ``target``; returns it."""
-    marked = []
+#: Tensor-core instruction per operand type on IREE 3.13's CUDA target (sm_80 mma.sync, f32 sums).
+CUDA_MMA_KIND = {"f16": "NV_MMA_SYNC_F32_16x8x16_F16", "bf16": "NV_MMA_SYNC_F32_16x8x16_BF16"}
+#: Widest head dim the tuned configuration takes (MLA's 576-wide rows: IREE's own configuration,
+#: see _cuda_attention_config).
+CUDA_TUNED_MAX_HEAD_DIM = 256
+#: Warps of a fused attention workgroup; each owns 16 of the workgroup's query rows.
+CUDA_ATTENTION_WARPS = 4
+
+
+def _cuda_attention_config(query_type: ir.RankedTensorType, loops: tuple[str, ...]) -> dict[str, ir.Attribute] | None:
+    """compilation_info + decomposition_config of one online_attention op with ``loops`` (named
+    as in ``attention_op.ALL_LOOPS``): a workgroup takes TILE query rows of one (KV head, group
+    member) with the whole head dim (no Q.K^T recompute across workgroups) and steps through
+    TILE keys at a time; the warps split the rows. None for f32 (no tensor cores on this target:
+    IREE's default SIMT configuration)."""
+    kind = CUDA_MMA_KIND.get(str(query_type.element_type))
+    if kind is None or query_type.shape[-1] > CUDA_TUNED_MAX_HEAD_DIM:
+        return None
+
+    def per_loop(**sizes):
+        return [sizes.get(name, 0) for name in loops]
+
+    def basis(skipped):
+        counts = per_loop(h=1, g=1, qi=CUDA_ATTENTION_WARPS, k1=1, kt=1, ki=1, n=1)
+        return f"subgroup_basis = [{counts}, {[i for i, name in enumerate(loops) if name != skipped]}]"
+
+    mma = f"mma_kind = #iree_gpu.mma_layout<{kind}>"
+    decomposition = ir.Attribute.parse(
+        f"{{qk_attrs = {{lowering_config = #iree_gpu.lowering_config<{{{mma}, promote_operands = [0, 1], "
+        f"{basis('n')}}}>}}, pv_attrs = {{lowering_config = #iree_gpu.lowering_config<{{{mma}, "
+        f"promote_operands = [1], {basis('k1')}}}>}}}}")
+    workgroup = per_loop(h=1, g=1, qi=TILE)
+    reduction = per_loop(kt=1, ki=TILE)
+    compilation = ir.Attribute.parse(
+        "#iree_codegen.compilation_info<lowering_config = #iree_gpu.lowering_config<{promote_operands = [0, 1, 2], "
+        f"reduction = {reduction}, workgroup = {workgroup}}}>, "
+        "translation_info = #iree_codegen.translation_info<pipeline = #iree_gpu.pipeline<VectorDistribute> "
+        f"workgroup_size = [{32 * CUDA_ATTENTION_WARPS}, 1, 1] subgroup_size = 32>>")
+    return {"decomposition_config": decomposition, "compilation_info": compilation}
+
+
+def _marked(module: ir.Module, marker: str) -> list[ir.Operation]:
+    found = []
 
     def visit(op):
-        if CONTRACTION_MARKER in op.attributes:
-            marked.append(op)
+        if marker in op.attributes:
+            found.append(op)
         return ir.WalkResult.ADVANCE
 
     module.operation.walk(visit)
+    return found
+
+
+def apply_tuning(module: ir.Module, target: Target) -> ir.Module:
+    """Replaces every contraction and attention marker in ``module`` (in place) for ``target``;
+    returns it."""
     with module.context:
-        for op in marked:
+        for op in _marked(module, CONTRACTION_MARKER):
             del op.attributes[CONTRACTION_MARKER]
             if target.backend == "llvm-cpu":
                 loops = len(ir.ArrayAttr(op.attributes["iterator_types"]))
                 op.attributes["compilation_info"] = _cpu_compilation_info(loops)
+        for op in _marked(module, ATTENTION_MARKER):
+            loops = tuple(ir.StringAttr(name).value for name in ir.ArrayAttr(op.attributes[ATTENTION_MARKER]))
+            del op.attributes[ATTENTION_MARKER]
+            config = _cuda_attention_config(op.operands[0].type, loops) if target.backend == "cuda" else None
+            for name, value in (config or {}).items():
+                op.attributes[name] = value
     return module
 
 
@@ -73,5 +126,9 @@ ROW_CHUNK = {"llvm-cpu": None, "cuda": CUDA_ROW_CHUNK}
 
 
 def tuned_ir(spec, target: Target) -> str:
-    """The MLIR text iree-compile gets for ``spec`` on ``target``."""
-    return str(apply_tuning(build_module(spec, row_chunk=ROW_CHUNK[target.backend]), target))
+    """The MLIR text iree-compile gets for ``spec`` on ``target``, in the target's lowering."""
+    if target.lowering == "fused":
+        module = build_fused_module(spec)
+    else:
+        module = build_module(spec, row_chunk=ROW_CHUNK[target.backend])
+    return str(apply_tuning(module, target))

@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from linalg_prefill.pipeline import ArtifactCache
+from linalg_prefill.pipeline import ArtifactCache, Target
 from linalg_prefill.runtime import cuda_available
 
 # (atol, rtol). fp32 on inputs in [-1, 1]: 1e-4 absolute (DEVELOPERS.md). fp16: FlashInfer's
@@ -30,8 +30,12 @@ ROTATED_TOLERANCE = {"float32": (TOLERANCE["float32"], (LSE_TOLERANCE, 0.0)),
                      "bfloat16": ((5e-3, 8e-3), (1e-2, 4e-3))}
 NUMPY_DTYPE = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 
+#: Every numerics test runs on each: llvm-cpu (its linalg lowering), the fused lowering CUDA uses
+#: compiled for llvm-cpu (same IR structure, so a wrong mask or index shows up without a GPU),
+#: and CUDA itself where a device exists.
 BACKENDS = [
     "llvm-cpu",
+    pytest.param(Target("llvm-cpu", lowering="fused"), id="llvm-cpu-fused"),
     pytest.param("cuda", marks=pytest.mark.skipif(not cuda_available(), reason="no CUDA device")),
 ]
 

@@ -1,0 +1,174 @@
+"""One query band through IREE's ``iree_linalg_ext.online_attention``: the fused lowering's core.
+
+IREE tiles ``online_attention`` over the KV axis itself and decomposes it into the online-softmax
+loop inside one dispatch (on CUDA: the ``VectorDistribute`` pipeline with ``mma.sync`` for
+f16/bf16 operands). The op returns the unnormalised accumulator and the running max and sum;
+two consumer generics, fused into the same dispatch, turn them into the output and the base-2
+lse. Shapes (a band of ``band`` query tokens, a multiple of TILE; Tk KV tiles of TILE tokens;
+G = h_q // h_kv):
+
+    q_band   [band, h_kv, G, d_qk]       input dtype (token-major: a slice of the padded queries)
+    keys     [Tk, h_kv, TILE, d_qk]      input dtype (tile-major, rows past the KV length zero)
+    values   [Tk, h_kv, TILE, d_v]       input dtype
+    mask     [h_kv, G, band, Tk, TILE]   i1, a generic over indices, fused (nothing stored)
+    output   [band, h_kv, G, d_v]        input dtype;  lse [band, h_kv, G] f32, base 2
+
+Loops of the op: ``ALL_LOOPS`` = (h, g, qi, k1, kt, ki, n), less a unit head loop. The band is one static dim
+(IREE collapses adjacent static dims, so a [Tb, TILE] split would not survive), tiled by TILE
+rows per workgroup. Scaling: IREE multiplies Q by ``scale * log2(e)``
+in Q's dtype before the contraction, which would round every query element of f16/bf16 inputs.
+The op therefore gets ``scale = ln 2`` (Q times 1) and the region multiplies the f32 score by
+``sm_scale * log2(e)``: scores are exact f32 products, and ``max + log2(sum)`` is the base-2 lse.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Union
+
+from .ir import (
+    affine_map, arith_d, collapse, const_f32, const_index, empty, expand, f32, fill, generic, i1, ir, linalg_d,
+    math_d, sizes_of,
+)
+from .online_softmax import EMPTY_ROW_LSE, LOG2E
+
+#: Tokens per query tile and per KV tile: the op's innermost dims stay static (a dynamic sequence
+#: dim puts IREE's CUDA backend on a one-row-per-workgroup SIMT configuration, without mma).
+TILE = 64
+#: Discardable attribute on every online_attention op; pipeline/tuning.py replaces it with the
+#: target's tile configuration (or removes it, keeping IREE's default).
+ATTENTION_MARKER = "linalg_prefill.attention"
+# Finite start of the running max: with -inf a fully masked first KV tile gives NaN.
+_RUNNING_MAX_START = -3.4028234663852886e38
+
+#: Validity of (query row, KV column) as index values local to the band's entry -> i1.
+Validity = Callable[[ir.Value, ir.Value], ir.Value]
+
+
+def attend_band(q_band: ir.Value, keys: ir.Value, values: ir.Value, *, first_row: ir.Value,
+                valid: Validity, sm_scale: Union[float, ir.Value]) -> tuple[ir.Value, ir.Value]:
+    """(output, lse) of one band; ``first_row`` is the entry-local token of the band's row 0 and
+    ``valid(row, col)`` decides which pairs enter the softmax (rows and columns entry-local)."""
+    band, h_kv, group, _d_qk = ir.RankedTensorType(q_band.type).shape
+    d_v = ir.RankedTensorType(values.type).shape[3]
+    elem = ir.RankedTensorType(q_band.type).element_type
+    # A unit head loop (h_kv == 1, as in MLA, or G == 1) is left out of the op: IREE drops unit
+    # loops, and the tile configuration must name every loop that remains.
+    loops = tuple(name for name in ALL_LOOPS if not (name == "h" and h_kv == 1 or name == "g" and group == 1))
+    rows = ("qi", "h", "g")
+    mask = _squeezed(_mask(valid, first_row, [h_kv, group, band, sizes_of(keys)[0], TILE]),
+                     ("h", "g", "qi", "kt", "ki"), loops)
+    row_sizes = [size for name, size in zip(rows, (band, h_kv, group)) if name in loops]
+    acc = fill(const_f32(0.0), [*row_sizes, d_v], f32())
+    row_max = fill(const_f32(_RUNNING_MAX_START), row_sizes, f32())
+    row_sum = fill(const_f32(0.0), row_sizes, f32())
+    score_scale = (arith_d.mulf(sm_scale, const_f32(LOG2E)) if isinstance(sm_scale, ir.Value)
+                   else const_f32(sm_scale * LOG2E))
+    acc, row_max, row_sum = _online_attention(
+        loops, _squeezed(q_band, (*rows, "k1"), loops), _squeezed(keys, ("kt", "h", "ki", "k1"), loops),
+        _squeezed(values, ("kt", "h", "ki", "n"), loops), mask, acc, row_max, row_sum, score_scale)
+    output = _normalised(acc, row_sum, elem)
+    lse = _lse(row_max, row_sum)
+    return (_unsqueezed(output, (*rows, "n"), loops, [band, h_kv, group, d_v]),
+            _unsqueezed(lse, rows, loops, [band, h_kv, group]))
+
+
+def _groups(names: tuple, loops: tuple) -> list[list[int]]:
+    """Reassociation merging each dim whose loop is not in ``loops`` (a unit dim) into a kept one."""
+    groups, pending = [], []
+    for i, name in enumerate(names):
+        pending.append(i)
+        if name in loops:
+            groups.append(pending)
+            pending = []
+    if pending:
+        groups[-1].extend(pending)
+    return groups
+
+
+def _squeezed(x: ir.Value, names: tuple, loops: tuple) -> ir.Value:
+    """``x`` (dims named ``names``) without its dims whose loops the op leaves out."""
+    groups = _groups(names, loops)
+    return x if len(groups) == len(names) else collapse(x, groups)
+
+
+def _unsqueezed(x: ir.Value, names: tuple, loops: tuple, sizes: list) -> ir.Value:
+    """The inverse of :func:`_squeezed`: ``x`` back to the full ``sizes``."""
+    groups = _groups(names, loops)
+    return x if len(groups) == len(names) else expand(x, groups, sizes)
+
+
+def _mask(valid: Validity, first_row: ir.Value, sizes: list) -> ir.Value:
+    """i1 [h_kv, G, band, Tk, TILE]: ``valid(first_row + qi, kt * TILE + ki)``."""
+
+    def body(_out):
+        qi, kt, ki = (linalg_d.IndexOp(i).result for i in (2, 3, 4))
+        col = arith_d.addi(arith_d.muli(kt, const_index(TILE)), ki)
+        return [valid(arith_d.addi(first_row, qi), col)]
+
+    return generic([], [empty(sizes, i1())], [affine_map(5, range(5))], "ppppp", body)[0]
+
+
+#: Loops of the online_attention op, less any unit head loop; the op's ATTENTION_MARKER names the
+#: ones it has, and pipeline/tuning.py sizes its tiles by these names.
+ALL_LOOPS = ("h", "g", "qi", "k1", "kt", "ki", "n")
+
+
+def _online_attention(loops, q, k, v, mask, acc, row_max, row_sum, score_scale):
+    """The op over ``loops``; returns (acc, max, sum)."""
+    n = len(loops)
+
+    def m(*dims):
+        return affine_map(n, [loops.index(d) for d in dims if d in loops])
+
+    rows = ("qi", "h", "g")
+    maps = [m(*rows, "k1"), m("kt", "h", "ki", "k1"), m("kt", "h", "ki", "n"), ir.AffineMap.get(n, 0, []),
+            m("h", "g", "qi", "kt", "ki"), m(*rows, "n"), m(*rows), m(*rows)]
+    op = ir.Operation.create(
+        "iree_linalg_ext.online_attention",
+        results=[acc.type, row_max.type, row_sum.type],
+        operands=[q, k, v, const_f32(math.log(2.0)), mask, acc, row_max, row_sum],
+        attributes={
+            "indexing_maps": ir.ArrayAttr.get([ir.AffineMapAttr.get(m) for m in maps]),
+            "operandSegmentSizes": ir.DenseI32ArrayAttr.get([1, 1, 1, 1, 1, 1, 1, 1]),
+            ATTENTION_MARKER: ir.ArrayAttr.get([ir.StringAttr.get(name) for name in loops]),
+        },
+        regions=1,
+    )
+    block = op.regions[0].blocks.append(f32())
+    with ir.InsertionPoint(block):
+        ir.Operation.create("iree_linalg_ext.yield", operands=[arith_d.mulf(block.arguments[0], score_scale)])
+    return list(op.results)
+
+
+def _no_key(row_sum: ir.Value) -> ir.Value:
+    """A row saw no valid key exactly when its sum is 0 (a NaN sum stays NaN, as in online_softmax)."""
+    return arith_d.cmpf(arith_d.CmpFPredicate.OEQ, row_sum, const_f32(0.0))
+
+
+def _normalised(acc: ir.Value, row_sum: ir.Value, elem: ir.Type) -> ir.Value:
+    """``acc / sum`` in ``elem``, shaped like ``acc`` [..., h_kv, G, d_v]; 0 for rows without a
+    valid key."""
+    sizes = sizes_of(acc)
+    rank = len(sizes)
+    zero = const_f32(0.0)
+
+    def body(a, s, _out):
+        value = arith_d.select(_no_key(s), zero, arith_d.divf(a, s))
+        return [value if elem == f32() else arith_d.truncf(elem, value)]
+
+    maps = [affine_map(rank, range(rank)), affine_map(rank, range(rank - 1)), affine_map(rank, range(rank))]
+    return generic([acc, row_sum], [empty(sizes, elem)], maps, "p" * rank, body)[0]
+
+
+def _lse(row_max: ir.Value, row_sum: ir.Value) -> ir.Value:
+    """``max + log2(sum)`` [Tb, TILE, h_kv, G] f32; EMPTY_ROW_LSE for rows without a valid key.
+    A generic of its own: one generic with both results cost an 8.7 KB stack frame on CUDA."""
+    empty_lse = const_f32(EMPTY_ROW_LSE)
+
+    def body(m, s, _out):
+        return [arith_d.select(_no_key(s), empty_lse, arith_d.addf(m, math_d.log2(s)))]
+
+    rank = ir.RankedTensorType(row_max.type).rank
+    ident = affine_map(rank, range(rank))
+    return generic([row_max, row_sum], [empty(sizes_of(row_max), f32())], [ident] * 3, "p" * rank, body)[0]

@@ -1,0 +1,527 @@
+"""The fused lowering of every variant: the KV loop inside one ``online_attention`` dispatch per
+query band (attention_op.py), the lowering the CUDA target uses (pipeline/tuning.py).
+
+Same function signatures and semantics as the linalg lowering (sequence.py, kv_cache.py), and the
+same variant logic: the masks (``masks.py``), RoPE (``rope.py``, rotated values rounded to the
+input dtype) and the page remap (``kv_cache.physical_row``). What differs is the structure:
+
+* Operands stay in the input dtype (f16/bf16 reach the tensor cores); accumulation is f32.
+* K and V are laid out once per call, before any loop, as tile-major ``[T, h_kv, TILE, d]``
+  (dense: per batch entry; KV cache: every entry's rows at a tile boundary of one batch-wide
+  buffer, ``tile_offset(b) = base(b) // TILE + b`` with ``base`` the entry's first row of storage,
+  so an entry of n rows owns at least ceil(n / TILE) tiles and no entry-dependent buffer is
+  allocated inside a loop). Rows past an entry's length are zero, so nothing another entry holds
+  (NaN included) reaches it.
+* The host walks batch entries and query bands of ``BAND_TILES * TILE`` tokens (``TILE`` tokens
+  for a call or entry with at most ``TILE`` queries); a band attends to the KV prefix it can see
+  (causal bands stop at their last row's diagonal) in one dispatch and writes its rows in place
+  into the carried, token-order output. A band that runs past its entry writes rows that belong
+  to later entries (or the padding); the later entry, processed after it, writes them again.
+* Nothing the host reads inside a loop is computed on the device: loop bounds and offsets come
+  from the index arguments, so IREE stages them once and no loop waits on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Union
+
+from .attention_op import TILE, attend_band
+from .ir import (
+    DYN, affine_map, arith_d, ceil_div, collapse, const_index, dim, element_type, empty, expand,
+    extract_slice, f32, fill, func_d, generic, i32, index, insert_slice, ir, le, linalg_d, lt,
+    module_context, on_target_device, one_of, own_dispatch, scf_d, sizes_of, storage_tiles, tensor_d, tensor_type,
+    tie_dims,
+)
+from .kv_cache import (
+    RopeArgs, _is_one, _length_info_type, _page_table, _rotated_if, page_bounds, physical_row,
+)
+from .masks import kv_cache_validity, sequence_validity
+from .specs import MaskedSequencePrefillSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec
+
+#: Query tiles per band of a long call or entry: 256 tokens, the band size of the measured CUDA
+#: example (notes: one execute and one dispatch per band, no host wait).
+BAND_TILES = 4
+
+
+def _zero(elem: ir.Type) -> ir.Value:
+    return arith_d.constant(elem, 0.0)
+
+
+def _pad_rows(x: ir.Value, axis: int, padded: ir.Value) -> ir.Value:
+    """``x`` zero-padded along ``axis`` to ``padded`` rows (``tensor.pad`` at the high end)."""
+    sizes = sizes_of(x)
+    rank = len(sizes)
+    high_static = [0] * rank
+    high_static[axis] = DYN
+    result = tensor_type([DYN if i == axis else (s if isinstance(s, int) else DYN) for i, s in enumerate(sizes)],
+                         ir.RankedTensorType(x.type).element_type)
+    pad = tensor_d.PadOp(result, x, [], [arith_d.subi(padded, sizes[axis])], [0] * rank, high_static)
+    with ir.InsertionPoint(pad.region.blocks.append(*[index()] * rank)):
+        tensor_d.YieldOp(_zero(ir.RankedTensorType(x.type).element_type))
+    return pad.result
+
+
+def _band(q_rows: ir.Value, offsets: list, band: int) -> ir.Value:
+    """[band, h_kv, G, d] of the token-major ``q_rows`` [..., L, h_kv, G, d] at ``offsets`` (the
+    token offset last)."""
+    h_kv, group, d = ir.RankedTensorType(q_rows.type).shape[-3:]
+    lead = len(offsets) - 1
+    rows = extract_slice(q_rows, [*offsets, 0, 0, 0], [*[1] * lead, band, h_kv, group, d])
+    return collapse(rows, [list(range(lead + 1)), [lead + 1], [lead + 2], [lead + 3]]) if lead else rows
+
+
+def _kv_prefix(tiles: ir.Value, offsets: list, count: ir.Value) -> ir.Value:
+    """[count, h_kv, TILE, d]: ``count`` tiles of ``tiles`` [..., T, h_kv, TILE, d] from ``offsets``."""
+    shape = ir.RankedTensorType(tiles.type).shape
+    lead = len(offsets) - 1
+    part = extract_slice(tiles, [*offsets, 0, 0, 0], [*[1] * lead, count, *shape[-3:]])
+    return collapse(part, [list(range(lead + 1)), [lead + 1], [lead + 2], [lead + 3]]) if lead else part
+
+
+def _write_band(result: ir.Value, dest: ir.Value, offsets: list) -> ir.Value:
+    """``dest`` [..., L_pad, h_q, ...] with the band ``result`` [band, h_kv, G, ...] written in
+    token order at ``offsets`` (the token offset last)."""
+    shape = ir.RankedTensorType(result.type).shape
+    tail = list(shape[3:])
+    flat = collapse(result, [[0], [1, 2], *[[3 + i] for i in range(len(tail))]])
+    rows = [shape[0], shape[1] * shape[2], *tail]
+    lead = len(offsets) - 1
+    if lead:
+        flat = expand(flat, [[0, 1], *[[i + 1] for i in range(1, len(rows))]], [1, *rows])
+        rows = [1, *rows]
+    return insert_slice(flat, dest, [*offsets, *[0] * (len(tail) + 1)], rows)
+
+
+def _visible_tiles(causal: Union[bool, ir.Value], last_row_end: ir.Value, diagonal: ir.Value,
+                   kv_len: ir.Value) -> ir.Value:
+    """KV tiles a band must visit: all ``ceil(kv_len / TILE)``, or, when causal, up to the diagonal
+    of its last row (``last_row_end - 1``): the growing KV prefix that skips masked work."""
+    every = ceil_div(kv_len, TILE)
+    if causal is False:
+        return every
+    causal_end = arith_d.maxsi(arith_d.minsi(arith_d.addi(last_row_end, diagonal), kv_len), const_index(0))
+    limited = ceil_div(causal_end, TILE)
+    return limited if causal is True else arith_d.select(causal, limited, every)
+
+
+def _function(symbol: str, arg_types: list, result_types: list, emit) -> ir.Module:
+    """A verified module with one function ``symbol(*args) -> results``."""
+    with module_context() as module:
+        with ir.InsertionPoint(module.body):
+            fn = func_d.FuncOp(symbol, ([t() for t in arg_types], [t() for t in result_types]))
+            with ir.InsertionPoint(fn.add_entry_block()):
+                func_d.ReturnOp(emit(*fn.arguments))
+        module.operation.verify()
+        return module
+
+
+# ---- dense and masked sequence prefill ----
+
+def build_fused_sequence_prefill(spec) -> ir.Module:
+    """``batch_sequence_prefill_kv[_masked](q, k, v[, valid_lens]) -> (output, lse)``, fused."""
+    masked = isinstance(spec, MaskedSequencePrefillSpec)
+    dt = lambda: element_type(spec.dtype)  # noqa: E731 - types need the open context
+    q_type = lambda: tensor_type([DYN, DYN, spec.h_q, spec.d], dt())  # noqa: E731
+    kv_type = lambda: tensor_type([DYN, DYN, spec.h_kv, spec.d], dt())  # noqa: E731
+    arg_types = [q_type, kv_type, kv_type] + ([lambda: tensor_type([DYN], i32())] if masked else [])
+    lse_type = lambda: tensor_type([DYN, DYN, spec.h_q], f32())  # noqa: E731
+
+    def emit(q, k, v, valid_lens=None):
+        sizes = [sizes_of(q), sizes_of(q)[:3]]
+
+        def tied(values):
+            return [tie_dims(value, size) for value, size in zip(values, sizes)]
+
+        def body(band_tiles):
+            return lambda _unused: tied(_sequence_body(spec, band_tiles, q, k, v, valid_lens))
+
+        is_short = le(dim(q, 1), const_index(TILE))
+        placeholders = [empty(sizes[0], dt()), empty(sizes[1], f32())]
+        return one_of(is_short, body(1), body(BAND_TILES), placeholders, tied)
+
+    return _function(spec.symbol, arg_types, [q_type, lse_type], emit)
+
+
+def _dense_tiles(x: ir.Value, stored_tiles: ir.Value) -> ir.Value:
+    """[B, L, h_kv, d] -> [B, stored_tiles, h_kv, TILE, d] in x's dtype, rows at or past L zero
+    (a zero fill when L == 0: there is no row to read)."""
+    batch, length, h_kv, d = sizes_of(x)
+    elem = ir.RankedTensorType(x.type).element_type
+    sizes = [batch, stored_tiles, h_kv, TILE, d]
+    result_type = tensor_type([DYN, DYN, h_kv, TILE, d], elem)
+    branch = scf_d.IfOp(lt(const_index(0), length), [result_type], has_else=True)
+    with ir.InsertionPoint(branch.then_block):
+        last_row = arith_d.subi(length, const_index(1))
+
+        def body(_out):
+            b, t, h, i, j = (linalg_d.IndexOp(n).result for n in range(5))
+            row = arith_d.addi(arith_d.muli(t, const_index(TILE)), i)
+            value = tensor_d.extract(x, [b, arith_d.minsi(row, last_row), h, j])
+            return [arith_d.select(lt(row, length), value, _zero(elem))]
+
+        scf_d.YieldOp([generic([], [empty(sizes, elem)], [affine_map(5, range(5))], "ppppp", body)[0]])
+    with ir.InsertionPoint(branch.else_block):
+        scf_d.YieldOp([fill(_zero(elem), sizes, elem)])
+    return tie_dims(branch.results[0], sizes)
+
+
+def _sequence_body(spec, band_tiles: int, q, k, v, valid_lens):
+    """Entries one at a time, query bands of ``band_tiles * TILE`` tokens."""
+    group, h_kv, d = spec.group_size, spec.h_kv, spec.d
+    batch, q_len, kv_len = dim(q, 0), dim(q, 1), dim(k, 1)
+    band = band_tiles * TILE
+    num_bands = ceil_div(q_len, band)
+    padded = arith_d.muli(num_bands, const_index(band))
+    q5 = expand(q, [[0], [1], [2, 3], [4]], [batch, q_len, h_kv, group, d])
+    q_rows = _pad_rows(q5, 1, padded)
+    stored = storage_tiles(kv_len, TILE)
+    keys, values = _dense_tiles(k, stored), _dense_tiles(v, stored)
+    diagonal = arith_d.subi(kv_len, q_len)
+    out_sizes, lse_sizes = [batch, padded, spec.h_q, d], [batch, padded, spec.h_q]
+    dt = ir.RankedTensorType(q.type).element_type
+
+    def tied(carried):
+        return [tie_dims(carried[0], out_sizes), tie_dims(carried[1], lse_sizes)]
+
+    entries = scf_d.ForOp(const_index(0), batch, const_index(1),
+                          [on_target_device(empty(out_sizes, dt), out_sizes),
+                           on_target_device(empty(lse_sizes, f32()), lse_sizes)])
+    with ir.InsertionPoint(entries.body):
+        b = entries.induction_variable
+        bands = scf_d.ForOp(const_index(0), num_bands, const_index(1), tied(entries.inner_iter_args))
+        with ir.InsertionPoint(bands.body):
+            out_acc, lse_acc = tied(bands.inner_iter_args)
+            first = arith_d.muli(bands.induction_variable, const_index(band))
+            last_row_end = arith_d.minsi(arith_d.addi(first, const_index(band)), q_len)
+            visible = _visible_tiles(spec.causal, last_row_end, diagonal, kv_len)
+
+            def valid(row, col):
+                valid_len = None if valid_lens is None else arith_d.index_cast(index(), tensor_d.extract(valid_lens, [b]))
+                return sequence_validity(spec, col, lambda: row, q_len=q_len, kv_len=kv_len, diagonal=diagonal,
+                                         valid_len=valid_len)
+
+            out, lse = attend_band(_band(q_rows, [b, first], band), _kv_prefix(keys, [b, 0], visible),
+                                   _kv_prefix(values, [b, 0], visible), first_row=first, valid=valid,
+                                   sm_scale=spec.sm_scale)
+            scf_d.YieldOp([_write_band(out, out_acc, [b, first]), _write_band(lse, lse_acc, [b, first])])
+        scf_d.YieldOp(tied(bands.results))
+    out, lse = tied(entries.results)
+    return [extract_slice(out, [0, 0, 0, 0], [batch, q_len, spec.h_q, d]),
+            extract_slice(lse, [0, 0, 0], [batch, q_len, spec.h_q])]
+
+
+# ---- KV-cache variants: ragged, paged, MLA ----
+
+#: The scalar of entry e's logical row r (r < kv_len(e)) at out_indices (head, column).
+RowSource = Callable[[ir.Value, ir.Value, list], ir.Value]
+
+
+@dataclass(frozen=True)
+class BatchKv:
+    """Every entry's KV as the batch-wide layout reads it (module docstring).
+
+    ``base(b)`` is the first storage row of entry ``b`` (its tiles start at ``base(b) // TILE +
+    b``) and ``kv_len(b)`` its length; both take ``b`` in [0, B] (clamped inside) and are read on
+    the host and in generics alike. ``keys`` and ``values`` fetch one scalar of a row;
+    ``rope_offset`` is the [B] i32 RoPE position of each entry's row 0, or None.
+    """
+
+    batch: ir.Value
+    base: Callable[[ir.Value], ir.Value]
+    kv_len: Callable[[ir.Value], ir.Value]
+    keys: RowSource
+    values: RowSource
+    heads: int
+    d_qk: int
+    d_v: int
+    rope_offset: ir.Value | None
+
+
+def _tile_offset(kv: BatchKv, b: ir.Value) -> ir.Value:
+    return arith_d.addi(arith_d.divsi(kv.base(b), const_index(TILE)), b)
+
+
+def _tile_entries(kv: BatchKv, num_tiles: ir.Value) -> ir.Value:
+    """[T] i32: the entry owning each tile, the largest b < B with tile_offset(b) <= t (a binary
+    search unrolled over 32 halvings, enough for any batch an int32 indptr describes)."""
+    last_entry = arith_d.maxsi(arith_d.subi(kv.batch, const_index(1)), const_index(0))
+
+    def body(_out):
+        t = linalg_d.IndexOp(0).result
+        lo, hi = const_index(0), last_entry
+        for _ in range(32):
+            mid = arith_d.divsi(arith_d.addi(arith_d.addi(lo, hi), const_index(1)), const_index(2))
+            fits = le(_tile_offset(kv, mid), t)
+            lo = arith_d.select(fits, mid, lo)
+            hi = arith_d.select(fits, hi, arith_d.maxsi(arith_d.subi(mid, const_index(1)), lo))
+        return [arith_d.index_cast(i32(), lo)]
+
+    return generic([], [empty([num_tiles], i32())], [affine_map(1, (0,))], "p", body)[0]
+
+
+def _locate(kv: BatchKv, entries: ir.Value) -> tuple[ir.Value, ir.Value]:
+    """(entry, entry-local row) of loop 0's storage row, inside a generic."""
+    row = linalg_d.IndexOp(0).result
+    e = _index_at(entries, arith_d.divsi(row, const_index(TILE)))
+    return e, arith_d.subi(row, arith_d.muli(_tile_offset(kv, e), const_index(TILE)))
+
+
+def _batch_rows(kv: BatchKv, source: RowSource, columns: int, entries: ir.Value, num_tiles: ir.Value,
+                elem: ir.Type) -> ir.Value:
+    """Token-major rows [T * TILE, heads, columns] of every entry, zero past each entry's length."""
+
+    def gather(_out):
+        e, local = _locate(kv, entries)
+        kv_len = kv.kv_len(e)
+        clamped = arith_d.maxsi(arith_d.minsi(local, arith_d.subi(kv_len, const_index(1))), const_index(0))
+        value = source(e, clamped, [linalg_d.IndexOp(1).result, linalg_d.IndexOp(2).result])
+        return [arith_d.select(lt(local, kv_len), value, _zero(elem))]
+
+    rows = arith_d.muli(num_tiles, const_index(TILE))
+    return generic([], [empty([rows, kv.heads, columns], elem)], [affine_map(3, range(3))], "ppp", gather)[0]
+
+
+def _key_positions(kv: BatchKv, entries: ir.Value, num_tiles: ir.Value) -> ir.Value:
+    """[T * TILE] i32: ``rope_offset[e] + r`` of each storage row."""
+
+    def position(_out):
+        e, local = _locate(kv, entries)
+        return [arith_d.addi(tensor_d.extract(kv.rope_offset, [e]), arith_d.index_cast(i32(), local))]
+
+    rows = arith_d.muli(num_tiles, const_index(TILE))
+    return generic([], [empty([rows], i32())], [affine_map(1, (0,))], "p", position)[0]
+
+
+def _tile_major(rows: ir.Value, num_tiles: ir.Value) -> ir.Value:
+    """[T * TILE, h, d] -> [T, h, TILE, d]."""
+    _, h, d = ir.RankedTensorType(rows.type).shape
+    elem = ir.RankedTensorType(rows.type).element_type
+    maps = [affine_map(4, (0, 2, 1, 3)), affine_map(4, range(4))]
+
+    def transpose():
+        tiled = expand(rows, [[0, 1], [2], [3]], [num_tiles, TILE, h, d])
+        return generic([tiled], [empty([num_tiles, h, TILE, d], elem)], maps, "pppp", lambda x, _out: [x])[0]
+
+    # Its own dispatch: left to fusion, IREE 3.13 moved this transpose (and the gather and RoPE
+    # before it) into the band loop and recomputed a transient copy for every band.
+    return own_dispatch(transpose, tensor_type([DYN, h, TILE, d], elem), [num_tiles, h, TILE, d])
+
+
+def _batch_tiles(kv: BatchKv, rope: RopeArgs | None, elem: ir.Type) -> tuple[ir.Value, ir.Value]:
+    """Keys [T, h, TILE, d_qk] (rotated when ``rotary_mode == 1``) and values [T, h, TILE, d_v]."""
+    num_tiles = arith_d.maxsi(_tile_offset(kv, kv.batch), const_index(1))
+    entries = _tile_entries(kv, num_tiles)
+    key_rows = _batch_rows(kv, kv.keys, kv.d_qk, entries, num_tiles, elem)
+    if kv.rope_offset is not None:
+        key_rows = _rotated_if(rope, key_rows, _key_positions(kv, entries, num_tiles))
+    value_rows = _batch_rows(kv, kv.values, kv.d_v, entries, num_tiles, elem)
+    return _tile_major(key_rows, num_tiles), _tile_major(value_rows, num_tiles)
+
+
+def _kv_cache_body(spec, q, q_indptr, kv: BatchKv, *, causal: ir.Value, sm_scale: ir.Value,
+                   rope: RopeArgs | None) -> list[ir.Value]:
+    """Output [Lq, h_q, d_v] and lse [Lq, h_q] for q [Lq, h_q, d_qk] (already rotated)."""
+    group, h_kv, d_qk, d_v = spec.group_size, kv.heads, kv.d_qk, kv.d_v
+    dt = ir.RankedTensorType(q.type).element_type
+    total_q = dim(q, 0)
+    padded = arith_d.addi(total_q, const_index(BAND_TILES * TILE))
+    q_rows = _pad_rows(expand(q, [[0], [1, 2], [3]], [total_q, h_kv, group, d_qk]), 0, padded)
+    keys, values = _batch_tiles(kv, rope, dt)
+    causal_on = _is_one(causal)
+    out_sizes, lse_sizes = [padded, spec.h_q, d_v], [padded, spec.h_q]
+
+    def tied(carried):
+        return [tie_dims(carried[0], out_sizes), tie_dims(carried[1], lse_sizes)]
+
+    plan = _entry_plan(kv, q_indptr)
+    loop = scf_d.ForOp(const_index(0), kv.batch, const_index(1),
+                       [on_target_device(empty(out_sizes, dt), out_sizes),
+                        on_target_device(empty(lse_sizes, f32()), lse_sizes)])
+    with ir.InsertionPoint(loop.body):
+        b = loop.induction_variable
+        q_start, qo_len, kv_len, first_tile = (
+            arith_d.index_cast(index(), tensor_d.extract(plan, [b, const_index(field)])) for field in range(4))
+        diagonal = arith_d.subi(kv_len, qo_len)
+
+        def valid(row, col):
+            return kv_cache_validity(col, lambda: row, kv_len=kv_len, diagonal=diagonal, causal=causal_on)
+
+        def bands_of(band_tiles: int):
+            band = band_tiles * TILE
+
+            def run(carried):
+                bands = scf_d.ForOp(const_index(0), ceil_div(qo_len, band), const_index(1), carried)
+                with ir.InsertionPoint(bands.body):
+                    out_acc, lse_acc = tied(bands.inner_iter_args)
+                    first = arith_d.muli(bands.induction_variable, const_index(band))
+                    last_row_end = arith_d.minsi(arith_d.addi(first, const_index(band)), qo_len)
+                    visible = _visible_tiles(causal_on, last_row_end, diagonal, kv_len)
+                    token = arith_d.addi(q_start, first)
+                    out, lse = attend_band(_band(q_rows, [token], band),
+                                           _kv_prefix(keys, [first_tile], visible),
+                                           _kv_prefix(values, [first_tile], visible),
+                                           first_row=first, valid=valid, sm_scale=sm_scale)
+                    scf_d.YieldOp([_write_band(out, out_acc, [token]), _write_band(lse, lse_acc, [token])])
+                return tied(bands.results)
+
+            return run
+
+        is_short = le(qo_len, const_index(TILE))
+        scf_d.YieldOp(one_of(is_short, bands_of(1), bands_of(BAND_TILES), tied(loop.inner_iter_args), tied))
+    out, lse = tied(loop.results)
+    return [extract_slice(out, [0, 0, 0], [total_q, spec.h_q, d_v]),
+            extract_slice(lse, [0, 0], [total_q, spec.h_q])]
+
+
+def _entry_plan(kv: BatchKv, q_indptr: ir.Value) -> ir.Value:
+    """[max(B, 1), 4] i32, per entry (first query token, query count, KV length, first KV tile):
+    what the host loop reads. Computed by a generic before the loop and used only by host reads,
+    so IREE stages it to the host once; reading the index arguments themselves inside the loop
+    made IREE copy the elements to the host and wait for the device on every entry."""
+
+    def body(_out):
+        b = arith_d.minsi(linalg_d.IndexOp(0).result, arith_d.maxsi(arith_d.subi(kv.batch, const_index(1)),
+                                                                     const_index(0)))
+        q_start = _index_at(q_indptr, _clamped(b, q_indptr))
+        q_end = _index_at(q_indptr, _clamped(arith_d.addi(b, const_index(1)), q_indptr))
+        fields = [q_start, arith_d.subi(q_end, q_start), kv.kv_len(b), _tile_offset(kv, b)]
+        field = linalg_d.IndexOp(1).result
+        value = fields[3]
+        for i in (2, 1, 0):
+            value = arith_d.select(arith_d.cmpi(arith_d.CmpIPredicate.eq, field, const_index(i)), fields[i], value)
+        return [arith_d.index_cast(i32(), value)]
+
+    rows = arith_d.maxsi(kv.batch, const_index(1))
+    return own_dispatch(lambda: generic([], [empty([rows, 4], i32())], [affine_map(2, range(2))], "pp", body)[0],
+                        tensor_type([DYN, 4], i32()), [rows, 4])
+
+
+def _index_at(array: ir.Value, position: ir.Value) -> ir.Value:
+    """``array[position]`` of an i32 tensor, as an index."""
+    return arith_d.index_cast(index(), tensor_d.extract(array, [position]))
+
+
+def _clamped(b: ir.Value, indptr: ir.Value) -> ir.Value:
+    """``b`` forced into [0, len(indptr) - 1]."""
+    return arith_d.minsi(b, arith_d.subi(dim(indptr, 0), const_index(1)))
+
+
+def _kv_cache_function(spec, arg_types: list, d_v: int, emit) -> ir.Module:
+    dt = lambda: element_type(spec.dtype)  # noqa: E731
+    return _function(spec.symbol, arg_types,
+                     [lambda: tensor_type([DYN, spec.h_q, d_v], dt()), lambda: tensor_type([DYN, spec.h_q], f32())],
+                     emit)
+
+
+def _rank1_i32():
+    return tensor_type([DYN], i32())
+
+
+def build_fused_ragged_prefill(spec: RaggedPrefillSpec) -> ir.Module:
+    """``batch_prefill_ragged_kv`` (the signature of kv_cache.build_ragged_prefill), fused."""
+    dt = lambda: element_type(spec.dtype)  # noqa: E731
+    arg_types = [lambda: tensor_type([DYN, spec.h_q, spec.d_qk], dt()), _rank1_i32,
+                 lambda: tensor_type([DYN, spec.h_kv, spec.d_qk], dt()),
+                 lambda: tensor_type([DYN, spec.h_kv, spec.d_v], dt()), _rank1_i32, _rank1_i32, _rank1_i32,
+                 i32, i32, f32, f32, f32]
+
+    def emit(q, q_indptr, k, v, kv_indptr, q_rope_position, k_rope_pos_offset,
+             causal, rotary_mode, rope_scale, rope_theta, sm_scale):
+        rope = RopeArgs(rotary_mode, rope_scale, rope_theta, dict(spec.rope_scaling))
+
+        def start(b):
+            return _index_at(kv_indptr, _clamped(b, kv_indptr))
+
+        def kv_len(b):
+            return arith_d.subi(start(arith_d.addi(b, const_index(1))), start(b))
+
+        def rows_of(x):
+            last_row = arith_d.maxsi(arith_d.subi(dim(x, 0), const_index(1)), const_index(0))
+            return lambda e, r, rest: tensor_d.extract(x, [arith_d.minsi(arith_d.addi(start(e), r), last_row), *rest])
+
+        kv = BatchKv(arith_d.subi(dim(kv_indptr, 0), const_index(1)), start, kv_len, rows_of(k), rows_of(v),
+                     spec.h_kv, spec.d_qk, spec.d_v, k_rope_pos_offset)
+        return _kv_cache_body(spec, _rotated_if(rope, q, q_rope_position), q_indptr, kv,
+                              causal=causal, sm_scale=sm_scale, rope=rope)
+
+    return _kv_cache_function(spec, arg_types, spec.d_v, emit)
+
+
+def _paged_geometry(spec, page_indptr, length_info):
+    """(base, kv_len) of the paged variants: an entry's storage is its pages (twice that with a
+    sliding window, whose sinks may repeat rows: kv_len <= 2 * physical rows), its length the
+    page table's (kv_cache._page_table)."""
+    rows_per_page = spec.page_size * (2 if spec.sliding_window else 1)
+
+    def base(b):
+        return arith_d.muli(_index_at(page_indptr, _clamped(b, page_indptr)), const_index(rows_per_page))
+
+    def table(b):
+        last_entry = arith_d.maxsi(arith_d.subi(dim(page_indptr, 0), const_index(2)), const_index(0))
+        return _page_table(spec, arith_d.minsi(b, last_entry), page_indptr, length_info)
+
+    return base, lambda b: table(b).kv_len, table
+
+
+def _paged_source(spec, table, page_values, fetch):
+    """RowSource reading logical row r of entry e through the page table and ``fetch(page, slot,
+    rest)`` (page ids clamped into range)."""
+
+    def source(e, r, rest):
+        entry = table(e)
+        page, slot = physical_row(spec, entry, page_values, r, page_bounds(entry, page_values))
+        return fetch(page, slot, rest)
+
+    return source
+
+
+def build_fused_paged_prefill(spec: PagedPrefillSpec) -> ir.Module:
+    """``batch_prefill_paged_kv[_sliding_window]`` (kv_cache.build_paged_prefill's signature), fused."""
+    dt = lambda: element_type(spec.dtype)  # noqa: E731
+    arg_types = [lambda: tensor_type([DYN, spec.h_q, spec.d], dt()), _rank1_i32,
+                 lambda: tensor_type([DYN, 2, spec.h_kv, spec.page_size, spec.d], dt()), _rank1_i32, _rank1_i32,
+                 lambda: _length_info_type(spec), _rank1_i32, _rank1_i32, i32, i32, f32, f32, f32]
+
+    def emit(q, q_indptr, pages, page_indptr, page_values, length_info, k_rope_pos_offset,
+             q_rope_position, causal, rotary_mode, rope_scale, rope_theta, sm_scale):
+        rope = RopeArgs(rotary_mode, rope_scale, rope_theta, dict(spec.rope_scaling))
+        base, kv_len, table = _paged_geometry(spec, page_indptr, length_info)
+        last_page = arith_d.subi(dim(pages, 0), const_index(1))
+
+        def half(which):
+            def fetch(page, slot, rest):
+                page = arith_d.maxsi(arith_d.minsi(page, last_page), const_index(0))
+                return tensor_d.extract(pages, [page, const_index(which), rest[0], slot, rest[1]])
+            return _paged_source(spec, table, page_values, fetch)
+
+        kv = BatchKv(arith_d.subi(dim(page_indptr, 0), const_index(1)), base, kv_len, half(0), half(1),
+                     spec.h_kv, spec.d, spec.d, k_rope_pos_offset)
+        return _kv_cache_body(spec, _rotated_if(rope, q, q_rope_position), q_indptr, kv,
+                              causal=causal, sm_scale=sm_scale, rope=rope)
+
+    return _kv_cache_function(spec, arg_types, spec.d, emit)
+
+
+def build_fused_mla_prefill(spec: MlaPagedPrefillSpec) -> ir.Module:
+    """``batch_prefill_paged_kv_mla[_sliding_window]`` (kv_cache.build_mla_prefill's signature),
+    fused: keys are whole latent rows, values their first d_latent columns."""
+    dt = lambda: element_type(spec.dtype)  # noqa: E731
+    arg_types = [lambda: tensor_type([DYN, spec.h_q, spec.d_qk], dt()), _rank1_i32,
+                 lambda: tensor_type([DYN, spec.page_size, spec.d_qk], dt()), _rank1_i32, _rank1_i32,
+                 lambda: _length_info_type(spec), i32, f32]
+
+    def emit(q, q_indptr, pages, page_indptr, page_values, length_info, causal, sm_scale):
+        base, kv_len, table = _paged_geometry(spec, page_indptr, length_info)
+        last_page = arith_d.subi(dim(pages, 0), const_index(1))
+
+        def fetch(page, slot, rest):
+            page = arith_d.maxsi(arith_d.minsi(page, last_page), const_index(0))
+            return tensor_d.extract(pages, [page, slot, rest[1]])
+
+        source = _paged_source(spec, table, page_values, fetch)
+        kv = BatchKv(arith_d.subi(dim(page_indptr, 0), const_index(1)), base, kv_len, source, source,
+                     1, spec.d_qk, spec.d_latent, None)
+        return _kv_cache_body(spec, q, q_indptr, kv, causal=causal, sm_scale=sm_scale, rope=None)
+
+    return _kv_cache_function(spec, arg_types, spec.d_latent, emit)
