@@ -13,7 +13,7 @@ The folder holds, next to ``gpu_runner.py`` (numpy + IREE runtime only) and ``gp
   - with ``--recorded DIR``, every llvm-cpu call the backend-parametrized tests made, as recorded by
     ``LINALG_PREFILL_RECORD_CASES=DIR make test`` (``tests/conftest.py``), with the tests' own
     tolerances: the tests' CUDA layer, replayed where the compiler cannot be installed;
-  - ``bench-*`` cases (dense causal L=2048, a mixed ragged batch), timed only.
+  - ``bench-*`` cases (dense causal L=2048/8192, mixed ragged and paged batches), timed only.
   Arrays the tests drew with their ``uniform`` helper are stored as the PCG64 state, shape and dtype
   that draw them again (and the sha1 the redraw must match), so the bundle stays well under the
   64 MiB a device call can carry; the reference is computed on the GPU machine's CPU from
@@ -39,7 +39,7 @@ import sys
 
 import numpy as np
 
-from linalg_prefill.mlir import RaggedPrefillSpec, SequencePrefillSpec
+from linalg_prefill.mlir import PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec
 from linalg_prefill.pipeline import Target, compile
 from linalg_prefill.pipeline.model_config import load_model_config, specs_for_model
 from linalg_prefill.runtime.compare import TOLERANCE, example_inputs, reference_call
@@ -51,22 +51,46 @@ WHEELS = ("iree-base-runtime==3.13.0", "numpy", "ml_dtypes")
 REFERENCE_FILES = ("reference.py", "rope.py")
 
 
-def bench_cases(rng):
-    """(name, spec, args, flops): dense causal L=2048 f16 and a mixed-length ragged f16 batch."""
-    dense = SequencePrefillSpec(32, 8, 128, "float16", causal=True, sm_scale=128 ** -0.5)
-    length = 2048
-    q = rng.uniform(-1, 1, (1, length, 32, 128)).astype(np.float16)
-    k, v = (rng.uniform(-1, 1, (1, length, 8, 128)).astype(np.float16) for _ in range(2))
-    yield "bench-dense-causal-L2048", dense, (q, k, v), 4.0 * 128 * 32 * length * (length + 1) / 2
-    ragged = RaggedPrefillSpec(32, 8, 128, 128, "float16")
+def bench_cases(dense_lengths=(2048, 8192)):
+    """(name, spec, args, flops): the CUDA issue's table. Dense causal B=1, h_q 32, h_kv 8, d 128 at
+    L=2048 and 8192 in f16 and bf16 (and f32 at 2048), and the mixed-length batch of
+    bench/kv_cache_batches.py (lengths 37, 512, 1024, 96, 2048, 5; causal, new tokens against
+    themselves) through the ragged kernel in f16 and bf16 and the paged kernel (16-token pages)
+    in f16. Float inputs are drawn by the runner; index arrays travel as they are."""
+    runs = [(dtype, length) for length in dense_lengths for dtype in ("float16", "bfloat16")]
+    for dtype, length in runs + [("float32", dense_lengths[0])]:
+        dense = SequencePrefillSpec(32, 8, 128, dtype, causal=True, sm_scale=128 ** -0.5)
+        q = np.zeros((1, length, 32, 128), np.float32)
+        k = np.zeros((1, length, 8, 128), np.float32)
+        yield f"bench-dense-causal-L{length}-{dtype}", dense, (q, k, k), 4.0 * 128 * 32 * length * (length + 1) / 2
     lengths = [37, 512, 1024, 96, 2048, 5]
+    flops = 4.0 * 128 * 32 * sum(n * (n + 1) / 2 for n in lengths)
     indptr = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     total = int(indptr[-1])
-    q = rng.uniform(-1, 1, (total, 32, 128)).astype(np.float16)
-    k, v = (rng.uniform(-1, 1, (total, 8, 128)).astype(np.float16) for _ in range(2))
     zeros_b, zeros_q = np.zeros(len(lengths), np.int32), np.zeros(total, np.int32)
-    args = (q, indptr, k, v, indptr, zeros_q, zeros_b, 1, 0, 1.0, 1e4, 128 ** -0.5)
-    yield "bench-ragged-mixed-batch", ragged, args, 4.0 * 128 * 32 * sum(n * (n + 1) / 2 for n in lengths)
+    q = np.zeros((total, 32, 128), np.float32)
+    for dtype in ("float16", "bfloat16"):
+        ragged = RaggedPrefillSpec(32, 8, 128, 128, dtype)
+        kv = np.zeros((total, 8, 128), np.float32)
+        args = (q, indptr, kv, kv, indptr, zeros_q, zeros_b, 1, 0, 1.0, 1e4, 128 ** -0.5)
+        yield f"bench-ragged-mixed-batch-{dtype}", ragged, args, flops
+    paged = PagedPrefillSpec(32, 8, 128, "float16", page_size=16)
+    pages_per_entry = [-(-n // 16) for n in lengths]
+    page_indptr = np.concatenate([[0], np.cumsum(pages_per_entry)]).astype(np.int32)
+    page_values = np.arange(page_indptr[-1], dtype=np.int32)
+    last_page_len = np.array([n - 16 * (p - 1) for n, p in zip(lengths, pages_per_entry)], np.int32)
+    pages = np.zeros((int(page_indptr[-1]), 2, 8, 16, 128), np.float32)
+    args = (q, indptr, pages, page_indptr, page_values, last_page_len, zeros_b, zeros_q, 1, 0, 1.0, 1e4,
+            128 ** -0.5)
+    yield "bench-paged-mixed-batch-float16", paged, args, flops
+
+
+def _in_dtype(a, spec):
+    """A bench float input in the spec's dtype (only its shape and dtype travel)."""
+    if isinstance(a, np.ndarray) and a.dtype.kind == "f":
+        import ml_dtypes
+        return a.astype({"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}[spec.dtype])
+    return a
 
 
 def redraw(draw: dict) -> np.ndarray:
@@ -124,6 +148,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=MODELS, help="model configs under configs/ to take specs from")
     parser.add_argument("--recorded", help="a folder of calls recorded by LINALG_PREFILL_RECORD_CASES")
     parser.add_argument("--no-wheels", action="store_true", help="skip downloading the cp312 wheels")
+    parser.add_argument("--bench-lengths", default="2048,8192", help="dense bench sequence lengths")
     args = parser.parse_args()
     target = Target(args.backend)
     for sub in ("artifacts", "cases", "reference"):
@@ -145,7 +170,8 @@ def main() -> None:
              for name, spec in specs.items()]
     if args.recorded:
         cases += [(name, spec, call, tolerance, 0.0) for name, spec, call, tolerance in recorded_cases(args.recorded)]
-    cases += [(name, spec, values(call), None, flops) for name, spec, call, flops in bench_cases(rng)]
+    cases += [(name, spec, [("value", _in_dtype(a, spec)) for a in call], None, flops)
+              for name, spec, call, flops in bench_cases([int(n) for n in args.bench_lengths.split(",")])]
     built = set()
     for name, spec, call, tolerance, flops in cases:
         file = os.path.join("artifacts", f"{spec.name}.vmfb")

@@ -123,8 +123,7 @@ def _run(kernels, meta, args, repeat: int):
     times = []
     for _ in range(repeat if meta["name"].startswith("bench-") else 0):
         start = time.perf_counter()
-        result = function(*device_args)
-        result[0].to_host()
+        function(*device_args)  # returns once the device is done (the module awaits its last fence)
         times.append(time.perf_counter() - start)
     return out, lse, (min(times) if times else None)
 
@@ -156,8 +155,10 @@ def _check(meta, args, out, lse) -> tuple[float, float, bool, bool]:
 def _torch_seconds(meta, args, repeat: int):
     """Best time of torch SDPA on the GPU for a bench case's attention, or None without torch/CUDA.
 
-    Dense: one call on [B, H, L, D] (causal, GQA). Ragged: one call per entry (qo_len == kv_len,
-    so torch's top-left causal mask is the bottom-right one)."""
+    Dense: one call on [B, H, L, D] (causal, GQA). Ragged and paged (pages in order, last page
+    padding unused): one call per entry on its contiguous K/V (qo_len == kv_len, so torch's
+    top-left causal mask is the bottom-right one; the paged kernel's page gather is not done for
+    torch)."""
     if not _importable("torch"):
         return None
     import torch
@@ -170,12 +171,20 @@ def _torch_seconds(meta, args, repeat: int):
         q, k, v = (torch.tensor(a.astype("float32")).to("cuda", dtype).transpose(1, 2) for a in args[:3])
         calls = [(q, k, v)]
     else:
-        q, indptr, k, v = args[0], args[1], args[2], args[3]
+        q, indptr = args[0], args[1]
+        kv_start = indptr
+        if meta["symbol"].startswith("batch_prefill_paged_kv"):  # pages [P, 2, h_kv, 16, d] in order
+            pages, page_indptr = args[2], args[3]
+            k, v = (pages[:, i].transpose(0, 2, 1, 3).reshape(-1, pages.shape[2], pages.shape[4]) for i in (0, 1))
+            kv_start = page_indptr * pages.shape[3]
+        else:
+            k, v = args[2], args[3]
         calls = []
         for b in range(len(indptr) - 1):
-            rows = slice(int(indptr[b]), int(indptr[b + 1]))
+            n = int(indptr[b + 1] - indptr[b])
+            q_rows, kv_rows = slice(int(indptr[b]), int(indptr[b]) + n), slice(int(kv_start[b]), int(kv_start[b]) + n)
             calls.append(tuple(torch.tensor(a[rows].astype("float32")).to("cuda", dtype).transpose(0, 1)[None]
-                               for a in (q, k, v)))
+                               for a, rows in ((q, q_rows), (k, kv_rows), (v, kv_rows))))
     times = []
     for _ in range(repeat + 1):
         torch.cuda.synchronize()

@@ -47,21 +47,23 @@ def _cpu_compilation_info(loops: int) -> ir.Attribute:
 
 #: Tensor-core instruction per operand type on IREE 3.13's CUDA target (sm_80 mma.sync, f32 sums).
 CUDA_MMA_KIND = {"f16": "NV_MMA_SYNC_F32_16x8x16_F16", "bf16": "NV_MMA_SYNC_F32_16x8x16_BF16"}
-#: Widest head dim the tuned configuration takes (MLA's 576-wide rows: IREE's own configuration,
-#: see _cuda_attention_config).
-CUDA_TUNED_MAX_HEAD_DIM = 256
+#: (d_qk, d_v) the tuned configuration compiles for. Ragged 192/128 and MLA 576/512 fail in IREE
+#: 3.13 with it ("failed to derive layout for promoted read-like op", also with 16-row workgroups
+#: and unpromoted queries) and keep IREE's own configuration, which has no mma.sync.
+CUDA_TUNED_HEAD_DIMS = {(64, 64), (128, 128), (256, 256)}
 #: Warps of a fused attention workgroup; each owns 16 of the workgroup's query rows.
 CUDA_ATTENTION_WARPS = 4
 
 
-def _cuda_attention_config(query_type: ir.RankedTensorType, loops: tuple[str, ...]) -> dict[str, ir.Attribute] | None:
+def _cuda_attention_config(query_type: ir.RankedTensorType, value_type: ir.RankedTensorType,
+                           loops: tuple[str, ...]) -> dict[str, ir.Attribute] | None:
     """compilation_info + decomposition_config of one online_attention op with ``loops`` (named
     as in ``attention_op.ALL_LOOPS``): a workgroup takes TILE query rows of one (KV head, group
     member) with the whole head dim (no Q.K^T recompute across workgroups) and steps through
     TILE keys at a time; the warps split the rows. None for f32 (no tensor cores on this target:
     IREE's default SIMT configuration)."""
     kind = CUDA_MMA_KIND.get(str(query_type.element_type))
-    if kind is None or query_type.shape[-1] > CUDA_TUNED_MAX_HEAD_DIM:
+    if kind is None or (query_type.shape[-1], value_type.shape[-1]) not in CUDA_TUNED_HEAD_DIMS:
         return None
 
     def per_loop(**sizes):
@@ -110,7 +112,7 @@ def apply_tuning(module: ir.Module, target: Target) -> ir.Module:
         for op in _marked(module, ATTENTION_MARKER):
             loops = tuple(ir.StringAttr(name).value for name in ir.ArrayAttr(op.attributes[ATTENTION_MARKER]))
             del op.attributes[ATTENTION_MARKER]
-            config = _cuda_attention_config(op.operands[0].type, loops) if target.backend == "cuda" else None
+            config = _cuda_attention_config(op.operands[0].type, op.operands[2].type, loops) if target.backend == "cuda" else None
             for name, value in (config or {}).items():
                 op.attributes[name] = value
     return module

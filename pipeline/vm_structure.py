@@ -5,8 +5,8 @@
 
 IREE 3.13's CUDA HAL blocks the host inside ``queue.alloca`` and ``queue.dealloca`` and, of course,
 in ``fence.await``; any of them inside a loop of the host program drains the GPU on every trip.
-A loop is a branch back to the same or an earlier block of a function; its body is every block
-from the branch target to the branch.
+Loops are the natural loops of each function's control-flow graph (a branch to a block that
+dominates it closes one), so the error paths IREE places between a loop's blocks do not count.
 """
 
 from __future__ import annotations
@@ -44,26 +44,67 @@ def _functions(text: str) -> list[list[tuple[int, list[str]]]]:
     return functions
 
 
-def loop_body_lines(text: str) -> list[str]:
-    """The lines of every block that lies inside a loop of a function of the disassembly."""
+def _successors(lines: list[str]) -> list[int]:
+    """Blocks a block branches to: vm.br / vm.cond_br targets and a yieldable call's continuation."""
     found = []
-    for blocks in _functions(text):
-        position = {number: i for i, (number, _) in enumerate(blocks)}
-        inside = set()
-        for i, (_, lines) in enumerate(blocks):
-            for line in lines:
-                if _BRANCH.search(line):
-                    for target in re.findall(r"\^bb(\d+)", line):
-                        start = position.get(int(target))
-                        if start is not None and start <= i:
-                            inside.update(range(start, i + 1))
-        found.extend(line for i in sorted(inside) for line in blocks[i][1])
+    for line in lines:
+        if _BRANCH.search(line) or "-> ^bb" in line:
+            found.extend(int(t) for t in re.findall(r"\^bb(\d+)", line))
     return found
 
 
-def host_blocking_calls_in_loops(vmfb_path: str | Path) -> dict[str, int]:
-    """How many calls of each HOST_BLOCKING import sit inside loops of the host program."""
-    lines = loop_body_lines(disassembly(vmfb_path))
+def _natural_loops(blocks: list[tuple[int, list[str]]]) -> list[tuple[int, set[int]]]:
+    """(header, body) of every natural loop of one function: for each back edge u -> h (h
+    dominates u), h and every block that reaches u without passing through h."""
+    names = [number for number, _ in blocks]
+    succ = {number: [t for t in _successors(lines) if t in names] for number, lines in blocks}
+    pred = {number: [] for number in names}
+    for number, targets in succ.items():
+        for t in targets:
+            pred[t].append(number)
+    entry = names[0]
+    dom = {number: set(names) for number in names}
+    dom[entry] = {entry}
+    changed = True
+    while changed:
+        changed = False
+        for number in names[1:]:
+            preds = [dom[p] for p in pred[number]]
+            new = ({number} | set.intersection(*preds)) if preds else {number}
+            if new != dom[number]:
+                dom[number], changed = new, True
+    loops = {}
+    for u in names:
+        for h in succ[u]:
+            if h in dom[u]:
+                body, stack = {h, u}, [u]
+                while stack:
+                    for p in pred[stack.pop()]:
+                        if p not in body:
+                            body.add(p)
+                            stack.append(p)
+                loops.setdefault(h, set()).update(body)
+    return list(loops.items())
+
+
+def loop_bodies(text: str, *, innermost: bool = False) -> list[list[str]]:
+    """The lines of each natural loop of the disassembly's functions (``innermost``: only loops
+    that contain no other loop)."""
+    found = []
+    for blocks in _functions(text):
+        lines = dict(blocks)
+        loops = _natural_loops(blocks)
+        for header, body in loops:
+            if innermost and any(other != header and other in body for other, _ in loops):
+                continue
+            found.append([line for number in sorted(body) for line in lines[number]])
+    return found
+
+
+def host_blocking_calls_in_loops(vmfb_path: str | Path, *, innermost: bool = False) -> dict[str, int]:
+    """How many calls of each HOST_BLOCKING import sit inside loops of the host program
+    (``innermost``: inside loops that contain no other loop, e.g. a kernel's query-band loops)."""
+    lines = {line for body in loop_bodies(disassembly(vmfb_path), innermost=innermost) for line in body}
     return {name: sum(1 for line in lines if re.search(rf"@{re.escape(name)}\b", line)) for name in HOST_BLOCKING}
 
 

@@ -1,4 +1,6 @@
-"""Every variant must compile for CUDA, even on a machine without a GPU (compile only)."""
+"""Every variant compiles for CUDA without a GPU, and its artifact has the structure a GPU needs:
+tensor cores for f16/bf16 operands and no host-blocking call inside the loops of the host program
+(pipeline/vm_structure.py reads both from the vmfb)."""
 
 import pytest
 
@@ -6,26 +8,75 @@ from linalg_prefill.mlir import (
     MaskedSequencePrefillSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec,
 )
 from linalg_prefill.pipeline import Target, compile
+from linalg_prefill.pipeline.vm_structure import host_blocking_calls_in_loops, tensor_core_instructions
 
-CUDA_SPECS = [
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8192}
+DENSE_SPECS = [
     SequencePrefillSpec(32, 8, 128, "float16", causal=True, sm_scale=128 ** -0.5),
-    SequencePrefillSpec(6, 1, 64, "float32", causal=False, sm_scale=0.125),
-    SequencePrefillSpec(4, 4, 128, "bfloat16", causal=True, sm_scale=0.1),
+    SequencePrefillSpec(32, 8, 128, "bfloat16", causal=True, sm_scale=128 ** -0.5),
+    SequencePrefillSpec(4, 4, 64, "float16", causal=False, sm_scale=0.125),
+    SequencePrefillSpec(8, 2, 256, "bfloat16", causal=True, sm_scale=0.0625),
     MaskedSequencePrefillSpec(8, 2, 64, "float16", mask_mode="padded", sm_scale=0.125),
     MaskedSequencePrefillSpec(8, 2, 128, "bfloat16", mask_mode="causal_padded_left", sm_scale=0.1),
-    RaggedPrefillSpec(32, 8, 128, 128, "float16", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+]
+KV_CACHE_SPECS = [
+    RaggedPrefillSpec(32, 8, 128, 128, "float16", LLAMA3),
     RaggedPrefillSpec(16, 16, 192, 128, "bfloat16"),
     PagedPrefillSpec(32, 8, 128, "float16", page_size=16),
-    PagedPrefillSpec(32, 8, 128, "float16", page_size=16, sliding_window=True),
-    PagedPrefillSpec(8, 1, 64, "float32", page_size=1, rope_scaling={"rope_type": "gptj"}),
+    PagedPrefillSpec(32, 8, 128, "bfloat16", page_size=16, sliding_window=True, rope_scaling={"rope_type": "gptj"}),
+    PagedPrefillSpec(8, 1, 256, "float16", page_size=64),
+]
+MLA_SPECS = [
     MlaPagedPrefillSpec(16, 512, 64, "float16", page_size=16),
     MlaPagedPrefillSpec(16, 512, 64, "bfloat16", page_size=64, sliding_window=True),
 ]
+F32_SPECS = [
+    SequencePrefillSpec(6, 1, 64, "float32", causal=False, sm_scale=0.125),
+    PagedPrefillSpec(8, 1, 64, "float32", page_size=1, rope_scaling={"rope_type": "gptj"}),
+]
+ALL_SPECS = DENSE_SPECS + KV_CACHE_SPECS + MLA_SPECS + F32_SPECS
 
 
-@pytest.mark.parametrize("spec", CUDA_SPECS, ids=lambda s: s.name)
-def test_compiles_for_cuda_sm80(spec, cache):
-    vmfb = compile(spec, Target("cuda", "sm_80"), cache=cache)
+def _artifact(spec, cache, tmp_path, lowering=""):
+    vmfb = compile(spec, Target("cuda", "sm_80", lowering=lowering), cache=cache)
+    path = tmp_path / "kernel.vmfb"
+    path.write_bytes(vmfb)
+    return vmfb, path
+
+
+@pytest.mark.parametrize("spec", ALL_SPECS, ids=lambda s: s.name)
+def test_compiles_for_cuda_sm80(spec, cache, tmp_path):
+    vmfb, _ = _artifact(spec, cache, tmp_path)
     assert vmfb[:2] == b"PK"  # a vmfb is a zip-framed flatbuffer
     assert spec.symbol.encode() in vmfb and b"cuda" in vmfb
+
+
+@pytest.mark.parametrize("spec", DENSE_SPECS + [s for s in KV_CACHE_SPECS if getattr(s, "d_qk", 0) != 192], ids=lambda s: s.name)
+def test_half_precision_runs_on_tensor_cores(spec, cache, tmp_path):
+    vmfb, _ = _artifact(spec, cache, tmp_path)
+    assert tensor_core_instructions(vmfb) > 0
+
+
+@pytest.mark.parametrize("spec", DENSE_SPECS + F32_SPECS[:1], ids=lambda s: s.name)
+def test_dense_kernels_never_block_the_host_in_a_loop(spec, cache, tmp_path):
+    _, path = _artifact(spec, cache, tmp_path)
+    assert host_blocking_calls_in_loops(path) == dict.fromkeys(host_blocking_calls_in_loops(path), 0)
+
+
+@pytest.mark.parametrize("spec", KV_CACHE_SPECS + MLA_SPECS, ids=lambda s: s.name)
+def test_kv_cache_query_bands_never_wait_for_the_device(spec, cache, tmp_path):
+    """The KV loop is inside one dispatch, and the query-band loops (the innermost host loops)
+    never wait for the device. What is left per band and entry: docs/cuda.md."""
+    _, path = _artifact(spec, cache, tmp_path)
+    assert host_blocking_calls_in_loops(path, innermost=True)["hal.fence.await"] == 0
+
+
+def test_the_check_sees_the_linalg_lowerings_stalls(cache, tmp_path):
+    """The CPU lowering compiled for CUDA allocates and waits inside its KV-step loop: the
+    structure checks above would fail on it."""
+    spec = SequencePrefillSpec(8, 2, 64, "float16", causal=True, sm_scale=0.125)
+    vmfb, path = _artifact(spec, cache, tmp_path, lowering="linalg")
+    assert host_blocking_calls_in_loops(path, innermost=True)["hal.device.queue.alloca"] > 0
+    assert host_blocking_calls_in_loops(path)["hal.fence.await"] > 0
+    assert tensor_core_instructions(vmfb) == 0
