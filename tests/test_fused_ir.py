@@ -1,0 +1,82 @@
+"""Layer (a) for the fused lowering (mlir/fused_kernels.py): the IR CUDA compiles, read without
+compiling it."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from linalg_prefill.mlir import (
+    MaskedSequencePrefillSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec,
+)
+from linalg_prefill.pipeline import Target
+from linalg_prefill.pipeline.tuning import tuned_ir
+
+SPECS = [
+    SequencePrefillSpec(32, 8, 128, "float16", causal=True, sm_scale=128 ** -0.5),
+    MaskedSequencePrefillSpec(8, 2, 64, "bfloat16", mask_mode="causal_padded_left", sm_scale=0.125),
+    RaggedPrefillSpec(8, 2, 64, 64, "float16", {"rope_type": "gptj"}),
+    PagedPrefillSpec(8, 2, 128, "bfloat16", page_size=16, sliding_window=True),
+    MlaPagedPrefillSpec(16, 512, 64, "float16", page_size=16),
+]
+MMA = {"float16": "NV_MMA_SYNC_F32_16x8x16_F16", "bfloat16": "NV_MMA_SYNC_F32_16x8x16_BF16"}
+
+
+def _attention_ops(text: str) -> list[str]:
+    return [line for line in text.splitlines() if "iree_linalg_ext.online_attention" in line]
+
+
+def test_each_target_has_its_lowering():
+    assert Target("cuda").lowering == "fused" and Target("llvm-cpu").lowering == "linalg"
+    spec = SPECS[0]
+    assert not _attention_ops(tuned_ir(spec, Target("llvm-cpu")))
+    assert _attention_ops(tuned_ir(spec, Target("cuda")))
+    assert Target("llvm-cpu", lowering="fused").tag == "llvm-cpu-host-fused"
+    with pytest.raises(ValueError, match="lowering"):
+        Target("cuda", lowering="tiled")
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+def test_operands_stay_in_their_dtype_and_the_kv_loop_is_inside_the_op(spec):
+    """One online_attention per band size (short and long), on the input dtype, with no host
+    scf.for over KV tiles: the loops left on the host walk entries and query bands only."""
+    text = tuned_ir(spec, Target("cuda"))
+    ops = _attention_ops(text)
+    assert len(ops) == 2
+    elem = {"float16": "f16", "bfloat16": "bf16"}[spec.dtype]
+    for op in ops:
+        operand_types = re.search(r"ins\(.*?: (.*?)\) outs", op).group(1)
+        assert operand_types.count(f"x{elem}>") == 3 and "xf32>" not in operand_types.split(", f32,")[0]
+    dense = isinstance(spec, (SequencePrefillSpec, MaskedSequencePrefillSpec))
+    # Dense: per band size, an entry loop around a band loop; KV cache: one entry loop around
+    # the band loop of each band size.
+    assert text.count("scf.for") == (4 if dense else 3)
+
+
+@pytest.mark.parametrize("spec", SPECS[:4], ids=lambda s: s.name)
+def test_half_precision_gets_the_tensor_core_configuration(spec):
+    text = tuned_ir(spec, Target("cuda"))
+    assert text.count(MMA[spec.dtype]) == 4  # Q.K^T and P.V of both ops
+    assert text.count("compilation_info = #") == 2 or text.count("#iree_codegen.compilation_info") >= 1
+    assert "linalg_prefill.attention" not in text  # the marker is consumed
+
+
+def test_f32_keeps_irees_own_configuration():
+    text = tuned_ir(SequencePrefillSpec(8, 2, 64, "float32", causal=True, sm_scale=0.125), Target("cuda"))
+    assert "mma_kind" not in text and "compilation_info" not in text
+
+
+def test_masks_are_generated_per_band_not_stored():
+    """The mask is [h_kv, G, band, KV tiles, 64] i1 from indices: one dynamic dim, no L x L."""
+    text = tuned_ir(SPECS[0], Target("cuda"))
+    masks = set(re.findall(r"tensor<(\d+x\d+x\d+x\?x64xi1)>", text))
+    assert masks == {"8x4x64x?x64xi1", "8x4x256x?x64xi1"}
+
+
+def test_scores_are_scaled_in_f32_inside_the_op():
+    """The op's scale is ln 2 (Q times exactly 1) and its region multiplies the f32 score by
+    sm_scale * log2(e)."""
+    text = tuned_ir(SequencePrefillSpec(8, 2, 64, "float16", causal=True, sm_scale=0.125), Target("cuda"))
+    assert "0.693147182 : f32" in text
+    assert f"{0.125 / 0.6931471805599453:.7f}"[:7] in text
