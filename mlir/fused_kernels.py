@@ -17,8 +17,10 @@ input dtype) and the page remap (``kv_cache.physical_row``). What differs is the
   (causal bands stop at their last row's diagonal) in one dispatch and writes its rows in place
   into the carried, token-order output. A band that runs past its entry writes rows that belong
   to later entries (or the padding); the later entry, processed after it, writes them again.
-* Nothing the host reads inside a loop is computed on the device: loop bounds and offsets come
-  from the index arguments, so IREE stages them once and no loop waits on the device.
+* Nothing the host reads inside a loop comes from the device: the KV-cache kernels take the index
+  arrays the host reads (q_indptr, kv_indptr / page_indptr, length_info) as host-readable buffer
+  views (``ir.HostReadable``, allocated host-local by the runtime), so loop bounds and offsets are
+  plain host values: no loop waits on the device, and every band is written in place.
 """
 
 from __future__ import annotations
@@ -28,14 +30,12 @@ from typing import Callable, Union
 
 from .attention_op import TILE, attend_band
 from .ir import (
-    DYN, affine_map, arith_d, ceil_div, collapse, const_index, dim, element_type, empty, expand,
-    extract_slice, f32, fill, func_d, generic, i32, index, insert_slice, ir, le, linalg_d, lt,
+    DYN, HostReadable, affine_map, arith_d, buffer_view_type, ceil_div, collapse, const_index, dim, element_type,
+    empty, expand, extract_slice, f32, fill, func_d, generic, i32, index, insert_slice, ir, le, linalg_d, lt,
     module_context, on_target_device, one_of, own_dispatch, scf_d, sizes_of, storage_tiles, tensor_d, tensor_type,
     tie_dims,
 )
-from .kv_cache import (
-    RopeArgs, _is_one, _length_info_type, _page_table, _rotated_if, page_bounds, physical_row,
-)
+from .kv_cache import RopeArgs, _is_one, _page_table, _rotated_if, page_bounds, physical_row
 from .masks import kv_cache_validity, sequence_validity
 from .specs import MaskedSequencePrefillSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec
 
@@ -215,21 +215,32 @@ def _sequence_body(spec, band_tiles: int, q, k, v, valid_lens):
 
 #: The scalar of entry e's logical row r (r < kv_len(e)) at out_indices (head, column).
 RowSource = Callable[[ir.Value, ir.Value, list], ir.Value]
+#: Reads an element of an index array as an index: in a generic (tensor.extract) or on the host.
+Reader = Callable[[object, list], ir.Value]
+
+
+def _device_read(array: HostReadable, indices: list) -> ir.Value:
+    return arith_d.index_cast(index(), tensor_d.extract(array.tensor, indices))
+
+
+def _host_read(array: HostReadable, indices: list) -> ir.Value:
+    return array.load(indices)
 
 
 @dataclass(frozen=True)
 class BatchKv:
     """Every entry's KV as the batch-wide layout reads it (module docstring).
 
-    ``base(b)`` is the first storage row of entry ``b`` (its tiles start at ``base(b) // TILE +
-    b``) and ``kv_len(b)`` its length; both take ``b`` in [0, B] (clamped inside) and are read on
-    the host and in generics alike. ``keys`` and ``values`` fetch one scalar of a row;
-    ``rope_offset`` is the [B] i32 RoPE position of each entry's row 0, or None.
+    ``base(read, b)`` is the first storage row of entry ``b`` (its tiles start at ``base // TILE
+    + b``) and ``kv_len(read, b)`` its length, for ``b`` in [0, B) (``base`` also at B), read on
+    the host (``_host_read``) or in a generic (``_device_read``). ``keys`` and ``values`` fetch
+    one scalar of a row inside a generic; ``rope_offset`` is the [B] i32 RoPE position of each
+    entry's row 0, or None.
     """
 
     batch: ir.Value
-    base: Callable[[ir.Value], ir.Value]
-    kv_len: Callable[[ir.Value], ir.Value]
+    base: Callable[[Reader, ir.Value], ir.Value]
+    kv_len: Callable[[Reader, ir.Value], ir.Value]
     keys: RowSource
     values: RowSource
     heads: int
@@ -238,8 +249,8 @@ class BatchKv:
     rope_offset: ir.Value | None
 
 
-def _tile_offset(kv: BatchKv, b: ir.Value) -> ir.Value:
-    return arith_d.addi(arith_d.divsi(kv.base(b), const_index(TILE)), b)
+def _tile_offset(kv: BatchKv, read: Reader, b: ir.Value) -> ir.Value:
+    return arith_d.addi(arith_d.divsi(kv.base(read, b), const_index(TILE)), b)
 
 
 def _tile_entries(kv: BatchKv, num_tiles: ir.Value) -> ir.Value:
@@ -252,7 +263,7 @@ def _tile_entries(kv: BatchKv, num_tiles: ir.Value) -> ir.Value:
         lo, hi = const_index(0), last_entry
         for _ in range(32):
             mid = arith_d.divsi(arith_d.addi(arith_d.addi(lo, hi), const_index(1)), const_index(2))
-            fits = le(_tile_offset(kv, mid), t)
+            fits = le(_tile_offset(kv, _device_read, mid), t)
             lo = arith_d.select(fits, mid, lo)
             hi = arith_d.select(fits, hi, arith_d.maxsi(arith_d.subi(mid, const_index(1)), lo))
         return [arith_d.index_cast(i32(), lo)]
@@ -264,7 +275,7 @@ def _locate(kv: BatchKv, entries: ir.Value) -> tuple[ir.Value, ir.Value]:
     """(entry, entry-local row) of loop 0's storage row, inside a generic."""
     row = linalg_d.IndexOp(0).result
     e = _index_at(entries, arith_d.divsi(row, const_index(TILE)))
-    return e, arith_d.subi(row, arith_d.muli(_tile_offset(kv, e), const_index(TILE)))
+    return e, arith_d.subi(row, arith_d.muli(_tile_offset(kv, _device_read, e), const_index(TILE)))
 
 
 def _batch_rows(kv: BatchKv, source: RowSource, columns: int, entries: ir.Value, num_tiles: ir.Value,
@@ -273,7 +284,7 @@ def _batch_rows(kv: BatchKv, source: RowSource, columns: int, entries: ir.Value,
 
     def gather(_out):
         e, local = _locate(kv, entries)
-        kv_len = kv.kv_len(e)
+        kv_len = kv.kv_len(_device_read, e)
         clamped = arith_d.maxsi(arith_d.minsi(local, arith_d.subi(kv_len, const_index(1))), const_index(0))
         value = source(e, clamped, [linalg_d.IndexOp(1).result, linalg_d.IndexOp(2).result])
         return [arith_d.select(lt(local, kv_len), value, _zero(elem))]
@@ -308,9 +319,8 @@ def _tile_major(rows: ir.Value, num_tiles: ir.Value) -> ir.Value:
     return own_dispatch(transpose, tensor_type([DYN, h, TILE, d], elem), [num_tiles, h, TILE, d])
 
 
-def _batch_tiles(kv: BatchKv, rope: RopeArgs | None, elem: ir.Type) -> tuple[ir.Value, ir.Value]:
+def _batch_tiles(kv: BatchKv, num_tiles: ir.Value, rope: RopeArgs | None, elem: ir.Type) -> tuple[ir.Value, ir.Value]:
     """Keys [T, h, TILE, d_qk] (rotated when ``rotary_mode == 1``) and values [T, h, TILE, d_v]."""
-    num_tiles = arith_d.maxsi(_tile_offset(kv, kv.batch), const_index(1))
     entries = _tile_entries(kv, num_tiles)
     key_rows = _batch_rows(kv, kv.keys, kv.d_qk, entries, num_tiles, elem)
     if kv.rope_offset is not None:
@@ -319,29 +329,33 @@ def _batch_tiles(kv: BatchKv, rope: RopeArgs | None, elem: ir.Type) -> tuple[ir.
     return _tile_major(key_rows, num_tiles), _tile_major(value_rows, num_tiles)
 
 
-def _kv_cache_body(spec, q, q_indptr, kv: BatchKv, *, causal: ir.Value, sm_scale: ir.Value,
+def _kv_cache_body(spec, q, q_indptr: HostReadable, kv: BatchKv, *, causal: ir.Value, sm_scale: ir.Value,
                    rope: RopeArgs | None) -> list[ir.Value]:
-    """Output [Lq, h_q, d_v] and lse [Lq, h_q] for q [Lq, h_q, d_qk] (already rotated)."""
+    """Output [Lq, h_q, d_v] and lse [Lq, h_q] for q [Lq, h_q, d_qk] (already rotated).
+
+    Every value the host needs (loop bounds, offsets) comes from host reads of the index
+    arguments (HostReadable): no loop waits on the device, and bands are written in place."""
     group, h_kv, d_qk, d_v = spec.group_size, kv.heads, kv.d_qk, kv.d_v
     dt = ir.RankedTensorType(q.type).element_type
     total_q = dim(q, 0)
     padded = arith_d.addi(total_q, const_index(BAND_TILES * TILE))
     q_rows = _pad_rows(expand(q, [[0], [1, 2], [3]], [total_q, h_kv, group, d_qk]), 0, padded)
-    keys, values = _batch_tiles(kv, rope, dt)
+    num_tiles = arith_d.maxsi(_tile_offset(kv, _host_read, kv.batch), const_index(1))
+    keys, values = _batch_tiles(kv, num_tiles, rope, dt)
     causal_on = _is_one(causal)
     out_sizes, lse_sizes = [padded, spec.h_q, d_v], [padded, spec.h_q]
 
     def tied(carried):
         return [tie_dims(carried[0], out_sizes), tie_dims(carried[1], lse_sizes)]
 
-    plan = _entry_plan(kv, q_indptr)
     loop = scf_d.ForOp(const_index(0), kv.batch, const_index(1),
                        [on_target_device(empty(out_sizes, dt), out_sizes),
                         on_target_device(empty(lse_sizes, f32()), lse_sizes)])
     with ir.InsertionPoint(loop.body):
         b = loop.induction_variable
-        q_start, qo_len, kv_len, first_tile = (
-            arith_d.index_cast(index(), tensor_d.extract(plan, [b, const_index(field)])) for field in range(4))
+        q_start = q_indptr.load([b])
+        qo_len = arith_d.subi(q_indptr.load([arith_d.addi(b, const_index(1))]), q_start)
+        kv_len, first_tile = kv.kv_len(_host_read, b), _tile_offset(kv, _host_read, b)
         diagonal = arith_d.subi(kv_len, qo_len)
 
         def valid(row, col):
@@ -374,37 +388,9 @@ def _kv_cache_body(spec, q, q_indptr, kv: BatchKv, *, causal: ir.Value, sm_scale
             extract_slice(lse, [0, 0], [total_q, spec.h_q])]
 
 
-def _entry_plan(kv: BatchKv, q_indptr: ir.Value) -> ir.Value:
-    """[max(B, 1), 4] i32, per entry (first query token, query count, KV length, first KV tile):
-    what the host loop reads. Computed by a generic before the loop and used only by host reads,
-    so IREE stages it to the host once; reading the index arguments themselves inside the loop
-    made IREE copy the elements to the host and wait for the device on every entry."""
-
-    def body(_out):
-        b = arith_d.minsi(linalg_d.IndexOp(0).result, arith_d.maxsi(arith_d.subi(kv.batch, const_index(1)),
-                                                                     const_index(0)))
-        q_start = _index_at(q_indptr, _clamped(b, q_indptr))
-        q_end = _index_at(q_indptr, _clamped(arith_d.addi(b, const_index(1)), q_indptr))
-        fields = [q_start, arith_d.subi(q_end, q_start), kv.kv_len(b), _tile_offset(kv, b)]
-        field = linalg_d.IndexOp(1).result
-        value = fields[3]
-        for i in (2, 1, 0):
-            value = arith_d.select(arith_d.cmpi(arith_d.CmpIPredicate.eq, field, const_index(i)), fields[i], value)
-        return [arith_d.index_cast(i32(), value)]
-
-    rows = arith_d.maxsi(kv.batch, const_index(1))
-    return own_dispatch(lambda: generic([], [empty([rows, 4], i32())], [affine_map(2, range(2))], "pp", body)[0],
-                        tensor_type([DYN, 4], i32()), [rows, 4])
-
-
 def _index_at(array: ir.Value, position: ir.Value) -> ir.Value:
     """``array[position]`` of an i32 tensor, as an index."""
     return arith_d.index_cast(index(), tensor_d.extract(array, [position]))
-
-
-def _clamped(b: ir.Value, indptr: ir.Value) -> ir.Value:
-    """``b`` forced into [0, len(indptr) - 1]."""
-    return arith_d.minsi(b, arith_d.subi(dim(indptr, 0), const_index(1)))
 
 
 def _kv_cache_function(spec, arg_types: list, d_v: int, emit) -> ir.Module:
@@ -419,49 +405,54 @@ def _rank1_i32():
 
 
 def build_fused_ragged_prefill(spec: RaggedPrefillSpec) -> ir.Module:
-    """``batch_prefill_ragged_kv`` (the signature of kv_cache.build_ragged_prefill), fused."""
+    """``batch_prefill_ragged_kv`` (the signature of kv_cache.build_ragged_prefill; q_indptr and
+    kv_indptr arrive as host-readable buffer views), fused."""
     dt = lambda: element_type(spec.dtype)  # noqa: E731
-    arg_types = [lambda: tensor_type([DYN, spec.h_q, spec.d_qk], dt()), _rank1_i32,
+    arg_types = [lambda: tensor_type([DYN, spec.h_q, spec.d_qk], dt()), buffer_view_type,
                  lambda: tensor_type([DYN, spec.h_kv, spec.d_qk], dt()),
-                 lambda: tensor_type([DYN, spec.h_kv, spec.d_v], dt()), _rank1_i32, _rank1_i32, _rank1_i32,
+                 lambda: tensor_type([DYN, spec.h_kv, spec.d_v], dt()), buffer_view_type, _rank1_i32, _rank1_i32,
                  i32, i32, f32, f32, f32]
 
-    def emit(q, q_indptr, k, v, kv_indptr, q_rope_position, k_rope_pos_offset,
+    def emit(q, q_indptr_view, k, v, kv_indptr_view, q_rope_position, k_rope_pos_offset,
              causal, rotary_mode, rope_scale, rope_theta, sm_scale):
         rope = RopeArgs(rotary_mode, rope_scale, rope_theta, dict(spec.rope_scaling))
+        q_indptr = HostReadable(q_indptr_view, 1, "q_indptr")
+        kv_indptr = HostReadable(kv_indptr_view, 1, "kv_indptr")
+        last = arith_d.subi(kv_indptr.dims[0], const_index(1))
 
-        def start(b):
-            return _index_at(kv_indptr, _clamped(b, kv_indptr))
+        def start(read, b):
+            return read(kv_indptr, [arith_d.minsi(b, last)])
 
-        def kv_len(b):
-            return arith_d.subi(start(arith_d.addi(b, const_index(1))), start(b))
+        def kv_len(read, b):
+            return arith_d.subi(start(read, arith_d.addi(b, const_index(1))), start(read, b))
 
         def rows_of(x):
             last_row = arith_d.maxsi(arith_d.subi(dim(x, 0), const_index(1)), const_index(0))
-            return lambda e, r, rest: tensor_d.extract(x, [arith_d.minsi(arith_d.addi(start(e), r), last_row), *rest])
+            return lambda e, r, rest: tensor_d.extract(
+                x, [arith_d.minsi(arith_d.addi(start(_device_read, e), r), last_row), *rest])
 
-        kv = BatchKv(arith_d.subi(dim(kv_indptr, 0), const_index(1)), start, kv_len, rows_of(k), rows_of(v),
-                     spec.h_kv, spec.d_qk, spec.d_v, k_rope_pos_offset)
+        kv = BatchKv(last, start, kv_len, rows_of(k), rows_of(v), spec.h_kv, spec.d_qk, spec.d_v, k_rope_pos_offset)
         return _kv_cache_body(spec, _rotated_if(rope, q, q_rope_position), q_indptr, kv,
                               causal=causal, sm_scale=sm_scale, rope=rope)
 
     return _kv_cache_function(spec, arg_types, spec.d_v, emit)
 
 
-def _paged_geometry(spec, page_indptr, length_info):
-    """(base, kv_len) of the paged variants: an entry's storage is its pages (twice that with a
-    sliding window, whose sinks may repeat rows: kv_len <= 2 * physical rows), its length the
-    page table's (kv_cache._page_table)."""
+def _paged_geometry(spec, page_indptr: HostReadable, length_info: HostReadable):
+    """(base, kv_len, table) of the paged variants: an entry's storage is its pages (twice that
+    with a sliding window, whose sinks may repeat rows: kv_len <= 2 * physical rows), its length
+    the page table's (kv_cache._page_table)."""
     rows_per_page = spec.page_size * (2 if spec.sliding_window else 1)
+    last = arith_d.subi(page_indptr.dims[0], const_index(1))
 
-    def base(b):
-        return arith_d.muli(_index_at(page_indptr, _clamped(b, page_indptr)), const_index(rows_per_page))
+    def base(read, b):
+        return arith_d.muli(read(page_indptr, [arith_d.minsi(b, last)]), const_index(rows_per_page))
 
-    def table(b):
-        last_entry = arith_d.maxsi(arith_d.subi(dim(page_indptr, 0), const_index(2)), const_index(0))
-        return _page_table(spec, arith_d.minsi(b, last_entry), page_indptr, length_info)
+    def table(read, b):
+        last_entry = arith_d.maxsi(arith_d.subi(last, const_index(1)), const_index(0))
+        return _page_table(spec, arith_d.minsi(b, last_entry), page_indptr, length_info, read=read)
 
-    return base, lambda b: table(b).kv_len, table
+    return base, lambda read, b: table(read, b).kv_len, table
 
 
 def _paged_source(spec, table, page_values, fetch):
@@ -469,23 +460,31 @@ def _paged_source(spec, table, page_values, fetch):
     rest)`` (page ids clamped into range)."""
 
     def source(e, r, rest):
-        entry = table(e)
+        entry = table(_device_read, e)
         page, slot = physical_row(spec, entry, page_values, r, page_bounds(entry, page_values))
         return fetch(page, slot, rest)
 
     return source
 
 
-def build_fused_paged_prefill(spec: PagedPrefillSpec) -> ir.Module:
-    """``batch_prefill_paged_kv[_sliding_window]`` (kv_cache.build_paged_prefill's signature), fused."""
-    dt = lambda: element_type(spec.dtype)  # noqa: E731
-    arg_types = [lambda: tensor_type([DYN, spec.h_q, spec.d], dt()), _rank1_i32,
-                 lambda: tensor_type([DYN, 2, spec.h_kv, spec.page_size, spec.d], dt()), _rank1_i32, _rank1_i32,
-                 lambda: _length_info_type(spec), _rank1_i32, _rank1_i32, i32, i32, f32, f32, f32]
+def _length_info_rank(spec) -> int:
+    return 2 if spec.sliding_window else 1
 
-    def emit(q, q_indptr, pages, page_indptr, page_values, length_info, k_rope_pos_offset,
+
+def build_fused_paged_prefill(spec: PagedPrefillSpec) -> ir.Module:
+    """``batch_prefill_paged_kv[_sliding_window]`` (kv_cache.build_paged_prefill's signature;
+    q_indptr, page_indptr and length_info arrive as host-readable buffer views), fused."""
+    dt = lambda: element_type(spec.dtype)  # noqa: E731
+    arg_types = [lambda: tensor_type([DYN, spec.h_q, spec.d], dt()), buffer_view_type,
+                 lambda: tensor_type([DYN, 2, spec.h_kv, spec.page_size, spec.d], dt()), buffer_view_type, _rank1_i32,
+                 buffer_view_type, _rank1_i32, _rank1_i32, i32, i32, f32, f32, f32]
+
+    def emit(q, q_indptr_view, pages, page_indptr_view, page_values, length_info_view, k_rope_pos_offset,
              q_rope_position, causal, rotary_mode, rope_scale, rope_theta, sm_scale):
         rope = RopeArgs(rotary_mode, rope_scale, rope_theta, dict(spec.rope_scaling))
+        q_indptr = HostReadable(q_indptr_view, 1, "q_indptr")
+        page_indptr = HostReadable(page_indptr_view, 1, "page_indptr")
+        length_info = HostReadable(length_info_view, _length_info_rank(spec), "length_info")
         base, kv_len, table = _paged_geometry(spec, page_indptr, length_info)
         last_page = arith_d.subi(dim(pages, 0), const_index(1))
 
@@ -495,7 +494,7 @@ def build_fused_paged_prefill(spec: PagedPrefillSpec) -> ir.Module:
                 return tensor_d.extract(pages, [page, const_index(which), rest[0], slot, rest[1]])
             return _paged_source(spec, table, page_values, fetch)
 
-        kv = BatchKv(arith_d.subi(dim(page_indptr, 0), const_index(1)), base, kv_len, half(0), half(1),
+        kv = BatchKv(arith_d.subi(page_indptr.dims[0], const_index(1)), base, kv_len, half(0), half(1),
                      spec.h_kv, spec.d, spec.d, k_rope_pos_offset)
         return _kv_cache_body(spec, _rotated_if(rope, q, q_rope_position), q_indptr, kv,
                               causal=causal, sm_scale=sm_scale, rope=rope)
@@ -504,14 +503,18 @@ def build_fused_paged_prefill(spec: PagedPrefillSpec) -> ir.Module:
 
 
 def build_fused_mla_prefill(spec: MlaPagedPrefillSpec) -> ir.Module:
-    """``batch_prefill_paged_kv_mla[_sliding_window]`` (kv_cache.build_mla_prefill's signature),
-    fused: keys are whole latent rows, values their first d_latent columns."""
+    """``batch_prefill_paged_kv_mla[_sliding_window]`` (kv_cache.build_mla_prefill's signature,
+    index arrays as for the paged kernel), fused: keys are whole latent rows, values their first
+    d_latent columns."""
     dt = lambda: element_type(spec.dtype)  # noqa: E731
-    arg_types = [lambda: tensor_type([DYN, spec.h_q, spec.d_qk], dt()), _rank1_i32,
-                 lambda: tensor_type([DYN, spec.page_size, spec.d_qk], dt()), _rank1_i32, _rank1_i32,
-                 lambda: _length_info_type(spec), i32, f32]
+    arg_types = [lambda: tensor_type([DYN, spec.h_q, spec.d_qk], dt()), buffer_view_type,
+                 lambda: tensor_type([DYN, spec.page_size, spec.d_qk], dt()), buffer_view_type, _rank1_i32,
+                 buffer_view_type, i32, f32]
 
-    def emit(q, q_indptr, pages, page_indptr, page_values, length_info, causal, sm_scale):
+    def emit(q, q_indptr_view, pages, page_indptr_view, page_values, length_info_view, causal, sm_scale):
+        q_indptr = HostReadable(q_indptr_view, 1, "q_indptr")
+        page_indptr = HostReadable(page_indptr_view, 1, "page_indptr")
+        length_info = HostReadable(length_info_view, _length_info_rank(spec), "length_info")
         base, kv_len, table = _paged_geometry(spec, page_indptr, length_info)
         last_page = arith_d.subi(dim(pages, 0), const_index(1))
 
@@ -520,7 +523,7 @@ def build_fused_mla_prefill(spec: MlaPagedPrefillSpec) -> ir.Module:
             return tensor_d.extract(pages, [page, slot, rest[1]])
 
         source = _paged_source(spec, table, page_values, fetch)
-        kv = BatchKv(arith_d.subi(dim(page_indptr, 0), const_index(1)), base, kv_len, source, source,
+        kv = BatchKv(arith_d.subi(page_indptr.dims[0], const_index(1)), base, kv_len, source, source,
                      1, spec.d_qk, spec.d_latent, None)
         return _kv_cache_body(spec, q, q_indptr, kv, causal=causal, sm_scale=sm_scale, rope=None)
 

@@ -289,6 +289,44 @@ def own_dispatch(build: Callable[[], ir.Value], result_type: ir.Type, sizes: Seq
     return region_op.result
 
 
+def buffer_view_type() -> ir.Type:
+    """``!hal.buffer_view``: what every tensor argument is at the VM level (parsed: no builder)."""
+    return ir.Type.parse("!hal.buffer_view")
+
+
+class HostReadable:
+    """An int32 index argument that both dispatches and the host program read.
+
+    The function takes it as ``!hal.buffer_view`` (at the VM level the same argument as a tensor)
+    and imports it as ``tensor`` for the dispatches; the host loads elements straight from its
+    buffer (``hal.buffer.load``). The runtime allocates such arguments host-local and mappable
+    (runtime/module.py), so a host read inside a loop is a memory read, not a copy from the
+    device and a wait, and offsets computed from it stay plain host values (IREE 3.13 writes a
+    dispatch result in place only at such offsets).
+    """
+
+    def __init__(self, view: ir.Value, rank: int, name: str):
+        self.dims = [_op("hal.buffer_view.dim", [view], index(), {"index": ir.IntegerAttr.get(index(), i)})
+                     for i in range(rank)]
+        self.buffer = _op("hal.buffer_view.buffer", [view], ir.Type.parse("!hal.buffer"))
+        self.tensor = ir.Operation.create(
+            "hal.tensor.import", results=[tensor_type([DYN] * rank, i32())], operands=[view, *self.dims],
+            attributes={"name": ir.StringAttr.get(name), "target_encoding": ir.TypeAttr.get(tensor_type([DYN] * rank, i32())),
+                        "operandSegmentSizes": ir.DenseI32ArrayAttr.get([1, rank, 0, 0])}).result
+
+    def load(self, indices: Sequence[ir.Value]) -> ir.Value:
+        """The element at ``indices`` (row-major), read on the host, as an index."""
+        flat = indices[0]
+        for dim_size, i in zip(self.dims[1:], indices[1:]):
+            flat = arith_d.addi(arith_d.muli(flat, dim_size), i)
+        offset = arith_d.muli(flat, const_index(4))
+        return arith_d.index_cast(index(), _op("hal.buffer.load", [self.buffer, offset], i32()))
+
+
+def _op(name: str, operands: list, result: ir.Type, attributes: dict | None = None) -> ir.Value:
+    return ir.Operation.create(name, results=[result], operands=operands, attributes=attributes or {}).result
+
+
 def tie_dims(tensor: ir.Value, sizes: Sequence[IndexLike]) -> ir.Value:
     """``tensor`` annotated with its dynamic dims (``flow.tensor.tie_shape``).
 

@@ -322,17 +322,25 @@ class _PageTable:
     sink: ir.Value
 
 
-def _page_table(spec, b, page_indptr, length_info) -> _PageTable:
-    first_page = _index_at(page_indptr, b)
-    num_pages = arith_d.subi(_index_at(page_indptr, arith_d.addi(b, const_index(1))), first_page)
+def _read_element(array: ir.Value, indices: list) -> ir.Value:
+    """``array[indices]`` of an i32 tensor, as an index (read where the code runs)."""
+    return arith_d.index_cast(index(), tensor_d.extract(array, indices))
+
+
+def _page_table(spec, b, page_indptr, length_info, read=_read_element) -> _PageTable:
+    """Entry ``b``'s page-table geometry; ``read(array, indices)`` reads an element of
+    ``page_indptr`` or ``length_info`` as an index (the fused lowering's host side passes
+    ``HostReadable`` arrays and their loads)."""
+    first_page = read(page_indptr, [b])
+    num_pages = arith_d.subi(read(page_indptr, [arith_d.addi(b, const_index(1))]), first_page)
     has_pages = arith_d.cmpi(arith_d.CmpIPredicate.sgt, num_pages, const_index(0))
     zero = const_index(0)
     if spec.sliding_window:
         def info(row):
-            return arith_d.index_cast(index(), tensor_d.extract(length_info, [const_index(row), b]))
+            return read(length_info, [const_index(row), b])
         last_page_len, window_offset, sink = info(0), info(1), info(2)
     else:
-        last_page_len, window_offset, sink = _index_at(length_info, b), zero, zero
+        last_page_len, window_offset, sink = read(length_info, [b]), zero, zero
     full_pages = arith_d.muli(arith_d.subi(num_pages, const_index(1)), const_index(spec.page_size))
     physical_len = arith_d.select(has_pages, arith_d.addi(full_pages, last_page_len), zero)
     logical_len = arith_d.addi(arith_d.subi(physical_len, window_offset), sink)

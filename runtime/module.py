@@ -29,8 +29,12 @@ class LoadedKernel:
         self._context.add_vm_module(self._vm_module)
         self._function = self._context.modules[self._vm_module.name][symbol]
         self._lock = threading.Lock()
+        # A device with memory of its own: int32 index arrays go host-local (see host_readable).
+        self._index_arrays_host_local = not driver.startswith("local")
 
     def __call__(self, *args: Any, to_host: bool = True) -> tuple:
+        if self._index_arrays_host_local:
+            args = tuple(host_readable(self.device, a) if _is_index_array(a) else a for a in args)
         with self._lock:
             results = self._function(*args)
         if not isinstance(results, (tuple, list)):
@@ -47,5 +51,30 @@ def _to_numpy(value) -> np.ndarray:
 
 
 def as_device_arrays(device: rt.HalDevice, arrays: Sequence[np.ndarray]) -> list:
-    """Uploads arrays once so repeated calls reuse them without a host-to-device copy."""
-    return [rt.asdevicearray(device, a, implicit_host_transfer=True) for a in arrays]
+    """Uploads arrays once so repeated calls reuse them without a host-to-device copy; int32 index
+    arrays go host-local on a device with memory of its own (see :func:`host_readable`)."""
+    local = _is_local(device)
+    return [host_readable(device, a) if _is_index_array(a) and not local
+            else rt.asdevicearray(device, a, implicit_host_transfer=True) for a in arrays]
+
+
+def host_readable(device: rt.HalDevice, array: np.ndarray) -> rt.DeviceArray:
+    """An int32 index array in host-local memory the device can read (pinned memory on CUDA).
+
+    The CUDA kernels' host program reads their index arrays in its loops (mlir/ir.py:
+    HostReadable); from this memory that is a plain load, from device memory it could not be.
+    """
+    view = device.allocator.allocate_buffer_copy(
+        memory_type=rt.MemoryType.HOST_LOCAL | rt.MemoryType.DEVICE_VISIBLE,
+        allowed_usage=rt.BufferUsage.DEFAULT | rt.BufferUsage.MAPPING, device=device,
+        buffer=np.ascontiguousarray(array), element_type=rt.HalElementType.SINT_32)
+    return rt.DeviceArray(device, view, implicit_host_transfer=True)
+
+
+def _is_index_array(value) -> bool:
+    return isinstance(value, np.ndarray) and value.dtype == np.int32
+
+
+def _is_local(device: rt.HalDevice) -> bool:
+    """The CPU drivers' devices (local-task, local-sync) share the host's memory."""
+    return "local" in str(device).lower()
