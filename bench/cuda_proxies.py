@@ -39,7 +39,10 @@ SPECS = [
     PagedPrefillSpec(32, 8, 128, "bfloat16", page_size=16, sliding_window=True),
     PagedPrefillSpec(8, 1, 256, "float16", page_size=64),
     SequencePrefillSpec(8, 8, 64, "float16", causal=True, sm_scale=0.125),
+    SequencePrefillSpec(32, 32, 80, "float16", causal=True, sm_scale=80 ** -0.5),
+    SequencePrefillSpec(16, 8, 96, "bfloat16", causal=True, sm_scale=96 ** -0.5),
     MlaPagedPrefillSpec(16, 512, 64, "float16", page_size=16),
+    MlaPagedPrefillSpec(128, 512, 64, "bfloat16", page_size=64, sliding_window=True),
 ]
 STATS = ("D->H Syncs", "Submissions", "Dispatches", "Executables")
 

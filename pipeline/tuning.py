@@ -21,6 +21,8 @@ contraction k-major ([h, d, N]); with [h, N, d] every tiling tried stayed near 4
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..mlir import build_fused_module, build_module
 from ..mlir.attention_op import ATTENTION_MARKER, TILE
 from ..mlir.ir import ir
@@ -47,42 +49,69 @@ def _cpu_compilation_info(loops: int) -> ir.Attribute:
 
 #: Tensor-core instruction per operand type on IREE 3.13's CUDA target (sm_80 mma.sync, f32 sums).
 CUDA_MMA_KIND = {"f16": "NV_MMA_SYNC_F32_16x8x16_F16", "bf16": "NV_MMA_SYNC_F32_16x8x16_BF16"}
-#: (d_qk, d_v) the tuned configuration compiles for. Ragged 192/128 and MLA 576/512 fail in IREE
-#: 3.13 with it ("failed to derive layout for promoted read-like op", also with 16-row workgroups
-#: and unpromoted queries) and keep IREE's own configuration, which has no mma.sync.
-CUDA_TUNED_HEAD_DIMS = {(64, 64), (128, 128), (256, 256)}
-#: Warps of a fused attention workgroup; each owns 16 of the workgroup's query rows.
+#: Warps of a fused attention workgroup.
 CUDA_ATTENTION_WARPS = 4
+
+
+@dataclass(frozen=True)
+class AttentionTiling:
+    """One CUDA configuration of the online_attention op: ``rows`` query rows per workgroup, the
+    whole head dim, TILE keys per step; the warps split the loop ``qk_split`` in Q.K^T and
+    ``pv_split`` in P.V; ``promote_steps`` also stages the two contractions' operands in shared
+    memory (the workgroup always stages Q, K and V)."""
+
+    rows: int
+    qk_split: str
+    pv_split: str
+    promote_steps: bool
+
+
+#: Measured with ptxas -arch=sm_90 -v (registers / spill bytes of the 256- and 64-row bands):
+#: d 64: 130-157 / 0; d 128: 248-250 / 0 (169-174 for the KV-cache kernels); d 256: 252-254 / 0.
+ROWS_64 = AttentionTiling(rows=TILE, qk_split="qi", pv_split="qi", promote_steps=True)
+#: d_qk != d_v (192/128): the promoted steps fail in IREE 3.13 ("failed to derive layout for
+#: promoted read-like op"); without them: 255 regs, 0 / 56 B spill.
+ROWS_64_UNSTAGED_STEPS = AttentionTiling(rows=TILE, qk_split="qi", pv_split="qi", promote_steps=False)
+#: MLA (576/512): 64 rows hold a 64 x 512 f32 accumulator (256 registers a thread before
+#: anything else); 16 rows with the warps splitting the keys and the value columns: 255 regs,
+#: 0 spill. IREE's default configuration had no mma.sync; 64 rows unstaged spilled 16.9 KB.
+ROWS_16_SPLIT = AttentionTiling(rows=16, qk_split="ki", pv_split="n", promote_steps=False)
+
+
+def cuda_attention_tiling(d_qk: int, d_v: int) -> AttentionTiling:
+    """The configuration for a head-dim pair (every pair gets one; see the constants above)."""
+    if d_v >= 512:
+        return ROWS_16_SPLIT
+    if d_qk == d_v and d_qk in (64, 128, 256):
+        return ROWS_64
+    return ROWS_64_UNSTAGED_STEPS
 
 
 def _cuda_attention_config(query_type: ir.RankedTensorType, value_type: ir.RankedTensorType,
                            loops: tuple[str, ...]) -> dict[str, ir.Attribute] | None:
     """compilation_info + decomposition_config of one online_attention op with ``loops`` (named
-    as in ``attention_op.ALL_LOOPS``): a workgroup takes TILE query rows of one (KV head, group
-    member) with the whole head dim (no Q.K^T recompute across workgroups) and steps through
-    TILE keys at a time; the warps split the rows. None for f32 (no tensor cores on this target:
+    as in ``attention_op.ALL_LOOPS``), or None for f32 operands (no tensor cores on this target:
     IREE's default SIMT configuration)."""
     kind = CUDA_MMA_KIND.get(str(query_type.element_type))
-    if kind is None or (query_type.shape[-1], value_type.shape[-1]) not in CUDA_TUNED_HEAD_DIMS:
+    if kind is None:
         return None
+    tiling = cuda_attention_tiling(query_type.shape[-1], value_type.shape[-1])
 
     def per_loop(**sizes):
         return [sizes.get(name, 0) for name in loops]
 
-    def basis(skipped):
-        counts = per_loop(h=1, g=1, qi=CUDA_ATTENTION_WARPS, k1=1, kt=1, ki=1, n=1)
-        return f"subgroup_basis = [{counts}, {[i for i, name in enumerate(loops) if name != skipped]}]"
+    def step(split: str, skipped: str, promoted: str) -> str:
+        counts = [CUDA_ATTENTION_WARPS if name == split else 1 for name in loops]
+        basis = f"subgroup_basis = [{counts}, {[i for i, name in enumerate(loops) if name != skipped]}]"
+        promote = f"promote_operands = {promoted}, " if tiling.promote_steps else ""
+        return (f"{{lowering_config = #iree_gpu.lowering_config<{{mma_kind = #iree_gpu.mma_layout<{kind}>, "
+                f"{promote}{basis}}}>}}")
 
-    mma = f"mma_kind = #iree_gpu.mma_layout<{kind}>"
     decomposition = ir.Attribute.parse(
-        f"{{qk_attrs = {{lowering_config = #iree_gpu.lowering_config<{{{mma}, promote_operands = [0, 1], "
-        f"{basis('n')}}}>}}, pv_attrs = {{lowering_config = #iree_gpu.lowering_config<{{{mma}, "
-        f"promote_operands = [1], {basis('k1')}}}>}}}}")
-    workgroup = per_loop(h=1, g=1, qi=TILE)
-    reduction = per_loop(kt=1, ki=TILE)
+        f"{{qk_attrs = {step(tiling.qk_split, 'n', '[0, 1]')}, pv_attrs = {step(tiling.pv_split, 'k1', '[1]')}}}")
     compilation = ir.Attribute.parse(
         "#iree_codegen.compilation_info<lowering_config = #iree_gpu.lowering_config<{promote_operands = [0, 1, 2], "
-        f"reduction = {reduction}, workgroup = {workgroup}}}>, "
+        f"reduction = {per_loop(kt=1, ki=TILE)}, workgroup = {per_loop(h=1, g=1, qi=tiling.rows)}}}>, "
         "translation_info = #iree_codegen.translation_info<pipeline = #iree_gpu.pipeline<VectorDistribute> "
         f"workgroup_size = [{32 * CUDA_ATTENTION_WARPS}, 1, 1] subgroup_size = 32>>")
     return {"decomposition_config": decomposition, "compilation_info": compilation}

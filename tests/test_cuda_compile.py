@@ -17,6 +17,7 @@ DENSE_SPECS = [
     SequencePrefillSpec(32, 8, 128, "bfloat16", causal=True, sm_scale=128 ** -0.5),
     SequencePrefillSpec(4, 4, 64, "float16", causal=False, sm_scale=0.125),
     SequencePrefillSpec(8, 2, 256, "bfloat16", causal=True, sm_scale=0.0625),
+    SequencePrefillSpec(32, 32, 80, "float16", causal=True, sm_scale=80 ** -0.5),
     MaskedSequencePrefillSpec(8, 2, 64, "float16", mask_mode="padded", sm_scale=0.125),
     MaskedSequencePrefillSpec(8, 2, 128, "bfloat16", mask_mode="causal_padded_left", sm_scale=0.1),
 ]
@@ -52,7 +53,7 @@ def test_compiles_for_cuda_sm80(spec, cache, tmp_path):
     assert spec.symbol.encode() in vmfb and b"cuda" in vmfb
 
 
-@pytest.mark.parametrize("spec", DENSE_SPECS + [s for s in KV_CACHE_SPECS if getattr(s, "d_qk", 0) != 192], ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", DENSE_SPECS + KV_CACHE_SPECS + MLA_SPECS, ids=lambda s: s.name)
 def test_half_precision_runs_on_tensor_cores(spec, cache, tmp_path):
     vmfb, _ = _artifact(spec, cache, tmp_path)
     assert tensor_core_instructions(vmfb) > 0
