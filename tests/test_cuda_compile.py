@@ -12,25 +12,29 @@ from linalg_prefill.pipeline.vm_structure import host_blocking_calls_in_loops, t
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 8192}
+HALF = ("float16", "bfloat16")
+#: Every variant in both tensor-core dtypes, plus the head dims the tilings differ on.
 DENSE_SPECS = [
-    SequencePrefillSpec(32, 8, 128, "float16", causal=True, sm_scale=128 ** -0.5),
-    SequencePrefillSpec(32, 8, 128, "bfloat16", causal=True, sm_scale=128 ** -0.5),
+    *(SequencePrefillSpec(32, 8, 128, dtype, causal=True, sm_scale=128 ** -0.5) for dtype in HALF),
+    *(MaskedSequencePrefillSpec(8, 2, 64, dtype, mask_mode="padded", sm_scale=0.125) for dtype in HALF),
+    *(MaskedSequencePrefillSpec(8, 2, 128, dtype, mask_mode="causal_padded_left", sm_scale=0.1) for dtype in HALF),
     SequencePrefillSpec(4, 4, 64, "float16", causal=False, sm_scale=0.125),
     SequencePrefillSpec(8, 2, 256, "bfloat16", causal=True, sm_scale=0.0625),
     SequencePrefillSpec(32, 32, 80, "float16", causal=True, sm_scale=80 ** -0.5),
-    MaskedSequencePrefillSpec(8, 2, 64, "float16", mask_mode="padded", sm_scale=0.125),
-    MaskedSequencePrefillSpec(8, 2, 128, "bfloat16", mask_mode="causal_padded_left", sm_scale=0.1),
 ]
 KV_CACHE_SPECS = [
     RaggedPrefillSpec(32, 8, 128, 128, "float16", LLAMA3),
+    RaggedPrefillSpec(32, 8, 128, 128, "bfloat16", {"rope_type": "yarn", "factor": 4.0,
+                                                    "original_max_position_embeddings": 4096}),
     RaggedPrefillSpec(16, 16, 192, 128, "bfloat16"),
-    PagedPrefillSpec(32, 8, 128, "float16", page_size=16),
-    PagedPrefillSpec(32, 8, 128, "bfloat16", page_size=16, sliding_window=True, rope_scaling={"rope_type": "gptj"}),
+    *(PagedPrefillSpec(32, 8, 128, dtype, page_size=16) for dtype in HALF),
+    *(PagedPrefillSpec(32, 8, 128, dtype, page_size=16, sliding_window=True, rope_scaling={"rope_type": "gptj"})
+      for dtype in HALF),
     PagedPrefillSpec(8, 1, 256, "float16", page_size=64),
 ]
 MLA_SPECS = [
-    MlaPagedPrefillSpec(16, 512, 64, "float16", page_size=16),
-    MlaPagedPrefillSpec(16, 512, 64, "bfloat16", page_size=64, sliding_window=True),
+    *(MlaPagedPrefillSpec(16, 512, 64, dtype, page_size=16) for dtype in HALF),
+    *(MlaPagedPrefillSpec(16, 512, 64, dtype, page_size=64, sliding_window=True) for dtype in HALF),
 ]
 F32_SPECS = [
     SequencePrefillSpec(6, 1, 64, "float32", causal=False, sm_scale=0.125),
