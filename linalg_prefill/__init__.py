@@ -30,6 +30,7 @@ def _configure_logging() -> None:
     handler.setFormatter(_logging.Formatter("linalg_prefill %(levelname)s: %(message)s"))
     logger.addHandler(handler)
     logger.setLevel(level)
+    logger.propagate = False  # printed once, here, even when the application configured the root logger
 
 
 _configure_logging()

@@ -9,6 +9,7 @@ from iree.compiler import tools as iree_tools
 from iree.compiler.version import VERSION as COMPILER_VERSION  # noqa: F401 (re-exported)
 
 from .cache import ArtifactCache, default_cache
+from .quiet_logging import root_logger_left_alone
 from .targets import Target, target_for
 from .tuning import tuned_ir
 
@@ -26,7 +27,8 @@ def compile_ir(ir_text: str, target: Target, name: str = "module") -> bytes:
     log.info("compiling %s for %s", name, target.tag)
     start = time.perf_counter()
     try:
-        vmfb = iree_tools.compile_str(ir_text, input_type="auto", extra_args=flags)
+        with root_logger_left_alone():
+            vmfb = iree_tools.compile_str(ir_text, input_type="auto", extra_args=flags)
     except iree_tools.CompilerToolError as err:
         raise CompileError(f"iree-compile failed for {target.tag} with flags {flags}:\n{err}") from None
     log.info("compiled %s for %s in %.1f s (%d bytes)", name, target.tag, time.perf_counter() - start, len(vmfb))

@@ -6,6 +6,8 @@ import functools
 
 import iree.runtime as rt
 
+from ..pipeline.quiet_logging import root_logger_left_alone
+
 DEFAULT_CPU_DRIVER = "local-task"
 
 #: CPU devices get IREE's caching allocator: a kernel's transient buffers (score tiles, padded
@@ -21,9 +23,10 @@ CPU_ALLOCATORS = ["caching:device_local=*;512mib;64"]
 def get_device(driver: str) -> rt.HalDevice:
     """A process-wide device for ``driver`` ("local-task", "local-sync", "cuda", "cuda://0")."""
     try:
-        if driver.startswith("local-"):
-            return rt.get_driver(driver).create_default_device(allocators=CPU_ALLOCATORS)
-        return rt.get_device(driver)
+        with root_logger_left_alone():
+            if driver.startswith("local-"):
+                return rt.get_driver(driver).create_default_device(allocators=CPU_ALLOCATORS)
+            return rt.get_device(driver)
     except (RuntimeError, ValueError) as err:
         raise RuntimeError(f"cannot create IREE device {driver!r}: {err}") from None
 

@@ -8,6 +8,7 @@ from typing import Any, Sequence
 import iree.runtime as rt
 import numpy as np
 
+from ..pipeline.quiet_logging import root_logger_left_alone
 from .devices import get_device
 
 
@@ -27,7 +28,8 @@ class LoadedKernel:
         self._context = rt.SystemContext(config=self._config)
         self._vm_module = rt.VmModule.copy_buffer(self._context.instance, vmfb)
         self._context.add_vm_module(self._vm_module)
-        self._function = self._context.modules[self._vm_module.name][symbol]
+        with root_logger_left_alone():
+            self._function = self._context.modules[self._vm_module.name][symbol]
         self._lock = threading.Lock()
         # A device with memory of its own: int32 index arrays go host-local (see host_readable).
         self._index_arrays_host_local = not driver.startswith("local")
