@@ -22,6 +22,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Callable, Iterator
@@ -44,17 +45,30 @@ def artifact_key(ir_text: str, target: Target) -> str:
 
 
 def atomic_write(path: Path, data: bytes) -> None:
-    """Writes ``data`` to ``path`` through a temporary file in the same folder and a rename."""
+    """Writes ``data`` to ``path`` through a temporary file in the same folder and a rename; the
+    file gets the mode a plain ``open`` would give it (0666 less the process umask), not
+    mkstemp's 0600, so a build made by one user can be read by another."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+        os.chmod(tmp, 0o666 & ~process_umask())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def process_umask() -> int:
+    """The process umask, read without changing it (Linux: /proc/self/status), else set and reset."""
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        with open("/proc/self/status") as status:
+            return int(next(line for line in status if line.startswith("Umask:")).split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 @contextlib.contextmanager
@@ -106,13 +120,37 @@ class ArtifactCache:
         return data
 
     def clear(self) -> int:
-        """Removes every cached artifact; returns how many were removed."""
+        """Removes the entries this library wrote (``<version>/<target>/<spec>-<key>/`` folders
+        holding its files, and their lock files), then the version and target folders they leave
+        empty; returns how many entries were removed. The root and anything else in it stay."""
         import shutil
 
-        count = sum(1 for _ in self.root.glob("*/*/*/kernel.vmfb")) if self.root.exists() else 0
-        if self.root.exists():
-            shutil.rmtree(self.root)
-        return count
+        removed = 0
+        for entry in sorted(self.root.glob("*/*/*")):
+            if _is_entry(entry):
+                shutil.rmtree(entry)
+                removed += 1
+            elif entry.suffix == ".lock" and entry.is_file() and _ENTRY_NAME.fullmatch(entry.stem):
+                entry.unlink()
+        for folder in [*sorted(self.root.glob("*/*")), *sorted(self.root.glob("*"))]:
+            with contextlib.suppress(OSError):  # only empty folders go
+                if folder.is_dir() and not any(folder.iterdir()):
+                    folder.rmdir()
+        return removed
+
+
+_ENTRY_NAME = re.compile(r".+-[0-9a-f]{16}")
+_ENTRY_FILES = {"kernel.vmfb", "kernel.mlir", "compile_command.txt", "spec.json"}
+
+
+def _is_entry(path: Path) -> bool:
+    """A cache entry folder: named ``<spec name>-<16 hex digits>``, holding only files the cache
+    writes (and their temporary files)."""
+    if not path.is_dir() or not _ENTRY_NAME.fullmatch(path.name):
+        return False
+    names = [child.name for child in path.iterdir()]
+    return bool(names) and all(n in _ENTRY_FILES or n.lstrip(".").split(".")[0] in {"kernel", "spec", "compile_command"}
+                               for n in names)
 
 
 def _read_verified(folder: Path) -> bytes | None:

@@ -101,3 +101,39 @@ def test_log_level_from_the_environment():
     bad = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          env={"LINALG_PREFILL_LOG": "loud", "PATH": ""})
     assert "LINALG_PREFILL_LOG: expected debug, info, warning or error" in bad.stderr
+
+
+def test_clear_removes_only_the_entries_the_cache_wrote(tmp_path):
+    """A cache root shared with other files: clear() removes its entries and the folders they
+    leave empty, never the root or a file it did not write (issue: clear-cache data loss)."""
+    cache = ArtifactCache(tmp_path / "shared")
+    cache.get_or_build(SPEC, TARGET, IR, CountingCompiler())
+    cache.get_or_build(SPEC, Target("cuda"), IR, CountingCompiler())
+    foreign = [cache.root / "notes.txt", cache.root / "3.13.0-mine" / "data.bin"]
+    (path,) = [p for p in cache.root.glob("*/llvm-cpu-host/*") if p.is_dir()]
+    foreign.append(path.parent / "keep-this-folder-0123456789abcdef" / "user.txt")
+    for file in foreign:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        file.write_text("not the cache's")
+    assert cache.clear() == 2
+    assert all(file.read_text() == "not the cache's" for file in foreign)
+    assert not list(cache.root.glob("*/*/*/kernel.vmfb")) and not list(cache.root.glob("*/*/*.lock"))
+    assert not (cache.root / path.parent.parent.name / "cuda-sm_80").exists()  # emptied, so removed
+    assert cache.root.is_dir()
+
+
+def test_files_respect_the_process_umask(tmp_path):
+    import os
+    import stat
+
+    previous = os.umask(0o022)
+    try:
+        cache = ArtifactCache(tmp_path)
+        cache.get_or_build(SPEC, TARGET, IR, CountingCompiler())
+        modes = {stat.S_IMODE(p.stat().st_mode) for p in tmp_path.glob("*/*/*/*") if p.is_file()}
+        os.umask(0o077)
+        cache.get_or_build(SPEC, TARGET, IR + " ", CountingCompiler())
+        private = {stat.S_IMODE(p.stat().st_mode) for p in tmp_path.glob("*/*/*/*.vmfb")} - modes
+    finally:
+        os.umask(previous)
+    assert modes == {0o644} and private == {0o600}
