@@ -17,8 +17,9 @@ Loops of the op: ``ALL_LOOPS`` = (h, g, qi, k1, kt, ki, n), less a unit head loo
 (IREE collapses adjacent static dims, so a [Tb, TILE] split would not survive), tiled by TILE
 rows per workgroup. Scaling: IREE multiplies Q by ``scale * log2(e)``
 in Q's dtype before the contraction, which would round every query element of f16/bf16 inputs.
-The op therefore gets ``scale = ln 2`` (Q times 1) and the region multiplies the f32 score by
-``sm_scale * log2(e)``: scores are exact f32 products, and ``max + log2(sum)`` is the base-2 lse.
+The op therefore gets ``scale = ln 2`` (Q times 1) and the region maps the f32 ``q.k`` to the
+score (``online_softmax.score_transform``: ``sm_scale * log2(e) * q.k``, soft-capped when asked):
+scores are exact f32 products, and ``max + log2(sum)`` is the base-2 lse.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from .ir import (
     affine_map, arith_d, collapse, const_f32, const_index, empty, expand, f32, fill, generic, i1, ir, linalg_d,
     math_d, sizes_of,
 )
-from .online_softmax import EMPTY_ROW_LSE, LOG2E
+from .online_softmax import EMPTY_ROW_LSE, score_transform
 
 #: Tokens per query tile and per KV tile: the op's innermost dims stay static (a dynamic sequence
 #: dim puts IREE's CUDA backend on a one-row-per-workgroup SIMT configuration, without mma).
@@ -46,9 +47,10 @@ Validity = Callable[[ir.Value, ir.Value], ir.Value]
 
 
 def attend_band(q_band: ir.Value, keys: ir.Value, values: ir.Value, *, first_row: ir.Value,
-                valid: Validity, sm_scale: Union[float, ir.Value]) -> tuple[ir.Value, ir.Value]:
+                valid: Validity, sm_scale: Union[float, ir.Value], soft_cap: float) -> tuple[ir.Value, ir.Value]:
     """(output, lse) of one band; ``first_row`` is the entry-local token of the band's row 0 and
-    ``valid(row, col)`` decides which pairs enter the softmax (rows and columns entry-local)."""
+    ``valid(row, col)`` decides which pairs enter the softmax (rows and columns entry-local).
+    The score of ``q.k`` is ``online_softmax.score_transform(sm_scale, soft_cap)``'s."""
     band, h_kv, group, _d_qk = ir.RankedTensorType(q_band.type).shape
     d_v = ir.RankedTensorType(values.type).shape[3]
     elem = ir.RankedTensorType(q_band.type).element_type
@@ -62,11 +64,10 @@ def attend_band(q_band: ir.Value, keys: ir.Value, values: ir.Value, *, first_row
     acc = fill(const_f32(0.0), [*row_sizes, d_v], f32())
     row_max = fill(const_f32(_RUNNING_MAX_START), row_sizes, f32())
     row_sum = fill(const_f32(0.0), row_sizes, f32())
-    score_scale = (arith_d.mulf(sm_scale, const_f32(LOG2E)) if isinstance(sm_scale, ir.Value)
-                   else const_f32(sm_scale * LOG2E))
     acc, row_max, row_sum = _online_attention(
         loops, _squeezed(q_band, (*rows, "k1"), loops), _squeezed(keys, ("kt", "h", "ki", "k1"), loops),
-        _squeezed(values, ("kt", "h", "ki", "n"), loops), mask, acc, row_max, row_sum, score_scale)
+        _squeezed(values, ("kt", "h", "ki", "n"), loops), mask, acc, row_max, row_sum,
+        score_transform(sm_scale, soft_cap))
     output = _normalised(acc, row_sum, elem)
     lse = _lse(row_max, row_sum)
     return (_unsqueezed(output, (*rows, "n"), loops, [band, h_kv, group, d_v]),
@@ -114,8 +115,9 @@ def _mask(valid: Validity, first_row: ir.Value, sizes: list) -> ir.Value:
 ALL_LOOPS = ("h", "g", "qi", "k1", "kt", "ki", "n")
 
 
-def _online_attention(loops, q, k, v, mask, acc, row_max, row_sum, score_scale):
-    """The op over ``loops``; returns (acc, max, sum)."""
+def _online_attention(loops, q, k, v, mask, acc, row_max, row_sum, score):
+    """The op over ``loops``; its region maps the f32 ``q.k`` through ``score``; returns
+    (acc, max, sum)."""
     n = len(loops)
 
     def m(*dims):
@@ -137,7 +139,7 @@ def _online_attention(loops, q, k, v, mask, acc, row_max, row_sum, score_scale):
     )
     block = op.regions[0].blocks.append(f32())
     with ir.InsertionPoint(block):
-        ir.Operation.create("iree_linalg_ext.yield", operands=[arith_d.mulf(block.arguments[0], score_scale)])
+        ir.Operation.create("iree_linalg_ext.yield", operands=[score(block.arguments[0])])
     return list(op.results)
 
 

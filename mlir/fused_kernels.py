@@ -203,7 +203,7 @@ def _sequence_body(spec, band_tiles: int, q, k, v, valid_lens):
 
             out, lse = attend_band(_band(q_rows, [b, first], band), _kv_prefix(keys, [b, 0], visible),
                                    _kv_prefix(values, [b, 0], visible), first_row=first, valid=valid,
-                                   sm_scale=spec.sm_scale)
+                                   sm_scale=spec.sm_scale, soft_cap=spec.logits_soft_cap)
             scf_d.YieldOp([_write_band(out, out_acc, [b, first]), _write_band(lse, lse_acc, [b, first])])
         scf_d.YieldOp(tied(bands.results))
     out, lse = tied(entries.results)
@@ -375,7 +375,8 @@ def _kv_cache_body(spec, q, q_indptr: HostReadable, kv: BatchKv, *, causal: ir.V
                     out, lse = attend_band(_band(q_rows, [token], band),
                                            _kv_prefix(keys, [first_tile], visible),
                                            _kv_prefix(values, [first_tile], visible),
-                                           first_row=first, valid=valid, sm_scale=sm_scale)
+                                           first_row=first, valid=valid, sm_scale=sm_scale,
+                                           soft_cap=spec.logits_soft_cap)
                     scf_d.YieldOp([_write_band(out, out_acc, [token]), _write_band(lse, lse_acc, [token])])
                 return tied(bands.results)
 

@@ -236,6 +236,7 @@ def _attend_entries(
                 # rows past the entry (the next entry's, or padding) only see more than its first row
                 unmasked_tiles=unmasked_kv_tiles(kv.kv_len, first_local, diagonal, spec.kv_tile, causal_on),
                 row_chunk=row_chunk,
+                soft_cap=spec.logits_soft_cap,
             )
             first_token = arith_d.addi(q_start, first_local)
             return [write_tile(result.output, out_acc, 0, first_token, group),

@@ -121,8 +121,22 @@ def _scores(q_tile: ir.Value, keys: ir.Value, sizes: list) -> ir.Value:
     return _contract(q_tile, keys, zero, (0, 1, 2, 4), (0, 1, 4, 3), (0, 1, 2, 3))
 
 
-def _scale_and_mask(raw: ir.Value, mask: ScoreMask, kv_start: ir.Value, scale: ir.Value) -> ir.Value:
-    """scores = raw * scale where the mask holds, else -inf."""
+def score_transform(sm_scale: Union[float, ir.Value], soft_cap: float) -> Callable[[ir.Value], ir.Value]:
+    """The map from an f32 dot product ``q.k`` to the log2-domain score both lowerings use:
+    ``sm_scale * log2(e) * q.k``, or with logits soft-capping (``soft_cap`` > 0, semantics §11)
+    ``soft_cap * log2(e) * tanh(sm_scale * q.k / soft_cap)``. ``sm_scale`` is a Python float or an
+    f32 Value (kernels that take it at run time); the constants are built where this is called."""
+    runtime = isinstance(sm_scale, ir.Value)
+    if not soft_cap:
+        factor = arith_d.mulf(sm_scale, const_f32(LOG2E)) if runtime else const_f32(sm_scale * LOG2E)
+        return lambda s: arith_d.mulf(s, factor)
+    inner = arith_d.divf(sm_scale, const_f32(soft_cap)) if runtime else const_f32(sm_scale / soft_cap)
+    outer = const_f32(soft_cap * LOG2E)
+    return lambda s: arith_d.mulf(math_d.tanh(arith_d.mulf(s, inner)), outer)
+
+
+def _scale_and_mask(raw: ir.Value, mask: ScoreMask, kv_start: ir.Value, scale: Callable[[ir.Value], ir.Value]) -> ir.Value:
+    """scores = scale(raw) where the mask holds, else -inf."""
     ident = affine_map(4, (0, 1, 2, 3))
     extra_vals = [t for t, _ in mask.operands]
     extra_maps = [affine_map(4, dims) for _, dims in mask.operands]
@@ -133,7 +147,7 @@ def _scale_and_mask(raw: ir.Value, mask: ScoreMask, kv_start: ir.Value, scale: i
         extras = rest[:-1]
         idx = ScoreIndices(*(linalg_d.IndexOp(i).result for i in range(4)), kv_start=kv_start)
         valid = mask.predicate(idx, extras)
-        return [arith_d.select(valid, arith_d.mulf(s, scale), neg_inf)]
+        return [arith_d.select(valid, scale(s), neg_inf)]
 
     return generic([raw, *extra_vals], [out], [ident, *extra_maps, ident], "pppp", body)[0]
 
@@ -238,6 +252,7 @@ def online_softmax(
     sm_scale: Union[float, ir.Value],
     unmasked_tiles: ir.Value | None = None,
     row_chunk: int | None,
+    soft_cap: float = 0.0,
 ) -> AttentionTile:
     """Attention of one query tile over ``num_kv_tiles`` KV tiles of ``kv_tile`` columns.
 
@@ -251,6 +266,7 @@ def online_softmax(
     whose per-element index arithmetic is most of the row-softmax dispatch's cost on AVX2.
 
     ``row_chunk`` is the widest row reduced in one op (see ``_reduce_rows``), or None.
+    ``soft_cap`` > 0 caps the logits (see :func:`score_transform`).
     """
     q_shape = ir.RankedTensorType(q_tile.type).shape
     batch = sizes_of(q_tile)[0]
@@ -260,10 +276,7 @@ def online_softmax(
     init = [fill(const_f32(NO_KEY_MAX), state_rows, f32()), fill(const_f32(0.0), state_rows, f32()),
             fill(const_f32(0.0), [*state_rows, d_v], f32())]
     score_sizes = [*state_rows, kv_tile]
-    if isinstance(sm_scale, ir.Value):
-        score_scale = arith_d.mulf(sm_scale, const_f32(LOG2E))
-    else:
-        score_scale = const_f32(sm_scale * LOG2E)
+    scale = score_transform(sm_scale, soft_cap)
 
     phases = [(const_index(0), num_kv_tiles, mask)]
     if unmasked_tiles is not None:
@@ -279,10 +292,10 @@ def online_softmax(
             tile = load_kv_tile(tile_index)
             raw = _scores(q_tile, tile.keys, score_sizes)
             if phase_mask is None:
-                scores = _elementwise([raw], [], lambda s: arith_d.mulf(s, score_scale))
+                scores = _elementwise([raw], [], scale)
             else:
                 kv_start = arith_d.muli(tile_index, const_index(kv_tile))
-                scores = _scale_and_mask(raw, phase_mask, kv_start, score_scale)
+                scores = _scale_and_mask(raw, phase_mask, kv_start, scale)
             scf_d.YieldOp(list(_step_state(prev_max, prev_sum, prev_acc, scores, tile.values, row_chunk)))
         state = list(loop.results)
     row_max, row_sum, acc = state

@@ -214,6 +214,7 @@ def _emit_body(spec: SequenceSpec, tile_tokens: int, row_chunk: int | None, q, k
                 unmasked_tiles=None if valid_len is not None else unmasked_kv_tiles(
                     lengths.kv_len, first_token, lengths.diagonal, spec.kv_tile, spec.causal),
                 row_chunk=row_chunk,
+                soft_cap=spec.logits_soft_cap,
             )
             out_acc = write_tile(result.output, out_acc, b, first_token, group)
             lse_acc = write_tile(result.lse, lse_acc, b, first_token, group)

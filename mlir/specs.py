@@ -1,6 +1,8 @@
 """Frozen spec dataclasses: the compile-time choices of each kernel variant.
 
-A spec holds only structural choices (head counts, head dims, dtype, mask kind, tile sizes). Its
+A spec holds only structural choices (head counts, head dims, dtype, mask kind, tile sizes, and
+``logits_soft_cap``: 0 = off, else every score is ``cap * tanh(sm_scale * q.k / cap)`` before the
+mask, as Gemma 2 does). Its
 ``symbol`` is the seed's function name (the exported entry point); its ``name`` spells every field
 and names the artifact. Runtime scalars and sequence lengths are kernel arguments, not fields.
 """
@@ -54,6 +56,10 @@ def _check_heads(h_q: int, h_kv: int) -> None:
 
 
 def _check_common(spec) -> None:
+    cap = spec.logits_soft_cap
+    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap >= 0.0 or cap == float("inf"):
+        raise SpecError(f"logits_soft_cap must be a finite float >= 0 (0 = off), got {cap!r}")
+    object.__setattr__(spec, "logits_soft_cap", float(cap))
     if spec.dtype not in DTYPES:
         raise SpecError(f"dtype must be one of {DTYPES}, got {spec.dtype!r}")
     if spec.q_tile <= 0 or spec.kv_tile <= 0:
@@ -62,6 +68,11 @@ def _check_common(spec) -> None:
 
 class _SpecBase:
     """What every spec derives the same way from its fields (the dataclasses inherit it)."""
+
+    @property
+    def cap_tag(self) -> str:
+        """``_cap<value>`` in the artifact name when logits soft-capping is on, else empty."""
+        return f"_cap{_scale_tag(self.logits_soft_cap)}" if self.logits_soft_cap else ""
 
     @property
     def group_size(self) -> int:
@@ -93,6 +104,7 @@ class SequencePrefillSpec(_SpecBase):
     sm_scale: float
     q_tile: int = DENSE_Q_TILE
     kv_tile: int = DENSE_KV_TILE
+    logits_soft_cap: float = 0.0
 
     symbol = "batch_sequence_prefill_kv"
 
@@ -105,7 +117,7 @@ class SequencePrefillSpec(_SpecBase):
         return (
             f"{self.symbol}_hq{self.h_q}_hkv{self.h_kv}_d{self.d}_{self.dtype}"
             f"_causal{int(self.causal)}_sm{_scale_tag(self.sm_scale)}"
-            f"_qt{self.q_tile}_kt{self.kv_tile}"
+            f"_qt{self.q_tile}_kt{self.kv_tile}{self.cap_tag}"
         )
 
 
@@ -127,6 +139,7 @@ class MaskedSequencePrefillSpec(_SpecBase):
     sm_scale: float
     q_tile: int = DENSE_Q_TILE
     kv_tile: int = DENSE_KV_TILE
+    logits_soft_cap: float = 0.0
 
     symbol = "batch_sequence_prefill_kv_masked"
 
@@ -144,7 +157,7 @@ class MaskedSequencePrefillSpec(_SpecBase):
     def name(self) -> str:
         return (
             f"{self.symbol}_hq{self.h_q}_hkv{self.h_kv}_d{self.d}_{self.dtype}"
-            f"_{self.mask_mode}_sm{_scale_tag(self.sm_scale)}_qt{self.q_tile}_kt{self.kv_tile}"
+            f"_{self.mask_mode}_sm{_scale_tag(self.sm_scale)}_qt{self.q_tile}_kt{self.kv_tile}{self.cap_tag}"
         )
 
 
@@ -211,6 +224,7 @@ class RaggedPrefillSpec(_SpecBase):
     rope_scaling: tuple = ()
     q_tile: int = KV_CACHE_Q_TILE
     kv_tile: int = KV_CACHE_KV_TILE
+    logits_soft_cap: float = 0.0
 
     symbol = "batch_prefill_ragged_kv"
 
@@ -224,7 +238,7 @@ class RaggedPrefillSpec(_SpecBase):
     def name(self) -> str:
         return (
             f"{self.symbol}_hq{self.h_q}_hkv{self.h_kv}_dqk{self.d_qk}_dv{self.d_v}_{self.dtype}"
-            f"_rope-{_rope_tag(self.rope_scaling)}_qt{self.q_tile}_kt{self.kv_tile}"
+            f"_rope-{_rope_tag(self.rope_scaling)}_qt{self.q_tile}_kt{self.kv_tile}{self.cap_tag}"
         )
 
 
@@ -246,6 +260,7 @@ class PagedPrefillSpec(_SpecBase):
     sliding_window: bool = False
     q_tile: int = KV_CACHE_Q_TILE
     kv_tile: int = KV_CACHE_KV_TILE
+    logits_soft_cap: float = 0.0
 
     def __post_init__(self):
         object.__setattr__(self, "rope_scaling", freeze_rope_scaling(self.rope_scaling))
@@ -261,7 +276,7 @@ class PagedPrefillSpec(_SpecBase):
     def name(self) -> str:
         return (
             f"{self.symbol}_hq{self.h_q}_hkv{self.h_kv}_d{self.d}_{self.dtype}_ps{self.page_size}"
-            f"_rope-{_rope_tag(self.rope_scaling)}_qt{self.q_tile}_kt{self.kv_tile}"
+            f"_rope-{_rope_tag(self.rope_scaling)}_qt{self.q_tile}_kt{self.kv_tile}{self.cap_tag}"
         )
 
 
@@ -282,6 +297,7 @@ class MlaPagedPrefillSpec(_SpecBase):
     sliding_window: bool = False
     q_tile: int = 16
     kv_tile: int = KV_CACHE_KV_TILE
+    logits_soft_cap: float = 0.0
 
     def __post_init__(self):
         _check_positive(h_q=self.h_q, d_latent=self.d_latent, page_size=self.page_size)
@@ -303,5 +319,5 @@ class MlaPagedPrefillSpec(_SpecBase):
     def name(self) -> str:
         return (
             f"{self.symbol}_hq{self.h_q}_dl{self.d_latent}_dr{self.d_rope}_{self.dtype}"
-            f"_ps{self.page_size}_qt{self.q_tile}_kt{self.kv_tile}"
+            f"_ps{self.page_size}_qt{self.q_tile}_kt{self.kv_tile}{self.cap_tag}"
         )

@@ -93,6 +93,7 @@ def attend(
     v_rows: np.ndarray,
     valid: np.ndarray,
     sm_scale: float,
+    logits_soft_cap: float = 0.0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Softmax attention over the valid keys only, in float64.
 
@@ -106,6 +107,9 @@ def attend(
         ``valid[m, n]``: key ``n`` enters the softmax of query ``m``.  Invalid keys weigh exactly 0.
     sm_scale : float
         Score scale (natural-log domain): ``score = sm_scale * q.k``.
+    logits_soft_cap : float
+        When > 0, ``score = cap * tanh(sm_scale * q.k / cap)`` (Gemma 2's logit soft-capping),
+        applied before the mask.
 
     Returns
     -------
@@ -122,7 +126,11 @@ def attend(
     s = np.matmul(q, np.swapaxes(k, -1, -2))
     if s.shape[-1] == 0:
         return np.zeros(s.shape[:-1] + (v.shape[-1],)), np.full(s.shape[:-1], EMPTY_ROW_LSE)
-    s *= float(sm_scale) * _LOG2E
+    if logits_soft_cap > 0:
+        cap = float(logits_soft_cap)
+        s = cap * _LOG2E * np.tanh(s * (float(sm_scale) / cap))
+    else:
+        s *= float(sm_scale) * _LOG2E
     valid = np.broadcast_to(np.asarray(valid, dtype=bool), s.shape)
     np.copyto(s, -np.inf, where=~valid)
     has = valid.any(axis=-1)
@@ -137,7 +145,7 @@ def attend(
 
 
 def _attend_heads(
-    q: np.ndarray, k: np.ndarray, v: np.ndarray, valid: np.ndarray, sm_scale: float
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, valid: np.ndarray, sm_scale: float, logits_soft_cap: float = 0.0
 ) -> tuple[np.ndarray, np.ndarray]:
     """GQA attention of one batch entry.
 
@@ -168,7 +176,7 @@ def _attend_heads(
         c0, c1 = int(cols[0]), int(cols[-1]) + 1
         qc = qh[:, :, a:b].reshape(h_kv, g * mc, d_qk)
         vc = np.tile(valid[a:b, c0:c1], (g, 1))[None]  # [1, g*mc, c1-c0]
-        o, s = attend(qc, kh[:, c0:c1], vh[:, c0:c1], vc, sm_scale)
+        o, s = attend(qc, kh[:, c0:c1], vh[:, c0:c1], vc, sm_scale, logits_soft_cap)
         out[a:b] = o.reshape(h_q, mc, d_v).transpose(1, 0, 2)
         lse[a:b] = s.reshape(h_q, mc).T
     return out, lse
@@ -282,6 +290,7 @@ def batch_prefill_paged_kv(
     *,
     rope_scaling: Mapping[str, Any] | None = None,
     sliding_window: bool = False,
+    logits_soft_cap: float = 0.0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Paged-KV prefill (``batch_prefill_paged_kv[_sliding_window]``, §1.1).
 
@@ -350,7 +359,7 @@ def batch_prefill_paged_kv(
             qb = apply_rope(qb, q_rope_position[q0:q1], **rope_kw)
             k = apply_rope(k, k_rope_pos_offset[b] + np.arange(kv_len), **rope_kw)
         valid = _causal_valid(q1 - q0, kv_len, int(causal))
-        out[q0:q1], lse[q0:q1] = _attend_heads(qb, k, v, valid, sm_scale)
+        out[q0:q1], lse[q0:q1] = _attend_heads(qb, k, v, valid, sm_scale, logits_soft_cap)
     return out, lse
 
 
@@ -369,6 +378,7 @@ def batch_prefill_ragged_kv(
     sm_scale: float,
     *,
     rope_scaling: Mapping[str, Any] | None = None,
+    logits_soft_cap: float = 0.0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Ragged-KV prefill (``batch_prefill_ragged_kv``, §1.2).  Note ``q_rope_position`` comes
     before ``k_rope_pos_offset`` here (§9.5).
@@ -426,7 +436,7 @@ def batch_prefill_ragged_kv(
             qb = apply_rope(qb, q_rope_position[q0:q1], **rope_kw)
             kb = apply_rope(kb, k_rope_pos_offset[b] + np.arange(k1 - k0), **rope_kw)
         valid = _causal_valid(q1 - q0, k1 - k0, int(causal))
-        out[q0:q1], lse[q0:q1] = _attend_heads(qb, kb, vb, valid, sm_scale)
+        out[q0:q1], lse[q0:q1] = _attend_heads(qb, kb, vb, valid, sm_scale, logits_soft_cap)
     return out, lse
 
 
@@ -442,6 +452,7 @@ def batch_prefill_paged_kv_mla(
     *,
     d_latent: int,
     sliding_window: bool = False,
+    logits_soft_cap: float = 0.0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Paged MLA prefill over a latent cache (``batch_prefill_paged_kv_mla[_sliding_window]``, §1.3).
 
@@ -490,7 +501,7 @@ def batch_prefill_paged_kv_mla(
             continue
         rows = _f64(pages[page, slot])[:, None, :]  # [kv_len, 1, d_qk]
         valid = _causal_valid(q1 - q0, rows.shape[0], int(causal))
-        out[q0:q1], lse[q0:q1] = _attend_heads(q[q0:q1], rows, rows[..., :d_latent], valid, sm_scale)
+        out[q0:q1], lse[q0:q1] = _attend_heads(q[q0:q1], rows, rows[..., :d_latent], valid, sm_scale, logits_soft_cap)
     return out, lse
 
 
@@ -509,6 +520,7 @@ def batch_sequence_prefill_kv(
     *,
     causal: int,
     sm_scale: float,
+    logits_soft_cap: float = 0.0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Dense batched prefill (``batch_sequence_prefill_kv``, §1.4); no RoPE.
 
@@ -533,7 +545,7 @@ def batch_sequence_prefill_kv(
     out = np.zeros((batch, qo_len, h_q, d))
     lse = np.full((batch, qo_len, h_q), EMPTY_ROW_LSE)
     for b in range(batch):
-        out[b], lse[b] = _attend_heads(q[b], k[b], v[b], valid, sm_scale)
+        out[b], lse[b] = _attend_heads(q[b], k[b], v[b], valid, sm_scale, logits_soft_cap)
     return out, lse
 
 
@@ -555,6 +567,7 @@ def batch_sequence_prefill_kv_masked(
     *,
     mask_mode: str,
     sm_scale: float,
+    logits_soft_cap: float = 0.0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Dense batched prefill with a per-entry valid length (``batch_sequence_prefill_kv_masked``, §7).
 
@@ -592,7 +605,7 @@ def batch_sequence_prefill_kv_masked(
     lse = np.full((batch, qo_len, h_q), EMPTY_ROW_LSE)
     for b in range(batch):
         valid = _masked_valid(qo_len, kv_len, int(valid_lens[b]), mask_mode)
-        out[b], lse[b] = _attend_heads(q[b], k[b], v[b], valid, sm_scale)
+        out[b], lse[b] = _attend_heads(q[b], k[b], v[b], valid, sm_scale, logits_soft_cap)
     return out, lse
 
 

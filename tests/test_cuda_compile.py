@@ -21,6 +21,7 @@ DENSE_SPECS = [
     SequencePrefillSpec(4, 4, 64, "float16", causal=False, sm_scale=0.125),
     SequencePrefillSpec(8, 2, 256, "bfloat16", causal=True, sm_scale=0.0625),
     SequencePrefillSpec(32, 32, 80, "float16", causal=True, sm_scale=80 ** -0.5),
+    SequencePrefillSpec(8, 4, 256, "bfloat16", causal=True, sm_scale=256 ** -0.5, logits_soft_cap=50.0),
 ]
 KV_CACHE_SPECS = [
     RaggedPrefillSpec(32, 8, 128, 128, "float16", LLAMA3),
