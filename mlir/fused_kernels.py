@@ -416,7 +416,7 @@ def build_fused_ragged_prefill(spec: RaggedPrefillSpec) -> ir.Module:
 
     def emit(q, q_indptr_view, k, v, kv_indptr_view, q_rope_position, k_rope_pos_offset,
              causal, rotary_mode, rope_scale, rope_theta, sm_scale):
-        rope = RopeArgs(rotary_mode, rope_scale, rope_theta, dict(spec.rope_scaling))
+        rope = RopeArgs(rotary_mode, rope_scale, rope_theta, dict(spec.rope_scaling), spec.rotary_dim)
         q_indptr = HostReadable(q_indptr_view, 1, "q_indptr")
         kv_indptr = HostReadable(kv_indptr_view, 1, "kv_indptr")
         last = arith_d.subi(kv_indptr.dims[0], const_index(1))
@@ -482,7 +482,7 @@ def build_fused_paged_prefill(spec: PagedPrefillSpec) -> ir.Module:
 
     def emit(q, q_indptr_view, pages, page_indptr_view, page_values, length_info_view, k_rope_pos_offset,
              q_rope_position, causal, rotary_mode, rope_scale, rope_theta, sm_scale):
-        rope = RopeArgs(rotary_mode, rope_scale, rope_theta, dict(spec.rope_scaling))
+        rope = RopeArgs(rotary_mode, rope_scale, rope_theta, dict(spec.rope_scaling), spec.rotary_dim)
         q_indptr = HostReadable(q_indptr_view, 1, "q_indptr")
         page_indptr = HostReadable(page_indptr_view, 1, "page_indptr")
         length_info = HostReadable(length_info_view, _length_info_rank(spec), "length_info")

@@ -65,6 +65,7 @@ class RopeArgs:
     scale: ir.Value
     theta: ir.Value
     rope_scaling: dict
+    rotary_dim: int | None = None
 
 
 def _index_at(array: ir.Value, position: ir.Value) -> ir.Value:
@@ -97,7 +98,7 @@ def _then_rotated_if(rope: RopeArgs | None, build_x: Callable[[], ir.Value], pos
     branch = scf_d.IfOp(_is_one(rope.rotary_mode), result_types, has_else=True)
     with ir.InsertionPoint(branch.then_block):
         scf_d.YieldOp(then(apply_rope(build_x(), positions, theta=rope.theta, scale=rope.scale,
-                                      rope_scaling=rope.rope_scaling)))
+                                      rope_scaling=rope.rope_scaling, rotary_dim=rope.rotary_dim)))
     with ir.InsertionPoint(branch.else_block):
         scf_d.YieldOp(then(build_x()))
     return [tie_dims(result, size) for result, size in zip(branch.results, sizes)]
@@ -475,7 +476,7 @@ def build_ragged_prefill(spec: RaggedPrefillSpec, *, row_chunk: int | None) -> i
 
     def emit(q, q_indptr, k, v, kv_indptr, q_rope_position, k_rope_pos_offset,
              causal, rotary_mode, rope_scale, rope_theta, sm_scale):
-        rope = RopeArgs(rotary_mode, rope_scale, rope_theta, dict(spec.rope_scaling))
+        rope = RopeArgs(rotary_mode, rope_scale, rope_theta, dict(spec.rope_scaling), spec.rotary_dim)
         return _attend_entries(
             spec, _rotated_if(rope, q, q_rope_position), q_indptr, d_v=spec.d_v,
             load_entry=_ragged_loader(spec, k, v, kv_indptr, k_rope_pos_offset),
@@ -499,7 +500,7 @@ def build_paged_prefill(spec: PagedPrefillSpec, *, row_chunk: int | None) -> ir.
 
     def emit(q, q_indptr, pages, page_indptr, page_values, length_info, k_rope_pos_offset,
              q_rope_position, causal, rotary_mode, rope_scale, rope_theta, sm_scale):
-        rope = RopeArgs(rotary_mode, rope_scale, rope_theta, dict(spec.rope_scaling))
+        rope = RopeArgs(rotary_mode, rope_scale, rope_theta, dict(spec.rope_scaling), spec.rotary_dim)
         return _attend_entries(
             spec, _rotated_if(rope, q, q_rope_position), q_indptr, d_v=spec.d,
             load_entry=_paged_loader(spec, pages, page_indptr, page_values, length_info, k_rope_pos_offset),

@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 from .ir import (
     affine_map, arith_d, collapse, const_f32, const_i32, const_index, empty, expand, extract_slice, f32,
-    generic, i32, ir, linalg_d, math_d, sizes_of, widened,
+    generic, i32, insert_slice, ir, linalg_d, math_d, sizes_of, widened,
 )
 
 __all__ = ["apply_rope"]
@@ -38,7 +38,8 @@ FreqAdjust = Callable[[ir.Value, ir.Value], ir.Value]
 
 
 def apply_rope(
-    x: ir.Value, positions: ir.Value, *, theta: ir.Value, scale: ir.Value, rope_scaling: Mapping[str, Any]
+    x: ir.Value, positions: ir.Value, *, theta: ir.Value, scale: ir.Value, rope_scaling: Mapping[str, Any],
+    rotary_dim: int | None = None,
 ) -> ir.Value:
     """``x`` rotated by RoPE; tensor ``[N, H, D]`` of x's element type.
 
@@ -51,8 +52,14 @@ def apply_rope(
     theta, scale : f32 scalars
         Runtime ``rope_theta`` and ``rope_scale`` (the angle uses ``position * scale``).
     rope_scaling : Hugging Face style dict (``{}`` for default RoPE); compile-time constants.
+    rotary_dim : partial rotary embedding: only ``x[..., :rotary_dim]`` rotates, as a head of
+        that size; the rest is unchanged. None: the whole head.
     """
     rows, heads, head_dim = sizes_of(x)
+    if rotary_dim is not None and rotary_dim != head_dim:
+        part = extract_slice(x, [0, 0, 0], [rows, heads, rotary_dim])
+        rotated = apply_rope(part, positions, theta=theta, scale=scale, rope_scaling=rope_scaling)
+        return insert_slice(rotated, x, [0, 0, 0], [rows, heads, rotary_dim])
     if not isinstance(heads, int) or not isinstance(head_dim, int) or head_dim % 2:
         raise ValueError(f"x must be [N, H, D] with static H and even static D, got {x.type}")
     rs = dict(rope_scaling or {})

@@ -2,7 +2,8 @@
 
 A spec holds only structural choices (head counts, head dims, dtype, mask kind, tile sizes, and
 ``logits_soft_cap``: 0 = off, else every score is ``cap * tanh(sm_scale * q.k / cap)`` before the
-mask, as Gemma 2 does). Its
+mask, as Gemma 2 does; ``rotary_dim`` on the RoPE variants: only the first ``rotary_dim`` dims of
+q and k rotate, Hugging Face's ``partial_rotary_factor``). Its
 ``symbol`` is the seed's function name (the exported entry point); its ``name`` spells every field
 and names the artifact. Runtime scalars and sequence lengths are kernel arguments, not fields.
 """
@@ -201,6 +202,22 @@ def _rope_tag(rope_scaling: tuple) -> str:
     return f"{kind}-{digest}"
 
 
+def _check_rotary_dim(spec, head_dim: int) -> None:
+    """``rotary_dim``: None (the whole head) or an even int in [2, head_dim]; the whole head dim
+    is stored as None, so both spellings name the same artifact."""
+    value = spec.rotary_dim
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 2 or value > head_dim or value % 2:
+        raise SpecError(f"rotary_dim must be None or an even int in [2, {head_dim}], got {value!r}")
+    if value == head_dim:
+        object.__setattr__(spec, "rotary_dim", None)
+
+
+def _rotary_tag(spec) -> str:
+    return "" if spec.rotary_dim is None else f"-rd{spec.rotary_dim}"
+
+
 def _check_positive(**values: int) -> None:
     for key, value in values.items():
         if not isinstance(value, int) or value <= 0:
@@ -225,6 +242,7 @@ class RaggedPrefillSpec(_SpecBase):
     q_tile: int = KV_CACHE_Q_TILE
     kv_tile: int = KV_CACHE_KV_TILE
     logits_soft_cap: float = 0.0
+    rotary_dim: int | None = None
 
     symbol = "batch_prefill_ragged_kv"
 
@@ -233,12 +251,13 @@ class RaggedPrefillSpec(_SpecBase):
         _check_heads(self.h_q, self.h_kv)
         _check_positive(d_qk=self.d_qk, d_v=self.d_v)
         _check_common(self)
+        _check_rotary_dim(self, self.d_qk)
 
     @property
     def name(self) -> str:
         return (
             f"{self.symbol}_hq{self.h_q}_hkv{self.h_kv}_dqk{self.d_qk}_dv{self.d_v}_{self.dtype}"
-            f"_rope-{_rope_tag(self.rope_scaling)}_qt{self.q_tile}_kt{self.kv_tile}{self.cap_tag}"
+            f"_rope-{_rope_tag(self.rope_scaling)}{_rotary_tag(self)}_qt{self.q_tile}_kt{self.kv_tile}{self.cap_tag}"
         )
 
 
@@ -261,12 +280,14 @@ class PagedPrefillSpec(_SpecBase):
     q_tile: int = KV_CACHE_Q_TILE
     kv_tile: int = KV_CACHE_KV_TILE
     logits_soft_cap: float = 0.0
+    rotary_dim: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "rope_scaling", freeze_rope_scaling(self.rope_scaling))
         _check_heads(self.h_q, self.h_kv)
         _check_positive(d=self.d, page_size=self.page_size)
         _check_common(self)
+        _check_rotary_dim(self, self.d)
 
     @property
     def symbol(self) -> str:
@@ -276,7 +297,7 @@ class PagedPrefillSpec(_SpecBase):
     def name(self) -> str:
         return (
             f"{self.symbol}_hq{self.h_q}_hkv{self.h_kv}_d{self.d}_{self.dtype}_ps{self.page_size}"
-            f"_rope-{_rope_tag(self.rope_scaling)}_qt{self.q_tile}_kt{self.kv_tile}{self.cap_tag}"
+            f"_rope-{_rope_tag(self.rope_scaling)}{_rotary_tag(self)}_qt{self.q_tile}_kt{self.kv_tile}{self.cap_tag}"
         )
 
 

@@ -120,6 +120,8 @@ def reference_call(spec) -> tuple[str, dict]:
     """The ``runtime.reference`` function that evaluates ``spec``'s seed-ABI calls and the keyword
     arguments (plain JSON values) that carry the spec's compile-time choices to it."""
     cap = dict(logits_soft_cap=spec.logits_soft_cap) if getattr(spec, "logits_soft_cap", 0.0) else {}
+    if getattr(spec, "rotary_dim", None) is not None:
+        cap["rotary_dim"] = spec.rotary_dim
     if isinstance(spec, SequencePrefillSpec):
         return "batch_sequence_prefill_kv", dict(causal=spec.causal, sm_scale=spec.sm_scale, **cap)
     if isinstance(spec, MaskedSequencePrefillSpec):

@@ -291,6 +291,7 @@ def batch_prefill_paged_kv(
     rope_scaling: Mapping[str, Any] | None = None,
     sliding_window: bool = False,
     logits_soft_cap: float = 0.0,
+    rotary_dim: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Paged-KV prefill (``batch_prefill_paged_kv[_sliding_window]``, §1.1).
 
@@ -342,7 +343,7 @@ def batch_prefill_paged_kv(
     if rotary:
         k_rope_pos_offset = _i64(k_rope_pos_offset, "k_rope_pos_offset")
         q_rope_position = _i64(q_rope_position, "q_rope_position")
-    rope_kw = dict(rope_theta=rope_theta, rope_scale=rope_scale, rope_scaling=rope_scaling)
+    rope_kw = dict(rope_theta=rope_theta, rope_scale=rope_scale, rope_scaling=rope_scaling, rotary_dim=rotary_dim)
 
     out = np.zeros((total_len, h_q, d))
     lse = np.full((total_len, h_q), EMPTY_ROW_LSE)
@@ -379,6 +380,7 @@ def batch_prefill_ragged_kv(
     *,
     rope_scaling: Mapping[str, Any] | None = None,
     logits_soft_cap: float = 0.0,
+    rotary_dim: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Ragged-KV prefill (``batch_prefill_ragged_kv``, §1.2).  Note ``q_rope_position`` comes
     before ``k_rope_pos_offset`` here (§9.5).
@@ -422,7 +424,7 @@ def batch_prefill_ragged_kv(
     if rotary:
         k_rope_pos_offset = _i64(k_rope_pos_offset, "k_rope_pos_offset")
         q_rope_position = _i64(q_rope_position, "q_rope_position")
-    rope_kw = dict(rope_theta=rope_theta, rope_scale=rope_scale, rope_scaling=rope_scaling)
+    rope_kw = dict(rope_theta=rope_theta, rope_scale=rope_scale, rope_scaling=rope_scaling, rotary_dim=rotary_dim)
 
     out = np.zeros((total_q, h_q, d_v))
     lse = np.full((total_q, h_q), EMPTY_ROW_LSE)

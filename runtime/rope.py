@@ -5,7 +5,7 @@ Everything is computed in float64; nothing is rounded to float32.
 
 Notation
 --------
-``D`` is the rotary dimension (always the full head dim in the prefill kernels), ``j`` in
+``D`` is the rotary dimension (the head dim, or ``rotary_dim`` for partial rotary), ``j`` in
 ``[0, D)`` an element index, ``i`` in ``[0, D/2)`` a pair index, ``theta`` the runtime
 ``rope_theta`` and ``s = position * rope_scale`` the scaled position (the position is
 **multiplied** by ``rope_scale``).
@@ -253,6 +253,7 @@ def apply_rope(
     rope_theta: float,
     rope_scale: float,
     rope_scaling: Mapping[str, Any] | None,
+    rotary_dim: int | None = None,
 ) -> np.ndarray:
     """Rotate ``x`` in float64.
 
@@ -262,6 +263,10 @@ def apply_rope(
         Any float dtype (float16, bfloat16, float32, float64); converted to float64.
     positions : int array ``[n]``
         Position of each row; multiplied by ``rope_scale``.
+    rotary_dim : int or None
+        Partial rotary embedding (Hugging Face's ``partial_rotary_factor * head_dim``): only the
+        first ``rotary_dim`` elements rotate, as a head of that size (its frequencies computed
+        over ``rotary_dim``); the rest pass unchanged. None: the whole head.
 
     Returns
     -------
@@ -270,6 +275,10 @@ def apply_rope(
     x = np.asarray(x).astype(np.float64)
     if x.ndim != 3:
         raise ValueError(f"x must be [n, heads, D], got shape {x.shape}")
+    if rotary_dim is not None and rotary_dim != x.shape[-1]:
+        rotated = apply_rope(x[..., :rotary_dim], positions, rope_theta=rope_theta, rope_scale=rope_scale,
+                             rope_scaling=rope_scaling)
+        return np.concatenate([rotated, x[..., rotary_dim:]], axis=-1)
     positions = np.asarray(positions).reshape(-1)
     if positions.shape[0] != x.shape[0]:
         raise ValueError(f"positions has {positions.shape[0]} rows, x has {x.shape[0]}")

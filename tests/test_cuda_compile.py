@@ -28,6 +28,7 @@ KV_CACHE_SPECS = [
     RaggedPrefillSpec(32, 8, 128, 128, "bfloat16", {"rope_type": "yarn", "factor": 4.0,
                                                     "original_max_position_embeddings": 4096}),
     RaggedPrefillSpec(16, 16, 192, 128, "bfloat16"),
+    RaggedPrefillSpec(32, 32, 96, 96, "float16", rotary_dim=32),  # Phi-3: d 96, partial rotary
     *(PagedPrefillSpec(32, 8, 128, dtype, page_size=16) for dtype in HALF),
     *(PagedPrefillSpec(32, 8, 128, dtype, page_size=16, sliding_window=True, rope_scaling={"rope_type": "gptj"})
       for dtype in HALF),
