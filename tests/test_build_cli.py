@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
+import math
 import shutil
 import threading
 from pathlib import Path
@@ -67,8 +68,10 @@ def test_qwen2_window_off_when_use_sliding_window_is_false():
 
 
 def test_deepseek_v2_lite_is_mla():
+    """The model rotates its MLA heads itself: yarn reaches the kernels only as the softmax scale."""
     cfg = load_model_config(CONFIGS / "deepseek-v2-lite.json")
-    assert cfg.mla is not None and cfg.rope_scaling["rope_type"] == "yarn"
+    assert cfg.mla is not None and cfg.rope_scaling == {}
+    assert cfg.attention_scale == pytest.approx(192 ** -0.5 * (0.1 * 0.707 * math.log(40) + 1) ** 2)
     assert specs_for_model(cfg) == [
         RaggedPrefillSpec(16, 16, 192, 128, "bfloat16", rope_scaling={}),
         MlaPagedPrefillSpec(16, 512, 64, "bfloat16", page_size=16),
@@ -91,7 +94,13 @@ HF = {"num_attention_heads": 8, "num_key_value_heads": 2, "hidden_size": 512, "t
     ("bad_kv_heads", {"num_key_value_heads": 3}, "num_key_value_heads"),
     ("bad_dtype", {"torch_dtype": "float8_e4m3fn"}, "torch_dtype"),
     ("no_dtype", {"torch_dtype": None}, "torch_dtype"),
-    ("linear_rope", {"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling"),
+    ("dynamic_rope", {"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_scaling"),
+    ("longrope_factors", {"rope_scaling": {"rope_type": "longrope", "max_position_embeddings": 131072,
+                                           "original_max_position_embeddings": 4096, "long_factor": [1.0, 2.0],
+                                           "short_factor": [1.0, 1.0]}}, "rope_scaling.long_factor"),
+    ("alibi", {"alibi": True}, "alibi"),
+    ("chunked", {"attention_chunk_size": 8192}, "attention_chunk_size"),
+    ("odd_partial", {"partial_rotary_factor": 0.3}, "partial_rotary_factor"),
     ("native_typo", {"h_q": 4, "h_kv": 2, "head_dim": 64, "dtype": "float32", "heads": 4}, "heads"),
     ("native_missing", {"h_q": 4, "h_kv": 2, "dtype": "float32"}, "head_dim"),
     ("native_no_dtype", {"h_q": 4, "h_kv": 2, "head_dim": 64}, "dtype: missing"),
