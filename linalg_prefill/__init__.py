@@ -13,6 +13,12 @@ Environment:
 
 import logging as _logging
 import os as _os
+from importlib import metadata as _metadata
+
+try:
+    __version__ = _metadata.version("linalg-prefill")
+except _metadata.PackageNotFoundError:  # a source tree used without installing it
+    __version__ = "0+unknown"
 
 
 def _configure_logging() -> None:

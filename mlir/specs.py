@@ -50,10 +50,24 @@ def _scale_tag(value: float) -> str:
 
 
 def _check_heads(h_q: int, h_kv: int) -> None:
+    _check_positive(h_q=h_q, h_kv=h_kv)
     if h_q <= 0 or h_kv <= 0:
         raise SpecError(f"h_q and h_kv must be positive, got h_q={h_q}, h_kv={h_kv}")
     if h_q % h_kv:
         raise SpecError(f"h_q ({h_q}) must be a multiple of h_kv ({h_kv})")
+
+
+def _check_scale(spec) -> None:
+    """``sm_scale`` a finite positive float, ``causal`` a bool (0/1 accepted), ``d`` positive."""
+    _check_positive(d=spec.d)
+    scale = spec.sm_scale
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0.0 < scale < float("inf"):
+        raise SpecError(f"sm_scale must be a finite float > 0, got {scale!r}")
+    object.__setattr__(spec, "sm_scale", float(scale))
+    if "causal" in {f.name for f in dataclasses.fields(spec)}:
+        if spec.causal not in (True, False):
+            raise SpecError(f"causal must be a bool, got {spec.causal!r}")
+        object.__setattr__(spec, "causal", bool(spec.causal))
 
 
 def _check_common(spec) -> None:
@@ -63,8 +77,7 @@ def _check_common(spec) -> None:
     object.__setattr__(spec, "logits_soft_cap", float(cap))
     if spec.dtype not in DTYPES:
         raise SpecError(f"dtype must be one of {DTYPES}, got {spec.dtype!r}")
-    if spec.q_tile <= 0 or spec.kv_tile <= 0:
-        raise SpecError(f"q_tile and kv_tile must be positive, got {spec.q_tile}, {spec.kv_tile}")
+    _check_positive(q_tile=spec.q_tile, kv_tile=spec.kv_tile)
 
 
 class _SpecBase:
@@ -111,6 +124,7 @@ class SequencePrefillSpec(_SpecBase):
 
     def __post_init__(self):
         _check_heads(self.h_q, self.h_kv)
+        _check_scale(self)
         _check_common(self)
 
     @property
@@ -146,6 +160,7 @@ class MaskedSequencePrefillSpec(_SpecBase):
 
     def __post_init__(self):
         _check_heads(self.h_q, self.h_kv)
+        _check_scale(self)
         _check_common(self)
         if self.mask_mode not in MASK_MODES:
             raise SpecError(f"mask_mode must be one of {MASK_MODES}, got {self.mask_mode!r}")
@@ -220,8 +235,14 @@ def _rotary_tag(spec) -> str:
 
 def _check_positive(**values: int) -> None:
     for key, value in values.items():
-        if not isinstance(value, int) or value <= 0:
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise SpecError(f"{key} must be a positive int, got {value!r}")
+
+
+def _check_window_flag(spec) -> None:
+    if spec.sliding_window not in (True, False):
+        raise SpecError(f"sliding_window must be a bool, got {spec.sliding_window!r}")
+    object.__setattr__(spec, "sliding_window", bool(spec.sliding_window))
 
 
 @dataclass(frozen=True)
@@ -286,6 +307,7 @@ class PagedPrefillSpec(_SpecBase):
         object.__setattr__(self, "rope_scaling", freeze_rope_scaling(self.rope_scaling))
         _check_heads(self.h_q, self.h_kv)
         _check_positive(d=self.d, page_size=self.page_size)
+        _check_window_flag(self)
         _check_common(self)
         _check_rotary_dim(self, self.d)
 
@@ -322,6 +344,7 @@ class MlaPagedPrefillSpec(_SpecBase):
 
     def __post_init__(self):
         _check_positive(h_q=self.h_q, d_latent=self.d_latent, page_size=self.page_size)
+        _check_window_flag(self)
         if not isinstance(self.d_rope, int) or self.d_rope < 0:
             raise SpecError(f"d_rope must be a non-negative int, got {self.d_rope!r}")
         _check_common(self)

@@ -118,6 +118,10 @@ def bench_artifacts(out_dir: str, backends: list[str], *, tokens: int, batch: in
     from ..runtime.devices import device_available
     from .targets import target_for
 
+    from .artifacts import load_manifest
+
+    width = max([len("variant"), *(len(entry["variant"]) for entry in load_manifest(out_dir)["artifacts"])])
+    log(header(width))
     rng = np.random.default_rng(seed)
     rows, peer_ms = [], {}
     for backend in backends:
@@ -136,17 +140,19 @@ def bench_artifacts(out_dir: str, backends: list[str], *, tokens: int, batch: in
             rows.append(BenchRow(spec.name, backend, spec.dtype, batch, tokens, ours * 1e3,
                                  attention_flops(spec, batch, tokens) / ours / 1e9, theirs,
                                  None if theirs is None else theirs / (ours * 1e3)))
-            log(format_row(rows[-1]))
+            log(format_row(rows[-1], width))
     return rows
 
 
-HEADER = f"{'variant':<92} {'backend':<9} {'ours ms':>9} {'GFLOP/s':>8} {'torch ms':>9} {'ratio':>6}"
+def header(width: int) -> str:
+    """The table's header with a variant column ``width`` wide (the longest variant name)."""
+    return f"{'variant':<{width}} {'backend':<9} {'ours ms':>9} {'GFLOP/s':>8} {'torch ms':>9} {'ratio':>6}"
 
 
-def format_row(row: BenchRow) -> str:
+def format_row(row: BenchRow, width: int) -> str:
     torch_ms = "-" if row.torch_ms is None else f"{row.torch_ms:.1f}"
     ratio = "-" if row.ratio is None else f"{row.ratio:.2f}"
-    return f"{row.variant:<92} {row.backend:<9} {row.ours_ms:>9.1f} {row.gflops:>8.1f} {torch_ms:>9} {ratio:>6}"
+    return f"{row.variant:<{width}} {row.backend:<9} {row.ours_ms:>9.1f} {row.gflops:>8.1f} {torch_ms:>9} {ratio:>6}"
 
 
 def write_json(rows: list[BenchRow], path: str) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from ..mlir.specs import DTYPES
 from .cache import default_cache
@@ -22,6 +23,7 @@ from .targets import BACKENDS, Target
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="linalg-prefill", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=_version_line())
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="build the kernels, run them on the CPU against the reference")
     demo.add_argument("--backends", default="llvm-cpu,cuda", help="comma-separated backends to build")
@@ -41,6 +43,8 @@ def main(argv=None) -> int:
                                           "against the float64 reference and across backends")
     _add_folder_and_backends(check)
     check.add_argument("--seed", type=int, default=0, help="random seed of the inputs")
+    check.add_argument("--strict", action="store_true",
+                       help="fail (exit 1) when a requested backend did not run, e.g. no device here")
     bench = sub.add_parser("bench", help="time every artifact of a build folder (and torch SDPA on the same "
                                          "work when torch is installed)")
     _add_folder_and_backends(bench)
@@ -50,10 +54,14 @@ def main(argv=None) -> int:
     bench.add_argument("--json", help="also write the rows to this JSON file")
     sub.add_parser("show-config", help="IREE versions, HAL drivers, usable devices")
     args = parser.parse_args(argv)
+    problem = _argument_problem(args)
+    if problem:
+        print(f"linalg-prefill {args.command}: error: {problem}", file=sys.stderr)
+        return 2
     if args.command == "demo":
         from .demo import run_demo
 
-        return run_demo(tuple(b for b in args.backends.split(",") if b))
+        return run_demo(tuple(args.backends))
     if args.command == "clear-cache":
         cache = default_cache()
         print(f"removed {cache.clear()} artifacts from {cache.root}")
@@ -63,12 +71,42 @@ def main(argv=None) -> int:
     if args.command == "list":
         return _list(args.dir)
     if args.command == "check":
-        return _check(args.dir, [b for b in args.backends.split(",") if b], args.seed)
+        return _check(args.dir, args.backends, args.seed, strict=args.strict)
     if args.command == "bench":
         return _bench(args)
     if args.command == "show-config":
         return _show_config()
     return 2
+
+
+def _argument_problem(args) -> str | None:
+    """One line saying what is wrong with the parsed arguments (``--backends`` becomes a list)."""
+    if hasattr(args, "backends"):
+        try:
+            args.backends = backend_list(args.backends)
+        except ValueError as err:
+            return str(err)
+    if args.command == "build" and Path(args.out).exists() and not Path(args.out).is_dir():
+        return f"--out {args.out}: is a file; give a folder (created if missing)"
+    return None
+
+
+def backend_list(text: str) -> list[str]:
+    """``--backends`` as a list: comma-separated, spaces around names ignored, each one known."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in BACKENDS]
+    if unknown or not names:
+        raise ValueError(f"--backends {text!r}: expected comma-separated names from {', '.join(BACKENDS)}")
+    return names
+
+
+def _version_line() -> str:
+    from iree.compiler.version import VERSION as COMPILER_VERSION
+    from iree.runtime.version import VERSION as RUNTIME_VERSION
+
+    from linalg_prefill import __version__
+
+    return f"linalg-prefill {__version__} (IREE compiler {COMPILER_VERSION}, runtime {RUNTIME_VERSION})"
 
 
 def _add_folder_and_backends(parser) -> None:
@@ -87,7 +125,7 @@ def _build(args) -> int:
     arch = {"llvm-cpu": args.cpu, "cuda": args.cuda_arch}
     try:
         cfg = load_model_config(args.model, dtype=args.dtype, page_size=args.page_size)
-        targets = [Target(b, arch.get(b, "")) for b in args.backends.split(",") if b]
+        targets = [Target(b, arch.get(b, "")) for b in args.backends]
     except (OSError, ValueError) as err:
         print(f"linalg-prefill build: error: {err}", file=sys.stderr)
         return 2
@@ -128,9 +166,10 @@ def _list(out_dir: str) -> int:
     return 1 if bad else 0
 
 
-def _check(out_dir: str, backends: list, seed: int) -> int:
+def _check(out_dir: str, backends: list, seed: int, *, strict: bool = False) -> int:
     """``check``: each variant on the requested backends it was built for, against the reference;
-    prints one table per variant; 0 when all ran within tolerance, 1 otherwise or if nothing ran."""
+    prints one table per variant; 0 when all ran within tolerance, 1 otherwise or if nothing ran
+    (``strict``: also when a requested backend did not run at all)."""
     import numpy as np
 
     from ..runtime.artifact_set import open_artifacts, spec_from_entry
@@ -148,7 +187,7 @@ def _check(out_dir: str, backends: list, seed: int) -> int:
         if entry["backend"] in sets:
             variants.setdefault(entry["variant"], (spec_from_entry(entry), []))[1].append(entry["backend"])
     rng = np.random.default_rng(seed)
-    failures, ran = 0, 0
+    failures, ran, backends_run = 0, 0, set()
     for spec, built in variants.values():
         try:
             report = compare_backends(spec, example_inputs(spec, rng), tuple(dict.fromkeys(built)), artifacts=sets)
@@ -159,24 +198,28 @@ def _check(out_dir: str, backends: list, seed: int) -> int:
         print(report.table() + "\n")
         failures += not report.ok
         ran += len(report.ran)
+        backends_run.update(report.ran)
     verdict = "all within tolerance" if not failures else f"{failures} OUT OF TOLERANCE or failed"
     print(f"{len(variants)} variants, {ran} backend runs: {verdict}")
     if not ran:
         print(f"nothing ran: no artifact for {', '.join(backends)} with a device here")
-    return 1 if failures or not ran else 0
+    missing = [backend for backend in backends if backend not in backends_run]
+    if missing:
+        print(f"{'error' if strict else 'note'}: requested but not run: {', '.join(missing)}"
+              f"{'' if strict else ' (--strict makes this a failure)'}")
+    return 1 if failures or not ran or (strict and missing) else 0
 
 
 def _bench(args) -> int:
     """``bench``: one row per artifact and backend; 1 if nothing ran."""
-    from .bench import HEADER, bench_artifacts, write_json
+    from .bench import bench_artifacts, write_json
 
     for name in ("tokens", "batch", "repeat"):
         if getattr(args, name) < 1:
             print(f"linalg-prefill bench: error: --{name} must be at least 1", file=sys.stderr)
             return 2
-    print(HEADER)
     try:
-        rows = bench_artifacts(args.dir, [b for b in args.backends.split(",") if b], tokens=args.tokens,
+        rows = bench_artifacts(args.dir, args.backends, tokens=args.tokens,
                                batch=args.batch, repeat=args.repeat)
     except ValueError as err:  # ArtifactError or an unknown backend
         print(f"linalg-prefill bench: error: {err}", file=sys.stderr)
@@ -196,7 +239,7 @@ def _show_config() -> int:
     import iree.runtime as rt
     from iree.runtime.version import VERSION as RUNTIME_VERSION
 
-    from ..runtime import device_available
+    from ..runtime.devices import device_problem
     from .compiler import COMPILER_VERSION
 
     cache = default_cache()
@@ -204,7 +247,8 @@ def _show_config() -> int:
     print(f"IREE runtime      {RUNTIME_VERSION}")
     print(f"HAL drivers       {', '.join(rt.query_available_drivers())}")
     for driver in ("local-task", "cuda"):
-        print(f"device {driver:<10} {'usable' if device_available(driver) else 'not usable'}")
+        reason = device_problem(driver)
+        print(f"device {driver:<10} {'usable' if reason is None else 'not usable: ' + reason}")
     print(f"artifact cache    {cache.root}{'' if cache.enabled else ' (disabled)'}")
     return 0
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 
 import numpy as np
@@ -95,8 +96,12 @@ def run_demo(backends=("llvm-cpu", "cuda")) -> int:
     """Builds every demo variant for ``backends``, runs the llvm-cpu ones; returns an exit code."""
     rows = []
     failures = 0
-    for spec, args, (want_out, want_lse) in _demo_cases():
+    cases = list(_demo_cases())
+    total = len(cases) * len(backends)
+    for spec, args, (want_out, want_lse) in cases:
         for backend in backends:
+            # A cold build compiles for minutes: say what is happening (stderr keeps stdout a table).
+            print(f"[{len(rows) + 1}/{total}] {spec.symbol} ({spec.dtype}) for {backend}", file=sys.stderr, flush=True)
             t0 = time.perf_counter()
             compile(spec, Target(backend))
             build_s = time.perf_counter() - t0

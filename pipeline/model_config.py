@@ -123,10 +123,16 @@ def load_model_config(path, *, dtype: str | None = None, page_size: int | None =
     ``ValueError`` naming the key and the file.
     """
     path = Path(path)
-    if path.suffix == ".toml":
-        raw = tomllib.loads(path.read_text())
-    else:
-        raw = json.loads(path.read_text())
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ValueError(f"{path}: cannot read the model config ({err.strerror or err})") from None
+    try:
+        raw = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: line {err.lineno}, column {err.colno}: malformed JSON ({err.msg})") from None
+    except tomllib.TOMLDecodeError as err:
+        raise ValueError(f"{path}: malformed TOML: {err}") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: expected a JSON object or TOML table")
     try:

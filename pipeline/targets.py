@@ -19,6 +19,9 @@ LOWERINGS = ("linalg", "fused")
 #: (mlir/fused_kernels.py). ``Target(backend, lowering=...)`` overrides it, e.g. to check the
 #: fused lowering's numerics on llvm-cpu.
 DEFAULT_LOWERING = {"llvm-cpu": "linalg", "cuda": "fused"}
+#: CUDA architectures IREE 3.13 compiles for (sm_90, sm_90a and sm_100 fail with "missing GPU
+#: target"); Hopper runs sm_80 PTX through the driver's JIT.
+CUDA_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_120")
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,9 @@ class Target:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if not self.arch:
             object.__setattr__(self, "arch", "host" if self.backend == "llvm-cpu" else "sm_80")
+        if self.backend == "cuda" and self.arch not in CUDA_ARCHS:
+            raise ValueError(f"cuda arch {self.arch!r}: IREE 3.13 compiles CUDA for {', '.join(CUDA_ARCHS)} only; "
+                             "Hopper (H100, H200) and newer run sm_80 PTX through the driver JIT, so use sm_80")
         if not self.lowering:
             object.__setattr__(self, "lowering", DEFAULT_LOWERING[self.backend])
         if self.lowering not in LOWERINGS:

@@ -33,11 +33,17 @@ def get_device(driver: str) -> rt.HalDevice:
 
 def device_available(driver: str) -> bool:
     """True when a device for ``driver`` can actually be created (listing a driver is not enough)."""
+    return device_problem(driver) is None
+
+
+def device_problem(driver: str) -> str | None:
+    """Why no device for ``driver`` can be created here (IREE's first line), or None when one can."""
     try:
         get_device(driver)
-    except RuntimeError:
-        return False
-    return True
+    except RuntimeError as err:
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+        return lines[0] if lines else "unknown error"
+    return None
 
 
 def cuda_available() -> bool:

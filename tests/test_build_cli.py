@@ -276,3 +276,76 @@ def test_bench_flops_count_the_unmasked_pairs(mask_mode, causal):
     assert attention_flops(spec, 3, tokens) == 3 * visible.sum() * 2 * 8 * (64 + 64)
     mla = MlaPagedPrefillSpec(16, 512, 64, "float32", page_size=16)
     assert attention_flops(mla, 1, tokens) == np.tril(np.ones((tokens, tokens))).sum() * 2 * 16 * (576 + 512)
+
+
+def test_cli_version(capsys):
+    import linalg_prefill
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.startswith(f"linalg-prefill {linalg_prefill.__version__} (IREE compiler ")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--cuda-arch", "sm_90"], "cuda arch 'sm_90': IREE 3.13 compiles CUDA for sm_80"),
+    (["--backends", "llvm-cpu, metal"], "--backends 'llvm-cpu, metal': expected comma-separated names"),
+])
+def test_cli_build_errors_are_one_line(argv, message, tmp_path, capsys):
+    code = _exit_code(["build", "--model", str(TINY), "--out", str(tmp_path / "o"), *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli_build_out_must_be_a_folder_and_configs_name_their_line(tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    assert _exit_code(["build", "--model", str(TINY), "--out", str(afile)]) == 2
+    assert f"--out {afile}: is a file" in capsys.readouterr().err and afile.read_text() == "mine"
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"num_attention_heads": 8,\n "hidden_size": 512,, }')
+    assert main(["build", "--model", str(bad), "--out", str(tmp_path / "o")]) == 2
+    assert f"{bad}: line 2, column 21: malformed JSON" in capsys.readouterr().err
+    bad_toml = tmp_path / "bad.toml"
+    bad_toml.write_text('name = "x"\nh_q = = 4\n')
+    assert main(["build", "--model", str(bad_toml), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad_toml}: malformed TOML" in err and "line 2" in err
+
+
+def test_cli_backends_tolerate_spaces():
+    from linalg_prefill.pipeline.cli import backend_list
+
+    assert backend_list(" llvm-cpu , cuda,") == ["llvm-cpu", "cuda"]
+
+
+def test_cli_check_strict_fails_when_a_backend_did_not_run(tiny_build, capsys):
+    out = tiny_build[1]
+    assert main(["check", str(out), "--backends", "llvm-cpu, cuda"]) == 0
+    assert "requested but not run: cuda (--strict makes this a failure)" in capsys.readouterr().out
+    assert main(["check", str(out), "--backends", "llvm-cpu,cuda", "--strict"]) == 1
+    assert "error: requested but not run: cuda" in capsys.readouterr().out
+    assert main(["check", str(out), "--backends", "llvm-cpu", "--strict"]) == 0
+
+
+def test_cli_show_config_says_why_a_device_is_unusable(capsys, monkeypatch):
+    from linalg_prefill.runtime import devices
+
+    monkeypatch.setattr(devices, "device_problem", lambda driver: None if driver == "local-task" else "no GPU driver")
+    assert main(["show-config"]) == 0
+    assert "device cuda       not usable: no GPU driver" in capsys.readouterr().out
+
+
+def test_cli_bench_table_is_aligned(tiny_build, capsys):
+    assert main(["bench", str(tiny_build[1]), "--backends", "llvm-cpu", "--tokens", "8", "--repeat", "1"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    header, rows = lines[0], lines[1:]
+    assert rows and all(row.index(" llvm-cpu ") + 1 == header.index("backend") for row in rows), lines
+    assert len({len(line) for line in lines}) == 1, lines
+
+
+def _exit_code(argv) -> int:
+    try:
+        return main(argv)
+    except SystemExit as done:  # argparse errors
+        return done.code

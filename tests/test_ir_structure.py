@@ -86,12 +86,30 @@ def test_spec_name_spells_every_field_and_differs_per_field():
         (dict(h_q=6, h_kv=4), "multiple of h_kv"),
         (dict(dtype="float64"), "dtype"),
         (dict(kv_tile=0), "kv_tile"),
+        (dict(d=0), "d must be a positive int"),
+        (dict(h_q=8.0), "h_q must be a positive int"),
+        (dict(sm_scale=float("nan")), "sm_scale"),
+        (dict(sm_scale=0.0), "sm_scale"),
+        (dict(causal="yes"), "causal must be a bool"),
+        (dict(q_tile=True), "q_tile"),
+        (dict(logits_soft_cap=-1.0), "logits_soft_cap"),
     ],
 )
 def test_spec_rejects_bad_fields(kwargs, message):
     fields = dict(h_q=8, h_kv=2, d=64, dtype="float32", causal=False, sm_scale=1.0) | kwargs
     with pytest.raises(ValueError, match=message):
         SequencePrefillSpec(**fields)
+
+
+def test_kv_cache_specs_reject_bad_fields():
+    from linalg_prefill.mlir import MlaPagedPrefillSpec, PagedPrefillSpec, SpecError
+
+    with pytest.raises(SpecError, match="sliding_window must be a bool"):
+        PagedPrefillSpec(8, 2, 64, "float32", sliding_window="yes")
+    with pytest.raises(SpecError, match="page_size"):
+        MlaPagedPrefillSpec(16, 512, 64, "float32", page_size=0)
+    with pytest.raises(SpecError, match="d_rope"):
+        MlaPagedPrefillSpec(16, 512, -1, "float32")
 
 
 def test_masked_spec_rejects_unknown_mask_mode():
