@@ -61,11 +61,20 @@ def check_tensor(name: str, value, *, dtype: str, shape: Sequence[int | None]):
     return np.ascontiguousarray(array)
 
 
+INT32 = np.iinfo(np.int32)
+
+
 def check_int32(name: str, value, *, shape: Sequence[int | None]) -> np.ndarray:
-    """An int32 index array of the given shape (other integer dtypes are rejected, not cast)."""
+    """An int32 index array of the given shape. Other integer arrays, tensors and Python lists
+    are converted when every value fits int32; floats, bools and out-of-range values are errors."""
     array = as_array(name, value)
     if array.dtype != np.int32:
-        raise InputError(f"{name}: expected dtype int32, got {array.dtype}")
+        if array.dtype == np.bool_ or not np.issubdtype(array.dtype, np.integer):
+            if not (array.size == 0 and array.dtype == np.float64 and not isinstance(value, np.ndarray)):
+                raise InputError(f"{name}: expected integers (int32, or int64 within int32), got {array.dtype}")
+        elif array.size and (array.min() < INT32.min or array.max() > INT32.max):
+            raise InputError(f"{name}: values must fit int32, found {array.max() if array.max() > INT32.max else array.min()}")
+        array = array.astype(np.int32)
     _check_shape(name, array.shape, shape)
     return np.ascontiguousarray(array)
 

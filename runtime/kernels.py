@@ -20,7 +20,8 @@ from ..pipeline import ArtifactCache, Target, compile, target_for
 from .checks import NUMPY_DTYPES, check_int32, check_on_device, check_range, check_same, check_tensor
 from .errors import InputError
 from .kv_checks import check_mla, check_paged, check_ragged
-from .module import LoadedKernel
+from .interop import like_inputs, results_to_host
+from .module import LoadedKernel, as_device_arrays
 
 
 def _check_sequence(spec, q, k, v) -> tuple[np.ndarray, ...]:
@@ -53,7 +54,10 @@ _CHECKS: dict[type, Callable[..., tuple]] = {
 class Kernel:
     """A loaded kernel for one spec on one device. Calling it checks the inputs, then runs it.
 
-    Returns ``(output, lse)`` as numpy arrays, or IREE device arrays with ``to_host=False``.
+    Returns ``(output, lse)`` like the inputs (runtime/interop.py): numpy arrays for numpy
+    inputs, torch tensors for torch tensors, IREE DeviceArrays for DeviceArrays; ``to_host=True``
+    or ``False`` overrides where they live. Index arguments may be any integer array, tensor or
+    list whose values fit int32.
     Thread-safe: concurrent calls are serialised per kernel.
     """
 
@@ -68,14 +72,17 @@ class Kernel:
     def device(self):
         return self._loaded.device
 
-    def __call__(self, *args: Any, to_host: bool = True):
+    def __call__(self, *args: Any, to_host: bool | None = None):
         for name, value in zip(self._arg_names, args):
             check_on_device(name, value, self.device)
+        host = results_to_host(args, to_host)
         arrays = self._check(self.spec, *args)
         empty = _empty_result(self.spec, arrays[0])
         if empty is not None:
-            return empty
-        return self.launch(*arrays, to_host=to_host)
+            results = empty if host else tuple(as_device_arrays(self.device, empty))
+        else:
+            results = self.launch(*arrays, to_host=host)
+        return like_inputs(args, results) if host else results
 
     def launch(self, *checked_args: Any, to_host: bool = True):
         """Runs the kernel on arguments already checked (e.g. by a wrapper's plan): numpy arrays,

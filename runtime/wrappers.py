@@ -4,7 +4,8 @@
 derives the defaults (natural RoPE positions, ``sm_scale = 1/sqrt(d_qk)`` §11.10), keeps host
 metadata (query/KV lengths per entry) and uploads the index arrays to the kernel's device once.
 ``run(...)`` runs once per layer with that layer's tensors, checks them against the plan and
-returns ``(output, lse)``; ``to_host=False`` keeps both on the device (IREE ``DeviceArray``)::
+returns ``(output, lse)`` like its tensors (numpy, torch tensors, or IREE ``DeviceArray``s that
+stay on the device; runtime/interop.py), ``to_host=True``/``False`` overriding where::
 
     wrapper = RaggedPrefillWrapper(spec)                       # or artifacts=open_artifacts(dir)
     wrapper.plan(q_indptr, kv_indptr, causal=True, rope=dict(rope_theta=5e5))
@@ -37,6 +38,7 @@ from .kv_checks import (
     INT32_MAX, check_choice, check_float, check_length_info, check_positions, check_rope_scalars,
     check_indptr, paged_kv_lengths,
 )
+from .interop import returns_like_inputs
 from .module import as_device_arrays
 
 __all__ = ["MaskedSequencePrefillWrapper", "MlaPagedPrefillWrapper", "PagedPrefillWrapper", "Plan",
@@ -161,7 +163,8 @@ class RaggedPrefillWrapper(_Wrapper):
                   "k_rope_pos_offset": k_off}
         return self._new_plan(arrays, scalars, qo_lens, kv_lens, int(q_indptr[-1]), int(kv_indptr[-1]))
 
-    def run(self, q, k, v, *, to_host: bool = True) -> tuple:
+    @returns_like_inputs
+    def run(self, q, k, v, *, to_host: bool | None = None) -> tuple:
         """One layer: q [Lq, h_q, d_qk], k [Lk, h_kv, d_qk], v [Lk, h_kv, d_v] in spec.dtype."""
         plan, spec, device = self._planned(), self.spec, self.kernel.device
         q = _rows("q", _tensor("q", q, spec.dtype, (None, spec.h_q, spec.d_qk), device), plan.rows, "q_indptr[-1]")
@@ -193,7 +196,8 @@ class PagedPrefillWrapper(_Wrapper):
         qo_lens = np.diff(arrays["q_indptr"].astype(np.int64))
         return self._new_plan(arrays, scalars, qo_lens, kv_lens, int(arrays["q_indptr"][-1]), pages_needed)
 
-    def run(self, q, pages, *, to_host: bool = True) -> tuple:
+    @returns_like_inputs
+    def run(self, q, pages, *, to_host: bool | None = None) -> tuple:
         """One layer: q [Lq, h_q, d], pages [P, 2, h_kv, page_size, d] in spec.dtype."""
         plan, spec, device = self._planned(), self.spec, self.kernel.device
         q = _rows("q", _tensor("q", q, spec.dtype, (None, spec.h_q, spec.d), device), plan.rows, "q_indptr[-1]")
@@ -219,7 +223,8 @@ class MlaPagedPrefillWrapper(_Wrapper):
         qo_lens = np.diff(arrays["q_indptr"].astype(np.int64))
         return self._new_plan(arrays, scalars, qo_lens, kv_lens, int(arrays["q_indptr"][-1]), pages_needed)
 
-    def run(self, q, pages, *, to_host: bool = True) -> tuple:
+    @returns_like_inputs
+    def run(self, q, pages, *, to_host: bool | None = None) -> tuple:
         """One layer: q [Lq, h_q, d_latent + d_rope], pages [P, page_size, d_latent + d_rope]."""
         plan, spec, device = self._planned(), self.spec, self.kernel.device
         q = _rows("q", _tensor("q", q, spec.dtype, (None, spec.h_q, spec.d_qk), device), plan.rows, "q_indptr[-1]")
@@ -239,7 +244,8 @@ class SequencePrefillWrapper(_Wrapper):
 
     spec_type = SequencePrefillSpec
 
-    def run(self, q, k, v, *, to_host: bool = True) -> tuple:
+    @returns_like_inputs
+    def run(self, q, k, v, *, to_host: bool | None = None) -> tuple:
         q, k, v = _dense(self.spec, q, k, v, self.kernel.device)
         return self._launch((q, k, v), (*q.shape[:2], self.spec.h_q, self.spec.d), to_host)
 
@@ -258,7 +264,8 @@ class MaskedSequencePrefillWrapper(_Wrapper):
         lens = valid_lens.astype(np.int64)
         return self._new_plan(arrays, (), lens, lens.copy(), 0, 0)
 
-    def run(self, q, k, v, *, to_host: bool = True) -> tuple:
+    @returns_like_inputs
+    def run(self, q, k, v, *, to_host: bool | None = None) -> tuple:
         """One layer: q [B, Lq, h_q, d], k/v [B, Lk, h_kv, d] with B and valid_lens as planned."""
         plan = self._planned()
         q, k, v = _dense(self.spec, q, k, v, self.kernel.device)

@@ -90,7 +90,7 @@ def test_check_command_failures(build_dir, tmp_path, capsys):
     assert main(["check", str(build_dir), "--backends", "cuda"]) == 1
     assert "nothing ran" in capsys.readouterr().out
     assert main(["check", str(build_dir), "--backends", "tpu"]) == 2
-    assert "backend must be one of" in capsys.readouterr().err
+    assert "--backends 'tpu': expected comma-separated names" in capsys.readouterr().err
     copy = tmp_path / "build"
     shutil.copytree(build_dir, copy)
     vmfb = next(copy.rglob(f"{SEQ.name}.vmfb"))

@@ -201,6 +201,19 @@ if importlib.util.find_spec("torch"):  # defined only where torch is installed (
         assert type(got[6]) is int and type(got[7]) is float
 
 
+def test_int64_arrays_and_lists_within_int32_are_converted():
+    """Index arguments in any integer dtype, or as Python lists, are accepted and converted."""
+    spec = make_spec("ragged")
+    args = build("ragged", spec)
+    as_int64 = dict(args, q_indptr=args["q_indptr"].astype(np.int64), kv_indptr=args["kv_indptr"].tolist(),
+                    k_rope_pos_offset=args["k_rope_pos_offset"].astype(np.uint16))
+    got = check("ragged", spec, as_int64)
+    want = check("ragged", spec, args)
+    for a, b in zip(got, want):
+        if isinstance(b, np.ndarray):
+            assert a.dtype == b.dtype and np.array_equal(a, b)
+
+
 def test_position_at_int32_limit_is_accepted():
     """k_rope_pos_offset + kv_len == INT32_MAX is the largest accepted offset."""
     spec = make_spec("paged")
@@ -302,7 +315,9 @@ MALFORMED = [
     _case("ragged", "v", _put(v=lambda a: a["v"][:5]), "v-rows"),
     _case("ragged", "k", _put(k=lambda a: a["k"].astype(np.float16)), "k-float16"),
     # ---- ragged: indptr
-    _case("ragged", "q_indptr", _put(q_indptr=lambda a: a["q_indptr"].astype(np.int64)), "q_indptr-int64"),
+    _case("ragged", "q_indptr", _put(q_indptr=lambda a: a["q_indptr"].astype(np.int64) + (1 << 40)),
+          "q_indptr-int64-past-int32"),
+    _case("ragged", "q_indptr", _put(q_indptr=lambda a: a["q_indptr"].astype(np.float32)), "q_indptr-float"),
     _case("ragged", "q_indptr", _put(q_indptr=np.zeros(0, I32)), "q_indptr-empty"),
     _case("ragged", "q_indptr", _set("q_indptr", 0, 1), "q_indptr-start1"),
     _case("ragged", "q_indptr", _set("q_indptr", 1, 5), "q_indptr-decreasing"),
@@ -311,11 +326,12 @@ MALFORMED = [
     _case("ragged", "kv_indptr", _put(kv_indptr=np.array([0, 4, 6], I32)), "kv_indptr-length"),
     _case("ragged", "kv_indptr", _set("kv_indptr", 3, 5), "kv_indptr-short"),
     _case("ragged", "kv_indptr", _set("kv_indptr", 2, 3), "kv_indptr-decreasing"),
-    _case("ragged", "kv_indptr", _put(kv_indptr=lambda a: a["kv_indptr"].astype(np.uint32)), "kv_indptr-uint32"),
+    _case("ragged", "kv_indptr", _put(kv_indptr=lambda a: a["kv_indptr"].astype(np.uint32) + np.uint32(1 << 31)),
+          "kv_indptr-uint32-past-int32"),
     # ---- ragged: positions
     _case("ragged", "q_rope_position", _put(q_rope_position=np.zeros(5, I32)), "q_pos-length"),
     _case("ragged", "q_rope_position", _set("q_rope_position", 2, -1), "q_pos-negative"),
-    _case("ragged", "k_rope_pos_offset", _put(k_rope_pos_offset=np.zeros(3, np.int64)), "k_off-int64"),
+    _case("ragged", "k_rope_pos_offset", _put(k_rope_pos_offset=np.zeros(3, np.bool_)), "k_off-bool"),
     _case("ragged", "k_rope_pos_offset", _put(k_rope_pos_offset=np.zeros(2, I32)), "k_off-length"),
     _case("ragged", "k_rope_pos_offset", _set("k_rope_pos_offset", 1, -3), "k_off-negative"),
     _case("ragged", "k_rope_pos_offset", _set("k_rope_pos_offset", 0, INT32_MAX - 3), "k_off-overflow"),
@@ -346,7 +362,8 @@ MALFORMED = [
     _case("paged", "page_indptr", _set("page_indptr", 0, -1), "page_indptr-start"),
     _case("paged", "page_values", _set("page_values", 1, -1), "page_values-minus1"),
     _case("paged", "page_values", _set("page_values", 4, NUM_PAGES), "page_values-P"),
-    _case("paged", "page_values", _put(page_values=lambda a: a["page_values"].astype(np.int64)), "page_values-int64"),
+    _case("paged", "page_values", _put(page_values=lambda a: a["page_values"].astype(np.int64) - (1 << 33)),
+          "page_values-int64-past-int32"),
     _case("paged", "page_values", _put(pages=lambda a: a["pages"][:0]), "page_values-no-pages"),
     _case("paged", "length_info", _set("length_info", 0, 0), "last_page_len-0"),
     _case("paged", "length_info", _set("length_info", 2, PAGE_SIZE + 1), "last_page_len-ps+1"),

@@ -131,7 +131,7 @@ def test_masked_sequence_prefill(backend, dtype, mask_mode, heads, d, cache):
         (lambda a: a.update(k=a["k"][:, :, :1]), "k"),
         (lambda a: a.update(v=a["v"][:, :-1]), "v.shape"),
         (lambda a: a.update(q=a["q"][0]), "q"),
-        (lambda a: a.update(valid_lens=a["valid_lens"].astype(np.int64)), "valid_lens"),
+        (lambda a: a.update(valid_lens=a["valid_lens"].astype(np.float32)), "valid_lens"),
         (lambda a: a.update(valid_lens=np.array([5, 17], np.int32)), "valid_lens"),
         (lambda a: a.update(valid_lens=np.array([-1, 2], np.int32)), "valid_lens"),
         (lambda a: a.update(valid_lens=np.array([1], np.int32)), "valid_lens"),

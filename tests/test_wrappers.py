@@ -246,8 +246,9 @@ def test_outputs_stay_on_device(ragged):
     assert np.array_equal(out.to_host(), host_out) and np.array_equal(lse.to_host(), host_lse)
     # Device outputs of one kernel feed the next without a round trip (here: q on the device).
     device_q = rt.asdevicearray(wrapper.kernel.device, q)
-    again = wrapper.run(device_q, k, v)
-    assert np.array_equal(again[0], host_out)
+    again = wrapper.run(device_q, k, v)  # device arrays in: device arrays out
+    assert isinstance(again[0], rt.DeviceArray) and np.array_equal(again[0].to_host(), host_out)
+    assert np.array_equal(wrapper.run(device_q, k, v, to_host=True)[0], host_out)
     with pytest.raises(InputError, match="^q: expected shape"):
         wrapper.run(rt.asdevicearray(wrapper.kernel.device, q[:, :2]), k, v)
     with pytest.raises(InputError, match="^k: is an IREE device array on another device"):
