@@ -10,7 +10,7 @@ README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
 def test_readme_examples_run_and_agree_with_the_reference():
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
-    assert len(blocks) >= 4
+    assert len(blocks) >= 5
     dense = {}
     exec(blocks[0], dense)  # noqa: S102 - our own README
     assert np.max(np.abs(dense["output"] - dense["want"])) <= 1e-4
@@ -24,3 +24,6 @@ def test_readme_examples_run_and_agree_with_the_reference():
     exec(blocks[3], more)  # noqa: S102
     assert more["dense_output"].shape == (2, 48, 8, 64) and more["masked_lse"].shape == (2, 48, 8)
     assert more["mla_output"].shape == (4, 16, 512) and np.isfinite(more["mla_output"]).all()
+    compared = {}
+    exec(blocks[4], compared)  # noqa: S102
+    assert compared["report"].ok and "llvm-cpu" in compared["report"].ran
