@@ -124,6 +124,12 @@ def spec_cases() -> list[Case]:
         Case("spec-mask_mode", "mask_mode", lambda: MaskedSequencePrefillSpec(4, 4, 32, "float32", "causal", 0.1)),
         Case("spec-page_size-0", "page_size", lambda: kv.make_spec("paged", page_size=0)),
         Case("spec-rope-type", "rope_scaling", lambda: kv.make_spec("ragged", rope_scaling={"rope_type": "ntk"})),
+        Case("spec-d-0", "d", lambda: SequencePrefillSpec(4, 4, 0, "float32", True, 0.1)),
+        Case("spec-sm_scale-nan", "sm_scale", lambda: SequencePrefillSpec(4, 4, 32, "float32", True, float("nan"))),
+        Case("spec-logits_soft_cap-negative", "logits_soft_cap",
+             lambda: kv.make_spec("paged", logits_soft_cap=-30.0)),
+        Case("spec-rotary_dim-odd", "rotary_dim", lambda: kv.make_spec("ragged", rotary_dim=7)),
+        Case("spec-rotary_dim-too-wide", "rotary_dim", lambda: kv.make_spec("paged", rotary_dim=1024)),
     ]
 
 
