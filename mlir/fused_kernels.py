@@ -35,7 +35,10 @@ from .ir import (
     module_context, on_target_device, one_of, own_dispatch, scf_d, sizes_of, storage_tiles, tensor_d, tensor_type,
     tie_dims,
 )
-from .kv_cache import RopeArgs, _is_one, _page_table, _rotated_if, page_bounds, physical_row
+from .kv_cache import (
+    RopeArgs, _clamped_page, _function, _index_at, _is_one, _page_table, _rank1_i32, _read_element, _rotated_if,
+    page_bounds, physical_row,
+)
 from .masks import kv_cache_validity, sequence_validity
 from .specs import MaskedSequencePrefillSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec
 
@@ -105,7 +108,7 @@ def _visible_tiles(causal: Union[bool, ir.Value], last_row_end: ir.Value, diagon
     return limited if causal is True else arith_d.select(causal, limited, every)
 
 
-def _function(symbol: str, arg_types: list, result_types: list, emit) -> ir.Module:
+def _dense_function(symbol: str, arg_types: list, result_types: list, emit) -> ir.Module:
     """A verified module with one function ``symbol(*args) -> results``."""
     with module_context() as module:
         with ir.InsertionPoint(module.body):
@@ -140,7 +143,7 @@ def build_fused_sequence_prefill(spec) -> ir.Module:
         placeholders = [empty(sizes[0], dt()), empty(sizes[1], f32())]
         return one_of(is_short, body(1), body(BAND_TILES), placeholders, tied)
 
-    return _function(spec.symbol, arg_types, [q_type, lse_type], emit)
+    return _dense_function(spec.symbol, arg_types, [q_type, lse_type], emit)
 
 
 def _dense_tiles(x: ir.Value, stored_tiles: ir.Value) -> ir.Value:
@@ -220,7 +223,7 @@ Reader = Callable[[object, list], ir.Value]
 
 
 def _device_read(array: HostReadable, indices: list) -> ir.Value:
-    return arith_d.index_cast(index(), tensor_d.extract(array.tensor, indices))
+    return _read_element(array.tensor, indices)
 
 
 def _host_read(array: HostReadable, indices: list) -> ir.Value:
@@ -389,22 +392,6 @@ def _kv_cache_body(spec, q, q_indptr: HostReadable, kv: BatchKv, *, causal: ir.V
             extract_slice(lse, [0, 0], [total_q, spec.h_q])]
 
 
-def _index_at(array: ir.Value, position: ir.Value) -> ir.Value:
-    """``array[position]`` of an i32 tensor, as an index."""
-    return arith_d.index_cast(index(), tensor_d.extract(array, [position]))
-
-
-def _kv_cache_function(spec, arg_types: list, d_v: int, emit) -> ir.Module:
-    dt = lambda: element_type(spec.dtype)  # noqa: E731
-    return _function(spec.symbol, arg_types,
-                     [lambda: tensor_type([DYN, spec.h_q, d_v], dt()), lambda: tensor_type([DYN, spec.h_q], f32())],
-                     emit)
-
-
-def _rank1_i32():
-    return tensor_type([DYN], i32())
-
-
 def build_fused_ragged_prefill(spec: RaggedPrefillSpec) -> ir.Module:
     """``batch_prefill_ragged_kv`` (the signature of kv_cache.build_ragged_prefill; q_indptr and
     kv_indptr arrive as host-readable buffer views), fused."""
@@ -436,7 +423,7 @@ def build_fused_ragged_prefill(spec: RaggedPrefillSpec) -> ir.Module:
         return _kv_cache_body(spec, _rotated_if(rope, q, q_rope_position), q_indptr, kv,
                               causal=causal, sm_scale=sm_scale, rope=rope)
 
-    return _kv_cache_function(spec, arg_types, spec.d_v, emit)
+    return _function(spec, arg_types, spec.d_v, emit)
 
 
 def _paged_geometry(spec, page_indptr: HostReadable, length_info: HostReadable):
@@ -487,12 +474,10 @@ def build_fused_paged_prefill(spec: PagedPrefillSpec) -> ir.Module:
         page_indptr = HostReadable(page_indptr_view, 1, "page_indptr")
         length_info = HostReadable(length_info_view, _length_info_rank(spec), "length_info")
         base, kv_len, table = _paged_geometry(spec, page_indptr, length_info)
-        last_page = arith_d.subi(dim(pages, 0), const_index(1))
 
         def half(which):
             def fetch(page, slot, rest):
-                page = arith_d.maxsi(arith_d.minsi(page, last_page), const_index(0))
-                return tensor_d.extract(pages, [page, const_index(which), rest[0], slot, rest[1]])
+                return tensor_d.extract(pages, [_clamped_page(page, pages), const_index(which), rest[0], slot, rest[1]])
             return _paged_source(spec, table, page_values, fetch)
 
         kv = BatchKv(arith_d.subi(page_indptr.dims[0], const_index(1)), base, kv_len, half(0), half(1),
@@ -500,7 +485,7 @@ def build_fused_paged_prefill(spec: PagedPrefillSpec) -> ir.Module:
         return _kv_cache_body(spec, _rotated_if(rope, q, q_rope_position), q_indptr, kv,
                               causal=causal, sm_scale=sm_scale, rope=rope)
 
-    return _kv_cache_function(spec, arg_types, spec.d, emit)
+    return _function(spec, arg_types, spec.d, emit)
 
 
 def build_fused_mla_prefill(spec: MlaPagedPrefillSpec) -> ir.Module:
@@ -517,15 +502,13 @@ def build_fused_mla_prefill(spec: MlaPagedPrefillSpec) -> ir.Module:
         page_indptr = HostReadable(page_indptr_view, 1, "page_indptr")
         length_info = HostReadable(length_info_view, _length_info_rank(spec), "length_info")
         base, kv_len, table = _paged_geometry(spec, page_indptr, length_info)
-        last_page = arith_d.subi(dim(pages, 0), const_index(1))
 
         def fetch(page, slot, rest):
-            page = arith_d.maxsi(arith_d.minsi(page, last_page), const_index(0))
-            return tensor_d.extract(pages, [page, slot, rest[1]])
+            return tensor_d.extract(pages, [_clamped_page(page, pages), slot, rest[1]])
 
         source = _paged_source(spec, table, page_values, fetch)
         kv = BatchKv(arith_d.subi(page_indptr.dims[0], const_index(1)), base, kv_len, source, source,
                      1, spec.d_qk, spec.d_latent, None)
         return _kv_cache_body(spec, q, q_indptr, kv, causal=causal, sm_scale=sm_scale, rope=None)
 
-    return _kv_cache_function(spec, arg_types, spec.d_latent, emit)
+    return _function(spec, arg_types, spec.d_latent, emit)

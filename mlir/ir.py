@@ -277,9 +277,9 @@ def on_target_device(tensor: ir.Value, sizes: Sequence[IndexLike]) -> ir.Value:
 
 def own_dispatch(build: Callable[[], ir.Value], result_type: ir.Type, sizes: Sequence[IndexLike]) -> ir.Value:
     """The ``result_type`` tensor ``build()`` makes, computed in a ``flow.dispatch.region`` of its
-    own (``sizes`` as for :func:`tie_dims`), so that IREE fuses nothing else into its dispatch: a
-    tensor only the host reads then gets a staging buffer of its own instead of a slot in a shared
-    transient one, which IREE 3.13 copied to the host element by element at every read."""
+    own (``sizes`` as for :func:`tie_dims`), so that IREE neither fuses it into its consumers nor
+    moves it into their loop: a layout built once before a loop stays built once (left to fusion,
+    IREE 3.13 recomputed the fused kernels' K/V tiles inside every query band)."""
     dynamic = [s for s in sizes if not isinstance(s, int)]
     region_op = ir.Operation.create(
         "flow.dispatch.region", results=[result_type], operands=dynamic,

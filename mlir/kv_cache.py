@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Callable, Union
 
 from .ir import (
-    le, logical_not, lt, one_of,
+    le, lt, one_of,
     DYN, arith_d, ceil_div, collapse, const_index, dim, element_type, empty, fill,
     expand, extract_slice, f32, func_d, generic, i32, index, ir, linalg_d,
     module_context, on_target_device, scf_d, sizes_of, storage_tiles, tensor_d, tensor_type, tie_dims, widened,
@@ -70,7 +70,7 @@ class RopeArgs:
 
 def _index_at(array: ir.Value, position: ir.Value) -> ir.Value:
     """``array[position]`` of an i32 tensor, as an index."""
-    return arith_d.index_cast(index(), tensor_d.extract(array, [position]))
+    return _read_element(array, [position])
 
 
 def _is_one(flag: ir.Value) -> ir.Value:

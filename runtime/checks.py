@@ -69,11 +69,13 @@ def check_int32(name: str, value, *, shape: Sequence[int | None]) -> np.ndarray:
     are converted when every value fits int32; floats, bools and out-of-range values are errors."""
     array = as_array(name, value)
     if array.dtype != np.int32:
-        if array.dtype == np.bool_ or not np.issubdtype(array.dtype, np.integer):
-            if not (array.size == 0 and array.dtype == np.float64 and not isinstance(value, np.ndarray)):
-                raise InputError(f"{name}: expected integers (int32, or int64 within int32), got {array.dtype}")
-        elif array.size and (array.min() < INT32.min or array.max() > INT32.max):
-            raise InputError(f"{name}: values must fit int32, found {array.max() if array.max() > INT32.max else array.min()}")
+        integers = array.dtype != np.bool_ and np.issubdtype(array.dtype, np.integer)
+        empty_list = array.size == 0 and not isinstance(value, np.ndarray)  # np.asarray([]) is float64
+        if not integers and not empty_list:
+            raise InputError(f"{name}: expected integers (int32, or int64 within int32), got {array.dtype}")
+        outside = array[(array < INT32.min) | (array > INT32.max)] if integers else array[:0]
+        if outside.size:
+            raise InputError(f"{name}: values must fit int32, found {outside[0]}")
         array = array.astype(np.int32)
     _check_shape(name, array.shape, shape)
     return np.ascontiguousarray(array)

@@ -119,20 +119,20 @@ def compare_backends(spec, args, backends=("llvm-cpu", "cuda"), *, cache: Artifa
 def reference_call(spec) -> tuple[str, dict]:
     """The ``runtime.reference`` function that evaluates ``spec``'s seed-ABI calls and the keyword
     arguments (plain JSON values) that carry the spec's compile-time choices to it."""
-    cap = dict(logits_soft_cap=spec.logits_soft_cap) if getattr(spec, "logits_soft_cap", 0.0) else {}
+    extras = dict(logits_soft_cap=spec.logits_soft_cap) if getattr(spec, "logits_soft_cap", 0.0) else {}
     if getattr(spec, "rotary_dim", None) is not None:
-        cap["rotary_dim"] = spec.rotary_dim
+        extras["rotary_dim"] = spec.rotary_dim
     if isinstance(spec, SequencePrefillSpec):
-        return "batch_sequence_prefill_kv", dict(causal=spec.causal, sm_scale=spec.sm_scale, **cap)
+        return "batch_sequence_prefill_kv", dict(causal=spec.causal, sm_scale=spec.sm_scale, **extras)
     if isinstance(spec, MaskedSequencePrefillSpec):
-        return "batch_sequence_prefill_kv_masked", dict(mask_mode=spec.mask_mode, sm_scale=spec.sm_scale, **cap)
+        return "batch_sequence_prefill_kv_masked", dict(mask_mode=spec.mask_mode, sm_scale=spec.sm_scale, **extras)
     if isinstance(spec, RaggedPrefillSpec):
-        return "batch_prefill_ragged_kv", dict(rope_scaling=dict(spec.rope_scaling), **cap)
+        return "batch_prefill_ragged_kv", dict(rope_scaling=dict(spec.rope_scaling), **extras)
     if isinstance(spec, PagedPrefillSpec):
         return "batch_prefill_paged_kv", dict(rope_scaling=dict(spec.rope_scaling),
-                                              sliding_window=spec.sliding_window, **cap)
+                                              sliding_window=spec.sliding_window, **extras)
     if isinstance(spec, MlaPagedPrefillSpec):
-        return "batch_prefill_paged_kv_mla", dict(d_latent=spec.d_latent, sliding_window=spec.sliding_window, **cap)
+        return "batch_prefill_paged_kv_mla", dict(d_latent=spec.d_latent, sliding_window=spec.sliding_window, **extras)
     raise TypeError(f"spec: unsupported spec type {type(spec).__name__}")
 
 

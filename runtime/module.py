@@ -32,7 +32,7 @@ class LoadedKernel:
             self._function = self._context.modules[self._vm_module.name][symbol]
         self._lock = threading.Lock()
         # A device with memory of its own: int32 index arrays go host-local (see host_readable).
-        self._index_arrays_host_local = not driver.startswith("local")
+        self._index_arrays_host_local = not _is_local(self.device)
 
     def __call__(self, *args: Any, to_host: bool = True) -> tuple:
         if self._index_arrays_host_local:

@@ -11,6 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from conftest import TensorLike
 from linalg_prefill.mlir import RaggedPrefillSpec, SequencePrefillSpec
 from linalg_prefill.runtime import RaggedPrefillWrapper, open_kernel
 from linalg_prefill.runtime.compare import example_inputs
@@ -18,23 +19,16 @@ from linalg_prefill.runtime.compare import example_inputs
 SPEC = SequencePrefillSpec(4, 2, 64, "bfloat16", causal=True, sm_scale=0.125)
 
 
-class _StandInTensor:
-    """The part of a torch CPU tensor the library touches, for machines without torch."""
+class _StandInTensor(TensorLike):
+    """conftest's TensorLike, named as a torch tensor is (interop.is_torch), with the ``view`` the
+    bfloat16 paths call, for machines without torch."""
 
-    def __init__(self, array, dtype=None):
-        self.array, self.dtype = array, dtype or f"torch.{array.dtype}"
-
-    def detach(self):
-        return self
-
-    def cpu(self):
-        return self
-
-    def numpy(self):
-        return self.array
+    __module__ = "torch"
 
     def view(self, dtype=None):
-        return _StandInTensor(self.array, dtype)
+        viewed = _StandInTensor(self._array)
+        viewed.dtype = dtype
+        return viewed
 
 
 @pytest.fixture
@@ -43,7 +37,6 @@ def stand_in_torch(monkeypatch):
     module = types.ModuleType("torch")
     module.int16, module.bfloat16 = "torch.int16", "torch.bfloat16"
     module.from_numpy = lambda array: _StandInTensor(array)
-    _StandInTensor.__module__ = "torch"
     monkeypatch.setitem(sys.modules, "torch", module)
     return module
 
@@ -53,9 +46,9 @@ def test_torch_in_gives_torch_out_sharing_memory(stand_in_torch, cache):
     q, k, v = example_inputs(SPEC, np.random.default_rng(0))
     want_out, want_lse = kernel(q, k, v)
     out, lse = kernel(_StandInTensor(q), _StandInTensor(k), _StandInTensor(v))
-    assert out.dtype == "torch.bfloat16" and out.array.dtype == np.int16  # bf16 through an int16 view
-    assert np.array_equal(out.array.view(ml_dtypes.bfloat16), want_out)
-    assert isinstance(lse, _StandInTensor) and np.array_equal(lse.array, want_lse)
+    assert out.dtype == "torch.bfloat16" and out.numpy().dtype == np.int16  # bf16 through an int16 view
+    assert np.array_equal(out.numpy().view(ml_dtypes.bfloat16), want_out)
+    assert isinstance(lse, _StandInTensor) and np.array_equal(lse.numpy(), want_lse)
 
 
 def test_numpy_in_numpy_out_and_device_in_device_out(cache):
@@ -81,7 +74,7 @@ def test_wrappers_return_like_their_tensors(stand_in_torch, cache):
     q, k, v = (rng.uniform(-1, 1, (12, h, 64)).astype(np.float32) for h in (8, 2, 2))
     want = wrapper.run(q, k, v)
     got = wrapper.run(_StandInTensor(q), k, v)
-    assert isinstance(got[0], _StandInTensor) and np.array_equal(got[0].array, want[0])
+    assert isinstance(got[0], _StandInTensor) and np.array_equal(got[0].numpy(), want[0])
 
 
 def test_with_real_torch(cache):
