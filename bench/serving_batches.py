@@ -1,0 +1,210 @@
+"""Serving-shaped batches: many sequences, a few new tokens each, against a cached prefix in pages.
+
+    .venv/bin/python bench/serving_batches.py [--batches 8,32,128] [--new 1,4,16,64]
+        [--cached 128,1024,4096,mixed] [--dtype float32] [--repeat 3] [--json out.json]
+
+Each row is one serving step of ``batch`` sequences, each appending ``new`` tokens to ``cached``
+tokens already in the paged cache (``mixed``: cached lengths drawn from [16, 4096], seeded), so
+entry b attends causally (bottom-right) over kv_len_b = cached_b + new keys. h_q=32, h_kv=8,
+d=128, page size 16, pages shuffled, RoPE off. Ours: ``PagedPrefillWrapper``, planned once and run
+once (the per-layer call; the plan's cost is printed apart). Peer, in the same run: torch SDPA on
+the same attention with the KV already gathered and padded to the longest entry, one batched
+call with a boolean mask (q [B, h_q, new, d], k/v [B, h_kv, L_max, d], ``enable_gqa``), torch on
+2 threads. ``ratio`` = torch time / ours (above 1: we are faster).
+
+Bandwidth columns: KV bytes the step must read (sum of kv_len_b rows of K and V) per second, for
+ours and torch, and the machine's streaming bandwidth measured in the same run (numpy ``copyto``
+of the same bytes, capped at 512 MiB, into a buffer already touched). Rows whose padded torch
+inputs would exceed ``--max-gib`` are skipped and listed. Needs the ``bench`` extra (torch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from linalg_prefill.mlir import PagedPrefillSpec  # noqa: E402
+from linalg_prefill.pipeline.bench import best_times  # noqa: E402
+from linalg_prefill.runtime import PagedPrefillWrapper  # noqa: E402
+from linalg_prefill.runtime.checks import NUMPY_DTYPES  # noqa: E402
+
+H_Q, H_KV, D, PAGE_SIZE = 32, 8, 128, 16
+MIXED_RANGE = (16, 4096)
+STREAM_CAP_BYTES = 512 << 20
+
+
+def cpu_model() -> str:
+    """The CPU's model name and its widest x86 vector extension, e.g. ``AMD EPYC (avx2, 2 cores)``."""
+    name, flags = platform.processor() or "unknown CPU", set()
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    name = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+    except OSError:
+        pass
+    isa = "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "no avx2"
+    return f"{name} ({isa}, {os.cpu_count()} cores)"
+
+
+def cached_lengths(batch: int, cached: str, rng: np.random.Generator) -> np.ndarray:
+    if cached == "mixed":
+        return rng.integers(*MIXED_RANGE, size=batch, endpoint=True)
+    return np.full(batch, int(cached))
+
+
+def serving_step(batch: int, new: int, cached: np.ndarray, dtype: str, rng: np.random.Generator) -> dict:
+    """One step's inputs: queries, shuffled pages holding every entry's KV, and the page table."""
+    kv_lens = cached + new
+    counts = -(-kv_lens // PAGE_SIZE)
+    page_indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    page_values = rng.permutation(int(page_indptr[-1])).astype(np.int32)
+    np_dtype = NUMPY_DTYPES[dtype]
+    pages = rng.uniform(-1, 1, (len(page_values), 2, H_KV, PAGE_SIZE, D)).astype(np_dtype)
+    last_page_len = ((kv_lens - 1) % PAGE_SIZE + 1).astype(np.int32)
+    q = rng.uniform(-1, 1, (batch * new, H_Q, D)).astype(np_dtype)
+    q_indptr = (np.arange(batch + 1) * new).astype(np.int32)
+    return dict(q=q, q_indptr=q_indptr, pages=pages, page_indptr=page_indptr, page_values=page_values,
+                last_page_len=last_page_len, kv_lens=kv_lens)
+
+
+def gathered_kv(step: dict) -> tuple[np.ndarray, np.ndarray]:
+    """Each entry's K and V rows in logical order, padded to the longest: [B, h_kv, L_max, d]."""
+    kv_lens, batch = step["kv_lens"], len(step["kv_lens"])
+    longest = int(kv_lens.max())
+    k = np.zeros((batch, H_KV, longest, D), step["pages"].dtype)
+    v = np.zeros_like(k)
+    for b, n in enumerate(kv_lens):
+        rows = np.arange(n)
+        ids = step["page_values"][step["page_indptr"][b] + rows // PAGE_SIZE]
+        k[b, :, :n] = step["pages"][ids, 0, :, rows % PAGE_SIZE].transpose(1, 0, 2)
+        v[b, :, :n] = step["pages"][ids, 1, :, rows % PAGE_SIZE].transpose(1, 0, 2)
+    return k, v
+
+
+def torch_call(step: dict, new: int, dtype: str):
+    """torch SDPA over the gathered, padded KV with a [B, 1, new, L_max] bottom-right causal mask."""
+    import torch
+    import torch.nn.functional as F
+
+    k, v = gathered_kv(step)
+    batch, longest = k.shape[0], k.shape[2]
+    kv_lens = torch.from_numpy(step["kv_lens"].astype(np.int64))
+    rows = torch.arange(new)[None, :, None]
+    cols = torch.arange(longest)[None, None, :]
+    mask = (cols <= rows + (kv_lens - new)[:, None, None]) & (cols < kv_lens[:, None, None])
+    torch_dtype = getattr(torch, dtype)
+
+    def tensor(x):
+        return torch.from_numpy(np.ascontiguousarray(x.astype(np.float32))).to(torch_dtype)
+
+    q = tensor(step["q"].reshape(batch, new, H_Q, D).transpose(0, 2, 1, 3))
+    tk, tv, tmask = tensor(k), tensor(v), mask[:, None]
+
+    def run():
+        return F.scaled_dot_product_attention(q, tk, tv, attn_mask=tmask, enable_gqa=True)
+
+    return run
+
+
+def streaming_gbps(nbytes: int) -> float:
+    """numpy copy bandwidth (GB/s of bytes read) over ``min(nbytes, 512 MiB)``, buffers pre-touched."""
+    size = max(min(nbytes, STREAM_CAP_BYTES) // 4, 1 << 20)
+    src = np.ones(size, np.float32)
+    dst = np.zeros_like(src)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - start)
+    return src.nbytes / best / 1e9
+
+
+def padded_torch_bytes(batch: int, new: int, kv_lens: np.ndarray) -> int:
+    """Bytes of torch's padded K, V and mask (f32 staging) plus its [B, h_q, new, L_max] scores."""
+    longest = int(kv_lens.max())
+    return 4 * batch * longest * (2 * H_KV * D + 2 * H_Q * new) + batch * new * longest
+
+
+def measure_row(wrapper: PagedPrefillWrapper, batch: int, new: int, cached: str, dtype: str, repeat: int,
+                rng: np.random.Generator) -> dict:
+    step = serving_step(batch, new, cached_lengths(batch, cached, rng), dtype, rng)
+    start = time.perf_counter()
+    wrapper.plan(step["q_indptr"], step["page_indptr"], step["page_values"], step["last_page_len"], causal=True)
+    plan_s = time.perf_counter() - start
+    ours = lambda: wrapper.run(step["q"], step["pages"])  # noqa: E731
+    peer = torch_call(step, new, dtype)
+    start = time.perf_counter()
+    ours_out = ours()[0]
+    burst = 10 if time.perf_counter() - start < 0.02 else 1  # see best_times: short calls in bursts
+    peer_out = peer().float().numpy().transpose(0, 2, 1, 3).reshape(batch * new, H_Q, D)
+    ours_s, peer_s = best_times([ours, peer], repeat, burst)
+    kv_bytes = int(step["kv_lens"].sum()) * 2 * H_KV * D * step["pages"].itemsize
+    return dict(batch=batch, new=new, cached=cached, dtype=dtype, ours_ms=ours_s * 1e3, torch_ms=peer_s * 1e3,
+                ratio=peer_s / ours_s, plan_ms=plan_s * 1e3, kv_mib=kv_bytes / 2**20,
+                ours_gbps=kv_bytes / ours_s / 1e9, torch_gbps=kv_bytes / peer_s / 1e9,
+                stream_gbps=streaming_gbps(kv_bytes),
+                max_abs_diff=float(np.abs(ours_out.astype(np.float32) - peer_out).max()))
+
+
+HEADER = (f"{'batch':>5} {'new':>4} {'cached':>7} {'KV MiB':>8} {'ours ms':>9} {'torch ms':>9} {'ratio':>6} "
+          f"{'plan ms':>8} {'ours GB/s':>9} {'torch GB/s':>10} {'stream GB/s':>11} {'max|diff|':>9}")
+
+
+def format_row(r: dict) -> str:
+    return (f"{r['batch']:>5} {r['new']:>4} {r['cached']:>7} {r['kv_mib']:>8.1f} {r['ours_ms']:>9.2f} "
+            f"{r['torch_ms']:>9.2f} {r['ratio']:>6.2f} {r['plan_ms']:>8.2f} {r['ours_gbps']:>9.2f} "
+            f"{r['torch_gbps']:>10.2f} {r['stream_gbps']:>11.2f} {r['max_abs_diff']:>9.1e}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", default="8,32,128")
+    parser.add_argument("--new", default="1,4,16,64")
+    parser.add_argument("--cached", default="128,1024,4096,mixed")
+    parser.add_argument("--dtype", default="float32", choices=sorted(NUMPY_DTYPES))
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--max-gib", type=float, default=8.0,
+                        help="skip rows whose padded torch inputs and scores exceed this many GiB")
+    parser.add_argument("--json", help="also write the rows to this JSON file")
+    args = parser.parse_args()
+    import torch
+
+    torch.set_num_threads(2)
+    wrapper = PagedPrefillWrapper(PagedPrefillSpec(H_Q, H_KV, D, args.dtype, page_size=PAGE_SIZE))
+    rng = np.random.default_rng(0)
+    print(f"serving steps, paged KV, h_q={H_Q} h_kv={H_KV} d={D} page={PAGE_SIZE} {args.dtype}, llvm-cpu; "
+          f"CPU: {cpu_model()}")
+    print(HEADER, flush=True)
+    rows, skipped = [], []
+    for batch in (int(x) for x in args.batches.split(",")):
+        for new in (int(x) for x in args.new.split(",")):
+            for cached in args.cached.split(","):
+                longest = MIXED_RANGE[1] if cached == "mixed" else int(cached)
+                need = padded_torch_bytes(batch, new, np.array([longest + new]))
+                if need > args.max_gib * 2**30:
+                    skipped.append(f"{batch}x{new} vs {cached} ({need / 2**30:.1f} GiB)")
+                    continue
+                row = measure_row(wrapper, batch, new, cached, args.dtype, args.repeat, rng)
+                rows.append(row)
+                print(format_row(row), flush=True)
+    if skipped:
+        print(f"skipped (over --max-gib {args.max_gib}): {', '.join(skipped)}")
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(dict(cpu=cpu_model(), rows=rows, skipped=skipped), out, indent=1)
+
+
+if __name__ == "__main__":
+    main()
