@@ -3,6 +3,7 @@
 from .fused_kernels import (
     build_fused_mla_prefill, build_fused_paged_prefill, build_fused_ragged_prefill, build_fused_sequence_prefill,
 )
+from .decode import DecodeSpec, build_decode
 from .kv_cache import build_mla_prefill, build_paged_prefill, build_ragged_prefill
 from .online_softmax import CUDA_ROW_CHUNK
 from .sequence import build_sequence_prefill
@@ -19,6 +20,8 @@ _BUILDERS = {
     MlaPagedPrefillSpec: build_mla_prefill,
 }
 SPEC_TYPES = tuple(_BUILDERS)
+#: Passes a variant's kernel hands work to (not variants of their own: no seed function, no CLI name).
+_PASS_BUILDERS = {DecodeSpec: build_decode}
 _FUSED_BUILDERS = {
     SequencePrefillSpec: build_fused_sequence_prefill,
     MaskedSequencePrefillSpec: build_fused_sequence_prefill,
@@ -32,6 +35,8 @@ def build_module(spec, *, row_chunk: int | None = CUDA_ROW_CHUNK):
     """The verified MLIR module for any variant spec. ``row_chunk`` is the widest row the online
     softmax reduces in one op (None: whole rows); the default compiles for every target, and
     pipeline/tuning.py picks the one measured best per target."""
+    if type(spec) in _PASS_BUILDERS:
+        return _PASS_BUILDERS[type(spec)](spec)
     try:
         builder = _BUILDERS[type(spec)]
     except KeyError:
@@ -50,5 +55,5 @@ def build_fused_module(spec):
 
 __all__ = [
     "SequencePrefillSpec", "MaskedSequencePrefillSpec", "RaggedPrefillSpec", "PagedPrefillSpec",
-    "MlaPagedPrefillSpec", "SPEC_TYPES", "SpecError", "build_module", "build_fused_module",
+    "MlaPagedPrefillSpec", "DecodeSpec", "SPEC_TYPES", "SpecError", "build_module", "build_fused_module",
 ]

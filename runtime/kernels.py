@@ -17,7 +17,9 @@ from ..mlir.specs import (
     SequencePrefillSpec,
 )
 from ..pipeline import ArtifactCache, Target, compile, target_for
+from ..mlir.decode import DecodeSpec
 from .checks import NUMPY_DTYPES, check_int32, check_on_device, check_range, check_same, check_tensor
+from .decode import decode_entries, split_decode
 from .errors import InputError
 from .kv_checks import check_mla, check_paged, check_ragged
 from .interop import like_inputs, results_to_host
@@ -61,12 +63,19 @@ class Kernel:
     Thread-safe: concurrent calls are serialised per kernel.
     """
 
-    def __init__(self, spec, target: Target, loaded: LoadedKernel):
+    def __init__(self, spec, target: Target, loaded: LoadedKernel, *, cache: ArtifactCache | None = None,
+                 decode_pass: bool = False):
         self.spec = spec
         self.target = target
         self._loaded = loaded
         self._check = _CHECKS[type(spec)]
         self._arg_names = tuple(inspect.signature(self._check).parameters)[1:]  # the seed's ABI names
+        # KV-cache kernels on llvm-cpu hand their decode entries to one pass (runtime/decode.py),
+        # compiled through ``cache`` on the first call that has some.
+        self._decode_pass = decode_pass and target.backend == "llvm-cpu" and target.lowering == "linalg" and (
+            type(spec) in (RaggedPrefillSpec, PagedPrefillSpec, MlaPagedPrefillSpec))
+        self._cache = cache
+        self._decode_kernel: LoadedKernel | None = None
 
     @property
     def device(self):
@@ -87,7 +96,20 @@ class Kernel:
     def launch(self, *checked_args: Any, to_host: bool = True):
         """Runs the kernel on arguments already checked (e.g. by a wrapper's plan): numpy arrays,
         IREE device arrays (used in place) and Python scalars, in the seed's order. No checks."""
+        if self._decode_pass and decode_entries(self.spec, checked_args).any():
+            return split_decode(self.spec, checked_args, self._run_decode, self._run_rest,
+                                lambda results: tuple(as_device_arrays(self.device, results)), to_host)
         return self._loaded(*checked_args, to_host=to_host)
+
+    def _run_decode(self, *args):
+        if self._decode_kernel is None:
+            pass_spec = DecodeSpec(self.spec)
+            vmfb = compile(pass_spec, self.target, cache=self._cache)
+            self._decode_kernel = LoadedKernel(vmfb, pass_spec.symbol, self._loaded.driver)
+        return self._decode_kernel(*args, to_host=True)
+
+    def _run_rest(self, *args):
+        return self._loaded(*args, to_host=True)
 
     def __repr__(self) -> str:
         return f"Kernel({self.spec.name}, {self.target.tag})"
@@ -125,4 +147,4 @@ def open_kernel(
         raise InputError(f"spec: unsupported spec type {type(spec).__name__}")
     target = target_for(backend)
     vmfb = compile(spec, target, cache=cache)
-    return Kernel(spec, target, LoadedKernel(vmfb, spec.symbol, driver or target.driver))
+    return Kernel(spec, target, LoadedKernel(vmfb, spec.symbol, driver or target.driver), cache=cache, decode_pass=True)
