@@ -192,79 +192,72 @@ def _attend_entries(
         b = entries.induction_variable
         q_start = _index_at(q_indptr, b)
         qo_len = arith_d.subi(_index_at(q_indptr, arith_d.addi(b, const_index(1))), q_start)
-        # An entry without queries costs nothing (the runtime gives the decode entries it runs in
-        # one pass, runtime/decode.py, zero queries here).
-        has_queries = scf_d.IfOp(lt(const_index(0), qo_len), [v.type for v in entries.inner_iter_args], has_else=True)
-        with ir.InsertionPoint(has_queries.else_block):
-            scf_d.YieldOp(list(entries.inner_iter_args))
-        with ir.InsertionPoint(has_queries.then_block):
-            kv = load_entry(b)
-            num_kv_tiles = ceil_div(kv.kv_len, spec.kv_tile)
-            stored_tiles = storage_tiles(kv.kv_len, spec.kv_tile)
+        kv = load_entry(b)
+        num_kv_tiles = ceil_div(kv.kv_len, spec.kv_tile)
+        stored_tiles = storage_tiles(kv.kv_len, spec.kv_tile)
 
-            def kv_tiles(rotated_keys):
-                return [_kv_tiles(rotated_keys, kv.kv_len, stored_tiles, spec.kv_tile, keys=True),
-                        _kv_tiles(kv.load_values(), kv.kv_len, stored_tiles, spec.kv_tile, keys=False)]
+        def kv_tiles(rotated_keys):
+            return [_kv_tiles(rotated_keys, kv.kv_len, stored_tiles, spec.kv_tile, keys=True),
+                    _kv_tiles(kv.load_values(), kv.kv_len, stored_tiles, spec.kv_tile, keys=False)]
 
-            stored_rows = arith_d.muli(stored_tiles, const_index(spec.kv_tile))
-            keys, values = _then_rotated_if(
-                rope, kv.load_keys, kv.rope_offset, kv_tiles,
-                [tensor_type([1, h_kv, DYN, d_qk, spec.kv_tile], f32()), tensor_type([1, h_kv, DYN, d_v], f32())],
-                [[1, h_kv, stored_tiles, d_qk, spec.kv_tile], [1, h_kv, stored_rows, d_v]])
-            diagonal = arith_d.subi(kv.kv_len, qo_len)  # causal: col <= row + diagonal
+        stored_rows = arith_d.muli(stored_tiles, const_index(spec.kv_tile))
+        keys, values = _then_rotated_if(
+            rope, kv.load_keys, kv.rope_offset, kv_tiles,
+            [tensor_type([1, h_kv, DYN, d_qk, spec.kv_tile], f32()), tensor_type([1, h_kv, DYN, d_v], f32())],
+            [[1, h_kv, stored_tiles, d_qk, spec.kv_tile], [1, h_kv, stored_rows, d_v]])
+        diagonal = arith_d.subi(kv.kv_len, qo_len)  # causal: col <= row + diagonal
 
-            def load_kv_tile(tile_index):
-                start = arith_d.muli(tile_index, const_index(spec.kv_tile))
-                tile_keys = extract_slice(keys, [0, 0, tile_index, 0, 0], [1, h_kv, 1, d_qk, spec.kv_tile])
-                return KvTile(
-                    keys=collapse(tile_keys, [[0], [1], [2, 3], [4]]),
-                    values=extract_slice(values, [0, 0, start, 0], [1, h_kv, spec.kv_tile, d_v]),
-                )
+        def load_kv_tile(tile_index):
+            start = arith_d.muli(tile_index, const_index(spec.kv_tile))
+            tile_keys = extract_slice(keys, [0, 0, tile_index, 0, 0], [1, h_kv, 1, d_qk, spec.kv_tile])
+            return KvTile(
+                keys=collapse(tile_keys, [[0], [1], [2, 3], [4]]),
+                values=extract_slice(values, [0, 0, start, 0], [1, h_kv, spec.kv_tile, d_v]),
+            )
 
-            def attend_tile(first_local, tile_tokens: int, out_acc, lse_acc, fence):
-                """Queries [first_local, first_local + tile_tokens) of the entry against its KV."""
-                first_row = arith_d.addi(arith_d.muli(arith_d.addi(q_start, first_local), const_index(group)),
-                                         waited(fence))
-                rows = tile_tokens * group
-                q_tile = extract_slice(q_rows, [0, 0, first_row, 0], [1, h_kv, rows, d_qk])
+        def attend_tile(first_local, tile_tokens: int, out_acc, lse_acc, fence):
+            """Queries [first_local, first_local + tile_tokens) of the entry against its KV."""
+            first_row = arith_d.addi(arith_d.muli(arith_d.addi(q_start, first_local), const_index(group)),
+                                     waited(fence))
+            rows = tile_tokens * group
+            q_tile = extract_slice(q_rows, [0, 0, first_row, 0], [1, h_kv, rows, d_qk])
 
-                def valid(idx: ScoreIndices, _extras):
-                    col = arith_d.addi(idx.kv_start, idx.n)
-                    return kv_cache_validity(col, lambda: arith_d.addi(first_local, arith_d.divui(idx.m, const_index(group))),
-                                             kv_len=kv.kv_len, diagonal=diagonal, causal=causal_on)
+            def valid(idx: ScoreIndices, _extras):
+                col = arith_d.addi(idx.kv_start, idx.n)
+                return kv_cache_validity(col, lambda: arith_d.addi(first_local, arith_d.divui(idx.m, const_index(group))),
+                                         kv_len=kv.kv_len, diagonal=diagonal, causal=causal_on)
 
-                last_row_end = arith_d.minsi(arith_d.addi(first_local, const_index(tile_tokens)), qo_len)
-                causal_end = arith_d.maxsi(arith_d.minsi(arith_d.addi(last_row_end, diagonal), kv.kv_len),
-                                           const_index(0))
-                visible = arith_d.select(causal_on, ceil_div(causal_end, spec.kv_tile), num_kv_tiles)
-                result = online_softmax(
-                    q_tile, num_kv_tiles=visible, kv_tile=spec.kv_tile, d_v=d_v,
-                    load_kv_tile=load_kv_tile, mask=ScoreMask(predicate=valid), sm_scale=sm_scale,
-                    # rows past the entry (the next entry's, or padding) only see more than its first row
-                    unmasked_tiles=unmasked_kv_tiles(kv.kv_len, first_local, diagonal, spec.kv_tile, causal_on),
-                    row_chunk=row_chunk,
-                    soft_cap=spec.logits_soft_cap,
-                )
-                first_token = arith_d.addi(q_start, first_local)
-                return [write_tile(result.output, out_acc, 0, first_token, group),
-                        write_tile(result.lse, lse_acc, 0, first_token, group), fence_after(result.lse)]
+            last_row_end = arith_d.minsi(arith_d.addi(first_local, const_index(tile_tokens)), qo_len)
+            causal_end = arith_d.maxsi(arith_d.minsi(arith_d.addi(last_row_end, diagonal), kv.kv_len),
+                                       const_index(0))
+            visible = arith_d.select(causal_on, ceil_div(causal_end, spec.kv_tile), num_kv_tiles)
+            result = online_softmax(
+                q_tile, num_kv_tiles=visible, kv_tile=spec.kv_tile, d_v=d_v,
+                load_kv_tile=load_kv_tile, mask=ScoreMask(predicate=valid), sm_scale=sm_scale,
+                # rows past the entry (the next entry's, or padding) only see more than its first row
+                unmasked_tiles=unmasked_kv_tiles(kv.kv_len, first_local, diagonal, spec.kv_tile, causal_on),
+                row_chunk=row_chunk,
+                soft_cap=spec.logits_soft_cap,
+            )
+            first_token = arith_d.addi(q_start, first_local)
+            return [write_tile(result.output, out_acc, 0, first_token, group),
+                    write_tile(result.lse, lse_acc, 0, first_token, group), fence_after(result.lse)]
 
-            def all_tiles(carried):
-                q_tiles = scf_d.ForOp(const_index(0), ceil_div(qo_len, spec.q_tile), const_index(1), carried)
-                with ir.InsertionPoint(q_tiles.body):
-                    first_local = arith_d.muli(q_tiles.induction_variable, const_index(spec.q_tile))
-                    scf_d.YieldOp(attend_tile(first_local, spec.q_tile, *tied(q_tiles.inner_iter_args)))
-                return tied(q_tiles.results)
+        def all_tiles(carried):
+            q_tiles = scf_d.ForOp(const_index(0), ceil_div(qo_len, spec.q_tile), const_index(1), carried)
+            with ir.InsertionPoint(q_tiles.body):
+                first_local = arith_d.muli(q_tiles.induction_variable, const_index(spec.q_tile))
+                scf_d.YieldOp(attend_tile(first_local, spec.q_tile, *tied(q_tiles.inner_iter_args)))
+            return tied(q_tiles.results)
 
-            if spec.q_tile <= SMALL_Q_TILE:
-                scf_d.YieldOp(all_tiles(tied(entries.inner_iter_args)))
-            else:
-                # A short entry (at most SMALL_Q_TILE queries, e.g. a chunk of a few tokens against a
-                # long cache) runs one small tile instead of a mostly padded q_tile.
-                is_short = le(qo_len, const_index(SMALL_Q_TILE))
-                scf_d.YieldOp(one_of(is_short, lambda acc: attend_tile(const_index(0), SMALL_Q_TILE, *acc), all_tiles,
-                                     tied(entries.inner_iter_args), tied))
-        scf_d.YieldOp(tied(has_queries.results))
+        if spec.q_tile <= SMALL_Q_TILE:
+            scf_d.YieldOp(all_tiles(tied(entries.inner_iter_args)))
+        else:
+            # A short entry (at most SMALL_Q_TILE queries, e.g. a chunk of a few tokens against a
+            # long cache) runs one small tile instead of a mostly padded q_tile.
+            is_short = arith_d.andi(lt(const_index(0), qo_len), le(qo_len, const_index(SMALL_Q_TILE)))
+            scf_d.YieldOp(one_of(is_short, lambda acc: attend_tile(const_index(0), SMALL_Q_TILE, *acc), all_tiles,
+                                 tied(entries.inner_iter_args), tied))
 
     out_rows, lse_rows, _fence = tied(entries.results)
     output = extract_slice(out_rows, [0, 0, 0, 0], [1, total_q, spec.h_q, d_v])

@@ -6,8 +6,7 @@ need no inline RoPE (``rotary_mode == 0``; MLA never rotates). On llvm-cpu (the 
 
 * one ``decode_entries`` call over every decode entry at once (a fixed number of dispatches,
   whatever the batch size), and
-* the variant's own kernel for the other entries, with the decode entries' queries taken out
-  (their ``q_indptr`` lengths set to 0, which the kernel skips),
+* the variant's own kernel for the other entries (``_rest_call``),
 
 then scatters both results back into token order. Which path an entry takes depends on its own
 lengths only, so its result is the same alone or in any batch. Measured on the 2-core EPYC, 32
@@ -127,12 +126,39 @@ def split_decode(spec, args: tuple, run_decode: Callable, run_rest: Callable, de
     output[decode_rows] = out_pass.reshape(-1, spec.h_q, d_out)
     lse[decode_rows] = lse_pass.reshape(-1, spec.h_q)
     if rest_lens.any():
-        rest_args = list(args)
-        rest_args[0] = np.ascontiguousarray(q[rest_rows])
-        rest_args[1] = np.concatenate([[0], np.cumsum(rest_lens)]).astype(np.int32)
-        if layout.q_rope_position is not None:
-            rest_args[layout.q_rope_position] = np.ascontiguousarray(_host(args[layout.q_rope_position])[rest_rows])
-        out_rest, lse_rest = run_rest(*rest_args)
-        output[rest_rows] = out_rest
-        lse[rest_rows] = lse_rest
+        output[rest_rows], lse[rest_rows] = run_rest(*_rest_call(spec, args, decode, q[rest_rows], rest_rows))
     return (output, lse) if to_host else device_results([output, lse])
+
+
+def _rest_call(spec, args: tuple, decode: np.ndarray, q_rest: np.ndarray, rest_rows: np.ndarray) -> list:
+    """The variant's arguments for the entries that are not decode entries (queries ``q_rest``).
+
+    Paged and MLA calls keep only those entries (their page tables are cut down to them). A
+    ragged call keeps every entry, the decode entries with no queries, because its KV rows
+    are addressed by one indptr over all entries; the kernel still lays out their KV then.
+    (Skipping query-less entries inside the kernel, an ``scf.if`` around the entry's work, made
+    about one call in two return wrong rows for other entries in IREE 3.13.)
+    """
+    layout = _LAYOUTS[type(spec)]
+    rest = list(args)
+    rest[0] = np.ascontiguousarray(q_rest)
+    if layout.q_rope_position is not None:
+        rest[layout.q_rope_position] = np.ascontiguousarray(_host(args[layout.q_rope_position])[rest_rows])
+    q_indptr = _host(args[1]).astype(np.int64)
+    qo_lens = np.diff(q_indptr)
+    if isinstance(spec, RaggedPrefillSpec):
+        rest[1] = np.concatenate([[0], np.cumsum(np.where(decode, 0, qo_lens))]).astype(np.int32)
+        return rest
+    keep = np.flatnonzero(~decode)
+    page_indptr = _host(args[3]).astype(np.int64)
+    counts = np.diff(page_indptr)[keep]
+    rest[1] = np.concatenate([[0], np.cumsum(qo_lens[keep])]).astype(np.int32)
+    rest[3] = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    page_values = _host(args[4])
+    rest[4] = (np.concatenate([page_values[page_indptr[b]:page_indptr[b + 1]] for b in keep]).astype(np.int32)
+               if counts.sum() else np.zeros(0, np.int32))
+    info = _host(args[5])
+    rest[5] = np.ascontiguousarray(info[..., keep])
+    if isinstance(spec, PagedPrefillSpec):
+        rest[6] = np.ascontiguousarray(_host(args[6])[keep])  # k_rope_pos_offset
+    return rest
