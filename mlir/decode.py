@@ -96,6 +96,13 @@ class DecodeSpec:
         return {"base": self.base.name}
 
 
+def _width(vector: int, size: int) -> int:
+    """The widest power-of-two vector up to ``vector`` that divides ``size``."""
+    while size % vector:
+        vector //= 2
+    return vector
+
+
 def _compilation_info(**levels) -> ir.Attribute:
     text = ", ".join(f"{name} = {sizes}" for name, sizes in levels.items())
     return ir.Attribute.parse(
@@ -194,7 +201,7 @@ def _decode(spec: DecodeSpec, q, cache: _Cache, table, geometry, sm_scale) -> li
                   score_body)[0]
     raw.owner.attributes["compilation_info"] = _compilation_info(
         distribution=[1, 1, 1, per_chunk, block, group, 0], vector_common_parallel=[1, 1, 1, 1, 1, 1, 0],
-        vector_reduction=[0, 0, 0, 0, 0, 0, SCORE_VECTOR])
+        vector_reduction=[0, 0, 0, 0, 0, 0, _width(SCORE_VECTOR, spec.d_qk)])
 
     scale = score_transform(sm_scale, base.logits_soft_cap)
     every = affine_map(6, range(6))
@@ -271,7 +278,7 @@ def _probs_times_values(spec: DecodeSpec, cache: _Cache, probs, table3, lengths,
     # IREE moves the reduction loops innermost before it reads the tiling: (i, c, h, [go], d, p, s)
     outer_tile = [outer] if with_outer else []
     results[0].owner.attributes["compilation_info"] = _compilation_info(
-        distribution=[1, 1, 1, *outer_tile, d_v, 0, 0], vector_common_parallel=[1, 1, 1, *[1] * with_outer, VALUE_VECTOR, 0, 0],
+        distribution=[1, 1, 1, *outer_tile, d_v, 0, 0], vector_common_parallel=[1, 1, 1, *[1] * with_outer, _width(VALUE_VECTOR, d_v), 0, 0],
         vector_reduction=[0, 0, 0, *[0] * with_outer, 0, 1, 1])
     results = [expand(r, [[0], [1], [2], [3, 4]], [entries, chunks, h, 1, d_v]) if not with_outer else r for r in results]
     stacked = empty([entries, chunks, h, outer, unroll, d_v], f32())
@@ -299,23 +306,28 @@ def _merge_chunks(spec: DecodeSpec, chunk_max, chunk_sum, weighted) -> list[ir.V
     entries = dim(chunk_max, 0)
     rows = [entries, h, group]
     over_chunks = affine_map(4, (0, 3, 1, 2))  # loops (i, h, g, c)
-    sequential = _compilation_info(distribution=[1, 1, 0, 0], vector_common_parallel=[1, 1, group, 0],
+    sequential = _compilation_info(distribution=[1, 1, group, 0], vector_common_parallel=[1, 1, 1, 0],
                                    vector_reduction=[0, 0, 0, 1])
     row_max = generic([chunk_max], [fill(const_f32(NO_KEY_MAX), rows, f32())], [over_chunks, affine_map(4, (0, 1, 2))],
                       "pppr", lambda x, acc: [arith_d.maximumf(x, acc)])[0]
     row_max.owner.attributes["compilation_info"] = sequential
-    chunk_weight = generic([chunk_max, row_max], [empty(sizes_of(chunk_max), f32())],
-                           [affine_map(4, range(4)), affine_map(4, (0, 2, 3)), affine_map(4, range(4))], "pppp",
-                           lambda x, m, _out: [math_d.exp2(arith_d.subf(x, m))])[0]
-    total = generic([chunk_sum, chunk_weight], [fill(const_f32(0.0), rows, f32())],
-                    [over_chunks, over_chunks, affine_map(4, (0, 1, 2))], "pppr",
-                    lambda s, w, acc: [arith_d.addf(acc, arith_d.mulf(s, w))])[0]
+    # Each chunk's weight 2^(max_c - max) is computed inside the two reductions: as an op of its
+    # own, IREE fused it with them into dispatches that failed to compile for small heads
+    # ("exceeded stack allocation limit", a buffer sized by the chunk count).
+    def weight(chunk_max_value, row_max_value):
+        return math_d.exp2(arith_d.subf(chunk_max_value, row_max_value))
+
+    total = generic([chunk_sum, chunk_max, row_max], [fill(const_f32(0.0), rows, f32())],
+                    [over_chunks, over_chunks, affine_map(4, (0, 1, 2)), affine_map(4, (0, 1, 2))], "pppr",
+                    lambda s, m, top, acc: [arith_d.addf(acc, arith_d.mulf(s, weight(m, top)))])[0]
     total.owner.attributes["compilation_info"] = sequential
-    acc = generic([weighted, chunk_weight], [fill(const_f32(0.0), [*rows, d_v], f32())],
-                  [affine_map(5, (0, 4, 1, 2, 3)), affine_map(5, (0, 4, 1, 2)), affine_map(5, (0, 1, 2, 3))], "ppppr",
-                  lambda x, w, acc_: [arith_d.addf(acc_, arith_d.mulf(x, w))])[0]
+    acc = generic([weighted, chunk_max, row_max], [fill(const_f32(0.0), [*rows, d_v], f32())],
+                  [affine_map(5, (0, 4, 1, 2, 3)), affine_map(5, (0, 4, 1, 2)), affine_map(5, (0, 1, 2)),
+                   affine_map(5, (0, 1, 2, 3))], "ppppr",
+                  lambda x, m, top, acc_: [arith_d.addf(acc_, arith_d.mulf(x, weight(m, top)))])[0]
     acc.owner.attributes["compilation_info"] = _compilation_info(
-        distribution=[1, 1, 0, 0, 0], vector_common_parallel=[1, 1, 1, VALUE_VECTOR, 0], vector_reduction=[0, 0, 0, 0, 1])
+        distribution=[1, 1, group, d_v, 0], vector_common_parallel=[1, 1, 1, _width(VALUE_VECTOR, d_v), 0],
+        vector_reduction=[0, 0, 0, 0, 1])
     zero, dt = const_f32(0.0), element_type(spec.dtype)
 
     def no_key(s):

@@ -3,7 +3,8 @@ tables (shuffled, shared between sequences, unused pages), RoPE settings and dty
 compiled llvm-cpu kernel must match the float64 reference on every draw.
 
 CI runs a fixed, derandomised set: ``FUZZ_EXAMPLES`` (default 100) draws for the KV-cache variants,
-100 for the dense ones, plus the batch-order and NaN-isolation properties (60 + 40): 300 draws.
+30 serving-shaped KV-cache batches (many single-query entries), 100 for the dense ones, plus the
+batch-order and NaN-isolation properties (60 + 40): 330 draws.
 ``LINALG_PREFILL_FUZZ=5000`` raises the per-test count and draws fresh random examples each run.
 The twelve specs compile once per session (small heads and dims, some with tiny tiles so that short
 entries still walk several query and KV tiles).
@@ -75,23 +76,27 @@ def _indptr(lengths) -> np.ndarray:
 
 
 @st.composite
-def kv_call(draw, spec, *, share_pages=None):
-    """A valid seed-ABI call of a KV-cache ``spec``: (args tuple, q_indptr, kv_lens)."""
+def kv_call(draw, spec, *, share_pages=None, serving=False):
+    """A valid seed-ABI call of a KV-cache ``spec``: (args tuple, q_indptr, kv_lens). ``serving``:
+    a serving-shaped batch, 4-16 entries of mostly one query against up to ~600 cached rows."""
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    batch = draw(st.integers(1, 4))
-    qo_lens = [draw(st.sampled_from([0, 1, 2, 5, 9, 16, 17, 24])) for _ in range(batch)]
+    batch = draw(st.integers(4, 16) if serving else st.integers(1, 4))
+    query_lens = [1, 1, 1, 1, 2, 0, 7] if serving else [0, 1, 2, 5, 9, 16, 17, 24]
+    qo_lens = [draw(st.sampled_from(query_lens)) for _ in range(batch)]
     q_indptr = _indptr(qo_lens)
     causal = draw(st.integers(0, 1))
     sm_scale = draw(st.sampled_from([None, 0.05, 0.5]))
     if isinstance(spec, RaggedPrefillSpec):
-        kv_lens = np.array([draw(st.sampled_from([0, 1, 3, 8, 16, 33, 40])) for _ in range(batch)], np.int64)
+        kv_choices = [0, 1, 5, 40, 257, 600] if serving else [0, 1, 3, 8, 16, 33, 40]
+        kv_lens = np.array([draw(st.sampled_from(kv_choices)) for _ in range(batch)], np.int64)
         q = uniform(rng, (q_indptr[-1], spec.h_q, spec.d_qk), spec.dtype)
         k = uniform(rng, (kv_lens.sum(), spec.h_kv, spec.d_qk), spec.dtype)
         v = uniform(rng, (kv_lens.sum(), spec.h_kv, spec.d_v), spec.dtype)
         q_pos, k_off = _positions(draw, rng, q_indptr, kv_lens)
         rope = _rope_scalars(draw, spec.d_qk, sm_scale)
         return (q, q_indptr, k, v, _indptr(kv_lens), q_pos, k_off, causal, *rope), q_indptr, kv_lens
-    page_indptr, page_values, length_info, num_pages = _page_table(draw, rng, spec, batch, share_pages)
+    max_pages = max(4, 600 // spec.page_size) if serving else 4
+    page_indptr, page_values, length_info, num_pages = _page_table(draw, rng, spec, batch, share_pages, max_pages)
     kv_lens = paged_kv_lengths(page_indptr, length_info, spec.page_size, spec.sliding_window)
     if isinstance(spec, MlaPagedPrefillSpec):
         q = uniform(rng, (q_indptr[-1], spec.h_q, spec.d_qk), spec.dtype)
@@ -125,10 +130,10 @@ def _rope_scalars(draw, dim: int, sm_scale) -> tuple:
             draw(st.sampled_from([1e4, 5e5])), dim ** -0.5 if sm_scale is None else sm_scale)
 
 
-def _page_table(draw, rng, spec, batch: int, share_pages):
-    """(page_indptr, page_values, length_info, num_pages): 0-4 pages per entry, spare pages, ids
-    shuffled, or drawn with repeats so that sequences share pages."""
-    n_pages = [draw(st.integers(0, 4)) for _ in range(batch)]
+def _page_table(draw, rng, spec, batch: int, share_pages, max_pages: int = 4):
+    """(page_indptr, page_values, length_info, num_pages): 0 to ``max_pages`` pages per entry,
+    spare pages, ids shuffled, or drawn with repeats so that sequences share pages."""
+    n_pages = [draw(st.integers(0, max_pages)) for _ in range(batch)]
     needed = sum(n_pages)
     num_pages = needed + draw(st.integers(0, 3)) + (needed == 0)
     shared = draw(st.booleans()) if share_pages is None else share_pages
@@ -172,6 +177,16 @@ def rotates(spec, args) -> bool:
 def test_kv_cache_variants_match_the_reference(cache, data):
     spec = data.draw(st.sampled_from(KV_SPECS), label="spec")
     args, _, _ = data.draw(kv_call(spec), label="call")
+    got = kernel_for(spec, cache)(*args)
+    assert_matches_reference(spec.name, got, reference_for(spec, args), spec.dtype, rotated=rotates(spec, args))
+
+
+@fuzz_settings(30)
+@given(data=st.data())
+def test_serving_shaped_batches_match_the_reference(cache, data):
+    """Many entries with one query each (runtime/decode.py runs them in one pass) among others."""
+    spec = data.draw(st.sampled_from(KV_SPECS), label="spec")
+    args, _, _ = data.draw(kv_call(spec, serving=True), label="call")
     got = kernel_for(spec, cache)(*args)
     assert_matches_reference(spec.name, got, reference_for(spec, args), spec.dtype, rotated=rotates(spec, args))
 

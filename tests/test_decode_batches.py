@@ -1,0 +1,183 @@
+"""Serving-shaped calls: the single-query entries of a KV-cache call run in one pass (llvm-cpu).
+
+Layer (a): the decode module has no loop, so its dispatches do not grow with the batch. Layer (b):
+the pass against the float64 reference for every KV-cache variant, in batches that mix decode
+entries (KV shorter and longer than one 256-column chunk) with prefill entries; an entry's
+result bitwise the same alone, among decode entries and in a mixed batch; which entries take
+the pass; NaN in a cache's unused rows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import assert_matches_reference, uniform
+from linalg_prefill.mlir import DecodeSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, build_module
+from linalg_prefill.pipeline import Target
+from linalg_prefill.runtime import open_kernel, reference
+from linalg_prefill.runtime.decode import decode_entries
+
+# (qo_len, kv_len): decode entries (1 query) with 1 to 700 keys, prefill entries, an entry with
+# one query and no KV (not a decode entry), an entry with no queries.
+MIXED = [(1, 37), (5, 20), (1, 300), (1, 1), (0, 3), (1, 700), (1, 0), (17, 40), (1, 256)]
+
+
+def _indptr(lengths) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+
+
+def _paged_args(spec, rng, entries, window=None, fill_unused=None):
+    """Seed-ABI arguments of a paged or MLA call (RoPE off, causal): pages shuffled, 3 unused."""
+    qo_lens, kv_lens = zip(*entries)
+    physical = list(kv_lens) if window is None else [kv - s + o if kv else 0 for kv, (o, s) in zip(kv_lens, window)]
+    counts = [-(-n // spec.page_size) for n in physical]
+    total = sum(counts) + 3
+    page_values = rng.permutation(total).astype(np.int32)[:sum(counts)]
+    last = np.array([(n - 1) % spec.page_size + 1 if n else 1 for n in physical], np.int32)
+    info = last if window is None else np.ascontiguousarray(np.stack([last, *np.array(window, np.int32).T]))
+    q_indptr = _indptr(qo_lens)
+    mla = isinstance(spec, MlaPagedPrefillSpec)
+    d = spec.d_qk if mla else spec.d
+    q = uniform(rng, (q_indptr[-1], spec.h_q, d), spec.dtype)
+    pages = uniform(rng, (total, spec.page_size, d) if mla else (total, 2, spec.h_kv, spec.page_size, d), spec.dtype)
+    if fill_unused is not None:  # every slot past an entry's rows, and the unused pages
+        used = np.zeros((total, spec.page_size), bool)
+        for b, n in enumerate(physical):
+            ids = page_values[_indptr(counts)[b] + np.arange(n) // spec.page_size]
+            used[ids, np.arange(n) % spec.page_size] = True
+        if mla:
+            pages[~used] = fill_unused
+        else:
+            pages.transpose(0, 3, 1, 2, 4)[~used] = fill_unused
+    if mla:
+        return q, q_indptr, pages, _indptr(counts), page_values, info, 1, 0.2
+    return (q, q_indptr, pages, _indptr(counts), page_values, info, np.zeros(len(entries), np.int32),
+            np.zeros(q_indptr[-1], np.int32), 1, 0, 1.0, 1e4, 0.125)
+
+
+def _ragged_args(spec, rng, entries):
+    qo_lens, kv_lens = zip(*entries)
+    q_indptr, kv_indptr = _indptr(qo_lens), _indptr(kv_lens)
+    q = uniform(rng, (q_indptr[-1], spec.h_q, spec.d_qk), spec.dtype)
+    k = uniform(rng, (kv_indptr[-1], spec.h_kv, spec.d_qk), spec.dtype)
+    v = uniform(rng, (kv_indptr[-1], spec.h_kv, spec.d_v), spec.dtype)
+    return (q, q_indptr, k, v, kv_indptr, np.zeros(q_indptr[-1], np.int32), np.zeros(len(entries), np.int32),
+            1, 0, 1.0, 1e4, 0.125)
+
+
+def _reference(spec, args):
+    if isinstance(spec, RaggedPrefillSpec):
+        return reference.batch_prefill_ragged_kv(*args, logits_soft_cap=spec.logits_soft_cap)
+    if isinstance(spec, MlaPagedPrefillSpec):
+        return reference.batch_prefill_paged_kv_mla(*args, d_latent=spec.d_latent, sliding_window=spec.sliding_window,
+                                                    logits_soft_cap=spec.logits_soft_cap)
+    return reference.batch_prefill_paged_kv(*args, sliding_window=spec.sliding_window,
+                                            logits_soft_cap=spec.logits_soft_cap)
+
+
+class _CountingPasses:
+    """Counts the kernel's decode-pass and per-entry launches."""
+
+    def __init__(self, kernel, monkeypatch):
+        self.decode = self.rest = 0
+        run_decode, run_rest = kernel._run_decode, kernel._run_rest
+
+        def counted_decode(*args):
+            self.decode += 1
+            return run_decode(*args)
+
+        def counted_rest(*args):
+            self.rest += 1
+            return run_rest(*args)
+
+        monkeypatch.setattr(kernel, "_run_decode", counted_decode)
+        monkeypatch.setattr(kernel, "_run_rest", counted_rest)
+
+
+WINDOW = [(3, 2), (0, 0), (40, 4), (0, 0), (0, 0), (9, 1), (0, 0), (5, 5), (16, 0)]
+CASES = {
+    "paged-f32": (PagedPrefillSpec(8, 2, 64, "float32", page_size=16), None),
+    "paged-window-bf16-softcap": (PagedPrefillSpec(8, 2, 64, "bfloat16", page_size=8, sliding_window=True,
+                                                   logits_soft_cap=30.0), WINDOW),
+    "ragged-f16-dqk-ne-dv": (RaggedPrefillSpec(8, 2, 64, 32, "float16"), None),
+    "mla-f32": (MlaPagedPrefillSpec(16, 64, 16, "float32", page_size=16), None),
+    "mla-window-bf16": (MlaPagedPrefillSpec(16, 64, 16, "bfloat16", page_size=32, sliding_window=True), WINDOW),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_decode_pass_matches_the_reference(case, cache, monkeypatch):
+    spec, window = CASES[case]
+    kernel = open_kernel(spec, cache=cache)
+    rng = np.random.default_rng(1)
+    args = _ragged_args(spec, rng, MIXED) if isinstance(spec, RaggedPrefillSpec) else _paged_args(
+        spec, rng, MIXED, window)
+    calls = _CountingPasses(kernel, monkeypatch)
+    got = kernel(*args)
+    assert (calls.decode, calls.rest) == (1, 1)
+    assert_matches_reference(case, got, _reference(spec, args), spec.dtype)
+
+
+def test_decode_entry_is_bitwise_the_same_alone_among_decode_entries_and_in_a_mixed_batch(cache):
+    spec = PagedPrefillSpec(8, 2, 64, "float32", page_size=16)
+    kernel = open_kernel(spec, cache=cache)
+    rng = np.random.default_rng(2)
+    entry = (1, 300)
+    batches = {"alone": [entry], "decode": [(1, 5), entry, (1, 1000), (1, 17)], "mixed": [(9, 40), entry, (1, 3), (70, 150)]}
+    cache_rows = uniform(rng, (300, 2, 2, 64), spec.dtype)  # the entry's K/V rows [kv, k|v, h_kv, d]
+    query = uniform(rng, (1, 8, 64), spec.dtype)
+    results = {}
+    for name, entries in batches.items():
+        args = list(_paged_args(spec, rng, entries))
+        position = entries.index(entry)
+        ids = args[4][args[3][position] + np.arange(300) // 16]
+        args[2].transpose(0, 3, 1, 2, 4)[ids, np.arange(300) % 16] = cache_rows
+        args[0][args[1][position]] = query[0]
+        out, lse = kernel(*args)
+        results[name] = out[args[1][position]], lse[args[1][position]]
+    for name in ("decode", "mixed"):
+        np.testing.assert_array_equal(results[name][0], results["alone"][0], err_msg=name)
+        np.testing.assert_array_equal(results[name][1], results["alone"][1], err_msg=name)
+
+
+def test_decode_module_has_no_loop():
+    """Every call of the pass runs the same dispatches, however many entries it has."""
+    module = build_module(DecodeSpec(PagedPrefillSpec(8, 2, 64, "float32")))
+    names = []
+    module.operation.walk(lambda op: names.append(op.name) or 0)
+    assert not [n for n in names if n.startswith("scf.")], names
+    assert names.count("linalg.generic") >= 5
+
+
+@pytest.mark.parametrize("entries", [8, 64])
+def test_a_batch_of_decode_entries_is_one_launch(entries, cache, monkeypatch):
+    spec = PagedPrefillSpec(8, 2, 64, "float32", page_size=16)
+    kernel = open_kernel(spec, cache=cache)
+    rng = np.random.default_rng(3)
+    args = _paged_args(spec, rng, [(1, int(n)) for n in rng.integers(1, 600, entries)])
+    calls = _CountingPasses(kernel, monkeypatch)
+    got = kernel(*args)
+    assert (calls.decode, calls.rest) == (1, 0)
+    assert_matches_reference("decode batch", got, _reference(spec, args), spec.dtype)
+
+
+def test_which_entries_take_the_pass(cache):
+    spec = PagedPrefillSpec(8, 2, 64, "float32", page_size=16)
+    args = _paged_args(spec, np.random.default_rng(4), MIXED)
+    assert decode_entries(spec, args).tolist() == [qo == 1 and kv > 0 for qo, kv in MIXED]
+    with_rope = list(args)
+    with_rope[9] = 1  # rotary_mode: keys need inline RoPE, which the pass does not do
+    assert not decode_entries(spec, tuple(with_rope)).any()
+    assert not open_kernel(spec, Target("llvm-cpu", lowering="fused"), cache=cache)._decode_pass
+
+
+def test_nan_in_unused_cache_rows_stays_out(cache):
+    """Slots past an entry's rows (and unused pages) hold NaN: the pass weighs them 0 without
+    multiplying them (0 * NaN would be NaN)."""
+    spec = PagedPrefillSpec(8, 2, 64, "float32", page_size=16)
+    kernel = open_kernel(spec, cache=cache)
+    args = _paged_args(spec, np.random.default_rng(5), [(1, 37), (1, 300), (1, 1)], fill_unused=np.nan)
+    got = kernel(*args)
+    assert np.isfinite(got[0]).all()
+    assert_matches_reference("NaN in unused rows", got, _reference(spec, args), spec.dtype)
