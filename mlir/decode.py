@@ -1,23 +1,24 @@
-"""Decode entries in one pass: every single-query entry of a KV-cache call, whatever the batch size.
+"""Short entries in one pass: every entry of a KV-cache call with at most ``queries`` queries.
 
-A serving step is often many sequences with one new token each. Walked one entry at a time
-(kv_cache.py), each costs its own gather, layout and KV-tile dispatches; here all of them run in a
-fixed sequence of dispatches (llvm-cpu, the linalg lowering). Shapes (n entries, h = h_kv, G the
-GQA group, C = chunk columns, W = table width, a multiple of C / block):
+A serving step is often many sequences with one (decode) or a few (speculative verification) new
+tokens each. Walked one entry at a time (kv_cache.py), each costs its own gather, layout and
+KV-tile dispatches; here all of them run in a fixed sequence of dispatches (llvm-cpu, the linalg
+lowering). Shapes (n entries, h = h_kv, G the GQA group, R = queries x G rows per KV head with row
+t * G + g holding token t and head g, C = chunk columns, W = table width, a multiple of C / block):
 
-    q         [n, h, G, d_qk]          the entries' query rows, GQA heads grouped per KV head
+    q         [n, h, R, d_qk]          the entries' query rows, zero past an entry's queries
     table     [n, W] i32               per KV block of ``block`` logical rows: a page id (paged,
                                        MLA) or the block's first row in k/v (ragged)
-    geometry  [n, 3] i32               kv_len, sink, window_offset (semantics §2; 0, 0 without
-                                       sliding window)
-    scores    [n, W*block/C, h, C/block, block, G] f32   one pass per chunk of C columns
-    output    [n, h, G, d_v] (dtype), lse [n, h, G] f32 (base 2)
+    geometry  [n, 4] i32               kv_len, sink, window_offset (semantics §2; 0, 0 without
+                                       sliding window), qo_len
+    scores    [n, W*block/C, h, C/block, block, R] f32   one pass per chunk of C columns
+    output    [n, h, R, d_v] (dtype), lse [n, h, R] f32 (base 2); rows past qo_len are padding
 
 Every chunk is reduced on its own (max, sum, probs x values), then the chunks merge by their
 maxima. The K and V rows are read straight from the cache inside the two contractions (no
 gathered copy): the contraction's loop order is chosen so IREE cannot collapse its dims, and its
-tiling vectorises only the head dim, whose loads are then contiguous. With one query per entry
-the causal mask hides nothing (its diagonal is kv_len - 1), so none is applied.
+tiling vectorises only the head dim, whose loads are then contiguous. The causal mask is the
+KV-cache variants' (bottom-right, runtime flag).
 
 Bitwise reproducibility: an entry's chunks are computed alone, padded chunks add exact zeros, and
 the chunk merge reduces one chunk at a time, so an entry's result does not depend on the other
@@ -35,6 +36,7 @@ from .ir import (
     tensor_type, widened,
 )
 from .kv_cache import _clamped_page
+from .masks import kv_cache_validity
 from .online_softmax import EMPTY_ROW_LSE, NO_KEY_MAX, score_transform
 from .specs import MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec
 
@@ -53,16 +55,23 @@ VALUE_VECTOR = 32
 
 @dataclass(frozen=True)
 class DecodeSpec:
-    """The decode pass of a KV-cache spec (``base``): its own artifact, compiled when a call has
-    decode entries. ``symbol`` is the entry point, ``name`` the artifact's."""
+    """The one-pass kernel of a KV-cache spec (``base``) for entries of up to ``queries`` queries:
+    its own artifact, compiled when a call has such entries. ``symbol`` is the entry point,
+    ``name`` the artifact's."""
 
     base: KvCacheSpec
+    queries: int = 1
 
     symbol = "decode_entries"
 
     @property
     def name(self) -> str:
-        return f"{self.base.name}_decode"
+        return f"{self.base.name}_decode" + (f"_q{self.queries}" if self.queries > 1 else "")
+
+    @property
+    def rows(self) -> int:
+        """R = queries x G: query rows per entry and KV head (row t * G + g: token t, head g)."""
+        return self.queries * self.base.group_size
 
     @property
     def dtype(self) -> str:
@@ -93,7 +102,7 @@ class DecodeSpec:
                 MlaPagedPrefillSpec: lambda: base.d_latent}[type(base)]()
 
     def fields(self) -> dict:
-        return {"base": self.base.name}
+        return {"base": self.base.name, "queries": self.queries}
 
 
 def _width(vector: int, size: int) -> int:
@@ -149,10 +158,10 @@ class _Cache:
 
 
 def build_decode(spec: DecodeSpec) -> ir.Module:
-    """``decode_entries(q, *kv, table, geometry, sm_scale) -> (output, lse)``; ``kv`` is
+    """``decode_entries(q, *kv, table, geometry, causal, sm_scale) -> (output, lse)``; ``kv`` is
     ``pages`` (paged [P, 2, h_kv, page, d], MLA [P, page, d_qk]) or ``k, v`` (ragged)."""
     base = spec.base
-    h, group, d_qk, d_v, block = base.h_kv, base.group_size, spec.d_qk, spec.d_v, spec.block
+    h, group, d_qk, d_v, block = base.h_kv, spec.rows, spec.d_qk, spec.d_v, spec.block
     with module_context() as module:
         dt = element_type(spec.dtype)
         if isinstance(base, PagedPrefillSpec):
@@ -162,20 +171,21 @@ def build_decode(spec: DecodeSpec) -> ir.Module:
         else:
             kv_types = [tensor_type([DYN, h, d_qk], dt), tensor_type([DYN, h, d_v], dt)]
         arg_types = [tensor_type([DYN, h, group, d_qk], dt), *kv_types, tensor_type([DYN, DYN], i32()),
-                     tensor_type([DYN, 3], i32()), f32()]
+                     tensor_type([DYN, 4], i32()), i32(), f32()]
         result_types = [tensor_type([DYN, h, group, d_v], dt), tensor_type([DYN, h, group], f32())]
         with ir.InsertionPoint(module.body):
             fn = func_d.FuncOp(spec.symbol, (arg_types, result_types))
             with ir.InsertionPoint(fn.add_entry_block()):
-                q, *sources, table, geometry, sm_scale = fn.arguments
-                func_d.ReturnOp(_decode(spec, q, _Cache(spec, sources, table, geometry), table, geometry, sm_scale))
+                q, *sources, table, geometry, causal, sm_scale = fn.arguments
+                cache = _Cache(spec, sources, table, geometry)
+                func_d.ReturnOp(_decode(spec, q, cache, table, geometry, causal, sm_scale))
         module.operation.verify()
         return module
 
 
-def _decode(spec: DecodeSpec, q, cache: _Cache, table, geometry, sm_scale) -> list[ir.Value]:
+def _decode(spec: DecodeSpec, q, cache: _Cache, table, geometry, causal, sm_scale) -> list[ir.Value]:
     base = spec.base
-    h, group = base.h_kv, base.group_size
+    h, group = base.h_kv, spec.rows
     per_chunk, block = spec.blocks_per_chunk, spec.block
     entries = dim(q, 0)
     chunks = arith_d.divui(dim(table, 1), const_index(per_chunk))
@@ -206,15 +216,20 @@ def _decode(spec: DecodeSpec, q, cache: _Cache, table, geometry, sm_scale) -> li
     scale = score_transform(sm_scale, base.logits_soft_cap)
     every = affine_map(6, range(6))
 
-    def mask_body(x, kv_len, _out):
-        c, p, s = (_index(x_) for x_ in (1, 3, 4))
+    causal_on = arith_d.cmpi(arith_d.CmpIPredicate.eq, causal, arith_d.constant(i32(), 1))
+
+    def mask_body(x, kv_len, qo_len, _out):
+        c, p, s, row = (_index(x_) for x_ in (1, 3, 4, 5))
         col = arith_d.addi(arith_d.muli(arith_d.addi(arith_d.muli(c, const_index(per_chunk)), p), const_index(block)), s)
-        valid = lt(col, arith_d.index_cast(index(), kv_len))
+        kv_len, qo_len = (arith_d.index_cast(index(), v) for v in (kv_len, qo_len))
+        token = arith_d.divui(row, const_index(base.group_size))
+        valid = kv_cache_validity(col, lambda: token, kv_len=kv_len, diagonal=arith_d.subi(kv_len, qo_len),
+                                  causal=causal_on)
         return [arith_d.select(valid, scale(x), const_f32(float("-inf")))]
 
-    lengths = _column(geometry, 0)
-    scores = generic([raw, lengths], [empty(score_sizes, f32())], [every, affine_map(6, (0,)), every], "pppppp",
-                     mask_body)[0]
+    lengths, query_lengths = _column(geometry, 0), _column(geometry, 3)
+    scores = generic([raw, lengths, query_lengths], [empty(score_sizes, f32())],
+                     [every, affine_map(6, (0,)), affine_map(6, (0,)), every], "pppppp", mask_body)[0]
     rows = affine_map(6, (0, 1, 2, 5))
     reduced = affine_map(6, (0, 1, 2, 4, 5, 3))  # loops (i, c, h, g, p, s)
     row_sizes = [entries, chunks, h, group]
@@ -230,19 +245,19 @@ def _decode(spec: DecodeSpec, q, cache: _Cache, table, geometry, sm_scale) -> li
 
 
 def _heads_per_load(group: int) -> int:
-    """U: query heads that share one load of a value row (the largest divisor of G up to 8)."""
+    """U: query rows that share one load of a value row (the largest divisor of R up to 8)."""
     return max(u for u in range(1, min(group, 8) + 1) if group % u == 0)
 
 
 def _probs_times_values(spec: DecodeSpec, cache: _Cache, probs, table3, lengths, kept) -> ir.Value:
-    """weighted [n, c, h, G, d_v] = probs [n, c, h, p, s, G] x values, per chunk.
+    """weighted [n, c, h, R, d_v] = probs [n, c, h, p, s, R] x values, per chunk.
 
-    One generic with U outputs (query heads go * U + u, loops (i, c, h, go, p, s, d)): each value
-    vector read from the cache feeds U heads, instead of being read again for every head. On the
-    32 x 1 vs 1024 row (G = 4) this dispatch had taken 66-92 ms with one head per pass.
+    One generic with U outputs (query rows go * U + u, loops (i, c, h, go, p, s, d)): each value
+    vector read from the cache feeds U rows, instead of being read again for every row. On the
+    32 x 1 vs 1024 row (R = 4) this dispatch had taken 66-92 ms with one row per pass.
     """
     base = spec.base
-    h, group, d_v = base.h_kv, base.group_size, spec.d_v
+    h, group, d_v = base.h_kv, spec.rows, spec.d_v
     per_chunk, block = spec.blocks_per_chunk, spec.block
     unroll = _heads_per_load(group)
     outer = group // unroll
@@ -299,10 +314,10 @@ def _column(geometry: ir.Value, column: int) -> ir.Value:
 
 
 def _merge_chunks(spec: DecodeSpec, chunk_max, chunk_sum, weighted) -> list[ir.Value]:
-    """Output [n, h, G, d_v] (dtype) and lse [n, h, G] from each chunk's max, sum and probs x
+    """Output [n, h, R, d_v] (dtype) and lse [n, h, R] from each chunk's max, sum and probs x
     values: weights 2^(max_c - max), reduced one chunk at a time (reduction tile 1)."""
     base = spec.base
-    h, group, d_v = base.h_kv, base.group_size, spec.d_v
+    h, group, d_v = base.h_kv, spec.rows, spec.d_v
     entries = dim(chunk_max, 0)
     rows = [entries, h, group]
     over_chunks = affine_map(4, (0, 3, 1, 2))  # loops (i, h, g, c)

@@ -1,19 +1,17 @@
-"""Planning a KV-cache call on the host: its decode entries run in one pass (mlir/decode.py).
+"""Planning a KV-cache call on the host: its short entries run in one pass (mlir/decode.py).
 
-An entry with exactly one query and at least one KV row is a *decode entry* when the call's keys
-need no inline RoPE (``rotary_mode == 0``; MLA never rotates). On llvm-cpu (the linalg lowering)
+An entry with 1 to 4 queries and at least one KV row is a *pass entry* when the call's keys need
+no inline RoPE (``rotary_mode == 0``; MLA never rotates). On llvm-cpu (the linalg lowering)
 :func:`split_decode` turns such a call into
 
-* one ``decode_entries`` call over every decode entry at once (a fixed number of dispatches,
-  whatever the batch size), and
+* one call of the 1-query pass over every single-query entry at once, and one of the 4-query pass
+  over every entry with 2-4 queries (padded to 4): a fixed number of dispatches each, whatever
+  the batch size, and
 * the variant's own kernel for the other entries (``_rest_call``),
 
-then scatters both results back into token order. Which path an entry takes depends on its own
-lengths only, so its result is the same alone or in any batch. Measured on the 2-core EPYC, 32
-entries x 1 query vs 1024 cached (f32, h_q 32, h_kv 8, d 128): 365 ms entry by entry, 60-80 ms in
-one pass, torch SDPA on the gathered KV 47-56 ms (docs/serving.md). Entries with 2 or 4 queries
-measured 137 and 288 ms in a one-pass variant (against ~370 entry by entry and torch's 77 and 84),
-and 16 queries 1128 ms (worse than entry by entry): the pass is for single queries only.
+then scatters the results back into token order. Which path an entry takes depends on its own
+lengths only, so its result is the same alone or in any batch. Measured on the 2-core EPYC
+(f32, h_q 32, h_kv 8, d 128): docs/serving.md.
 """
 
 from __future__ import annotations
@@ -27,8 +25,9 @@ from ..mlir.decode import DecodeSpec
 from ..mlir.specs import MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec
 from .kv_checks import paged_kv_lengths
 
-#: Queries of an entry the one-pass decode kernel takes (measured, see the module docstring).
-DECODE_QUERIES = 1
+#: Query rows of the one-pass kernels (each its own artifact): an entry with 1 query takes the
+#: first, 2-4 queries the second (padded to 4). Measured: see docs/serving.md.
+PASS_QUERIES = (1, 4)
 #: Padding of the per-entry block table: a block past every column of its entry.
 NO_BLOCK = -1
 
@@ -43,14 +42,15 @@ class _Layout:
     """Where a variant's arguments sit in the seed's positional order."""
 
     kv: tuple[int, ...]  # the KV sources the decode kernel reads
+    causal: int
     q_rope_position: int | None
     rotary_mode: int | None
 
 
 _LAYOUTS = {
-    PagedPrefillSpec: _Layout(kv=(2,), q_rope_position=7, rotary_mode=9),
-    RaggedPrefillSpec: _Layout(kv=(2, 3), q_rope_position=5, rotary_mode=8),
-    MlaPagedPrefillSpec: _Layout(kv=(2,), q_rope_position=None, rotary_mode=None),
+    PagedPrefillSpec: _Layout(kv=(2,), causal=8, q_rope_position=7, rotary_mode=9),
+    RaggedPrefillSpec: _Layout(kv=(2, 3), causal=7, q_rope_position=5, rotary_mode=8),
+    MlaPagedPrefillSpec: _Layout(kv=(2,), causal=6, q_rope_position=None, rotary_mode=None),
 }
 
 
@@ -61,19 +61,28 @@ def kv_lengths(spec, args: tuple) -> np.ndarray:
     return paged_kv_lengths(_host(args[3]), _host(args[5]), spec.page_size, spec.sliding_window)
 
 
-def decode_entries(spec, args: tuple) -> np.ndarray:
-    """bool [B]: the call's decode entries (see the module docstring)."""
+def pass_queries(spec, args: tuple) -> np.ndarray:
+    """int [B]: the query rows of the one-pass kernel each entry takes (the smallest of
+    ``PASS_QUERIES`` that holds its queries), or 0 for the variant's own kernel."""
     layout = _LAYOUTS[type(spec)]
     qo_lens = np.diff(_host(args[1]).astype(np.int64))
-    eligible = (qo_lens == DECODE_QUERIES) & (kv_lengths(spec, args) >= 1)
+    chosen = np.zeros(len(qo_lens), np.int64)
     if layout.rotary_mode is not None and int(args[layout.rotary_mode]) != 0:
-        return np.zeros_like(eligible)
-    return eligible
+        return chosen
+    eligible = kv_lengths(spec, args) >= 1
+    for queries in sorted(PASS_QUERIES, reverse=True):
+        chosen[eligible & (qo_lens >= 1) & (qo_lens <= queries)] = queries
+    return chosen
+
+
+def decode_entries(spec, args: tuple) -> np.ndarray:
+    """bool [B]: the entries a one-pass kernel takes (see the module docstring)."""
+    return pass_queries(spec, args) > 0
 
 
 def block_table(spec: DecodeSpec, args: tuple, entries: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The decode kernel's ``table`` [n, W] and ``geometry`` [n, 3] (kv_len, sink,
-    window_offset) for the decode entries ``entries`` (indices into the batch)."""
+    """The decode kernel's ``table`` [n, W] and ``geometry`` [n, 4] (kv_len, sink,
+    window_offset, qo_len) for the decode entries ``entries`` (indices into the batch)."""
     base, block = spec.base, spec.block
     kv_lens = kv_lengths(base, args)[entries]
     ragged = isinstance(base, RaggedPrefillSpec)
@@ -96,37 +105,50 @@ def block_table(spec: DecodeSpec, args: tuple, entries: np.ndarray) -> tuple[np.
     for row, (ids, count) in enumerate(zip(first_blocks, blocks)):
         table[row, :len(ids)] = ids
         table[row, len(ids):count] = ids[-1]
-    geometry = np.stack([kv_lens, sink, offset], axis=1).astype(np.int32)
+    qo_lens = np.diff(_host(args[1]).astype(np.int64))[entries]
+    geometry = np.stack([kv_lens, sink, offset, qo_lens], axis=1).astype(np.int32)
     return table, geometry
 
 
 def split_decode(spec, args: tuple, run_decode: Callable, run_rest: Callable, device_results: Callable,
                  to_host: bool):
-    """(output, lse) of a KV-cache call whose decode entries go through ``run_decode(*args)``
-    and the rest through ``run_rest(*args)`` (both return numpy results); ``device_results``
-    uploads them when ``to_host`` is False. ``args`` are checked, in the seed's order."""
+    """(output, lse) of a KV-cache call whose one-pass entries go through
+    ``run_decode(queries, *args)`` and the rest through ``run_rest(*args)`` (both return numpy
+    results); ``device_results`` uploads them when ``to_host`` is False. ``args`` are checked,
+    in the seed's order."""
     layout = _LAYOUTS[type(spec)]
-    decode = decode_entries(spec, args)
+    passes = pass_queries(spec, args)
     q_indptr = _host(args[1]).astype(np.int64)
     q = np.asarray(_host(args[0]))
     qo_lens = np.diff(q_indptr)
-    decode_rows = q_indptr[:-1][decode]
-    rest_lens = np.where(decode, 0, qo_lens)
-    rest_rows = np.repeat(~decode, qo_lens)  # [Lq]: rows of the other entries
-
-    pass_spec = DecodeSpec(spec)
-    table, geometry = block_table(pass_spec, args, np.flatnonzero(decode))
     h_kv, group = spec.h_kv, spec.group_size
-    q_pass = np.ascontiguousarray(q[decode_rows].reshape(len(decode_rows), h_kv, group, q.shape[-1]))
-    out_pass, lse_pass = run_decode(q_pass, *(args[i] for i in layout.kv), table, geometry, float(args[-1]))
-
-    d_out = pass_spec.d_v
-    output = np.empty((q.shape[0], spec.h_q, d_out), out_pass.dtype)
-    lse = np.empty((q.shape[0], spec.h_q), np.float32)
-    output[decode_rows] = out_pass.reshape(-1, spec.h_q, d_out)
-    lse[decode_rows] = lse_pass.reshape(-1, spec.h_q)
-    if rest_lens.any():
-        output[rest_rows], lse[rest_rows] = run_rest(*_rest_call(spec, args, decode, q[rest_rows], rest_rows))
+    output = lse = None
+    for queries in PASS_QUERIES:
+        entries = np.flatnonzero(passes == queries)
+        if not len(entries):
+            continue
+        pass_spec = DecodeSpec(spec, queries)
+        table, geometry = block_table(pass_spec, args, entries)
+        token = np.arange(queries)
+        rows = q_indptr[entries][:, None] + token  # [n, queries]: the entries' query rows
+        real = token < qo_lens[entries][:, None]   # the rest are padding
+        q_pass = np.zeros((len(entries), queries, *q.shape[1:]), q.dtype)
+        q_pass[real] = q[rows[real]]
+        q_pass = q_pass.reshape(len(entries), queries, h_kv, group, -1).transpose(0, 2, 1, 3, 4)
+        out_pass, lse_pass = run_decode(queries, np.ascontiguousarray(q_pass.reshape(len(entries), h_kv, queries * group, -1)),
+                                        *(args[i] for i in layout.kv), table, geometry, int(args[layout.causal]),
+                                        float(args[-1]))
+        if output is None:
+            output = np.empty((q.shape[0], spec.h_q, out_pass.shape[-1]), out_pass.dtype)
+            lse = np.empty((q.shape[0], spec.h_q), np.float32)
+        out_pass = out_pass.reshape(len(entries), h_kv, queries, group, -1).transpose(0, 2, 1, 3, 4)
+        lse_pass = lse_pass.reshape(len(entries), h_kv, queries, group).transpose(0, 2, 1, 3)
+        output[rows[real]] = out_pass.reshape(len(entries), queries, spec.h_q, -1)[real]
+        lse[rows[real]] = lse_pass.reshape(len(entries), queries, spec.h_q)[real]
+    in_pass = passes > 0
+    rest_rows = np.repeat(~in_pass, qo_lens)  # [Lq]: rows of the other entries
+    if rest_rows.any():
+        output[rest_rows], lse[rest_rows] = run_rest(*_rest_call(spec, args, in_pass, q[rest_rows], rest_rows))
     return (output, lse) if to_host else device_results([output, lse])
 
 

@@ -75,7 +75,7 @@ class Kernel:
         self._decode_pass = decode_pass and target.backend == "llvm-cpu" and target.lowering == "linalg" and (
             type(spec) in (RaggedPrefillSpec, PagedPrefillSpec, MlaPagedPrefillSpec))
         self._cache = cache
-        self._decode_kernel: LoadedKernel | None = None
+        self._decode_kernels: dict[int, LoadedKernel] = {}
 
     @property
     def device(self):
@@ -101,12 +101,13 @@ class Kernel:
                                 lambda results: tuple(as_device_arrays(self.device, results)), to_host)
         return self._loaded(*checked_args, to_host=to_host)
 
-    def _run_decode(self, *args):
-        if self._decode_kernel is None:
-            pass_spec = DecodeSpec(self.spec)
+    def _run_decode(self, queries: int, *args):
+        """The one-pass kernel for entries of up to ``queries`` queries (runtime/decode.py)."""
+        if queries not in self._decode_kernels:
+            pass_spec = DecodeSpec(self.spec, queries)
             vmfb = compile(pass_spec, self.target, cache=self._cache)
-            self._decode_kernel = LoadedKernel(vmfb, pass_spec.symbol, self._loaded.driver)
-        return self._decode_kernel(*args, to_host=True)
+            self._decode_kernels[queries] = LoadedKernel(vmfb, pass_spec.symbol, self._loaded.driver)
+        return self._decode_kernels[queries](*args, to_host=True)
 
     def _run_rest(self, *args):
         return self._loaded(*args, to_host=True)

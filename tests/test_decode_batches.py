@@ -1,4 +1,5 @@
-"""Serving-shaped calls: the single-query entries of a KV-cache call run in one pass (llvm-cpu).
+"""Serving-shaped calls: the entries of a KV-cache call with 1-4 queries run in one pass per query
+count (llvm-cpu, runtime/decode.py).
 
 Layer (a): the decode module has no loop, so its dispatches do not grow with the batch. Layer (b):
 the pass against the float64 reference for every KV-cache variant, in batches that mix decode
@@ -16,11 +17,12 @@ from conftest import assert_matches_reference, uniform
 from linalg_prefill.mlir import DecodeSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, build_module
 from linalg_prefill.pipeline import Target
 from linalg_prefill.runtime import open_kernel, reference
-from linalg_prefill.runtime.decode import decode_entries
+from linalg_prefill.runtime.decode import pass_queries
 
-# (qo_len, kv_len): decode entries (1 query) with 1 to 700 keys, prefill entries, an entry with
-# one query and no KV (not a decode entry), an entry with no queries.
-MIXED = [(1, 37), (5, 20), (1, 300), (1, 1), (0, 3), (1, 700), (1, 0), (17, 40), (1, 256)]
+# (qo_len, kv_len): single-query entries with 1 to 700 keys, 2-4 query entries (one with more
+# queries than keys: rows without a key under the causal mask), prefill entries, an entry with
+# one query and no KV (not a pass entry), an entry with no queries.
+MIXED = [(1, 37), (5, 20), (1, 300), (1, 1), (0, 3), (3, 260), (1, 700), (1, 0), (4, 2), (17, 40), (1, 256), (2, 9)]
 
 
 def _indptr(lengths) -> np.ndarray:
@@ -95,7 +97,7 @@ class _CountingPasses:
         monkeypatch.setattr(kernel, "_run_rest", counted_rest)
 
 
-WINDOW = [(3, 2), (0, 0), (40, 4), (0, 0), (0, 0), (9, 1), (0, 0), (5, 5), (16, 0)]
+WINDOW = [(3, 2), (0, 0), (40, 4), (0, 0), (0, 0), (9, 1), (5, 5), (0, 0), (0, 0), (16, 0), (7, 3), (2, 2)]
 CASES = {
     "paged-f32": (PagedPrefillSpec(8, 2, 64, "float32", page_size=16), None),
     "paged-window-bf16-softcap": (PagedPrefillSpec(8, 2, 64, "bfloat16", page_size=8, sliding_window=True,
@@ -115,35 +117,39 @@ def test_decode_pass_matches_the_reference(case, cache, monkeypatch):
         spec, rng, MIXED, window)
     calls = _CountingPasses(kernel, monkeypatch)
     got = kernel(*args)
-    assert (calls.decode, calls.rest) == (1, 1)
+    assert (calls.decode, calls.rest) == (2, 1)  # the 1-query pass, the 4-query pass, the rest
     assert_matches_reference(case, got, _reference(spec, args), spec.dtype)
 
 
-def test_decode_entry_is_bitwise_the_same_alone_among_decode_entries_and_in_a_mixed_batch(cache):
+@pytest.mark.parametrize("entry", [(1, 300), (3, 200)])
+def test_pass_entry_is_bitwise_the_same_alone_among_short_entries_and_in_a_mixed_batch(entry, cache):
     spec = PagedPrefillSpec(8, 2, 64, "float32", page_size=16)
     kernel = open_kernel(spec, cache=cache)
     rng = np.random.default_rng(2)
-    entry = (1, 300)
-    batches = {"alone": [entry], "decode": [(1, 5), entry, (1, 1000), (1, 17)], "mixed": [(9, 40), entry, (1, 3), (70, 150)]}
-    cache_rows = uniform(rng, (300, 2, 2, 64), spec.dtype)  # the entry's K/V rows [kv, k|v, h_kv, d]
-    query = uniform(rng, (1, 8, 64), spec.dtype)
+    queries, keys = entry
+    batches = {"alone": [entry], "short": [(1, 5), entry, (2, 1000), (1, 17)],
+               "mixed": [(9, 40), entry, (1, 3), (70, 150)]}
+    cache_rows = uniform(rng, (keys, 2, 2, 64), spec.dtype)  # the entry's K/V rows [kv, k|v, h_kv, d]
+    query = uniform(rng, (queries, 8, 64), spec.dtype)
     results = {}
     for name, entries in batches.items():
         args = list(_paged_args(spec, rng, entries))
         position = entries.index(entry)
-        ids = args[4][args[3][position] + np.arange(300) // 16]
-        args[2].transpose(0, 3, 1, 2, 4)[ids, np.arange(300) % 16] = cache_rows
-        args[0][args[1][position]] = query[0]
+        ids = args[4][args[3][position] + np.arange(keys) // 16]
+        args[2].transpose(0, 3, 1, 2, 4)[ids, np.arange(keys) % 16] = cache_rows
+        rows = slice(args[1][position], args[1][position] + queries)
+        args[0][rows] = query
         out, lse = kernel(*args)
-        results[name] = out[args[1][position]], lse[args[1][position]]
-    for name in ("decode", "mixed"):
+        results[name] = out[rows], lse[rows]
+    for name in ("short", "mixed"):
         np.testing.assert_array_equal(results[name][0], results["alone"][0], err_msg=name)
         np.testing.assert_array_equal(results[name][1], results["alone"][1], err_msg=name)
 
 
-def test_decode_module_has_no_loop():
+@pytest.mark.parametrize("queries", [1, 4])
+def test_decode_module_has_no_loop(queries):
     """Every call of the pass runs the same dispatches, however many entries it has."""
-    module = build_module(DecodeSpec(PagedPrefillSpec(8, 2, 64, "float32")))
+    module = build_module(DecodeSpec(PagedPrefillSpec(8, 2, 64, "float32"), queries))
     names = []
     module.operation.walk(lambda op: names.append(op.name) or 0)
     assert not [n for n in names if n.startswith("scf.")], names
@@ -155,7 +161,7 @@ def test_a_batch_of_decode_entries_is_one_launch(entries, cache, monkeypatch):
     spec = PagedPrefillSpec(8, 2, 64, "float32", page_size=16)
     kernel = open_kernel(spec, cache=cache)
     rng = np.random.default_rng(3)
-    args = _paged_args(spec, rng, [(1, int(n)) for n in rng.integers(1, 600, entries)])
+    args = _paged_args(spec, rng, [(1, int(n)) for n in rng.integers(1, 600, entries)])  # the 1-query pass
     calls = _CountingPasses(kernel, monkeypatch)
     got = kernel(*args)
     assert (calls.decode, calls.rest) == (1, 0)
@@ -165,10 +171,11 @@ def test_a_batch_of_decode_entries_is_one_launch(entries, cache, monkeypatch):
 def test_which_entries_take_the_pass(cache):
     spec = PagedPrefillSpec(8, 2, 64, "float32", page_size=16)
     args = _paged_args(spec, np.random.default_rng(4), MIXED)
-    assert decode_entries(spec, args).tolist() == [qo == 1 and kv > 0 for qo, kv in MIXED]
+    assert pass_queries(spec, args).tolist() == [(1 if qo == 1 else 4) if 1 <= qo <= 4 and kv > 0 else 0
+                                                 for qo, kv in MIXED]
     with_rope = list(args)
     with_rope[9] = 1  # rotary_mode: keys need inline RoPE, which the pass does not do
-    assert not decode_entries(spec, tuple(with_rope)).any()
+    assert not pass_queries(spec, tuple(with_rope)).any()
     assert not open_kernel(spec, Target("llvm-cpu", lowering="fused"), cache=cache)._decode_pass
 
 
