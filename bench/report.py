@@ -12,12 +12,15 @@ between ours and the peer's (``best_times``; the small prefill in bursts of 10 c
   bottom-right causal mask, with our inputs and output on the IREE device and with numpy in/out;
 * the mixed-length ragged and paged batches of ``kv_cache_batches.py`` vs the dense kernel and a
   torch SDPA loop over the entries;
+* serving steps (``serving_batches.py``): 8 and 32 sequences with 1 and 4 new tokens each
+  against 1024 cached tokens and mixed cached lengths, vs torch SDPA on the gathered padded KV;
 * with ``--tvm``: the seed's own CPU kernels (apache-tvm 0.27) on one 512-token sequence, paged
   and ragged.
 
-GFLOP/s count the unmasked query-key pairs (4 * d * h_q per pair). ``ratio`` is the peer's time
-over ours (above 1: we are faster). Writes ``report.json`` and ``report.png`` (matplotlib: GFLOP/s
-against sequence length, one panel per dtype) into ``--out``. Needs the ``bench`` extra (torch,
+GFLOP/s count the unmasked query-key pairs (4 * d * h_q per pair; the serving rows give KV GB/s
+in ``serving_batches.py``'s JSON fields instead). ``ratio`` is the peer's time over ours (above
+1: we are faster). Writes ``report.json`` and ``report.png`` (matplotlib: GFLOP/s against
+sequence length, one panel per dtype, and a panel of the serving ratios) into ``--out``. Needs the ``bench`` extra (torch,
 matplotlib).
 """
 
@@ -184,11 +187,29 @@ def tvm_rows(rng, length: int = 512) -> list[dict]:
     return rows
 
 
+def serving_rows(rng, batches=(8, 32), new_tokens=(1, 4), cached=("1024", "mixed")) -> list[dict]:
+    """Serving steps through ``PagedPrefillWrapper`` vs torch SDPA (serving_batches.measure_row)."""
+    from serving_batches import H_Q as S_H_Q, H_KV as S_H_KV, D as S_D, PAGE_SIZE, measure_row
+    from linalg_prefill.runtime import PagedPrefillWrapper
+
+    wrapper = PagedPrefillWrapper(PagedPrefillSpec(S_H_Q, S_H_KV, S_D, "float32", page_size=PAGE_SIZE))
+    rows = []
+    for batch in batches:
+        for new in new_tokens:
+            for kv in cached:
+                r = measure_row(wrapper, batch, new, kv, "float32", 3, rng)
+                rows.append(dict(r, section="serve", name=f"{batch} x {new} new vs {kv} cached", L=kv,
+                                 ours_gflops=None, peer="torch SDPA (padded)", peer_ms=r["torch_ms"],
+                                 peer_gflops=None))
+    return rows
+
+
 def format_row(r: dict) -> str:
     peer = "-" if r["peer_ms"] is None else f"{r['peer_ms']:.1f}"
     ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
+    gflops = "-" if r["ours_gflops"] is None else f"{r['ours_gflops']:.1f}"
     return (f"{r['section']:<6} {r['name']:<32} {r['dtype']:<9} {r['L']!s:>6} {r['ours_ms']:>10.1f} "
-            f"{r['ours_gflops']:>8.1f} {r['peer']:<22} {peer:>10} {ratio:>6}")
+            f"{gflops:>8} {r['peer']:<22} {peer:>10} {ratio:>6}")
 
 
 HEADER = (f"{'what':<6} {'case':<32} {'dtype':<9} {'L':>6} {'ours ms':>10} {'GFLOP/s':>8} {'peer':<22} "
@@ -203,8 +224,16 @@ def draw(rows: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     dense = [r for r in rows if r["section"] == "dense"]
+    serving = [r for r in rows if r["section"] == "serve"]
     dtypes = list(dict.fromkeys(r["dtype"] for r in dense))
-    fig, axes = plt.subplots(1, len(dtypes), figsize=(5 * len(dtypes), 4), squeeze=False)
+    panels = len(dtypes) + bool(serving)
+    fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 4), squeeze=False)
+    if serving:
+        ax = axes[0][-1]
+        ax.barh([r["name"] for r in serving], [r["ratio"] for r in serving])
+        ax.axvline(1.0, color="k", linewidth=0.8)
+        ax.set(title="serving steps, paged f32", xlabel="torch time / ours")
+        ax.tick_params(axis="y", labelsize=7)
     for ax, dtype in zip(axes[0], dtypes):
         mine = [r for r in dense if r["dtype"] == dtype]
         lengths = [r["L"] for r in mine]
@@ -238,7 +267,8 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     print(HEADER, flush=True)
     rows = dense_rows([int(x) for x in args.lengths.split(",")], args.dtypes.split(","), rng)
-    for extra in ([fused_row()], small_prefill_rows(rng), batch_rows(rng), tvm_rows(rng) if args.tvm else []):
+    for extra in ([fused_row()], small_prefill_rows(rng), batch_rows(rng), serving_rows(rng),
+                  tvm_rows(rng) if args.tvm else []):
         for r in extra:
             rows.append(r)
             print(format_row(r), flush=True)
