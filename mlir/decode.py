@@ -35,7 +35,7 @@ from .ir import (
     fill, func_d, generic, i32, index, insert_slice, ir, linalg_d, lt, math_d, module_context, sizes_of, tensor_d,
     tensor_type, widened,
 )
-from .kv_cache import _clamped_page
+from .kv_cache import _clamped_page, _read_element as _read
 from .masks import kv_cache_validity
 from .online_softmax import EMPTY_ROW_LSE, NO_KEY_MAX, score_transform
 from .specs import MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec
@@ -123,8 +123,14 @@ def _index(i: int) -> ir.Value:
     return linalg_d.IndexOp(i).result
 
 
-def _read(array: ir.Value, indices: list) -> ir.Value:
-    return arith_d.index_cast(index(), tensor_d.extract(array, indices))
+def _logical_block(spec: DecodeSpec, chunk: ir.Value, block: ir.Value) -> ir.Value:
+    """The entry's block index of (chunk, block)."""
+    return arith_d.addi(arith_d.muli(chunk, const_index(spec.blocks_per_chunk)), block)
+
+
+def _logical_column(spec: DecodeSpec, chunk: ir.Value, block: ir.Value, slot: ir.Value) -> ir.Value:
+    """The entry's KV column (logical row) of (chunk, block, slot)."""
+    return arith_d.addi(arith_d.muli(_logical_block(spec, chunk, block), const_index(spec.block)), slot)
 
 
 class _Cache:
@@ -136,7 +142,7 @@ class _Cache:
     def element(self, which: int, entry, chunk, block, slot, head, col) -> ir.Value:
         """K (0) or V (1) element ``col`` of head ``head`` at column (chunk, block, slot), f32."""
         spec, base = self.spec, self.spec.base
-        logical_block = arith_d.addi(arith_d.muli(chunk, const_index(spec.blocks_per_chunk)), block)
+        logical_block = _logical_block(spec, chunk, block)
         if isinstance(base, RaggedPrefillSpec):
             source = self.sources[which]
             row = arith_d.addi(_read(self.table, [entry, logical_block]), slot)
@@ -144,7 +150,7 @@ class _Cache:
             return widened(tensor_d.extract(source, [row, head, col]))
         table_block, page_slot = logical_block, slot
         if base.sliding_window:  # logical row r is physical r (r < sink) or r - sink + window_offset
-            r = arith_d.addi(arith_d.muli(logical_block, const_index(spec.block)), slot)
+            r = _logical_column(spec, chunk, block, slot)
             sink, offset = _read(self.geometry, [entry, const_index(1)]), _read(self.geometry, [entry, const_index(2)])
             physical = arith_d.select(lt(r, sink), r, arith_d.addi(arith_d.subi(r, sink), offset))
             last_block = arith_d.subi(dim(self.table, 1), const_index(1))
@@ -220,7 +226,7 @@ def _decode(spec: DecodeSpec, q, cache: _Cache, table, geometry, causal, sm_scal
 
     def mask_body(x, kv_len, qo_len, _out):
         c, p, s, row = (_index(x_) for x_ in (1, 3, 4, 5))
-        col = arith_d.addi(arith_d.muli(arith_d.addi(arith_d.muli(c, const_index(per_chunk)), p), const_index(block)), s)
+        col = _logical_column(spec, c, p, s)
         kv_len, qo_len = (arith_d.index_cast(index(), v) for v in (kv_len, qo_len))
         token = arith_d.divui(row, const_index(base.group_size))
         valid = kv_cache_validity(col, lambda: token, kv_len=kv_len, diagonal=arith_d.subi(kv_len, qo_len),
@@ -278,9 +284,7 @@ def _probs_times_values(spec: DecodeSpec, cache: _Cache, probs, table3, lengths,
         i, c, hh, p, s, col = (_index(x) for x in (0, 1, 2, p_, s_, d_))
         value = cache.element(1, i, c, p, s, hh, col)
         # rows past kv_len weigh 0, but 0 * NaN is NaN: a cache's unused rows may hold anything
-        column = arith_d.addi(arith_d.muli(arith_d.addi(arith_d.muli(c, const_index(per_chunk)), p),
-                                           const_index(block)), s)
-        keep = lt(column, arith_d.index_cast(index(), kv_len))
+        keep = lt(_logical_column(spec, c, p, s), arith_d.index_cast(index(), kv_len))
         return [arith_d.addf(acc, kept(table_value, arith_d.select(keep, arith_d.mulf(prob, value), const_f32(0.0))))
                 for prob, acc in zip(probs_u, accs)]
 

@@ -75,16 +75,13 @@ def pass_queries(spec, args: tuple) -> np.ndarray:
     return chosen
 
 
-def decode_entries(spec, args: tuple) -> np.ndarray:
-    """bool [B]: the entries a one-pass kernel takes (see the module docstring)."""
-    return pass_queries(spec, args) > 0
-
-
-def block_table(spec: DecodeSpec, args: tuple, entries: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def block_table(spec: DecodeSpec, args: tuple, entries: np.ndarray, kv_lens: np.ndarray,
+                qo_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The decode kernel's ``table`` [n, W] and ``geometry`` [n, 4] (kv_len, sink,
-    window_offset, qo_len) for the decode entries ``entries`` (indices into the batch)."""
+    window_offset, qo_len) for the entries ``entries`` (indices into the batch) of a call whose
+    entries have ``kv_lens`` and ``qo_lens`` (int [B])."""
     base, block = spec.base, spec.block
-    kv_lens = kv_lengths(base, args)[entries]
+    kv_lens, qo_lens = kv_lens[entries], qo_lens[entries]
     ragged = isinstance(base, RaggedPrefillSpec)
     if ragged:
         starts = _host(args[4]).astype(np.int64)[entries]
@@ -105,22 +102,21 @@ def block_table(spec: DecodeSpec, args: tuple, entries: np.ndarray) -> tuple[np.
     for row, (ids, count) in enumerate(zip(first_blocks, blocks)):
         table[row, :len(ids)] = ids
         table[row, len(ids):count] = ids[-1]
-    qo_lens = np.diff(_host(args[1]).astype(np.int64))[entries]
     geometry = np.stack([kv_lens, sink, offset, qo_lens], axis=1).astype(np.int32)
     return table, geometry
 
 
-def split_decode(spec, args: tuple, run_decode: Callable, run_rest: Callable, device_results: Callable,
-                 to_host: bool):
-    """(output, lse) of a KV-cache call whose one-pass entries go through
-    ``run_decode(queries, *args)`` and the rest through ``run_rest(*args)`` (both return numpy
-    results); ``device_results`` uploads them when ``to_host`` is False. ``args`` are checked,
-    in the seed's order."""
+def split_decode(spec, args: tuple, passes: np.ndarray, run_decode: Callable, run_rest: Callable,
+                 device_results: Callable, to_host: bool):
+    """(output, lse) of a KV-cache call whose one-pass entries (``passes``, from
+    :func:`pass_queries`) go through ``run_decode(queries, *args)`` and the rest through
+    ``run_rest(*args)`` (both return numpy results); ``device_results`` uploads them when
+    ``to_host`` is False. ``args`` are checked, in the seed's order."""
     layout = _LAYOUTS[type(spec)]
-    passes = pass_queries(spec, args)
     q_indptr = _host(args[1]).astype(np.int64)
     q = np.asarray(_host(args[0]))
     qo_lens = np.diff(q_indptr)
+    kv_lens = kv_lengths(spec, args)
     h_kv, group = spec.h_kv, spec.group_size
     output = lse = None
     for queries in PASS_QUERIES:
@@ -128,7 +124,7 @@ def split_decode(spec, args: tuple, run_decode: Callable, run_rest: Callable, de
         if not len(entries):
             continue
         pass_spec = DecodeSpec(spec, queries)
-        table, geometry = block_table(pass_spec, args, entries)
+        table, geometry = block_table(pass_spec, args, entries, kv_lens, qo_lens)
         token = np.arange(queries)
         rows = q_indptr[entries][:, None] + token  # [n, queries]: the entries' query rows
         real = token < qo_lens[entries][:, None]   # the rest are padding
@@ -148,11 +144,12 @@ def split_decode(spec, args: tuple, run_decode: Callable, run_rest: Callable, de
     in_pass = passes > 0
     rest_rows = np.repeat(~in_pass, qo_lens)  # [Lq]: rows of the other entries
     if rest_rows.any():
-        output[rest_rows], lse[rest_rows] = run_rest(*_rest_call(spec, args, in_pass, q[rest_rows], rest_rows))
+        output[rest_rows], lse[rest_rows] = run_rest(*_rest_call(spec, args, in_pass, qo_lens, q[rest_rows], rest_rows))
     return (output, lse) if to_host else device_results([output, lse])
 
 
-def _rest_call(spec, args: tuple, decode: np.ndarray, q_rest: np.ndarray, rest_rows: np.ndarray) -> list:
+def _rest_call(spec, args: tuple, decode: np.ndarray, qo_lens: np.ndarray, q_rest: np.ndarray,
+               rest_rows: np.ndarray) -> list:
     """The variant's arguments for the entries that are not decode entries (queries ``q_rest``).
 
     Paged and MLA calls keep only those entries (their page tables are cut down to them). A
@@ -166,8 +163,6 @@ def _rest_call(spec, args: tuple, decode: np.ndarray, q_rest: np.ndarray, rest_r
     rest[0] = np.ascontiguousarray(q_rest)
     if layout.q_rope_position is not None:
         rest[layout.q_rope_position] = np.ascontiguousarray(_host(args[layout.q_rope_position])[rest_rows])
-    q_indptr = _host(args[1]).astype(np.int64)
-    qo_lens = np.diff(q_indptr)
     if isinstance(spec, RaggedPrefillSpec):
         rest[1] = np.concatenate([[0], np.cumsum(np.where(decode, 0, qo_lens))]).astype(np.int32)
         return rest

@@ -19,7 +19,7 @@ from ..mlir.specs import (
 from ..pipeline import ArtifactCache, Target, compile, target_for
 from ..mlir.decode import DecodeSpec
 from .checks import NUMPY_DTYPES, check_int32, check_on_device, check_range, check_same, check_tensor
-from .decode import decode_entries, split_decode
+from .decode import pass_queries, split_decode
 from .errors import InputError
 from .kv_checks import check_mla, check_paged, check_ragged
 from .interop import like_inputs, results_to_host
@@ -96,8 +96,9 @@ class Kernel:
     def launch(self, *checked_args: Any, to_host: bool = True):
         """Runs the kernel on arguments already checked (e.g. by a wrapper's plan): numpy arrays,
         IREE device arrays (used in place) and Python scalars, in the seed's order. No checks."""
-        if self._decode_pass and decode_entries(self.spec, checked_args).any():
-            return split_decode(self.spec, checked_args, self._run_decode, self._run_rest,
+        passes = pass_queries(self.spec, checked_args) if self._decode_pass else None
+        if passes is not None and passes.any():
+            return split_decode(self.spec, checked_args, passes, self._run_decode, self._run_rest,
                                 lambda results: tuple(as_device_arrays(self.device, results)), to_host)
         return self._loaded(*checked_args, to_host=to_host)
 

@@ -18,15 +18,12 @@ from linalg_prefill.mlir import DecodeSpec, MlaPagedPrefillSpec, PagedPrefillSpe
 from linalg_prefill.pipeline import Target
 from linalg_prefill.runtime import open_kernel, reference
 from linalg_prefill.runtime.decode import pass_queries
+from test_kv_cache_prefill import _indptr, _ragged_inputs
 
 # (qo_len, kv_len): single-query entries with 1 to 700 keys, 2-4 query entries (one with more
 # queries than keys: rows without a key under the causal mask), prefill entries, an entry with
 # one query and no KV (not a pass entry), an entry with no queries.
 MIXED = [(1, 37), (5, 20), (1, 300), (1, 1), (0, 3), (3, 260), (1, 700), (1, 0), (4, 2), (17, 40), (1, 256), (2, 9)]
-
-
-def _indptr(lengths) -> np.ndarray:
-    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
 
 
 def _paged_args(spec, rng, entries, window=None, fill_unused=None):
@@ -59,13 +56,8 @@ def _paged_args(spec, rng, entries, window=None, fill_unused=None):
 
 
 def _ragged_args(spec, rng, entries):
-    qo_lens, kv_lens = zip(*entries)
-    q_indptr, kv_indptr = _indptr(qo_lens), _indptr(kv_lens)
-    q = uniform(rng, (q_indptr[-1], spec.h_q, spec.d_qk), spec.dtype)
-    k = uniform(rng, (kv_indptr[-1], spec.h_kv, spec.d_qk), spec.dtype)
-    v = uniform(rng, (kv_indptr[-1], spec.h_kv, spec.d_v), spec.dtype)
-    return (q, q_indptr, k, v, kv_indptr, np.zeros(q_indptr[-1], np.int32), np.zeros(len(entries), np.int32),
-            1, 0, 1.0, 1e4, 0.125)
+    """Seed-ABI arguments of a ragged call (RoPE off, causal)."""
+    return (*_ragged_inputs(spec, rng, entries), 1, 0, 1.0, 1e4, 0.125)
 
 
 def _reference(spec, args):
