@@ -22,7 +22,7 @@ from pathlib import Path
 from iree.compiler import tools as iree_tools
 
 from linalg_prefill.mlir import MaskedSequencePrefillSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec
-from linalg_prefill.mlir import SequencePrefillSpec
+from linalg_prefill.mlir import DecodeSpec, SequencePrefillSpec
 from linalg_prefill.pipeline import Target
 from linalg_prefill.pipeline.tuning import tuned_ir
 from linalg_prefill.pipeline.vm_structure import host_blocking_calls_in_loops, tensor_core_instructions
@@ -43,6 +43,13 @@ SPECS = [
     SequencePrefillSpec(16, 8, 96, "bfloat16", causal=True, sm_scale=96 ** -0.5),
     MlaPagedPrefillSpec(16, 512, 64, "float16", page_size=16),
     MlaPagedPrefillSpec(128, 512, 64, "bfloat16", page_size=64, sliding_window=True),
+    # the serving passes (runtime/decode.py): 1, 4 and 16 queries per entry
+    DecodeSpec(PagedPrefillSpec(32, 8, 128, "float16", page_size=16), 1),
+    DecodeSpec(PagedPrefillSpec(32, 8, 128, "bfloat16", page_size=16, sliding_window=True), 4),
+    DecodeSpec(PagedPrefillSpec(32, 8, 128, "float16", page_size=16), 16),
+    DecodeSpec(RaggedPrefillSpec(16, 16, 192, 128, "bfloat16"), 4),
+    DecodeSpec(MlaPagedPrefillSpec(16, 512, 64, "float16", page_size=16), 1),
+    DecodeSpec(MlaPagedPrefillSpec(128, 512, 64, "bfloat16", page_size=64, sliding_window=True), 4),
 ]
 STATS = ("D->H Syncs", "Submissions", "Dispatches", "Executables")
 
@@ -72,11 +79,12 @@ def _ptxas(ptx_files: list[Path]) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="build/cuda-proxies")
+    parser.add_argument("--only", default="", help="only the specs whose name contains this")
     args = parser.parse_args()
     target = Target("cuda")
     print(f"{'artifact':<62} {'mma.sync':>8} {'blocking in loops':>18} {'in band loops':>14} "
           f"{'dispatch sites':>14} {'submits':>7} {'D->H':>4}  attention kernels (sm_90)")
-    for spec in SPECS:
+    for spec in SPECS if not args.only else [s for s in SPECS if args.only in s.name]:
         folder = Path(args.out) / spec.name
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
@@ -87,7 +95,8 @@ def main() -> None:
         everywhere = sum(host_blocking_calls_in_loops(vmfb_path).values())
         innermost = sum(host_blocking_calls_in_loops(vmfb_path, innermost=True).values())
         counts = _statistics(stats)
-        print(f"{spec.name[:62]:<62} {tensor_core_instructions(vmfb_path.read_bytes()):>8} {everywhere:>18} "
+        name = spec.name if len(spec.name) <= 62 else f"{spec.name[:40]}..{spec.name[-20:]}"
+        print(f"{name:<62} {tensor_core_instructions(vmfb_path.read_bytes()):>8} {everywhere:>18} "
               f"{innermost:>14} {counts['Dispatches']:>14} {counts['Submissions']:>7} {counts['D->H Syncs']:>4}  "
               f"{', '.join(_ptxas(sorted(folder.glob('*.ptx'))))}", flush=True)
 

@@ -4,6 +4,7 @@ from .fused_kernels import (
     build_fused_mla_prefill, build_fused_paged_prefill, build_fused_ragged_prefill, build_fused_sequence_prefill,
 )
 from .decode import DecodeSpec, build_decode
+from .fused_decode import build_fused_decode
 from .kv_cache import build_mla_prefill, build_paged_prefill, build_ragged_prefill
 from .online_softmax import CUDA_ROW_CHUNK
 from .sequence import build_sequence_prefill
@@ -28,6 +29,7 @@ _FUSED_BUILDERS = {
     RaggedPrefillSpec: build_fused_ragged_prefill,
     PagedPrefillSpec: build_fused_paged_prefill,
     MlaPagedPrefillSpec: build_fused_mla_prefill,
+    DecodeSpec: build_fused_decode,
 }
 
 

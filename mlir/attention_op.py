@@ -25,6 +25,7 @@ scores are exact f32 products, and ``max + log2(sum)`` is the base-2 lse.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable, Union
 
 from .ir import (
@@ -46,6 +47,29 @@ _RUNNING_MAX_START = -3.4028234663852886e38
 Validity = Callable[[ir.Value, ir.Value], ir.Value]
 
 
+#: Loops of the online_attention op of a band, less any unit head loop; the op's ATTENTION_MARKER
+#: names the ones it has, and pipeline/tuning.py sizes its tiles by these names (``e``: the
+#: entries of a decode pass, mlir/fused_decode.py).
+ALL_LOOPS = ("h", "g", "qi", "k1", "kt", "ki", "n")
+
+
+@dataclass(frozen=True)
+class OperandDims:
+    """The loops indexing each operand of the op, in the operand's dim order (``rows``: the
+    accumulator's, the running max's and sum's; the accumulator adds ``n``). The mask's last
+    three dims are always (qi, kt, ki): pipeline/tuning.py reads the query rows there."""
+
+    q: tuple
+    k: tuple
+    v: tuple
+    mask: tuple
+    rows: tuple
+
+
+_BAND_DIMS = OperandDims(q=("qi", "h", "g", "k1"), k=("kt", "h", "ki", "k1"), v=("kt", "h", "ki", "n"),
+                         mask=("h", "g", "qi", "kt", "ki"), rows=("qi", "h", "g"))
+
+
 def attend_band(q_band: ir.Value, keys: ir.Value, values: ir.Value, *, first_row: ir.Value,
                 valid: Validity, sm_scale: Union[float, ir.Value], soft_cap: float) -> tuple[ir.Value, ir.Value]:
     """(output, lse) of one band; ``first_row`` is the entry-local token of the band's row 0 and
@@ -65,13 +89,53 @@ def attend_band(q_band: ir.Value, keys: ir.Value, values: ir.Value, *, first_row
     row_max = fill(const_f32(_RUNNING_MAX_START), row_sizes, f32())
     row_sum = fill(const_f32(0.0), row_sizes, f32())
     acc, row_max, row_sum = _online_attention(
-        loops, _squeezed(q_band, (*rows, "k1"), loops), _squeezed(keys, ("kt", "h", "ki", "k1"), loops),
+        loops, _BAND_DIMS, _squeezed(q_band, (*rows, "k1"), loops), _squeezed(keys, ("kt", "h", "ki", "k1"), loops),
         _squeezed(values, ("kt", "h", "ki", "n"), loops), mask, acc, row_max, row_sum,
         score_transform(sm_scale, soft_cap))
     output = _normalised(acc, row_sum, elem)
     lse = _lse(row_max, row_sum)
     return (_unsqueezed(output, (*rows, "n"), loops, [band, h_kv, group, d_v]),
             _unsqueezed(lse, rows, loops, [band, h_kv, group]))
+
+
+#: Loops of the op of a decode pass (every entry at once), less a unit head loop.
+ENTRY_LOOPS = ("e", "h", "qi", "k1", "kt", "ki", "n")
+_ENTRY_DIMS = OperandDims(q=("e", "h", "qi", "k1"), k=("e", "kt", "h", "ki", "k1"), v=("e", "kt", "h", "ki", "n"),
+                          mask=("e", "h", "qi", "kt", "ki"), rows=("e", "h", "qi"))
+#: Validity of (entry, query row, KV column) -> i1, all index values.
+EntryValidity = Callable[[ir.Value, ir.Value, ir.Value], ir.Value]
+
+
+def attend_entries(q: ir.Value, keys: ir.Value, values: ir.Value, *, valid: EntryValidity,
+                   sm_scale: Union[float, ir.Value], soft_cap: float) -> tuple[ir.Value, ir.Value]:
+    """(output [n, h_kv, R, d_v] in q's dtype, lse [n, h_kv, R] f32) of n entries at once, each
+    with its own KV: q [n, h_kv, R, d_qk], keys [n, Tk, h_kv, TILE, d_qk], values [n, Tk, h_kv,
+    TILE, d_v]; ``valid(entry, row, col)`` decides which pairs enter the softmax. Scores as in
+    :func:`attend_band`."""
+    entries, h_kv, rows, _d_qk = sizes_of(q)
+    d_v = ir.RankedTensorType(values.type).shape[4]
+    elem = ir.RankedTensorType(q.type).element_type
+    loops = tuple(name for name in ENTRY_LOOPS if not (name == "h" and h_kv == 1))
+    dims = _ENTRY_DIMS
+    tiles = sizes_of(keys)[1]
+
+    def mask_body(_out):
+        e, qi, kt, ki = (linalg_d.IndexOp(i).result for i in (0, 2, 3, 4))
+        return [valid(e, qi, arith_d.addi(arith_d.muli(kt, const_index(TILE)), ki))]
+
+    mask = generic([], [empty([entries, h_kv, rows, tiles, TILE], i1())], [affine_map(5, range(5))], "ppppp",
+                   mask_body)[0]
+    row_sizes = [size for name, size in zip(dims.rows, (entries, h_kv, rows)) if name in loops]
+    acc = fill(const_f32(0.0), [*row_sizes, d_v], f32())
+    row_max = fill(const_f32(_RUNNING_MAX_START), row_sizes, f32())
+    row_sum = fill(const_f32(0.0), row_sizes, f32())
+    acc, row_max, row_sum = _online_attention(
+        loops, dims, _squeezed(q, dims.q, loops), _squeezed(keys, dims.k, loops), _squeezed(values, dims.v, loops),
+        _squeezed(mask, dims.mask, loops), acc, row_max, row_sum, score_transform(sm_scale, soft_cap))
+    output = _normalised(acc, row_sum, elem)
+    lse = _lse(row_max, row_sum)
+    return (_unsqueezed(output, (*dims.rows, "n"), loops, [entries, h_kv, rows, d_v]),
+            _unsqueezed(lse, dims.rows, loops, [entries, h_kv, rows]))
 
 
 def _groups(names: tuple, loops: tuple) -> list[list[int]]:
@@ -110,22 +174,18 @@ def _mask(valid: Validity, first_row: ir.Value, sizes: list) -> ir.Value:
     return generic([], [empty(sizes, i1())], [affine_map(5, range(5))], "ppppp", body)[0]
 
 
-#: Loops of the online_attention op, less any unit head loop; the op's ATTENTION_MARKER names the
-#: ones it has, and pipeline/tuning.py sizes its tiles by these names.
-ALL_LOOPS = ("h", "g", "qi", "k1", "kt", "ki", "n")
-
-
-def _online_attention(loops, q, k, v, mask, acc, row_max, row_sum, score):
-    """The op over ``loops``; its region maps the f32 ``q.k`` through ``score``; returns
-    (acc, max, sum)."""
+def _online_attention(loops, dims: OperandDims, q, k, v, mask, acc, row_max, row_sum, score):
+    """The op over ``loops`` on operands indexed as ``dims`` says (dims whose loop is not in
+    ``loops`` are absent from the operands); its region maps the f32 ``q.k`` through ``score``;
+    returns (acc, max, sum)."""
     n = len(loops)
 
-    def m(*dims):
-        return affine_map(n, [loops.index(d) for d in dims if d in loops])
+    def m(*names):
+        return affine_map(n, [loops.index(d) for d in names if d in loops])
 
-    rows = ("qi", "h", "g")
-    maps = [m(*rows, "k1"), m("kt", "h", "ki", "k1"), m("kt", "h", "ki", "n"), ir.AffineMap.get(n, 0, []),
-            m("h", "g", "qi", "kt", "ki"), m(*rows, "n"), m(*rows), m(*rows)]
+    rows = dims.rows
+    maps = [m(*dims.q), m(*dims.k), m(*dims.v), ir.AffineMap.get(n, 0, []),
+            m(*dims.mask), m(*rows, "n"), m(*rows), m(*rows)]
     op = ir.Operation.create(
         "iree_linalg_ext.online_attention",
         results=[acc.type, row_max.type, row_sum.type],

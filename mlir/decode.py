@@ -133,21 +133,26 @@ def _logical_column(spec: DecodeSpec, chunk: ir.Value, block: ir.Value, slot: ir
     return arith_d.addi(arith_d.muli(_logical_block(spec, chunk, block), const_index(spec.block)), slot)
 
 
-class _Cache:
+class KvCache:
     """Where logical row ``r`` of entry ``i`` lives, and its K or V element: the variant logic."""
 
     def __init__(self, spec: DecodeSpec, sources: list, table: ir.Value, geometry: ir.Value):
         self.spec, self.sources, self.table, self.geometry = spec, sources, table, geometry
 
-    def element(self, which: int, entry, chunk, block, slot, head, col) -> ir.Value:
-        """K (0) or V (1) element ``col`` of head ``head`` at column (chunk, block, slot), f32."""
+    def element(self, which: int, entry, chunk, block, slot, head, col, *, widen: bool = True) -> ir.Value:
+        """K (0) or V (1) element ``col`` of head ``head`` at column (chunk, block, slot), f32
+        (``widen``) or in the cache's dtype."""
+        value = self._element(which, entry, chunk, block, slot, head, col)
+        return widened(value) if widen else value
+
+    def _element(self, which: int, entry, chunk, block, slot, head, col) -> ir.Value:
         spec, base = self.spec, self.spec.base
         logical_block = _logical_block(spec, chunk, block)
         if isinstance(base, RaggedPrefillSpec):
             source = self.sources[which]
             row = arith_d.addi(_read(self.table, [entry, logical_block]), slot)
             row = arith_d.maxsi(arith_d.minsi(row, arith_d.subi(dim(source, 0), const_index(1))), const_index(0))
-            return widened(tensor_d.extract(source, [row, head, col]))
+            return tensor_d.extract(source, [row, head, col])
         table_block, page_slot = logical_block, slot
         if base.sliding_window:  # logical row r is physical r (r < sink) or r - sink + window_offset
             r = _logical_column(spec, chunk, block, slot)
@@ -159,37 +164,42 @@ class _Cache:
         pages = self.sources[0]
         page = _clamped_page(_read(self.table, [entry, table_block]), pages)
         if isinstance(base, PagedPrefillSpec):
-            return widened(tensor_d.extract(pages, [page, const_index(which), head, page_slot, col]))
-        return widened(tensor_d.extract(pages, [page, page_slot, col]))  # MLA: values are the first d_latent
+            return tensor_d.extract(pages, [page, const_index(which), head, page_slot, col])
+        return tensor_d.extract(pages, [page, page_slot, col])  # MLA: values are the first d_latent
+
+
+def decode_signature(spec: DecodeSpec) -> tuple[list[ir.Type], list[ir.Type]]:
+    """(argument types, result types) of ``decode_entries`` (module docstring), in an open context."""
+    base = spec.base
+    h, rows, d_qk, d_v, block = base.h_kv, spec.rows, spec.d_qk, spec.d_v, spec.block
+    dt = element_type(spec.dtype)
+    if isinstance(base, PagedPrefillSpec):
+        kv_types = [tensor_type([DYN, 2, h, block, d_qk], dt)]
+    elif isinstance(base, MlaPagedPrefillSpec):
+        kv_types = [tensor_type([DYN, block, d_qk], dt)]
+    else:
+        kv_types = [tensor_type([DYN, h, d_qk], dt), tensor_type([DYN, h, d_v], dt)]
+    arg_types = [tensor_type([DYN, h, rows, d_qk], dt), *kv_types, tensor_type([DYN, DYN], i32()),
+                 tensor_type([DYN, 4], i32()), i32(), f32()]
+    return arg_types, [tensor_type([DYN, h, rows, d_v], dt), tensor_type([DYN, h, rows], f32())]
 
 
 def build_decode(spec: DecodeSpec) -> ir.Module:
     """``decode_entries(q, *kv, table, geometry, causal, sm_scale) -> (output, lse)``; ``kv`` is
     ``pages`` (paged [P, 2, h_kv, page, d], MLA [P, page, d_qk]) or ``k, v`` (ragged)."""
-    base = spec.base
-    h, group, d_qk, d_v, block = base.h_kv, spec.rows, spec.d_qk, spec.d_v, spec.block
     with module_context() as module:
-        dt = element_type(spec.dtype)
-        if isinstance(base, PagedPrefillSpec):
-            kv_types = [tensor_type([DYN, 2, h, block, d_qk], dt)]
-        elif isinstance(base, MlaPagedPrefillSpec):
-            kv_types = [tensor_type([DYN, block, d_qk], dt)]
-        else:
-            kv_types = [tensor_type([DYN, h, d_qk], dt), tensor_type([DYN, h, d_v], dt)]
-        arg_types = [tensor_type([DYN, h, group, d_qk], dt), *kv_types, tensor_type([DYN, DYN], i32()),
-                     tensor_type([DYN, 4], i32()), i32(), f32()]
-        result_types = [tensor_type([DYN, h, group, d_v], dt), tensor_type([DYN, h, group], f32())]
+        arg_types, result_types = decode_signature(spec)
         with ir.InsertionPoint(module.body):
             fn = func_d.FuncOp(spec.symbol, (arg_types, result_types))
             with ir.InsertionPoint(fn.add_entry_block()):
                 q, *sources, table, geometry, causal, sm_scale = fn.arguments
-                cache = _Cache(spec, sources, table, geometry)
+                cache = KvCache(spec, sources, table, geometry)
                 func_d.ReturnOp(_decode(spec, q, cache, table, geometry, causal, sm_scale))
         module.operation.verify()
         return module
 
 
-def _decode(spec: DecodeSpec, q, cache: _Cache, table, geometry, causal, sm_scale) -> list[ir.Value]:
+def _decode(spec: DecodeSpec, q, cache: KvCache, table, geometry, causal, sm_scale) -> list[ir.Value]:
     base = spec.base
     h, group = base.h_kv, spec.rows
     per_chunk, block = spec.blocks_per_chunk, spec.block
@@ -255,7 +265,7 @@ def _heads_per_load(group: int) -> int:
     return max(u for u in range(1, min(group, 8) + 1) if group % u == 0)
 
 
-def _probs_times_values(spec: DecodeSpec, cache: _Cache, probs, table3, lengths, kept) -> ir.Value:
+def _probs_times_values(spec: DecodeSpec, cache: KvCache, probs, table3, lengths, kept) -> ir.Value:
     """weighted [n, c, h, R, d_v] = probs [n, c, h, p, s, R] x values, per chunk.
 
     One generic with U outputs (query rows go * U + u, loops (i, c, h, go, p, s, d)): each value

@@ -78,24 +78,27 @@ ROWS_64_UNSTAGED_STEPS = AttentionTiling(rows=TILE, qk_split="qi", pv_split="qi"
 ROWS_16_SPLIT = AttentionTiling(rows=16, qk_split="ki", pv_split="n", promote_steps=False)
 
 
-def cuda_attention_tiling(d_qk: int, d_v: int) -> AttentionTiling:
-    """The configuration for a head-dim pair (every pair gets one; see the constants above)."""
-    if d_v >= 512:
+def cuda_attention_tiling(d_qk: int, d_v: int, query_rows: int = TILE) -> AttentionTiling:
+    """The configuration for a head-dim pair and the op's query rows per (entry, KV head) (every
+    pair gets one; see the constants above). A decode pass (mlir/fused_decode.py) has fewer
+    rows than a band, a multiple of 16: the 16-row tiles."""
+    if d_v >= 512 or query_rows % TILE:
         return ROWS_16_SPLIT
     if d_qk == d_v and d_qk in (64, 128, 256):
         return ROWS_64
     return ROWS_64_UNSTAGED_STEPS
 
 
-def _cuda_attention_config(query_type: ir.RankedTensorType, value_type: ir.RankedTensorType,
-                           loops: tuple[str, ...]) -> dict[str, ir.Attribute] | None:
+def _cuda_attention_config(op: ir.Operation, loops: tuple[str, ...]) -> dict[str, ir.Attribute] | None:
     """compilation_info + decomposition_config of one online_attention op with ``loops`` (named
-    as in ``attention_op.ALL_LOOPS``), or None for f32 operands (no tensor cores on this target:
-    IREE's default SIMT configuration)."""
+    as in ``attention_op.ALL_LOOPS`` or ``ENTRY_LOOPS``), or None for f32 operands (no tensor
+    cores on this target: IREE's default SIMT configuration)."""
+    query_type, value_type, mask_type = (ir.RankedTensorType(op.operands[i].type) for i in (0, 2, 4))
     kind = CUDA_MMA_KIND.get(str(query_type.element_type))
     if kind is None:
         return None
-    tiling = cuda_attention_tiling(query_type.shape[-1], value_type.shape[-1])
+    # the mask's dims end in (qi, kt, ki) (attention_op.OperandDims)
+    tiling = cuda_attention_tiling(query_type.shape[-1], value_type.shape[-1], mask_type.shape[-3])
 
     def per_loop(**sizes):
         return [sizes.get(name, 0) for name in loops]
@@ -111,7 +114,7 @@ def _cuda_attention_config(query_type: ir.RankedTensorType, value_type: ir.Ranke
         f"{{qk_attrs = {step(tiling.qk_split, 'n', '[0, 1]')}, pv_attrs = {step(tiling.pv_split, 'k1', '[1]')}}}")
     compilation = ir.Attribute.parse(
         "#iree_codegen.compilation_info<lowering_config = #iree_gpu.lowering_config<{promote_operands = [0, 1, 2], "
-        f"reduction = {per_loop(kt=1, ki=TILE)}, workgroup = {per_loop(h=1, g=1, qi=tiling.rows)}}}>, "
+        f"reduction = {per_loop(kt=1, ki=TILE)}, workgroup = {per_loop(e=1, h=1, g=1, qi=tiling.rows)}}}>, "
         "translation_info = #iree_codegen.translation_info<pipeline = #iree_gpu.pipeline<VectorDistribute> "
         f"workgroup_size = [{32 * CUDA_ATTENTION_WARPS}, 1, 1] subgroup_size = 32>>")
     return {"decomposition_config": decomposition, "compilation_info": compilation}
@@ -141,7 +144,7 @@ def apply_tuning(module: ir.Module, target: Target) -> ir.Module:
         for op in _marked(module, ATTENTION_MARKER):
             loops = tuple(ir.StringAttr(name).value for name in ir.ArrayAttr(op.attributes[ATTENTION_MARKER]))
             del op.attributes[ATTENTION_MARKER]
-            config = _cuda_attention_config(op.operands[0].type, op.operands[2].type, loops) if target.backend == "cuda" else None
+            config = _cuda_attention_config(op, loops) if target.backend == "cuda" else None
             for name, value in (config or {}).items():
                 op.attributes[name] = value
     return module

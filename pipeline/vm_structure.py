@@ -28,13 +28,13 @@ def disassembly(vmfb_path: str | Path) -> str:
     return subprocess.run(command, capture_output=True, text=True, check=True).stdout
 
 
-def _functions(text: str) -> list[list[tuple[int, list[str]]]]:
-    """Per ``vm.func``: its blocks in order as (block number, lines)."""
+def _functions(text: str) -> list[tuple[str, list[tuple[int, list[str]]]]]:
+    """Per ``vm.func``: its name and its blocks in order as (block number, lines)."""
     functions, blocks = [], None
     for line in text.splitlines():
         if line.lstrip().startswith("vm.func"):
             blocks = []
-            functions.append(blocks)
+            functions.append((re.search(r"@([\w$.]+)", line).group(1), blocks))
             continue
         match = _BLOCK.match(line)
         if match and blocks is not None:
@@ -87,11 +87,14 @@ def _natural_loops(blocks: list[tuple[int, list[str]]]) -> list[tuple[int, set[i
     return list(loops.items())
 
 
-def loop_bodies(text: str, *, innermost: bool = False) -> list[list[str]]:
+def loop_bodies(text: str, *, innermost: bool = False, function: str | None = None) -> list[list[str]]:
     """The lines of each natural loop of the disassembly's functions (``innermost``: only loops
-    that contain no other loop)."""
+    that contain no other loop; ``function``: only that function's, e.g. a kernel's entry point
+    without the module initializer's device-enumeration loop)."""
     found = []
-    for blocks in _functions(text):
+    for name, blocks in _functions(text):
+        if function is not None and name != function:
+            continue
         lines = dict(blocks)
         loops = _natural_loops(blocks)
         for header, body in loops:

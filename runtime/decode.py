@@ -1,11 +1,13 @@
-"""Planning a KV-cache call on the host: its short entries run in one pass (mlir/decode.py).
+"""Planning a KV-cache call on the host: its short entries run in one pass (mlir/decode.py,
+mlir/fused_decode.py).
 
-An entry with 1 to 4 queries and at least one KV row is a *pass entry* when the call's keys need
-no inline RoPE (``rotary_mode == 0``; MLA never rotates). On llvm-cpu (the linalg lowering)
-:func:`split_decode` turns such a call into
+An entry with few queries (1 to 4, or 16 for the fused lowering: ``DECODE_PASSES``) and at
+least one KV row is a *pass entry* when the call's keys need no inline RoPE
+(``rotary_mode == 0``; MLA never rotates). :func:`split_decode` turns such a call into
 
-* one call of the 1-query pass over every single-query entry at once, and one of the 4-query pass
-  over every entry with 2-4 queries (padded to 4): a fixed number of dispatches each, whatever
+* for each query count of the lowering's passes, one call over every entry with that many
+  queries or fewer (padded to it), or, in the fused lowering (CUDA), one call per KV-length
+  bucket (:func:`bucket_tiles`, padding under 1.5x): a fixed number of dispatches each, whatever
   the batch size, and
 * the variant's own kernel for the other entries (``_rest_call``),
 
@@ -21,13 +23,36 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ..mlir.attention_op import TILE
 from ..mlir.decode import DecodeSpec
 from ..mlir.specs import MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec
 from .kv_checks import paged_kv_lengths
 
-#: Query rows of the one-pass kernels (each its own artifact): an entry with 1 query takes the
-#: first, 2-4 queries the second (padded to 4). Measured: see docs/serving.md.
-PASS_QUERIES = (1, 4)
+
+
+@dataclass(frozen=True)
+class DecodePasses:
+    """The one-pass kernels a lowering has: ``queries``, the query counts of its passes (each
+    its own artifact; an entry takes the smallest that holds its queries, padded to it), and
+    whether a call's entries are grouped by KV length (``bucketed``: the fused pass pads every
+    entry to the call's longest, the linalg pass reads the page table in place)."""
+
+    queries: tuple[int, ...]
+    bucketed: bool
+
+
+#: Per lowering (pipeline/targets.py). llvm-cpu's linalg pass: 1 and 2-4 queries (a 16-query
+#: pass measured 3x slower than the entry loop there, docs/serving.md). The fused pass (CUDA)
+#: puts R = queries x G rows of an entry on 16-row tensor-core tiles, so 5-16 queries fit too.
+DECODE_PASSES = {"linalg": DecodePasses((1, 4), bucketed=False), "fused": DecodePasses((1, 4, 16), bucketed=True)}
+#: Bucket widths of the fused pass, in KV tiles: 1, 2, 3, 4, 6, 8, 12, ... (powers of two and
+#: 1.5 times them): an entry is padded by less than 1.5x its tiles, and a call of entries up to
+#: L keys takes at most 2 log2(L / TILE) + 1 calls, whatever the batch size.
+def bucket_tiles(tiles: np.ndarray) -> np.ndarray:
+    """int [n]: the bucket (its width in KV tiles) of entries with ``tiles`` KV tiles (>= 1)."""
+    tiles = np.maximum(np.asarray(tiles, np.int64), 1)
+    power = 2 ** np.floor(np.log2(tiles)).astype(np.int64)
+    return np.where(tiles <= power, power, np.where(tiles * 2 <= power * 3, power * 3 // 2, power * 2))
 #: Padding of the per-entry block table: a block past every column of its entry.
 NO_BLOCK = -1
 
@@ -61,25 +86,25 @@ def kv_lengths(spec, args: tuple) -> np.ndarray:
     return paged_kv_lengths(_host(args[3]), _host(args[5]), spec.page_size, spec.sliding_window)
 
 
-def pass_queries(spec, args: tuple) -> np.ndarray:
-    """int [B]: the query rows of the one-pass kernel each entry takes (the smallest of
-    ``PASS_QUERIES`` that holds its queries), or 0 for the variant's own kernel."""
+def pass_queries(spec, args: tuple, passes: DecodePasses = DECODE_PASSES["linalg"]) -> np.ndarray:
+    """int [B]: the query count of the pass each entry takes (the smallest of ``passes.queries``
+    that holds its queries), or 0 for the variant's own kernel."""
     layout = _LAYOUTS[type(spec)]
     qo_lens = np.diff(_host(args[1]).astype(np.int64))
     chosen = np.zeros(len(qo_lens), np.int64)
     if layout.rotary_mode is not None and int(args[layout.rotary_mode]) != 0:
         return chosen
     eligible = kv_lengths(spec, args) >= 1
-    for queries in sorted(PASS_QUERIES, reverse=True):
+    for queries in sorted(passes.queries, reverse=True):
         chosen[eligible & (qo_lens >= 1) & (qo_lens <= queries)] = queries
     return chosen
 
 
 def block_table(spec: DecodeSpec, args: tuple, entries: np.ndarray, kv_lens: np.ndarray,
-                qo_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                qo_lens: np.ndarray, width_multiple: int) -> tuple[np.ndarray, np.ndarray]:
     """The decode kernel's ``table`` [n, W] and ``geometry`` [n, 4] (kv_len, sink,
     window_offset, qo_len) for the entries ``entries`` (indices into the batch) of a call whose
-    entries have ``kv_lens`` and ``qo_lens`` (int [B])."""
+    entries have ``kv_lens`` and ``qo_lens`` (int [B]); W is a multiple of ``width_multiple``."""
     base, block = spec.base, spec.block
     kv_lens, qo_lens = kv_lens[entries], qo_lens[entries]
     ragged = isinstance(base, RaggedPrefillSpec)
@@ -97,7 +122,7 @@ def block_table(spec: DecodeSpec, args: tuple, entries: np.ndarray, kv_lens: np.
         info = _host(args[5])
         sink, offset = ((info[2][entries], info[1][entries]) if base.sliding_window
                         else (np.zeros_like(kv_lens), np.zeros_like(kv_lens)))
-    width = -(-max(int(blocks.max()), 1) // spec.blocks_per_chunk) * spec.blocks_per_chunk
+    width = -(-max(int(blocks.max()), 1) // width_multiple) * width_multiple
     table = np.full((len(entries), width), NO_BLOCK, np.int32)
     for row, (ids, count) in enumerate(zip(first_blocks, blocks)):
         table[row, :len(ids)] = ids
@@ -106,12 +131,13 @@ def block_table(spec: DecodeSpec, args: tuple, entries: np.ndarray, kv_lens: np.
     return table, geometry
 
 
-def split_decode(spec, args: tuple, passes: np.ndarray, run_decode: Callable, run_rest: Callable,
-                 device_results: Callable, to_host: bool):
+def split_decode(spec, args: tuple, passes: np.ndarray, decode_passes: DecodePasses, run_decode: Callable,
+                 run_rest: Callable, device_results: Callable, to_host: bool):
     """(output, lse) of a KV-cache call whose one-pass entries (``passes``, from
-    :func:`pass_queries`) go through ``run_decode(queries, *args)`` and the rest through
-    ``run_rest(*args)`` (both return numpy results); ``device_results`` uploads them when
-    ``to_host`` is False. ``args`` are checked, in the seed's order."""
+    :func:`pass_queries`) go through ``run_decode(queries, *args)`` (grouped by KV length when
+    ``decode_passes.bucketed``) and the rest through ``run_rest(*args)`` (both return numpy
+    results); ``device_results`` uploads them when ``to_host`` is False. ``args`` are checked,
+    in the seed's order."""
     layout = _LAYOUTS[type(spec)]
     q_indptr = _host(args[1]).astype(np.int64)
     q = np.asarray(_host(args[0]))
@@ -119,33 +145,43 @@ def split_decode(spec, args: tuple, passes: np.ndarray, run_decode: Callable, ru
     kv_lens = kv_lengths(spec, args)
     h_kv, group = spec.h_kv, spec.group_size
     output = lse = None
-    for queries in PASS_QUERIES:
-        entries = np.flatnonzero(passes == queries)
-        if not len(entries):
-            continue
+    for queries in decode_passes.queries:
         pass_spec = DecodeSpec(spec, queries)
-        table, geometry = block_table(pass_spec, args, entries, kv_lens, qo_lens)
-        token = np.arange(queries)
-        rows = q_indptr[entries][:, None] + token  # [n, queries]: the entries' query rows
-        real = token < qo_lens[entries][:, None]   # the rest are padding
-        q_pass = np.zeros((len(entries), queries, *q.shape[1:]), q.dtype)
-        q_pass[real] = q[rows[real]]
-        q_pass = q_pass.reshape(len(entries), queries, h_kv, group, -1).transpose(0, 2, 1, 3, 4)
-        out_pass, lse_pass = run_decode(queries, np.ascontiguousarray(q_pass.reshape(len(entries), h_kv, queries * group, -1)),
-                                        *(args[i] for i in layout.kv), table, geometry, int(args[layout.causal]),
-                                        float(args[-1]))
-        if output is None:
-            output = np.empty((q.shape[0], spec.h_q, out_pass.shape[-1]), out_pass.dtype)
-            lse = np.empty((q.shape[0], spec.h_q), np.float32)
-        out_pass = out_pass.reshape(len(entries), h_kv, queries, group, -1).transpose(0, 2, 1, 3, 4)
-        lse_pass = lse_pass.reshape(len(entries), h_kv, queries, group).transpose(0, 2, 1, 3)
-        output[rows[real]] = out_pass.reshape(len(entries), queries, spec.h_q, -1)[real]
-        lse[rows[real]] = lse_pass.reshape(len(entries), queries, spec.h_q)[real]
+        for entries in _calls_of(np.flatnonzero(passes == queries), kv_lens, decode_passes.bucketed):
+            multiple = max(1, TILE // pass_spec.block) if decode_passes.bucketed else pass_spec.blocks_per_chunk
+            table, geometry = block_table(pass_spec, args, entries, kv_lens, qo_lens, multiple)
+            token = np.arange(queries)
+            rows = q_indptr[entries][:, None] + token  # [n, queries]: the entries' query rows
+            real = token < qo_lens[entries][:, None]   # the rest are padding
+            q_pass = np.zeros((len(entries), queries, *q.shape[1:]), q.dtype)
+            q_pass[real] = q[rows[real]]
+            q_pass = q_pass.reshape(len(entries), queries, h_kv, group, -1).transpose(0, 2, 1, 3, 4)
+            out_pass, lse_pass = run_decode(
+                queries, np.ascontiguousarray(q_pass.reshape(len(entries), h_kv, queries * group, -1)),
+                *(args[i] for i in layout.kv), table, geometry, int(args[layout.causal]), float(args[-1]))
+            if output is None:
+                output = np.empty((q.shape[0], spec.h_q, out_pass.shape[-1]), out_pass.dtype)
+                lse = np.empty((q.shape[0], spec.h_q), np.float32)
+            out_pass = out_pass.reshape(len(entries), h_kv, queries, group, -1).transpose(0, 2, 1, 3, 4)
+            lse_pass = lse_pass.reshape(len(entries), h_kv, queries, group).transpose(0, 2, 1, 3)
+            output[rows[real]] = out_pass.reshape(len(entries), queries, spec.h_q, -1)[real]
+            lse[rows[real]] = lse_pass.reshape(len(entries), queries, spec.h_q)[real]
     in_pass = passes > 0
     rest_rows = np.repeat(~in_pass, qo_lens)  # [Lq]: rows of the other entries
     if rest_rows.any():
         output[rest_rows], lse[rest_rows] = run_rest(*_rest_call(spec, args, in_pass, qo_lens, q[rest_rows], rest_rows))
     return (output, lse) if to_host else device_results([output, lse])
+
+
+def _calls_of(entries: np.ndarray, kv_lens: np.ndarray, bucketed: bool) -> list[np.ndarray]:
+    """The entries of each call of a pass: all of them, or one call per KV-length bucket
+    (:func:`bucket_tiles`); none when ``entries`` is empty."""
+    if not len(entries):
+        return []
+    if not bucketed:
+        return [entries]
+    buckets = bucket_tiles(-(-kv_lens[entries] // TILE))
+    return [entries[buckets == width] for width in np.unique(buckets)]
 
 
 def _rest_call(spec, args: tuple, decode: np.ndarray, qo_lens: np.ndarray, q_rest: np.ndarray,

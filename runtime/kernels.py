@@ -19,7 +19,7 @@ from ..mlir.specs import (
 from ..pipeline import ArtifactCache, Target, compile, target_for
 from ..mlir.decode import DecodeSpec
 from .checks import NUMPY_DTYPES, check_int32, check_on_device, check_range, check_same, check_tensor
-from .decode import pass_queries, split_decode
+from .decode import DECODE_PASSES, pass_queries, split_decode
 from .errors import InputError
 from .kv_checks import check_mla, check_paged, check_ragged
 from .interop import like_inputs, results_to_host
@@ -70,10 +70,10 @@ class Kernel:
         self._loaded = loaded
         self._check = _CHECKS[type(spec)]
         self._arg_names = tuple(inspect.signature(self._check).parameters)[1:]  # the seed's ABI names
-        # KV-cache kernels on llvm-cpu hand their decode entries to one pass (runtime/decode.py),
-        # compiled through ``cache`` on the first call that has some.
-        self._decode_pass = decode_pass and target.backend == "llvm-cpu" and target.lowering == "linalg" and (
-            type(spec) in (RaggedPrefillSpec, PagedPrefillSpec, MlaPagedPrefillSpec))
+        # KV-cache kernels hand their short entries to the lowering's one-pass kernels
+        # (runtime/decode.py), compiled through ``cache`` on the first call that has some.
+        self._decode_pass = decode_pass and type(spec) in (RaggedPrefillSpec, PagedPrefillSpec, MlaPagedPrefillSpec)
+        self._decode_passes = DECODE_PASSES[target.lowering]
         self._cache = cache
         self._decode_kernels: dict[int, LoadedKernel] = {}
 
@@ -96,9 +96,9 @@ class Kernel:
     def launch(self, *checked_args: Any, to_host: bool = True):
         """Runs the kernel on arguments already checked (e.g. by a wrapper's plan): numpy arrays,
         IREE device arrays (used in place) and Python scalars, in the seed's order. No checks."""
-        passes = pass_queries(self.spec, checked_args) if self._decode_pass else None
+        passes = pass_queries(self.spec, checked_args, self._decode_passes) if self._decode_pass else None
         if passes is not None and passes.any():
-            return split_decode(self.spec, checked_args, passes, self._run_decode, self._run_rest,
+            return split_decode(self.spec, checked_args, passes, self._decode_passes, self._run_decode, self._run_rest,
                                 lambda results: tuple(as_device_arrays(self.device, results)), to_host)
         return self._loaded(*checked_args, to_host=to_host)
 

@@ -5,10 +5,13 @@ tensor cores for f16/bf16 operands and no host-blocking call inside the loops of
 import pytest
 
 from linalg_prefill.mlir import (
-    MaskedSequencePrefillSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec,
+    DecodeSpec, MaskedSequencePrefillSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec,
+    SequencePrefillSpec,
 )
 from linalg_prefill.pipeline import Target, compile
-from linalg_prefill.pipeline.vm_structure import host_blocking_calls_in_loops, tensor_core_instructions
+from linalg_prefill.pipeline.vm_structure import (
+    disassembly, host_blocking_calls_in_loops, loop_bodies, tensor_core_instructions,
+)
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 8192}
@@ -38,11 +41,19 @@ MLA_SPECS = [
     *(MlaPagedPrefillSpec(16, 512, 64, dtype, page_size=16) for dtype in HALF),
     *(MlaPagedPrefillSpec(16, 512, 64, dtype, page_size=64, sliding_window=True) for dtype in HALF),
 ]
+#: The serving passes (runtime/decode.py) of every KV-cache variant, 1, 4 and 16 queries per entry.
+DECODE_SPECS = [
+    DecodeSpec(PagedPrefillSpec(32, 8, 128, "float16", page_size=16), 1),
+    DecodeSpec(PagedPrefillSpec(32, 8, 128, "bfloat16", page_size=16, sliding_window=True), 4),
+    DecodeSpec(RaggedPrefillSpec(16, 16, 192, 128, "bfloat16"), 16),
+    DecodeSpec(MlaPagedPrefillSpec(16, 512, 64, "float16", page_size=16), 1),
+    DecodeSpec(MlaPagedPrefillSpec(128, 512, 64, "bfloat16", page_size=64, sliding_window=True), 4),
+]
 F32_SPECS = [
     SequencePrefillSpec(6, 1, 64, "float32", causal=False, sm_scale=0.125),
     PagedPrefillSpec(8, 1, 64, "float32", page_size=1, rope_scaling={"rope_type": "gptj"}),
 ]
-ALL_SPECS = DENSE_SPECS + KV_CACHE_SPECS + MLA_SPECS + F32_SPECS
+ALL_SPECS = DENSE_SPECS + KV_CACHE_SPECS + MLA_SPECS + DECODE_SPECS + F32_SPECS
 
 
 def _artifact(spec, cache, tmp_path, lowering=""):
@@ -59,7 +70,7 @@ def test_compiles_for_cuda_sm80(spec, cache, tmp_path):
     assert spec.symbol.encode() in vmfb and b"cuda" in vmfb
 
 
-@pytest.mark.parametrize("spec", DENSE_SPECS + KV_CACHE_SPECS + MLA_SPECS, ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", DENSE_SPECS + KV_CACHE_SPECS + MLA_SPECS + DECODE_SPECS, ids=lambda s: s.name)
 def test_half_precision_runs_on_tensor_cores(spec, cache, tmp_path):
     vmfb, _ = _artifact(spec, cache, tmp_path)
     assert tensor_core_instructions(vmfb) > 0
@@ -72,6 +83,15 @@ def test_no_host_blocking_call_in_any_loop(spec, cache, tmp_path):
     read their index arrays from host memory (mlir/ir.py: HostReadable)."""
     _, path = _artifact(spec, cache, tmp_path)
     assert host_blocking_calls_in_loops(path) == dict.fromkeys(host_blocking_calls_in_loops(path), 0)
+
+
+@pytest.mark.parametrize("spec", DECODE_SPECS, ids=lambda s: s.name)
+def test_a_serving_pass_has_no_loop_in_its_host_program(spec, cache, tmp_path):
+    """A fixed sequence of dispatches per call, whatever the number of entries."""
+    _, path = _artifact(spec, cache, tmp_path)
+    text = disassembly(path)
+    assert loop_bodies(text, function=spec.symbol) == []
+    assert loop_bodies(text), "the module initializer's loop: the check reads loops"
 
 
 def test_the_check_sees_the_linalg_lowerings_stalls(cache, tmp_path):

@@ -1,11 +1,12 @@
-"""Serving-shaped calls: the entries of a KV-cache call with 1-4 queries run in one pass per query
-count (llvm-cpu, runtime/decode.py).
+"""Serving-shaped calls: the short entries of a KV-cache call run in one pass per query count
+(runtime/decode.py), in both lowerings: llvm-cpu's linalg pass (mlir/decode.py) and the fused
+pass CUDA runs (mlir/fused_decode.py, checked here on llvm-cpu and on CUDA when there is a GPU).
 
-Layer (a): the decode module has no loop, so its dispatches do not grow with the batch. Layer (b):
-the pass against the float64 reference for every KV-cache variant, in batches that mix decode
-entries (KV shorter and longer than one 256-column chunk) with prefill entries; an entry's
-result bitwise the same alone, among decode entries and in a mixed batch; which entries take
-the pass; NaN in a cache's unused rows.
+Layer (a): the decode modules have no loop, so their dispatches do not grow with the batch (the
+CUDA artifacts' structure: tests/test_cuda_compile.py). Layer (b): the passes against the float64
+reference for every KV-cache variant, in batches that mix decode entries (KV shorter and longer
+than one 256-column chunk) with prefill entries; an entry's result bitwise the same alone, among
+decode entries and in a mixed batch; which entries take the pass; NaN in a cache's unused rows.
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import assert_matches_reference, uniform
-from linalg_prefill.mlir import DecodeSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, build_module
+from conftest import BACKENDS, assert_matches_reference, uniform
+from linalg_prefill.mlir import (
+    DecodeSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, build_fused_module, build_module,
+)
 from linalg_prefill.pipeline import Target
 from linalg_prefill.runtime import open_kernel, reference
-from linalg_prefill.runtime.decode import pass_queries
+from linalg_prefill.runtime.decode import DECODE_PASSES, bucket_tiles, pass_queries
 from test_kv_cache_prefill import _indptr, _ragged_inputs
 
 # (qo_len, kv_len): single-query entries with 1 to 700 keys, 2-4 query entries (one with more
@@ -100,23 +103,38 @@ CASES = {
 }
 
 
+#: Calls of the passes on MIXED, per lowering (the variant's own kernel takes the rest in one call).
+#: linalg: the 1-query and the 4-query pass. fused: one call per (query count, KV bucket): 1 query
+#: vs 37 / 300 / 1 / 700 / 256 keys is 1 / 5 / 1 / 11 / 4 tiles in buckets 1, 6, 12 and 4 (4 calls);
+#: 2-4 queries vs 260 / 2 / 9 keys in buckets 6 and 1 (2 calls); 5 queries, the 16-query pass (1).
+MIXED_PASS_CALLS = {"linalg": 2, "fused": 7}
+#: The lowerings' passes: llvm-cpu's own, the fused (CUDA's) on llvm-cpu, and CUDA with a GPU.
+PASS_BACKENDS = BACKENDS
+
+
+def _lowering(backend) -> str:
+    return Target(backend).lowering if isinstance(backend, str) else backend.lowering
+
+
+@pytest.mark.parametrize("backend", PASS_BACKENDS)
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_decode_pass_matches_the_reference(case, cache, monkeypatch):
+def test_decode_pass_matches_the_reference(case, backend, cache, monkeypatch):
     spec, window = CASES[case]
-    kernel = open_kernel(spec, cache=cache)
+    kernel = open_kernel(spec, backend, cache=cache)
     rng = np.random.default_rng(1)
     args = _ragged_args(spec, rng, MIXED) if isinstance(spec, RaggedPrefillSpec) else _paged_args(
         spec, rng, MIXED, window)
     calls = _CountingPasses(kernel, monkeypatch)
     got = kernel(*args)
-    assert (calls.decode, calls.rest) == (2, 1)  # the 1-query pass, the 4-query pass, the rest
+    assert (calls.decode, calls.rest) == (MIXED_PASS_CALLS[_lowering(backend)], 1)
     assert_matches_reference(case, got, _reference(spec, args), spec.dtype)
 
 
+@pytest.mark.parametrize("backend", PASS_BACKENDS)
 @pytest.mark.parametrize("entry", [(1, 300), (3, 200)])
-def test_pass_entry_is_bitwise_the_same_alone_among_short_entries_and_in_a_mixed_batch(entry, cache):
+def test_pass_entry_is_bitwise_the_same_alone_among_short_entries_and_in_a_mixed_batch(entry, backend, cache):
     spec = PagedPrefillSpec(8, 2, 64, "float32", page_size=16)
-    kernel = open_kernel(spec, cache=cache)
+    kernel = open_kernel(spec, backend, cache=cache)
     rng = np.random.default_rng(2)
     queries, keys = entry
     batches = {"alone": [entry], "short": [(1, 5), entry, (2, 1000), (1, 17)],
@@ -138,44 +156,74 @@ def test_pass_entry_is_bitwise_the_same_alone_among_short_entries_and_in_a_mixed
         np.testing.assert_array_equal(results[name][1], results["alone"][1], err_msg=name)
 
 
+def _op_names(module) -> list[str]:
+    names = []
+    module.operation.walk(lambda op: names.append(op.name) or 0)
+    return names
+
+
 @pytest.mark.parametrize("queries", [1, 4])
 def test_decode_module_has_no_loop(queries):
     """Every call of the pass runs the same dispatches, however many entries it has."""
-    module = build_module(DecodeSpec(PagedPrefillSpec(8, 2, 64, "float32"), queries))
-    names = []
-    module.operation.walk(lambda op: names.append(op.name) or 0)
+    names = _op_names(build_module(DecodeSpec(PagedPrefillSpec(8, 2, 64, "float32"), queries)))
     assert not [n for n in names if n.startswith("scf.")], names
     assert names.count("linalg.generic") >= 5
 
 
+@pytest.mark.parametrize("queries", [1, 4, 16])
+def test_fused_decode_module_is_one_attention_op_without_a_loop(queries):
+    spec = DecodeSpec(MlaPagedPrefillSpec(16, 64, 16, "bfloat16", page_size=16, sliding_window=True), queries)
+    names = _op_names(build_fused_module(spec))
+    assert not [n for n in names if n.startswith("scf.")], names
+    assert names.count("iree_linalg_ext.online_attention") == 1
+
+
+@pytest.mark.parametrize("backend", PASS_BACKENDS)
 @pytest.mark.parametrize("entries", [8, 64])
-def test_a_batch_of_decode_entries_is_one_launch(entries, cache, monkeypatch):
+def test_a_batch_of_decode_entries_takes_a_fixed_number_of_launches(entries, backend, cache, monkeypatch):
+    """One launch (linalg), or one per KV bucket (fused): 1 to 600 keys fall in at most the 7
+    buckets of 1-12 tiles, for 8 entries as for 64."""
     spec = PagedPrefillSpec(8, 2, 64, "float32", page_size=16)
-    kernel = open_kernel(spec, cache=cache)
+    kernel = open_kernel(spec, backend, cache=cache)
     rng = np.random.default_rng(3)
-    args = _paged_args(spec, rng, [(1, int(n)) for n in rng.integers(1, 600, entries)])  # the 1-query pass
+    kv_lens = rng.integers(1, 600, entries)
+    args = _paged_args(spec, rng, [(1, int(n)) for n in kv_lens])  # the 1-query pass
     calls = _CountingPasses(kernel, monkeypatch)
     got = kernel(*args)
-    assert (calls.decode, calls.rest) == (1, 0)
+    fused = _lowering(backend) == "fused"
+    assert calls.decode == (len(np.unique(bucket_tiles(-(-kv_lens // 64)))) if fused else 1) <= 7
+    assert calls.rest == 0
     assert_matches_reference("decode batch", got, _reference(spec, args), spec.dtype)
 
 
-def test_which_entries_take_the_pass(cache):
+def test_bucket_widths_pad_by_less_than_half():
+    tiles = np.arange(1, 5000)
+    widths = bucket_tiles(tiles)
+    assert (widths >= tiles).all() and (widths < 1.5 * tiles + 1).all()
+    assert len(np.unique(widths)) <= 2 * np.log2(5000) + 1
+    assert bucket_tiles(np.array([1, 2, 3, 4, 5, 6, 7, 9, 12, 13])).tolist() == [1, 2, 3, 4, 6, 6, 8, 12, 12, 16]
+
+
+@pytest.mark.parametrize("lowering", sorted(DECODE_PASSES))
+def test_which_entries_take_the_pass(lowering):
     spec = PagedPrefillSpec(8, 2, 64, "float32", page_size=16)
+    passes = DECODE_PASSES[lowering]
     args = _paged_args(spec, np.random.default_rng(4), MIXED)
-    assert pass_queries(spec, args).tolist() == [(1 if qo == 1 else 4) if 1 <= qo <= 4 and kv > 0 else 0
-                                                 for qo, kv in MIXED]
+    expected = [min(q for q in passes.queries if q >= qo) if 1 <= qo <= max(passes.queries) and kv > 0 else 0
+                for qo, kv in MIXED]
+    assert pass_queries(spec, args, passes).tolist() == expected
+    assert expected.count(0) == (4 if lowering == "linalg" else 3)  # fused: (5, 20) takes the 16-query pass
     with_rope = list(args)
     with_rope[9] = 1  # rotary_mode: keys need inline RoPE, which the pass does not do
-    assert not pass_queries(spec, tuple(with_rope)).any()
-    assert not open_kernel(spec, Target("llvm-cpu", lowering="fused"), cache=cache)._decode_pass
+    assert not pass_queries(spec, tuple(with_rope), passes).any()
 
 
-def test_nan_in_unused_cache_rows_stays_out(cache):
+@pytest.mark.parametrize("backend", PASS_BACKENDS)
+def test_nan_in_unused_cache_rows_stays_out(backend, cache):
     """Slots past an entry's rows (and unused pages) hold NaN: the pass weighs them 0 without
     multiplying them (0 * NaN would be NaN)."""
     spec = PagedPrefillSpec(8, 2, 64, "float32", page_size=16)
-    kernel = open_kernel(spec, cache=cache)
+    kernel = open_kernel(spec, backend, cache=cache)
     args = _paged_args(spec, np.random.default_rng(5), [(1, 37), (1, 300), (1, 1)], fill_unused=np.nan)
     got = kernel(*args)
     assert np.isfinite(got[0]).all()
