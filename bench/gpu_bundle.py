@@ -13,7 +13,10 @@ The folder holds, next to ``gpu_runner.py`` (numpy + IREE runtime only) and ``gp
   - with ``--recorded DIR``, every llvm-cpu call the backend-parametrized tests made, as recorded by
     ``LINALG_PREFILL_RECORD_CASES=DIR make test`` (``tests/conftest.py``), with the tests' own
     tolerances: the tests' CUDA layer, replayed where the compiler cannot be installed;
-  - ``bench-*`` cases (dense causal L=2048/8192, mixed ragged and paged batches), timed only.
+  - ``serving-*`` cases: the serving passes' own calls (runtime/decode.py) of a mixed step per
+    KV-cache variant, checked against ``reference.decode_entries``;
+  - ``bench-*`` cases (dense causal L=2048/8192, mixed ragged and paged batches, serving rows of
+    32 and 128 sequences x 1-16 new tokens vs 1024 cached), timed only.
   Arrays the tests drew with their ``uniform`` helper are stored as the PCG64 state, shape and dtype
   that draw them again (and the sha1 the redraw must match), so the bundle stays well under the
   64 MiB a device call can carry; the reference is computed on the GPU machine's CPU from
@@ -39,10 +42,11 @@ import sys
 
 import numpy as np
 
-from linalg_prefill.mlir import PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec
+from linalg_prefill.mlir import MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec
 from linalg_prefill.pipeline import Target, compile
 from linalg_prefill.pipeline.model_config import load_model_config, specs_for_model
 from linalg_prefill.runtime.compare import TOLERANCE, example_inputs, reference_call
+from linalg_prefill.runtime.decode import DECODE_PASSES, decode_calls, pass_queries
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -83,6 +87,61 @@ def bench_cases(dense_lengths=(2048, 8192)):
     args = (q, indptr, pages, page_indptr, page_values, last_page_len, zeros_b, zeros_q, 1, 0, 1.0, 1e4,
             128 ** -0.5)
     yield "bench-paged-mixed-batch-float16", paged, args, flops
+
+
+def serving_batch(spec, rng, entries, window=False):
+    """Seed-ABI arguments of a paged or MLA serving step (no RoPE, causal): ``entries`` as
+    (new tokens, cached tokens), pages shuffled; ``window`` gives every entry 3 sink rows and
+    a window that starts 5 rows in."""
+    qo_lens, kv_lens = np.array(entries).T
+    physical = kv_lens + (2 if window else 0)  # kv_len = physical - window_offset + sink
+    counts = -(-physical // spec.page_size)
+    page_indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    page_values = rng.permutation(int(page_indptr[-1])).astype(np.int32)
+    last = (physical - 1) % spec.page_size + 1
+    info = np.stack([last, np.full_like(last, 5), np.full_like(last, 3)]) if window else last
+    q_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+    mla = isinstance(spec, MlaPagedPrefillSpec)
+    d = spec.d_qk if mla else spec.d
+    shape = (int(page_indptr[-1]), spec.page_size, d) if mla else (int(page_indptr[-1]), 2, spec.h_kv, spec.page_size, d)
+    q = rng.uniform(-1, 1, (int(q_indptr[-1]), spec.h_q, d)).astype(np.float32)
+    pages = rng.uniform(-1, 1, shape).astype(np.float32)
+    q, pages = _in_dtype(q, spec), _in_dtype(pages, spec)
+    info = np.ascontiguousarray(info.astype(np.int32))
+    if mla:
+        return q, q_indptr, pages, page_indptr, page_values, info, 1, spec.d_qk ** -0.5
+    zeros_b, zeros_q = np.zeros(len(entries), np.int32), np.zeros(int(q_indptr[-1]), np.int32)
+    return q, q_indptr, pages, page_indptr, page_values, info, zeros_b, zeros_q, 1, 0, 1.0, 1e4, spec.d ** -0.5
+
+
+SERVING_VARIANTS = ("paged-f16", "paged-window-bf16", "mla-f16")
+SERVING_ROWS = ("32x1", "128x1", "32x4", "32x16")
+
+
+def serving_cases(target: Target, rng, variants=SERVING_VARIANTS, rows=SERVING_ROWS):
+    """(name, spec, args, flops or None) of the serving passes' own calls (runtime/decode.py), as
+    the runtime plans them for ``target``'s lowering: checked calls of a mixed step (1-16 new
+    tokens against 1-700 cached) for each KV-cache variant, and timed serving rows (32 and 128
+    sequences x 1, 4 and 16 new tokens vs 1024 cached, f16, h_q 32, h_kv 8, d 128)."""
+    passes = DECODE_PASSES[target.lowering]
+    mixed = [(1, 37), (3, 300), (1, 700), (16, 90), (2, 1), (1, 256), (5, 64), (1, 1000)]
+    checked = {"paged-f16": (PagedPrefillSpec(32, 8, 128, "float16", page_size=16), False),
+               "paged-window-bf16": (PagedPrefillSpec(32, 8, 128, "bfloat16", page_size=16, sliding_window=True), True),
+               "mla-f16": (MlaPagedPrefillSpec(16, 512, 64, "float16", page_size=16), False)}
+    for label in variants:
+        spec, window = checked[label]
+        args = serving_batch(spec, rng, mixed, window)
+        for call in decode_calls(spec, args, pass_queries(spec, args, passes), passes):
+            yield f"serving-{label}-{call.spec.name[-8:].strip('_')}-n{len(call.rows)}-w{call.args[-4].shape[1]}", \
+                call.spec, call.args, None
+    spec = PagedPrefillSpec(32, 8, 128, "float16", page_size=16)
+    for batch, new in (tuple(int(x) for x in row.split("x")) for row in rows):
+        if max(passes.queries) < new:
+            continue
+        args = serving_batch(spec, rng, [(new, 1024)] * batch)
+        (call,) = decode_calls(spec, args, pass_queries(spec, args, passes), passes)
+        flops = 4.0 * 128 * 32 * batch * new * 1024
+        yield f"bench-serving-{batch}x{new}-vs-1024-float16", call.spec, call.args, flops
 
 
 def _in_dtype(a, spec):
@@ -136,6 +195,8 @@ def save_case(path, name, spec, file, args, tolerance=None, flops=0.0) -> None:
         else:
             meta_args.append(["scalar", a.item() if isinstance(a, np.generic) else a])
     meta = dict(name=name, symbol=spec.symbol, dtype=spec.dtype, file=file, args=meta_args, flops=flops)
+    if hasattr(spec, "base"):  # a serving pass: torch's timing needs the GQA group
+        meta["group"] = spec.base.group_size
     if not bench:
         meta.update(reference=reference_call(spec), tolerance=tolerance)
     np.savez_compressed(path, meta=json.dumps(meta), **arrays)
@@ -149,6 +210,10 @@ def main() -> None:
     parser.add_argument("--recorded", help="a folder of calls recorded by LINALG_PREFILL_RECORD_CASES")
     parser.add_argument("--no-wheels", action="store_true", help="skip downloading the cp312 wheels")
     parser.add_argument("--bench-lengths", default="2048,8192", help="dense bench sequence lengths")
+    parser.add_argument("--serving-variants", default=",".join(SERVING_VARIANTS),
+                        help="KV-cache variants whose serving-pass calls are checked")
+    parser.add_argument("--serving-rows", default=",".join(SERVING_ROWS),
+                        help="timed serving rows, SEQUENCESxNEW_TOKENS against 1024 cached")
     args = parser.parse_args()
     target = Target(args.backend)
     for sub in ("artifacts", "cases", "reference"):
@@ -172,6 +237,9 @@ def main() -> None:
         cases += [(name, spec, call, tolerance, 0.0) for name, spec, call, tolerance in recorded_cases(args.recorded)]
     cases += [(name, spec, [("value", _in_dtype(a, spec)) for a in call], None, flops)
               for name, spec, call, flops in bench_cases([int(n) for n in args.bench_lengths.split(",")])]
+    cases += [(name, spec, values(call), None if flops else example_tolerance(spec.base), flops or 0.0)
+              for name, spec, call, flops in serving_cases(target, rng, args.serving_variants.split(","),
+                                                           args.serving_rows.split(","))]
     built = set()
     for name, spec, call, tolerance, flops in cases:
         file = os.path.join("artifacts", f"{spec.name}.vmfb")

@@ -179,6 +179,8 @@ def _torch_seconds(meta, args, repeat: int):
         return None
     dtype = getattr(torch, meta["dtype"])
     sdpa = torch.nn.functional.scaled_dot_product_attention
+    if meta["symbol"] == "decode_entries":
+        return _torch_serving_seconds(torch, dtype, meta["group"], args, repeat)
     if meta["symbol"] == "batch_sequence_prefill_kv":
         q, k, v = (torch.tensor(a.astype("float32")).to("cuda", dtype).transpose(1, 2) for a in args[:3])
         calls = [(q, k, v)]
@@ -204,6 +206,35 @@ def _torch_seconds(meta, args, repeat: int):
         for q, k, v in calls:
             sdpa(q, k, v, is_causal=True, enable_gqa=True)
         torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return min(times[1:])
+
+
+def _torch_serving_seconds(torch, dtype, group: int, args, repeat: int, device: str = "cuda") -> float:
+    """Best time of torch SDPA on a paged serving pass's attention: K/V gathered through the table
+    and padded to the longest entry (not timed), one batched call with a boolean mask
+    (bottom-right causal per entry)."""
+    import numpy as np
+
+    q, pages, table, geometry = args[0], args[1], args[2], args[3]
+    n, h_kv, rows, d = q.shape
+    queries = rows // group
+    width = table.shape[1] * pages.shape[3]
+    kv = [pages[np.maximum(table, 0), i].transpose(0, 2, 1, 3, 4).reshape(n, h_kv, width, d) for i in (0, 1)]
+    k, v = (torch.tensor(x.astype("float32")).to(device, dtype) for x in kv)
+    q_heads = q.reshape(n, h_kv, queries, group, d).transpose(0, 1, 3, 2, 4).reshape(n, h_kv * group, queries, d)
+    q_t = torch.tensor(q_heads.astype("float32")).to(device, dtype)
+    kv_len, qo_len = geometry[:, 0, None, None], geometry[:, 3, None, None]
+    cols, tokens = np.arange(width)[None, None], np.arange(queries)[None, :, None]
+    mask = torch.tensor((cols < kv_len) & (cols <= kv_len - qo_len + tokens))[:, None].to(device)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    synchronize = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    times = []
+    for _ in range(repeat + 1):
+        synchronize()
+        start = time.perf_counter()
+        sdpa(q_t, k, v, attn_mask=mask, enable_gqa=True)
+        synchronize()
         times.append(time.perf_counter() - start)
     return min(times[1:])
 

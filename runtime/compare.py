@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..mlir.decode import DecodeSpec
 from ..mlir.specs import (
     MaskedSequencePrefillSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec,
 )
@@ -133,6 +134,11 @@ def reference_call(spec) -> tuple[str, dict]:
                                               sliding_window=spec.sliding_window, **extras)
     if isinstance(spec, MlaPagedPrefillSpec):
         return "batch_prefill_paged_kv_mla", dict(d_latent=spec.d_latent, sliding_window=spec.sliding_window, **extras)
+    if isinstance(spec, DecodeSpec):
+        kind = {RaggedPrefillSpec: "ragged", PagedPrefillSpec: "paged", MlaPagedPrefillSpec: "mla"}[type(spec.base)]
+        base_extras = dict(logits_soft_cap=spec.base.logits_soft_cap) if spec.base.logits_soft_cap else {}
+        return "decode_entries", dict(kind=kind, group=spec.base.group_size, block=spec.block, d_v=spec.d_v,
+                                      sliding_window=getattr(spec.base, "sliding_window", False), **base_extras)
     raise TypeError(f"spec: unsupported spec type {type(spec).__name__}")
 
 

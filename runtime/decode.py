@@ -131,20 +131,29 @@ def block_table(spec: DecodeSpec, args: tuple, entries: np.ndarray, kv_lens: np.
     return table, geometry
 
 
-def split_decode(spec, args: tuple, passes: np.ndarray, decode_passes: DecodePasses, run_decode: Callable,
-                 run_rest: Callable, device_results: Callable, to_host: bool):
-    """(output, lse) of a KV-cache call whose one-pass entries (``passes``, from
-    :func:`pass_queries`) go through ``run_decode(queries, *args)`` (grouped by KV length when
-    ``decode_passes.bucketed``) and the rest through ``run_rest(*args)`` (both return numpy
-    results); ``device_results`` uploads them when ``to_host`` is False. ``args`` are checked,
-    in the seed's order."""
+@dataclass(frozen=True)
+class DecodeCall:
+    """One call of a pass: ``args`` in decode_entries' order (q [n, h_kv, R, d_qk], the KV
+    sources, table, geometry, causal, sm_scale), and where its rows go: ``rows`` [n, queries]
+    the entries' query rows in the batch, ``real`` [n, queries] which of them exist."""
+
+    spec: DecodeSpec
+    args: tuple
+    rows: np.ndarray
+    real: np.ndarray
+
+
+def decode_calls(spec, args: tuple, passes: np.ndarray, decode_passes: DecodePasses) -> list[DecodeCall]:
+    """The pass calls of a KV-cache call whose one-pass entries are ``passes`` (from
+    :func:`pass_queries`): one per query count, or one per (query count, KV bucket) when
+    ``decode_passes.bucketed``. ``args`` are checked, in the seed's order."""
     layout = _LAYOUTS[type(spec)]
     q_indptr = _host(args[1]).astype(np.int64)
     q = np.asarray(_host(args[0]))
     qo_lens = np.diff(q_indptr)
     kv_lens = kv_lengths(spec, args)
     h_kv, group = spec.h_kv, spec.group_size
-    output = lse = None
+    calls = []
     for queries in decode_passes.queries:
         pass_spec = DecodeSpec(spec, queries)
         for entries in _calls_of(np.flatnonzero(passes == queries), kv_lens, decode_passes.bucketed):
@@ -156,16 +165,33 @@ def split_decode(spec, args: tuple, passes: np.ndarray, decode_passes: DecodePas
             q_pass = np.zeros((len(entries), queries, *q.shape[1:]), q.dtype)
             q_pass[real] = q[rows[real]]
             q_pass = q_pass.reshape(len(entries), queries, h_kv, group, -1).transpose(0, 2, 1, 3, 4)
-            out_pass, lse_pass = run_decode(
-                queries, np.ascontiguousarray(q_pass.reshape(len(entries), h_kv, queries * group, -1)),
-                *(args[i] for i in layout.kv), table, geometry, int(args[layout.causal]), float(args[-1]))
-            if output is None:
-                output = np.empty((q.shape[0], spec.h_q, out_pass.shape[-1]), out_pass.dtype)
-                lse = np.empty((q.shape[0], spec.h_q), np.float32)
-            out_pass = out_pass.reshape(len(entries), h_kv, queries, group, -1).transpose(0, 2, 1, 3, 4)
-            lse_pass = lse_pass.reshape(len(entries), h_kv, queries, group).transpose(0, 2, 1, 3)
-            output[rows[real]] = out_pass.reshape(len(entries), queries, spec.h_q, -1)[real]
-            lse[rows[real]] = lse_pass.reshape(len(entries), queries, spec.h_q)[real]
+            call_args = (np.ascontiguousarray(q_pass.reshape(len(entries), h_kv, queries * group, -1)),
+                         *(args[i] for i in layout.kv), table, geometry, int(args[layout.causal]), float(args[-1]))
+            calls.append(DecodeCall(pass_spec, call_args, rows, real))
+    return calls
+
+
+def split_decode(spec, args: tuple, passes: np.ndarray, decode_passes: DecodePasses, run_decode: Callable,
+                 run_rest: Callable, device_results: Callable, to_host: bool):
+    """(output, lse) of a KV-cache call whose one-pass entries (``passes``, from
+    :func:`pass_queries`) go through ``run_decode(queries, *args)`` (:func:`decode_calls`) and the
+    rest through ``run_rest(*args)`` (both return numpy results); ``device_results`` uploads them
+    when ``to_host`` is False. ``args`` are checked, in the seed's order."""
+    q_indptr = _host(args[1]).astype(np.int64)
+    q = np.asarray(_host(args[0]))
+    qo_lens = np.diff(q_indptr)
+    h_kv, group = spec.h_kv, spec.group_size
+    output = lse = None
+    for call in decode_calls(spec, args, passes, decode_passes):
+        n, queries = call.rows.shape
+        out_pass, lse_pass = run_decode(queries, *call.args)
+        if output is None:
+            output = np.empty((q.shape[0], spec.h_q, out_pass.shape[-1]), out_pass.dtype)
+            lse = np.empty((q.shape[0], spec.h_q), np.float32)
+        out_pass = out_pass.reshape(n, h_kv, queries, group, -1).transpose(0, 2, 1, 3, 4)
+        lse_pass = lse_pass.reshape(n, h_kv, queries, group).transpose(0, 2, 1, 3)
+        output[call.rows[call.real]] = out_pass.reshape(n, queries, spec.h_q, -1)[call.real]
+        lse[call.rows[call.real]] = lse_pass.reshape(n, queries, spec.h_q)[call.real]
     in_pass = passes > 0
     rest_rows = np.repeat(~in_pass, qo_lens)  # [Lq]: rows of the other entries
     if rest_rows.any():

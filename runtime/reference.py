@@ -1,7 +1,9 @@
 """Float64 numpy reference for every prefill kernel variant (semantics §1–§7 with §11).
 
-Every public function mirrors the seed's ABI (§1, §11.1): same argument names and order,
-including the different rope-argument orders of the paged and ragged kernels (§9.5).  Instead of
+Every public function but one mirrors the seed's ABI (§1, §11.1): same argument names and order,
+including the different rope-argument orders of the paged and ragged kernels (§9.5). The
+exception, :func:`decode_entries`, evaluates the serving passes' own calls (runtime/decode.py),
+so that a GPU machine can check them with this file alone.  Instead of
 writing into ``output``/``lse`` buffers they return ``(output, lse)`` as float64 arrays:
 
 * ``output`` has the kernel's output shape;
@@ -56,6 +58,7 @@ __all__ = [
     "batch_prefill_paged_kv_mla",
     "batch_sequence_prefill_kv",
     "batch_sequence_prefill_kv_masked",
+    "decode_entries",
     "merge_state",
 ]
 
@@ -608,6 +611,48 @@ def batch_sequence_prefill_kv_masked(
     for b in range(batch):
         valid = _masked_valid(qo_len, kv_len, int(valid_lens[b]), mask_mode)
         out[b], lse[b] = _attend_heads(q[b], k[b], v[b], valid, sm_scale, logits_soft_cap)
+    return out, lse
+
+
+def decode_entries(q: np.ndarray, *kv_and_plan: Any, kind: str, group: int, block: int, d_v: int,
+                   sliding_window: bool = False, logits_soft_cap: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+    """One call of a serving pass (``decode_entries`` of mlir/decode.py and mlir/fused_decode.py).
+
+    ``q [n, h_kv, R, d_qk]`` (row ``t * group + g``: token t, query head ``h * group + g``), then
+    the KV sources of ``kind`` (``"paged"``: pages [P, 2, h_kv, block, d]; ``"mla"``: latent pages
+    [P, block, d_qk] whose first ``d_v`` columns are the values; ``"ragged"``: k [N, h_kv, d_qk],
+    v [N, h_kv, d_v]), ``table [n, W]`` (a page id, or for ragged the first row of a block of
+    ``block`` rows), ``geometry [n, 4]`` (kv_len, sink, window_offset, qo_len), ``causal``,
+    ``sm_scale``. Logical KV row c of entry i is physical row ``c`` (``c - sink + window_offset``
+    past the sink with ``sliding_window``), found through the table; token t sees c when
+    ``c < kv_len`` and, if causal, ``c <= kv_len - qo_len + t`` (every token, the padding ones
+    past qo_len too). Returns ``output [n, h_kv, R, d_v]`` and ``lse [n, h_kv, R]``.
+    """
+    *sources, table, geometry, causal, sm_scale = kv_and_plan
+    n, h_kv, rows, d_qk = q.shape
+    queries = rows // group
+    out = np.zeros((n, h_kv, rows, d_v))
+    lse = np.full((n, h_kv, rows), EMPTY_ROW_LSE)
+    for i in range(n):
+        kv_len, sink, offset, qo_len = (int(x) for x in geometry[i])
+        c = np.arange(kv_len)
+        physical = np.where(c < sink, c, c - sink + offset) if sliding_window else c
+        if kind == "ragged":
+            row = table[i][physical // block] + physical % block
+            k, v = sources[0][row], sources[1][row]
+        else:
+            page, slot = table[i][physical // block], physical % block
+            if kind == "paged":
+                k, v = sources[0][page, 0, :, slot], sources[0][page, 1, :, slot]
+            else:
+                latent = sources[0][page, slot][:, None]
+                k, v = latent, latent[..., :d_v]
+        tokens = np.arange(queries)[:, None]
+        valid = np.ones((queries, kv_len), bool) if not causal else c[None] <= kv_len - qo_len + tokens
+        q_tokens = _f64(q[i]).reshape(h_kv, queries, group, d_qk).transpose(1, 0, 2, 3).reshape(queries, -1, d_qk)
+        o, s = _attend_heads(q_tokens, k, v, valid, sm_scale, logits_soft_cap)
+        out[i] = o.reshape(queries, h_kv, group, d_v).transpose(1, 0, 2, 3).reshape(h_kv, rows, d_v)
+        lse[i] = s.reshape(queries, h_kv, group).transpose(1, 0, 2).reshape(h_kv, rows)
     return out, lse
 
 

@@ -4,7 +4,8 @@ A GPU machine here has no registry and cannot install the compiler, so the CUDA 
 numerics tests runs there as a replay: ``LINALG_PREFILL_RECORD_CASES`` records the llvm-cpu calls
 of the backend-parametrized tests (tests/conftest.py), ``bench/gpu_bundle.py`` compiles their specs
 and stores the calls, and ``bench/gpu_runner.py`` runs them against the reference it computes
-there. This test makes the same bundle for llvm-cpu and runs it with the local-task driver.
+there, with the serving passes' own calls (bench/gpu_bundle.py: serving_cases). This test makes
+the same bundle for llvm-cpu and runs it with the local-task driver.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def test_recorded_calls_replay_from_a_bundle(tmp_path):
     assert calls == 6 + 4, f"expected 6 dense and 4 ragged calls, recorded {calls}"
 
     build = _run([sys.executable, "bench/gpu_bundle.py", "--backend", "llvm-cpu", "--models", "tiny.toml",
-                  "--recorded", str(recorded), "--no-wheels", "--bench-lengths", "256", "--out", str(bundle)])
+                  "--recorded", str(recorded), "--no-wheels", "--bench-lengths", "256", "--serving-variants", "paged-f16",
+                  "--serving-rows", "32x1", "--out", str(bundle)])
     assert build.returncode == 0, build.stderr[-2000:]
     cases = sorted(bundle.glob("cases/*.npz"))
     # The recorded inputs travel as PCG64 draws, not arrays: the bundle stays small.
@@ -50,6 +52,9 @@ def test_recorded_calls_replay_from_a_bundle(tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     checked = sum(1 for path in cases if not path.name.startswith("bench-"))  # bench-* cases are timed
     assert f"{checked} of {checked} checked cases within tolerance" in run.stdout
+    # the serving passes' own calls (runtime/decode.py) are checked and timed too
+    assert sum(1 for path in cases if path.name.startswith("serving-paged-f16-")) >= 2
+    assert "bench-serving-32x1-vs-1024-float16:" in run.stdout
 
     # A case whose reference disagrees with the kernel (causal flipped) must fail the run.
     path = next(p for p in cases if "test_sequence_prefill_float32" in p.name and "-00005-" in p.name)
