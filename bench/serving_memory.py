@@ -1,0 +1,101 @@
+"""Scratch of one serving-pass call, measured: peak RSS of ``iree-run-module`` minus its inputs.
+
+    .venv/bin/python bench/serving_memory.py [--lowerings linalg,fused]
+
+For each configuration the script plans a serving step (``bench/gpu_bundle.py: serving_batch``,
+runtime/decode.py), saves the pass call's inputs, runs the pass alone in ``iree-run-module`` on
+llvm-cpu (local-task, where device memory is host memory) under ``/usr/bin/time``, and reports
+``scratch = max RSS - input bytes`` (the runtime's own few MB included) against the K/V bytes the
+step reads (for a step of several calls, the largest call's scratch: they run one after the other). The issue's bound: scratch under 2x the K/V bytes. ``fused`` is the CUDA lowering's
+pass compiled for llvm-cpu: its gathered K/V copy is what it would allocate on the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_bundle import serving_batch  # noqa: E402
+from serving_batches import cpu_model  # noqa: E402
+
+from linalg_prefill.mlir import MlaPagedPrefillSpec, PagedPrefillSpec  # noqa: E402
+from linalg_prefill.pipeline import Target, compile  # noqa: E402
+from linalg_prefill.runtime.decode import DECODE_PASSES, decode_calls, pass_queries  # noqa: E402
+
+GQA = PagedPrefillSpec(32, 8, 128, "float32", page_size=16)
+#: (label, spec, sequences, new tokens, cached tokens per sequence or "mixed")
+CONFIGS = [
+    ("GQA f32 h 32/8 d 128", GQA, 32, 1, 1024),
+    ("GQA f32 h 32/8 d 128", GQA, 32, 4, 1024),
+    ("GQA f32 h 32/8 d 128", GQA, 128, 1, 128),
+    ("GQA f32 h 32/8 d 128", GQA, 32, 1, "mixed"),
+    ("MLA bf16 h 16, 512+64 (DeepSeek-V2-Lite)", MlaPagedPrefillSpec(16, 512, 64, "bfloat16", page_size=64), 16, 1,
+     1024),
+    ("MLA bf16 h 128, 512+64 (DeepSeek-V3)", MlaPagedPrefillSpec(128, 512, 64, "bfloat16", page_size=64), 16, 1, 1024),
+]
+TOOL = os.path.join(os.path.dirname(sys.executable), "iree-run-module")
+
+
+def kv_bytes(spec, geometry: np.ndarray) -> int:
+    """Bytes of the K/V rows a pass call reads (``geometry[:, 0]``: its entries' KV lengths; MLA:
+    one latent row per key)."""
+    itemsize = 2 if spec.dtype in ("float16", "bfloat16") else 4
+    per_key = spec.d_qk if isinstance(spec, MlaPagedPrefillSpec) else 2 * spec.h_kv * spec.d
+    return int(geometry[:, 0].astype(np.int64).sum()) * per_key * itemsize
+
+
+def measure(spec, lowering: str, batch: int, new: int, cached, folder: str) -> dict:
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(16, 4097, batch) if cached == "mixed" else [cached] * batch
+    args = serving_batch(spec, rng, [(new, int(n)) for n in lengths])
+    passes = DECODE_PASSES[lowering]
+    calls = decode_calls(spec, args, pass_queries(spec, args, passes), passes)
+    peak = 0
+    for call in calls:  # the bucketed (fused) plan makes several calls, one after the other
+        module = os.path.join(folder, "pass.vmfb")
+        with open(module, "wb") as f:
+            f.write(compile(call.spec, Target("llvm-cpu", lowering=lowering)))
+        inputs, input_bytes = [], 0
+        for i, value in enumerate(call.args):
+            if isinstance(value, np.ndarray):
+                path = os.path.join(folder, f"arg{i}.npy")
+                np.save(path, value.view(np.uint16) if value.dtype.name == "bfloat16" else value)
+                inputs.append(f"--input={'x'.join(map(str, value.shape))}xbf16=@{path}"
+                              if value.dtype.name == "bfloat16" else f"--input=@{path}")
+                input_bytes += value.nbytes
+            else:
+                inputs.append(f"--input={value}")
+        run = subprocess.run(["/usr/bin/time", "-f", "maxrss_kb %M", TOOL, f"--module={module}",
+                              f"--function={call.spec.symbol}", "--device=local-task", *inputs],
+                             capture_output=True, text=True, check=True)
+        rss = int(run.stderr.rsplit("maxrss_kb", 1)[1]) * 1024
+        peak = max(peak, rss - input_bytes)
+    return dict(calls=len(calls), scratch=peak, kv=sum(kv_bytes(spec, call.args[-3]) for call in calls))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lowerings", default="linalg,fused")
+    options = parser.parse_args()
+    print(f"CPU: {cpu_model()}; scratch = peak RSS of iree-run-module - input bytes")
+    print(f"{'configuration':<41} {'step':<16} {'lowering':<8} {'calls':>5} {'K/V MiB':>8} {'scratch MiB':>11} "
+          f"{'ratio':>6}")
+    with tempfile.TemporaryDirectory() as folder:
+        for label, spec, batch, new, cached in CONFIGS:
+            for lowering in options.lowerings.split(","):
+                if lowering == "fused" and isinstance(spec, MlaPagedPrefillSpec):
+                    continue  # llvm-cpu's online_attention mis-tiles head dims above 128 (docs/cuda.md)
+                r = measure(spec, lowering, batch, new, cached, folder)
+                print(f"{label:<41} {f'{batch} x {new} vs {cached}':<16} {lowering:<8} {r['calls']:>5} "
+                      f"{r['kv'] / 2**20:>8.1f} {r['scratch'] / 2**20:>11.1f} {r['scratch'] / r['kv']:>6.2f}",
+                      flush=True)
+
+
+if __name__ == "__main__":
+    main()
