@@ -45,6 +45,17 @@ KvCacheSpec = Union[RaggedPrefillSpec, PagedPrefillSpec, MlaPagedPrefillSpec]
 #: Columns of one pass. Measured on the 2-core EPYC (32 entries x 1 query vs 1024 cached, f32,
 #: h_q 32, h_kv 8, d 128): 128 -> 67 ms, 256 -> 60-80 ms, 512 -> 73 ms (run-to-run noise ~20%).
 CHUNK_COLUMNS = 256
+#: Each chunk keeps its f32 products (R x h_kv x d_v per entry) until the merge: chunks widen
+#: (doubling) until those are at most this fraction of the K/V bytes a chunk reads. Only many
+#: heads over a narrow cache row reach it: DeepSeek-V3's MLA (h_q 128, d_v 512, 576-wide bf16
+#: latent rows) gets 512 columns.
+CHUNK_PRODUCTS_SHARE = 0.25
+#: IREE 3.13: the chunk-sum dispatch keeps a slice of a chunk's probabilities on the stack, 16
+#: rows on AVX-512 (64 bytes a column), and llvm-cpu's limit is 32 KB.
+MAX_CHUNK_COLUMNS = 512
+#: f32 tensors of one score per (key, query row) the pass materialises: the raw scores, the
+#: masked and scaled scores, the probabilities.
+SCORE_TENSORS = 3
 #: Rows of a ragged entry per table entry (the ragged cache has no pages).
 RAGGED_BLOCK = 16
 #: Head-dim vector width of the two contractions (loads along d are contiguous). Scores 8 / 16 /
@@ -84,7 +95,32 @@ class DecodeSpec:
 
     @property
     def blocks_per_chunk(self) -> int:
-        return max(1, CHUNK_COLUMNS // self.block)
+        return max(1, self.chunk_columns // self.block)
+
+    @property
+    def chunk_columns(self) -> int:
+        """CHUNK_COLUMNS, doubled while a chunk's products outweigh CHUNK_PRODUCTS_SHARE of its K/V
+        (up to MAX_CHUNK_COLUMNS)."""
+        products = self.rows * self.base.h_kv * self.d_v * 4
+        columns = CHUNK_COLUMNS
+        while products > CHUNK_PRODUCTS_SHARE * columns * self.kv_bytes_per_key and columns < MAX_CHUNK_COLUMNS:
+            columns *= 2
+        return columns
+
+    @property
+    def kv_bytes_per_key(self) -> int:
+        """Bytes of K/V one key's cache row holds (MLA: one latent row, values included)."""
+        base = self.base
+        itemsize = 4 if base.dtype == "float32" else 2
+        return (self.d_qk if isinstance(base, MlaPagedPrefillSpec) else base.h_kv * (self.d_qk + self.d_v)) * itemsize
+
+    @property
+    def scratch_per_key(self) -> float:
+        """Bytes of scratch per key of a call: SCORE_TENSORS f32 scores per query row and the
+        chunk's f32 products shared by its columns (bench/serving_memory.py measures the whole)."""
+        base = self.base
+        scores = SCORE_TENSORS * self.rows * base.h_kv * 4
+        return scores + self.rows * base.h_kv * self.d_v * 4 / self.chunk_columns
 
     @property
     def chunk(self) -> int:

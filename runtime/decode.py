@@ -33,18 +33,31 @@ from .kv_checks import paged_kv_lengths
 @dataclass(frozen=True)
 class DecodePasses:
     """The one-pass kernels a lowering has: ``queries``, the query counts of its passes (each
-    its own artifact; an entry takes the smallest that holds its queries, padded to it), and
-    whether a call's entries are grouped by KV length (``bucketed``: the fused pass pads every
-    entry to the call's longest, the linalg pass reads the page table in place)."""
+    its own artifact; an entry takes the smallest that holds its queries, padded to it), whether
+    a call's entries are grouped by KV length (``bucketed``: the fused pass pads every entry to
+    the call's longest, the linalg pass reads the page table in place), and ``scratch_bound``,
+    the most scratch per key a pass may take in K/V bytes per key (``None``: no bound, its
+    scores stay in tiles)."""
 
     queries: tuple[int, ...]
     bucketed: bool
+    scratch_bound: float | None = None
+
+    def usable(self, spec) -> tuple[int, ...]:
+        """The query counts of the passes that keep ``spec``'s scratch within the bound."""
+        return tuple(queries for queries in self.queries if self.scratch_bound is None
+                     or DecodeSpec(spec, queries).scratch_per_key <= self.scratch_bound
+                     * DecodeSpec(spec, queries).kv_bytes_per_key)
 
 
 #: Per lowering (pipeline/targets.py). llvm-cpu's linalg pass: 1 and 2-4 queries (a 16-query
-#: pass measured 3x slower than the entry loop there, docs/serving.md). The fused pass (CUDA)
-#: puts R = queries x G rows of an entry on 16-row tensor-core tiles, so 5-16 queries fit too.
-DECODE_PASSES = {"linalg": DecodePasses((1, 4), bucketed=False), "fused": DecodePasses((1, 4, 16), bucketed=True)}
+#: pass measured 3x slower than the entry loop there, docs/serving.md); it materialises every
+#: score, so a pass whose scores outweigh the keys' K/V (many query heads over one latent row:
+#: DeepSeek-V3's MLA with 4 queries) is not used, and its entries run one query at a time in
+#: the 1-query pass. The fused pass (CUDA) puts R = queries x G rows of an entry on 16-row
+#: tensor-core tiles, so 5-16 queries fit too.
+DECODE_PASSES = {"linalg": DecodePasses((1, 4), bucketed=False, scratch_bound=2.0),
+                 "fused": DecodePasses((1, 4, 16), bucketed=True)}
 #: Bucket widths of the fused pass, in KV tiles: 1, 2, 3, 4, 6, 8, 12, ... (powers of two and
 #: 1.5 times them): an entry is padded by less than 1.5x its tiles, and a call of entries up to
 #: L keys takes at most 2 log2(L / TILE) + 1 calls, whatever the batch size.
@@ -87,26 +100,28 @@ def kv_lengths(spec, args: tuple) -> np.ndarray:
 
 
 def pass_queries(spec, args: tuple, passes: DecodePasses = DECODE_PASSES["linalg"]) -> np.ndarray:
-    """int [B]: the query count of the pass each entry takes (the smallest of ``passes.queries``
-    that holds its queries), or 0 for the variant's own kernel."""
+    """int [B]: the query count of the pass each entry takes (the smallest of the usable
+    ``passes.queries`` that holds its queries; 1 for an entry with more queries that runs one
+    query at a time because its own pass is not usable), or 0 for the variant's own kernel."""
     layout = _LAYOUTS[type(spec)]
     qo_lens = np.diff(_host(args[1]).astype(np.int64))
     chosen = np.zeros(len(qo_lens), np.int64)
-    if layout.rotary_mode is not None and int(args[layout.rotary_mode]) != 0:
+    usable = passes.usable(spec)
+    if not usable or layout.rotary_mode is not None and int(args[layout.rotary_mode]) != 0:
         return chosen
-    eligible = kv_lengths(spec, args) >= 1
+    eligible = (kv_lengths(spec, args) >= 1) & (qo_lens >= 1)
     for queries in sorted(passes.queries, reverse=True):
-        chosen[eligible & (qo_lens >= 1) & (qo_lens <= queries)] = queries
+        chosen[eligible & (qo_lens <= queries)] = queries if queries in usable else min(usable)
     return chosen
 
 
-def block_table(spec: DecodeSpec, args: tuple, entries: np.ndarray, kv_lens: np.ndarray,
+def block_table(spec: DecodeSpec, args: tuple, entries: np.ndarray, kv_lens: np.ndarray, visible: np.ndarray,
                 qo_lens: np.ndarray, width_multiple: int) -> tuple[np.ndarray, np.ndarray]:
     """The decode kernel's ``table`` [n, W] and ``geometry`` [n, 4] (kv_len, sink,
-    window_offset, qo_len) for the entries ``entries`` (indices into the batch) of a call whose
-    entries have ``kv_lens`` and ``qo_lens`` (int [B]); W is a multiple of ``width_multiple``."""
+    window_offset, qo_len) for pass entries that read batch entries ``entries`` (indices into
+    the batch, int [n]) with ``kv_lens`` keys, of which the first ``visible`` count, and
+    ``qo_lens`` queries (int [n] each); W is a multiple of ``width_multiple``."""
     base, block = spec.base, spec.block
-    kv_lens, qo_lens = kv_lens[entries], qo_lens[entries]
     ragged = isinstance(base, RaggedPrefillSpec)
     if ragged:
         starts = _host(args[4]).astype(np.int64)[entries]
@@ -127,8 +142,22 @@ def block_table(spec: DecodeSpec, args: tuple, entries: np.ndarray, kv_lens: np.
     for row, (ids, count) in enumerate(zip(first_blocks, blocks)):
         table[row, :len(ids)] = ids
         table[row, len(ids):count] = ids[-1]
-    geometry = np.stack([kv_lens, sink, offset, qo_lens], axis=1).astype(np.int32)
+    geometry = np.stack([visible, sink, offset, qo_lens], axis=1).astype(np.int32)
     return table, geometry
+
+
+def _one_query_rows(entries: np.ndarray, kv_lens: np.ndarray, qo_lens: np.ndarray, causal: bool):
+    """An entry of q queries as q one-query pass entries: (batch entry, token, visible keys) of
+    each, int [m]. Row t sees the first kv_len - qo_len + t + 1 keys (bottom-right causal;
+    none when that is below 1) or all of them, so the 1-query pass gives it the entry's own
+    mask."""
+    counts = qo_lens[entries]
+    batch_entry = np.repeat(entries, counts)
+    token = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+    visible = kv_lens[batch_entry]
+    if causal:
+        visible = np.maximum(visible - qo_lens[batch_entry] + token + 1, 0)
+    return batch_entry, token, visible
 
 
 @dataclass(frozen=True)
@@ -146,29 +175,50 @@ class DecodeCall:
 def decode_calls(spec, args: tuple, passes: np.ndarray, decode_passes: DecodePasses) -> list[DecodeCall]:
     """The pass calls of a KV-cache call whose one-pass entries are ``passes`` (from
     :func:`pass_queries`): one per query count, or one per (query count, KV bucket) when
-    ``decode_passes.bucketed``. ``args`` are checked, in the seed's order."""
+    ``decode_passes.bucketed``; entries of several queries in the 1-query pass add one call per
+    token (at most the largest pass's query count), so each call holds the scores of one query
+    per entry. ``args`` are checked, in the seed's order."""
     layout = _LAYOUTS[type(spec)]
     q_indptr = _host(args[1]).astype(np.int64)
-    q = np.asarray(_host(args[0]))
     qo_lens = np.diff(q_indptr)
     kv_lens = kv_lengths(spec, args)
-    h_kv, group = spec.h_kv, spec.group_size
+    causal = int(args[layout.causal]) == 1
     calls = []
     for queries in decode_passes.queries:
         pass_spec = DecodeSpec(spec, queries)
+        multiple = max(1, TILE // pass_spec.block) if decode_passes.bucketed else pass_spec.blocks_per_chunk
         for entries in _calls_of(np.flatnonzero(passes == queries), kv_lens, decode_passes.bucketed):
-            multiple = max(1, TILE // pass_spec.block) if decode_passes.bucketed else pass_spec.blocks_per_chunk
-            table, geometry = block_table(pass_spec, args, entries, kv_lens, qo_lens, multiple)
-            token = np.arange(queries)
-            rows = q_indptr[entries][:, None] + token  # [n, queries]: the entries' query rows
-            real = token < qo_lens[entries][:, None]   # the rest are padding
-            q_pass = np.zeros((len(entries), queries, *q.shape[1:]), q.dtype)
-            q_pass[real] = q[rows[real]]
-            q_pass = q_pass.reshape(len(entries), queries, h_kv, group, -1).transpose(0, 2, 1, 3, 4)
-            call_args = (np.ascontiguousarray(q_pass.reshape(len(entries), h_kv, queries * group, -1)),
-                         *(args[i] for i in layout.kv), table, geometry, int(args[layout.causal]), float(args[-1]))
-            calls.append(DecodeCall(pass_spec, call_args, rows, real))
+            if queries > 1:
+                token = np.arange(queries)
+                rows = q_indptr[entries][:, None] + token  # [n, queries]: the entries' query rows
+                real = token < qo_lens[entries][:, None]   # the rest are padding
+                calls.append(_decode_call(pass_spec, args, entries, kv_lens, kv_lens[entries], qo_lens[entries],
+                                          rows, real, multiple))
+                continue
+            batch_entries, token, visible = _one_query_rows(entries, kv_lens, qo_lens, causal)
+            for t in np.unique(token):
+                at = token == t
+                rows = (q_indptr[batch_entries[at]] + t)[:, None]
+                calls.append(_decode_call(pass_spec, args, batch_entries[at], kv_lens, visible[at],
+                                          np.ones(int(at.sum()), np.int64), rows, np.ones(rows.shape, bool), multiple))
     return calls
+
+
+def _decode_call(pass_spec: DecodeSpec, args: tuple, entries: np.ndarray, kv_lens: np.ndarray, visible: np.ndarray,
+                 qo_lens: np.ndarray, rows: np.ndarray, real: np.ndarray, multiple: int) -> DecodeCall:
+    """One pass call over batch entries ``entries`` [n] (``visible`` keys and ``qo_lens``
+    queries each, ``kv_lens`` [B] the batch's) whose query rows are ``rows`` [n, queries]
+    (``real`` marks those that exist)."""
+    spec, layout = pass_spec.base, _LAYOUTS[type(pass_spec.base)]
+    q = np.asarray(_host(args[0]))
+    n, queries = rows.shape
+    table, geometry = block_table(pass_spec, args, entries, kv_lens[entries], visible, qo_lens, multiple)
+    q_pass = np.zeros((n, queries, *q.shape[1:]), q.dtype)
+    q_pass[real] = q[rows[real]]
+    q_pass = q_pass.reshape(n, queries, spec.h_kv, spec.group_size, -1).transpose(0, 2, 1, 3, 4)
+    call_args = (np.ascontiguousarray(q_pass.reshape(n, spec.h_kv, queries * spec.group_size, -1)),
+                 *(args[i] for i in layout.kv), table, geometry, int(args[layout.causal]), float(args[-1]))
+    return DecodeCall(pass_spec, call_args, rows, real)
 
 
 def split_decode(spec, args: tuple, passes: np.ndarray, decode_passes: DecodePasses, run_decode: Callable,

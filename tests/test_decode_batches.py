@@ -99,8 +99,9 @@ CASES = {
     "paged-window-bf16-softcap": (PagedPrefillSpec(8, 2, 64, "bfloat16", page_size=8, sliding_window=True,
                                                    logits_soft_cap=30.0), WINDOW),
     "ragged-f16-dqk-ne-dv": (RaggedPrefillSpec(8, 2, 64, 32, "float16"), None),
-    "mla-f32": (MlaPagedPrefillSpec(16, 64, 16, "float32", page_size=16), None),
-    "mla-window-bf16": (MlaPagedPrefillSpec(16, 64, 16, "bfloat16", page_size=32, sliding_window=True), WINDOW),
+    # few heads: the 4-query pass's scores stay within its scratch bound over these narrow rows
+    "mla-f32": (MlaPagedPrefillSpec(8, 64, 16, "float32", page_size=16), None),
+    "mla-window-bf16": (MlaPagedPrefillSpec(4, 64, 16, "bfloat16", page_size=32, sliding_window=True), WINDOW),
 }
 
 
@@ -249,3 +250,34 @@ def test_nan_in_unused_cache_rows_stays_out(backend, cache):
     got = kernel(*args)
     assert np.isfinite(got[0]).all()
     assert_matches_reference("NaN in unused rows", got, _reference(spec, args), spec.dtype)
+
+
+#: Many query heads over one narrow latent row (R = 64 rows per query): the 1-query pass's
+#: scores fit the scratch bound, the 4-query pass's do not.
+MANY_HEADS = MlaPagedPrefillSpec(64, 128, 32, "float32", page_size=16)
+
+
+def test_a_pass_whose_scores_outweigh_the_cache_is_not_used():
+    linalg = DECODE_PASSES["linalg"]
+    assert linalg.usable(MANY_HEADS) == (1,)
+    assert linalg.usable(CASES["mla-f32"][0]) == (1, 4)
+    assert DECODE_PASSES["fused"].usable(MANY_HEADS) == (1, 4, 16)  # its scores stay in tiles
+    args = _paged_args(MANY_HEADS, np.random.default_rng(8), MIXED)
+    expected = [1 if 1 <= qo <= 4 and kv > 0 else 0 for qo, kv in MIXED]
+    assert pass_queries(MANY_HEADS, args, linalg).tolist() == expected
+
+
+@pytest.mark.parametrize("causal", [1, 0])
+def test_entries_of_a_pass_that_is_not_used_run_one_query_at_a_time(causal, cache, monkeypatch):
+    """Their queries become 1-query entries with the keys each row sees (bottom-right causal:
+    none for a row past the keys), one launch of the 1-query pass per token (4 for entries of up
+    to 4 queries, whatever the batch); entries shorter than, equal to and longer than one chunk."""
+    kernel = open_kernel(MANY_HEADS, "llvm-cpu", cache=cache)
+    entries = [(1, 700), (3, 260), (4, 2), (2, 9), (1, 5), (17, 40), (4, 256)]
+    args = list(_paged_args(MANY_HEADS, np.random.default_rng(9), entries))
+    args[6] = causal
+    calls = _CountingPasses(kernel, monkeypatch)
+    got = kernel(*args)
+    assert (calls.decode, calls.rest) == (4, 1)
+    assert_matches_reference(f"MLA h64 one query at a time, causal {causal}", got, _reference(MANY_HEADS, args),
+                             MANY_HEADS.dtype)
