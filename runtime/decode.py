@@ -8,7 +8,8 @@ least one KV row is a *pass entry* when the call's keys need no inline RoPE
 * for each query count of the lowering's passes, one call over every entry with that many
   queries or fewer (padded to it), or, in the fused lowering (CUDA), one call per KV-length
   bucket (:func:`bucket_tiles`, padding under 1.5x): a fixed number of dispatches each, whatever
-  the batch size, and
+  the batch size (a pass whose scratch would pass its bound, ``DecodePasses.usable``, hands its
+  entries to the 1-query pass, one call per token), and
 * the variant's own kernel for the other entries (``_rest_call``),
 
 then scatters the results back into token order. Which path an entry takes depends on its own

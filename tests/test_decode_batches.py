@@ -192,6 +192,17 @@ def test_decode_module_has_no_loop(queries):
     assert names.count("linalg.generic") >= 5
 
 
+@pytest.mark.parametrize("base, queries, by_rows", [
+    (PagedPrefillSpec(8, 2, 64, "float32"), 1, False), (PagedPrefillSpec(8, 2, 64, "float32"), 4, True),
+    (RaggedPrefillSpec(64, 4, 64, 32, "float16"), 1, True), (MlaPagedPrefillSpec(16, 64, 16, "float32"), 4, False)])
+def test_scores_vectorise_along_the_query_rows_of_paged_and_ragged_passes_with_16_or_more(base, queries, by_rows):
+    """Such passes transpose q to [n, h, d_qk, R] in a dispatch of its own (fused into the
+    contraction, q would be read one strided element at a time)."""
+    spec = DecodeSpec(base, queries)
+    assert spec.rows_vectorised == by_rows
+    assert _op_names(build_module(spec)).count("flow.dispatch.region") == int(by_rows)
+
+
 @pytest.mark.parametrize("queries", [1, 4, 16])
 def test_fused_decode_module_is_one_attention_op_without_a_loop(queries):
     spec = DecodeSpec(MlaPagedPrefillSpec(16, 64, 16, "bfloat16", page_size=16, sliding_window=True), queries)
