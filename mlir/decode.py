@@ -43,9 +43,11 @@ from .specs import MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec
 
 KvCacheSpec = Union[RaggedPrefillSpec, PagedPrefillSpec, MlaPagedPrefillSpec]
 
-#: Columns of one pass. Measured on the 2-core EPYC (32 entries x 1 query vs 1024 cached, f32,
-#: h_q 32, h_kv 8, d 128): 128 -> 67 ms, 256 -> 60-80 ms, 512 -> 73 ms (run-to-run noise ~20%).
-CHUNK_COLUMNS = 256
+#: Columns of one pass's chunks, by its query count (2-core EPYC, AVX-512, f32, h_q 32, h_kv 8,
+#: d 128, pages on the device; best of 4). 1 query, 128 against 256 columns: 128 x 1 vs 128 18-22
+#: against 33-36 ms, 32 x 1 vs 1024 33-38 against 40, 32 x 1 vs 4096 133 against 172; 64 no
+#: better. 4 queries: 32 x 4 vs 1024 52-73 against 52-55, 8 x 4 vs 4096 56-63 against 51-52.
+CHUNK_COLUMNS = {1: 128, 4: 256}
 #: Each chunk keeps its f32 products (R x h_kv x d_v per entry) until the merge: chunks widen
 #: (doubling) until those are at most this fraction of the K/V bytes a chunk reads. Only many
 #: heads over a narrow cache row reach it: DeepSeek-V3's MLA (h_q 128, d_v 512, 576-wide bf16
@@ -106,10 +108,10 @@ class DecodeSpec:
 
     @property
     def chunk_columns(self) -> int:
-        """CHUNK_COLUMNS, doubled while a chunk's products outweigh CHUNK_PRODUCTS_SHARE of its K/V
-        (up to MAX_CHUNK_COLUMNS)."""
+        """CHUNK_COLUMNS of the query count (256 past 4), doubled while a chunk's products outweigh
+        CHUNK_PRODUCTS_SHARE of its K/V (up to MAX_CHUNK_COLUMNS)."""
         products = self.rows * self.base.h_kv * self.d_v * 4
-        columns = CHUNK_COLUMNS
+        columns = CHUNK_COLUMNS.get(self.queries, 256)
         while products > CHUNK_PRODUCTS_SHARE * columns * self.kv_bytes_per_key and columns < MAX_CHUNK_COLUMNS:
             columns *= 2
         return columns
