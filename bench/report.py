@@ -36,7 +36,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 
 from linalg_prefill.mlir import PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec  # noqa: E402
-from linalg_prefill.pipeline.bench import best_time, best_times  # noqa: E402
+from linalg_prefill.bench import best_time, best_times  # noqa: E402
 from linalg_prefill.runtime import open_kernel  # noqa: E402
 from linalg_prefill.runtime.checks import NUMPY_DTYPES  # noqa: E402
 

@@ -33,7 +33,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 
 from linalg_prefill.mlir import PagedPrefillSpec  # noqa: E402
-from linalg_prefill.pipeline.bench import best_times  # noqa: E402
+from linalg_prefill.bench import best_times  # noqa: E402
 from linalg_prefill.runtime import PagedPrefillWrapper  # noqa: E402
 from linalg_prefill.runtime.checks import NUMPY_DTYPES  # noqa: E402
 from linalg_prefill.runtime.module import as_device_arrays  # noqa: E402

@@ -1,9 +1,10 @@
 """linalg-prefill: prefill attention kernels written as MLIR linalg and compiled by IREE.
 
-Subpackages:
+Layers, each importing only the ones above it (tests/test_layering.py):
     linalg_prefill.mlir      IR builders (one online-softmax emitter, one spec per variant)
-    linalg_prefill.pipeline  IREE compilation and the on-disk artifact cache
-    linalg_prefill.runtime   loading modules, devices, input checks, the float64 reference
+    linalg_prefill.pipeline  IREE compilation, AOT artifacts and the on-disk artifact cache
+    linalg_prefill.runtime   loading modules, devices, input checks, plan/run, the float64 reference
+    linalg_prefill.cli, .demo, .bench   the ``linalg-prefill`` command and its demo and bench
 
 Environment:
     LINALG_PREFILL_LOG    log level of the ``linalg_prefill`` logger printed to stderr (debug, info,

@@ -6,7 +6,6 @@ from .fused_kernels import (
 from .decode import DecodeSpec, build_decode
 from .fused_decode import build_fused_decode
 from .kv_cache import build_mla_prefill, build_paged_prefill, build_ragged_prefill
-from .online_softmax import CUDA_ROW_CHUNK
 from .sequence import build_sequence_prefill
 from .specs import (
     MaskedSequencePrefillSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec,
@@ -33,10 +32,9 @@ _FUSED_BUILDERS = {
 }
 
 
-def build_module(spec, *, row_chunk: int | None = CUDA_ROW_CHUNK):
+def build_module(spec, *, row_chunk: int | None = None):
     """The verified MLIR module for any variant spec. ``row_chunk`` is the widest row the online
-    softmax reduces in one op (None: whole rows); the default compiles for every target, and
-    pipeline/tuning.py picks the one measured best per target."""
+    softmax reduces in one op (None: whole rows); pipeline/tuning.py picks it per target."""
     if type(spec) in _PASS_BUILDERS:
         return _PASS_BUILDERS[type(spec)](spec)
     try:

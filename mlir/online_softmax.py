@@ -152,12 +152,6 @@ def _scale_and_mask(raw: ir.Value, mask: ScoreMask, kv_start: ir.Value, scale: C
     return generic([raw, *extra_vals], [out], [ident, *extra_maps, ident], "pppp", body)[0]
 
 
-#: Widest row IREE 3.13's CUDA backend reduces in one op: a 256-column row reduction fails there
-#: ("failed to distribute"); reduced as two 128-column chunks, it compiles. build_module's default
-#: ``row_chunk``; pipeline/tuning.py picks it per target.
-CUDA_ROW_CHUNK = 128
-
-
 def _reduce_rows(tile: ir.Value, init_value: float, combine, row_chunk: int | None) -> ir.Value:
     """[B, H, M, N] -> [B, H, M] reduced over N with ``combine``, starting from ``init_value``.
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from ..mlir import build_fused_module, build_module
 from ..mlir.attention_op import ATTENTION_MARKER, TILE
 from ..mlir.ir import ir
-from ..mlir.online_softmax import CONTRACTION_MARKER, CUDA_ROW_CHUNK
+from ..mlir.online_softmax import CONTRACTION_MARKER
 from .targets import Target
 
 # One entry per loop (h, m, n, k); see the module docstring for what they were measured against.
@@ -151,12 +151,13 @@ def apply_tuning(module: ir.Module, target: Target) -> ir.Module:
 
 
 #: The widest row the online softmax reduces in one op, per backend (``build_module(row_chunk=)``).
-#: CUDA needs 128-column chunks (online_softmax.CUDA_ROW_CHUNK). llvm-cpu reduces the dense
+#: CUDA needs 128-column chunks: IREE 3.13's CUDA backend fails to distribute a 256-column row
+#: reduction ("failed to distribute"), two 128-column chunks compile. llvm-cpu reduces the dense
 #: kernels' 256-column rows whole: each KV step is then 3 dispatches instead of 6 (the chunked
 #: max and sum became dispatches of their own, and so did the accumulator update). Dense causal f32,
 #: iree-benchmark-module median of 3, six alternating rounds, chunked vs whole: L=2048 540-750 vs
 #: 512-579 ms (whole faster in 5 rounds), L=512 57-73 vs 56-69 ms (faster in 4).
-ROW_CHUNK = {"llvm-cpu": None, "cuda": CUDA_ROW_CHUNK}
+ROW_CHUNK = {"llvm-cpu": None, "cuda": 128}
 
 
 def tuned_ir(spec, target: Target) -> str:

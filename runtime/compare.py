@@ -22,7 +22,7 @@ from . import reference
 from .checks import NUMPY_DTYPES, as_array
 from .devices import device_available
 from .kernels import open_kernel
-from .wrappers import natural_positions
+from .kv_checks import natural_positions
 
 __all__ = ["BackendResult", "ComparisonReport", "TOLERANCE", "compare_backends", "example_inputs",
            "reference_call", "reference_for"]

@@ -36,13 +36,13 @@ from .errors import InputError
 from .kernels import Kernel, open_kernel
 from .kv_checks import (
     INT32_MAX, check_choice, check_float, check_length_info, check_positions, check_rope_scalars,
-    check_indptr, paged_kv_lengths,
+    check_indptr, natural_positions, paged_kv_lengths,
 )
 from .interop import returns_like_inputs
 from .module import as_device_arrays
 
 __all__ = ["MaskedSequencePrefillWrapper", "MlaPagedPrefillWrapper", "PagedPrefillWrapper", "Plan",
-           "RaggedPrefillWrapper", "SequencePrefillWrapper", "natural_positions"]
+           "RaggedPrefillWrapper", "SequencePrefillWrapper"]
 
 DEFAULT_ROPE_THETA = 1e4
 
@@ -281,33 +281,6 @@ class MaskedSequencePrefillWrapper(_Wrapper):
 
 
 # ----------------------------------------------------------------------------- plan helpers
-
-
-def natural_positions(q_indptr: np.ndarray, kv_lens: np.ndarray, q_rope_position=None,
-                      k_rope_pos_offset=None) -> tuple[np.ndarray, np.ndarray]:
-    """q_rope_position int32 [Lq] and k_rope_pos_offset int32 [B]: given ones checked for dtype
-    and shape, missing ones natural.
-
-    Natural: K row r of entry b at ``k_rope_pos_offset[b] + r`` with offset 0, query row i at
-    ``offset + kv_len - qo_len + i`` (aligned bottom-right, like the causal mask). An entry with
-    qo_len > kv_len gets the offset ``qo_len - kv_len`` instead of 0, so no position is negative
-    (RoPE depends on position differences, which stay the same).
-    """
-    rows = int(q_indptr[-1])
-    qo_lens = np.diff(q_indptr.astype(np.int64))
-    if k_rope_pos_offset is None:
-        k_off = np.maximum(qo_lens - kv_lens, 0).astype(np.int32)
-    else:
-        k_off = check_int32("k_rope_pos_offset", k_rope_pos_offset, shape=(len(kv_lens),))
-    if q_rope_position is not None:
-        return check_int32("q_rope_position", q_rope_position, shape=(rows,)), k_off
-    starts = k_off.astype(np.int64) + kv_lens - qo_lens - q_indptr[:-1]
-    positions = np.repeat(starts, qo_lens) + np.arange(rows)
-    if positions.size and positions.max() > INT32_MAX:
-        entry = int(np.searchsorted(q_indptr, int(positions.argmax()), side="right")) - 1
-        raise InputError(f"k_rope_pos_offset: entry {entry}'s query positions (offset + kv_len - qo_len + i) "
-                         f"reach {int(positions.max())}, beyond int32 ({INT32_MAX})")
-    return positions.astype(np.int32), k_off
 
 
 def _indptr(name: str, value, batch: int | None = None) -> np.ndarray:

@@ -20,8 +20,8 @@ from linalg_prefill.pipeline import COMPILER_VERSION, ArtifactCache, CompileErro
 from linalg_prefill.pipeline.artifacts import (
     ArtifactError, build_artifacts, load_manifest, verify_artifact,
 )
-from linalg_prefill.pipeline.bench import attention_flops
-from linalg_prefill.pipeline.cli import main
+from linalg_prefill.bench import attention_flops
+from linalg_prefill.cli import main
 from linalg_prefill.pipeline.model_config import load_model_config, specs_for_model
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -314,7 +314,7 @@ def test_cli_build_out_must_be_a_folder_and_configs_name_their_line(tmp_path, ca
 
 
 def test_cli_backends_tolerate_spaces():
-    from linalg_prefill.pipeline.cli import backend_list
+    from linalg_prefill.cli import backend_list
 
     assert backend_list(" llvm-cpu , cuda,") == ["llvm-cpu", "cuda"]
 
@@ -352,7 +352,7 @@ def _exit_code(argv) -> int:
 
 
 def test_demo_reports_progress_on_stderr(monkeypatch, tmp_path, capsys):
-    from linalg_prefill.pipeline import demo
+    from linalg_prefill import demo
     from linalg_prefill.runtime import reference
 
     spec = SequencePrefillSpec(4, 2, 64, "float32", causal=True, sm_scale=0.125)

@@ -1,4 +1,4 @@
-"""compare_backends, example_inputs and ``linalg-prefill check`` (runtime.compare, pipeline.cli)."""
+"""compare_backends, example_inputs and ``linalg-prefill check`` (runtime.compare, linalg_prefill.cli)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from linalg_prefill.mlir import MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec
 from linalg_prefill.pipeline import Target
 from linalg_prefill.pipeline.artifacts import build_artifacts
-from linalg_prefill.pipeline.cli import main
+from linalg_prefill.cli import main
 from linalg_prefill.runtime import compare_backends, cuda_available, example_inputs
 from linalg_prefill.runtime.compare import BackendResult, ComparisonReport, reference_for
 from linalg_prefill.runtime.kv_checks import check_mla, check_paged, check_ragged

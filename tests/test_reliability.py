@@ -49,7 +49,7 @@ def test_two_processes_build_one_artifact_set_with_one_compile_each(tmp_path):
     both succeed, every variant is compiled exactly once in total, the manifest verifies."""
     env = dict(os.environ, LINALG_PREFILL_CACHE_DIR=str(tmp_path / "cache"), LINALG_PREFILL_CACHE="1",
                LINALG_PREFILL_LOG="info")
-    command = [sys.executable, "-m", "linalg_prefill.pipeline.cli", "build", "--model",
+    command = [sys.executable, "-m", "linalg_prefill.cli", "build", "--model",
                str(ROOT / "configs" / "tiny.toml"), "--backends", "llvm-cpu", "--out", str(tmp_path / "out"),
                "--jobs", "1"]
     builders = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)

@@ -15,9 +15,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..mlir.specs import DTYPES
-from .cache import default_cache
-from .targets import BACKENDS, Target
+from .mlir.specs import DTYPES
+from .pipeline.cache import default_cache
+from .pipeline.targets import BACKENDS, Target
 
 
 def main(argv=None) -> int:
@@ -118,9 +118,9 @@ def _add_folder_and_backends(parser) -> None:
 
 def _build(args) -> int:
     """``build``: model config -> specs -> artifacts; prints the summary line."""
-    from .artifacts import build_artifacts
-    from .compiler import CompileError
-    from .model_config import load_model_config, specs_for_model
+    from .pipeline.artifacts import build_artifacts
+    from .pipeline.compiler import CompileError
+    from .pipeline.model_config import load_model_config, specs_for_model
 
     arch = {"llvm-cpu": args.cpu, "cuda": args.cuda_arch}
     try:
@@ -142,7 +142,7 @@ def _build(args) -> int:
 
 def _list(out_dir: str) -> int:
     """``list``: one row per artifact with its sha256 check; 1 if any is BAD or missing."""
-    from .artifacts import ArtifactError, load_manifest, verify_artifact
+    from .pipeline.artifacts import ArtifactError, load_manifest, verify_artifact
     from .demo import _print_table
 
     try:
@@ -172,9 +172,9 @@ def _check(out_dir: str, backends: list, seed: int, *, strict: bool = False) -> 
     (``strict``: also when a requested backend did not run at all)."""
     import numpy as np
 
-    from ..runtime.artifact_set import open_artifacts, spec_from_entry
-    from ..runtime.compare import compare_backends, example_inputs
-    from .artifacts import ArtifactError, load_manifest
+    from .runtime.artifact_set import open_artifacts, spec_from_entry
+    from .runtime.compare import compare_backends, example_inputs
+    from .pipeline.artifacts import ArtifactError, load_manifest
 
     try:
         manifest = load_manifest(out_dir)
@@ -239,8 +239,8 @@ def _show_config() -> int:
     import iree.runtime as rt
     from iree.runtime.version import VERSION as RUNTIME_VERSION
 
-    from ..runtime.devices import device_problem
-    from .compiler import COMPILER_VERSION
+    from .runtime.devices import device_problem
+    from .pipeline.compiler import COMPILER_VERSION
 
     cache = default_cache()
     print(f"IREE compiler     {COMPILER_VERSION}")

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from ..mlir.specs import MaskedSequencePrefillSpec, MlaPagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec
+from .mlir.specs import MaskedSequencePrefillSpec, MlaPagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec
 
 
 @dataclass(frozen=True)
@@ -113,12 +113,12 @@ def torch_sdpa(spec, batch: int, tokens: int, rng: np.random.Generator):
 def bench_artifacts(out_dir: str, backends: list[str], *, tokens: int, batch: int, repeat: int,
                     seed: int = 0, log=print) -> list[BenchRow]:
     """Times every artifact of ``out_dir`` on each backend with a device here (see module doc)."""
-    from ..runtime.artifact_set import open_artifacts
-    from ..runtime.compare import example_inputs
-    from ..runtime.devices import device_available
-    from .targets import target_for
+    from .runtime.artifact_set import open_artifacts
+    from .runtime.compare import example_inputs
+    from .runtime.devices import device_available
+    from .pipeline.targets import target_for
 
-    from .artifacts import load_manifest
+    from .pipeline.artifacts import load_manifest
 
     width = max([len("variant"), *(len(entry["variant"]) for entry in load_manifest(out_dir)["artifacts"])])
     log(header(width))

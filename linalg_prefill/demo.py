@@ -7,13 +7,13 @@ import time
 
 import numpy as np
 
-from ..mlir import (
+from .mlir import (
     MaskedSequencePrefillSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec,
 )
-from ..runtime import open_kernel, reference
-from ..runtime.checks import NUMPY_DTYPES
-from .compiler import compile
-from .targets import Target
+from .runtime import open_kernel, reference
+from .runtime.checks import NUMPY_DTYPES
+from .pipeline.compiler import compile
+from .pipeline.targets import Target
 
 
 def _demo_cases():
