@@ -32,7 +32,8 @@ from .ir import (
     affine_map, arith_d, collapse, const_f32, const_index, empty, expand, f32, fill, generic, i1, ir, linalg_d,
     math_d, sizes_of,
 )
-from .online_softmax import EMPTY_ROW_LSE, score_transform
+from .online_softmax import score_transform
+from .specs import EMPTY_ROW_LSE
 
 #: Tokens per query tile and per KV tile: the op's innermost dims stay static (a dynamic sequence
 #: dim puts IREE's CUDA backend on a one-row-per-workgroup SIMT configuration, without mma).

@@ -38,8 +38,8 @@ from .ir import (
 )
 from .kv_cache import _clamped_page, _read_element as _read
 from .masks import kv_cache_validity
-from .online_softmax import EMPTY_ROW_LSE, NO_KEY_MAX, score_transform
-from .specs import MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec
+from .online_softmax import NO_KEY_MAX, score_transform
+from .specs import EMPTY_ROW_LSE, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec
 
 KvCacheSpec = Union[RaggedPrefillSpec, PagedPrefillSpec, MlaPagedPrefillSpec]
 

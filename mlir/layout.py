@@ -14,7 +14,7 @@ from .ir import (
     IndexLike, affine_map, arith_d, collapse, const_f32, const_index, empty, expand, f32, fill,
     generic, insert_slice, ir, on_target_device, sizes_of, tensor_d, widened,
 )
-from .online_softmax import EMPTY_ROW_LSE
+from .specs import EMPTY_ROW_LSE
 
 
 def group_query_rows(q: ir.Value, h_kv: int, group: int, padded_len: ir.Value) -> ir.Value:

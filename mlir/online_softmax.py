@@ -27,9 +27,9 @@ from .ir import (
     affine_map, arith_d, collapse, const_f32, const_index, empty, expand, f32, fill, generic, ir, linalg_d,
     math_d, on_target_device, scf_d, sizes_of, widened,
 )
+from .specs import EMPTY_ROW_LSE
 
 LOG2E = 1.0 / math.log(2.0)
-EMPTY_ROW_LSE = -5.0e4
 NO_KEY_MAX = -1.0e30
 
 

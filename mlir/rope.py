@@ -26,13 +26,12 @@ from .ir import (
     affine_map, arith_d, collapse, const_f32, const_i32, const_index, empty, expand, extract_slice, f32,
     generic, i32, insert_slice, ir, linalg_d, math_d, sizes_of, widened,
 )
+from .specs import INTERLEAVED_ROPE, ROPE_FIELDS
 
 __all__ = ["apply_rope"]
 
 # The rope types of linalg_prefill.runtime.rope; importing it here would be circular
 # (runtime -> pipeline -> mlir). tests/test_rope_ir.py runs every type against it.
-_KINDS = ("default", "gptj", "llama3", "llama4", "longrope", "yarn")
-_INTERLEAVED = ("gptj", "llama4")
 
 FreqAdjust = Callable[[ir.Value, ir.Value], ir.Value]
 
@@ -66,7 +65,7 @@ def apply_rope(
     kind = _rope_type(rs)
     freqs = _inverse_frequencies(head_dim, theta, kind, rs)
     cos, sin = _cos_sin_table(positions, rows, freqs, scale, _multiplier(kind, rs))
-    return _rotate(x, cos, sin, "interleaved" if kind in _INTERLEAVED else "half")
+    return _rotate(x, cos, sin, "interleaved" if kind in INTERLEAVED_ROPE else "half")
 
 
 def _rope_type(rs: Mapping[str, Any]) -> str:
@@ -74,7 +73,7 @@ def _rope_type(rs: Mapping[str, Any]) -> str:
     kind = rs.get("rope_type")
     if kind is None:
         return "default"
-    if kind not in _KINDS:
+    if kind not in ROPE_FIELDS:
         raise ValueError(f"unsupported rope_scaling['rope_type']: {kind!r}")
     return kind
 

@@ -177,6 +177,10 @@ class MaskedSequencePrefillSpec(_SpecBase):
         )
 
 
+#: lse of a query row with no valid key (semantics §11.3); the empty state of a merge.
+EMPTY_ROW_LSE = -5.0e4
+
+#: The rope types ``rope_scaling`` may name, with the keys each needs.
 ROPE_FIELDS = {
     "default": (),
     "gptj": (),
@@ -185,6 +189,8 @@ ROPE_FIELDS = {
     "longrope": ("max_position_embeddings", "original_max_position_embeddings"),
     "yarn": ("factor", "original_max_position_embeddings"),
 }
+#: Rope types whose rotation pairs dims (2i, 2i+1) instead of (i, i + d/2).
+INTERLEAVED_ROPE = frozenset({"gptj", "llama4"})
 PAGE_SIZES_TESTED = (1, 8, 16, 32, 64)
 
 

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..mlir.specs import EMPTY_ROW_LSE as SPEC_EMPTY_ROW_LSE
 from .checks import as_array
 from .errors import InputError
 
-EMPTY_ROW_LSE = np.float32(-5.0e4)
+EMPTY_ROW_LSE = np.float32(SPEC_EMPTY_ROW_LSE)
 
 
 def merge_state(out_a, lse_a, out_b, lse_b) -> tuple[np.ndarray, np.ndarray]:

@@ -47,6 +47,7 @@ from typing import Any
 
 import numpy as np
 
+from ..mlir.specs import EMPTY_ROW_LSE, MASK_MODES
 from .rope import apply_rope
 
 __all__ = [
@@ -62,11 +63,6 @@ __all__ = [
     "merge_state",
 ]
 
-#: lse of a row with no valid key (§11.3); also the "empty state" marker for :func:`merge_state`.
-EMPTY_ROW_LSE = -5e4
-
-#: mask modes of :func:`batch_sequence_prefill_kv_masked` (§7).
-MASK_MODES = ("padded", "causal_padded_left")
 
 _LOG2E = 1.0 / math.log(2.0)
 # Score elements per chunk of query rows (float64): bounds the temporaries to a few x 32 MiB.

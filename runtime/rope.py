@@ -69,6 +69,8 @@ from typing import Any, Literal
 
 import numpy as np
 
+from ..mlir.specs import INTERLEAVED_ROPE, ROPE_FIELDS
+
 __all__ = [
     "ROPE_TYPES",
     "rope_type",
@@ -80,9 +82,7 @@ __all__ = [
 ]
 
 #: rope_type values accepted in ``rope_scaling`` (``None`` stands for "key absent").
-ROPE_TYPES = (None, "default", "gptj", "llama3", "llama4", "longrope", "yarn")
-
-_INTERLEAVED = frozenset({"gptj", "llama4"})
+ROPE_TYPES = (None, *ROPE_FIELDS)
 
 Pairing = Literal["half", "interleaved"]
 
@@ -104,7 +104,7 @@ def rope_type(rope_scaling: Mapping[str, Any] | None) -> str:
 
 def rope_pairing(rope_scaling: Mapping[str, Any] | None) -> Pairing:
     """``"interleaved"`` for gptj/llama4, ``"half"`` (rotate-half) for every other type."""
-    return "interleaved" if rope_type(rope_scaling) in _INTERLEAVED else "half"
+    return "interleaved" if rope_type(rope_scaling) in INTERLEAVED_ROPE else "half"
 
 
 def _llama_freqs(f: np.ndarray, rs: Mapping[str, Any]) -> np.ndarray:

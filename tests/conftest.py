@@ -36,7 +36,7 @@ NUMPY_DTYPE = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtyp
 BACKENDS = [
     "llvm-cpu",
     pytest.param(Target("llvm-cpu", lowering="fused"), id="llvm-cpu-fused"),
-    pytest.param("cuda", marks=pytest.mark.skipif(not cuda_available(), reason="no CUDA device")),
+    pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not cuda_available(), reason="no CUDA device")]),
 ]
 #: Without the fused lowering on llvm-cpu, for two kinds of test:
 #: - query/key head dims above 128: IREE 3.13's llvm-cpu code for online_attention tiles the head

@@ -26,8 +26,9 @@ import functools
 import numpy as np
 import pytest
 
-tvm = pytest.importorskip("tvm")
-_prefill = pytest.importorskip("tvm.relax.frontend.nn.llm._prefill_kernels")
+_INSTALL = "apache-tvm is not installed (pip install -e '.[conformance]')"
+tvm = pytest.importorskip("tvm", reason=_INSTALL)
+_prefill = pytest.importorskip("tvm.relax.frontend.nn.llm._prefill_kernels", reason=_INSTALL)
 
 from linalg_prefill.runtime import reference as R  # noqa: E402
 

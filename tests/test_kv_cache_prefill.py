@@ -13,6 +13,7 @@ import pytest
 
 from conftest import BACKENDS, BACKENDS_WITHOUT_FUSED_CPU, NUMPY_DTYPE, assert_matches_reference, uniform
 from linalg_prefill.mlir import MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec
+from linalg_prefill.mlir.specs import ROPE_FIELDS
 from linalg_prefill.runtime import open_kernel, reference
 from linalg_prefill.runtime.rope import apply_rope
 
@@ -32,6 +33,10 @@ ROPE_TYPES = {
     "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096,
              "beta_fast": 32, "beta_slow": 1},
 }
+
+
+def test_the_rope_examples_cover_every_rope_type():
+    assert set(ROPE_TYPES) == set(ROPE_FIELDS)
 
 
 def _indptr(lengths) -> np.ndarray:
