@@ -43,7 +43,7 @@ import sys
 import numpy as np
 
 from linalg_prefill.mlir import MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec
-from linalg_prefill.pipeline import Target, compile
+from linalg_prefill.pipeline import Target, compile_spec
 from linalg_prefill.pipeline.model_config import load_model_config, specs_for_model
 from linalg_prefill.runtime.compare import TOLERANCE, example_inputs, reference_call
 from linalg_prefill.runtime.decode import DECODE_PASSES, decode_calls, pass_queries
@@ -245,7 +245,7 @@ def main() -> None:
         file = os.path.join("artifacts", f"{spec.name}.vmfb")
         if file not in built:
             with open(os.path.join(args.out, file), "wb") as f:
-                f.write(compile(spec, target))
+                f.write(compile_spec(spec, target))
             built.add(file)
             print(f"built {file}", file=sys.stderr)
         save_case(os.path.join(args.out, "cases", f"{name}.npz"), name, spec, file, call, tolerance, flops)

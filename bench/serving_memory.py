@@ -26,7 +26,7 @@ from gpu_bundle import serving_batch  # noqa: E402
 from serving_batches import cpu_model  # noqa: E402
 
 from linalg_prefill.mlir import MlaPagedPrefillSpec, PagedPrefillSpec  # noqa: E402
-from linalg_prefill.pipeline import Target, compile  # noqa: E402
+from linalg_prefill.pipeline import Target, compile_spec  # noqa: E402
 from linalg_prefill.runtime.decode import DECODE_PASSES, decode_calls, kv_lengths, pass_queries  # noqa: E402
 
 GQA = PagedPrefillSpec(32, 8, 128, "float32", page_size=16)
@@ -66,7 +66,7 @@ def measure(spec, lowering: str, batch: int, new: int, cached, folder: str) -> d
     for call in calls:  # the bucketed (fused) plan makes several calls, one after the other
         module = os.path.join(folder, "pass.vmfb")
         with open(module, "wb") as f:
-            f.write(compile(call.spec, Target("llvm-cpu", lowering=lowering)))
+            f.write(compile_spec(call.spec, Target("llvm-cpu", lowering=lowering)))
         inputs, input_bytes = [], 0
         for i, value in enumerate(call.args):
             if isinstance(value, np.ndarray):

@@ -12,7 +12,7 @@ from .mlir import (
 )
 from .runtime import open_kernel, reference
 from .runtime.checks import NUMPY_DTYPES
-from .pipeline.compiler import compile
+from .pipeline.compiler import compile_spec
 from .pipeline.targets import Target
 
 
@@ -103,7 +103,7 @@ def run_demo(backends=("llvm-cpu", "cuda")) -> int:
             # A cold build compiles for minutes: say what is happening (stderr keeps stdout a table).
             print(f"[{len(rows) + 1}/{total}] {spec.symbol} ({spec.dtype}) for {backend}", file=sys.stderr, flush=True)
             t0 = time.perf_counter()
-            compile(spec, Target(backend))
+            compile_spec(spec, Target(backend))
             build_s = time.perf_counter() - t0
             if backend != "llvm-cpu":
                 rows.append((spec.name, backend, _shapes(args), "built only (no GPU run here)", f"{build_s:.1f}", "-"))

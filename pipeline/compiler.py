@@ -35,7 +35,7 @@ def compile_ir(ir_text: str, target: Target, name: str = "module") -> bytes:
     return vmfb
 
 
-def compile(spec, backend: str | Target = "llvm-cpu", *, cache: ArtifactCache | None = None) -> bytes:  # noqa: A001
+def compile_spec(spec, backend: str | Target = "llvm-cpu", *, cache: ArtifactCache | None = None) -> bytes:
     """vmfb bytes for ``spec`` on ``backend``, compiled once and then served from the cache."""
     target = target_for(backend)
     ir_text = tuned_ir(spec, target)

@@ -16,7 +16,7 @@ from ..mlir.specs import (
     MaskedSequencePrefillSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec,
     SequencePrefillSpec,
 )
-from ..pipeline import ArtifactCache, Target, compile, target_for
+from ..pipeline import ArtifactCache, Target, compile_spec, target_for
 from ..mlir.decode import DecodeSpec
 from .checks import NUMPY_DTYPES, check_int32, check_on_device, check_range, check_same, check_tensor
 from .decode import DECODE_PASSES, pass_queries, split_decode
@@ -106,7 +106,7 @@ class Kernel:
         """The one-pass kernel for entries of up to ``queries`` queries (runtime/decode.py)."""
         if queries not in self._decode_kernels:
             pass_spec = DecodeSpec(self.spec, queries)
-            vmfb = compile(pass_spec, self.target, cache=self._cache)
+            vmfb = compile_spec(pass_spec, self.target, cache=self._cache)
             self._decode_kernels[queries] = LoadedKernel(vmfb, pass_spec.symbol, self._loaded.driver)
         return self._decode_kernels[queries](*args, to_host=True)
 
@@ -148,5 +148,5 @@ def open_kernel(
     if type(spec) not in _CHECKS:
         raise InputError(f"spec: unsupported spec type {type(spec).__name__}")
     target = target_for(backend)
-    vmfb = compile(spec, target, cache=cache)
+    vmfb = compile_spec(spec, target, cache=cache)
     return Kernel(spec, target, LoadedKernel(vmfb, spec.symbol, driver or target.driver), cache=cache, decode_pass=True)

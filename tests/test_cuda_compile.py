@@ -8,7 +8,7 @@ from linalg_prefill.mlir import (
     DecodeSpec, MaskedSequencePrefillSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec,
     SequencePrefillSpec,
 )
-from linalg_prefill.pipeline import Target, compile
+from linalg_prefill.pipeline import Target, compile_spec
 from linalg_prefill.pipeline.vm_structure import (
     disassembly, host_blocking_calls_in_loops, loop_bodies, tensor_core_instructions,
 )
@@ -57,7 +57,7 @@ ALL_SPECS = DENSE_SPECS + KV_CACHE_SPECS + MLA_SPECS + DECODE_SPECS + F32_SPECS
 
 
 def _artifact(spec, cache, tmp_path, lowering=""):
-    vmfb = compile(spec, Target("cuda", "sm_80", lowering=lowering), cache=cache)
+    vmfb = compile_spec(spec, Target("cuda", "sm_80", lowering=lowering), cache=cache)
     path = tmp_path / "kernel.vmfb"
     path.write_bytes(vmfb)
     return vmfb, path
