@@ -9,7 +9,7 @@ The folder holds, next to ``gpu_runner.py`` (numpy + IREE runtime only) and ``gp
 * ``cases/*.npz``: one seed-ABI call each, with the ``runtime.reference`` function and keyword
   arguments that evaluate it and the (atol, rtol) its output and lse must meet:
   - a small call per variant of the example models (``runtime.compare.example_inputs``: mixed
-    lengths, a qo_len > kv_len entry, shuffled pages; ``compare.TOLERANCE``);
+    lengths, a qo_len > kv_len entry, shuffled pages; runtime/tolerance.py's bound for the call);
   - with ``--recorded DIR``, every llvm-cpu call the backend-parametrized tests made, as recorded by
     ``LINALG_PREFILL_RECORD_CASES=DIR make test`` (``tests/conftest.py``), with the tests' own
     tolerances: the tests' CUDA layer, replayed where the compiler cannot be installed;
@@ -45,7 +45,8 @@ import numpy as np
 from linalg_prefill.mlir import MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec
 from linalg_prefill.pipeline import Target, compile_spec
 from linalg_prefill.pipeline.model_config import load_model_config, specs_for_model
-from linalg_prefill.runtime.compare import TOLERANCE, example_inputs, reference_call
+from linalg_prefill.runtime.compare import example_inputs, reference_call
+from linalg_prefill.runtime.tolerance import applies_rope, tolerances
 from linalg_prefill.runtime.decode import DECODE_PASSES, decode_calls, pass_queries
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -229,15 +230,15 @@ def main() -> None:
     for model in args.models:
         for spec in specs_for_model(load_model_config(os.path.join(ROOT, "configs", model))):
             specs[spec.name] = spec
-    example_tolerance = lambda spec: [[TOLERANCE[spec.dtype], 0.0]] * 2  # noqa: E731 (max abs error)
     values = lambda call: [("value", a) for a in call]  # noqa: E731
-    cases = [(name, spec, values(example_inputs(spec, rng)), example_tolerance(spec), 0.0)
+    examples = {name: example_inputs(spec, rng) for name, spec in specs.items()}
+    cases = [(name, spec, values(examples[name]), tolerances(spec.dtype, applies_rope(spec, examples[name])), 0.0)
              for name, spec in specs.items()]
     if args.recorded:
         cases += [(name, spec, call, tolerance, 0.0) for name, spec, call, tolerance in recorded_cases(args.recorded)]
     cases += [(name, spec, [("value", _in_dtype(a, spec)) for a in call], None, flops)
               for name, spec, call, flops in bench_cases([int(n) for n in args.bench_lengths.split(",")])]
-    cases += [(name, spec, values(call), None if flops else example_tolerance(spec.base), flops or 0.0)
+    cases += [(name, spec, values(call), None if flops else tolerances(spec.base.dtype), flops or 0.0)
               for name, spec, call, flops in serving_cases(target, rng, args.serving_variants.split(","),
                                                            args.serving_rows.split(","))]
     built = set()

@@ -12,6 +12,7 @@ from .mlir import (
 )
 from .runtime import open_kernel, reference
 from .runtime.checks import NUMPY_DTYPES
+from .runtime.tolerance import applies_rope, excess, tolerances
 from .pipeline.compiler import compile_spec
 from .pipeline.targets import Target
 
@@ -116,7 +117,9 @@ def run_demo(backends=("llvm-cpu", "cuda")) -> int:
             valid = want_lse != reference.EMPTY_ROW_LSE  # rows with a valid key (the others are exact)
             err = float(np.max(np.abs(out.astype(np.float64) - want_out), initial=0.0))
             lse_err = float(np.max(np.abs(lse - want_lse)[valid], initial=0.0))
-            failures += err > {"float32": 1e-4}.get(spec.dtype, 2e-2)
+            out_tolerance, lse_tolerance = tolerances(spec.dtype, applies_rope(spec, args))
+            failures += (excess(out, want_out, out_tolerance) > 0
+                         or excess(lse[valid], want_lse[valid], lse_tolerance) > 0)
             rows.append((spec.name, backend, _shapes(args), f"{err:.2e} / {lse_err:.2e}", f"{build_s:.1f}", f"{run_ms:.1f}"))
     header = ("variant", "backend", "shapes", "max err out / lse", "build s", "run ms")
     _print_table(header, rows)

@@ -2,7 +2,7 @@
 
     report = compare_backends(spec, example_inputs(spec, np.random.default_rng(0)))
     print(report.table())     # max errors per backend, pairwise differences, skipped backends
-    assert report.ok          # every error within TOLERANCE[spec.dtype]
+    assert report.ok          # every error within runtime/tolerance.py's bound for the call
 """
 
 from __future__ import annotations
@@ -23,12 +23,10 @@ from .checks import NUMPY_DTYPES, as_array
 from .devices import device_available
 from .kernels import open_kernel
 from .kv_checks import natural_positions
+from .tolerance import applies_rope, excess, tolerances
 
-__all__ = ["BackendResult", "ComparisonReport", "TOLERANCE", "compare_backends", "example_inputs",
-           "reference_call", "reference_for"]
-
-#: Max abs error of output and lse against the float64 reference (a check threshold, inputs in [-1, 1]).
-TOLERANCE = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 3e-2}
+__all__ = ["BackendResult", "ComparisonReport", "compare_backends", "example_inputs", "reference_call",
+           "reference_for"]
 
 # (qo_len, kv_len) per entry of the KV-cache examples: causal rows with no key, several pages, a
 # single row, an entry with no KV.
@@ -38,33 +36,37 @@ EXAMPLE_ENTRIES = ((5, 3), (12, 40), (1, 9), (3, 0))
 @dataclass(frozen=True)
 class BackendResult:
     """One backend's run: max abs errors over the rows that have a valid key (reference lse !=
-    -5e4), and whether the other rows are exactly output 0 / lse -5e4 (§11.3); or why it was skipped."""
+    -5e4), whether every element of those rows is within the report's tolerance
+    (runtime/tolerance.py), and whether the other rows are exactly output 0 / lse -5e4 (§11.3);
+    or why it was skipped."""
 
     backend: str
     output_error: float | None = None
     lse_error: float | None = None
     empty_rows_exact: bool | None = None
     skipped: str | None = None
+    within_tolerance: bool | None = None
 
-    def within(self, tolerance: float) -> bool:
-        """Skipped, or every error within ``tolerance`` and the empty rows exact."""
-        return self.skipped is not None or (
-            self.output_error <= tolerance and self.lse_error <= tolerance and self.empty_rows_exact)
+    @property
+    def ok(self) -> bool:
+        """Skipped, or every error within tolerance and the empty rows exact."""
+        return self.skipped is not None or bool(self.within_tolerance and self.empty_rows_exact)
 
 
 @dataclass(frozen=True)
 class ComparisonReport:
-    """``results`` in backend order; ``pairwise``: (backend a, backend b, max |output a - output b|,
-    max |lse a - lse b|) over all rows, for every pair of backends that ran."""
+    """``results`` in backend order; ``tolerance``: ((atol, rtol) output, (atol, rtol) lse);
+    ``pairwise``: (backend a, backend b, max |output a - output b|, max |lse a - lse b|) over all
+    rows, for every pair of backends that ran."""
 
     spec: object
-    tolerance: float
+    tolerance: tuple
     results: tuple[BackendResult, ...]
     pairwise: tuple[tuple[str, str, float, float], ...]
 
     @property
     def ok(self) -> bool:
-        return all(result.within(self.tolerance) for result in self.results)
+        return all(result.ok for result in self.results)
 
     @property
     def ran(self) -> tuple[str, ...]:
@@ -81,9 +83,11 @@ class ComparisonReport:
             else:
                 rows.append((r.backend, f"{r.output_error:.2e}", f"{r.lse_error:.2e}",
                              "exact" if r.empty_rows_exact else "WRONG",
-                             "ok" if r.within(self.tolerance) else "OUT OF TOLERANCE"))
+                             "ok" if r.ok else "OUT OF TOLERANCE"))
         rows += [(f"{a} vs {b}", f"{out:.2e}", f"{lse:.2e}", "", "difference") for a, b, out, lse in self.pairwise]
-        title = f"{self.spec.name} ({self.spec.dtype}, tolerance {self.tolerance:g})"
+        (out_atol, out_rtol), (lse_atol, lse_rtol) = self.tolerance
+        title = (f"{self.spec.name} ({self.spec.dtype}, tolerance atol {out_atol:g} + rtol {out_rtol:g} output, "
+                 f"atol {lse_atol:g} + rtol {lse_rtol:g} lse)")
         return title + "\n" + _format_table(("backend", "output err", "lse err", "empty rows", "status"), rows)
 
 
@@ -99,6 +103,7 @@ def compare_backends(spec, args, backends=("llvm-cpu", "cuda"), *, cache: Artifa
     args = tuple(a if isinstance(a, numbers.Number) else as_array(f"args[{i}]", a) for i, a in enumerate(args))
     want_out, want_lse = reference_for(spec, args)
     valid = want_lse != reference.EMPTY_ROW_LSE
+    out_tolerance, lse_tolerance = tolerance = tolerances(spec.dtype, applies_rope(spec, args))
     results, runs = [], {}
     for backend in backends:
         name, driver = backend if isinstance(backend, str) else backend.tag, target_for(backend).driver
@@ -111,10 +116,12 @@ def compare_backends(spec, args, backends=("llvm-cpu", "cuda"), *, cache: Artifa
         runs[name] = out, lse
         results.append(BackendResult(
             name, _max_abs(out[valid], want_out[valid]), _max_abs(lse[valid], want_lse[valid]),
-            bool(np.all(out[~valid] == 0) and np.all(lse[~valid] == reference.EMPTY_ROW_LSE))))
+            bool(np.all(out[~valid] == 0) and np.all(lse[~valid] == reference.EMPTY_ROW_LSE)),
+            within_tolerance=excess(out[valid], want_out[valid], out_tolerance) <= 0
+            and excess(lse[valid], want_lse[valid], lse_tolerance) <= 0))
     pairwise = tuple((a, b, _max_abs(runs[a][0], runs[b][0]), _max_abs(runs[a][1], runs[b][1]))
                      for a, b in itertools.combinations(runs, 2))
-    return ComparisonReport(spec, TOLERANCE[spec.dtype], tuple(results), pairwise)
+    return ComparisonReport(spec, tolerance, tuple(results), pairwise)
 
 
 def reference_call(spec) -> tuple[str, dict]:

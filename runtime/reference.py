@@ -47,7 +47,6 @@ from typing import Any
 
 import numpy as np
 
-from ..mlir.specs import EMPTY_ROW_LSE, MASK_MODES
 from .rope import apply_rope
 
 __all__ = [
@@ -62,6 +61,14 @@ __all__ = [
     "decode_entries",
     "merge_state",
 ]
+
+# The contract's constants, stated here again: this module and rope.py are the oracle, which the
+# GPU bundle runs without the package (bench/gpu_bundle.py); tests/test_reference.py checks they
+# agree with mlir/specs.py's.
+#: lse of a row with no valid key (§11.3); also the "empty state" marker for :func:`merge_state`.
+EMPTY_ROW_LSE = -5e4
+#: mask modes of :func:`batch_sequence_prefill_kv_masked` (§7).
+MASK_MODES = ("padded", "causal_padded_left")
 
 
 _LOG2E = 1.0 / math.log(2.0)

@@ -69,8 +69,6 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ..mlir.specs import INTERLEAVED_ROPE, ROPE_FIELDS
-
 __all__ = [
     "ROPE_TYPES",
     "rope_type",
@@ -81,8 +79,10 @@ __all__ = [
     "apply_rope",
 ]
 
-#: rope_type values accepted in ``rope_scaling`` (``None`` stands for "key absent").
-ROPE_TYPES = (None, *ROPE_FIELDS)
+#: rope_type values accepted in ``rope_scaling`` (``None`` stands for "key absent"), and those
+#: that pair dims (2i, 2i+1): mlir/specs.py's, stated again for the oracle (reference.py).
+ROPE_TYPES = (None, "default", "gptj", "llama3", "llama4", "longrope", "yarn")
+INTERLEAVED_ROPE = frozenset({"gptj", "llama4"})
 
 Pairing = Literal["half", "interleaved"]
 

@@ -13,21 +13,10 @@ import pytest
 
 from linalg_prefill.pipeline import ArtifactCache, Target
 from linalg_prefill.runtime import cuda_available
+from linalg_prefill.runtime.tolerance import (  # noqa: F401 (the one table; tests import LSE_TOLERANCE)
+    LSE_TOLERANCE, TOLERANCE, applies_rope, excess, tolerances,
+)
 
-# (atol, rtol). fp32 on inputs in [-1, 1]: 1e-4 absolute (DEVELOPERS.md). fp16: FlashInfer's
-# 1e-3/1e-3 (peers-and-iree.md §7). bf16 keeps 8 significant bits, so rounding the output alone
-# costs up to 2^-9 relative: rtol 8e-3 (4 ulp), atol 2e-3. lse is float32 for every dtype.
-TOLERANCE = {"float32": (1e-4, 0.0), "float16": (1e-3, 1e-3), "bfloat16": (2e-3, 8e-3)}
-LSE_TOLERANCE = 1e-4
-# Calls that rotate q and k in a half dtype (RoPE on): the rotated values are rounded to the dtype,
-# as the seed does, and f32 cos/sin (kernel) against f64 ones (reference) round some elements to the
-# neighbouring value, one ulp apart (2^-8 relative in bf16). That moves scores by up to ~1e-3 each.
-# Measured (60 random ragged calls, positions < 500, d=32, bf16): lse error 6e-7 with RoPE off and
-# 2.8e-3 to 4.5e-3 with it on; fp16 3.6e-4; 1000-draw fuzzing found 1.2e-2 at |lse| ~ 2-4 (bf16,
-# yarn). Hence (atol, rtol) for their output and lse:
-ROTATED_TOLERANCE = {"float32": (TOLERANCE["float32"], (LSE_TOLERANCE, 0.0)),
-                     "float16": ((1e-3, 1e-3), (1e-3, 1e-3)),
-                     "bfloat16": ((5e-3, 8e-3), (1e-2, 4e-3))}
 NUMPY_DTYPE = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 
 #: Every numerics test runs on each: llvm-cpu (its linalg lowering), the fused lowering CUDA uses
@@ -86,7 +75,7 @@ def record_backend_cases(request, monkeypatch):
     ``_recorded_argument``), so that
     ``bench/gpu_bundle.py --recorded DIR`` can replay the same calls on CUDA on a GPU machine, where
     the compiler these tests need cannot be installed. ``tolerance`` is ((atol, rtol) output,
-    (atol, rtol) lse): ROTATED_TOLERANCE for KV-cache calls with rotary_mode 1."""
+    (atol, rtol) lse): runtime/tolerance.py's, rotated for KV-cache calls with rotary_mode 1."""
     directory = RECORD_DIR
     callspec = getattr(request.node, "callspec", None)
     if not directory or callspec is None or callspec.params.get("backend") != "llvm-cpu" \
@@ -99,8 +88,7 @@ def record_backend_cases(request, monkeypatch):
         kernel = real_open_kernel(spec, *args, **kwargs)
 
         def call(*call_args):
-            rotated = hasattr(spec, "rope_scaling") and call_args[-4] == 1
-            tolerance = ROTATED_TOLERANCE[spec.dtype] if rotated else (TOLERANCE[spec.dtype], (LSE_TOLERANCE, 0.0))
+            tolerance = tolerances(spec.dtype, applies_rope(spec, call_args))
             case = dict(test=request.node.nodeid, spec=spec, args=[_recorded_argument(a) for a in call_args],
                         tolerance=tolerance)
             with open(os.path.join(directory, f"case-{os.getpid()}-{next(_RECORDED):05d}.pkl"), "wb") as f:
@@ -133,21 +121,19 @@ def assert_close(name: str, got, want, dtype: str, tolerance: tuple | None = Non
     got = np.asarray(got, np.float64)
     want = np.asarray(want, np.float64)
     assert got.shape == want.shape, f"{name}: shape {got.shape} != {want.shape}"
-    excess = np.abs(got - want) - (atol + rtol * np.abs(want))
-    worst = float(np.max(excess, initial=-np.inf))
-    assert worst <= 0, f"{name}: max error {max_error(got, want):.3g} exceeds tolerance ({dtype})"
+    assert excess(got, want, (atol, rtol)) <= 0, f"{name}: max error {max_error(got, want):.3g} exceeds tolerance ({dtype})"
 
 
 def assert_matches_reference(name: str, got, want, dtype: str, *, rotated: bool = False) -> None:
     """(output, lse) against the reference's: rows with a valid key within tolerance (the looser
-    ROTATED_TOLERANCE when the call applies RoPE), the rows without one (reference lse -5e4,
+    rotated tolerance when the call applies RoPE, runtime/tolerance.py), the rows without one (reference lse -5e4,
     semantics §11.3) exactly output 0 and lse -5e4."""
     from linalg_prefill.runtime.reference import EMPTY_ROW_LSE
 
     (out, lse), (want_out, want_lse) = got, want
     empty = want_lse == EMPTY_ROW_LSE
     keep = ~empty
-    out_tolerance, lse_tolerance = ROTATED_TOLERANCE[dtype] if rotated else (TOLERANCE[dtype], (LSE_TOLERANCE, 0.0))
+    out_tolerance, lse_tolerance = tolerances(dtype, rotated)
     assert_close(f"{name} output", out[keep], want_out[keep], dtype, out_tolerance)
     assert_close(f"{name} lse", lse[keep], want_lse[keep], dtype, lse_tolerance)
     assert np.all(np.asarray(out, np.float64)[empty] == 0.0), f"{name}: empty rows must be 0"

@@ -64,11 +64,27 @@ def test_example_inputs_are_valid_with_empty_rows(spec):
 
 
 def test_report_out_of_tolerance():
-    report = ComparisonReport(SEQ, 1e-4, (BackendResult("llvm-cpu", 2e-4, 1e-6, True),
-                                          BackendResult("cuda", skipped="no cuda device here")), ())
+    tolerance = ((1e-4, 0.0), (1e-4, 0.0))
+    report = ComparisonReport(SEQ, tolerance, (BackendResult("llvm-cpu", 2e-4, 1e-6, True, within_tolerance=False),
+                                               BackendResult("cuda", skipped="no cuda device here")), ())
     assert not report.ok
     assert "OUT OF TOLERANCE" in report.table() and SEQ.name in report.table()
-    assert not ComparisonReport(SEQ, 1e-4, (BackendResult("llvm-cpu", 0.0, 0.0, False),), ()).ok
+    assert "atol 0.0001 + rtol 0 output" in report.table()
+    empty_rows_wrong = BackendResult("llvm-cpu", 0.0, 0.0, False, within_tolerance=True)
+    assert not ComparisonReport(SEQ, tolerance, (empty_rows_wrong,), ()).ok
+
+
+def test_a_report_holds_the_calls_own_tolerance(cache):
+    """A KV-cache call with RoPE on in bf16 is held to the rotated tolerance (runtime/tolerance.py)."""
+    from linalg_prefill.runtime.tolerance import ROTATED_TOLERANCE, TOLERANCE
+
+    rotated = RaggedPrefillSpec(4, 2, 32, 32, "bfloat16")
+    args = example_inputs(rotated, np.random.default_rng(2))
+    assert args[-4] == 1
+    assert compare_backends(rotated, args, ("llvm-cpu",), cache=cache).tolerance == ROTATED_TOLERANCE["bfloat16"]
+    without_rope = (*args[:-4], 0, *args[-3:])
+    assert compare_backends(rotated, without_rope, ("llvm-cpu",), cache=cache).tolerance == (
+        TOLERANCE["bfloat16"], (1e-4, 0.0))
 
 
 @pytest.fixture(scope="module")

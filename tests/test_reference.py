@@ -890,3 +890,12 @@ def test_docstring_examples():
 
     result = doctest.testmod(R)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_the_oracle_states_the_contract_constants_as_the_builders_do():
+    """reference.py and rope.py restate them (the GPU bundle runs them without the package)."""
+    from linalg_prefill.mlir import specs
+
+    assert R.EMPTY_ROW_LSE == specs.EMPTY_ROW_LSE and R.MASK_MODES == specs.MASK_MODES
+    assert rope_mod.ROPE_TYPES == (None, *specs.ROPE_FIELDS)
+    assert rope_mod.INTERLEAVED_ROPE == specs.INTERLEAVED_ROPE
