@@ -8,6 +8,9 @@ bindings' builders (no MLIR text is parsed to build a kernel body).
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
+import sys
 from typing import Callable, Iterator, Sequence, Union
 
 from iree.compiler import ir
@@ -29,6 +32,32 @@ __all__ = [
 DYN = ir.ShapedType.get_dynamic_size()
 
 IndexLike = Union[int, ir.Value]
+
+
+_THIS_FILE = os.path.abspath(__file__)
+#: The folder that holds mlir/: locations name builder files relative to it ("mlir/decode.py").
+_SOURCE_ROOT = os.path.dirname(os.path.dirname(_THIS_FILE))
+
+
+def builder_location() -> ir.Location:
+    """The location of the builder line that called into this module: its file, relative to the
+    source root, and line. Printed with debug info (pipeline/tuning.py: ``tuned_ir(...,
+    locations=True)``), an IREE diagnostic then names the Python line that built the op."""
+    frame = sys._getframe(1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename) == _THIS_FILE:
+        frame = frame.f_back
+    if frame is None:
+        return ir.Location.unknown()
+    return ir.Location.file(os.path.relpath(frame.f_code.co_filename, _SOURCE_ROOT), frame.f_lineno, 0)
+
+
+def _located(helper: Callable) -> Callable:
+    """``helper``'s ops (and those its callbacks build) carry the caller's :func:`builder_location`."""
+    @functools.wraps(helper)
+    def located(*args, **kwargs):
+        with builder_location():
+            return helper(*args, **kwargs)
+    return located
 
 
 @contextlib.contextmanager
@@ -155,6 +184,7 @@ def affine_map(n_dims: int, dims: Sequence[int]) -> ir.AffineMap:
     return ir.AffineMap.get(n_dims, 0, [ir.AffineDimExpr.get(d) for d in dims])
 
 
+@_located
 def generic(
     inputs: Sequence[ir.Value],
     outputs: Sequence[ir.Value],
@@ -191,6 +221,7 @@ def _split_static(values: Sequence[IndexLike]) -> tuple[list[ir.Value], list[int
     return dynamic, static
 
 
+@_located
 def extract_slice(
     source: ir.Value, offsets: Sequence[IndexLike], sizes: Sequence[IndexLike]
 ) -> ir.Value:
@@ -204,6 +235,7 @@ def extract_slice(
     )
 
 
+@_located
 def insert_slice(
     source: ir.Value, dest: ir.Value, offsets: Sequence[IndexLike], sizes: Sequence[IndexLike]
 ) -> ir.Value:
@@ -215,17 +247,20 @@ def insert_slice(
     )
 
 
+@_located
 def empty(sizes: Sequence[IndexLike], elem: ir.Type) -> ir.Value:
     """``tensor.empty`` with int (static) or Value (dynamic) sizes."""
     return tensor_d.empty(list(sizes), elem)
 
 
+@_located
 def fill(value: ir.Value, sizes: Sequence[IndexLike], elem: ir.Type) -> ir.Value:
     """A tensor of ``sizes`` filled with the scalar ``value``."""
     out = empty(sizes, elem)
     return linalg_d.fill(value, outs=[out])
 
 
+@_located
 def expand(source: ir.Value, groups: Sequence[Sequence[int]], sizes: Sequence[IndexLike]) -> ir.Value:
     """``tensor.expand_shape``: source dim i becomes the result dims in ``groups[i]``."""
     dynamic, static = _split_static(sizes)
@@ -233,6 +268,7 @@ def expand(source: ir.Value, groups: Sequence[Sequence[int]], sizes: Sequence[In
     return tensor_d.expand_shape(tensor_type(static, elem), source, groups, dynamic, static)
 
 
+@_located
 def collapse(source: ir.Value, groups: Sequence[Sequence[int]]) -> ir.Value:
     """``tensor.collapse_shape``: each group of source dims becomes one result dim."""
     src = ir.RankedTensorType(source.type)
@@ -256,6 +292,7 @@ def sizes_of(tensor: ir.Value) -> list[IndexLike]:
     return [dim(tensor, i) if s == DYN else s for i, s in enumerate(shape)]
 
 
+@_located
 def on_target_device(tensor: ir.Value, sizes: Sequence[IndexLike]) -> ir.Value:
     """``tensor`` placed on the compile target's device (``flow.tensor.transfer`` to
     ``@__device_0``, the one device every artifact targets); ``sizes`` as for :func:`tie_dims`.
@@ -275,6 +312,7 @@ def on_target_device(tensor: ir.Value, sizes: Sequence[IndexLike]) -> ir.Value:
     return op.result
 
 
+@_located
 def own_dispatch(build: Callable[[], ir.Value], result_type: ir.Type, sizes: Sequence[IndexLike]) -> ir.Value:
     """The ``result_type`` tensor ``build()`` makes, computed in a ``flow.dispatch.region`` of its
     own (``sizes`` as for :func:`tie_dims`), so that IREE neither fuses it into its consumers nor

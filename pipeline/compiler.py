@@ -36,8 +36,10 @@ def compile_ir(ir_text: str, target: Target, name: str = "module") -> bytes:
 
 
 def compile_spec(spec, backend: str | Target = "llvm-cpu", *, cache: ArtifactCache | None = None) -> bytes:
-    """vmfb bytes for ``spec`` on ``backend``, compiled once and then served from the cache."""
+    """vmfb bytes for ``spec`` on ``backend``, compiled once and then served from the cache (keyed
+    by the IR without locations, compiled with them so that a diagnostic names the builder line)."""
     target = target_for(backend)
     ir_text = tuned_ir(spec, target)
     store = default_cache() if cache is None else cache
-    return store.get_or_build(spec, target, ir_text, lambda: compile_ir(ir_text, target, spec.name))
+    return store.get_or_build(spec, target, ir_text,
+                              lambda: compile_ir(tuned_ir(spec, target, locations=True), target, spec.name))

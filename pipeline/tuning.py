@@ -160,10 +160,12 @@ def apply_tuning(module: ir.Module, target: Target) -> ir.Module:
 ROW_CHUNK = {"llvm-cpu": None, "cuda": 128}
 
 
-def tuned_ir(spec, target: Target) -> str:
-    """The MLIR text iree-compile gets for ``spec`` on ``target``, in the target's lowering."""
+def tuned_ir(spec, target: Target, *, locations: bool = False) -> str:
+    """The MLIR text iree-compile gets for ``spec`` on ``target``, in the target's lowering;
+    ``locations``: with each op's builder line (mlir/ir.py: builder_location), which IREE's
+    diagnostics then name. Without them the text depends on the IR alone (the cache's key)."""
     if target.lowering == "fused":
         module = build_fused_module(spec)
     else:
         module = build_module(spec, row_chunk=ROW_CHUNK[target.backend])
-    return str(apply_tuning(module, target))
+    return apply_tuning(module, target).operation.get_asm(enable_debug_info=locations)

@@ -1,0 +1,35 @@
+"""IREE's diagnostics name the Python line that built the failing op (mlir/ir.py:
+builder_location): artifacts compile from IR printed with each op's builder line."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from linalg_prefill.mlir import MlaPagedPrefillSpec, PagedPrefillSpec
+from linalg_prefill.mlir import decode
+from linalg_prefill.mlir.decode import DecodeSpec
+from linalg_prefill.pipeline import ArtifactCache, CompileError, Target, compile_spec
+from linalg_prefill.pipeline.tuning import tuned_ir
+
+
+def test_ops_carry_their_builder_lines_and_the_cache_key_does_not():
+    spec = DecodeSpec(PagedPrefillSpec(8, 2, 64, "float32"), 4)
+    located = tuned_ir(spec, Target("llvm-cpu"), locations=True)
+    lines = {int(n) for n in re.findall(r'loc\("mlir/decode\.py":(\d+)', located)}
+    source = open(decode.__file__).read().splitlines()
+    assert lines and all(1 <= n <= len(source) for n in lines)
+    assert any("generic(" in source[n - 1] for n in lines)  # the contractions' own lines
+    assert "loc(" not in tuned_ir(spec, Target("llvm-cpu"))
+
+
+def test_a_compile_error_names_the_builder_line(tmp_path, monkeypatch):
+    """IREE 3.13 rejects 1024-column chunks of a 128-head MLA pass (its chunk-sum dispatch
+    overflows llvm-cpu's stack, mlir/decode.py: MAX_CHUNK_COLUMNS); the error names the line."""
+    monkeypatch.setattr(decode, "MAX_CHUNK_COLUMNS", 1024)
+    spec = DecodeSpec(MlaPagedPrefillSpec(128, 64, 16, "float32", page_size=16), 4)
+    assert spec.chunk_columns == 1024
+    with pytest.raises(CompileError, match=r"exceeded stack allocation") as error:
+        compile_spec(spec, "llvm-cpu", cache=ArtifactCache(tmp_path))
+    assert re.search(r"mlir/decode\.py:\d+:0: error", str(error.value)), str(error.value)[:2000]
