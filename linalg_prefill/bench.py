@@ -69,9 +69,8 @@ def best_times(fns, repeat: int, burst: int = 1) -> list[float]:
     of a noisy machine hits every contender rather than whichever ran during it.
 
     Use a burst of about 10 for calls of a few milliseconds: right after another library's call,
-    a call finds its own worker threads asleep and the other's still spinning. Measured on the
-    small-prefill row (16 new tokens vs 256 cached): torch SDPA 1.3 ms one call at a time, 0.64 to
-    0.76 ms in bursts of 20; our ragged kernel 2.0 and 1.55 ms.
+    a call finds its own worker threads asleep and the other's still spinning (torch's small
+    prefill halves in bursts: docs/performance.md, timing in bursts).
     """
     for fn in fns:
         fn()

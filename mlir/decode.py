@@ -43,32 +43,29 @@ from .specs import EMPTY_ROW_LSE, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedP
 
 KvCacheSpec = Union[RaggedPrefillSpec, PagedPrefillSpec, MlaPagedPrefillSpec]
 
-#: Columns of one pass's chunks, by its query count (2-core EPYC, AVX-512, f32, h_q 32, h_kv 8,
-#: d 128, pages on the device; best of 4). 1 query, 128 against 256 columns: 128 x 1 vs 128 18-22
-#: against 33-36 ms, 32 x 1 vs 1024 33-38 against 40, 32 x 1 vs 4096 133 against 172; 64 no
-#: better. 4 queries: 32 x 4 vs 1024 52-73 against 52-55, 8 x 4 vs 4096 56-63 against 51-52.
+#: Columns of one pass's chunks, by its query count: the fastest measured for each
+#: (docs/performance.md, decode passes).
 CHUNK_COLUMNS = {1: 128, 4: 256}
 #: Each chunk keeps its f32 products (R x h_kv x d_v per entry) until the merge: chunks widen
 #: (doubling) until those are at most this fraction of the K/V bytes a chunk reads. Only many
 #: heads over a narrow cache row reach it: DeepSeek-V3's MLA (h_q 128, d_v 512, 576-wide bf16
 #: latent rows) gets 512 columns.
 CHUNK_PRODUCTS_SHARE = 0.25
-#: IREE 3.13: the chunk-sum dispatch keeps a slice of a chunk's probabilities on the stack, 16
-#: rows on AVX-512 (64 bytes a column), and llvm-cpu's limit is 32 KB.
+#: IREE 3.13: the chunk-sum dispatch keeps 16 rows of a chunk's probabilities on the stack on
+#: AVX-512 (64 bytes a column), and llvm-cpu's limit is 32 KB.
 MAX_CHUNK_COLUMNS = 512
 #: f32 tensors of one score per (key, query row) the pass materialises: the raw scores, the
 #: masked and scaled scores, the probabilities.
 SCORE_TENSORS = 3
 #: Rows of a ragged entry per table entry (the ragged cache has no pages).
 RAGGED_BLOCK = 16
-#: Head-dim vector width of the two contractions (loads along d are contiguous). Scores 8 / 16 /
-#: 32: 74 / 60-80 / 113 ms; probs x values 16 / 32 / 64 / 128: 68 / 60 / 95 / 74 ms (same row).
+#: Head-dim vector width of the two contractions (loads along d are contiguous), the fastest
+#: measured (docs/performance.md, decode passes).
 SCORE_VECTOR = 16
 VALUE_VECTOR = 32
 #: Paged and ragged passes with at least this many query rows per KV head vectorise the scores
-#: along the rows instead (ROW_VECTOR rows a vector, one key element broadcast to all of them).
-#: 2-core EPYC, AVX-512: 32 x 4 vs 1024 f32 72 ms against 90, bf16 84 against 111; MLA (h_kv 1,
-#: 576-wide rows) is slower that way (V2-Lite 32 x 1 vs 1024 bf16 130 ms against 90).
+#: along the rows instead (ROW_VECTOR rows a vector, one key element broadcast to all of them):
+#: 20-25% faster there, slower for MLA's wide rows (docs/performance.md, decode passes).
 ROWS_VECTORISED_FROM = 16
 ROW_VECTOR = 16
 
@@ -328,8 +325,8 @@ def _probs_times_values(spec: DecodeSpec, cache: KvCache, probs, table3, lengths
     """weighted [n, c, h, R, d_v] = probs [n, c, h, p, s, R] x values, per chunk.
 
     One generic with U outputs (query rows go * U + u, loops (i, c, h, go, p, s, d)): each value
-    vector read from the cache feeds U rows, instead of being read again for every row. On the
-    32 x 1 vs 1024 row (R = 4) this dispatch had taken 66-92 ms with one row per pass.
+    vector read from the cache feeds U rows, instead of being read again for every row (2-3x
+    faster, docs/performance.md).
     """
     base = spec.base
     h, group, d_v = base.h_kv, spec.rows, spec.d_v

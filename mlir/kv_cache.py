@@ -88,10 +88,8 @@ def _then_rotated_if(rope: RopeArgs | None, build_x: Callable[[], ir.Value], pos
     """``then(x)`` for ``x = build_x()``, with RoPE applied to ``x`` first when ``rotary_mode == 1``
     (see ``_rotated_if``); ``result_types`` and ``sizes`` describe ``then``'s results.
 
-    ``build_x`` and ``then`` run inside each branch, so without RoPE IREE fuses them. For the
-    KV-cache kernels (``then`` lays out keys and values) this turned the key gather and the key
-    tile layout into one dispatch instead of two, and keys and values into one command buffer
-    instead of two (small ragged call, iree-profile: 240-290 + 130 us -> about 220 us).
+    ``build_x`` and ``then`` run inside each branch, so without RoPE IREE fuses them: the key
+    gather and its tile layout become one dispatch (docs/performance.md, KV-cache entries).
     """
     if rope is None:
         return then(build_x())
@@ -139,8 +137,7 @@ def _query_padding(spec: KvCacheSpec, total_q: ir.Value) -> ir.Value:
     """Rows the queries (and outputs) are padded by: one query tile, so that a tile starting
     near the end never reads out of bounds; only SMALL_Q_TILE when the whole call has at most
     that many queries, as every entry then runs one SMALL_Q_TILE tile (a 16-token call pads to
-    32 tokens instead of 80: the fill and transpose of its query rows had taken 76 us under
-    iree-profile)."""
+    32 tokens instead of 80)."""
     if spec.q_tile <= SMALL_Q_TILE:
         return const_index(spec.q_tile)
     return arith_d.select(le(total_q, const_index(SMALL_Q_TILE)), const_index(SMALL_Q_TILE),

@@ -22,11 +22,8 @@ def group_query_rows(q: ir.Value, h_kv: int, group: int, padded_len: ir.Value) -
     tokens at or past Lq zero.
 
     One widening transpose, zero-padded with ``tensor.pad``: IREE fills the padded tensor and
-    writes the rows into it in place. Measured alternatives (iree-profile, dense f32 L=2048):
-    leaving the padding uninitialised made IREE write the rows to a temporary and copy them
-    (13 ms per call, more than the fill), and a clamped gather instead became a dispatch IREE
-    flattens to one dimension and indexes with divisions (691 us instead of 57 for a ragged call
-    of 16 query tokens).
+    writes the rows into it in place (the alternatives tried copied or gathered:
+    docs/performance.md, f32 K/V tiles and query rows).
     """
     batch, length, _, d = sizes_of(q)
     q5 = expand(q, [[0], [1], [2, 3], [4]], [batch, length, h_kv, group, d])
@@ -49,11 +46,9 @@ def write_tile(rows: ir.Value, dest: ir.Value, entry: IndexLike, first_token: ir
     ``dest``'s element type.
 
     The transpose is one elementwise generic that IREE fuses with the tile's normalisation; the
-    insert is an in-place copy of T contiguous tokens. (Before, the tile went into a 129-column
-    packed buffer in grouped order that was unpacked and transposed once more at the end: under
-    iree-profile the dense f32 L=2048 kernel's layout copies went from about 95 to 55 ms.)
-    ``dest`` must be padded to whole tiles: a dynamic-size insert, or a loop result returned
-    without a final slice, makes IREE 3.13 copy the whole carried output on every iteration.
+    insert is an in-place copy of T contiguous tokens (docs/performance.md). IREE 3.13: ``dest``
+    must be padded to whole tiles: a dynamic-size insert, or a loop result returned without a
+    final slice, makes it copy the whole carried output on every iteration.
     """
     shape = ir.RankedTensorType(rows.type).shape
     h_kv, tail = shape[1], list(shape[3:])
@@ -77,12 +72,9 @@ def first_fence() -> ir.Value:
     """The fence a loop over query tiles starts with (see :func:`fence_after`): a 0-d f32 constant,
     which needs no dispatch (a fill did).
 
-    The first tile still reads it back, and IREE's local-task queue runs submissions in order, so
-    that read completes only after the dispatches queued before it (iree-profile timeline of the
-    small ragged call). Against the fill, the constant measured the same: iree-benchmark-module
-    mean of 300 calls, four alternating runs, 4.7-5.0 ms with the fill and 4.4-5.0 with the
-    constant. Skipping the first tile's read with an ``scf.if`` made IREE 3.13 fail two-entry calls
-    ("transient buffer has not been committed" at hal.fence.await).
+    The first tile still reads it back, which completes only after the dispatches queued before
+    it (docs/performance.md, fences). IREE 3.13: skipping that read with an ``scf.if`` failed
+    two-entry calls ("transient buffer has not been committed" at hal.fence.await).
     """
     zero = ir.DenseElementsAttr.get_splat(ir.RankedTensorType.get([], f32()), ir.FloatAttr.get(f32(), 0.0))
     return on_target_device(arith_d.constant(zero.type, zero), [])
@@ -101,11 +93,9 @@ def waited(fence: ir.Value) -> ir.Value:
     """An index that is always 0 but that the host can only know once ``fence`` is computed.
 
     Adding it to an offset of the next query tile makes the host wait for the previous tile
-    before it issues the next one. Without it the host loop runs ahead of the device and the
-    transient buffers of every in-flight KV step stay allocated (measured: peak memory grew
-    faster than linearly in L). The wait sits at the start of the next tile rather than the end
-    of the previous one, so the last tile of a call (the only one, for a short call) does not
-    wait: a single-tile ragged call, iree-benchmark-module: 5.7-5.8 -> 4.4-5.2 ms.
+    before it issues the next one; without it the transient buffers of every in-flight KV step
+    stay allocated. The wait sits at the start of the next tile, so the last tile of a call does
+    not wait (docs/performance.md, fences).
     """
     value = tensor_d.extract(fence, [])
     impossible = arith_d.cmpf(arith_d.CmpFPredicate.OLT, value, const_f32(-1.0e30))

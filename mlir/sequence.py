@@ -44,9 +44,8 @@ def _kv_tiles(x: ir.Value, num_tiles: ir.Value, kv_tile: int, keys: bool) -> ir.
     then a zero fill (an ``scf.if``).
 
     The tiles (and the query rows) are f32 whatever the input dtype: the contractions then run
-    the f32 code the tuning was measured on instead of widening f16/bf16 in their inner loop,
-    once per use (iree-benchmark-module, dense causal L=2048: bf16 680-727 -> 594-607 ms, f16
-    820-882 -> 580-606 ms). It costs K and V once more in f32, O(L), never O(L^2).
+    the tuned f32 code instead of widening f16/bf16 in their inner loop once per use (bf16 and
+    f16 13-30% faster, docs/performance.md); it costs K and V once more in f32, O(L).
     """
     length = dim(x, 1)
     batch, h_kv, d = dim(x, 0), *ir.RankedTensorType(x.type).shape[2:]
@@ -154,7 +153,7 @@ def _lse_type(q: ir.Value) -> ir.Type:
 
 def _emit_body(spec: SequenceSpec, tile_tokens: int, row_chunk: int | None, q, k, v, valid_lens=None):
     """Batch entries one at a time (an ``scf.for`` over B), so every dispatch inside works on
-    static [1, h_kv, ...] tiles: measured 1.2x faster than tiles with a dynamic batch dim.
+    static [1, h_kv, ...] tiles (1.2x faster than a dynamic batch dim, docs/performance.md).
     Query tiles have ``tile_tokens`` tokens."""
     group, h_kv, d = spec.group_size, spec.h_kv, spec.d
     dt = element_type(spec.dtype)

@@ -16,24 +16,14 @@ from dataclasses import dataclass
 
 DTYPES = ("float32", "float16", "bfloat16")
 
-# Dense tiles, measured on llvm-cpu (2-core AMD EPYC, znver3) for B=1, h_q=32, h_kv=8, d=128
-# causal f32, query tokens x KV columns -> ms (iree-benchmark-module, median of 3, two rounds,
-# after the f32 tiles and token-order output): L=512: 128x128 60-75, 256x256 64-69;
-# L=2048: 128x128 668-686, 256x128 649-764, 128x256 623-690, 256x256 581-610;
-# L=8192: 128x128 9477-10600, 128x256 8693-9138, 256x128 8409-9109, 256x256 7379-8025.
-# Bigger tiles read K/V and the query tile fewer times, which matters once they outgrow the cache.
-# 256-column KV tiles need the row reductions in 128-column chunks (online_softmax._reduce_rows)
-# for IREE 3.13's CUDA backend (llvm-cpu reduces whole rows: pipeline/tuning.py ROW_CHUNK); with
-# the chunks on both, 256x256 against 256x128 (same VM, alternating rounds):
-# L=512 56-69 vs 74-83 ms, L=2048 593-702 vs 621-777, L=8192 7990-8197 vs 8195-8423.
-# The KV-cache variants keep 64 x 128 tiles: their entries are often short, and a tile of a short
-# entry is mostly padding (the mixed-length ragged batch of bench/kv_cache_batches.py took
-# 737-805 ms with 64 x 256 tiles against 672-745 with 64 x 128). A score tile is
-# [1, h_kv, q_tile * G, kv_tile] f32.
+# Dense tiles: 256 x 256 read K/V and the query tile fewest times (fastest at L=2048 and 8192).
+# The KV-cache variants keep 64 x 128: their entries are often short, and a tile of a short entry
+# is mostly padding. A score tile is [1, h_kv, q_tile * G, kv_tile] f32. (docs/performance.md,
+# dense and KV-cache tiles.)
 DENSE_Q_TILE = 256
 DENSE_KV_TILE = 256
-# Query tile of a call (dense) or entry (KV cache) with at most this many query tokens: a 16-token
-# chunk against 256 cached tokens padded to a 128-token tile computed 8x the needed work.
+# Query tile of a call (dense) or entry (KV cache) with at most this many query tokens (a 16-token
+# chunk padded to a 128-token tile computes 8x the needed work).
 SMALL_Q_TILE = 16
 KV_CACHE_Q_TILE = 64
 KV_CACHE_KV_TILE = 128

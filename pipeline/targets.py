@@ -3,7 +3,7 @@
 Each backend has its lowering (``DEFAULT_LOWERING``). ``llvm-cpu`` defaults to the host CPU (``--iree-llvmcpu-target-cpu=host`` resolves to a named CPU
 with all its features); pass ``cpu="x86-64-v3"`` or another LLVM CPU name for an artifact that
 runs on other machines. ``cuda`` defaults to ``sm_80``: IREE 3.13 has no sm_90/sm_100 target
-("missing GPU target"), and Hopper runs sm_80 PTX through the driver's JIT (notes/measured.md).
+("missing GPU target"), and Hopper runs sm_80 PTX through the driver's JIT.
 """
 
 from __future__ import annotations

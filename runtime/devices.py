@@ -11,9 +11,8 @@ from ..pipeline.quiet_logging import root_logger_left_alone
 DEFAULT_CPU_DRIVER = "local-task"
 
 #: CPU devices get IREE's caching allocator: a kernel's transient buffers (score tiles, padded
-#: outputs) are then reused from call to call instead of coming fresh from the system allocator,
-#: whose large blocks are new mmap'ed pages that fault in on first touch. Measured on the dense
-#: f32 L=2048 kernel (iree-benchmark-module, 2 threads): 589 -> 545 ms with --device_allocator=caching.
+#: outputs) are then reused from call to call instead of coming fresh from the system allocator
+#: as pages that fault in on first touch (7% on the dense kernel, docs/performance.md).
 #: Bounded (at most 512 MiB and 64 free buffers kept; larger requests go straight through): the
 #: unbounded form keeps every size a process ever allocated, which varying shapes would grow.
 CPU_ALLOCATORS = ["caching:device_local=*;512mib;64"]
