@@ -23,7 +23,7 @@ from __future__ import annotations
 from .attention_op import TILE, attend_entries
 from .decode import DecodeSpec, KvCache, decode_signature
 from .ir import (
-    affine_map, arith_d, ceil_div, const_index, dim, element_type, empty, extract_slice, func_d, generic, index,
+    affine_map, arith_d, ceil_div, const_index, dim, element_type, empty, extract_slice, func_d, generic,
     ir, linalg_d, lt, module_context, tensor_d,
 )
 from .kv_cache import _read_element as _read

@@ -25,15 +25,14 @@ from dataclasses import dataclass
 from typing import Callable, Union
 
 from .ir import (
-    le, lt, one_of,
-    DYN, arith_d, ceil_div, collapse, const_index, dim, element_type, empty, fill,
-    expand, extract_slice, f32, func_d, generic, i32, index, ir, linalg_d,
-    module_context, on_target_device, scf_d, sizes_of, storage_tiles, tensor_d, tensor_type, tie_dims, widened,
-    affine_map,
+    DYN, affine_map, arith_d, ceil_div, collapse, const_index, dim, element_type, empty, expand, extract_slice, f32,
+    fill, func_d, generic, i32, index, ir, le, linalg_d, lt, module_context, one_of, scf_d, sizes_of, storage_tiles,
+    tensor_d, tensor_type, tie_dims, widened,
 )
-from .layout import fence_after, first_fence, group_query_rows, waited, write_tile
+from .layout import group_query_rows
 from .masks import kv_cache_validity
-from .online_softmax import KvTile, ScoreIndices, ScoreMask, online_softmax, unmasked_kv_tiles
+from .online_softmax import ScoreIndices, ScoreMask, online_softmax, unmasked_kv_tiles
+from .query_tiles import QueryTiles, kv_tile_loader
 from .rope import apply_rope
 from .specs import SMALL_Q_TILE, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec
 
@@ -165,28 +164,14 @@ def _attend_entries(
     padded_tokens = arith_d.addi(total_q, _query_padding(spec, total_q))
     q4 = expand(q, [[0, 1], [2], [3]], [1, total_q, spec.h_q, d_qk])
     q_rows = group_query_rows(q4, h_kv, group, padded_tokens)
-    out_rows = empty([1, padded_tokens, spec.h_q, d_v], dt)
-    lse_rows = empty([1, padded_tokens, spec.h_q], f32())
     causal_on = _is_one(causal)
-
-    # The loops carry the batch's output and lse in token order (padded by one query tile) and
-    # each query tile writes itself in place (layout.write_tile); entering the loop through
-    # on_target_device lets IREE update them in place (64 entries of 256 tokens: 47 s -> 2.9 s).
-    # (An earlier version carried a buffer per entry instead; it made paged calls fail
-    # intermittently in IREE 3.13, about 1 call in 15: "transient buffer has not been committed"
-    # at hal.fence.await.)
+    # The batch's output and lse are carried in token order, padded by one query tile
+    # (query_tiles.py). (IREE 3.13: carrying a buffer per entry instead made paged calls fail
+    # intermittently, about 1 call in 15: "transient buffer has not been committed".)
     batch = arith_d.subi(dim(q_indptr, 0), const_index(1))
-    out_sizes, lse_sizes = [1, padded_tokens, spec.h_q, d_v], [1, padded_tokens, spec.h_q]
-    # They also carry the previous query tile's fence (layout.waited).
-    entries = scf_d.ForOp(const_index(0), batch, const_index(1),
-                          [on_target_device(out_rows, out_sizes), on_target_device(lse_rows, lse_sizes),
-                           first_fence()])
+    driver = QueryTiles([1, padded_tokens, spec.h_q, d_v], [1, padded_tokens, spec.h_q], group, h_kv)
 
-    def tied(carried):
-        return [tie_dims(carried[0], out_sizes), tie_dims(carried[1], lse_sizes), carried[2]]
-
-    with ir.InsertionPoint(entries.body):
-        b = entries.induction_variable
+    def entry(b, carried):
         q_start = _index_at(q_indptr, b)
         qo_len = arith_d.subi(_index_at(q_indptr, arith_d.addi(b, const_index(1))), q_start)
         kv = load_entry(b)
@@ -203,60 +188,45 @@ def _attend_entries(
             [tensor_type([1, h_kv, DYN, d_qk, spec.kv_tile], f32()), tensor_type([1, h_kv, DYN, d_v], f32())],
             [[1, h_kv, stored_tiles, d_qk, spec.kv_tile], [1, h_kv, stored_rows, d_v]])
         diagonal = arith_d.subi(kv.kv_len, qo_len)  # causal: col <= row + diagonal
+        load_kv_tile = kv_tile_loader(keys, values, 0, spec.kv_tile)
 
-        def load_kv_tile(tile_index):
-            start = arith_d.muli(tile_index, const_index(spec.kv_tile))
-            tile_keys = extract_slice(keys, [0, 0, tile_index, 0, 0], [1, h_kv, 1, d_qk, spec.kv_tile])
-            return KvTile(
-                keys=collapse(tile_keys, [[0], [1], [2, 3], [4]]),
-                values=extract_slice(values, [0, 0, start, 0], [1, h_kv, spec.kv_tile, d_v]),
-            )
-
-        def attend_tile(first_local, tile_tokens: int, out_acc, lse_acc, fence):
+        def attend(first_local, tile_tokens: int, tile):
             """Queries [first_local, first_local + tile_tokens) of the entry against its KV."""
-            first_row = arith_d.addi(arith_d.muli(arith_d.addi(q_start, first_local), const_index(group)),
-                                     waited(fence))
-            rows = tile_tokens * group
-            q_tile = extract_slice(q_rows, [0, 0, first_row, 0], [1, h_kv, rows, d_qk])
+            def softmax(q_tile):
+                def valid(idx: ScoreIndices, _extras):
+                    col = arith_d.addi(idx.kv_start, idx.n)
+                    return kv_cache_validity(
+                        col, lambda: arith_d.addi(first_local, arith_d.divui(idx.m, const_index(group))),
+                        kv_len=kv.kv_len, diagonal=diagonal, causal=causal_on)
 
-            def valid(idx: ScoreIndices, _extras):
-                col = arith_d.addi(idx.kv_start, idx.n)
-                return kv_cache_validity(col, lambda: arith_d.addi(first_local, arith_d.divui(idx.m, const_index(group))),
-                                         kv_len=kv.kv_len, diagonal=diagonal, causal=causal_on)
+                last_row_end = arith_d.minsi(arith_d.addi(first_local, const_index(tile_tokens)), qo_len)
+                causal_end = arith_d.maxsi(arith_d.minsi(arith_d.addi(last_row_end, diagonal), kv.kv_len),
+                                           const_index(0))
+                visible = arith_d.select(causal_on, ceil_div(causal_end, spec.kv_tile), num_kv_tiles)
+                return online_softmax(
+                    q_tile, num_kv_tiles=visible, kv_tile=spec.kv_tile, d_v=d_v,
+                    load_kv_tile=load_kv_tile, mask=ScoreMask(predicate=valid), sm_scale=sm_scale,
+                    # rows past the entry (the next entry's, or padding) only see more than its first row
+                    unmasked_tiles=unmasked_kv_tiles(kv.kv_len, first_local, diagonal, spec.kv_tile, causal_on),
+                    row_chunk=row_chunk,
+                    soft_cap=spec.logits_soft_cap,
+                )
 
-            last_row_end = arith_d.minsi(arith_d.addi(first_local, const_index(tile_tokens)), qo_len)
-            causal_end = arith_d.maxsi(arith_d.minsi(arith_d.addi(last_row_end, diagonal), kv.kv_len),
-                                       const_index(0))
-            visible = arith_d.select(causal_on, ceil_div(causal_end, spec.kv_tile), num_kv_tiles)
-            result = online_softmax(
-                q_tile, num_kv_tiles=visible, kv_tile=spec.kv_tile, d_v=d_v,
-                load_kv_tile=load_kv_tile, mask=ScoreMask(predicate=valid), sm_scale=sm_scale,
-                # rows past the entry (the next entry's, or padding) only see more than its first row
-                unmasked_tiles=unmasked_kv_tiles(kv.kv_len, first_local, diagonal, spec.kv_tile, causal_on),
-                row_chunk=row_chunk,
-                soft_cap=spec.logits_soft_cap,
-            )
-            first_token = arith_d.addi(q_start, first_local)
-            return [write_tile(result.output, out_acc, 0, first_token, group),
-                    write_tile(result.lse, lse_acc, 0, first_token, group), fence_after(result.lse)]
+            return driver.attend(q_rows, 0, arith_d.addi(q_start, first_local), tile_tokens, tile, softmax)
 
-        def all_tiles(carried):
-            q_tiles = scf_d.ForOp(const_index(0), ceil_div(qo_len, spec.q_tile), const_index(1), carried)
-            with ir.InsertionPoint(q_tiles.body):
-                first_local = arith_d.muli(q_tiles.induction_variable, const_index(spec.q_tile))
-                scf_d.YieldOp(attend_tile(first_local, spec.q_tile, *tied(q_tiles.inner_iter_args)))
-            return tied(q_tiles.results)
+        def all_tiles(tiles_carried):
+            return driver.tiles(ceil_div(qo_len, spec.q_tile), spec.q_tile, tiles_carried,
+                                lambda first_local, tile: attend(first_local, spec.q_tile, tile))
 
         if spec.q_tile <= SMALL_Q_TILE:
-            scf_d.YieldOp(all_tiles(tied(entries.inner_iter_args)))
-        else:
-            # A short entry (at most SMALL_Q_TILE queries, e.g. a chunk of a few tokens against a
-            # long cache) runs one small tile instead of a mostly padded q_tile.
-            is_short = arith_d.andi(lt(const_index(0), qo_len), le(qo_len, const_index(SMALL_Q_TILE)))
-            scf_d.YieldOp(one_of(is_short, lambda acc: attend_tile(const_index(0), SMALL_Q_TILE, *acc), all_tiles,
-                                 tied(entries.inner_iter_args), tied))
+            return all_tiles(carried)
+        # A short entry (at most SMALL_Q_TILE queries, e.g. a chunk of a few tokens against a
+        # long cache) runs one small tile instead of a mostly padded q_tile.
+        is_short = arith_d.andi(lt(const_index(0), qo_len), le(qo_len, const_index(SMALL_Q_TILE)))
+        return one_of(is_short, lambda tile: attend(const_index(0), SMALL_Q_TILE, tile), all_tiles,
+                      driver.tied(carried), driver.tied)
 
-    out_rows, lse_rows, _fence = tied(entries.results)
+    out_rows, lse_rows = driver.entries(batch, dt, entry)
     output = extract_slice(out_rows, [0, 0, 0, 0], [1, total_q, spec.h_q, d_v])
     lse = extract_slice(lse_rows, [0, 0, 0], [1, total_q, spec.h_q])
     return [collapse(output, [[0, 1], [2], [3]]), collapse(lse, [[0, 1], [2]])]

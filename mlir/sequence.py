@@ -20,13 +20,14 @@ from __future__ import annotations
 from typing import Union
 
 from .ir import (
-    DYN, affine_map, arith_d, ceil_div, collapse, const_index, dim, element_type, empty,
-    extract_slice, f32, fill, func_d, generic, i32, ir, le, linalg_d, lt, module_context, one_of,
-    on_target_device, scf_d, sizes_of, storage_tiles, tensor_d, tensor_type, tie_dims, widened,
+    DYN, affine_map, arith_d, ceil_div, const_index, dim, element_type, empty, extract_slice, f32, fill,
+    func_d, generic, i32, ir, le, linalg_d, lt, module_context, one_of, scf_d, sizes_of, storage_tiles,
+    tensor_d, tensor_type, tie_dims, widened,
 )
+from .layout import group_query_rows
 from .masks import sequence_validity
-from .layout import fence_after, first_fence, group_query_rows, waited, write_tile
-from .online_softmax import KvTile, ScoreIndices, ScoreMask, online_softmax, unmasked_kv_tiles
+from .online_softmax import ScoreIndices, ScoreMask, online_softmax, unmasked_kv_tiles
+from .query_tiles import QueryTiles, kv_tile_loader
 from .specs import SMALL_Q_TILE, MaskedSequencePrefillSpec, SequencePrefillSpec
 
 SequenceSpec = Union[SequencePrefillSpec, MaskedSequencePrefillSpec]
@@ -167,58 +168,35 @@ def _emit_body(spec: SequenceSpec, tile_tokens: int, row_chunk: int | None, q, k
     keys = _kv_tiles(k, stored_tiles, spec.kv_tile, keys=True)
     values = _kv_tiles(v, stored_tiles, spec.kv_tile, keys=False)
 
-    tile_rows = tile_tokens * group
-    out_sizes = [batch, padded_tokens, spec.h_q, d]
-    lse_sizes = [batch, padded_tokens, spec.h_q]
+    driver = QueryTiles([batch, padded_tokens, spec.h_q, d], [batch, padded_tokens, spec.h_q], group, h_kv)
 
-    def tied(carried):
-        return [tie_dims(carried[0], out_sizes), tie_dims(carried[1], lse_sizes), carried[2]]
-
-    # The loops carry the outputs in token order, padded to whole query tiles; each tile is
-    # written in place (the initial values went through on_target_device) and the final slice
-    # drops the padding (see layout.write_tile for why the padding is needed). They also carry
-    # the previous tile's fence (layout.waited).
-    results = [on_target_device(empty(out_sizes, dt), out_sizes), on_target_device(empty(lse_sizes, f32()), lse_sizes),
-               first_fence()]
-    entries = scf_d.ForOp(const_index(0), batch, const_index(1), results)
-    with ir.InsertionPoint(entries.body):
-        b = entries.induction_variable
+    def entry(b, carried):
         valid_len = None
         if valid_lens is not None:
             valid_len = arith_d.index_cast(ir.IndexType.get(), tensor_d.extract(valid_lens, [b]))
+        load_kv_tile = kv_tile_loader(keys, values, b, spec.kv_tile)
 
-        def load_kv_tile(tile_index):
-            start = arith_d.muli(tile_index, const_index(spec.kv_tile))
-            tile_keys = extract_slice(keys, [b, 0, tile_index, 0, 0], [1, h_kv, 1, d, spec.kv_tile])
-            return KvTile(
-                keys=collapse(tile_keys, [[0], [1], [2, 3], [4]]),
-                values=extract_slice(values, [b, 0, start, 0], [1, h_kv, spec.kv_tile, d]),
-            )
+        def attend(first_token, tile):
+            def softmax(q_tile):
+                mask = _sequence_mask(spec, lengths, first_token, valid_len)
+                return online_softmax(
+                    q_tile,
+                    num_kv_tiles=_visible_kv_tiles(spec, tile_tokens, lengths, first_token, num_kv_tiles),
+                    kv_tile=spec.kv_tile,
+                    d_v=d,
+                    load_kv_tile=load_kv_tile,
+                    mask=mask,
+                    sm_scale=spec.sm_scale,
+                    unmasked_tiles=None if valid_len is not None else unmasked_kv_tiles(
+                        lengths.kv_len, first_token, lengths.diagonal, spec.kv_tile, spec.causal),
+                    row_chunk=row_chunk,
+                    soft_cap=spec.logits_soft_cap,
+                )
 
-        q_tiles = scf_d.ForOp(const_index(0), num_q_tiles, const_index(1), tied(entries.inner_iter_args))
-        with ir.InsertionPoint(q_tiles.body):
-            out_acc, lse_acc, fence = tied(q_tiles.inner_iter_args)
-            first_token = arith_d.muli(q_tiles.induction_variable, const_index(tile_tokens))
-            first_row = arith_d.addi(arith_d.muli(first_token, const_index(group)), waited(fence))
-            q_tile = extract_slice(q_rows, [b, 0, first_row, 0], [1, h_kv, tile_rows, d])
-            mask = _sequence_mask(spec, lengths, first_token, valid_len)
-            result = online_softmax(
-                q_tile,
-                num_kv_tiles=_visible_kv_tiles(spec, tile_tokens, lengths, first_token, num_kv_tiles),
-                kv_tile=spec.kv_tile,
-                d_v=d,
-                load_kv_tile=load_kv_tile,
-                mask=mask,
-                sm_scale=spec.sm_scale,
-                unmasked_tiles=None if valid_len is not None else unmasked_kv_tiles(
-                    lengths.kv_len, first_token, lengths.diagonal, spec.kv_tile, spec.causal),
-                row_chunk=row_chunk,
-                soft_cap=spec.logits_soft_cap,
-            )
-            out_acc = write_tile(result.output, out_acc, b, first_token, group)
-            lse_acc = write_tile(result.lse, lse_acc, b, first_token, group)
-            scf_d.YieldOp([out_acc, lse_acc, fence_after(result.lse)])
-        scf_d.YieldOp(tied(q_tiles.results))
-    out, lse, _fence = tied(entries.results)
+            return driver.attend(q_rows, b, first_token, tile_tokens, tile, softmax)
+
+        return driver.tiles(num_q_tiles, tile_tokens, carried, attend)
+
+    out, lse = driver.entries(batch, dt, entry)
     return [extract_slice(out, [0, 0, 0, 0], [batch, lengths.q_len, spec.h_q, d]),
             extract_slice(lse, [0, 0, 0], [batch, lengths.q_len, spec.h_q])]

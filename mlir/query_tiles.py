@@ -1,0 +1,93 @@
+"""The loop around the online-softmax emitter, shared by the dense and KV-cache families (linalg
+lowering): batch entries one after the other, each entry's queries in tiles, each tile attended
+over its KV tiles and written back in token order. A family supplies only how an entry's K/V are
+laid out, how a tile's KV is masked, and how many query tiles an entry has.
+
+    driver = QueryTiles(out_sizes, lse_sizes, group, h_kv)
+    output, lse = driver.entries(count, dtype, lambda entry, carried: driver.tiles(
+        tile_count, tile_tokens, carried, lambda first, carried: driver.attend(
+            q_rows, entry, first, tile_tokens, carried, softmax)))
+
+The loops carry (output, lse, fence): the output [B, L_pad, h_q, d_v] and lse [B, L_pad, h_q]
+in token order, padded to whole query tiles, each tile written in place (their initial values
+go through ``on_target_device``, see layout.write_tile for why the padding is needed), and the
+previous tile's fence (layout.waited).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from .ir import IndexLike, arith_d, collapse, const_index, empty, extract_slice, f32, ir, on_target_device, scf_d, tie_dims
+from .layout import fence_after, first_fence, waited, write_tile
+from .online_softmax import AttentionTile, KvTile
+
+Carried = list  # [output, lse, fence]
+
+
+@dataclass(frozen=True)
+class QueryTiles:
+    """The carried output and lse sizes ([B, L_pad, h_q, d_v], [B, L_pad, h_q]) and the GQA
+    group and KV heads the query rows are folded with (layout.group_query_rows)."""
+
+    out_sizes: Sequence[IndexLike]
+    lse_sizes: Sequence[IndexLike]
+    group: int
+    h_kv: int
+
+    def tied(self, carried: Carried) -> Carried:
+        """The carried values with their dynamic sizes tied (IREE then updates them in place)."""
+        return [tie_dims(carried[0], self.out_sizes), tie_dims(carried[1], self.lse_sizes), carried[2]]
+
+    def entries(self, count: ir.Value, dtype: ir.Type, body: Callable[[ir.Value, Carried], Carried]) -> list[ir.Value]:
+        """(output, lse) of an ``scf.for`` over ``count`` entries; ``body(entry, carried)``
+        returns the carried values after the entry (``carried`` as the loop has them: pass them
+        to :meth:`tiles` or through :meth:`tied`)."""
+        initial = [on_target_device(empty(self.out_sizes, dtype), self.out_sizes),
+                   on_target_device(empty(self.lse_sizes, f32()), self.lse_sizes), first_fence()]
+        loop = scf_d.ForOp(const_index(0), count, const_index(1), initial)
+        with ir.InsertionPoint(loop.body):
+            scf_d.YieldOp(body(loop.induction_variable, list(loop.inner_iter_args)))
+        output, lse, _fence = self.tied(loop.results)
+        return [output, lse]
+
+    def tiles(self, count: ir.Value, tile_tokens: int, carried: Carried,
+              attend: Callable[[ir.Value, Carried], Carried]) -> Carried:
+        """An ``scf.for`` over ``count`` query tiles of ``tile_tokens`` tokens; ``attend(first,
+        carried)`` attends the tile whose first token (within the entry) is ``first``."""
+        loop = scf_d.ForOp(const_index(0), count, const_index(1), self.tied(carried))
+        with ir.InsertionPoint(loop.body):
+            inner = self.tied(loop.inner_iter_args)
+            first = arith_d.muli(loop.induction_variable, const_index(tile_tokens))
+            scf_d.YieldOp(attend(first, inner))
+        return self.tied(loop.results)
+
+    def attend(self, q_rows: ir.Value, entry: IndexLike, first_token: ir.Value, tile_tokens: int, carried: Carried,
+               softmax: Callable[[ir.Value], AttentionTile]) -> Carried:
+        """One query tile: rows of tokens [first_token, first_token + tile_tokens) of ``q_rows``
+        [B, h_kv, L_pad * G, d_qk] at batch index ``entry``, attended by ``softmax(q_tile)`` (the
+        family's mask and KV) and written into the carried output and lse at ``first_token``.
+        The tile waits for the previous one (layout.waited) before it reads its rows."""
+        out_acc, lse_acc, fence = carried
+        first_row = arith_d.addi(arith_d.muli(first_token, const_index(self.group)), waited(fence))
+        d_qk = ir.RankedTensorType(q_rows.type).shape[3]
+        q_tile = extract_slice(q_rows, [entry, 0, first_row, 0], [1, self.h_kv, tile_tokens * self.group, d_qk])
+        result = softmax(q_tile)
+        return [write_tile(result.output, out_acc, entry, first_token, self.group),
+                write_tile(result.lse, lse_acc, entry, first_token, self.group), fence_after(result.lse)]
+
+
+def kv_tile_loader(keys: ir.Value, values: ir.Value, entry: IndexLike, kv_tile: int) -> Callable[[ir.Value], KvTile]:
+    """The emitter's ``load_kv_tile`` over laid-out keys [B, h_kv, tiles, d_qk, kv_tile] and
+    values [B, h_kv, tiles * kv_tile, d_v] at batch index ``entry``."""
+    _, h_kv, _, d_qk, _ = ir.RankedTensorType(keys.type).shape
+    d_v = ir.RankedTensorType(values.type).shape[3]
+
+    def load(tile_index: ir.Value) -> KvTile:
+        start = arith_d.muli(tile_index, const_index(kv_tile))
+        tile_keys = extract_slice(keys, [entry, 0, tile_index, 0, 0], [1, h_kv, 1, d_qk, kv_tile])
+        return KvTile(keys=collapse(tile_keys, [[0], [1], [2, 3], [4]]),
+                      values=extract_slice(values, [entry, 0, start, 0], [1, h_kv, kv_tile, d_v]))
+
+    return load
