@@ -26,7 +26,7 @@ from .interop import like_inputs, results_to_host
 from .module import LoadedKernel, as_device_arrays
 
 
-def _check_sequence(spec, q, k, v) -> tuple[np.ndarray, ...]:
+def check_sequence(spec, q, k, v) -> tuple[np.ndarray, ...]:
     """q [B, Lq, h_q, d], k/v [B, Lk, h_kv, d], all in spec.dtype."""
     q = check_tensor("q", q, dtype=spec.dtype, shape=(None, None, spec.h_q, spec.d))
     k = check_tensor("k", k, dtype=spec.dtype, shape=(None, None, spec.h_kv, spec.d))
@@ -38,14 +38,14 @@ def _check_sequence(spec, q, k, v) -> tuple[np.ndarray, ...]:
 
 
 def _check_masked(spec, q, k, v, valid_lens) -> tuple[np.ndarray, ...]:
-    q, k, v = _check_sequence(spec, q, k, v)
+    q, k, v = check_sequence(spec, q, k, v)
     valid_lens = check_int32("valid_lens", valid_lens, shape=(q.shape[0],))
     check_range("valid_lens", valid_lens, 0, min(q.shape[1], k.shape[1]))
     return q, k, v, valid_lens
 
 
 _CHECKS: dict[type, Callable[..., tuple]] = {
-    SequencePrefillSpec: _check_sequence,
+    SequencePrefillSpec: check_sequence,
     MaskedSequencePrefillSpec: _check_masked,
     RaggedPrefillSpec: check_ragged,
     PagedPrefillSpec: check_paged,

@@ -33,7 +33,7 @@ from ..mlir.specs import (
 from ..pipeline import target_for
 from .checks import NUMPY_DTYPES, check_int32, check_on_device, check_range, check_tensor
 from .errors import InputError
-from .kernels import Kernel, open_kernel
+from .kernels import Kernel, check_sequence, open_kernel
 from .kv_checks import (
     INT32_MAX, check_choice, check_float, check_length_info, check_positions, check_rope_scalars,
     check_indptr, natural_positions, paged_kv_lengths,
@@ -352,13 +352,8 @@ def _page_count(pages, needed: int):
 
 
 def _dense(spec, q, k, v, device) -> tuple:
-    """q [B, Lq, h_q, d], k/v [B, Lk, h_kv, d] with matching B and Lk."""
-    q = _tensor("q", q, spec.dtype, (None, None, spec.h_q, spec.d), device)
-    k = _tensor("k", k, spec.dtype, (None, None, spec.h_kv, spec.d), device)
-    v = _tensor("v", v, spec.dtype, (None, None, spec.h_kv, spec.d), device)
-    for name, array in (("k", k), ("v", v)):
-        if array.shape[0] != q.shape[0]:
-            raise InputError(f"{name}: expected batch {q.shape[0]} (q.shape[0]), got {array.shape[0]}")
-    if v.shape[1] != k.shape[1]:
-        raise InputError(f"v: expected {k.shape[1]} rows (k.shape[1], Lk), got {v.shape[1]}")
-    return q, k, v
+    """The kernel's own check (kernels.check_sequence) of tensors that are numpy, torch CPU or
+    DeviceArrays on ``device``."""
+    for name, value in (("q", q), ("k", k), ("v", v)):
+        check_on_device(name, value, device)
+    return check_sequence(spec, q, k, v)
