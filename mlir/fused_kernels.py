@@ -423,7 +423,7 @@ def build_fused_ragged_prefill(spec: RaggedPrefillSpec) -> ir.Module:
         return _kv_cache_body(spec, _rotated_if(rope, q, q_rope_position), q_indptr, kv,
                               causal=causal, sm_scale=sm_scale, rope=rope)
 
-    return _function(spec, arg_types, spec.d_v, emit)
+    return _function(spec, spec.d_v, emit, arg_types)
 
 
 def _paged_geometry(spec, page_indptr: HostReadable, length_info: HostReadable):
@@ -485,7 +485,7 @@ def build_fused_paged_prefill(spec: PagedPrefillSpec) -> ir.Module:
         return _kv_cache_body(spec, _rotated_if(rope, q, q_rope_position), q_indptr, kv,
                               causal=causal, sm_scale=sm_scale, rope=rope)
 
-    return _function(spec, arg_types, spec.d, emit)
+    return _function(spec, spec.d, emit, arg_types)
 
 
 def build_fused_mla_prefill(spec: MlaPagedPrefillSpec) -> ir.Module:
@@ -511,4 +511,4 @@ def build_fused_mla_prefill(spec: MlaPagedPrefillSpec) -> ir.Module:
                      1, spec.d_qk, spec.d_latent, None)
         return _kv_cache_body(spec, q, q_indptr, kv, causal=causal, sm_scale=sm_scale, rope=None)
 
-    return _function(spec, arg_types, spec.d_latent, emit)
+    return _function(spec, spec.d_latent, emit, arg_types)

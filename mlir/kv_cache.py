@@ -29,6 +29,7 @@ from .ir import (
     fill, func_d, generic, i32, index, ir, le, linalg_d, lt, module_context, one_of, scf_d, sizes_of, storage_tiles,
     tensor_d, tensor_type, tie_dims, widened,
 )
+from .abi import argument_types
 from .layout import group_query_rows
 from .masks import kv_cache_validity
 from .online_softmax import ScoreIndices, ScoreMask, online_softmax, unmasked_kv_tiles
@@ -408,14 +409,17 @@ def _mla_loader(spec: MlaPagedPrefillSpec, pages, page_indptr, page_values, leng
     return load
 
 
-def _function(spec, arg_types: list, d_v: int, emit) -> ir.Module:
-    """A verified module with one function ``spec.symbol(*args) -> (output, lse)``."""
+def _function(spec, d_v: int, emit, arg_types: list | None = None) -> ir.Module:
+    """A verified module with one function ``spec.symbol(*args) -> (output, lse)``; its arguments
+    are typed by the variant's table (mlir/abi.py), or by ``arg_types`` (callables giving each
+    type in the open context)."""
     with module_context() as module:
         dt = element_type(spec.dtype)
         out_type = tensor_type([DYN, spec.h_q, d_v], dt)
         lse_type = tensor_type([DYN, spec.h_q], f32())
         with ir.InsertionPoint(module.body):
-            fn = func_d.FuncOp(spec.symbol, ([t() for t in arg_types], [out_type, lse_type]))
+            types = argument_types(spec) if arg_types is None else [t() for t in arg_types]
+            fn = func_d.FuncOp(spec.symbol, (types, [out_type, lse_type]))
             with ir.InsertionPoint(fn.add_entry_block()):
                 func_d.ReturnOp(emit(*fn.arguments))
         module.operation.verify()
@@ -426,21 +430,9 @@ def _rank1_i32():
     return tensor_type([DYN], i32())
 
 
-def _length_info_type(spec):
-    return tensor_type([3, DYN] if spec.sliding_window else [DYN], i32())
-
-
 def build_ragged_prefill(spec: RaggedPrefillSpec, *, row_chunk: int | None) -> ir.Module:
     """``batch_prefill_ragged_kv(q, q_indptr, k, v, kv_indptr, q_rope_position, k_rope_pos_offset,
     causal, rotary_mode, rope_scale, rope_theta, sm_scale) -> (output, lse)``."""
-    dt = lambda: element_type(spec.dtype)  # noqa: E731 - types need the open context
-    arg_types = [
-        lambda: tensor_type([DYN, spec.h_q, spec.d_qk], dt()), _rank1_i32,
-        lambda: tensor_type([DYN, spec.h_kv, spec.d_qk], dt()),
-        lambda: tensor_type([DYN, spec.h_kv, spec.d_v], dt()), _rank1_i32, _rank1_i32, _rank1_i32,
-        i32, i32, f32, f32, f32,
-    ]
-
     def emit(q, q_indptr, k, v, kv_indptr, q_rope_position, k_rope_pos_offset,
              causal, rotary_mode, rope_scale, rope_theta, sm_scale):
         rope = RopeArgs(rotary_mode, rope_scale, rope_theta, dict(spec.rope_scaling), spec.rotary_dim)
@@ -450,21 +442,13 @@ def build_ragged_prefill(spec: RaggedPrefillSpec, *, row_chunk: int | None) -> i
             causal=causal, sm_scale=sm_scale, rope=rope, row_chunk=row_chunk,
         )
 
-    return _function(spec, arg_types, spec.d_v, emit)
+    return _function(spec, spec.d_v, emit)
 
 
 def build_paged_prefill(spec: PagedPrefillSpec, *, row_chunk: int | None) -> ir.Module:
     """``batch_prefill_paged_kv[_sliding_window](q, q_indptr, pages, page_indptr, page_values,
     length_info, k_rope_pos_offset, q_rope_position, causal, rotary_mode, rope_scale, rope_theta,
     sm_scale) -> (output, lse)``."""
-    dt = lambda: element_type(spec.dtype)  # noqa: E731
-    arg_types = [
-        lambda: tensor_type([DYN, spec.h_q, spec.d], dt()), _rank1_i32,
-        lambda: tensor_type([DYN, 2, spec.h_kv, spec.page_size, spec.d], dt()), _rank1_i32, _rank1_i32,
-        lambda: _length_info_type(spec), _rank1_i32, _rank1_i32,
-        i32, i32, f32, f32, f32,
-    ]
-
     def emit(q, q_indptr, pages, page_indptr, page_values, length_info, k_rope_pos_offset,
              q_rope_position, causal, rotary_mode, rope_scale, rope_theta, sm_scale):
         rope = RopeArgs(rotary_mode, rope_scale, rope_theta, dict(spec.rope_scaling), spec.rotary_dim)
@@ -474,19 +458,12 @@ def build_paged_prefill(spec: PagedPrefillSpec, *, row_chunk: int | None) -> ir.
             causal=causal, sm_scale=sm_scale, rope=rope, row_chunk=row_chunk,
         )
 
-    return _function(spec, arg_types, spec.d, emit)
+    return _function(spec, spec.d, emit)
 
 
 def build_mla_prefill(spec: MlaPagedPrefillSpec, *, row_chunk: int | None) -> ir.Module:
     """``batch_prefill_paged_kv_mla[_sliding_window](q, q_indptr, pages, page_indptr, page_values,
     length_info, causal, sm_scale) -> (output [Lq, h_q, d_latent], lse)``."""
-    dt = lambda: element_type(spec.dtype)  # noqa: E731
-    arg_types = [
-        lambda: tensor_type([DYN, spec.h_q, spec.d_qk], dt()), _rank1_i32,
-        lambda: tensor_type([DYN, spec.page_size, spec.d_qk], dt()), _rank1_i32, _rank1_i32,
-        lambda: _length_info_type(spec), i32, f32,
-    ]
-
     def emit(q, q_indptr, pages, page_indptr, page_values, length_info, causal, sm_scale):
         return _attend_entries(
             spec, q, q_indptr, d_v=spec.d_latent,
@@ -494,4 +471,4 @@ def build_mla_prefill(spec: MlaPagedPrefillSpec, *, row_chunk: int | None) -> ir
             causal=causal, sm_scale=sm_scale, rope=None, row_chunk=row_chunk,
         )
 
-    return _function(spec, arg_types, spec.d_latent, emit)
+    return _function(spec, spec.d_latent, emit)

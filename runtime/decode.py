@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ..mlir.abi import argument_names
 from ..mlir.attention_op import TILE
 from ..mlir.decode import DecodeSpec
 from ..mlir.specs import MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec
@@ -76,39 +77,33 @@ def _host(value) -> Any:
     return value.to_host() if hasattr(value, "to_host") else value
 
 
-@dataclass(frozen=True)
-class _Layout:
-    """Where a variant's arguments sit in the seed's positional order."""
-
-    kv: tuple[int, ...]  # the KV sources the decode kernel reads
-    causal: int
-    q_rope_position: int | None
-    rotary_mode: int | None
+def _named(spec, args: tuple) -> dict:
+    """The call's arguments by their names in the variant's table (mlir/abi.py)."""
+    return dict(zip(argument_names(spec), args))
 
 
-_LAYOUTS = {
-    PagedPrefillSpec: _Layout(kv=(2,), causal=8, q_rope_position=7, rotary_mode=9),
-    RaggedPrefillSpec: _Layout(kv=(2, 3), causal=7, q_rope_position=5, rotary_mode=8),
-    MlaPagedPrefillSpec: _Layout(kv=(2,), causal=6, q_rope_position=None, rotary_mode=None),
-}
+#: The KV sources the decode kernel reads, by name.
+_KV_SOURCES = {RaggedPrefillSpec: ("k", "v"), PagedPrefillSpec: ("pages",), MlaPagedPrefillSpec: ("pages",)}
 
 
 def kv_lengths(spec, args: tuple) -> np.ndarray:
     """int64 [B]: each entry's logical KV length (semantics §2)."""
+    named = _named(spec, args)
     if isinstance(spec, RaggedPrefillSpec):
-        return np.diff(_host(args[4]).astype(np.int64))
-    return paged_kv_lengths(_host(args[3]), _host(args[5]), spec.page_size, spec.sliding_window)
+        return np.diff(_host(named["kv_indptr"]).astype(np.int64))
+    return paged_kv_lengths(_host(named["page_indptr"]), _host(named["length_info"]), spec.page_size,
+                            spec.sliding_window)
 
 
 def pass_queries(spec, args: tuple, passes: DecodePasses = DECODE_PASSES["linalg"]) -> np.ndarray:
     """int [B]: the query count of the pass each entry takes (the smallest of the usable
     ``passes.queries`` that holds its queries; 1 for an entry with more queries that runs one
     query at a time because its own pass is not usable), or 0 for the variant's own kernel."""
-    layout = _LAYOUTS[type(spec)]
-    qo_lens = np.diff(_host(args[1]).astype(np.int64))
+    named = _named(spec, args)
+    qo_lens = np.diff(_host(named["q_indptr"]).astype(np.int64))
     chosen = np.zeros(len(qo_lens), np.int64)
     usable = passes.usable(spec)
-    if not usable or layout.rotary_mode is not None and int(args[layout.rotary_mode]) != 0:
+    if not usable or int(named.get("rotary_mode", 0)) != 0:
         return chosen
     eligible = (kv_lengths(spec, args) >= 1) & (qo_lens >= 1)
     for queries in sorted(passes.queries, reverse=True):
@@ -123,19 +118,19 @@ def block_table(spec: DecodeSpec, args: tuple, entries: np.ndarray, kv_lens: np.
     the batch, int [n]) with ``kv_lens`` keys, of which the first ``visible`` count, and
     ``qo_lens`` queries (int [n] each); W is a multiple of ``width_multiple``."""
     base, block = spec.base, spec.block
-    ragged = isinstance(base, RaggedPrefillSpec)
-    if ragged:
-        starts = _host(args[4]).astype(np.int64)[entries]
+    named = _named(base, args)
+    if isinstance(base, RaggedPrefillSpec):
+        starts = _host(named["kv_indptr"]).astype(np.int64)[entries]
         blocks = -(-kv_lens // block)
         first_blocks = [starts[i] + block * np.arange(blocks[i]) for i in range(len(entries))]
         sink = offset = np.zeros_like(kv_lens)
     else:
-        page_indptr, page_values = _host(args[3]).astype(np.int64), _host(args[4])
+        page_indptr, page_values = _host(named["page_indptr"]).astype(np.int64), _host(named["page_values"])
         first_blocks = [page_values[page_indptr[b]:page_indptr[b + 1]] for b in entries]
         # Logical blocks past an entry's pages (sink > window offset) still read through the
         # table's last page: pad with it, so only blocks past every column are NO_BLOCK.
         blocks = np.maximum([len(p) for p in first_blocks], -(-kv_lens // block))
-        info = _host(args[5])
+        info = _host(named["length_info"])
         sink, offset = ((info[2][entries], info[1][entries]) if base.sliding_window
                         else (np.zeros_like(kv_lens), np.zeros_like(kv_lens)))
     width = -(-max(int(blocks.max()), 1) // width_multiple) * width_multiple
@@ -179,11 +174,10 @@ def decode_calls(spec, args: tuple, passes: np.ndarray, decode_passes: DecodePas
     ``decode_passes.bucketed``; entries of several queries in the 1-query pass add one call per
     token (at most the largest pass's query count), so each call holds the scores of one query
     per entry. ``args`` are checked, in the seed's order."""
-    layout = _LAYOUTS[type(spec)]
-    q_indptr = _host(args[1]).astype(np.int64)
+    q_indptr = _host(_named(spec, args)["q_indptr"]).astype(np.int64)
     qo_lens = np.diff(q_indptr)
     kv_lens = kv_lengths(spec, args)
-    causal = int(args[layout.causal]) == 1
+    causal = int(_named(spec, args)["causal"]) == 1
     calls = []
     for queries in decode_passes.queries:
         pass_spec = DecodeSpec(spec, queries)
@@ -210,15 +204,17 @@ def _decode_call(pass_spec: DecodeSpec, args: tuple, entries: np.ndarray, kv_len
     """One pass call over batch entries ``entries`` [n] (``visible`` keys and ``qo_lens``
     queries each, ``kv_lens`` [B] the batch's) whose query rows are ``rows`` [n, queries]
     (``real`` marks those that exist)."""
-    spec, layout = pass_spec.base, _LAYOUTS[type(pass_spec.base)]
-    q = np.asarray(_host(args[0]))
+    spec = pass_spec.base
+    named = _named(spec, args)
+    q = np.asarray(_host(named["q"]))
     n, queries = rows.shape
     table, geometry = block_table(pass_spec, args, entries, kv_lens[entries], visible, qo_lens, multiple)
     q_pass = np.zeros((n, queries, *q.shape[1:]), q.dtype)
     q_pass[real] = q[rows[real]]
     q_pass = q_pass.reshape(n, queries, spec.h_kv, spec.group_size, -1).transpose(0, 2, 1, 3, 4)
     call_args = (np.ascontiguousarray(q_pass.reshape(n, spec.h_kv, queries * spec.group_size, -1)),
-                 *(args[i] for i in layout.kv), table, geometry, int(args[layout.causal]), float(args[-1]))
+                 *(named[name] for name in _KV_SOURCES[type(spec)]), table, geometry, int(named["causal"]),
+                 float(named["sm_scale"]))
     return DecodeCall(pass_spec, call_args, rows, real)
 
 
@@ -228,8 +224,9 @@ def split_decode(spec, args: tuple, passes: np.ndarray, decode_passes: DecodePas
     :func:`pass_queries`) go through ``run_decode(queries, *args)`` (:func:`decode_calls`) and the
     rest through ``run_rest(*args)`` (both return numpy results); ``device_results`` uploads them
     when ``to_host`` is False. ``args`` are checked, in the seed's order."""
-    q_indptr = _host(args[1]).astype(np.int64)
-    q = np.asarray(_host(args[0]))
+    named = _named(spec, args)
+    q_indptr = _host(named["q_indptr"]).astype(np.int64)
+    q = np.asarray(_host(named["q"]))
     qo_lens = np.diff(q_indptr)
     h_kv, group = spec.h_kv, spec.group_size
     output = lse = None
@@ -271,24 +268,22 @@ def _rest_call(spec, args: tuple, decode: np.ndarray, qo_lens: np.ndarray, q_res
     (Skipping query-less entries inside the kernel, an ``scf.if`` around the entry's work, made
     about one call in two return wrong rows for other entries in IREE 3.13.)
     """
-    layout = _LAYOUTS[type(spec)]
-    rest = list(args)
-    rest[0] = np.ascontiguousarray(q_rest)
-    if layout.q_rope_position is not None:
-        rest[layout.q_rope_position] = np.ascontiguousarray(_host(args[layout.q_rope_position])[rest_rows])
+    named = _named(spec, args)
+    rest = dict(named, q=np.ascontiguousarray(q_rest))
+    if "q_rope_position" in named:
+        rest["q_rope_position"] = np.ascontiguousarray(_host(named["q_rope_position"])[rest_rows])
     if isinstance(spec, RaggedPrefillSpec):
-        rest[1] = np.concatenate([[0], np.cumsum(np.where(decode, 0, qo_lens))]).astype(np.int32)
-        return rest
+        rest["q_indptr"] = np.concatenate([[0], np.cumsum(np.where(decode, 0, qo_lens))]).astype(np.int32)
+        return list(rest.values())
     keep = np.flatnonzero(~decode)
-    page_indptr = _host(args[3]).astype(np.int64)
+    page_indptr = _host(named["page_indptr"]).astype(np.int64)
     counts = np.diff(page_indptr)[keep]
-    rest[1] = np.concatenate([[0], np.cumsum(qo_lens[keep])]).astype(np.int32)
-    rest[3] = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-    page_values = _host(args[4])
-    rest[4] = (np.concatenate([page_values[page_indptr[b]:page_indptr[b + 1]] for b in keep]).astype(np.int32)
-               if counts.sum() else np.zeros(0, np.int32))
-    info = _host(args[5])
-    rest[5] = np.ascontiguousarray(info[..., keep])
-    if isinstance(spec, PagedPrefillSpec):
-        rest[6] = np.ascontiguousarray(_host(args[6])[keep])  # k_rope_pos_offset
-    return rest
+    rest["q_indptr"] = np.concatenate([[0], np.cumsum(qo_lens[keep])]).astype(np.int32)
+    rest["page_indptr"] = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    page_values = _host(named["page_values"])
+    rest["page_values"] = (np.concatenate([page_values[page_indptr[b]:page_indptr[b + 1]] for b in keep])
+                           .astype(np.int32) if counts.sum() else np.zeros(0, np.int32))
+    rest["length_info"] = np.ascontiguousarray(_host(named["length_info"])[..., keep])
+    if "k_rope_pos_offset" in named:
+        rest["k_rope_pos_offset"] = np.ascontiguousarray(_host(named["k_rope_pos_offset"])[keep])
+    return list(rest.values())

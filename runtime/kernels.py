@@ -7,17 +7,17 @@
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, Callable
 
 import numpy as np
 
+from ..mlir.abi import argument_names
+from ..mlir.decode import DecodeSpec
 from ..mlir.specs import (
     MaskedSequencePrefillSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec,
     SequencePrefillSpec,
 )
 from ..pipeline import ArtifactCache, Target, compile_spec, target_for
-from ..mlir.decode import DecodeSpec
 from .checks import NUMPY_DTYPES, check_int32, check_on_device, check_range, check_same, check_tensor
 from .decode import DECODE_PASSES, pass_queries, split_decode
 from .errors import InputError
@@ -69,7 +69,7 @@ class Kernel:
         self.target = target
         self._loaded = loaded
         self._check = _CHECKS[type(spec)]
-        self._arg_names = tuple(inspect.signature(self._check).parameters)[1:]  # the seed's ABI names
+        self._arg_names = argument_names(spec)  # the seed's ABI names (mlir/abi.py)
         # KV-cache kernels hand their short entries to the lowering's one-pass kernels
         # (runtime/decode.py), compiled through ``cache`` on the first call that has some.
         self._decode_pass = decode_pass and type(spec) in (RaggedPrefillSpec, PagedPrefillSpec, MlaPagedPrefillSpec)

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..mlir.abi import position
+
 Tolerance = tuple[float, float]  # (atol, rtol)
 
 TOLERANCE: dict[str, Tolerance] = {"float32": (1e-4, 0.0), "float16": (1e-3, 1e-3), "bfloat16": (2e-3, 8e-3)}
@@ -37,9 +39,9 @@ def tolerances(dtype: str, rotated: bool = False) -> tuple[Tolerance, Tolerance]
 
 
 def applies_rope(spec, args) -> bool:
-    """Whether a seed-ABI call rotates q and k in the kernel (ragged and paged: ``rotary_mode``,
-    the fourth argument from the end, is 1)."""
-    return hasattr(spec, "rope_scaling") and int(args[-4]) == 1
+    """Whether a seed-ABI call rotates q and k in the kernel (its ``rotary_mode`` is 1)."""
+    at = position(spec, "rotary_mode")
+    return at is not None and int(args[at]) == 1
 
 
 def excess(got, want, tolerance: Tolerance) -> float:

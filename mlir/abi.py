@@ -1,0 +1,97 @@
+"""Each variant's arguments, in the seed's positional order: the one table the MLIR signatures,
+the runtime's argument names and positions, and the README's ABI table are derived from.
+
+A dim is an int, the name of a spec field (``"h_q"``, ``"d_qk"``, ``"page_size"``), or a symbol
+the call decides (``"B"``, ``"Lq"``, ...: dynamic). Kinds: ``tensor`` in the spec's dtype,
+``index`` an int32 array, ``int`` an i32 scalar, ``float`` an f32 scalar.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Union
+
+from .ir import DYN, element_type, f32, i32, ir, tensor_type
+from .specs import MaskedSequencePrefillSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec
+
+Dims = tuple[Union[int, str], ...]
+
+
+@dataclass(frozen=True)
+class Arg:
+    """One argument: its name, kind and dims (a callable of the spec where they depend on it)."""
+
+    name: str
+    kind: str
+    dims: Union[Dims, Callable[[object], Dims]] = ()
+
+    def dims_of(self, spec) -> Dims:
+        return self.dims(spec) if callable(self.dims) else self.dims
+
+
+def _scalars(*names: str) -> tuple[Arg, ...]:
+    return tuple(Arg(name, "float" if name in _FLOAT_SCALARS else "int") for name in names)
+
+
+_FLOAT_SCALARS = ("rope_scale", "rope_theta", "sm_scale")
+_ROPE_SCALARS = _scalars("causal", "rotary_mode", "rope_scale", "rope_theta", "sm_scale")
+_DENSE = (Arg("q", "tensor", ("B", "Lq", "h_q", "d")), Arg("k", "tensor", ("B", "Lk", "h_kv", "d")),
+          Arg("v", "tensor", ("B", "Lk", "h_kv", "d")))
+_PAGE_TABLE = (Arg("page_indptr", "index", ("B+1",)), Arg("page_values", "index", ("nnz",)),
+               Arg("length_info", "index", lambda spec: (3, "B") if spec.sliding_window else ("B",)))
+
+ARGUMENTS: dict[type, tuple[Arg, ...]] = {
+    SequencePrefillSpec: _DENSE,
+    MaskedSequencePrefillSpec: (*_DENSE, Arg("valid_lens", "index", ("B",))),
+    RaggedPrefillSpec: (
+        Arg("q", "tensor", ("Lq", "h_q", "d_qk")), Arg("q_indptr", "index", ("B+1",)),
+        Arg("k", "tensor", ("Lk", "h_kv", "d_qk")), Arg("v", "tensor", ("Lk", "h_kv", "d_v")),
+        Arg("kv_indptr", "index", ("B+1",)), Arg("q_rope_position", "index", ("Lq",)),
+        Arg("k_rope_pos_offset", "index", ("B",)), *_ROPE_SCALARS),
+    PagedPrefillSpec: (
+        Arg("q", "tensor", ("Lq", "h_q", "d")), Arg("q_indptr", "index", ("B+1",)),
+        Arg("pages", "tensor", ("P", 2, "h_kv", "page_size", "d")), *_PAGE_TABLE,
+        Arg("k_rope_pos_offset", "index", ("B",)), Arg("q_rope_position", "index", ("Lq",)), *_ROPE_SCALARS),
+    MlaPagedPrefillSpec: (
+        Arg("q", "tensor", ("Lq", "h_q", "d_qk")), Arg("q_indptr", "index", ("B+1",)),
+        Arg("pages", "tensor", ("P", "page_size", "d_qk")), *_PAGE_TABLE, *_scalars("causal", "sm_scale")),
+}
+
+
+def arguments(spec) -> tuple[Arg, ...]:
+    try:
+        return ARGUMENTS[type(spec)]
+    except KeyError:
+        raise TypeError(f"spec: no argument table for {type(spec).__name__}") from None
+
+
+def argument_names(spec) -> tuple[str, ...]:
+    """The variant's argument names in the seed's positional order."""
+    return tuple(arg.name for arg in arguments(spec))
+
+
+def position(spec, name: str) -> int | None:
+    """The position of argument ``name`` in the variant's call, or None when it has none."""
+    names = argument_names(spec)
+    return names.index(name) if name in names else None
+
+
+def argument_types(spec) -> list[ir.Type]:
+    """The MLIR types of the variant's arguments (in an open context): symbols are dynamic."""
+    def dim(value):
+        return value if isinstance(value, int) else getattr(spec, value, DYN)
+
+    kinds = {"tensor": lambda: element_type(spec.dtype), "index": i32}
+    types = []
+    for arg in arguments(spec):
+        if arg.kind in kinds:
+            types.append(tensor_type([dim(d) for d in arg.dims_of(spec)], kinds[arg.kind]()))
+        else:
+            types.append(i32() if arg.kind == "int" else f32())
+    return types
+
+
+def spelled(spec) -> str:
+    """The argument list as the README's ABI table writes it: ``q [Lq, h_q, d_qk], ..., causal``."""
+    return ", ".join(f"{arg.name} [{', '.join(map(str, arg.dims_of(spec)))}]" if arg.dims else arg.name
+                     for arg in arguments(spec))
