@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_bundle import serving_batch  # noqa: E402
 from serving_batches import cpu_model  # noqa: E402
 
-from linalg_prefill.mlir import MlaPagedPrefillSpec, PagedPrefillSpec  # noqa: E402
+from linalg_prefill.mlir import DecodeSpec, MlaPagedPrefillSpec, PagedPrefillSpec  # noqa: E402
 from linalg_prefill.pipeline import Target, compile_spec  # noqa: E402
 from linalg_prefill.runtime.decode import DECODE_PASSES, decode_calls, kv_lengths, pass_queries  # noqa: E402
 
@@ -50,9 +50,7 @@ TOOL = os.path.join(os.path.dirname(sys.executable), "iree-run-module")
 
 def kv_bytes(spec, kv_lens: np.ndarray) -> int:
     """Bytes of the K/V rows of entries with ``kv_lens`` keys (MLA: one latent row per key)."""
-    itemsize = 2 if spec.dtype in ("float16", "bfloat16") else 4
-    per_key = spec.d_qk if isinstance(spec, MlaPagedPrefillSpec) else 2 * spec.h_kv * spec.d
-    return int(kv_lens.astype(np.int64).sum()) * per_key * itemsize
+    return int(kv_lens.astype(np.int64).sum()) * DecodeSpec(spec).kv_bytes_per_key
 
 
 def measure(spec, lowering: str, batch: int, new: int, cached, folder: str) -> dict:

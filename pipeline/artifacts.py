@@ -28,8 +28,7 @@ from pathlib import Path
 from typing import TextIO
 
 from .cache import ArtifactCache, atomic_write, default_cache, file_lock
-from .compiler import COMPILER_VERSION, CompileError, compile_ir
-from .tuning import tuned_ir
+from .compiler import COMPILER_VERSION, CompileError, cached_build
 from .model_config import ModelConfig
 from .targets import Target, target_for
 
@@ -124,16 +123,9 @@ def _build_one(spec, target: Target, path: Path, cache: ArtifactCache) -> tuple[
     Returns (compiled, sha256, size, seconds); ``compiled`` is True only when this call ran IREE.
     """
     start = time.perf_counter()
-    ir_text = tuned_ir(spec, target)
-    ran = []
-
-    def build() -> bytes:
-        ran.append(True)
-        return compile_ir(ir_text, target, spec.name)
-
-    data = cache.get_or_build(spec, target, ir_text, build)
+    data, compiled = cached_build(spec, target, cache)
     atomic_write(path, data)
-    return bool(ran), hashlib.sha256(data).hexdigest(), len(data), time.perf_counter() - start
+    return compiled, hashlib.sha256(data).hexdigest(), len(data), time.perf_counter() - start
 
 
 def _relative_file(spec, target: Target) -> str:

@@ -11,7 +11,7 @@ from iree.compiler.version import VERSION as COMPILER_VERSION  # noqa: F401 (re-
 from .cache import ArtifactCache, default_cache
 from .quiet_logging import root_logger_left_alone
 from .targets import Target, target_for
-from .tuning import tuned_ir
+from .tuning import tuned_module
 
 log = logging.getLogger(__name__)
 
@@ -36,10 +36,18 @@ def compile_ir(ir_text: str, target: Target, name: str = "module") -> bytes:
 
 
 def compile_spec(spec, backend: str | Target = "llvm-cpu", *, cache: ArtifactCache | None = None) -> bytes:
-    """vmfb bytes for ``spec`` on ``backend``, compiled once and then served from the cache (keyed
-    by the IR without locations, compiled with them so that a diagnostic names the builder line)."""
-    target = target_for(backend)
-    ir_text = tuned_ir(spec, target)
-    store = default_cache() if cache is None else cache
-    return store.get_or_build(spec, target, ir_text,
-                              lambda: compile_ir(tuned_ir(spec, target, locations=True), target, spec.name))
+    """vmfb bytes for ``spec`` on ``backend``, compiled once and then served from the cache."""
+    return cached_build(spec, target_for(backend), default_cache() if cache is None else cache)[0]
+
+
+def cached_build(spec, target: Target, cache: ArtifactCache) -> tuple[bytes, bool]:
+    """(vmfb bytes, whether IREE ran) for ``spec`` on ``target`` through ``cache``: keyed by the
+    IR without locations, compiled with them so that a diagnostic names the builder line."""
+    module = tuned_module(spec, target)
+    ran = []
+
+    def build() -> bytes:
+        ran.append(True)
+        return compile_ir(module.operation.get_asm(enable_debug_info=True), target, spec.name)
+
+    return cache.get_or_build(spec, target, module.operation.get_asm(), build), bool(ran)

@@ -147,12 +147,17 @@ def apply_tuning(module: ir.Module, target: Target) -> ir.Module:
 ROW_CHUNK = {"llvm-cpu": None, "cuda": 128}
 
 
-def tuned_ir(spec, target: Target, *, locations: bool = False) -> str:
-    """The MLIR text iree-compile gets for ``spec`` on ``target``, in the target's lowering;
-    ``locations``: with each op's builder line (mlir/ir.py: builder_location), which IREE's
-    diagnostics then name. Without them the text depends on the IR alone (the cache's key)."""
+def tuned_module(spec, target: Target) -> ir.Module:
+    """The module iree-compile gets for ``spec`` on ``target``, in the target's lowering."""
     if target.lowering == "fused":
         module = build_fused_module(spec)
     else:
         module = build_module(spec, row_chunk=ROW_CHUNK[target.backend])
-    return apply_tuning(module, target).operation.get_asm(enable_debug_info=locations)
+    return apply_tuning(module, target)
+
+
+def tuned_ir(spec, target: Target, *, locations: bool = False) -> str:
+    """:func:`tuned_module` as text; ``locations``: with each op's builder line (mlir/ir.py:
+    builder_location), which IREE's diagnostics then name. Without them the text depends on the
+    IR alone (the cache's key)."""
+    return tuned_module(spec, target).operation.get_asm(enable_debug_info=locations)

@@ -47,9 +47,11 @@ class DecodePasses:
 
     def usable(self, spec) -> tuple[int, ...]:
         """The query counts of the passes that keep ``spec``'s scratch within the bound."""
-        return tuple(queries for queries in self.queries if self.scratch_bound is None
-                     or DecodeSpec(spec, queries).scratch_per_key <= self.scratch_bound
-                     * DecodeSpec(spec, queries).kv_bytes_per_key)
+        def within(pass_spec: DecodeSpec) -> bool:
+            return pass_spec.scratch_per_key <= self.scratch_bound * pass_spec.kv_bytes_per_key
+
+        return tuple(queries for queries in self.queries
+                     if self.scratch_bound is None or within(DecodeSpec(spec, queries)))
 
 
 #: Per lowering (pipeline/targets.py). llvm-cpu's linalg pass: 1 and 2-4 queries (a 16-query
@@ -174,10 +176,12 @@ def decode_calls(spec, args: tuple, passes: np.ndarray, decode_passes: DecodePas
     ``decode_passes.bucketed``; entries of several queries in the 1-query pass add one call per
     token (at most the largest pass's query count), so each call holds the scores of one query
     per entry. ``args`` are checked, in the seed's order."""
-    q_indptr = _host(_named(spec, args)["q_indptr"]).astype(np.int64)
+    named = _named(spec, args)
+    q = np.asarray(_host(named["q"]))
+    q_indptr = _host(named["q_indptr"]).astype(np.int64)
     qo_lens = np.diff(q_indptr)
     kv_lens = kv_lengths(spec, args)
-    causal = int(_named(spec, args)["causal"]) == 1
+    causal = int(named["causal"]) == 1
     calls = []
     for queries in decode_passes.queries:
         pass_spec = DecodeSpec(spec, queries)
@@ -187,26 +191,26 @@ def decode_calls(spec, args: tuple, passes: np.ndarray, decode_passes: DecodePas
                 token = np.arange(queries)
                 rows = q_indptr[entries][:, None] + token  # [n, queries]: the entries' query rows
                 real = token < qo_lens[entries][:, None]   # the rest are padding
-                calls.append(_decode_call(pass_spec, args, entries, kv_lens, kv_lens[entries], qo_lens[entries],
+                calls.append(_decode_call(pass_spec, args, q, entries, kv_lens, kv_lens[entries], qo_lens[entries],
                                           rows, real, multiple))
                 continue
             batch_entries, token, visible = _one_query_rows(entries, kv_lens, qo_lens, causal)
             for t in np.unique(token):
                 at = token == t
                 rows = (q_indptr[batch_entries[at]] + t)[:, None]
-                calls.append(_decode_call(pass_spec, args, batch_entries[at], kv_lens, visible[at],
+                calls.append(_decode_call(pass_spec, args, q, batch_entries[at], kv_lens, visible[at],
                                           np.ones(int(at.sum()), np.int64), rows, np.ones(rows.shape, bool), multiple))
     return calls
 
 
-def _decode_call(pass_spec: DecodeSpec, args: tuple, entries: np.ndarray, kv_lens: np.ndarray, visible: np.ndarray,
-                 qo_lens: np.ndarray, rows: np.ndarray, real: np.ndarray, multiple: int) -> DecodeCall:
+def _decode_call(pass_spec: DecodeSpec, args: tuple, q: np.ndarray, entries: np.ndarray, kv_lens: np.ndarray,
+                 visible: np.ndarray, qo_lens: np.ndarray, rows: np.ndarray, real: np.ndarray,
+                 multiple: int) -> DecodeCall:
     """One pass call over batch entries ``entries`` [n] (``visible`` keys and ``qo_lens``
-    queries each, ``kv_lens`` [B] the batch's) whose query rows are ``rows`` [n, queries]
-    (``real`` marks those that exist)."""
+    queries each, ``kv_lens`` [B] the batch's) whose query rows of ``q`` (the call's, on the
+    host) are ``rows`` [n, queries] (``real`` marks those that exist)."""
     spec = pass_spec.base
     named = _named(spec, args)
-    q = np.asarray(_host(named["q"]))
     n, queries = rows.shape
     table, geometry = block_table(pass_spec, args, entries, kv_lens[entries], visible, qo_lens, multiple)
     q_pass = np.zeros((n, queries, *q.shape[1:]), q.dtype)
