@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Union
 
-from .ir import DYN, element_type, f32, i32, ir, tensor_type
+from .ir import DYN, buffer_view_type, element_type, f32, func_d, i32, ir, module_context, tensor_type
 from .specs import MaskedSequencePrefillSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec
 
 Dims = tuple[Union[int, str], ...]
@@ -76,19 +76,68 @@ def position(spec, name: str) -> int | None:
     return names.index(name) if name in names else None
 
 
-def argument_types(spec) -> list[ir.Type]:
-    """The MLIR types of the variant's arguments (in an open context): symbols are dynamic."""
-    def dim(value):
-        return value if isinstance(value, int) else getattr(spec, value, DYN)
+def _dim(spec, value) -> int:
+    return value if isinstance(value, int) else getattr(spec, value, DYN)
 
-    kinds = {"tensor": lambda: element_type(spec.dtype), "index": i32}
+
+def _tensor_type(spec, arg: Arg) -> ir.Type:
+    elem = element_type(spec.dtype) if arg.kind == "tensor" else i32()
+    return tensor_type([_dim(spec, d) for d in arg.dims_of(spec)], elem)
+
+
+def argument_types(spec, host_readable: tuple[str, ...] = ()) -> list[ir.Type]:
+    """The MLIR types of the variant's arguments (in an open context): symbols are dynamic; the
+    index arguments named in ``host_readable`` are ``!hal.buffer_view`` (the fused lowering reads
+    them on the host side of its dispatches)."""
     types = []
     for arg in arguments(spec):
-        if arg.kind in kinds:
-            types.append(tensor_type([dim(d) for d in arg.dims_of(spec)], kinds[arg.kind]()))
+        if arg.name in host_readable:
+            types.append(buffer_view_type())
+        elif arg.kind in ("tensor", "index"):
+            types.append(_tensor_type(spec, arg))
         else:
             types.append(i32() if arg.kind == "int" else f32())
     return types
+
+
+def result_dims(spec) -> tuple[Dims, Dims]:
+    """(output, lse) dims: the output is q's with ``d_v`` columns, lse q's without its last dim."""
+    q_dims = arguments(spec)[0].dims_of(spec)
+    return (*q_dims[:-1], "d_v"), q_dims[:-1]
+
+
+def result_types(spec) -> list[ir.Type]:
+    """The MLIR types of (output, lse), in an open context: output in the spec's dtype, lse f32."""
+    out_dims, lse_dims = result_dims(spec)
+    return [tensor_type([_dim(spec, d) for d in out_dims], element_type(spec.dtype)),
+            tensor_type([_dim(spec, d) for d in lse_dims], f32())]
+
+
+def kv_sources(spec) -> tuple[Arg, ...]:
+    """The tensors a call's keys and values are read from: every tensor argument but q."""
+    return tuple(arg for arg in arguments(spec) if arg.kind == "tensor" and arg.name != "q")
+
+
+def kv_source_types(spec) -> list[ir.Type]:
+    """The MLIR types of :func:`kv_sources`, in an open context."""
+    return [_tensor_type(spec, arg) for arg in kv_sources(spec)]
+
+
+def function_module(spec, emit: Callable[..., list], host_readable: tuple[str, ...] = ()) -> ir.Module:
+    """A verified module with one function ``spec.symbol(*arguments) -> (output, lse)`` typed by
+    the table; ``emit(*block arguments)`` builds its body and returns the results."""
+    with module_context() as module:
+        with ir.InsertionPoint(module.body):
+            fn = func_d.FuncOp(spec.symbol, (argument_types(spec, host_readable), result_types(spec)))
+            with ir.InsertionPoint(fn.add_entry_block()):
+                func_d.ReturnOp(emit(*fn.arguments))
+        module.operation.verify()
+        return module
+
+
+def ordered(spec, named: dict) -> tuple:
+    """The values of ``named`` (argument name -> value) in the variant's positional order."""
+    return tuple(named[name] for name in argument_names(spec))
 
 
 def spelled(spec) -> str:

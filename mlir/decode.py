@@ -36,6 +36,7 @@ from .ir import (
     tensor_d,
     tensor_type, widened,
 )
+from .abi import kv_source_types
 from .kv_cache import _clamped_page, _read_element as _read
 from .masks import kv_cache_validity
 from .online_softmax import NO_KEY_MAX, score_transform
@@ -97,7 +98,7 @@ class DecodeSpec:
     @property
     def block(self) -> int:
         """Logical KV rows per table entry."""
-        return RAGGED_BLOCK if isinstance(self.base, RaggedPrefillSpec) else self.base.page_size
+        return RAGGED_BLOCK if self.base.kv_layout == "ragged" else self.base.page_size
 
     @property
     def blocks_per_chunk(self) -> int:
@@ -116,14 +117,14 @@ class DecodeSpec:
     @property
     def rows_vectorised(self) -> bool:
         """Whether the scores contraction vectorises along the query rows (ROWS_VECTORISED_FROM)."""
-        return self.rows >= ROWS_VECTORISED_FROM and not isinstance(self.base, MlaPagedPrefillSpec)
+        return self.rows >= ROWS_VECTORISED_FROM and self.base.kv_layout != "latent"
 
     @property
     def kv_bytes_per_key(self) -> int:
         """Bytes of K/V one key's cache row holds (MLA: one latent row, values included)."""
         base = self.base
         itemsize = 4 if base.dtype == "float32" else 2
-        return (self.d_qk if isinstance(base, MlaPagedPrefillSpec) else base.h_kv * (self.d_qk + self.d_v)) * itemsize
+        return (self.d_qk if base.kv_layout == "latent" else base.h_kv * (self.d_qk + self.d_v)) * itemsize
 
     @property
     def scratch_per_key(self) -> float:
@@ -140,13 +141,11 @@ class DecodeSpec:
 
     @property
     def d_qk(self) -> int:
-        return self.base.d if isinstance(self.base, PagedPrefillSpec) else self.base.d_qk
+        return self.base.d_qk
 
     @property
     def d_v(self) -> int:
-        base = self.base
-        return {PagedPrefillSpec: lambda: base.d, RaggedPrefillSpec: lambda: base.d_v,
-                MlaPagedPrefillSpec: lambda: base.d_latent}[type(base)]()
+        return self.base.d_v
 
     def fields(self) -> dict:
         return {"base": self.base.name, "queries": self.queries}
@@ -195,7 +194,7 @@ class KvCache:
     def _element(self, which: int, entry, chunk, block, slot, head, col) -> ir.Value:
         spec, base = self.spec, self.spec.base
         logical_block = _logical_block(spec, chunk, block)
-        if isinstance(base, RaggedPrefillSpec):
+        if base.kv_layout == "ragged":
             source = self.sources[which]
             row = arith_d.addi(_read(self.table, [entry, logical_block]), slot)
             row = arith_d.maxsi(arith_d.minsi(row, arith_d.subi(dim(source, 0), const_index(1))), const_index(0))
@@ -210,23 +209,16 @@ class KvCache:
             page_slot = arith_d.remui(physical, const_index(spec.block))
         pages = self.sources[0]
         page = _clamped_page(_read(self.table, [entry, table_block]), pages)
-        if isinstance(base, PagedPrefillSpec):
+        if base.kv_layout == "paged":
             return tensor_d.extract(pages, [page, const_index(which), head, page_slot, col])
-        return tensor_d.extract(pages, [page, page_slot, col])  # MLA: values are the first d_latent
+        return tensor_d.extract(pages, [page, page_slot, col])  # latent: values are the first d_v
 
 
 def decode_signature(spec: DecodeSpec) -> tuple[list[ir.Type], list[ir.Type]]:
     """(argument types, result types) of ``decode_entries`` (module docstring), in an open context."""
-    base = spec.base
-    h, rows, d_qk, d_v, block = base.h_kv, spec.rows, spec.d_qk, spec.d_v, spec.block
+    h, rows, d_qk, d_v = spec.base.h_kv, spec.rows, spec.d_qk, spec.d_v
     dt = element_type(spec.dtype)
-    if isinstance(base, PagedPrefillSpec):
-        kv_types = [tensor_type([DYN, 2, h, block, d_qk], dt)]
-    elif isinstance(base, MlaPagedPrefillSpec):
-        kv_types = [tensor_type([DYN, block, d_qk], dt)]
-    else:
-        kv_types = [tensor_type([DYN, h, d_qk], dt), tensor_type([DYN, h, d_v], dt)]
-    arg_types = [tensor_type([DYN, h, rows, d_qk], dt), *kv_types, tensor_type([DYN, DYN], i32()),
+    arg_types = [tensor_type([DYN, h, rows, d_qk], dt), *kv_source_types(spec.base), tensor_type([DYN, DYN], i32()),
                  tensor_type([DYN, 4], i32()), i32(), f32()]
     return arg_types, [tensor_type([DYN, h, rows, d_v], dt), tensor_type([DYN, h, rows], f32())]
 

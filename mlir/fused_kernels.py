@@ -28,19 +28,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Union
 
+from .abi import function_module
 from .attention_op import TILE, attend_band
 from .ir import (
-    DYN, HostReadable, affine_map, arith_d, buffer_view_type, ceil_div, collapse, const_index, dim, element_type,
-    empty, expand, extract_slice, f32, fill, func_d, generic, i32, index, insert_slice, ir, le, linalg_d, lt,
-    module_context, on_target_device, one_of, own_dispatch, scf_d, sizes_of, storage_tiles, tensor_d, tensor_type,
+    DYN, HostReadable, affine_map, arith_d, ceil_div, collapse, const_index, dim, element_type,
+    empty, expand, extract_slice, f32, fill, generic, i32, index, insert_slice, ir, le, linalg_d, lt,
+    on_target_device, one_of, own_dispatch, scf_d, sizes_of, storage_tiles, tensor_d, tensor_type,
     tie_dims,
 )
 from .kv_cache import (
-    RopeArgs, _clamped_page, _function, _index_at, _is_one, _page_table, _rank1_i32, _read_element, _rotated_if,
+    RopeArgs, _clamped_page, _index_at, _is_one, _page_table, _read_element, _rotated_if,
     page_bounds, physical_row,
 )
 from .masks import kv_cache_validity, sequence_validity
-from .specs import MaskedSequencePrefillSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec
+from .specs import MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec
 
 #: Query tiles per band of a long call or entry: 256 tokens, the band size of the measured CUDA
 #: example (notes: one execute and one dispatch per band, no host wait).
@@ -108,28 +109,10 @@ def _visible_tiles(causal: Union[bool, ir.Value], last_row_end: ir.Value, diagon
     return limited if causal is True else arith_d.select(causal, limited, every)
 
 
-def _dense_function(symbol: str, arg_types: list, result_types: list, emit) -> ir.Module:
-    """A verified module with one function ``symbol(*args) -> results``."""
-    with module_context() as module:
-        with ir.InsertionPoint(module.body):
-            fn = func_d.FuncOp(symbol, ([t() for t in arg_types], [t() for t in result_types]))
-            with ir.InsertionPoint(fn.add_entry_block()):
-                func_d.ReturnOp(emit(*fn.arguments))
-        module.operation.verify()
-        return module
-
-
 # ---- dense and masked sequence prefill ----
 
 def build_fused_sequence_prefill(spec) -> ir.Module:
     """``batch_sequence_prefill_kv[_masked](q, k, v[, valid_lens]) -> (output, lse)``, fused."""
-    masked = isinstance(spec, MaskedSequencePrefillSpec)
-    dt = lambda: element_type(spec.dtype)  # noqa: E731 - types need the open context
-    q_type = lambda: tensor_type([DYN, DYN, spec.h_q, spec.d], dt())  # noqa: E731
-    kv_type = lambda: tensor_type([DYN, DYN, spec.h_kv, spec.d], dt())  # noqa: E731
-    arg_types = [q_type, kv_type, kv_type] + ([lambda: tensor_type([DYN], i32())] if masked else [])
-    lse_type = lambda: tensor_type([DYN, DYN, spec.h_q], f32())  # noqa: E731
-
     def emit(q, k, v, valid_lens=None):
         sizes = [sizes_of(q), sizes_of(q)[:3]]
 
@@ -140,10 +123,10 @@ def build_fused_sequence_prefill(spec) -> ir.Module:
             return lambda _unused: tied(_sequence_body(spec, band_tiles, q, k, v, valid_lens))
 
         is_short = le(dim(q, 1), const_index(TILE))
-        placeholders = [empty(sizes[0], dt()), empty(sizes[1], f32())]
+        placeholders = [empty(sizes[0], element_type(spec.dtype)), empty(sizes[1], f32())]
         return one_of(is_short, body(1), body(BAND_TILES), placeholders, tied)
 
-    return _dense_function(spec.symbol, arg_types, [q_type, lse_type], emit)
+    return function_module(spec, emit)
 
 
 def _dense_tiles(x: ir.Value, stored_tiles: ir.Value) -> ir.Value:
@@ -395,12 +378,6 @@ def _kv_cache_body(spec, q, q_indptr: HostReadable, kv: BatchKv, *, causal: ir.V
 def build_fused_ragged_prefill(spec: RaggedPrefillSpec) -> ir.Module:
     """``batch_prefill_ragged_kv`` (the signature of kv_cache.build_ragged_prefill; q_indptr and
     kv_indptr arrive as host-readable buffer views), fused."""
-    dt = lambda: element_type(spec.dtype)  # noqa: E731
-    arg_types = [lambda: tensor_type([DYN, spec.h_q, spec.d_qk], dt()), buffer_view_type,
-                 lambda: tensor_type([DYN, spec.h_kv, spec.d_qk], dt()),
-                 lambda: tensor_type([DYN, spec.h_kv, spec.d_v], dt()), buffer_view_type, _rank1_i32, _rank1_i32,
-                 i32, i32, f32, f32, f32]
-
     def emit(q, q_indptr_view, k, v, kv_indptr_view, q_rope_position, k_rope_pos_offset,
              causal, rotary_mode, rope_scale, rope_theta, sm_scale):
         rope = RopeArgs(rotary_mode, rope_scale, rope_theta, dict(spec.rope_scaling), spec.rotary_dim)
@@ -423,7 +400,7 @@ def build_fused_ragged_prefill(spec: RaggedPrefillSpec) -> ir.Module:
         return _kv_cache_body(spec, _rotated_if(rope, q, q_rope_position), q_indptr, kv,
                               causal=causal, sm_scale=sm_scale, rope=rope)
 
-    return _function(spec, spec.d_v, emit, arg_types)
+    return function_module(spec, emit, host_readable=("q_indptr", "kv_indptr"))
 
 
 def _paged_geometry(spec, page_indptr: HostReadable, length_info: HostReadable):
@@ -455,6 +432,10 @@ def _paged_source(spec, table, page_values, fetch):
     return source
 
 
+#: The paged variants' index arguments the fused kernels read on the host side of their dispatches.
+_PAGED_HOST_READABLE = ("q_indptr", "page_indptr", "length_info")
+
+
 def _length_info_rank(spec) -> int:
     return 2 if spec.sliding_window else 1
 
@@ -462,11 +443,6 @@ def _length_info_rank(spec) -> int:
 def build_fused_paged_prefill(spec: PagedPrefillSpec) -> ir.Module:
     """``batch_prefill_paged_kv[_sliding_window]`` (kv_cache.build_paged_prefill's signature;
     q_indptr, page_indptr and length_info arrive as host-readable buffer views), fused."""
-    dt = lambda: element_type(spec.dtype)  # noqa: E731
-    arg_types = [lambda: tensor_type([DYN, spec.h_q, spec.d], dt()), buffer_view_type,
-                 lambda: tensor_type([DYN, 2, spec.h_kv, spec.page_size, spec.d], dt()), buffer_view_type, _rank1_i32,
-                 buffer_view_type, _rank1_i32, _rank1_i32, i32, i32, f32, f32, f32]
-
     def emit(q, q_indptr_view, pages, page_indptr_view, page_values, length_info_view, k_rope_pos_offset,
              q_rope_position, causal, rotary_mode, rope_scale, rope_theta, sm_scale):
         rope = RopeArgs(rotary_mode, rope_scale, rope_theta, dict(spec.rope_scaling), spec.rotary_dim)
@@ -485,18 +461,13 @@ def build_fused_paged_prefill(spec: PagedPrefillSpec) -> ir.Module:
         return _kv_cache_body(spec, _rotated_if(rope, q, q_rope_position), q_indptr, kv,
                               causal=causal, sm_scale=sm_scale, rope=rope)
 
-    return _function(spec, spec.d, emit, arg_types)
+    return function_module(spec, emit, host_readable=_PAGED_HOST_READABLE)
 
 
 def build_fused_mla_prefill(spec: MlaPagedPrefillSpec) -> ir.Module:
     """``batch_prefill_paged_kv_mla[_sliding_window]`` (kv_cache.build_mla_prefill's signature,
     index arrays as for the paged kernel), fused: keys are whole latent rows, values their first
     d_latent columns."""
-    dt = lambda: element_type(spec.dtype)  # noqa: E731
-    arg_types = [lambda: tensor_type([DYN, spec.h_q, spec.d_qk], dt()), buffer_view_type,
-                 lambda: tensor_type([DYN, spec.page_size, spec.d_qk], dt()), buffer_view_type, _rank1_i32,
-                 buffer_view_type, i32, f32]
-
     def emit(q, q_indptr_view, pages, page_indptr_view, page_values, length_info_view, causal, sm_scale):
         q_indptr = HostReadable(q_indptr_view, 1, "q_indptr")
         page_indptr = HostReadable(page_indptr_view, 1, "page_indptr")
@@ -511,4 +482,4 @@ def build_fused_mla_prefill(spec: MlaPagedPrefillSpec) -> ir.Module:
                      1, spec.d_qk, spec.d_latent, None)
         return _kv_cache_body(spec, q, q_indptr, kv, causal=causal, sm_scale=sm_scale, rope=None)
 
-    return _function(spec, spec.d_latent, emit, arg_types)
+    return function_module(spec, emit, host_readable=_PAGED_HOST_READABLE)

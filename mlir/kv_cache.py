@@ -26,10 +26,10 @@ from typing import Callable, Union
 
 from .ir import (
     DYN, affine_map, arith_d, ceil_div, collapse, const_index, dim, element_type, empty, expand, extract_slice, f32,
-    fill, func_d, generic, i32, index, ir, le, linalg_d, lt, module_context, one_of, scf_d, sizes_of, storage_tiles,
+    fill, generic, i32, index, ir, le, linalg_d, lt, one_of, scf_d, sizes_of, storage_tiles,
     tensor_d, tensor_type, tie_dims, widened,
 )
-from .abi import argument_types
+from .abi import function_module
 from .layout import group_query_rows
 from .masks import kv_cache_validity
 from .online_softmax import ScoreIndices, ScoreMask, online_softmax, unmasked_kv_tiles
@@ -409,27 +409,6 @@ def _mla_loader(spec: MlaPagedPrefillSpec, pages, page_indptr, page_values, leng
     return load
 
 
-def _function(spec, d_v: int, emit, arg_types: list | None = None) -> ir.Module:
-    """A verified module with one function ``spec.symbol(*args) -> (output, lse)``; its arguments
-    are typed by the variant's table (mlir/abi.py), or by ``arg_types`` (callables giving each
-    type in the open context)."""
-    with module_context() as module:
-        dt = element_type(spec.dtype)
-        out_type = tensor_type([DYN, spec.h_q, d_v], dt)
-        lse_type = tensor_type([DYN, spec.h_q], f32())
-        with ir.InsertionPoint(module.body):
-            types = argument_types(spec) if arg_types is None else [t() for t in arg_types]
-            fn = func_d.FuncOp(spec.symbol, (types, [out_type, lse_type]))
-            with ir.InsertionPoint(fn.add_entry_block()):
-                func_d.ReturnOp(emit(*fn.arguments))
-        module.operation.verify()
-        return module
-
-
-def _rank1_i32():
-    return tensor_type([DYN], i32())
-
-
 def build_ragged_prefill(spec: RaggedPrefillSpec, *, row_chunk: int | None) -> ir.Module:
     """``batch_prefill_ragged_kv(q, q_indptr, k, v, kv_indptr, q_rope_position, k_rope_pos_offset,
     causal, rotary_mode, rope_scale, rope_theta, sm_scale) -> (output, lse)``."""
@@ -442,7 +421,7 @@ def build_ragged_prefill(spec: RaggedPrefillSpec, *, row_chunk: int | None) -> i
             causal=causal, sm_scale=sm_scale, rope=rope, row_chunk=row_chunk,
         )
 
-    return _function(spec, spec.d_v, emit)
+    return function_module(spec, emit)
 
 
 def build_paged_prefill(spec: PagedPrefillSpec, *, row_chunk: int | None) -> ir.Module:
@@ -458,7 +437,7 @@ def build_paged_prefill(spec: PagedPrefillSpec, *, row_chunk: int | None) -> ir.
             causal=causal, sm_scale=sm_scale, rope=rope, row_chunk=row_chunk,
         )
 
-    return _function(spec, spec.d, emit)
+    return function_module(spec, emit)
 
 
 def build_mla_prefill(spec: MlaPagedPrefillSpec, *, row_chunk: int | None) -> ir.Module:
@@ -471,4 +450,4 @@ def build_mla_prefill(spec: MlaPagedPrefillSpec, *, row_chunk: int | None) -> ir
             causal=causal, sm_scale=sm_scale, rope=None, row_chunk=row_chunk,
         )
 
-    return _function(spec, spec.d_latent, emit)
+    return function_module(spec, emit)

@@ -21,10 +21,10 @@ from typing import Union
 
 from .ir import (
     DYN, affine_map, arith_d, ceil_div, const_index, dim, element_type, empty, extract_slice, f32, fill,
-    func_d, generic, ir, le, linalg_d, lt, module_context, one_of, scf_d, sizes_of, storage_tiles,
+    generic, ir, le, linalg_d, lt, one_of, scf_d, sizes_of, storage_tiles,
     tensor_d, tensor_type, tie_dims, widened,
 )
-from .abi import argument_types
+from .abi import function_module
 from .layout import group_query_rows
 from .masks import sequence_validity
 from .online_softmax import ScoreIndices, ScoreMask, online_softmax, unmasked_kv_tiles
@@ -113,17 +113,7 @@ def _visible_kv_tiles(spec: SequenceSpec, q_tile: int, lengths: _Lengths, first_
 def build_sequence_prefill(spec: SequenceSpec, *, row_chunk: int | None) -> ir.Module:
     """The verified module for a dense (or masked) sequence-prefill spec; symbol ``spec.symbol``.
     ``row_chunk``: the widest row the online softmax reduces in one op (None: whole rows)."""
-    with module_context() as module:
-        dt = element_type(spec.dtype)
-        arg_types = argument_types(spec)
-        out_type = tensor_type([DYN, DYN, spec.h_q, spec.d], dt)
-        lse_type = tensor_type([DYN, DYN, spec.h_q], f32())
-        with ir.InsertionPoint(module.body):
-            fn = func_d.FuncOp(spec.symbol, (arg_types, [out_type, lse_type]))
-            with ir.InsertionPoint(fn.add_entry_block()):
-                func_d.ReturnOp(_emit_sized_body(spec, row_chunk, *fn.arguments))
-        module.operation.verify()
-        return module
+    return function_module(spec, lambda *args: _emit_sized_body(spec, row_chunk, *args))
 
 
 def _emit_sized_body(spec: SequenceSpec, row_chunk: int | None, q, k, v, valid_lens=None):

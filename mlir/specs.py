@@ -5,7 +5,10 @@ A spec holds only structural choices (head counts, head dims, dtype, mask kind, 
 mask, as Gemma 2 does; ``rotary_dim`` on the RoPE variants: only the first ``rotary_dim`` dims of
 q and k rotate, Hugging Face's ``partial_rotary_factor``). Its
 ``symbol`` is the seed's function name (the exported entry point); its ``name`` spells every field
-and names the artifact. Runtime scalars and sequence lengths are kernel arguments, not fields.
+and names the artifact; ``kv_layout`` says where keys and values live: ``dense`` (k, v [B, Lk, h_kv,
+d]), ``ragged`` (k, v rows by kv_indptr), ``paged`` (pages [P, 2, h_kv, page_size, d]) or
+``latent`` (MLA: pages [P, page_size, d_qk], a key row whose first d_v columns are its value).
+Runtime scalars and sequence lengths are kernel arguments, not fields.
 """
 
 from __future__ import annotations
@@ -91,8 +94,20 @@ class _SpecBase:
         return fields
 
 
+class _OneHeadDim(_SpecBase):
+    """A variant whose q, k and v share one head dim ``d``; every spec has ``d_qk`` and ``d_v``."""
+
+    @property
+    def d_qk(self) -> int:
+        return self.d
+
+    @property
+    def d_v(self) -> int:
+        return self.d
+
+
 @dataclass(frozen=True)
-class SequencePrefillSpec(_SpecBase):
+class SequencePrefillSpec(_OneHeadDim):
     """Dense batched prefill, ``batch_sequence_prefill_kv(q, k, v) -> (output, lse)``.
 
     q [B, qo_len, h_q, d], k/v [B, kv_len, h_kv, d] in ``dtype``; output like q, lse [B, qo_len,
@@ -111,6 +126,7 @@ class SequencePrefillSpec(_SpecBase):
     logits_soft_cap: float = 0.0
 
     symbol = "batch_sequence_prefill_kv"
+    kv_layout = "dense"
 
     def __post_init__(self):
         _check_heads(self.h_q, self.h_kv)
@@ -127,7 +143,7 @@ class SequencePrefillSpec(_SpecBase):
 
 
 @dataclass(frozen=True)
-class MaskedSequencePrefillSpec(_SpecBase):
+class MaskedSequencePrefillSpec(_OneHeadDim):
     """Dense batched prefill with per-entry valid length,
     ``batch_sequence_prefill_kv_masked(q, k, v, valid_lens) -> (output, lse)``.
 
@@ -147,6 +163,7 @@ class MaskedSequencePrefillSpec(_SpecBase):
     logits_soft_cap: float = 0.0
 
     symbol = "batch_sequence_prefill_kv_masked"
+    kv_layout = "dense"
 
     def __post_init__(self):
         _check_heads(self.h_q, self.h_kv)
@@ -262,6 +279,7 @@ class RaggedPrefillSpec(_SpecBase):
     rotary_dim: int | None = None
 
     symbol = "batch_prefill_ragged_kv"
+    kv_layout = "ragged"
 
     def __post_init__(self):
         object.__setattr__(self, "rope_scaling", freeze_rope_scaling(self.rope_scaling))
@@ -279,7 +297,7 @@ class RaggedPrefillSpec(_SpecBase):
 
 
 @dataclass(frozen=True)
-class PagedPrefillSpec(_SpecBase):
+class PagedPrefillSpec(_OneHeadDim):
     """Paged KV prefill, ``batch_prefill_paged_kv[_sliding_window]`` (semantics §1.1, §2).
 
     ``(q [Lq, h_q, d], q_indptr [B+1], pages [P, 2, h_kv, page_size, d], page_indptr [B+1],
@@ -298,6 +316,8 @@ class PagedPrefillSpec(_SpecBase):
     kv_tile: int = KV_CACHE_KV_TILE
     logits_soft_cap: float = 0.0
     rotary_dim: int | None = None
+
+    kv_layout = "paged"
 
     def __post_init__(self):
         object.__setattr__(self, "rope_scaling", freeze_rope_scaling(self.rope_scaling))
@@ -346,6 +366,7 @@ class MlaPagedPrefillSpec(_SpecBase):
         _check_common(self)
 
     h_kv = 1
+    kv_layout = "latent"
 
     @property
     def symbol(self) -> str:
@@ -354,6 +375,10 @@ class MlaPagedPrefillSpec(_SpecBase):
     @property
     def d_qk(self) -> int:
         return self.d_latent + self.d_rope
+
+    @property
+    def d_v(self) -> int:
+        return self.d_latent
 
     @property
     def name(self) -> str:
