@@ -45,7 +45,9 @@ import numpy as np
 from linalg_prefill.mlir import MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec
 from linalg_prefill.pipeline import Target, compile_spec
 from linalg_prefill.pipeline.model_config import load_model_config, specs_for_model
-from linalg_prefill.runtime.compare import example_inputs, reference_call
+from linalg_prefill.runtime.compare import reference_call
+from linalg_prefill.mlir.abi import argument_names
+from linalg_prefill.runtime.examples import example_inputs
 from linalg_prefill.runtime.tolerance import applies_rope, tolerances
 from linalg_prefill.runtime.decode import DECODE_PASSES, decode_calls, pass_queries
 
@@ -91,28 +93,11 @@ def bench_cases(dense_lengths=(2048, 8192)):
 
 
 def serving_batch(spec, rng, entries, window=False):
-    """Seed-ABI arguments of a paged or MLA serving step (no RoPE, causal): ``entries`` as
-    (new tokens, cached tokens), pages shuffled; ``window`` gives every entry 3 sink rows and
-    a window that starts 5 rows in."""
-    qo_lens, kv_lens = np.array(entries).T
-    physical = kv_lens + (2 if window else 0)  # kv_len = physical - window_offset + sink
-    counts = -(-physical // spec.page_size)
-    page_indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-    page_values = rng.permutation(int(page_indptr[-1])).astype(np.int32)
-    last = (physical - 1) % spec.page_size + 1
-    info = np.stack([last, np.full_like(last, 5), np.full_like(last, 3)]) if window else last
-    q_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
-    mla = isinstance(spec, MlaPagedPrefillSpec)
-    d = spec.d_qk if mla else spec.d
-    shape = (int(page_indptr[-1]), spec.page_size, d) if mla else (int(page_indptr[-1]), 2, spec.h_kv, spec.page_size, d)
-    q = rng.uniform(-1, 1, (int(q_indptr[-1]), spec.h_q, d)).astype(np.float32)
-    pages = rng.uniform(-1, 1, shape).astype(np.float32)
-    q, pages = _in_dtype(q, spec), _in_dtype(pages, spec)
-    info = np.ascontiguousarray(info.astype(np.int32))
-    if mla:
-        return q, q_indptr, pages, page_indptr, page_values, info, 1, spec.d_qk ** -0.5
-    zeros_b, zeros_q = np.zeros(len(entries), np.int32), np.zeros(int(q_indptr[-1]), np.int32)
-    return q, q_indptr, pages, page_indptr, page_values, info, zeros_b, zeros_q, 1, 0, 1.0, 1e4, spec.d ** -0.5
+    """Seed-ABI arguments of a paged or MLA serving step (no RoPE, causal; runtime/examples.py):
+    ``entries`` as (new tokens, cached tokens), pages shuffled; ``window`` gives every entry 3
+    sink rows and a window that starts 5 rows in."""
+    rope_off = {"rotary_mode": 0} if "rotary_mode" in argument_names(spec) else {}
+    return example_inputs(spec, rng, entries, window=[(5, 3)] * len(entries) if window else None, **rope_off)
 
 
 SERVING_VARIANTS = ("paged-f16", "paged-window-bf16", "mla-f16")

@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from linalg_prefill.mlir import PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec  # noqa: E402
 from linalg_prefill.bench import best_time  # noqa: E402
 from linalg_prefill.runtime import open_kernel  # noqa: E402
+from linalg_prefill.runtime.examples import page_table  # noqa: E402
 
 H_Q, H_KV, D, PAGE_SIZE = 32, 8, 128, 16
 
@@ -46,17 +47,15 @@ def ragged_inputs(lengths, rng):
 
 def paged_inputs(k, v, indptr, lengths, rng):
     """The same KV written into shuffled pages: (pages, page_indptr, page_values, last_page_len)."""
-    counts = [-(-n // PAGE_SIZE) for n in lengths]
-    page_indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-    page_values = rng.permutation(int(page_indptr[-1])).astype(np.int32)
-    pages = np.zeros((len(page_values), 2, H_KV, PAGE_SIZE, D), np.float32)
+    table = page_table(rng, lengths, PAGE_SIZE, spare_pages=0)
+    page_indptr, page_values = table.page_indptr, table.page_values
+    pages = np.zeros((table.num_pages, 2, H_KV, PAGE_SIZE, D), np.float32)
     for b, n in enumerate(lengths):
         rows = np.arange(n)
         ids = page_values[page_indptr[b] + rows // PAGE_SIZE]
         pages[ids, 0, :, rows % PAGE_SIZE] = k[indptr[b]:indptr[b] + n]
         pages[ids, 1, :, rows % PAGE_SIZE] = v[indptr[b]:indptr[b] + n]
-    last = np.array([(n - 1) % PAGE_SIZE + 1 if n else 1 for n in lengths], np.int32)
-    return pages, page_indptr, page_values, last
+    return pages, page_indptr, page_values, table.length_info
 
 
 def torch_loop(q, k, v, indptr):

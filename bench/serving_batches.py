@@ -36,6 +36,7 @@ from linalg_prefill.mlir import PagedPrefillSpec  # noqa: E402
 from linalg_prefill.bench import best_times  # noqa: E402
 from linalg_prefill.runtime import PagedPrefillWrapper  # noqa: E402
 from linalg_prefill.runtime.checks import NUMPY_DTYPES  # noqa: E402
+from linalg_prefill.runtime.examples import page_table, uniform  # noqa: E402
 from linalg_prefill.runtime.module import as_device_arrays  # noqa: E402
 
 H_Q, H_KV, D, PAGE_SIZE = 32, 8, 128, 16
@@ -69,16 +70,12 @@ def cached_lengths(batch: int, cached: str, rng: np.random.Generator) -> np.ndar
 def serving_step(batch: int, new: int, cached: np.ndarray, dtype: str, rng: np.random.Generator) -> dict:
     """One step's inputs: queries, shuffled pages holding every entry's KV, and the page table."""
     kv_lens = cached + new
-    counts = -(-kv_lens // PAGE_SIZE)
-    page_indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-    page_values = rng.permutation(int(page_indptr[-1])).astype(np.int32)
-    np_dtype = NUMPY_DTYPES[dtype]
-    pages = rng.uniform(-1, 1, (len(page_values), 2, H_KV, PAGE_SIZE, D)).astype(np_dtype)
-    last_page_len = ((kv_lens - 1) % PAGE_SIZE + 1).astype(np.int32)
-    q = rng.uniform(-1, 1, (batch * new, H_Q, D)).astype(np_dtype)
+    table = page_table(rng, kv_lens, PAGE_SIZE, spare_pages=0)
+    pages = uniform(rng, (table.num_pages, 2, H_KV, PAGE_SIZE, D), dtype)
+    q = uniform(rng, (batch * new, H_Q, D), dtype)
     q_indptr = (np.arange(batch + 1) * new).astype(np.int32)
-    return dict(q=q, q_indptr=q_indptr, pages=pages, page_indptr=page_indptr, page_values=page_values,
-                last_page_len=last_page_len, kv_lens=kv_lens)
+    return dict(q=q, q_indptr=q_indptr, pages=pages, page_indptr=table.page_indptr, page_values=table.page_values,
+                last_page_len=table.length_info, kv_lens=kv_lens)
 
 
 def gathered_kv(step: dict) -> tuple[np.ndarray, np.ndarray]:

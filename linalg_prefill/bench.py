@@ -17,8 +17,6 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .mlir.specs import MaskedSequencePrefillSpec, MlaPagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec
-
 
 @dataclass(frozen=True)
 class BenchRow:
@@ -35,27 +33,16 @@ class BenchRow:
     ratio: float | None
 
 
-def head_dims(spec) -> tuple[int, int, int, int]:
-    """(h_q, h_kv, d_qk, d_v) of any spec; MLA is one latent KV head of d_latent + d_rope."""
-    if isinstance(spec, MlaPagedPrefillSpec):
-        return spec.h_q, 1, spec.d_latent + spec.d_rope, spec.d_latent
-    if isinstance(spec, RaggedPrefillSpec):
-        return spec.h_q, spec.h_kv, spec.d_qk, spec.d_v
-    return spec.h_q, spec.h_kv, spec.d, spec.d
-
-
 def is_causal(spec) -> bool:
-    """Whether the benchmarked call is causal (KV-cache variants run with causal=1)."""
-    if isinstance(spec, SequencePrefillSpec):
-        return spec.causal
-    return not (isinstance(spec, MaskedSequencePrefillSpec) and spec.mask_mode == "padded")
+    """Whether the benchmarked call is causal: the dense spec's choice (the right-padded mask is
+    not), causal=1 for the KV-cache variants."""
+    return getattr(spec, "causal", True)
 
 
 def attention_flops(spec, batch: int, tokens: int) -> float:
     """FLOPs of the unmasked pairs of ``batch`` prefills of ``tokens`` (qo_len = kv_len)."""
-    h_q, _, d_qk, d_v = head_dims(spec)
     pairs = tokens * (tokens + 1) // 2 if is_causal(spec) else tokens * tokens
-    return 2.0 * batch * pairs * h_q * (d_qk + d_v)
+    return 2.0 * batch * pairs * spec.h_q * (spec.d_qk + spec.d_v)
 
 
 def best_time(fn, repeat: int) -> float:
@@ -91,10 +78,9 @@ def torch_sdpa(spec, batch: int, tokens: int, rng: np.random.Generator):
         import torch.nn.functional as F
     except ImportError:
         return None
-    h_q, h_kv, d_qk, d_v = head_dims(spec)
+    h_q, h_kv, d_qk, d_v = spec.h_q, spec.h_kv, spec.d_qk, spec.d_v
     dtype = getattr(torch, spec.dtype)
-    dense = isinstance(spec, (SequencePrefillSpec, MaskedSequencePrefillSpec))
-    calls, rows = (1, batch) if dense else (batch, 1)
+    calls, rows = (1, batch) if spec.kv_layout == "dense" else (batch, 1)
 
     def tensor(heads, dim):
         return torch.from_numpy(rng.uniform(-1, 1, (rows, heads, tokens, dim)).astype(np.float32)).to(dtype)
@@ -113,7 +99,7 @@ def bench_artifacts(out_dir: str, backends: list[str], *, tokens: int, batch: in
                     seed: int = 0, log=print) -> list[BenchRow]:
     """Times every artifact of ``out_dir`` on each backend with a device here (see module doc)."""
     from .runtime.artifact_set import open_artifacts
-    from .runtime.compare import example_inputs
+    from .runtime.examples import example_inputs
     from .runtime.devices import device_available
     from .pipeline.targets import target_for
 

@@ -173,7 +173,8 @@ def _check(out_dir: str, backends: list, seed: int, *, strict: bool = False) -> 
     import numpy as np
 
     from .runtime.artifact_set import open_artifacts, spec_from_entry
-    from .runtime.compare import compare_backends, example_inputs
+    from .runtime.compare import compare_backends
+    from .runtime.examples import example_inputs
     from .pipeline.artifacts import ArtifactError, load_manifest
 
     try:

@@ -12,6 +12,7 @@ from .mlir import (
 )
 from .runtime import open_kernel, reference
 from .runtime.checks import NUMPY_DTYPES
+from .runtime.examples import page_table, uniform
 from .runtime.tolerance import applies_rope, excess, tolerances
 from .pipeline.compiler import compile_spec
 from .pipeline.targets import Target
@@ -50,16 +51,6 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
           "original_max_position_embeddings": 8192}
 
 
-def _pages(rng, lengths, page_size, row_shape, dt):
-    """Shuffled pages holding ``lengths`` rows per entry: (pages, page_indptr, page_values, last_page_len)."""
-    counts = [-(-n // page_size) for n in lengths]
-    page_indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-    page_values = rng.permutation(int(page_indptr[-1]) + 2)[: int(page_indptr[-1])].astype(np.int32)
-    pages = rng.uniform(-1, 1, (int(page_indptr[-1]) + 2, *row_shape)).astype(dt)
-    last = np.array([(n - 1) % page_size + 1 if n else 1 for n in lengths], np.int32)
-    return pages, page_indptr, page_values, last
-
-
 def _kv_cache_cases(rng):
     """Ragged self-attention of new tokens, paged (± sliding window) prefix, and MLA, with RoPE."""
     new_lens, prefix_lens = [37, 128, 5], [100, 0, 300]
@@ -78,18 +69,19 @@ def _kv_cache_cases(rng):
     for sliding in (False, True):
         paged = PagedPrefillSpec(32, 8, 128, "float32", page_size=16, rope_scaling=LLAMA3, sliding_window=sliding)
         physical = [n + 6 if sliding and n else n for n in prefix_lens]  # 6 evicted rows after 2 sinks
-        pages, page_indptr, page_values, last = _pages(rng, physical, 16, (2, 8, 16, 128), np.float32)
-        length_info = np.stack([last, np.full(3, 8, np.int32), np.full(3, 2, np.int32)]) if sliding else last
+        table = page_table(rng, physical, 16, window=[(8, 2)] * 3 if sliding else None)
+        pages = uniform(rng, (table.num_pages, 2, 8, 16, 128), "float32")
         qf = q.astype(np.float32)
-        args = (qf, q_indptr, pages, page_indptr, page_values, np.ascontiguousarray(length_info, np.int32),
+        args = (qf, q_indptr, pages, table.page_indptr, table.page_values, table.length_info,
                 np.zeros(3, np.int32), q_pos, 0, 1, 1.0, 5e5, 128 ** -0.5)
         yield paged, args, reference.batch_prefill_paged_kv(*args, rope_scaling=LLAMA3, sliding_window=sliding)
 
     mla = MlaPagedPrefillSpec(16, 512, 64, "bfloat16", page_size=64)
     dt = NUMPY_DTYPES[mla.dtype]
-    pages, page_indptr, page_values, last = _pages(rng, prefix_lens, 64, (64, 576), dt)
+    table = page_table(rng, prefix_lens, 64)
+    pages = uniform(rng, (table.num_pages, 64, 576), mla.dtype)
     q = rng.uniform(-1, 1, (int(q_indptr[-1]), 16, 576)).astype(dt)
-    args = (q, q_indptr, pages, page_indptr, page_values, last, 0, 192 ** -0.5)
+    args = (q, q_indptr, pages, table.page_indptr, table.page_values, table.length_info, 0, 192 ** -0.5)
     yield mla, args, reference.batch_prefill_paged_kv_mla(*args, d_latent=512)
 
 

@@ -76,6 +76,12 @@ def position(spec, name: str) -> int | None:
     return names.index(name) if name in names else None
 
 
+def concrete_dims(spec, arg: Arg, sizes: dict) -> tuple[int, ...]:
+    """``arg``'s dims for one call: ints as they are, spec fields read from ``spec``, symbols
+    (``"B"``, ``"Lq"``, ``"Lk"``, ``"P"``, ...) from ``sizes``."""
+    return tuple(d if isinstance(d, int) else sizes[d] if d in sizes else getattr(spec, d) for d in arg.dims_of(spec))
+
+
 def _dim(spec, value) -> int:
     return value if isinstance(value, int) else getattr(spec, value, DYN)
 

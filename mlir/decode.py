@@ -96,6 +96,22 @@ class DecodeSpec:
         return self.base.dtype
 
     @property
+    def group_size(self) -> int:
+        return self.base.group_size
+
+    @property
+    def kv_layout(self) -> str:
+        return self.base.kv_layout
+
+    @property
+    def sliding_window(self) -> bool:
+        return getattr(self.base, "sliding_window", False)
+
+    @property
+    def logits_soft_cap(self) -> float:
+        return self.base.logits_soft_cap
+
+    @property
     def block(self) -> int:
         """Logical KV rows per table entry."""
         return RAGGED_BLOCK if self.base.kv_layout == "ragged" else self.base.page_size

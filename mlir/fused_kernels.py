@@ -33,7 +33,7 @@ from .attention_op import TILE, attend_band
 from .ir import (
     DYN, HostReadable, affine_map, arith_d, ceil_div, collapse, const_index, dim, element_type,
     empty, expand, extract_slice, f32, fill, generic, i32, index, insert_slice, ir, le, linalg_d, lt,
-    on_target_device, one_of, own_dispatch, scf_d, sizes_of, storage_tiles, tensor_d, tensor_type,
+    one_of, own_dispatch, scf_d, sizes_of, storage_tiles, tensor_d, tensor_type,
     tie_dims,
 )
 from .kv_cache import (
@@ -41,6 +41,7 @@ from .kv_cache import (
     page_bounds, physical_row,
 )
 from .masks import kv_cache_validity, sequence_validity
+from .query_tiles import QueryTiles
 from .specs import MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec
 
 #: Query tiles per band of a long call or entry: 256 tokens, the band size of the measured CUDA
@@ -164,21 +165,11 @@ def _sequence_body(spec, band_tiles: int, q, k, v, valid_lens):
     stored = storage_tiles(kv_len, TILE)
     keys, values = _dense_tiles(k, stored), _dense_tiles(v, stored)
     diagonal = arith_d.subi(kv_len, q_len)
-    out_sizes, lse_sizes = [batch, padded, spec.h_q, d], [batch, padded, spec.h_q]
-    dt = ir.RankedTensorType(q.type).element_type
+    driver = QueryTiles([batch, padded, spec.h_q, d], [batch, padded, spec.h_q], group, h_kv, fenced=False)
 
-    def tied(carried):
-        return [tie_dims(carried[0], out_sizes), tie_dims(carried[1], lse_sizes)]
-
-    entries = scf_d.ForOp(const_index(0), batch, const_index(1),
-                          [on_target_device(empty(out_sizes, dt), out_sizes),
-                           on_target_device(empty(lse_sizes, f32()), lse_sizes)])
-    with ir.InsertionPoint(entries.body):
-        b = entries.induction_variable
-        bands = scf_d.ForOp(const_index(0), num_bands, const_index(1), tied(entries.inner_iter_args))
-        with ir.InsertionPoint(bands.body):
-            out_acc, lse_acc = tied(bands.inner_iter_args)
-            first = arith_d.muli(bands.induction_variable, const_index(band))
+    def entry(b, carried):
+        def band_of(first, carried):
+            out_acc, lse_acc = carried
             last_row_end = arith_d.minsi(arith_d.addi(first, const_index(band)), q_len)
             visible = _visible_tiles(spec.causal, last_row_end, diagonal, kv_len)
 
@@ -190,9 +181,11 @@ def _sequence_body(spec, band_tiles: int, q, k, v, valid_lens):
             out, lse = attend_band(_band(q_rows, [b, first], band), _kv_prefix(keys, [b, 0], visible),
                                    _kv_prefix(values, [b, 0], visible), first_row=first, valid=valid,
                                    sm_scale=spec.sm_scale, soft_cap=spec.logits_soft_cap)
-            scf_d.YieldOp([_write_band(out, out_acc, [b, first]), _write_band(lse, lse_acc, [b, first])])
-        scf_d.YieldOp(tied(bands.results))
-    out, lse = tied(entries.results)
+            return [_write_band(out, out_acc, [b, first]), _write_band(lse, lse_acc, [b, first])]
+
+        return driver.tiles(num_bands, band, carried, band_of)
+
+    out, lse = driver.entries(batch, ir.RankedTensorType(q.type).element_type, entry)
     return [extract_slice(out, [0, 0, 0, 0], [batch, q_len, spec.h_q, d]),
             extract_slice(lse, [0, 0, 0], [batch, q_len, spec.h_q])]
 
@@ -329,16 +322,9 @@ def _kv_cache_body(spec, q, q_indptr: HostReadable, kv: BatchKv, *, causal: ir.V
     num_tiles = arith_d.maxsi(_tile_offset(kv, _host_read, kv.batch), const_index(1))
     keys, values = _batch_tiles(kv, num_tiles, rope, dt)
     causal_on = _is_one(causal)
-    out_sizes, lse_sizes = [padded, spec.h_q, d_v], [padded, spec.h_q]
+    driver = QueryTiles([padded, spec.h_q, d_v], [padded, spec.h_q], group, h_kv, fenced=False)
 
-    def tied(carried):
-        return [tie_dims(carried[0], out_sizes), tie_dims(carried[1], lse_sizes)]
-
-    loop = scf_d.ForOp(const_index(0), kv.batch, const_index(1),
-                       [on_target_device(empty(out_sizes, dt), out_sizes),
-                        on_target_device(empty(lse_sizes, f32()), lse_sizes)])
-    with ir.InsertionPoint(loop.body):
-        b = loop.induction_variable
+    def entry(b, carried):
         q_start = q_indptr.load([b])
         qo_len = arith_d.subi(q_indptr.load([arith_d.addi(b, const_index(1))]), q_start)
         kv_len, first_tile = kv.kv_len(_host_read, b), _tile_offset(kv, _host_read, b)
@@ -350,27 +336,22 @@ def _kv_cache_body(spec, q, q_indptr: HostReadable, kv: BatchKv, *, causal: ir.V
         def bands_of(band_tiles: int):
             band = band_tiles * TILE
 
-            def run(carried):
-                bands = scf_d.ForOp(const_index(0), ceil_div(qo_len, band), const_index(1), carried)
-                with ir.InsertionPoint(bands.body):
-                    out_acc, lse_acc = tied(bands.inner_iter_args)
-                    first = arith_d.muli(bands.induction_variable, const_index(band))
-                    last_row_end = arith_d.minsi(arith_d.addi(first, const_index(band)), qo_len)
-                    visible = _visible_tiles(causal_on, last_row_end, diagonal, kv_len)
-                    token = arith_d.addi(q_start, first)
-                    out, lse = attend_band(_band(q_rows, [token], band),
-                                           _kv_prefix(keys, [first_tile], visible),
-                                           _kv_prefix(values, [first_tile], visible),
-                                           first_row=first, valid=valid, sm_scale=sm_scale,
-                                           soft_cap=spec.logits_soft_cap)
-                    scf_d.YieldOp([_write_band(out, out_acc, [token]), _write_band(lse, lse_acc, [token])])
-                return tied(bands.results)
+            def band_of(first, carried):
+                out_acc, lse_acc = carried
+                last_row_end = arith_d.minsi(arith_d.addi(first, const_index(band)), qo_len)
+                visible = _visible_tiles(causal_on, last_row_end, diagonal, kv_len)
+                token = arith_d.addi(q_start, first)
+                out, lse = attend_band(_band(q_rows, [token], band), _kv_prefix(keys, [first_tile], visible),
+                                       _kv_prefix(values, [first_tile], visible), first_row=first, valid=valid,
+                                       sm_scale=sm_scale, soft_cap=spec.logits_soft_cap)
+                return [_write_band(out, out_acc, [token]), _write_band(lse, lse_acc, [token])]
 
-            return run
+            return lambda carried: driver.tiles(ceil_div(qo_len, band), band, carried, band_of)
 
         is_short = le(qo_len, const_index(TILE))
-        scf_d.YieldOp(one_of(is_short, bands_of(1), bands_of(BAND_TILES), tied(loop.inner_iter_args), tied))
-    out, lse = tied(loop.results)
+        return one_of(is_short, bands_of(1), bands_of(BAND_TILES), driver.tied(carried), driver.tied)
+
+    out, lse = driver.entries(kv.batch, dt, entry)
     return [extract_slice(out, [0, 0, 0], [total_q, spec.h_q, d_v]),
             extract_slice(lse, [0, 0], [total_q, spec.h_q])]
 

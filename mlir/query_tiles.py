@@ -1,7 +1,9 @@
-"""The loop around the online-softmax emitter, shared by the dense and KV-cache families (linalg
-lowering): batch entries one after the other, each entry's queries in tiles, each tile attended
-over its KV tiles and written back in token order. A family supplies only how an entry's K/V are
-laid out, how a tile's KV is masked, and how many query tiles an entry has.
+"""The loop around the attention of one query tile, shared by the dense and KV-cache families of
+both lowerings: batch entries one after the other, each entry's queries in tiles (the fused
+lowering's bands), each tile attended over its KV and written back in token order. A family
+supplies only how an entry's K/V are laid out, how a tile's KV is masked, and how many query
+tiles an entry has; a lowering supplies the attention of a tile (the linalg online softmax and
+:meth:`QueryTiles.attend`, or the fused ``online_attention`` band).
 
     driver = QueryTiles(out_sizes, lse_sizes, group, h_kv)
     output, lse = driver.entries(count, dtype, lambda entry, carried: driver.tiles(
@@ -10,8 +12,8 @@ laid out, how a tile's KV is masked, and how many query tiles an entry has.
 
 The loops carry (output, lse, fence): the output [B, L_pad, h_q, d_v] and lse [B, L_pad, h_q]
 in token order, padded to whole query tiles, each tile written in place (their initial values
-go through ``on_target_device``, see layout.write_tile for why the padding is needed), and the
-previous tile's fence (layout.waited).
+go through ``on_target_device``, see layout.write_tile for why the padding is needed), and, in
+the linalg lowering (``fenced``), the previous tile's fence (layout.waited).
 """
 
 from __future__ import annotations
@@ -23,34 +25,37 @@ from .ir import IndexLike, arith_d, collapse, const_index, empty, extract_slice,
 from .layout import fence_after, first_fence, waited, write_tile
 from .online_softmax import AttentionTile, KvTile
 
-Carried = list  # [output, lse, fence]
+Carried = list  # [output, lse, fence] (fenced) or [output, lse]
 
 
 @dataclass(frozen=True)
 class QueryTiles:
-    """The carried output and lse sizes ([B, L_pad, h_q, d_v], [B, L_pad, h_q]) and the GQA
-    group and KV heads the query rows are folded with (layout.group_query_rows)."""
+    """The carried output and lse sizes ([B, L_pad, h_q, d_v], [B, L_pad, h_q]), the GQA group
+    and KV heads the query rows are folded with (layout.group_query_rows), and whether the loops
+    carry a fence (the linalg lowering's tiles wait for the previous one)."""
 
     out_sizes: Sequence[IndexLike]
     lse_sizes: Sequence[IndexLike]
     group: int
     h_kv: int
+    fenced: bool = True
 
     def tied(self, carried: Carried) -> Carried:
         """The carried values with their dynamic sizes tied (IREE then updates them in place)."""
-        return [tie_dims(carried[0], self.out_sizes), tie_dims(carried[1], self.lse_sizes), carried[2]]
+        return [tie_dims(carried[0], self.out_sizes), tie_dims(carried[1], self.lse_sizes), *carried[2:]]
 
     def entries(self, count: ir.Value, dtype: ir.Type, body: Callable[[ir.Value, Carried], Carried]) -> list[ir.Value]:
         """(output, lse) of an ``scf.for`` over ``count`` entries; ``body(entry, carried)``
         returns the carried values after the entry (``carried`` as the loop has them: pass them
         to :meth:`tiles` or through :meth:`tied`)."""
         initial = [on_target_device(empty(self.out_sizes, dtype), self.out_sizes),
-                   on_target_device(empty(self.lse_sizes, f32()), self.lse_sizes), first_fence()]
+                   on_target_device(empty(self.lse_sizes, f32()), self.lse_sizes)]
+        if self.fenced:
+            initial.append(first_fence())
         loop = scf_d.ForOp(const_index(0), count, const_index(1), initial)
         with ir.InsertionPoint(loop.body):
             scf_d.YieldOp(body(loop.induction_variable, list(loop.inner_iter_args)))
-        output, lse, _fence = self.tied(loop.results)
-        return [output, lse]
+        return self.tied(loop.results)[:2]
 
     def tiles(self, count: ir.Value, tile_tokens: int, carried: Carried,
               attend: Callable[[ir.Value, Carried], Carried]) -> Carried:
@@ -65,7 +70,7 @@ class QueryTiles:
 
     def attend(self, q_rows: ir.Value, entry: IndexLike, first_token: ir.Value, tile_tokens: int, carried: Carried,
                softmax: Callable[[ir.Value], AttentionTile]) -> Carried:
-        """One query tile: rows of tokens [first_token, first_token + tile_tokens) of ``q_rows``
+        """One query tile of the linalg lowering (fenced): rows of tokens [first_token, first_token + tile_tokens) of ``q_rows``
         [B, h_kv, L_pad * G, d_qk] at batch index ``entry``, attended by ``softmax(q_tile)`` (the
         family's mask and KV) and written into the carried output and lse at ``first_token``.
         The tile waits for the previous one (layout.waited) before it reads its rows."""

@@ -2,7 +2,8 @@
 float64 reference."""
 
 from .artifact_set import ArtifactSet, open_artifacts
-from .compare import ComparisonReport, compare_backends, example_inputs
+from .compare import ComparisonReport, compare_backends
+from .examples import example_inputs
 from .devices import cuda_available, device_available, get_device
 from .errors import InputError
 from .kernels import Kernel, open_kernel

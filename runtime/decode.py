@@ -24,12 +24,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..mlir.abi import argument_names
+from ..mlir.abi import argument_names, kv_sources
 from ..mlir.attention_op import TILE
 from ..mlir.decode import DecodeSpec
-from ..mlir.specs import MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec
 from .kv_checks import paged_kv_lengths
-
 
 
 @dataclass(frozen=True)
@@ -84,14 +82,10 @@ def _named(spec, args: tuple) -> dict:
     return dict(zip(argument_names(spec), args))
 
 
-#: The KV sources the decode kernel reads, by name.
-_KV_SOURCES = {RaggedPrefillSpec: ("k", "v"), PagedPrefillSpec: ("pages",), MlaPagedPrefillSpec: ("pages",)}
-
-
 def kv_lengths(spec, args: tuple) -> np.ndarray:
     """int64 [B]: each entry's logical KV length (semantics §2)."""
     named = _named(spec, args)
-    if isinstance(spec, RaggedPrefillSpec):
+    if spec.kv_layout == "ragged":
         return np.diff(_host(named["kv_indptr"]).astype(np.int64))
     return paged_kv_lengths(_host(named["page_indptr"]), _host(named["length_info"]), spec.page_size,
                             spec.sliding_window)
@@ -121,7 +115,7 @@ def block_table(spec: DecodeSpec, args: tuple, entries: np.ndarray, kv_lens: np.
     ``qo_lens`` queries (int [n] each); W is a multiple of ``width_multiple``."""
     base, block = spec.base, spec.block
     named = _named(base, args)
-    if isinstance(base, RaggedPrefillSpec):
+    if base.kv_layout == "ragged":
         starts = _host(named["kv_indptr"]).astype(np.int64)[entries]
         blocks = -(-kv_lens // block)
         first_blocks = [starts[i] + block * np.arange(blocks[i]) for i in range(len(entries))]
@@ -217,7 +211,7 @@ def _decode_call(pass_spec: DecodeSpec, args: tuple, q: np.ndarray, entries: np.
     q_pass[real] = q[rows[real]]
     q_pass = q_pass.reshape(n, queries, spec.h_kv, spec.group_size, -1).transpose(0, 2, 1, 3, 4)
     call_args = (np.ascontiguousarray(q_pass.reshape(n, spec.h_kv, queries * spec.group_size, -1)),
-                 *(named[name] for name in _KV_SOURCES[type(spec)]), table, geometry, int(named["causal"]),
+                 *(named[arg.name] for arg in kv_sources(spec)), table, geometry, int(named["causal"]),
                  float(named["sm_scale"]))
     return DecodeCall(pass_spec, call_args, rows, real)
 
@@ -276,7 +270,7 @@ def _rest_call(spec, args: tuple, decode: np.ndarray, qo_lens: np.ndarray, q_res
     rest = dict(named, q=np.ascontiguousarray(q_rest))
     if "q_rope_position" in named:
         rest["q_rope_position"] = np.ascontiguousarray(_host(named["q_rope_position"])[rest_rows])
-    if isinstance(spec, RaggedPrefillSpec):
+    if spec.kv_layout == "ragged":
         rest["q_indptr"] = np.concatenate([[0], np.cumsum(np.where(decode, 0, qo_lens))]).astype(np.int32)
         return list(rest.values())
     keep = np.flatnonzero(~decode)

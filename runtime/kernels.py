@@ -3,54 +3,24 @@
     kernel = open_kernel(SequencePrefillSpec(h_q=32, h_kv=8, d=128, dtype="float32",
                                              causal=True, sm_scale=128 ** -0.5))
     output, lse = kernel(q, k, v)     # numpy in, numpy out; checked before the kernel runs
+    output, lse = kernel(q=q, k=k, v=v)   # the same call, by the argument names of mlir/abi.py
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 from ..mlir.abi import argument_names
 from ..mlir.decode import DecodeSpec
-from ..mlir.specs import (
-    MaskedSequencePrefillSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec,
-    SequencePrefillSpec,
-)
 from ..pipeline import ArtifactCache, Target, compile_spec, target_for
-from .checks import NUMPY_DTYPES, check_int32, check_on_device, check_range, check_same, check_tensor
+from .checks import NUMPY_DTYPES, check_on_device
 from .decode import DECODE_PASSES, pass_queries, split_decode
 from .errors import InputError
-from .kv_checks import check_mla, check_paged, check_ragged
 from .interop import like_inputs, results_to_host
 from .module import LoadedKernel, as_device_arrays
-
-
-def check_sequence(spec, q, k, v) -> tuple[np.ndarray, ...]:
-    """q [B, Lq, h_q, d], k/v [B, Lk, h_kv, d], all in spec.dtype."""
-    q = check_tensor("q", q, dtype=spec.dtype, shape=(None, None, spec.h_q, spec.d))
-    k = check_tensor("k", k, dtype=spec.dtype, shape=(None, None, spec.h_kv, spec.d))
-    v = check_tensor("v", v, dtype=spec.dtype, shape=(None, None, spec.h_kv, spec.d))
-    check_same("k.shape[0]", k.shape[0], "q.shape[0] (batch)", q.shape[0])
-    check_same("v.shape[0]", v.shape[0], "q.shape[0] (batch)", q.shape[0])
-    check_same("v.shape[1]", v.shape[1], "k.shape[1] (kv_len)", k.shape[1])
-    return q, k, v
-
-
-def _check_masked(spec, q, k, v, valid_lens) -> tuple[np.ndarray, ...]:
-    q, k, v = check_sequence(spec, q, k, v)
-    valid_lens = check_int32("valid_lens", valid_lens, shape=(q.shape[0],))
-    check_range("valid_lens", valid_lens, 0, min(q.shape[1], k.shape[1]))
-    return q, k, v, valid_lens
-
-
-_CHECKS: dict[type, Callable[..., tuple]] = {
-    SequencePrefillSpec: check_sequence,
-    MaskedSequencePrefillSpec: _check_masked,
-    RaggedPrefillSpec: check_ragged,
-    PagedPrefillSpec: check_paged,
-    MlaPagedPrefillSpec: check_mla,
-}
+from .variants import call_arguments, variant
 
 
 class Kernel:
@@ -68,11 +38,11 @@ class Kernel:
         self.spec = spec
         self.target = target
         self._loaded = loaded
-        self._check = _CHECKS[type(spec)]
+        self._check = variant(spec).check
         self._arg_names = argument_names(spec)  # the seed's ABI names (mlir/abi.py)
         # KV-cache kernels hand their short entries to the lowering's one-pass kernels
         # (runtime/decode.py), compiled through ``cache`` on the first call that has some.
-        self._decode_pass = decode_pass and type(spec) in (RaggedPrefillSpec, PagedPrefillSpec, MlaPagedPrefillSpec)
+        self._decode_pass = decode_pass and spec.kv_layout != "dense"
         self._decode_passes = DECODE_PASSES[target.lowering]
         self._cache = cache
         self._decode_kernels: dict[int, LoadedKernel] = {}
@@ -81,7 +51,9 @@ class Kernel:
     def device(self):
         return self._loaded.device
 
-    def __call__(self, *args: Any, to_host: bool | None = None):
+    def __call__(self, *args: Any, to_host: bool | None = None, **named: Any):
+        """``kernel(*args)`` in the seed's order, or by name (``kernel(q=q, k=k, v=v)``), or both."""
+        args = call_arguments(self.spec, args, named)
         for name, value in zip(self._arg_names, args):
             check_on_device(name, value, self.device)
         host = results_to_host(args, to_host)
@@ -118,20 +90,12 @@ class Kernel:
 
 
 def _empty_result(spec, q: np.ndarray):
-    """Outputs for a call with no query rows (the kernel is not launched for zero-size work).
-
-    Dense variants have q [B, L, h_q, d]; the KV-cache variants q [L, h_q, d_qk] and an output
-    with ``spec.d_v`` (ragged) or ``spec.d_latent`` (MLA) columns.
-    """
-    shape, dtype = tuple(q.shape), NUMPY_DTYPES[spec.dtype]  # q may be an IREE DeviceArray
-    if len(shape) == 4:
-        if shape[0] and shape[1]:
-            return None
-        return np.zeros(shape, dtype), np.zeros(shape[:3], np.float32)
-    if shape[0]:
+    """Outputs for a call with no query rows (the kernel is not launched for zero-size work):
+    output q's shape with ``spec.d_v`` columns, lse f32 q's shape without its last dim."""
+    shape = tuple(q.shape)  # q may be an IREE DeviceArray
+    if all(shape[:-2]):
         return None
-    d_out = getattr(spec, "d_v", None) or getattr(spec, "d_latent", None) or spec.d
-    return np.zeros((0, spec.h_q, d_out), dtype), np.zeros((0, spec.h_q), np.float32)
+    return np.zeros((*shape[:-1], spec.d_v), NUMPY_DTYPES[spec.dtype]), np.zeros(shape[:-1], np.float32)
 
 
 def open_kernel(
@@ -145,8 +109,8 @@ def open_kernel(
 
     ``driver`` defaults to the backend's (``local-task`` for llvm-cpu, ``cuda`` for cuda).
     """
-    if type(spec) not in _CHECKS:
-        raise InputError(f"spec: unsupported spec type {type(spec).__name__}")
+    if variant(spec).check is None:
+        raise InputError(f"spec: {type(spec).__name__} is a pass of a variant's kernel, not a variant")
     target = target_for(backend)
     vmfb = compile_spec(spec, target, cache=cache)
     return Kernel(spec, target, LoadedKernel(vmfb, spec.symbol, driver or target.driver), cache=cache, decode_pass=True)

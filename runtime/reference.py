@@ -617,14 +617,14 @@ def batch_sequence_prefill_kv_masked(
     return out, lse
 
 
-def decode_entries(q: np.ndarray, *kv_and_plan: Any, kind: str, group: int, block: int, d_v: int,
+def decode_entries(q: np.ndarray, *kv_and_plan: Any, kv_layout: str, group_size: int, block: int, d_v: int,
                    sliding_window: bool = False, logits_soft_cap: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """One call of a serving pass (``decode_entries`` of mlir/decode.py and mlir/fused_decode.py).
 
-    ``q [n, h_kv, R, d_qk]`` (row ``t * group + g``: token t, query head ``h * group + g``), then
-    the KV sources of ``kind`` (``"paged"``: pages [P, 2, h_kv, block, d]; ``"mla"``: latent pages
-    [P, block, d_qk] whose first ``d_v`` columns are the values; ``"ragged"``: k [N, h_kv, d_qk],
-    v [N, h_kv, d_v]), ``table [n, W]`` (a page id, or for ragged the first row of a block of
+    ``q [n, h_kv, R, d_qk]`` (row ``t * G + g``: token t, query head ``h * G + g``, G =
+    ``group_size``), then the KV sources of ``kv_layout`` (``"paged"``: pages [P, 2, h_kv, block,
+    d]; ``"latent"``: MLA's pages [P, block, d_qk] whose first ``d_v`` columns are the values;
+    ``"ragged"``: k [N, h_kv, d_qk], v [N, h_kv, d_v]), ``table [n, W]`` (a page id, or for ragged the first row of a block of
     ``block`` rows), ``geometry [n, 4]`` (kv_len, sink, window_offset, qo_len), ``causal``,
     ``sm_scale``. Logical KV row c of entry i is physical row ``c`` (``c - sink + window_offset``
     past the sink with ``sliding_window``), found through the table; token t sees c when
@@ -633,6 +633,7 @@ def decode_entries(q: np.ndarray, *kv_and_plan: Any, kind: str, group: int, bloc
     """
     *sources, table, geometry, causal, sm_scale = kv_and_plan
     n, h_kv, rows, d_qk = q.shape
+    group = group_size
     queries = rows // group
     out = np.zeros((n, h_kv, rows, d_v))
     lse = np.full((n, h_kv, rows), EMPTY_ROW_LSE)
@@ -640,12 +641,12 @@ def decode_entries(q: np.ndarray, *kv_and_plan: Any, kind: str, group: int, bloc
         kv_len, sink, offset, qo_len = (int(x) for x in geometry[i])
         c = np.arange(kv_len)
         physical = np.where(c < sink, c, c - sink + offset) if sliding_window else c
-        if kind == "ragged":
+        if kv_layout == "ragged":
             row = table[i][physical // block] + physical % block
             k, v = sources[0][row], sources[1][row]
         else:
             page, slot = table[i][physical // block], physical % block
-            if kind == "paged":
+            if kv_layout == "paged":
                 k, v = sources[0][page, 0, :, slot], sources[0][page, 1, :, slot]
             else:
                 latent = sources[0][page, slot][:, None]

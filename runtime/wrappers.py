@@ -30,10 +30,12 @@ import numpy as np
 from ..mlir.specs import (
     MaskedSequencePrefillSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec,
 )
+from ..mlir.abi import ordered
 from ..pipeline import target_for
 from .checks import NUMPY_DTYPES, check_int32, check_on_device, check_range, check_tensor
 from .errors import InputError
-from .kernels import Kernel, check_sequence, open_kernel
+from .dense_checks import check_sequence
+from .kernels import Kernel, open_kernel
 from .kv_checks import (
     INT32_MAX, check_choice, check_float, check_length_info, check_positions, check_rope_scalars,
     check_indptr, natural_positions, paged_kv_lengths,
@@ -52,7 +54,7 @@ class Plan:
     """One batch, as ``plan`` checked it; read-only (a new plan replaces it, never mutates it).
 
     ``arrays``: read-only copies of the checked host index arrays by ABI name (int32); ``device``: the same arrays on
-    the kernel's device; ``scalars``: the trailing runtime scalars in ABI order; ``qo_lens`` and
+    the kernel's device; ``scalars``: the runtime scalars by ABI name; ``qo_lens`` and
     ``kv_lens``: int64 [B] query rows and (logical) KV rows per entry (the masked wrapper: both
     are valid_lens); ``rows``: Lq, the query rows of a layer; ``kv_rows``: Lk (ragged) or the
     fewest pages a layer's cache may have (paged, MLA: the largest page id + 1). The dense
@@ -61,7 +63,7 @@ class Plan:
 
     arrays: Mapping
     device: Mapping
-    scalars: tuple
+    scalars: Mapping
     qo_lens: np.ndarray
     kv_lens: np.ndarray
     rows: int
@@ -113,7 +115,7 @@ class _Wrapper:
                                "once per batch with its index arrays, then run(...) once per layer")
         return plan
 
-    def _new_plan(self, arrays: dict, scalars: tuple, qo_lens, kv_lens, rows: int, kv_rows: int) -> Plan:
+    def _new_plan(self, arrays: dict, scalars: dict, qo_lens, kv_lens, rows: int, kv_rows: int) -> Plan:
         """Freezes copies of ``arrays``, uploads them to the kernel's device once, and makes the
         result the current plan (one assignment, so concurrent runs see the old or the new plan)."""
         frozen = {}
@@ -123,13 +125,17 @@ class _Wrapper:
         for lens in (qo_lens, kv_lens):
             lens.setflags(write=False)
         device = dict(zip(frozen, as_device_arrays(self.kernel.device, list(frozen.values()))))
-        self._plan = Plan(MappingProxyType(frozen), MappingProxyType(device), scalars, qo_lens, kv_lens,
-                          rows, kv_rows)
+        self._plan = Plan(MappingProxyType(frozen), MappingProxyType(device), MappingProxyType(scalars), qo_lens,
+                          kv_lens, rows, kv_rows)
         return self._plan
 
-    def _launch(self, args: tuple, out_shape: tuple, to_host: bool) -> tuple:
-        """Runs the kernel on ABI-ordered ``args``; a call with no query rows returns zeros
-        (output ``out_shape`` in the spec dtype, lse float32) without launching it."""
+    def _launch(self, plan: Plan | None, to_host: bool, **tensors) -> tuple:
+        """Runs the kernel on this layer's checked ``tensors`` and the plan's index arrays and
+        scalars (put in the table's order, mlir/abi.py); a call with no query rows returns zeros
+        (output q's shape with d_v columns in the spec dtype, lse float32) without launching it."""
+        named = dict(plan.device, **plan.scalars, **tensors) if plan is not None else tensors
+        args = ordered(self.spec, named)
+        out_shape = (*tensors["q"].shape[:-1], self.spec.d_v)
         if np.prod(out_shape[:-2]):
             # Not Kernel.__call__: its host checks would download the device arrays (the plan's
             # index arrays included); plan() and run() check the same conditions without that.
@@ -157,7 +163,7 @@ class RaggedPrefillWrapper(_Wrapper):
         qo_lens, kv_lens = np.diff(q_indptr.astype(np.int64)), np.diff(kv_indptr.astype(np.int64))
         q_pos, k_off = natural_positions(q_indptr, kv_lens, q_rope_position, k_rope_pos_offset)
         scalars = _rope_scalars(causal, rope, sm_scale, self.spec.d_qk, "d_qk")
-        if scalars[1] == 1:
+        if scalars["rotary_mode"] == 1:
             check_positions(q_pos, k_off, kv_lens)
         arrays = {"q_indptr": q_indptr, "kv_indptr": kv_indptr, "q_rope_position": q_pos,
                   "k_rope_pos_offset": k_off}
@@ -170,10 +176,7 @@ class RaggedPrefillWrapper(_Wrapper):
         q = _rows("q", _tensor("q", q, spec.dtype, (None, spec.h_q, spec.d_qk), device), plan.rows, "q_indptr[-1]")
         k = _rows("k", _tensor("k", k, spec.dtype, (None, spec.h_kv, spec.d_qk), device), plan.kv_rows, "kv_indptr[-1]")
         v = _rows("v", _tensor("v", v, spec.dtype, (None, spec.h_kv, spec.d_v), device), plan.kv_rows, "kv_indptr[-1]")
-        dev = plan.device
-        args = (q, dev["q_indptr"], k, v, dev["kv_indptr"], dev["q_rope_position"], dev["k_rope_pos_offset"],
-                *plan.scalars)
-        return self._launch(args, (plan.rows, spec.h_q, spec.d_v), to_host)
+        return self._launch(plan, to_host, q=q, k=k, v=v)
 
 
 class PagedPrefillWrapper(_Wrapper):
@@ -190,7 +193,7 @@ class PagedPrefillWrapper(_Wrapper):
         arrays, kv_lens, pages_needed = _page_table(self.spec, q_indptr, page_indptr, page_values, length_info)
         q_pos, k_off = natural_positions(arrays["q_indptr"], kv_lens, q_rope_position, k_rope_pos_offset)
         scalars = _rope_scalars(causal, rope, sm_scale, self.spec.d, "d")
-        if scalars[1] == 1:
+        if scalars["rotary_mode"] == 1:
             check_positions(q_pos, k_off, kv_lens)
         arrays.update(k_rope_pos_offset=k_off, q_rope_position=q_pos)
         qo_lens = np.diff(arrays["q_indptr"].astype(np.int64))
@@ -203,10 +206,7 @@ class PagedPrefillWrapper(_Wrapper):
         q = _rows("q", _tensor("q", q, spec.dtype, (None, spec.h_q, spec.d), device), plan.rows, "q_indptr[-1]")
         pages = _page_count(_tensor("pages", pages, spec.dtype, (None, 2, spec.h_kv, spec.page_size, spec.d), device),
                             plan.kv_rows)
-        dev = plan.device
-        args = (q, dev["q_indptr"], pages, dev["page_indptr"], dev["page_values"], dev["length_info"],
-                dev["k_rope_pos_offset"], dev["q_rope_position"], *plan.scalars)
-        return self._launch(args, (plan.rows, spec.h_q, spec.d), to_host)
+        return self._launch(plan, to_host, q=q, pages=pages)
 
 
 class MlaPagedPrefillWrapper(_Wrapper):
@@ -219,7 +219,7 @@ class MlaPagedPrefillWrapper(_Wrapper):
         """As :meth:`PagedPrefillWrapper.plan` without RoPE; ``sm_scale`` is required (DeepSeek:
         (qk_nope + qk_rope)^-0.5, not (d_latent + d_rope)^-0.5)."""
         arrays, kv_lens, pages_needed = _page_table(self.spec, q_indptr, page_indptr, page_values, length_info)
-        scalars = (check_choice("causal", _int(causal), (0, 1)), check_float("sm_scale", sm_scale))
+        scalars = {"causal": check_choice("causal", _int(causal), (0, 1)), "sm_scale": check_float("sm_scale", sm_scale)}
         qo_lens = np.diff(arrays["q_indptr"].astype(np.int64))
         return self._new_plan(arrays, scalars, qo_lens, kv_lens, int(arrays["q_indptr"][-1]), pages_needed)
 
@@ -229,10 +229,7 @@ class MlaPagedPrefillWrapper(_Wrapper):
         plan, spec, device = self._planned(), self.spec, self.kernel.device
         q = _rows("q", _tensor("q", q, spec.dtype, (None, spec.h_q, spec.d_qk), device), plan.rows, "q_indptr[-1]")
         pages = _page_count(_tensor("pages", pages, spec.dtype, (None, spec.page_size, spec.d_qk), device), plan.kv_rows)
-        dev = plan.device
-        args = (q, dev["q_indptr"], pages, dev["page_indptr"], dev["page_values"], dev["length_info"],
-                *plan.scalars)
-        return self._launch(args, (plan.rows, spec.h_q, spec.d_latent), to_host)
+        return self._launch(plan, to_host, q=q, pages=pages)
 
 
 # ----------------------------------------------------------------------------- dense wrappers
@@ -247,7 +244,7 @@ class SequencePrefillWrapper(_Wrapper):
     @returns_like_inputs
     def run(self, q, k, v, *, to_host: bool | None = None) -> tuple:
         q, k, v = _dense(self.spec, q, k, v, self.kernel.device)
-        return self._launch((q, k, v), (*q.shape[:2], self.spec.h_q, self.spec.d), to_host)
+        return self._launch(None, to_host, q=q, k=k, v=v)
 
 
 class MaskedSequencePrefillWrapper(_Wrapper):
@@ -262,7 +259,7 @@ class MaskedSequencePrefillWrapper(_Wrapper):
         check_range("valid_lens", valid_lens, 0, INT32_MAX)
         arrays = {"valid_lens": valid_lens}
         lens = valid_lens.astype(np.int64)
-        return self._new_plan(arrays, (), lens, lens.copy(), 0, 0)
+        return self._new_plan(arrays, {}, lens, lens.copy(), 0, 0)
 
     @returns_like_inputs
     def run(self, q, k, v, *, to_host: bool | None = None) -> tuple:
@@ -276,8 +273,7 @@ class MaskedSequencePrefillWrapper(_Wrapper):
         if longest > limit:
             raise InputError(f"valid_lens: planned lengths must lie in [0, min(Lq, Lk)] = [0, {limit}] "
                              f"for this layer's q and k, found {longest}")
-        return self._launch((q, k, v, plan.device["valid_lens"]), (*q.shape[:2], self.spec.h_q, self.spec.d),
-                            to_host)
+        return self._launch(plan, to_host, q=q, k=k, v=v)
 
 
 # ----------------------------------------------------------------------------- plan helpers
@@ -312,8 +308,8 @@ def _int(flag) -> int:
     return int(flag) if isinstance(flag, (bool, np.bool_)) else flag
 
 
-def _rope_scalars(causal, rope, sm_scale, dim: int, dim_name: str) -> tuple:
-    """(causal, rotary_mode, rope_scale, rope_theta, sm_scale), checked; ``rope`` None means
+def _rope_scalars(causal, rope, sm_scale, dim: int, dim_name: str) -> dict:
+    """causal, rotary_mode, rope_scale, rope_theta and sm_scale by name, checked; ``rope`` None means
     rotary_mode 0, a dict ``rope_scale`` (default 1) and ``rope_theta`` (default 1e4) mode 1."""
     if rope is None:
         rotary_mode, rope_scale, rope_theta = 0, 1.0, DEFAULT_ROPE_THETA
@@ -325,7 +321,8 @@ def _rope_scalars(causal, rope, sm_scale, dim: int, dim_name: str) -> tuple:
     else:
         raise InputError(f"rope: expected None or dict(rope_scale=, rope_theta=), got {type(rope).__name__}")
     sm_scale = dim ** -0.5 if sm_scale is None else sm_scale
-    return check_rope_scalars(_int(causal), rotary_mode, rope_scale, rope_theta, sm_scale, dim, dim_name)
+    checked = check_rope_scalars(_int(causal), rotary_mode, rope_scale, rope_theta, sm_scale, dim, dim_name)
+    return dict(zip(("causal", "rotary_mode", "rope_scale", "rope_theta", "sm_scale"), checked))
 
 
 # ----------------------------------------------------------------------------- run helpers
@@ -352,7 +349,7 @@ def _page_count(pages, needed: int):
 
 
 def _dense(spec, q, k, v, device) -> tuple:
-    """The kernel's own check (kernels.check_sequence) of tensors that are numpy, torch CPU or
+    """The kernel's own check (dense_checks.check_sequence) of tensors that are numpy, torch CPU or
     DeviceArrays on ``device``."""
     for name, value in (("q", q), ("k", k), ("v", v)):
         check_on_device(name, value, device)

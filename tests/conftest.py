@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from linalg_prefill.pipeline import ArtifactCache, Target
-from linalg_prefill.runtime import cuda_available
+from linalg_prefill.runtime import cuda_available, examples
+from linalg_prefill.runtime.examples import uniform as _uniform
 from linalg_prefill.runtime.tolerance import (  # noqa: F401 (the one table; tests import LSE_TOLERANCE)
     LSE_TOLERANCE, TOLERANCE, applies_rope, excess, tolerances,
 )
@@ -82,6 +83,7 @@ def record_backend_cases(request, monkeypatch):
             or not hasattr(request.module, "open_kernel"):
         return
     os.makedirs(directory, exist_ok=True)
+    monkeypatch.setattr(examples, "uniform", uniform)  # the draws of runtime/examples.py are recorded too
     real_open_kernel = request.module.open_kernel
 
     def recording_open_kernel(spec, *args, **kwargs):
@@ -107,9 +109,10 @@ def cache(tmp_path_factory) -> ArtifactCache:
 
 
 def uniform(rng: np.random.Generator, shape, dtype: str) -> np.ndarray:
-    """Inputs in [-1, 1) in the kernel dtype."""
+    """runtime/examples.py's inputs in [-1, 1) in the kernel dtype, their draws recorded when
+    recording."""
     state = rng.bit_generator.state if RECORD_DIR else None
-    drawn = rng.uniform(-1.0, 1.0, size=shape).astype(NUMPY_DTYPE[dtype])
+    drawn = _uniform(rng, shape, dtype)
     if RECORD_DIR and isinstance(rng.bit_generator, np.random.PCG64):
         _UNIFORM_DRAWS[id(drawn)] = (drawn, dict(state=state, shape=list(np.shape(drawn)), dtype=dtype))
     return drawn

@@ -1,6 +1,7 @@
 """The argument table (mlir/abi.py) is the one source of each variant's arguments: the MLIR
-signature is built from it, the runtime names and positions come from it, and the host checks,
-the IR and the README agree with it."""
+signatures (linalg and fused) are built from it, the runtime names, positions, keyword calls and
+example inputs come from it, and the host checks, the references, the IR and the README agree
+with it."""
 
 from __future__ import annotations
 
@@ -8,14 +9,18 @@ import dataclasses
 import inspect
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from linalg_prefill.mlir import (
     MaskedSequencePrefillSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec,
-    build_module,
+    build_fused_module, build_module,
 )
-from linalg_prefill.mlir.abi import ARGUMENTS, argument_names, arguments, position, spelled
-from linalg_prefill.runtime.kernels import _CHECKS
+from linalg_prefill.mlir.abi import ARGUMENTS, argument_names, arguments, position, result_dims, spelled
+from linalg_prefill.runtime.errors import InputError
+from linalg_prefill.runtime.examples import example_inputs
+from linalg_prefill.runtime.kernels import open_kernel
+from linalg_prefill.runtime.variants import VARIANTS, call_arguments
 
 SPECS = [SequencePrefillSpec(8, 2, 64, "float32", causal=True, sm_scale=0.125),
          MaskedSequencePrefillSpec(8, 2, 64, "float16", mask_mode="padded", sm_scale=0.125),
@@ -26,12 +31,24 @@ README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 
 
 def test_every_variant_has_a_table():
-    assert {type(spec) for spec in SPECS} == set(ARGUMENTS) == set(_CHECKS)
+    checked = {kind for kind, hooks in VARIANTS.items() if hooks.check is not None}
+    assert {type(spec) for spec in SPECS} == set(ARGUMENTS) == checked
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: type(s).__name__)
-def test_the_host_check_takes_the_tables_arguments(spec):
-    assert tuple(inspect.signature(_CHECKS[type(spec)]).parameters)[1:] == argument_names(spec)
+def test_the_host_check_and_the_reference_take_the_tables_arguments(spec):
+    hooks = VARIANTS[type(spec)]
+    assert tuple(inspect.signature(hooks.check).parameters)[1:] == argument_names(spec)
+    positional = [p.name for p in inspect.signature(hooks.reference).parameters.values()
+                  if p.kind is p.POSITIONAL_OR_KEYWORD]
+    assert tuple(positional) == argument_names(spec)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: type(s).__name__)
+def test_example_inputs_pass_the_host_check(spec):
+    args = example_inputs(spec, np.random.default_rng(0))
+    assert len(args) == len(arguments(spec))
+    VARIANTS[type(spec)].check(spec, *args)  # raises InputError naming the argument otherwise
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: type(s).__name__)
@@ -46,6 +63,49 @@ def test_the_mlir_signature_is_the_tables(spec):
         else:
             assert text.startswith("tensor<") and len(arg.dims_of(spec)) == text.count("x"), (arg.name, text)
             assert text.endswith("xi32>") == (arg.kind == "index"), (arg.name, text)
+    for dims, type_ in zip(result_dims(spec), function.type.results):
+        assert type_.shape[len(dims) - 1] == getattr(spec, dims[-1]) and len(type_.shape) == len(dims)
+
+
+HOST_READABLE = ("q_indptr", "kv_indptr", "page_indptr", "length_info")
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: type(s).__name__)
+def test_the_fused_signature_is_the_tables(spec):
+    """The fused lowering takes the same arguments; the index arrays it reads on the host are
+    ``!hal.buffer_view``s."""
+    (function,) = [op for op in build_fused_module(spec).body.operations]
+    inputs = function.type.inputs
+    assert len(inputs) == len(arguments(spec))
+    for arg, type_ in zip(arguments(spec), inputs):
+        assert (str(type_) == "!hal.buffer_view") == (arg.name in HOST_READABLE), (arg.name, str(type_))
+
+
+def test_call_arguments_bind_positions_and_names():
+    spec = SPECS[4]
+    names = argument_names(spec)
+    values = tuple(range(len(names)))
+    assert call_arguments(spec, values, {}) == values
+    assert call_arguments(spec, values[:3], dict(zip(names[3:], values[3:]))) == values
+    assert call_arguments(spec, (), dict(zip(reversed(names), reversed(values)))) == values
+    with pytest.raises(InputError, match="^sm_scal: not an argument of batch_prefill_paged_kv_mla"):
+        call_arguments(spec, values[:-1], {"sm_scal": 1.0})
+    with pytest.raises(InputError, match="^q: given by position and by keyword"):
+        call_arguments(spec, values, {"q": 0})
+    with pytest.raises(InputError, match="^sm_scale: missing"):
+        call_arguments(spec, values[:-1], {})
+    with pytest.raises(InputError, match="takes 8 arguments"):
+        call_arguments(spec, values + (0,), {})
+
+
+def test_a_kernel_called_by_name_runs_the_positional_call(cache):
+    spec = SPECS[2]
+    kernel = open_kernel(spec, cache=cache)
+    args = example_inputs(spec, np.random.default_rng(1))
+    by_position = kernel(*args)
+    by_name = kernel(args[0], **dict(zip(argument_names(spec)[1:], args[1:])))
+    for a, b in zip(by_position, by_name):
+        assert np.array_equal(a, b)
 
 
 WITH_WINDOWS = SPECS + [dataclasses.replace(spec, sliding_window=not spec.sliding_window) for spec in SPECS[3:]]

@@ -8,12 +8,13 @@ import numpy as np
 import pytest
 
 from linalg_prefill.mlir import MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec
+from linalg_prefill.mlir.abi import argument_names
 from linalg_prefill.pipeline import Target
 from linalg_prefill.pipeline.artifacts import build_artifacts
 from linalg_prefill.cli import main
 from linalg_prefill.runtime import compare_backends, cuda_available, example_inputs
 from linalg_prefill.runtime.compare import BackendResult, ComparisonReport, reference_for
-from linalg_prefill.runtime.kv_checks import check_mla, check_paged, check_ragged
+from linalg_prefill.runtime.variants import VARIANTS
 from linalg_prefill.runtime.reference import EMPTY_ROW_LSE
 from test_wrappers import MASKED, MLA, PAGED, RAGGED, SEQ, SLIDING
 
@@ -47,19 +48,19 @@ KV_SPECS = [
     PagedPrefillSpec(4, 4, 128, "float32", page_size=16),
     MlaPagedPrefillSpec(4, 64, 16, "bfloat16", page_size=8, sliding_window=True),
 ]
-KV_CHECKS = {RaggedPrefillSpec: check_ragged, PagedPrefillSpec: check_paged, MlaPagedPrefillSpec: check_mla}
 
 
 @pytest.mark.parametrize("spec", KV_SPECS, ids=lambda s: s.name)
 def test_example_inputs_are_valid_with_empty_rows(spec):
     args = example_inputs(spec, np.random.default_rng(2))
-    KV_CHECKS[type(spec)](spec, *args)  # raises InputError if the call is invalid
-    q_indptr = args[1]
+    VARIANTS[type(spec)].check(spec, *args)  # raises InputError if the call is invalid
+    named = dict(zip(argument_names(spec), args))
+    q_indptr = named["q_indptr"]
     assert len(q_indptr) > 2 and len(set(np.diff(q_indptr))) > 2  # a few entries, mixed lengths
     lse = reference_for(spec, args)[1]
     assert np.any(lse == EMPTY_ROW_LSE) and np.any(lse != EMPTY_ROW_LSE)  # a qo_len > kv_len entry
-    if not isinstance(spec, RaggedPrefillSpec):
-        page_values = args[4]
+    if spec.kv_layout != "ragged":
+        page_values = named["page_values"]
         assert not np.array_equal(page_values, np.sort(page_values))  # shuffled pages
 
 

@@ -31,6 +31,7 @@ tvm = pytest.importorskip("tvm", reason=_INSTALL)
 _prefill = pytest.importorskip("tvm.relax.frontend.nn.llm._prefill_kernels", reason=_INSTALL)
 
 from linalg_prefill.runtime import reference as R  # noqa: E402
+from linalg_prefill.runtime.examples import indptr, page_table  # noqa: E402
 
 pytestmark = pytest.mark.conformance
 
@@ -96,27 +97,18 @@ def _compare(got, want, keep):
 
 def _paged_inputs(rng, qo_lens, phys_lens, page_size, h_q, h_kv, d, sw=None, extra_pages=2):
     """Paged inputs with shuffled page ids, partial last pages and entries without pages."""
-    n_pages = [-(-L // page_size) for L in phys_lens]
-    total_pages = sum(n_pages) + extra_pages
-    page_values = rng.permutation(total_pages)[: sum(n_pages)].astype(np.int32)
-    page_indptr = np.concatenate([[0], np.cumsum(n_pages)]).astype(np.int32)
-    last = np.array([(L - 1) % page_size + 1 if L else 0 for L in phys_lens], np.int32)
-    if sw is None:
-        length_info, kv_lens = last, list(phys_lens)
-    else:
-        off = [o if L else 0 for (o, _), L in zip(sw, phys_lens)]
-        sink = [s if L else 0 for (_, s), L in zip(sw, phys_lens)]
-        length_info = np.array([last, off, sink], np.int32)
-        kv_lens = [L - o + s if L else 0 for L, o, s in zip(phys_lens, off, sink)]
-    q_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+    window = None if sw is None else [(o, s) if L else (0, 0) for (o, s), L in zip(sw, phys_lens)]
+    table = page_table(rng, phys_lens, page_size, spare_pages=extra_pages, window=window, empty_last=0)
+    kv_lens = list(phys_lens) if sw is None else [L - o + s if L else 0 for L, (o, s) in zip(phys_lens, window)]
+    q_indptr = indptr(qo_lens)
     total = int(q_indptr[-1])
     inputs = (
         rng.uniform(-1, 1, (total, h_q, d)).astype(np.float32),
         q_indptr,
-        rng.uniform(-1, 1, (total_pages, 2, h_kv, page_size, d)).astype(np.float32),
-        page_indptr,
-        page_values,
-        length_info,
+        rng.uniform(-1, 1, (table.num_pages, 2, h_kv, page_size, d)).astype(np.float32),
+        table.page_indptr,
+        table.page_values,
+        table.length_info,
         rng.integers(0, 100, len(qo_lens)).astype(np.int32),  # k_rope_pos_offset
         rng.integers(0, 200, total).astype(np.int32),  # q_rope_position
     )

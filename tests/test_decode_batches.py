@@ -20,9 +20,10 @@ from linalg_prefill.mlir import (
 )
 from linalg_prefill.pipeline import Target
 from linalg_prefill.runtime import open_kernel, reference
-from linalg_prefill.runtime.compare import reference_call
+from linalg_prefill.mlir.abi import argument_names
+from linalg_prefill.runtime.compare import reference_call, reference_for
+from linalg_prefill.runtime.examples import example_inputs
 from linalg_prefill.runtime.decode import DECODE_PASSES, bucket_tiles, decode_calls, pass_queries
-from test_kv_cache_prefill import _indptr, _ragged_inputs
 
 # (qo_len, kv_len): single-query entries with 1 to 700 keys, 2-4 query entries (one with more
 # queries than keys: rows without a key under the causal mask), prefill entries, an entry with
@@ -30,48 +31,26 @@ from test_kv_cache_prefill import _indptr, _ragged_inputs
 MIXED = [(1, 37), (5, 20), (1, 300), (1, 1), (0, 3), (3, 260), (1, 700), (1, 0), (4, 2), (17, 40), (1, 256), (2, 9)]
 
 
-def _paged_args(spec, rng, entries, window=None, fill_unused=None):
-    """Seed-ABI arguments of a paged or MLA call (RoPE off, causal): pages shuffled, 3 unused."""
-    qo_lens, kv_lens = zip(*entries)
-    physical = list(kv_lens) if window is None else [kv - s + o if kv else 0 for kv, (o, s) in zip(kv_lens, window)]
-    counts = [-(-n // spec.page_size) for n in physical]
-    total = sum(counts) + 3
-    page_values = rng.permutation(total).astype(np.int32)[:sum(counts)]
-    last = np.array([(n - 1) % spec.page_size + 1 if n else 1 for n in physical], np.int32)
-    info = last if window is None else np.ascontiguousarray(np.stack([last, *np.array(window, np.int32).T]))
-    q_indptr = _indptr(qo_lens)
-    mla = isinstance(spec, MlaPagedPrefillSpec)
-    d = spec.d_qk if mla else spec.d
-    q = uniform(rng, (q_indptr[-1], spec.h_q, d), spec.dtype)
-    pages = uniform(rng, (total, spec.page_size, d) if mla else (total, 2, spec.h_kv, spec.page_size, d), spec.dtype)
-    if fill_unused is not None:  # every slot past an entry's rows, and the unused pages
-        used = np.zeros((total, spec.page_size), bool)
-        for b, n in enumerate(physical):
-            ids = page_values[_indptr(counts)[b] + np.arange(n) // spec.page_size]
-            used[ids, np.arange(n) % spec.page_size] = True
-        if mla:
-            pages[~used] = fill_unused
-        else:
-            pages.transpose(0, 3, 1, 2, 4)[~used] = fill_unused
-    if mla:
-        return q, q_indptr, pages, _indptr(counts), page_values, info, 1, 0.2
-    return (q, q_indptr, pages, _indptr(counts), page_values, info, np.zeros(len(entries), np.int32),
-            np.zeros(q_indptr[-1], np.int32), 1, 0, 1.0, 1e4, 0.125)
+def _call(spec, rng, entries, window=None, fill_unused=None):
+    """Seed-ABI arguments of a KV-cache call (RoPE off, causal; runtime/examples.py); with
+    ``fill_unused``, every page slot past an entry's rows and the unused pages hold it."""
+    rope_off = {"rotary_mode": 0} if "rotary_mode" in argument_names(spec) else {}
+    args = example_inputs(spec, rng, entries, window=window, **rope_off)
+    if fill_unused is not None:
+        named = dict(zip(argument_names(spec), args))
+        page_indptr, page_values, pages = named["page_indptr"], named["page_values"], named["pages"]
+        used = np.zeros((pages.shape[0], spec.page_size), bool)
+        for b in range(len(page_indptr) - 1):
+            used[page_values[page_indptr[b]:page_indptr[b + 1]]] = True
+            last_page = page_values[page_indptr[b + 1] - 1] if page_indptr[b + 1] > page_indptr[b] else None
+            if last_page is not None:
+                used[last_page, _last_page_len(named["length_info"], b):] = False
+        (pages.transpose(0, 3, 1, 2, 4) if spec.kv_layout == "paged" else pages)[~used] = fill_unused
+    return args
 
 
-def _ragged_args(spec, rng, entries):
-    """Seed-ABI arguments of a ragged call (RoPE off, causal)."""
-    return (*_ragged_inputs(spec, rng, entries), 1, 0, 1.0, 1e4, 0.125)
-
-
-def _reference(spec, args):
-    if isinstance(spec, RaggedPrefillSpec):
-        return reference.batch_prefill_ragged_kv(*args, logits_soft_cap=spec.logits_soft_cap)
-    if isinstance(spec, MlaPagedPrefillSpec):
-        return reference.batch_prefill_paged_kv_mla(*args, d_latent=spec.d_latent, sliding_window=spec.sliding_window,
-                                                    logits_soft_cap=spec.logits_soft_cap)
-    return reference.batch_prefill_paged_kv(*args, sliding_window=spec.sliding_window,
-                                            logits_soft_cap=spec.logits_soft_cap)
+def _last_page_len(length_info, b) -> int:
+    return int(length_info[b] if length_info.ndim == 1 else length_info[0, b])
 
 
 class _CountingPasses:
@@ -124,12 +103,11 @@ def test_decode_pass_matches_the_reference(case, backend, cache, monkeypatch):
     spec, window = CASES[case]
     kernel = open_kernel(spec, backend, cache=cache)
     rng = np.random.default_rng(1)
-    args = _ragged_args(spec, rng, MIXED) if isinstance(spec, RaggedPrefillSpec) else _paged_args(
-        spec, rng, MIXED, window)
+    args = _call(spec, rng, MIXED, window)
     calls = _CountingPasses(kernel, monkeypatch)
     got = kernel(*args)
     assert (calls.decode, calls.rest) == (MIXED_PASS_CALLS[_lowering(backend)], 1)
-    assert_matches_reference(case, got, _reference(spec, args), spec.dtype)
+    assert_matches_reference(case, got, reference_for(spec, args), spec.dtype)
 
 
 @pytest.mark.parametrize("backend", PASS_BACKENDS)
@@ -140,8 +118,7 @@ def test_each_pass_call_matches_the_reference_of_its_own_arguments(case, backend
     spec, window = CASES[case]
     kernel = open_kernel(spec, backend, cache=cache)
     rng = np.random.default_rng(6)
-    args = _ragged_args(spec, rng, MIXED) if isinstance(spec, RaggedPrefillSpec) else _paged_args(
-        spec, rng, MIXED, window)
+    args = _call(spec, rng, MIXED, window)
     passes = DECODE_PASSES[_lowering(backend)]
     calls = decode_calls(spec, args, pass_queries(spec, args, passes), passes)
     assert len(calls) == MIXED_PASS_CALLS[_lowering(backend)]
@@ -165,7 +142,7 @@ def test_pass_entry_is_bitwise_the_same_alone_among_short_entries_and_in_a_mixed
     query = uniform(rng, (queries, 8, 64), spec.dtype)
     results = {}
     for name, entries in batches.items():
-        args = list(_paged_args(spec, rng, entries))
+        args = list(_call(spec, rng, entries))
         position = entries.index(entry)
         ids = args[4][args[3][position] + np.arange(keys) // 16]
         args[2].transpose(0, 3, 1, 2, 4)[ids, np.arange(keys) % 16] = cache_rows
@@ -220,13 +197,13 @@ def test_a_batch_of_decode_entries_takes_a_fixed_number_of_launches(entries, bac
     kernel = open_kernel(spec, backend, cache=cache)
     rng = np.random.default_rng(3)
     kv_lens = rng.integers(1, 600, entries)
-    args = _paged_args(spec, rng, [(1, int(n)) for n in kv_lens])  # the 1-query pass
+    args = _call(spec, rng, [(1, int(n)) for n in kv_lens])  # the 1-query pass
     calls = _CountingPasses(kernel, monkeypatch)
     got = kernel(*args)
     fused = _lowering(backend) == "fused"
     assert calls.decode == (len(np.unique(bucket_tiles(-(-kv_lens // 64)))) if fused else 1) <= 7
     assert calls.rest == 0
-    assert_matches_reference("decode batch", got, _reference(spec, args), spec.dtype)
+    assert_matches_reference("decode batch", got, reference_for(spec, args), spec.dtype)
 
 
 def test_bucket_widths_pad_by_less_than_half():
@@ -241,7 +218,7 @@ def test_bucket_widths_pad_by_less_than_half():
 def test_which_entries_take_the_pass(lowering):
     spec = PagedPrefillSpec(8, 2, 64, "float32", page_size=16)
     passes = DECODE_PASSES[lowering]
-    args = _paged_args(spec, np.random.default_rng(4), MIXED)
+    args = _call(spec, np.random.default_rng(4), MIXED)
     expected = [min(q for q in passes.queries if q >= qo) if 1 <= qo <= max(passes.queries) and kv > 0 else 0
                 for qo, kv in MIXED]
     assert pass_queries(spec, args, passes).tolist() == expected
@@ -257,10 +234,10 @@ def test_nan_in_unused_cache_rows_stays_out(backend, cache):
     multiplying them (0 * NaN would be NaN)."""
     spec = PagedPrefillSpec(8, 2, 64, "float32", page_size=16)
     kernel = open_kernel(spec, backend, cache=cache)
-    args = _paged_args(spec, np.random.default_rng(5), [(1, 37), (1, 300), (1, 1)], fill_unused=np.nan)
+    args = _call(spec, np.random.default_rng(5), [(1, 37), (1, 300), (1, 1)], fill_unused=np.nan)
     got = kernel(*args)
     assert np.isfinite(got[0]).all()
-    assert_matches_reference("NaN in unused rows", got, _reference(spec, args), spec.dtype)
+    assert_matches_reference("NaN in unused rows", got, reference_for(spec, args), spec.dtype)
 
 
 #: Many query heads over one narrow latent row (R = 64 rows per query): the 1-query pass's
@@ -273,7 +250,7 @@ def test_a_pass_whose_scores_outweigh_the_cache_is_not_used():
     assert linalg.usable(MANY_HEADS) == (1,)
     assert linalg.usable(CASES["mla-f32"][0]) == (1, 4)
     assert DECODE_PASSES["fused"].usable(MANY_HEADS) == (1, 4, 16)  # its scores stay in tiles
-    args = _paged_args(MANY_HEADS, np.random.default_rng(8), MIXED)
+    args = _call(MANY_HEADS, np.random.default_rng(8), MIXED)
     expected = [1 if 1 <= qo <= 4 and kv > 0 else 0 for qo, kv in MIXED]
     assert pass_queries(MANY_HEADS, args, linalg).tolist() == expected
 
@@ -285,10 +262,10 @@ def test_entries_of_a_pass_that_is_not_used_run_one_query_at_a_time(causal, cach
     to 4 queries, whatever the batch); entries shorter than, equal to and longer than one chunk."""
     kernel = open_kernel(MANY_HEADS, "llvm-cpu", cache=cache)
     entries = [(1, 700), (3, 260), (4, 2), (2, 9), (1, 5), (17, 40), (4, 256)]
-    args = list(_paged_args(MANY_HEADS, np.random.default_rng(9), entries))
+    args = list(_call(MANY_HEADS, np.random.default_rng(9), entries))
     args[6] = causal
     calls = _CountingPasses(kernel, monkeypatch)
     got = kernel(*args)
     assert (calls.decode, calls.rest) == (4, 1)
-    assert_matches_reference(f"MLA h64 one query at a time, causal {causal}", got, _reference(MANY_HEADS, args),
+    assert_matches_reference(f"MLA h64 one query at a time, causal {causal}", got, reference_for(MANY_HEADS, args),
                              MANY_HEADS.dtype)

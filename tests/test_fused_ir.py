@@ -48,7 +48,7 @@ def test_operands_stay_in_their_dtype_and_the_kv_loop_is_inside_the_op(spec):
     for op in ops:
         operand_types = re.search(r"ins\(.*?: (.*?)\) outs", op).group(1)
         assert operand_types.count(f"x{elem}>") == 3 and "xf32>" not in operand_types.split(", f32,")[0]
-    dense = isinstance(spec, (SequencePrefillSpec, MaskedSequencePrefillSpec))
+    dense = spec.kv_layout == "dense"
     # Dense: per band size, an entry loop around a band loop; KV cache: one entry loop around
     # the band loop of each band size.
     assert text.count("scf.for") == (4 if dense else 3)

@@ -18,13 +18,16 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import assert_matches_reference, uniform
+from conftest import assert_matches_reference
 from linalg_prefill.mlir import (
     MaskedSequencePrefillSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec,
 )
+from linalg_prefill.mlir.abi import argument_names, ordered
 from linalg_prefill.runtime import open_kernel
 from linalg_prefill.runtime.compare import reference_for
-from linalg_prefill.runtime.kv_checks import paged_kv_lengths
+from linalg_prefill.runtime.examples import PageTable, draw_tensors, indptr, page_table
+from linalg_prefill.runtime.kv_checks import natural_positions, paged_kv_lengths
+from linalg_prefill.runtime.tolerance import applies_rope
 
 FUZZ_EXAMPLES = int(os.environ.get("LINALG_PREFILL_FUZZ", "0"))
 THOROUGH = FUZZ_EXAMPLES > 0
@@ -68,47 +71,38 @@ def kernel_for(spec, cache):
     return _KERNELS[spec]
 
 
-def _indptr(lengths) -> np.ndarray:
-    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-
-
 # ----------------------------------------------------------------------------- drawing calls
 
 
 @st.composite
 def kv_call(draw, spec, *, share_pages=None, serving=False):
     """A valid seed-ABI call of a KV-cache ``spec``: (args tuple, q_indptr, kv_lens). ``serving``:
-    a serving-shaped batch, 4-16 entries of mostly one query against up to ~600 cached rows."""
+    a serving-shaped batch, 4-16 entries of mostly one query against up to ~600 cached rows.
+    Index arrays and scalars are drawn by ABI name; the tensors come from the variant's table."""
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     batch = draw(st.integers(4, 16) if serving else st.integers(1, 4))
     query_lens = [1, 1, 1, 1, 2, 0, 7] if serving else [0, 1, 2, 5, 9, 16, 17, 24]
     qo_lens = [draw(st.sampled_from(query_lens)) for _ in range(batch)]
-    q_indptr = _indptr(qo_lens)
-    causal = draw(st.integers(0, 1))
+    q_indptr = indptr(qo_lens)
     sm_scale = draw(st.sampled_from([None, 0.05, 0.5]))
-    if isinstance(spec, RaggedPrefillSpec):
+    named = {"q_indptr": q_indptr, "causal": draw(st.integers(0, 1)),
+             "rotary_mode": draw(st.integers(0, 1)), "rope_scale": draw(st.sampled_from([1.0, 0.5, 2.0])),
+             "rope_theta": draw(st.sampled_from([1e4, 5e5])),
+             "sm_scale": spec.d_qk ** -0.5 if sm_scale is None else sm_scale}
+    sizes = {"Lq": int(q_indptr[-1])}
+    if spec.kv_layout == "ragged":
         kv_choices = [0, 1, 5, 40, 257, 600] if serving else [0, 1, 3, 8, 16, 33, 40]
         kv_lens = np.array([draw(st.sampled_from(kv_choices)) for _ in range(batch)], np.int64)
-        q = uniform(rng, (q_indptr[-1], spec.h_q, spec.d_qk), spec.dtype)
-        k = uniform(rng, (kv_lens.sum(), spec.h_kv, spec.d_qk), spec.dtype)
-        v = uniform(rng, (kv_lens.sum(), spec.h_kv, spec.d_v), spec.dtype)
-        q_pos, k_off = _positions(draw, rng, q_indptr, kv_lens)
-        rope = _rope_scalars(draw, spec.d_qk, sm_scale)
-        return (q, q_indptr, k, v, _indptr(kv_lens), q_pos, k_off, causal, *rope), q_indptr, kv_lens
-    max_pages = max(4, 600 // spec.page_size) if serving else 4
-    page_indptr, page_values, length_info, num_pages = _page_table(draw, rng, spec, batch, share_pages, max_pages)
-    kv_lens = paged_kv_lengths(page_indptr, length_info, spec.page_size, spec.sliding_window)
-    if isinstance(spec, MlaPagedPrefillSpec):
-        q = uniform(rng, (q_indptr[-1], spec.h_q, spec.d_qk), spec.dtype)
-        pages = uniform(rng, (num_pages, spec.page_size, spec.d_qk), spec.dtype)
-        scale = spec.d_qk ** -0.5 if sm_scale is None else sm_scale
-        return (q, q_indptr, pages, page_indptr, page_values, length_info, causal, scale), q_indptr, kv_lens
-    q = uniform(rng, (q_indptr[-1], spec.h_q, spec.d), spec.dtype)
-    pages = uniform(rng, (num_pages, 2, spec.h_kv, spec.page_size, spec.d), spec.dtype)
-    q_pos, k_off = _positions(draw, rng, q_indptr, kv_lens)
-    rope = _rope_scalars(draw, spec.d, sm_scale)
-    return ((q, q_indptr, pages, page_indptr, page_values, length_info, k_off, q_pos, causal, *rope),
-            q_indptr, kv_lens)
+        named["kv_indptr"], sizes["Lk"] = indptr(kv_lens), int(kv_lens.sum())
+    else:
+        max_pages = max(4, 600 // spec.page_size) if serving else 4
+        table = _page_table(draw, rng, spec, batch, share_pages, max_pages)
+        named.update(page_indptr=table.page_indptr, page_values=table.page_values, length_info=table.length_info)
+        sizes["P"] = table.num_pages
+        kv_lens = paged_kv_lengths(table.page_indptr, table.length_info, spec.page_size, spec.sliding_window)
+    named.update(draw_tensors(spec, rng, sizes))
+    named["q_rope_position"], named["k_rope_pos_offset"] = _positions(draw, rng, q_indptr, kv_lens)
+    return ordered(spec, named), q_indptr, kv_lens
 
 
 def _positions(draw, rng, q_indptr, kv_lens):
@@ -119,33 +113,23 @@ def _positions(draw, rng, q_indptr, kv_lens):
         return rng.integers(0, 300, int(q_indptr[-1])).astype(np.int32), k_off
     qo_lens = np.diff(q_indptr)
     k_off = k_off + np.maximum(qo_lens - kv_lens, 0).astype(np.int32)
-    starts = k_off + kv_lens - qo_lens
-    q_pos = np.concatenate([s + np.arange(n) for s, n in zip(starts, qo_lens)] + [np.zeros(0)])
-    return q_pos.astype(np.int32), k_off
+    return natural_positions(q_indptr, kv_lens, k_rope_pos_offset=k_off)
 
 
-def _rope_scalars(draw, dim: int, sm_scale) -> tuple:
-    """(rotary_mode, rope_scale, rope_theta, sm_scale)."""
-    return (draw(st.integers(0, 1)), draw(st.sampled_from([1.0, 0.5, 2.0])),
-            draw(st.sampled_from([1e4, 5e5])), dim ** -0.5 if sm_scale is None else sm_scale)
-
-
-def _page_table(draw, rng, spec, batch: int, share_pages, max_pages: int = 4):
-    """(page_indptr, page_values, length_info, num_pages): 0 to ``max_pages`` pages per entry,
-    spare pages, ids shuffled, or drawn with repeats so that sequences share pages."""
-    n_pages = [draw(st.integers(0, max_pages)) for _ in range(batch)]
-    needed = sum(n_pages)
-    num_pages = needed + draw(st.integers(0, 3)) + (needed == 0)
+def _page_table(draw, rng, spec, batch: int, share_pages, max_pages: int = 4) -> PageTable:
+    """0 to ``max_pages`` pages per entry with any last-page length (an entry without pages too),
+    0-3 spare pages, ids shuffled or drawn with repeats so that sequences share pages; with a
+    sliding window, any offset and up to 3 sinks."""
+    n_pages = np.array([draw(st.integers(0, max_pages)) for _ in range(batch)], np.int64)
+    spare = draw(st.integers(0, 3)) + (n_pages.sum() == 0)
     shared = draw(st.booleans()) if share_pages is None else share_pages
-    page_values = (rng.integers(0, num_pages, needed) if shared else rng.permutation(num_pages)[:needed])
-    last = np.array([draw(st.integers(1, spec.page_size)) for _ in range(batch)])
-    if not spec.sliding_window:
-        return _indptr(n_pages), page_values.astype(np.int32), last.astype(np.int32), num_pages
-    phys = np.maximum((np.array(n_pages) - 1) * spec.page_size + last, 0)
-    sw_off = np.array([draw(st.integers(0, int(p))) for p in phys])
-    sink = np.array([draw(st.integers(0, min(int(p), 3))) for p in phys])
-    length_info = np.stack([last, sw_off, sink]).astype(np.int32)
-    return _indptr(n_pages), page_values.astype(np.int32), length_info, num_pages
+    last = np.array([draw(st.integers(1, spec.page_size)) for _ in range(batch)], np.int64)
+    physical = np.where(n_pages > 0, (n_pages - 1) * spec.page_size + last, 0)
+    window = None
+    if spec.sliding_window:
+        window = [(draw(st.integers(0, int(p))), draw(st.integers(0, min(int(p), 3)))) for p in physical]
+    return page_table(rng, physical, spec.page_size, spare_pages=int(spare), window=window, shared=shared,
+                      empty_last=last)
 
 
 @st.composite
@@ -153,23 +137,14 @@ def dense_call(draw, spec):
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     batch = draw(st.integers(1, 3))
     qo_len = draw(st.sampled_from([1, 2, 7, 16, 31]))
-    kv_len = qo_len if isinstance(spec, MaskedSequencePrefillSpec) else draw(st.sampled_from([1, 5, 16, 40]))
-    q = uniform(rng, (batch, qo_len, spec.h_q, spec.d), spec.dtype)
-    k, v = (uniform(rng, (batch, kv_len, spec.h_kv, spec.d), spec.dtype) for _ in range(2))
-    if isinstance(spec, SequencePrefillSpec):
-        return q, k, v
-    valid = [draw(st.integers(0, min(qo_len, kv_len))) for _ in range(batch)]
-    return q, k, v, np.array(valid, np.int32)
+    masked = "valid_lens" in argument_names(spec)
+    kv_len = qo_len if masked else draw(st.sampled_from([1, 5, 16, 40]))
+    valid = np.array([draw(st.integers(0, min(qo_len, kv_len))) for _ in range(batch)], np.int32)
+    named = {"valid_lens": valid, **draw_tensors(spec, rng, {"B": batch, "Lq": qo_len, "Lk": kv_len})}
+    return ordered(spec, named)
 
 
 # ----------------------------------------------------------------------------- properties
-
-
-def rotates(spec, args) -> bool:
-    """Whether a KV-cache call applies RoPE (rotary_mode, the 9th/10th argument; MLA has none)."""
-    if isinstance(spec, MlaPagedPrefillSpec):
-        return False
-    return args[8 if isinstance(spec, RaggedPrefillSpec) else 9] == 1
 
 
 @fuzz_settings(100)
@@ -178,7 +153,7 @@ def test_kv_cache_variants_match_the_reference(cache, data):
     spec = data.draw(st.sampled_from(KV_SPECS), label="spec")
     args, _, _ = data.draw(kv_call(spec), label="call")
     got = kernel_for(spec, cache)(*args)
-    assert_matches_reference(spec.name, got, reference_for(spec, args), spec.dtype, rotated=rotates(spec, args))
+    assert_matches_reference(spec.name, got, reference_for(spec, args), spec.dtype, rotated=applies_rope(spec, args))
 
 
 @fuzz_settings(30)
@@ -188,7 +163,7 @@ def test_serving_shaped_batches_match_the_reference(cache, data):
     spec = data.draw(st.sampled_from(KV_SPECS), label="spec")
     args, _, _ = data.draw(kv_call(spec, serving=True), label="call")
     got = kernel_for(spec, cache)(*args)
-    assert_matches_reference(spec.name, got, reference_for(spec, args), spec.dtype, rotated=rotates(spec, args))
+    assert_matches_reference(spec.name, got, reference_for(spec, args), spec.dtype, rotated=applies_rope(spec, args))
 
 
 @fuzz_settings(100)
@@ -213,8 +188,8 @@ def test_entry_results_do_not_depend_on_batch_order(cache, data):
     q_rows = [np.arange(q_indptr[b], q_indptr[b + 1]) for b in order]
     kv_rows = [np.arange(kv_indptr[b], kv_indptr[b + 1]) for b in order]
     rq, rkv = np.concatenate(q_rows), np.concatenate(kv_rows)
-    out_r, lse_r = kernel(q[rq], _indptr([len(r) for r in q_rows]), k[rkv], v[rkv],
-                          _indptr([len(r) for r in kv_rows]), q_pos[rq], k_off[order], *scalars)
+    out_r, lse_r = kernel(q[rq], indptr([len(r) for r in q_rows]), k[rkv], v[rkv],
+                          indptr([len(r) for r in kv_rows]), q_pos[rq], k_off[order], *scalars)
     np.testing.assert_array_equal(out_r, out[rq])
     np.testing.assert_array_equal(lse_r, lse[rq])
 

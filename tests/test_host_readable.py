@@ -9,7 +9,8 @@ from conftest import assert_matches_reference
 from linalg_prefill.mlir import PagedPrefillSpec, RaggedPrefillSpec
 from linalg_prefill.pipeline import Target
 from linalg_prefill.runtime import open_kernel
-from linalg_prefill.runtime.compare import example_inputs, reference_for
+from linalg_prefill.runtime.compare import reference_for
+from linalg_prefill.runtime.examples import example_inputs
 from linalg_prefill.runtime.module import as_device_arrays, host_readable
 
 ENTRIES = [(5, 3), (0, 7), (70, 150), (9, 0), (1, 1)]

@@ -11,10 +11,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import BACKENDS, BACKENDS_WITHOUT_FUSED_CPU, NUMPY_DTYPE, assert_matches_reference, uniform
+from conftest import BACKENDS, BACKENDS_WITHOUT_FUSED_CPU, NUMPY_DTYPE, assert_matches_reference
 from linalg_prefill.mlir import MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec
 from linalg_prefill.mlir.specs import ROPE_FIELDS
+from linalg_prefill.mlir.abi import position
 from linalg_prefill.runtime import open_kernel, reference
+from linalg_prefill.runtime.examples import example_inputs
 from linalg_prefill.runtime.rope import apply_rope
 
 # (qo_len, kv_len) per entry; kv_len is the logical length (after any sink/window remap).
@@ -39,18 +41,10 @@ def test_the_rope_examples_cover_every_rope_type():
     assert set(ROPE_TYPES) == set(ROPE_FIELDS)
 
 
-def _indptr(lengths) -> np.ndarray:
-    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-
-
-def _positions(rng, q_indptr, kv_lens):
-    """q_rope_position [Lq] and k_rope_pos_offset [B]: queries at the end of their entry's KV."""
-    offsets = rng.integers(0, 50, len(kv_lens)).astype(np.int32)
-    q_pos = np.zeros(q_indptr[-1], np.int32)
-    for b, kv_len in enumerate(kv_lens):
-        qo = q_indptr[b + 1] - q_indptr[b]
-        q_pos[q_indptr[b]:q_indptr[b + 1]] = offsets[b] + max(kv_len - qo, 0) + np.arange(qo)
-    return q_pos, offsets
+def _inputs(spec, rng, entries, window=None) -> tuple:
+    """The call's arguments before its scalars (runtime/examples.py); with a sliding window,
+    ``window[b] = (sw_off, sink)``."""
+    return example_inputs(spec, rng, entries, window=window)[:position(spec, "causal")]
 
 
 def _rounded_rope(x, positions, dtype, **rope):
@@ -62,20 +56,10 @@ def _rounded_rope(x, positions, dtype, **rope):
 # ragged
 
 
-def _ragged_inputs(spec, rng, entries):
-    qo_lens, kv_lens = zip(*entries)
-    q_indptr, kv_indptr = _indptr(qo_lens), _indptr(kv_lens)
-    q = uniform(rng, (q_indptr[-1], spec.h_q, spec.d_qk), spec.dtype)
-    k = uniform(rng, (kv_indptr[-1], spec.h_kv, spec.d_qk), spec.dtype)
-    v = uniform(rng, (kv_indptr[-1], spec.h_kv, spec.d_v), spec.dtype)
-    q_pos, k_offsets = _positions(rng, q_indptr, kv_lens)
-    return q, q_indptr, k, v, kv_indptr, q_pos, k_offsets
-
-
 def _run_ragged(spec, backend, cache, *, entries=ENTRIES, rotary_modes=(0, 1), rope_scale=1.0, seed=0):
     kernel = open_kernel(spec, backend, cache=cache)
     rng = np.random.default_rng(seed)
-    q, q_indptr, k, v, kv_indptr, q_pos, k_offsets = _ragged_inputs(spec, rng, entries)
+    q, q_indptr, k, v, kv_indptr, q_pos, k_offsets = _inputs(spec, rng, entries)
     sm_scale = spec.d_qk ** -0.5
     rope = dict(rope_theta=1e4, rope_scale=rope_scale, rope_scaling=dict(spec.rope_scaling))
     for causal in (0, 1):
@@ -124,34 +108,9 @@ def test_ragged_rope_types(backend, rope_type, cache):
 # paged
 
 
-def _page_table(rng, physical_lens, page_size, spare_pages=3):
-    """Shuffled page ids (with unused pages) for entries of the given physical lengths."""
-    counts = [-(-n // page_size) for n in physical_lens]
-    total = sum(counts) + spare_pages
-    ids = rng.permutation(total).astype(np.int32)[: sum(counts)]
-    last = [(n - 1) % page_size + 1 if n else int(rng.integers(1, page_size + 1)) for n in physical_lens]
-    return total, _indptr(counts), ids, np.array(last, np.int32)
-
-
-def _paged_inputs(spec, rng, entries, window=None):
-    """Inputs for ``entries``; with a sliding window, ``window[b] = (sw_off, sink)``."""
-    qo_lens, kv_lens = zip(*entries)
-    if window is None:
-        physical = list(kv_lens)
-    else:
-        physical = [kv - sink + off if kv else 0 for kv, (off, sink) in zip(kv_lens, window)]
-    num_pages, page_indptr, page_values, last = _page_table(rng, physical, spec.page_size)
-    length_info = last if window is None else np.stack([last, *np.array(window, np.int32).T]).astype(np.int32)
-    q_indptr = _indptr(qo_lens)
-    q = uniform(rng, (q_indptr[-1], spec.h_q, spec.d), spec.dtype)
-    pages = uniform(rng, (num_pages, 2, spec.h_kv, spec.page_size, spec.d), spec.dtype)
-    q_pos, k_offsets = _positions(rng, q_indptr, kv_lens)
-    return q, q_indptr, pages, page_indptr, page_values, np.ascontiguousarray(length_info), k_offsets, q_pos
-
-
 def _run_paged(spec, backend, cache, *, entries=ENTRIES, window=None, rotary_modes=(0, 1), seed=0):
     kernel = open_kernel(spec, backend, cache=cache)
-    args = _paged_inputs(spec, np.random.default_rng(seed), entries, window)
+    args = _inputs(spec, np.random.default_rng(seed), entries, window)
     for causal in (0, 1):
         for rotary in rotary_modes:
             scalars = (causal, rotary, 1.0, 1e4, spec.d ** -0.5)
@@ -194,16 +153,10 @@ def test_paged_half(backend, dtype, cache):
 def _run_mla(spec, backend, cache, *, entries=ENTRIES, window=None, seed=0):
     kernel = open_kernel(spec, backend, cache=cache)
     rng = np.random.default_rng(seed)
-    qo_lens, kv_lens = zip(*entries)
-    physical = list(kv_lens) if window is None else [kv - s + o if kv else 0 for kv, (o, s) in zip(kv_lens, window)]
-    num_pages, page_indptr, page_values, last = _page_table(rng, physical, spec.page_size)
-    length_info = last if window is None else np.ascontiguousarray(np.stack([last, *np.array(window, np.int32).T]))
-    q_indptr = _indptr(qo_lens)
-    q = uniform(rng, (q_indptr[-1], spec.h_q, spec.d_qk), spec.dtype)
-    pages = uniform(rng, (num_pages, spec.page_size, spec.d_qk), spec.dtype)
+    inputs = _inputs(spec, rng, entries, window)
     sm_scale = 192 ** -0.5  # DeepSeek's (qk_nope + qk_rope)^-0.5, not d_qk^-0.5 (§1.3)
     for causal in (0, 1):
-        args = (q, q_indptr, pages, page_indptr, page_values, length_info.astype(np.int32), causal, sm_scale)
+        args = (*inputs, causal, sm_scale)
         want = reference.batch_prefill_paged_kv_mla(*args, d_latent=spec.d_latent, sliding_window=spec.sliding_window)
         assert_matches_reference(f"{spec.name} causal={causal}", kernel(*args), want, spec.dtype)
 
@@ -237,7 +190,7 @@ def test_entry_results_do_not_depend_on_the_batch(cache):
     spec = RaggedPrefillSpec(8, 2, 64, 64, "float32")
     kernel = open_kernel(spec, cache=cache)
     rng = np.random.default_rng(5)
-    q, q_indptr, k, v, kv_indptr, q_pos, k_offsets = _ragged_inputs(spec, rng, ENTRIES)
+    q, q_indptr, k, v, kv_indptr, q_pos, k_offsets = _inputs(spec, rng, ENTRIES)
     out, lse = kernel(q, q_indptr, k, v, kv_indptr, q_pos, k_offsets, 1, 1, 1.0, 1e4, 0.125)
     b = 2
     q0, q1, k0, k1 = q_indptr[b], q_indptr[b + 1], kv_indptr[b], kv_indptr[b + 1]
@@ -253,7 +206,7 @@ def test_nan_in_one_entry_stays_in_that_entry(cache):
     spec = RaggedPrefillSpec(4, 2, 64, 64, "float32")
     kernel = open_kernel(spec, cache=cache)
     rng = np.random.default_rng(6)
-    q, q_indptr, k, v, kv_indptr, q_pos, k_offsets = _ragged_inputs(spec, rng, SHORT_ENTRIES)
+    q, q_indptr, k, v, kv_indptr, q_pos, k_offsets = _inputs(spec, rng, SHORT_ENTRIES)
     args = lambda kk, vv: (q, q_indptr, kk, vv, kv_indptr, q_pos, k_offsets, 0, 0, 1.0, 1e4, 0.125)  # noqa: E731
     clean = kernel(*args(k, v))
     k_bad, v_bad = k.copy(), v.copy()

@@ -8,6 +8,7 @@ import pytest
 from conftest import LSE_TOLERANCE, assert_close, max_error, uniform
 from linalg_prefill.mlir import PagedPrefillSpec, RaggedPrefillSpec
 from linalg_prefill.runtime import InputError, open_kernel, reference
+from linalg_prefill.runtime.examples import page_table
 from linalg_prefill.runtime.merge import merge_state, merge_states
 from linalg_prefill.runtime.reference import EMPTY_ROW_LSE
 
@@ -82,16 +83,15 @@ def test_paged_prefix_plus_ragged_new_tokens_equals_full_attention(cache):
     prefix_v = [uniform(rng, (n, h_kv, d), "float32") for n in prefix_lens]
 
     # Pages hold the prefix; entry b's pages are shuffled among all pages.
-    counts = [-(-n // page_size) for n in prefix_lens]
-    page_ids = rng.permutation(sum(counts)).astype(np.int32)
-    pages = np.zeros((sum(counts), 2, h_kv, page_size, d), np.float32)
-    page_indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    table = page_table(rng, prefix_lens, page_size, spare_pages=0)
+    page_ids, page_indptr = table.page_values, table.page_indptr
+    pages = np.zeros((table.num_pages, 2, h_kv, page_size, d), np.float32)
     for b, n in enumerate(prefix_lens):
         for row in range(n):
             page = page_ids[page_indptr[b] + row // page_size]
             pages[page, 0, :, row % page_size] = prefix_k[b][row]
             pages[page, 1, :, row % page_size] = prefix_v[b][row]
-    last_page_len = np.array([(n - 1) % page_size + 1 if n else 1 for n in prefix_lens], np.int32)
+    last_page_len = table.length_info
     q_pos = np.concatenate([p + np.arange(n) for p, n in zip(prefix_lens, new_lens)]).astype(np.int32)
     zeros = np.zeros(batch, np.int32)
     scalars = (1, 1.0, 1e4, d ** -0.5)  # rotary_mode, rope_scale, rope_theta, sm_scale

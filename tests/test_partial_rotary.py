@@ -9,7 +9,8 @@ import pytest
 from conftest import BACKENDS, assert_matches_reference
 from linalg_prefill.mlir import PagedPrefillSpec, RaggedPrefillSpec, SpecError
 from linalg_prefill.runtime import open_kernel
-from linalg_prefill.runtime.compare import example_inputs, reference_for
+from linalg_prefill.runtime.compare import reference_for
+from linalg_prefill.runtime.examples import example_inputs
 from linalg_prefill.runtime.rope import apply_rope
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -16,6 +16,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from linalg_prefill.runtime.examples import page_table
 from linalg_prefill.runtime import reference as R
 from linalg_prefill.runtime import rope as rope_mod
 
@@ -192,26 +193,15 @@ def bf_paged_rows(pages, page_indptr, page_values, length_info, sliding):
 
 def make_paged(rng, qo_lens, phys_lens, page_size, h_q, h_kv, d, extra_pages=3, sw=None):
     """Paged inputs with shuffled page ids.  ``sw``: list of (sw_off, sink) per entry."""
-    n_pages = [0 if L == 0 else -(-L // page_size) for L in phys_lens]
-    total_pages = sum(n_pages) + extra_pages
-    perm = rng.permutation(total_pages).astype(np.int32)
-    page_values = perm[: sum(n_pages)]
-    page_indptr = np.concatenate([[0], np.cumsum(n_pages)]).astype(np.int32)
-    last = np.array([0 if L == 0 else (L - 1) % page_size + 1 for L in phys_lens], np.int32)
-    if sw is None:
-        length_info = last
-        kv_lens = list(phys_lens)
-    else:
-        # an entry without pages keeps (last, off, sink) = (0, 0, 0)
-        length_info = np.array(
-            [last, [o if L else 0 for (o, _), L in zip(sw, phys_lens)], [s if L else 0 for (_, s), L in zip(sw, phys_lens)]],
-            np.int32,
-        )
-        kv_lens = [0 if L == 0 else L - o + s for (o, s), L in zip(sw, phys_lens)]
+    # an entry without pages keeps (last, off, sink) = (0, 0, 0)
+    window = None if sw is None else [(o, s) if L else (0, 0) for (o, s), L in zip(sw, phys_lens)]
+    table = page_table(rng, phys_lens, page_size, spare_pages=extra_pages, window=window, empty_last=0)
+    kv_lens = list(phys_lens) if sw is None else [0 if L == 0 else L - o + s for (o, s), L in zip(window, phys_lens)]
+    page_indptr, page_values, length_info = table.page_indptr, table.page_values, table.length_info
     q_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
     total = int(q_indptr[-1])
     q = rng.uniform(-1, 1, (total, h_q, d)).astype(np.float32)
-    pages = rng.uniform(-1, 1, (total_pages, 2, h_kv, page_size, d)).astype(np.float32)
+    pages = rng.uniform(-1, 1, (table.num_pages, 2, h_kv, page_size, d)).astype(np.float32)
     k_off = rng.integers(0, 50, len(qo_lens)).astype(np.int32)
     q_pos = rng.integers(0, 80, total).astype(np.int32)
     return dict(

@@ -11,7 +11,9 @@ from linalg_prefill.mlir import (
     MaskedSequencePrefillSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec, SpecError,
 )
 from linalg_prefill.runtime import open_kernel
-from linalg_prefill.runtime.compare import example_inputs, reference_for
+from linalg_prefill.runtime.compare import reference_for
+from linalg_prefill.mlir.abi import argument_names
+from linalg_prefill.runtime.examples import example_inputs
 
 CAP = 5.0
 SPECS = [
@@ -26,10 +28,9 @@ ENTRIES = [(5, 3), (0, 7), (70, 150), (9, 0), (20, 40)]
 
 def _large_scores(spec, rng):
     """A valid call whose raw scores reach well past the cap: q scaled by 3, sm_scale 1."""
-    args = list(example_inputs(spec, rng, entries=ENTRIES))
+    unscaled = {"sm_scale": 1.0} if "sm_scale" in argument_names(spec) else {}  # dense: the spec's
+    args = list(example_inputs(spec, rng, entries=ENTRIES, **unscaled))
     args[0] = (args[0].astype(np.float32) * 3).astype(args[0].dtype)
-    if not isinstance(spec, (SequencePrefillSpec, MaskedSequencePrefillSpec)):
-        args[-1] = 1.0  # sm_scale, the last runtime scalar
     return args
 
 

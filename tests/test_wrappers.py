@@ -25,6 +25,7 @@ from linalg_prefill.runtime import (
     InputError, MaskedSequencePrefillWrapper, MlaPagedPrefillWrapper, PagedPrefillWrapper, RaggedPrefillWrapper,
     SequencePrefillWrapper, open_artifacts, reference,
 )
+from linalg_prefill.runtime.examples import indptr, page_table
 from linalg_prefill.runtime.reference import EMPTY_ROW_LSE
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -39,10 +40,6 @@ MASKED = MaskedSequencePrefillSpec(4, 2, 64, "float32", mask_mode="causal_padded
 # (qo_len, kv_len): causal rows without a key, several pages and KV tiles, a square entry.
 ENTRIES = [(5, 3), (12, 40), (7, 7)]
 ROPE = {"rope_scale": 1.0, "rope_theta": 5e5}
-
-
-def _indptr(lengths) -> np.ndarray:
-    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
 
 
 def _natural(entries):
@@ -68,7 +65,7 @@ def _ragged_layer(rng, entries):
 
 def _ragged_reference(entries, q, k, v, causal=1):
     q_pos, k_off = _natural(entries)
-    qi, ki = _indptr([e[0] for e in entries]), _indptr([e[1] for e in entries])
+    qi, ki = indptr([e[0] for e in entries]), indptr([e[1] for e in entries])
     return reference.batch_prefill_ragged_kv(q, qi, k, v, ki, q_pos, k_off, causal, 1, 1.0, 5e5, 64 ** -0.5,
                                              rope_scaling=LLAMA3)
 
@@ -77,19 +74,16 @@ def _ragged_reference(entries, q, k, v, causal=1):
 def ragged(cache):
     """A ragged wrapper planned for ENTRIES (causal, RoPE on) and three layers of inputs."""
     wrapper = RaggedPrefillWrapper(RAGGED, cache=cache)
-    wrapper.plan(_indptr([e[0] for e in ENTRIES]), _indptr([e[1] for e in ENTRIES]), rope=ROPE)
+    wrapper.plan(indptr([e[0] for e in ENTRIES]), indptr([e[1] for e in ENTRIES]), rope=ROPE)
     rng = np.random.default_rng(0)
     return wrapper, [_ragged_layer(rng, ENTRIES) for _ in range(3)]
 
 
 def _pages(rng, physical, page_size, row):
     """Shuffled pages for ``physical`` rows per entry: pages, page_indptr, page_values, last_page_len."""
-    counts = [-(-n // page_size) for n in physical]
-    indptr = _indptr(counts)
-    values = rng.permutation(int(indptr[-1]) + 3)[: int(indptr[-1])].astype(np.int32)
-    pages = uniform(rng, (int(indptr[-1]) + 3, *row), "float32")
-    last = np.array([(n - 1) % page_size + 1 if n else 1 for n in physical], np.int32)
-    return pages, indptr, values, last
+    table = page_table(rng, physical, page_size, spare_pages=3)
+    pages = uniform(rng, (table.num_pages, *row), "float32")
+    return pages, table.page_indptr, table.page_values, table.length_info
 
 
 # ----------------------------------------------------------------------------- KV-cache wrappers
@@ -113,7 +107,7 @@ def test_paged_matches_reference(spec, cache):
         length_info = np.stack([last, np.full(3, 6, np.int32), np.full(3, 2, np.int32)])
     else:
         pages, page_indptr, page_values, length_info = _pages(rng, kv_lens, 8, (2, 2, 8, 64))
-    q_indptr = _indptr([e[0] for e in ENTRIES])
+    q_indptr = indptr([e[0] for e in ENTRIES])
     wrapper = PagedPrefillWrapper(spec, cache=cache)
     plan = wrapper.plan(q_indptr, page_indptr, page_values, length_info, causal=True, rope=ROPE)
     assert plan.kv_lens.tolist() == kv_lens
@@ -127,7 +121,7 @@ def test_paged_matches_reference(spec, cache):
 def test_mla_matches_reference(cache):
     rng = np.random.default_rng(2)
     pages, page_indptr, page_values, last = _pages(rng, [e[1] for e in ENTRIES], 8, (8, 80))
-    q_indptr = _indptr([e[0] for e in ENTRIES])
+    q_indptr = indptr([e[0] for e in ENTRIES])
     q = uniform(rng, (q_indptr[-1], 4, 80), "float32")
     wrapper = MlaPagedPrefillWrapper(MLA, cache=cache)
     wrapper.plan(q_indptr, page_indptr, page_values, last, causal=True, sm_scale=48 ** -0.5)
@@ -200,7 +194,7 @@ def test_shape_mismatch_names_the_argument(ragged):
 
 def test_plan_checks_index_arrays(cache):
     wrapper = PagedPrefillWrapper(PAGED, cache=cache)
-    good = (_indptr([2, 3]), _indptr([1, 2]), np.array([0, 2, 1], np.int32), np.array([4, 8], np.int32))
+    good = (indptr([2, 3]), indptr([1, 2]), np.array([0, 2, 1], np.int32), np.array([4, 8], np.int32))
     with pytest.raises(InputError, match="^q_indptr: expected non-decreasing"):
         wrapper.plan(np.array([0, 3, 2], np.int32), *good[1:])
     with pytest.raises(InputError, match="^length_info: last_page_len"):
@@ -219,14 +213,14 @@ def test_replan_with_a_different_batch(cache):
     wrapper = RaggedPrefillWrapper(RAGGED, cache=cache)
     rng = np.random.default_rng(4)
     for entries in (ENTRIES, [(1, 1), (30, 64)], [(0, 5), (9, 9)]):
-        wrapper.plan(_indptr([e[0] for e in entries]), _indptr([e[1] for e in entries]), rope=ROPE)
+        wrapper.plan(indptr([e[0] for e in entries]), indptr([e[1] for e in entries]), rope=ROPE)
         q, k, v = _ragged_layer(rng, entries)
         _check(f"{entries}", wrapper.run(q, k, v), _ragged_reference(entries, q, k, v))
 
 
 def test_empty_batch_is_not_launched(cache):
     wrapper = RaggedPrefillWrapper(RAGGED, cache=cache)
-    wrapper.plan(np.zeros(3, np.int32), _indptr([4, 2]))
+    wrapper.plan(np.zeros(3, np.int32), indptr([4, 2]))
     layer = _ragged_layer(np.random.default_rng(5), [(0, 4), (0, 2)])
     out, lse = wrapper.run(*layer)
     assert out.shape == (0, 4, 64) and lse.shape == (0, 4)
