@@ -28,7 +28,7 @@ entries of the call (tests/test_decode_batches.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
+from typing import Callable, Union
 
 from .ir import (
     DYN, affine_map, arith_d, collapse, const_f32, const_index, dim, element_type, empty, expand, extract_slice, f32,
@@ -81,6 +81,13 @@ class DecodeSpec:
     queries: int = 1
 
     symbol = "decode_entries"
+    #: What the pass has as its variant has it (``sliding_window``: False for the ragged cache).
+    _FROM_BASE = frozenset({"dtype", "group_size", "kv_layout", "logits_soft_cap", "d_qk", "d_v", "sliding_window"})
+
+    def __getattr__(self, name: str):
+        if name not in DecodeSpec._FROM_BASE:
+            raise AttributeError(name)
+        return getattr(self.base, name, False)
 
     @property
     def name(self) -> str:
@@ -90,26 +97,6 @@ class DecodeSpec:
     def rows(self) -> int:
         """R = queries x G: query rows per entry and KV head (row t * G + g: token t, head g)."""
         return self.queries * self.base.group_size
-
-    @property
-    def dtype(self) -> str:
-        return self.base.dtype
-
-    @property
-    def group_size(self) -> int:
-        return self.base.group_size
-
-    @property
-    def kv_layout(self) -> str:
-        return self.base.kv_layout
-
-    @property
-    def sliding_window(self) -> bool:
-        return getattr(self.base, "sliding_window", False)
-
-    @property
-    def logits_soft_cap(self) -> float:
-        return self.base.logits_soft_cap
 
     @property
     def block(self) -> int:
@@ -154,14 +141,6 @@ class DecodeSpec:
     def chunk(self) -> int:
         """C: columns of one pass (a whole number of blocks)."""
         return self.blocks_per_chunk * self.block
-
-    @property
-    def d_qk(self) -> int:
-        return self.base.d_qk
-
-    @property
-    def d_v(self) -> int:
-        return self.base.d_v
 
     def fields(self) -> dict:
         return {"base": self.base.name, "queries": self.queries}
@@ -239,9 +218,9 @@ def decode_signature(spec: DecodeSpec) -> tuple[list[ir.Type], list[ir.Type]]:
     return arg_types, [tensor_type([DYN, h, rows, d_v], dt), tensor_type([DYN, h, rows], f32())]
 
 
-def build_decode(spec: DecodeSpec) -> ir.Module:
-    """``decode_entries(q, *kv, table, geometry, causal, sm_scale) -> (output, lse)``; ``kv`` is
-    ``pages`` (paged [P, 2, h_kv, page, d], MLA [P, page, d_qk]) or ``k, v`` (ragged)."""
+def decode_module(spec: DecodeSpec, emit: Callable[..., list]) -> ir.Module:
+    """A verified module with one function ``decode_entries`` (module docstring);
+    ``emit(q, cache, table, geometry, causal, sm_scale)`` builds its body (cache: KvCache)."""
     with module_context() as module:
         arg_types, result_types = decode_signature(spec)
         with ir.InsertionPoint(module.body):
@@ -249,9 +228,15 @@ def build_decode(spec: DecodeSpec) -> ir.Module:
             with ir.InsertionPoint(fn.add_entry_block()):
                 q, *sources, table, geometry, causal, sm_scale = fn.arguments
                 cache = KvCache(spec, sources, table, geometry)
-                func_d.ReturnOp(_decode(spec, q, cache, table, geometry, causal, sm_scale))
+                func_d.ReturnOp(emit(q, cache, table, geometry, causal, sm_scale))
         module.operation.verify()
         return module
+
+
+def build_decode(spec: DecodeSpec) -> ir.Module:
+    """``decode_entries(q, *kv, table, geometry, causal, sm_scale) -> (output, lse)``; ``kv`` is
+    ``pages`` (paged [P, 2, h_kv, page, d], MLA [P, page, d_qk]) or ``k, v`` (ragged)."""
+    return decode_module(spec, lambda *args: _decode(spec, *args))
 
 
 def _decode(spec: DecodeSpec, q, cache: KvCache, table, geometry, causal, sm_scale) -> list[ir.Value]:

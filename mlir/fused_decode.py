@@ -21,10 +21,10 @@ No loop anywhere: a fixed number of dispatches whatever the batch size.
 from __future__ import annotations
 
 from .attention_op import TILE, attend_entries
-from .decode import DecodeSpec, KvCache, decode_signature
+from .decode import DecodeSpec, KvCache, decode_module
 from .ir import (
-    affine_map, arith_d, ceil_div, const_index, dim, element_type, empty, extract_slice, func_d, generic,
-    ir, linalg_d, lt, module_context, tensor_d,
+    affine_map, arith_d, ceil_div, const_index, dim, element_type, empty, extract_slice, generic,
+    ir, linalg_d, lt, tensor_d,
 )
 from .kv_cache import _read_element as _read
 from .masks import kv_cache_validity
@@ -41,16 +41,8 @@ def padded_rows(spec: DecodeSpec) -> int:
 
 def build_fused_decode(spec: DecodeSpec) -> ir.Module:
     """``decode_entries(q, *kv, table, geometry, causal, sm_scale) -> (output, lse)``, fused."""
-    with module_context() as module:
-        arg_types, result_types = decode_signature(spec)
-        with ir.InsertionPoint(module.body):
-            fn = func_d.FuncOp(spec.symbol, (arg_types, result_types))
-            with ir.InsertionPoint(fn.add_entry_block()):
-                q, *sources, table, geometry, causal, sm_scale = fn.arguments
-                cache = KvCache(spec, sources, table, geometry)
-                func_d.ReturnOp(_decode(spec, q, cache, geometry, causal, sm_scale))
-        module.operation.verify()
-        return module
+    return decode_module(spec, lambda q, cache, _table, geometry, causal, sm_scale: _decode(
+        spec, q, cache, geometry, causal, sm_scale))
 
 
 def _decode(spec: DecodeSpec, q, cache: KvCache, geometry, causal, sm_scale) -> list[ir.Value]:

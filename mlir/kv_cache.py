@@ -144,6 +144,52 @@ def _query_padding(spec: KvCacheSpec, total_q: ir.Value) -> ir.Value:
                           const_index(spec.q_tile))
 
 
+def _laid_out_kv(spec: KvCacheSpec, kv: EntryKv, rope: RopeArgs | None, d_qk: int, d_v: int):
+    """The entry's keys [1, h_kv, tiles, d_qk, kv_tile] (rotated when its call rotates) and values
+    [1, h_kv, tiles * kv_tile, d_v], f32 (kv_tile_loader reads them)."""
+    h_kv = spec.h_kv
+    stored_tiles = storage_tiles(kv.kv_len, spec.kv_tile)
+
+    def kv_tiles(rotated_keys):
+        return [_kv_tiles(rotated_keys, kv.kv_len, stored_tiles, spec.kv_tile, keys=True),
+                _kv_tiles(kv.load_values(), kv.kv_len, stored_tiles, spec.kv_tile, keys=False)]
+
+    stored_rows = arith_d.muli(stored_tiles, const_index(spec.kv_tile))
+    return _then_rotated_if(
+        rope, kv.load_keys, kv.rope_offset, kv_tiles,
+        [tensor_type([1, h_kv, DYN, d_qk, spec.kv_tile], f32()), tensor_type([1, h_kv, DYN, d_v], f32())],
+        [[1, h_kv, stored_tiles, d_qk, spec.kv_tile], [1, h_kv, stored_rows, d_v]])
+
+
+def _tile_softmax(spec: KvCacheSpec, kv: EntryKv, load_kv_tile, num_kv_tiles: ir.Value, first_local: ir.Value,
+                  tile_tokens: int, qo_len: ir.Value, diagonal: ir.Value, causal_on: ir.Value, *, d_v: int,
+                  sm_scale: ir.Value, row_chunk: int | None):
+    """The online softmax of one query tile (tokens [first_local, first_local + tile_tokens) of
+    the entry) over the KV tiles it can see, masked by the entry's length and causality."""
+    group = spec.group_size
+
+    def valid(idx: ScoreIndices, _extras):
+        col = arith_d.addi(idx.kv_start, idx.n)
+        return kv_cache_validity(
+            col, lambda: arith_d.addi(first_local, arith_d.divui(idx.m, const_index(group))),
+            kv_len=kv.kv_len, diagonal=diagonal, causal=causal_on)
+
+    def softmax(q_tile):
+        last_row_end = arith_d.minsi(arith_d.addi(first_local, const_index(tile_tokens)), qo_len)
+        causal_end = arith_d.maxsi(arith_d.minsi(arith_d.addi(last_row_end, diagonal), kv.kv_len), const_index(0))
+        visible = arith_d.select(causal_on, ceil_div(causal_end, spec.kv_tile), num_kv_tiles)
+        return online_softmax(
+            q_tile, num_kv_tiles=visible, kv_tile=spec.kv_tile, d_v=d_v,
+            load_kv_tile=load_kv_tile, mask=ScoreMask(predicate=valid), sm_scale=sm_scale,
+            # rows past the entry (the next entry's, or padding) only see more than its first row
+            unmasked_tiles=unmasked_kv_tiles(kv.kv_len, first_local, diagonal, spec.kv_tile, causal_on),
+            row_chunk=row_chunk,
+            soft_cap=spec.logits_soft_cap,
+        )
+
+    return softmax
+
+
 def _attend_entries(
     spec: KvCacheSpec,
     q: ir.Value,
@@ -177,42 +223,14 @@ def _attend_entries(
         qo_len = arith_d.subi(_index_at(q_indptr, arith_d.addi(b, const_index(1))), q_start)
         kv = load_entry(b)
         num_kv_tiles = ceil_div(kv.kv_len, spec.kv_tile)
-        stored_tiles = storage_tiles(kv.kv_len, spec.kv_tile)
-
-        def kv_tiles(rotated_keys):
-            return [_kv_tiles(rotated_keys, kv.kv_len, stored_tiles, spec.kv_tile, keys=True),
-                    _kv_tiles(kv.load_values(), kv.kv_len, stored_tiles, spec.kv_tile, keys=False)]
-
-        stored_rows = arith_d.muli(stored_tiles, const_index(spec.kv_tile))
-        keys, values = _then_rotated_if(
-            rope, kv.load_keys, kv.rope_offset, kv_tiles,
-            [tensor_type([1, h_kv, DYN, d_qk, spec.kv_tile], f32()), tensor_type([1, h_kv, DYN, d_v], f32())],
-            [[1, h_kv, stored_tiles, d_qk, spec.kv_tile], [1, h_kv, stored_rows, d_v]])
+        keys, values = _laid_out_kv(spec, kv, rope, d_qk, d_v)
         diagonal = arith_d.subi(kv.kv_len, qo_len)  # causal: col <= row + diagonal
         load_kv_tile = kv_tile_loader(keys, values, 0, spec.kv_tile)
 
         def attend(first_local, tile_tokens: int, tile):
             """Queries [first_local, first_local + tile_tokens) of the entry against its KV."""
-            def softmax(q_tile):
-                def valid(idx: ScoreIndices, _extras):
-                    col = arith_d.addi(idx.kv_start, idx.n)
-                    return kv_cache_validity(
-                        col, lambda: arith_d.addi(first_local, arith_d.divui(idx.m, const_index(group))),
-                        kv_len=kv.kv_len, diagonal=diagonal, causal=causal_on)
-
-                last_row_end = arith_d.minsi(arith_d.addi(first_local, const_index(tile_tokens)), qo_len)
-                causal_end = arith_d.maxsi(arith_d.minsi(arith_d.addi(last_row_end, diagonal), kv.kv_len),
-                                           const_index(0))
-                visible = arith_d.select(causal_on, ceil_div(causal_end, spec.kv_tile), num_kv_tiles)
-                return online_softmax(
-                    q_tile, num_kv_tiles=visible, kv_tile=spec.kv_tile, d_v=d_v,
-                    load_kv_tile=load_kv_tile, mask=ScoreMask(predicate=valid), sm_scale=sm_scale,
-                    # rows past the entry (the next entry's, or padding) only see more than its first row
-                    unmasked_tiles=unmasked_kv_tiles(kv.kv_len, first_local, diagonal, spec.kv_tile, causal_on),
-                    row_chunk=row_chunk,
-                    soft_cap=spec.logits_soft_cap,
-                )
-
+            softmax = _tile_softmax(spec, kv, load_kv_tile, num_kv_tiles, first_local, tile_tokens, qo_len, diagonal,
+                                    causal_on, d_v=d_v, sm_scale=sm_scale, row_chunk=row_chunk)
             return driver.attend(q_rows, 0, arith_d.addi(q_start, first_local), tile_tokens, tile, softmax)
 
         def all_tiles(tiles_carried):

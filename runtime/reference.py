@@ -547,13 +547,17 @@ def batch_sequence_prefill_kv(
     """
     q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
     _check_dense(q, k, v)
+    valid = _causal_valid(q.shape[1], k.shape[1], int(causal))
+    return _attend_entries(q, k, v, lambda _b: valid, sm_scale, logits_soft_cap)
+
+
+def _attend_entries(q, k, v, valid_of, sm_scale: float, logits_soft_cap: float) -> tuple[np.ndarray, np.ndarray]:
+    """Each dense entry ``b`` attended with its mask ``valid_of(b)`` [qo_len, kv_len]."""
     batch, qo_len, h_q, d = q.shape
-    kv_len = k.shape[1]
-    valid = _causal_valid(qo_len, kv_len, int(causal))
     out = np.zeros((batch, qo_len, h_q, d))
     lse = np.full((batch, qo_len, h_q), EMPTY_ROW_LSE)
     for b in range(batch):
-        out[b], lse[b] = _attend_heads(q[b], k[b], v[b], valid, sm_scale, logits_soft_cap)
+        out[b], lse[b] = _attend_heads(q[b], k[b], v[b], valid_of(b), sm_scale, logits_soft_cap)
     return out, lse
 
 
@@ -602,19 +606,14 @@ def batch_sequence_prefill_kv_masked(
         raise ValueError(f"mask_mode must be one of {MASK_MODES}, got {mask_mode!r}")
     q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
     _check_dense(q, k, v)
-    batch, qo_len, h_q, d = q.shape
-    kv_len = k.shape[1]
+    batch, qo_len, kv_len = q.shape[0], q.shape[1], k.shape[1]
     valid_lens = _i64(valid_lens, "valid_lens")
     if valid_lens.shape != (batch,):
         raise ValueError(f"valid_lens must have shape ({batch},), got {valid_lens.shape}")
     if np.any(valid_lens < 0) or np.any(valid_lens > min(qo_len, kv_len)):
         raise ValueError(f"valid_lens must lie in [0, {min(qo_len, kv_len)}]: {valid_lens}")
-    out = np.zeros((batch, qo_len, h_q, d))
-    lse = np.full((batch, qo_len, h_q), EMPTY_ROW_LSE)
-    for b in range(batch):
-        valid = _masked_valid(qo_len, kv_len, int(valid_lens[b]), mask_mode)
-        out[b], lse[b] = _attend_heads(q[b], k[b], v[b], valid, sm_scale, logits_soft_cap)
-    return out, lse
+    return _attend_entries(q, k, v, lambda b: _masked_valid(qo_len, kv_len, int(valid_lens[b]), mask_mode),
+                           sm_scale, logits_soft_cap)
 
 
 def decode_entries(q: np.ndarray, *kv_and_plan: Any, kv_layout: str, group_size: int, block: int, d_v: int,
