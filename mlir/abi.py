@@ -40,7 +40,8 @@ _DENSE = (Arg("q", "tensor", ("B", "Lq", "h_q", "d")), Arg("k", "tensor", ("B", 
 _PAGE_TABLE = (Arg("page_indptr", "index", ("B+1",)), Arg("page_values", "index", ("nnz",)),
                Arg("length_info", "index", lambda spec: (3, "B") if spec.sliding_window else ("B",)))
 
-ARGUMENTS: dict[type, tuple[Arg, ...]] = {
+#: Each variant's arguments (a pass's table may depend on its spec: a callable of it).
+ARGUMENTS: dict[type, Union[tuple[Arg, ...], Callable[[object], tuple[Arg, ...]]]] = {
     SequencePrefillSpec: _DENSE,
     MaskedSequencePrefillSpec: (*_DENSE, Arg("valid_lens", "index", ("B",))),
     RaggedPrefillSpec: (
@@ -60,9 +61,10 @@ ARGUMENTS: dict[type, tuple[Arg, ...]] = {
 
 def arguments(spec) -> tuple[Arg, ...]:
     try:
-        return ARGUMENTS[type(spec)]
+        table = ARGUMENTS[type(spec)]
     except KeyError:
         raise TypeError(f"spec: no argument table for {type(spec).__name__}") from None
+    return table(spec) if callable(table) else table
 
 
 def argument_names(spec) -> tuple[str, ...]:
@@ -122,11 +124,6 @@ def result_types(spec) -> list[ir.Type]:
 def kv_sources(spec) -> tuple[Arg, ...]:
     """The tensors a call's keys and values are read from: every tensor argument but q."""
     return tuple(arg for arg in arguments(spec) if arg.kind == "tensor" and arg.name != "q")
-
-
-def kv_source_types(spec) -> list[ir.Type]:
-    """The MLIR types of :func:`kv_sources`, in an open context."""
-    return [_tensor_type(spec, arg) for arg in kv_sources(spec)]
 
 
 def function_module(spec, emit: Callable[..., list], host_readable: tuple[str, ...] = ()) -> ir.Module:

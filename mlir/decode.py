@@ -36,7 +36,7 @@ from .ir import (
     tensor_d,
     tensor_type, widened,
 )
-from .abi import kv_source_types
+from .abi import ARGUMENTS, Arg, argument_types, kv_sources, result_types
 from .kv_cache import _clamped_page, _read_element as _read
 from .masks import kv_cache_validity
 from .online_softmax import NO_KEY_MAX, score_transform
@@ -82,12 +82,15 @@ class DecodeSpec:
 
     symbol = "decode_entries"
     #: What the pass has as its variant has it (``sliding_window``: False for the ragged cache).
-    _FROM_BASE = frozenset({"dtype", "group_size", "kv_layout", "logits_soft_cap", "d_qk", "d_v", "sliding_window"})
+    _FROM_BASE = frozenset({"dtype", "h_q", "h_kv", "group_size", "kv_layout", "logits_soft_cap", "d", "d_qk", "d_v",
+                            "page_size"})
 
     def __getattr__(self, name: str):
+        if name == "sliding_window":
+            return getattr(self.base, name, False)
         if name not in DecodeSpec._FROM_BASE:
             raise AttributeError(name)
-        return getattr(self.base, name, False)
+        return getattr(self.base, name)
 
     @property
     def name(self) -> str:
@@ -209,22 +212,23 @@ class KvCache:
         return tensor_d.extract(pages, [page, page_slot, col])  # latent: values are the first d_v
 
 
-def decode_signature(spec: DecodeSpec) -> tuple[list[ir.Type], list[ir.Type]]:
-    """(argument types, result types) of ``decode_entries`` (module docstring), in an open context."""
-    h, rows, d_qk, d_v = spec.base.h_kv, spec.rows, spec.d_qk, spec.d_v
-    dt = element_type(spec.dtype)
-    arg_types = [tensor_type([DYN, h, rows, d_qk], dt), *kv_source_types(spec.base), tensor_type([DYN, DYN], i32()),
-                 tensor_type([DYN, 4], i32()), i32(), f32()]
-    return arg_types, [tensor_type([DYN, h, rows, d_v], dt), tensor_type([DYN, h, rows], f32())]
+def _pass_arguments(spec: DecodeSpec) -> tuple[Arg, ...]:
+    """``decode_entries``'s arguments (module docstring): its variant's KV sources between the
+    queries of n pass entries and their table and geometry."""
+    return (Arg("q", "tensor", ("n", "h_kv", "rows", "d_qk")), *kv_sources(spec.base),
+            Arg("table", "index", ("n", "W")), Arg("geometry", "index", ("n", 4)), Arg("causal", "int"),
+            Arg("sm_scale", "float"))
+
+
+ARGUMENTS[DecodeSpec] = _pass_arguments
 
 
 def decode_module(spec: DecodeSpec, emit: Callable[..., list]) -> ir.Module:
     """A verified module with one function ``decode_entries`` (module docstring);
     ``emit(q, cache, table, geometry, causal, sm_scale)`` builds its body (cache: KvCache)."""
     with module_context() as module:
-        arg_types, result_types = decode_signature(spec)
         with ir.InsertionPoint(module.body):
-            fn = func_d.FuncOp(spec.symbol, (arg_types, result_types))
+            fn = func_d.FuncOp(spec.symbol, (argument_types(spec), result_types(spec)))
             with ir.InsertionPoint(fn.add_entry_block()):
                 q, *sources, table, geometry, causal, sm_scale = fn.arguments
                 cache = KvCache(spec, sources, table, geometry)

@@ -14,7 +14,7 @@ import pytest
 
 from linalg_prefill.mlir import (
     MaskedSequencePrefillSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec,
-    build_fused_module, build_module,
+    DecodeSpec, build_fused_module, build_module,
 )
 from linalg_prefill.mlir.abi import ARGUMENTS, argument_names, arguments, position, result_dims, spelled
 from linalg_prefill.runtime.errors import InputError
@@ -32,7 +32,8 @@ README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 
 def test_every_variant_has_a_table():
     checked = {kind for kind, hooks in VARIANTS.items() if hooks.check is not None}
-    assert {type(spec) for spec in SPECS} == set(ARGUMENTS) == checked
+    assert {type(spec) for spec in SPECS} == set(ARGUMENTS) - {DecodeSpec} == checked
+    assert set(VARIANTS) == set(ARGUMENTS)  # the serving passes have a table and a reference too
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: type(s).__name__)
@@ -51,7 +52,11 @@ def test_example_inputs_pass_the_host_check(spec):
     VARIANTS[type(spec)].check(spec, *args)  # raises InputError naming the argument otherwise
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=lambda s: type(s).__name__)
+#: The variants and serving passes of each KV-cache layout (ragged, paged with a window, latent).
+WITH_PASSES = SPECS + [DecodeSpec(SPECS[2], 4), DecodeSpec(SPECS[3], 1), DecodeSpec(SPECS[4], 4)]
+
+
+@pytest.mark.parametrize("spec", WITH_PASSES, ids=lambda s: s.name)
 def test_the_mlir_signature_is_the_tables(spec):
     (function,) = [op for op in build_module(spec).body.operations]
     inputs = function.type.inputs
@@ -70,7 +75,7 @@ def test_the_mlir_signature_is_the_tables(spec):
 HOST_READABLE = ("q_indptr", "kv_indptr", "page_indptr", "length_info")
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=lambda s: type(s).__name__)
+@pytest.mark.parametrize("spec", WITH_PASSES, ids=lambda s: s.name)
 def test_the_fused_signature_is_the_tables(spec):
     """The fused lowering takes the same arguments; the index arrays it reads on the host are
     ``!hal.buffer_view``s."""
