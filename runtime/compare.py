@@ -13,10 +13,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..mlir.abi import argument_names, ordered
 from ..pipeline import ArtifactCache, target_for
 from . import reference
 from .checks import as_array
 from .devices import device_available
+from .error_model import CallFacts, ErrorBound, bound_of_call
 from .kernels import open_kernel
 from .tolerance import applies_rope, excess, tolerances
 from .variants import reference_options, variant
@@ -124,6 +126,26 @@ def reference_call(spec) -> tuple[str, dict]:
 def reference_for(spec, args) -> tuple[np.ndarray, np.ndarray]:
     """The float64 (output, lse) of the seed-ABI call ``args`` for ``spec`` (runtime.reference)."""
     return variant(spec).reference(*args, **reference_options(spec))
+
+
+def call_facts(spec) -> CallFacts:
+    """What runtime/error_model.py needs of ``spec`` (a variant or a serving pass)."""
+    rope_scaling = getattr(spec, "rope_scaling", None)
+    return CallFacts(spec.dtype, spec.kv_layout, spec.d_v, sm_scale=getattr(spec, "sm_scale", None),
+                     logits_soft_cap=spec.logits_soft_cap, rope_scaling=dict(rope_scaling) if rope_scaling else None,
+                     rotary_dim=getattr(spec, "rotary_dim", None), kv_tile=getattr(spec, "kv_tile", None))
+
+
+def error_bound(spec, args, want=None) -> ErrorBound:
+    """The error bound (runtime/error_model.py) of the seed-ABI call ``args`` of ``spec``;
+    ``want``: its reference_for, computed when not given."""
+    named = {name: value if isinstance(value, numbers.Number) else as_array(name, _host(value))
+             for name, value in zip(argument_names(spec), args)}
+    return bound_of_call(named, call_facts(spec), lambda call: reference_for(spec, ordered(spec, call)), want)
+
+
+def _host(value):
+    return value.to_host() if hasattr(value, "to_host") else value  # an IREE DeviceArray
 
 
 def _max_abs(a: np.ndarray, b: np.ndarray) -> float:

@@ -14,9 +14,8 @@ import pytest
 from linalg_prefill.pipeline import ArtifactCache, Target
 from linalg_prefill.runtime import cuda_available, examples
 from linalg_prefill.runtime.examples import uniform as _uniform
-from linalg_prefill.runtime.tolerance import (  # noqa: F401 (the one table; tests import LSE_TOLERANCE)
-    LSE_TOLERANCE, TOLERANCE, applies_rope, excess, tolerances,
-)
+from linalg_prefill.runtime.compare import error_bound, reference_for
+from linalg_prefill.runtime.reference import EMPTY_ROW_LSE
 
 NUMPY_DTYPE = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 
@@ -72,11 +71,11 @@ def _recorded_argument(value):
 @pytest.fixture(autouse=True)
 def record_backend_cases(request, monkeypatch):
     """With ``LINALG_PREFILL_RECORD_CASES=DIR``, every llvm-cpu kernel call of a test parametrized
-    over BACKENDS is pickled into DIR as ``{test, spec, args, tolerance}`` (``args``: see
+    over BACKENDS is pickled into DIR as ``{test, spec, args}`` (``args``: see
     ``_recorded_argument``), so that
     ``bench/gpu_bundle.py --recorded DIR`` can replay the same calls on CUDA on a GPU machine, where
-    the compiler these tests need cannot be installed. ``tolerance`` is ((atol, rtol) output,
-    (atol, rtol) lse): runtime/tolerance.py's, rotated for KV-cache calls with rotary_mode 1."""
+    the compiler these tests need cannot be installed (and check them against their error bound,
+    runtime/error_model.py)."""
     directory = RECORD_DIR
     callspec = getattr(request.node, "callspec", None)
     if not directory or callspec is None or callspec.params.get("backend") != "llvm-cpu" \
@@ -90,9 +89,7 @@ def record_backend_cases(request, monkeypatch):
         kernel = real_open_kernel(spec, *args, **kwargs)
 
         def call(*call_args):
-            tolerance = tolerances(spec.dtype, applies_rope(spec, call_args))
-            case = dict(test=request.node.nodeid, spec=spec, args=[_recorded_argument(a) for a in call_args],
-                        tolerance=tolerance)
+            case = dict(test=request.node.nodeid, spec=spec, args=[_recorded_argument(a) for a in call_args])
             with open(os.path.join(directory, f"case-{os.getpid()}-{next(_RECORDED):05d}.pkl"), "wb") as f:
                 pickle.dump(case, f)
             return kernel(*call_args)
@@ -118,28 +115,20 @@ def uniform(rng: np.random.Generator, shape, dtype: str) -> np.ndarray:
     return drawn
 
 
-def assert_close(name: str, got, want, dtype: str, tolerance: tuple | None = None) -> None:
-    """|got - want| <= atol + rtol * |want| elementwise, with the dtype's tolerance by default."""
-    atol, rtol = tolerance or TOLERANCE[dtype]
-    got = np.asarray(got, np.float64)
-    want = np.asarray(want, np.float64)
-    assert got.shape == want.shape, f"{name}: shape {got.shape} != {want.shape}"
-    assert excess(got, want, (atol, rtol)) <= 0, f"{name}: max error {max_error(got, want):.3g} exceeds tolerance ({dtype})"
-
-
-def assert_matches_reference(name: str, got, want, dtype: str, *, rotated: bool = False) -> None:
-    """(output, lse) against the reference's: rows with a valid key within tolerance (the looser
-    rotated tolerance when the call applies RoPE, runtime/tolerance.py), the rows without one (reference lse -5e4,
-    semantics §11.3) exactly output 0 and lse -5e4."""
-    from linalg_prefill.runtime.reference import EMPTY_ROW_LSE
-
-    (out, lse), (want_out, want_lse) = got, want
-    empty = want_lse == EMPTY_ROW_LSE
-    keep = ~empty
-    out_tolerance, lse_tolerance = tolerances(dtype, rotated)
-    assert_close(f"{name} output", out[keep], want_out[keep], dtype, out_tolerance)
-    assert_close(f"{name} lse", lse[keep], want_lse[keep], dtype, lse_tolerance)
-    assert np.all(np.asarray(out, np.float64)[empty] == 0.0), f"{name}: empty rows must be 0"
+def assert_matches_reference(name: str, got, spec, args, want=None) -> None:
+    """(output, lse) of the call ``args`` of ``spec`` against its float64 reference (``want``, or
+    computed): rows with a visible key within the call's error bound (runtime/error_bounds.py),
+    the rows without one (reference lse -5e4, semantics §11.3) exactly output 0 and lse -5e4."""
+    want = reference_for(spec, args) if want is None else want
+    bound = error_bound(spec, args, want)
+    (out, lse), (want_out, want_lse) = (np.asarray(x, np.float64) for x in got), want
+    assert out.shape == np.shape(want_out) and lse.shape == np.shape(want_lse), f"{name}: shapes differ"
+    out_excess, lse_excess = bound.excess((out, lse), want)
+    out_ratio, lse_ratio = bound.ratio((out, lse), want)
+    assert out_excess <= 0, f"{name}: output error {out_ratio:.3g} x its bound ({spec.dtype})"
+    assert lse_excess <= 0, f"{name}: lse error {lse_ratio:.3g} x its bound ({spec.dtype})"
+    empty = ~bound.valid
+    assert np.all(out[empty] == 0.0), f"{name}: empty rows must be 0"
     assert np.all(lse[empty] == EMPTY_ROW_LSE), f"{name}: empty rows must have lse -5e4"
 
 

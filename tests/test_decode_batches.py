@@ -21,7 +21,7 @@ from linalg_prefill.mlir import (
 from linalg_prefill.pipeline import Target
 from linalg_prefill.runtime import open_kernel, reference
 from linalg_prefill.mlir.abi import argument_names
-from linalg_prefill.runtime.compare import reference_call, reference_for
+from linalg_prefill.runtime.compare import reference_call
 from linalg_prefill.runtime.examples import example_inputs
 from linalg_prefill.runtime.decode import DECODE_PASSES, bucket_tiles, decode_calls, pass_queries
 
@@ -107,7 +107,7 @@ def test_decode_pass_matches_the_reference(case, backend, cache, monkeypatch):
     calls = _CountingPasses(kernel, monkeypatch)
     got = kernel(*args)
     assert (calls.decode, calls.rest) == (MIXED_PASS_CALLS[_lowering(backend)], 1)
-    assert_matches_reference(case, got, reference_for(spec, args), spec.dtype)
+    assert_matches_reference(case, got, spec, args)
 
 
 @pytest.mark.parametrize("backend", PASS_BACKENDS)
@@ -126,7 +126,7 @@ def test_each_pass_call_matches_the_reference_of_its_own_arguments(case, backend
         name, kwargs = reference_call(call.spec)
         want = getattr(reference, name)(*call.args, **kwargs)
         got = kernel._run_decode(call.spec.queries, *call.args)
-        assert_matches_reference(f"{case} {call.spec.name} x {len(call.rows)}", got, want, spec.dtype)
+        assert_matches_reference(f"{case} {call.spec.name} x {len(call.rows)}", got, call.spec, call.args, want)
 
 
 @pytest.mark.parametrize("backend", PASS_BACKENDS)
@@ -203,7 +203,7 @@ def test_a_batch_of_decode_entries_takes_a_fixed_number_of_launches(entries, bac
     fused = _lowering(backend) == "fused"
     assert calls.decode == (len(np.unique(bucket_tiles(-(-kv_lens // 64)))) if fused else 1) <= 7
     assert calls.rest == 0
-    assert_matches_reference("decode batch", got, reference_for(spec, args), spec.dtype)
+    assert_matches_reference("decode batch", got, spec, args)
 
 
 def test_bucket_widths_pad_by_less_than_half():
@@ -237,7 +237,7 @@ def test_nan_in_unused_cache_rows_stays_out(backend, cache):
     args = _call(spec, np.random.default_rng(5), [(1, 37), (1, 300), (1, 1)], fill_unused=np.nan)
     got = kernel(*args)
     assert np.isfinite(got[0]).all()
-    assert_matches_reference("NaN in unused rows", got, reference_for(spec, args), spec.dtype)
+    assert_matches_reference("NaN in unused rows", got, spec, args)
 
 
 #: Many query heads over one narrow latent row (R = 64 rows per query): the 1-query pass's
@@ -267,5 +267,4 @@ def test_entries_of_a_pass_that_is_not_used_run_one_query_at_a_time(causal, cach
     calls = _CountingPasses(kernel, monkeypatch)
     got = kernel(*args)
     assert (calls.decode, calls.rest) == (4, 1)
-    assert_matches_reference(f"MLA h64 one query at a time, causal {causal}", got, reference_for(MANY_HEADS, args),
-                             MANY_HEADS.dtype)
+    assert_matches_reference(f"MLA h64 one query at a time, causal {causal}", got, MANY_HEADS, args)

@@ -24,10 +24,8 @@ from linalg_prefill.mlir import (
 )
 from linalg_prefill.mlir.abi import argument_names, ordered
 from linalg_prefill.runtime import open_kernel
-from linalg_prefill.runtime.compare import reference_for
 from linalg_prefill.runtime.examples import PageTable, draw_tensors, indptr, page_table
 from linalg_prefill.runtime.kv_checks import natural_positions, paged_kv_lengths
-from linalg_prefill.runtime.tolerance import applies_rope
 
 FUZZ_EXAMPLES = int(os.environ.get("LINALG_PREFILL_FUZZ", "0"))
 THOROUGH = FUZZ_EXAMPLES > 0
@@ -153,7 +151,7 @@ def test_kv_cache_variants_match_the_reference(cache, data):
     spec = data.draw(st.sampled_from(KV_SPECS), label="spec")
     args, _, _ = data.draw(kv_call(spec), label="call")
     got = kernel_for(spec, cache)(*args)
-    assert_matches_reference(spec.name, got, reference_for(spec, args), spec.dtype, rotated=applies_rope(spec, args))
+    assert_matches_reference(spec.name, got, spec, args)
 
 
 @fuzz_settings(30)
@@ -163,7 +161,7 @@ def test_serving_shaped_batches_match_the_reference(cache, data):
     spec = data.draw(st.sampled_from(KV_SPECS), label="spec")
     args, _, _ = data.draw(kv_call(spec, serving=True), label="call")
     got = kernel_for(spec, cache)(*args)
-    assert_matches_reference(spec.name, got, reference_for(spec, args), spec.dtype, rotated=applies_rope(spec, args))
+    assert_matches_reference(spec.name, got, spec, args)
 
 
 @fuzz_settings(100)
@@ -172,7 +170,7 @@ def test_dense_variants_match_the_reference(cache, data):
     spec = data.draw(st.sampled_from(DENSE_SPECS), label="spec")
     args = data.draw(dense_call(spec), label="call")
     got = kernel_for(spec, cache)(*args)
-    assert_matches_reference(spec.name, got, reference_for(spec, args), spec.dtype)
+    assert_matches_reference(spec.name, got, spec, args)
 
 
 @fuzz_settings(60)

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import pytest
 
-from conftest import NUMPY_DTYPE, assert_close, max_error, uniform
+from conftest import NUMPY_DTYPE, uniform
 from linalg_prefill.mlir.ir import DYN, element_type, f32, func_d, i32, ir, module_context, tensor_type
 from linalg_prefill.mlir.rope import apply_rope
 from linalg_prefill.pipeline import Target, compile_ir
+from linalg_prefill.runtime.error_model import rotation_bound
 from linalg_prefill.runtime.module import LoadedKernel
 from linalg_prefill.runtime.rope import apply_rope as reference_rope
-from linalg_prefill.runtime.rope import rope_pairing
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 8192}
@@ -70,16 +69,13 @@ def _positions(rng: np.random.Generator, rows: int) -> np.ndarray:
     return pos
 
 
-def _f32_atol(positions: np.ndarray, scale: float) -> float:
-    """1e-4 plus the error the float32 angle itself carries.
-
-    ``position * scale``, the frequency and their product are each rounded to f32 (as HF and vLLM
-    do), each costing up to ``2^-24 * A`` for an angle of size ``A <= max(position) * scale``
-    (every frequency is <= 1); |d out / d angle| = |sin * x_a + cos * x_b| <= sqrt(2) for |x| <= 1.
-    At A ~ 8192 this is 2e-3: no f32 angle computation can reach 1e-4 there (half an ulp of 8192
-    is 4.9e-4 rad). For A <= 2048 it is 6e-4; observed errors are ~8e-5 and ~4e-4 respectively.
-    """
-    return 1e-4 + 3.0 * math.sqrt(2.0) * 2.0**-24 * float(np.max(positions)) * scale
+def _assert_within_rotation_bound(name, got, x, pos, dtype, **rope):
+    """The kernel's rotation against the float64 one, element by element within
+    runtime/error_model.rotation_bound (the f32 angle of each pair, the rotation, the rounding)."""
+    want = reference_rope(x, pos, **rope)
+    bound = rotation_bound(x, pos, dtype=dtype, exact=want, **rope)
+    error = np.abs(np.asarray(got, np.float64) - want)
+    assert np.all(error <= bound), f"{name}: error {np.max(error / bound):.3g} x its bound"
 
 
 @pytest.mark.parametrize("case", list(F32_CASES))
@@ -91,21 +87,10 @@ def test_float32_matches_reference(case):
     pos = _positions(rng, ROWS)
     for run_theta, scale in ((theta, 0.5), (2.0 * theta, 2.0)):
         (got,) = kernel(x, pos, run_theta, scale)
-        want = reference_rope(x, pos, rope_theta=run_theta, rope_scale=scale, rope_scaling=rope_scaling)
         assert got.dtype == np.float32 and got.shape == x.shape
-        err = max_error(got, want)
-        assert err <= _f32_atol(pos, scale), f"{case} theta={run_theta} scale={scale}: max error {err:.3g}"
-        pair0 = _pair_zero(rope_scaling, head_dim)
-        assert max_error(got[..., pair0], want[..., pair0]) <= 1e-5, f"{case}: cos/sin of large angles"
-
-
-def _pair_zero(rope_scaling: dict, head_dim: int) -> list[int]:
-    """Elements of pair 0, whose frequency is exactly 1.
-
-    With scale 0.5 or 2.0 their f32 angle ``position * scale`` is exact, so their only error is
-    the evaluation of cos/sin at angles up to ~8e3 (unreduced, IREE's math.cos is off by 2e-4).
-    """
-    return [0, 1] if rope_pairing(rope_scaling) == "interleaved" else [0, head_dim // 2]
+        # pair 0 (frequency 1, s * 1 exact) is held to the cos/sin of large angles alone: 8 u32
+        _assert_within_rotation_bound(f"{case} theta={run_theta} scale={scale}", got, x, pos, "float32",
+                                      rope_theta=run_theta, rope_scale=scale, rope_scaling=rope_scaling)
 
 
 @pytest.mark.parametrize("dtype, rope_scaling", [("float16", LLAMA3), ("bfloat16", {"rope_type": "gptj"})])
@@ -115,9 +100,9 @@ def test_low_precision_matches_reference(dtype, rope_scaling):
     x = uniform(rng, (ROWS, HEADS, 128), dtype)
     pos = _positions(rng, ROWS)
     (got,) = kernel(x, pos, 500000.0, 0.5)
-    want = reference_rope(x, pos, rope_theta=500000.0, rope_scale=0.5, rope_scaling=rope_scaling)
     assert got.dtype == NUMPY_DTYPE[dtype]
-    assert_close("rope", got, want.astype(NUMPY_DTYPE[dtype]), dtype)
+    _assert_within_rotation_bound("rope", got, x, pos, dtype, rope_theta=500000.0, rope_scale=0.5,
+                                  rope_scaling=rope_scaling)
 
 
 def test_first_position_scalar_with_static_rows():
@@ -129,8 +114,8 @@ def test_first_position_scalar_with_static_rows():
     pos = first + np.arange(rows, dtype=np.int32)
     for theta, scale in ((10000.0, 0.5), (20000.0, 2.0)):
         (got,) = kernel(x, first, theta, scale)
-        want = reference_rope(x, pos, rope_theta=theta, rope_scale=scale, rope_scaling=YARN)
-        assert max_error(got, want) <= _f32_atol(pos, scale)
+        _assert_within_rotation_bound("first", got, x, pos, "float32", rope_theta=theta, rope_scale=scale,
+                                      rope_scaling=YARN)
 
 
 def _generics(module: ir.Module) -> list[tuple[ir.Operation, list[str]]]:
