@@ -7,20 +7,23 @@ The folder holds, next to ``gpu_runner.py`` (numpy + IREE runtime only) and ``gp
 
 * ``artifacts/``: every spec of its cases compiled for ``--backend`` (sm_80 for CUDA);
 * ``cases/*.npz``: one seed-ABI call each, with the ``runtime.reference`` function and keyword
-  arguments that evaluate it and the (atol, rtol) its output and lse must meet:
-  - a small call per variant of the example models (``runtime.compare.example_inputs``: mixed
-    lengths, a qo_len > kv_len entry, shuffled pages; runtime/tolerance.py's bound for the call);
+  arguments that evaluate it, its argument names and the spec's facts the error model needs
+  (``runtime.compare.call_facts``): every element must be within the call's error bound
+  (runtime/error_model.py, computed on the GPU machine's CPU as the reference is):
+  - a small call per variant of the example models (``runtime.examples.example_inputs``: mixed
+    lengths, a qo_len > kv_len entry, shuffled pages);
   - with ``--recorded DIR``, every llvm-cpu call the backend-parametrized tests made, as recorded by
-    ``LINALG_PREFILL_RECORD_CASES=DIR make test`` (``tests/conftest.py``), with the tests' own
-    tolerances: the tests' CUDA layer, replayed where the compiler cannot be installed;
+    ``LINALG_PREFILL_RECORD_CASES=DIR make test`` (``tests/conftest.py``): the tests' CUDA layer,
+    replayed where the compiler cannot be installed;
   - ``serving-*`` cases: the serving passes' own calls (runtime/decode.py) of a mixed step per
     KV-cache variant, checked against ``reference.decode_entries``;
   - ``bench-*`` cases (dense causal L=2048/8192, mixed ragged and paged batches, serving rows of
     32 and 128 sequences x 1-16 new tokens vs 1024 cached), timed only.
   Arrays the tests drew with their ``uniform`` helper are stored as the PCG64 state, shape and dtype
   that draw them again (and the sha1 the redraw must match), so the bundle stays well under the
-  64 MiB a device call can carry; the reference is computed on the GPU machine's CPU from
-  ``reference/`` (copies of ``runtime/reference.py`` and ``runtime/rope.py``, numpy only);
+  64 MiB a device call can carry; the reference and the bound are computed on the GPU machine's
+  CPU from ``reference/`` (copies of ``runtime/reference.py``, ``runtime/rope.py`` and
+  ``runtime/error_model.py``, numpy only);
 * ``wheels/``: the cp312 wheels of iree-base-runtime (same version as here), numpy and ml_dtypes.
 
 Copy the folder to the GPU machine and run ``python3 gpu_runner.py`` there.
@@ -31,6 +34,7 @@ tested without a GPU.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import glob
 import hashlib
 import json
@@ -45,17 +49,16 @@ import numpy as np
 from linalg_prefill.mlir import MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec
 from linalg_prefill.pipeline import Target, compile_spec
 from linalg_prefill.pipeline.model_config import load_model_config, specs_for_model
-from linalg_prefill.runtime.compare import reference_call
+from linalg_prefill.runtime.compare import call_facts, reference_call
 from linalg_prefill.mlir.abi import argument_names
 from linalg_prefill.runtime.examples import example_inputs
-from linalg_prefill.runtime.tolerance import applies_rope, tolerances
 from linalg_prefill.runtime.decode import DECODE_PASSES, decode_calls, pass_queries
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 MODELS = ("tiny.toml", "mistral-7b.json", "deepseek-v2-lite.json")
 WHEELS = ("iree-base-runtime==3.13.0", "numpy", "ml_dtypes")
-REFERENCE_FILES = ("reference.py", "rope.py")
+REFERENCE_FILES = ("reference.py", "rope.py", "error_model.py")
 
 
 def bench_cases(dense_lengths=(2048, 8192)):
@@ -149,7 +152,7 @@ def redraw(draw: dict) -> np.ndarray:
 
 
 def recorded_cases(directory: str):
-    """(name, spec, args as (kind, value) pairs, tolerance) of every call recorded in ``directory``."""
+    """(name, spec, args as (kind, value) pairs) of every call recorded in ``directory``."""
     for path in sorted(glob.glob(os.path.join(directory, "*.pkl"))):
         with open(path, "rb") as f:
             case = pickle.load(f)
@@ -157,12 +160,13 @@ def recorded_cases(directory: str):
             if kind == "uniform" and hashlib.sha1(redraw(value).tobytes()).hexdigest() != value["sha1"]:
                 raise SystemExit(f"{path}: an argument drawn by uniform() was changed before the call")
         test = case["test"].split("::")[-1]
-        yield f"test-{os.path.basename(path)[:-4]}-{test}", case["spec"], case["args"], case["tolerance"]
+        yield f"test-{os.path.basename(path)[:-4]}-{test}", case["spec"], case["args"]
 
 
-def save_case(path, name, spec, file, args, tolerance=None, flops=0.0) -> None:
+def save_case(path, name, spec, file, args, flops=0.0) -> None:
     """One .npz: the call's arguments (``args``: (kind, value) pairs, kind "uniform" for a
-    recorded draw, "value" otherwise), and for checked cases the reference call and tolerance.
+    recorded draw, "value" otherwise), and for checked cases the reference call, the argument
+    names and the spec's facts the error model needs.
 
     ``bench-*`` cases store only the shapes of their large float inputs (the runner draws them)
     and no reference; their index arrays are stored as they are.
@@ -184,7 +188,8 @@ def save_case(path, name, spec, file, args, tolerance=None, flops=0.0) -> None:
     if hasattr(spec, "base"):  # a serving pass: torch's timing needs the GQA group
         meta["group"] = spec.base.group_size
     if not bench:
-        meta.update(reference=reference_call(spec), tolerance=tolerance)
+        meta.update(reference=reference_call(spec), arguments=list(argument_names(spec)),
+                    facts=dataclasses.asdict(call_facts(spec)))
     np.savez_compressed(path, meta=json.dumps(meta), **arrays)
 
 
@@ -207,7 +212,7 @@ def main() -> None:
         os.makedirs(os.path.join(args.out, sub))
     for tool in ("gpu_runner.py", "gpu_check.sh"):
         shutil.copy(os.path.join(HERE, tool), args.out)
-    for file in REFERENCE_FILES:
+    for file in REFERENCE_FILES:  # the reference package: numpy only
         shutil.copy(os.path.join(ROOT, "runtime", file), os.path.join(args.out, "reference"))
     open(os.path.join(args.out, "reference", "__init__.py"), "w").close()
     rng = np.random.default_rng(0)
@@ -217,24 +222,23 @@ def main() -> None:
             specs[spec.name] = spec
     values = lambda call: [("value", a) for a in call]  # noqa: E731
     examples = {name: example_inputs(spec, rng) for name, spec in specs.items()}
-    cases = [(name, spec, values(examples[name]), tolerances(spec.dtype, applies_rope(spec, examples[name])), 0.0)
-             for name, spec in specs.items()]
+    cases = [(name, spec, values(examples[name]), 0.0) for name, spec in specs.items()]
     if args.recorded:
-        cases += [(name, spec, call, tolerance, 0.0) for name, spec, call, tolerance in recorded_cases(args.recorded)]
-    cases += [(name, spec, [("value", _in_dtype(a, spec)) for a in call], None, flops)
+        cases += [(name, spec, call, 0.0) for name, spec, call in recorded_cases(args.recorded)]
+    cases += [(name, spec, [("value", _in_dtype(a, spec)) for a in call], flops)
               for name, spec, call, flops in bench_cases([int(n) for n in args.bench_lengths.split(",")])]
-    cases += [(name, spec, values(call), None if flops else tolerances(spec.base.dtype), flops or 0.0)
+    cases += [(name, spec, values(call), flops or 0.0)
               for name, spec, call, flops in serving_cases(target, rng, args.serving_variants.split(","),
                                                            args.serving_rows.split(","))]
     built = set()
-    for name, spec, call, tolerance, flops in cases:
+    for name, spec, call, flops in cases:
         file = os.path.join("artifacts", f"{spec.name}.vmfb")
         if file not in built:
             with open(os.path.join(args.out, file), "wb") as f:
                 f.write(compile_spec(spec, target))
             built.add(file)
             print(f"built {file}", file=sys.stderr)
-        save_case(os.path.join(args.out, "cases", f"{name}.npz"), name, spec, file, call, tolerance, flops)
+        save_case(os.path.join(args.out, "cases", f"{name}.npz"), name, spec, file, call, flops)
     if not args.no_wheels:
         subprocess.run([sys.executable, "-m", "pip", "download", *WHEELS, "--only-binary=:all:",
                         "--python-version", "3.12", "--platform", "manylinux_2_28_x86_64",

@@ -6,9 +6,9 @@
 Needs only Python 3.12, numpy and the IREE runtime; when ``import iree.runtime`` fails it first
 unpacks the wheels shipped in ``wheels/`` into ``deps/`` (a wheel is a zip file: no pip, no
 registry). For every case in ``cases/`` it redraws or loads the arguments, runs the artifact on the
-device, computes the float64 reference on the CPU with the bundle's ``reference/`` copy and
-checks output and lse elementwise against the case's (atol, rtol), on rows with a valid key; rows
-without one must be exactly 0 and -5e4. The ``bench-*`` cases are timed instead, next to torch's
+device, computes the float64 reference and the call's error bound on the CPU with the bundle's
+``reference/`` copy (runtime/error_model.py) and checks output and lse elementwise against it, on
+rows with a valid key; rows without one must be exactly 0 and -5e4. The ``bench-*`` cases are timed instead, next to torch's
 ``scaled_dot_product_attention`` on the same GPU when torch with CUDA is installed. Prints the
 failures and a summary (``--log`` gets every case's line). Exit code 0 when every case passed.
 """
@@ -140,28 +140,28 @@ def _run(kernels, meta, args, repeat: int):
     return out, lse, (min(times) if times else None)
 
 
-def _excess(got, want, tolerance) -> tuple[float, float]:
-    """(max |got - want|, max of |got - want| - (atol + rtol |want|)): passes when the second <= 0."""
+def _check(meta, args, out, lse) -> tuple[float, float, float, bool, bool]:
+    """(max output error, max lse error, largest error / bound, empty rows exact, passed) against
+    the reference and the call's error bound (runtime/error_model.py)."""
     import numpy as np
-
-    atol, rtol = tolerance
-    error = np.abs(np.asarray(got, np.float64) - want)
-    return float(np.max(error, initial=0.0)), float(np.max(error - (atol + rtol * np.abs(want)), initial=-1.0))
-
-
-def _check(meta, args, out, lse) -> tuple[float, float, bool, bool]:
-    """(max output error, max lse error, empty rows exact, within tolerance) against the reference."""
-    import numpy as np
-    from reference import reference
+    from reference import error_model, reference
 
     name, kwargs = meta["reference"]
-    want_out, want_lse = getattr(reference, name)(*args, **kwargs)
-    valid = want_lse != EMPTY_ROW_LSE
-    (out_tol, lse_tol) = meta["tolerance"]
-    err_out, excess_out = _excess(out[valid], want_out[valid], out_tol)
-    err_lse, excess_lse = _excess(lse[valid], want_lse[valid], lse_tol)
+    names = meta["arguments"]
+    evaluate = getattr(reference, name)
+
+    def reference_of(named):
+        return evaluate(*(named[n] for n in names), **kwargs)
+
+    named = dict(zip(names, args))
+    want = want_out, want_lse = reference_of(named)
+    bound = error_model.bound_of_call(named, error_model.CallFacts(**meta["facts"]), reference_of, want)
+    valid = bound.valid
+    err_out = float(np.max(np.abs(out.astype(np.float64) - want_out)[valid], initial=0.0))
+    err_lse = float(np.max(np.abs(lse.astype(np.float64) - want_lse)[valid], initial=0.0))
+    ratio = max(bound.ratio((out, lse), want))
     empty_ok = bool(np.all(out.astype(np.float64)[~valid] == 0) and np.all(lse[~valid] == EMPTY_ROW_LSE))
-    return err_out, err_lse, empty_ok, excess_out <= 0 and excess_lse <= 0 and empty_ok
+    return err_out, err_lse, ratio, empty_ok, ratio <= 1.0 and empty_ok
 
 
 def _torch_seconds(meta, args, repeat: int):
@@ -267,7 +267,7 @@ def main() -> int:
             print(line, flush=True)
 
     emit(f"device {args.driver}: {device} {' '.join(args.runtime_flag)}", always=True)
-    emit(f"{'case':<70} {'err out':>9} {'err lse':>9} {'empty':>5}", always=True)
+    emit(f"{'case':<70} {'err out':>9} {'err lse':>9} {'err/bnd':>7} {'empty':>5}", always=True)
     paths = sorted(path for path in glob.glob(os.path.join(HERE, "cases", "*.npz"))
                    if args.only is None or args.only in os.path.basename(path))
     passed = failed = 0
@@ -292,13 +292,13 @@ def main() -> int:
             emit(f"{meta['name']}: {seconds * 1e3:.2f} ms, {meta['flops'] / seconds / 1e9:.1f} GFLOP/s{peer}",
                  always=True)
             continue
-        err_out, err_lse, empty_ok, ok = _check(meta, call_args, out, lse)
+        err_out, err_lse, ratio, empty_ok, ok = _check(meta, call_args, out, lse)
         passed += ok
         failed += not ok
-        emit(f"{meta['name'][:70]:<70} {err_out:>9.2e} {err_lse:>9.2e} {str(empty_ok):>5}"
-             f"{'' if ok else '  OUT OF TOLERANCE'}", always=not ok)
+        emit(f"{meta['name'][:70]:<70} {err_out:>9.2e} {err_lse:>9.2e} {ratio:>7.3f} {str(empty_ok):>5}"
+             f"{'' if ok else '  OUT OF BOUND'}", always=not ok)
     ran = passed + failed
-    emit(f"{passed} of {ran} checked cases within tolerance ({len(paths)} cases in the bundle, "
+    emit(f"{passed} of {ran} checked cases within their error bounds ({len(paths)} cases in the bundle, "
          f"{len(kernels.functions)} artifacts loaded last, {time.perf_counter() - started:.0f} s)", always=True)
     return 1 if failed else 0
 

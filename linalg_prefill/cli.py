@@ -168,7 +168,7 @@ def _list(out_dir: str) -> int:
 
 def _check(out_dir: str, backends: list, seed: int, *, strict: bool = False) -> int:
     """``check``: each variant on the requested backends it was built for, against the reference;
-    prints one table per variant; 0 when all ran within tolerance, 1 otherwise or if nothing ran
+    prints one table per variant; 0 when all ran within their error bounds, 1 otherwise or if nothing ran
     (``strict``: also when a requested backend did not run at all)."""
     import numpy as np
 
@@ -200,7 +200,7 @@ def _check(out_dir: str, backends: list, seed: int, *, strict: bool = False) -> 
         failures += not report.ok
         ran += len(report.ran)
         backends_run.update(report.ran)
-    verdict = "all within tolerance" if not failures else f"{failures} OUT OF TOLERANCE or failed"
+    verdict = "all within their error bounds" if not failures else f"{failures} OUT OF BOUND or failed"
     print(f"{len(variants)} variants, {ran} backend runs: {verdict}")
     if not ran:
         print(f"nothing ran: no artifact for {', '.join(backends)} with a device here")

@@ -2,7 +2,7 @@
 
     report = compare_backends(spec, example_inputs(spec, np.random.default_rng(0)))  # runtime/examples.py
     print(report.table())     # max errors per backend, pairwise differences, skipped backends
-    assert report.ok          # every error within runtime/tolerance.py's bound for the call
+    assert report.ok          # every element within the call's error bound (runtime/error_model.py)
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from .checks import as_array
 from .devices import device_available
 from .error_model import CallFacts, ErrorBound, bound_of_call
 from .kernels import open_kernel
-from .tolerance import applies_rope, excess, tolerances
 from .variants import reference_options, variant
 
 __all__ = ["BackendResult", "ComparisonReport", "compare_backends", "reference_call",
@@ -29,31 +28,35 @@ __all__ = ["BackendResult", "ComparisonReport", "compare_backends", "reference_c
 @dataclass(frozen=True)
 class BackendResult:
     """One backend's run: max abs errors over the rows that have a valid key (reference lse !=
-    -5e4), whether every element of those rows is within the report's tolerance
-    (runtime/tolerance.py), and whether the other rows are exactly output 0 / lse -5e4 (§11.3);
-    or why it was skipped."""
+    -5e4), the largest error / bound of any element of those rows (``bound_ratio``, output and
+    lse; at most 1 within the call's error bound, runtime/error_model.py), and whether the other
+    rows are exactly output 0 / lse -5e4 (§11.3); or why it was skipped."""
 
     backend: str
     output_error: float | None = None
     lse_error: float | None = None
     empty_rows_exact: bool | None = None
     skipped: str | None = None
-    within_tolerance: bool | None = None
+    bound_ratio: tuple[float, float] | None = None
+
+    @property
+    def within_bound(self) -> bool:
+        return self.bound_ratio is not None and max(self.bound_ratio) <= 1.0
 
     @property
     def ok(self) -> bool:
-        """Skipped, or every error within tolerance and the empty rows exact."""
-        return self.skipped is not None or bool(self.within_tolerance and self.empty_rows_exact)
+        """Skipped, or every error within the bound and the empty rows exact."""
+        return self.skipped is not None or bool(self.within_bound and self.empty_rows_exact)
 
 
 @dataclass(frozen=True)
 class ComparisonReport:
-    """``results`` in backend order; ``tolerance``: ((atol, rtol) output, (atol, rtol) lse);
-    ``pairwise``: (backend a, backend b, max |output a - output b|, max |lse a - lse b|) over all
-    rows, for every pair of backends that ran."""
+    """``results`` in backend order; ``bound``: the call's ErrorBound; ``pairwise``: (backend a,
+    backend b, max |output a - output b|, max |lse a - lse b|) over all rows, for every pair of
+    backends that ran."""
 
     spec: object
-    tolerance: tuple
+    bound: ErrorBound
     results: tuple[BackendResult, ...]
     pairwise: tuple[tuple[str, str, float, float], ...]
 
@@ -72,16 +75,18 @@ class ComparisonReport:
         rows = []
         for r in self.results:
             if r.skipped is not None:
-                rows.append((r.backend, "-", "-", "-", f"skipped: {r.skipped}"))
+                rows.append((r.backend, "-", "-", "-", "-", f"skipped: {r.skipped}"))
             else:
                 rows.append((r.backend, f"{r.output_error:.2e}", f"{r.lse_error:.2e}",
-                             "exact" if r.empty_rows_exact else "WRONG",
-                             "ok" if r.ok else "OUT OF TOLERANCE"))
-        rows += [(f"{a} vs {b}", f"{out:.2e}", f"{lse:.2e}", "", "difference") for a, b, out, lse in self.pairwise]
-        (out_atol, out_rtol), (lse_atol, lse_rtol) = self.tolerance
-        title = (f"{self.spec.name} ({self.spec.dtype}, tolerance atol {out_atol:g} + rtol {out_rtol:g} output, "
-                 f"atol {lse_atol:g} + rtol {lse_rtol:g} lse)")
-        return title + "\n" + _format_table(("backend", "output err", "lse err", "empty rows", "status"), rows)
+                             f"{max(r.bound_ratio):.3f}", "exact" if r.empty_rows_exact else "WRONG",
+                             "ok" if r.ok else "OUT OF BOUND"))
+        rows += [(f"{a} vs {b}", f"{out:.2e}", f"{lse:.2e}", "", "", "difference") for a, b, out, lse in self.pairwise]
+        valid = self.bound.valid
+        title = (f"{self.spec.name} ({self.spec.dtype}; error bound per element, runtime/error_model.py: output up to "
+                 f"{np.max(self.bound.output[valid], initial=0.0):.2e}, lse up to "
+                 f"{np.max(self.bound.lse[valid], initial=0.0):.2e})")
+        header = ("backend", "output err", "lse err", "err/bound", "empty rows", "status")
+        return title + "\n" + _format_table(header, rows)
 
 
 def compare_backends(spec, args, backends=("llvm-cpu", "cuda"), *, cache: ArtifactCache | None = None,
@@ -91,12 +96,12 @@ def compare_backends(spec, args, backends=("llvm-cpu", "cuda"), *, cache: Artifa
     A backend is a name (``"cuda"``) or a :class:`Target` (reported by its tag, so two archs of one
     backend can be compared). Kernels come from ``artifacts`` (backend name -> :class:`ArtifactSet`)
     where given, else are compiled through ``cache``. A backend without a device is recorded as
-    skipped, with the reason.
+    skipped, with the reason. Each is held to the call's error bound (runtime/error_model.py).
     """
     args = tuple(a if isinstance(a, numbers.Number) else as_array(f"args[{i}]", a) for i, a in enumerate(args))
-    want_out, want_lse = reference_for(spec, args)
-    valid = want_lse != reference.EMPTY_ROW_LSE
-    out_tolerance, lse_tolerance = tolerance = tolerances(spec.dtype, applies_rope(spec, args))
+    want = want_out, want_lse = reference_for(spec, args)
+    bound = error_bound(spec, args, want)
+    valid = bound.valid
     results, runs = [], {}
     for backend in backends:
         name, driver = backend if isinstance(backend, str) else backend.tag, target_for(backend).driver
@@ -110,11 +115,10 @@ def compare_backends(spec, args, backends=("llvm-cpu", "cuda"), *, cache: Artifa
         results.append(BackendResult(
             name, _max_abs(out[valid], want_out[valid]), _max_abs(lse[valid], want_lse[valid]),
             bool(np.all(out[~valid] == 0) and np.all(lse[~valid] == reference.EMPTY_ROW_LSE)),
-            within_tolerance=excess(out[valid], want_out[valid], out_tolerance) <= 0
-            and excess(lse[valid], want_lse[valid], lse_tolerance) <= 0))
+            bound_ratio=bound.ratio((out, lse), want)))
     pairwise = tuple((a, b, _max_abs(runs[a][0], runs[b][0]), _max_abs(runs[a][1], runs[b][1]))
                      for a, b in itertools.combinations(runs, 2))
-    return ComparisonReport(spec, tolerance, tuple(results), pairwise)
+    return ComparisonReport(spec, bound, tuple(results), pairwise)
 
 
 def reference_call(spec) -> tuple[str, dict]:

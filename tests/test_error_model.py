@@ -1,0 +1,115 @@
+"""The error bound (runtime/error_model.py) is tight enough to catch real bugs: kernels built with
+an off-by-one causal mask, a wrong page index, a wrong RoPE position or a missing ``sm_scale``
+(the IR builders patched, then compiled) exceed it on every call where the bug changes the result,
+in every dtype, on calls drawn like the fuzzer's (tests/test_fuzz.py); the unpatched kernel stays
+within it on the same calls.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from linalg_prefill.mlir import PagedPrefillSpec, decode, fused_decode, fused_kernels, kv_cache, masks, online_softmax
+from linalg_prefill.mlir import rope as rope_builder
+from linalg_prefill.mlir.ir import arith_d, const_index
+from linalg_prefill.runtime import open_kernel
+from linalg_prefill.runtime.compare import error_bound, reference_for
+from linalg_prefill.runtime.examples import example_inputs
+from linalg_prefill.runtime.reference import EMPTY_ROW_LSE
+
+DTYPES = ("float32", "float16", "bfloat16")
+DRAWS = 16
+#: The fuzzer's query and KV lengths (tests/test_fuzz.py: kv_call).
+QUERY_LENS, KV_LENS = (0, 1, 2, 5, 9, 16, 17, 24), (0, 1, 3, 8, 16, 33, 40)
+
+
+def _off_by_one_mask():
+    """The causal diagonal one column too far right: each row sees one key it must not."""
+    original = masks.kv_cache_validity
+
+    def shifted(col, row, *, kv_len, diagonal, causal):
+        return original(col, row, kv_len=kv_len, diagonal=arith_d.addi(diagonal, const_index(1)), causal=causal)
+
+    return [(module, "kv_cache_validity", shifted) for module in (kv_cache, decode, fused_decode, fused_kernels)]
+
+
+def _wrong_page():
+    """Every page id read one too high (clamped into the cache)."""
+    original = kv_cache._clamped_page
+
+    def next_page(page, pages):
+        return original(arith_d.addi(page, const_index(1)), pages)
+
+    return [(module, "_clamped_page", next_page) for module in (kv_cache, decode, fused_kernels)]
+
+
+def _wrong_rope_position():
+    """Keys rotated at their position + 1."""
+    original = rope_builder._row_position
+
+    def later(first):
+        position = original(first)
+        return arith_d.addi(position, arith_d.constant(position.type, 1))
+
+    return [(rope_builder, "_row_position", later)]
+
+
+def _missing_scale():
+    """Scores not multiplied by sm_scale."""
+    original = online_softmax.score_transform
+
+    def unscaled(_sm_scale, soft_cap):
+        return original(1.0, soft_cap)
+
+    return [(online_softmax, "score_transform", unscaled), (decode, "score_transform", unscaled)]
+
+
+#: (patches, the arguments that make the bug reachable).
+MUTATIONS = {
+    "off-by-one-mask": (_off_by_one_mask, {"causal": 1}),
+    "wrong-page": (_wrong_page, {}),
+    "wrong-rope-position": (_wrong_rope_position, {"rotary_mode": 1}),
+    "missing-scale": (_missing_scale, {}),
+}
+
+
+def _calls(spec, given: dict, seed: int):
+    """DRAWS calls of 1-4 entries with the fuzzer's lengths, causal and RoPE drawn (or ``given``)."""
+    rng = np.random.default_rng(seed)
+    for _ in range(DRAWS):
+        entries = [(int(rng.choice(QUERY_LENS)), int(rng.choice(KV_LENS))) for _ in range(rng.integers(1, 5))]
+        drawn = {"causal": int(rng.integers(0, 2)), "rotary_mode": int(rng.integers(0, 2))}
+        yield example_inputs(spec, rng, entries, **{**drawn, **given})
+
+
+def _outside(spec, args, got) -> bool:
+    """Whether ``got`` breaks the call's bound, or the exactness of its rows without a key."""
+    want = reference_for(spec, args)
+    bound = error_bound(spec, args, want)
+    out, lse = (np.asarray(x, np.float64) for x in got)
+    empty_exact = np.all(out[~bound.valid] == 0) and np.all(lse[~bound.valid] == EMPTY_ROW_LSE)
+    return max(bound.excess((out, lse), want)) > 0 or not empty_exact
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mutation", list(MUTATIONS))
+def test_a_mutated_kernel_breaks_the_bound_wherever_it_differs(mutation, dtype, cache, monkeypatch):
+    spec = PagedPrefillSpec(4, 2, 32, dtype, page_size=4, q_tile=8, kv_tile=16)
+    patches, given = MUTATIONS[mutation]
+    calls = list(_calls(spec, given, seed=len(mutation)))
+    clean = open_kernel(spec, cache=cache)
+    goods = [clean(*args) for args in calls]  # before patching: the serving passes compile on first use
+    for module, name, replacement in patches():
+        monkeypatch.setattr(module, name, replacement)
+    mutated = open_kernel(spec, cache=cache)
+    changed = 0
+    for i, (args, good) in enumerate(zip(calls, goods)):
+        bad = mutated(*args)
+        assert not _outside(spec, args, good), f"draw {i}: the unpatched kernel is outside its bound"
+        if all(np.array_equal(np.asarray(a, np.float64), np.asarray(b, np.float64), equal_nan=True)
+               for a, b in zip(good, bad)):
+            continue  # the bug does not reach this call (no key, no query, ...)
+        changed += 1
+        assert _outside(spec, args, bad), f"draw {i}: {mutation} changed the result within the bound"
+    assert changed >= DRAWS // 2, f"{mutation} changed only {changed} of {DRAWS} calls"
