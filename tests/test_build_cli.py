@@ -363,4 +363,4 @@ def test_demo_reports_progress_on_stderr(monkeypatch, tmp_path, capsys):
     assert demo.run_demo(("llvm-cpu",)) == 0
     captured = capsys.readouterr()
     assert "[1/1] batch_sequence_prefill_kv (float32) for llvm-cpu" in captured.err
-    assert "all within tolerance" in captured.out
+    assert "all within their error bounds" in captured.out
