@@ -65,12 +65,14 @@ def _missing_scale():
     return [(online_softmax, "score_transform", unscaled), (decode, "score_transform", unscaled)]
 
 
-#: (patches, the arguments that make the bug reachable).
+#: (patches, the arguments that make the bug reachable). RoPE is on in every call: the serving
+#: passes (runtime/decode.py) then take no entry, so only the variant's kernel compiles, and the
+#: bound of a rotating call is the looser one.
 MUTATIONS = {
-    "off-by-one-mask": (_off_by_one_mask, {"causal": 1}),
-    "wrong-page": (_wrong_page, {}),
+    "off-by-one-mask": (_off_by_one_mask, {"causal": 1, "rotary_mode": 1}),
+    "wrong-page": (_wrong_page, {"rotary_mode": 1}),
     "wrong-rope-position": (_wrong_rope_position, {"rotary_mode": 1}),
-    "missing-scale": (_missing_scale, {}),
+    "missing-scale": (_missing_scale, {"rotary_mode": 1}),
 }
 
 
