@@ -25,7 +25,7 @@ from linalg_prefill.runtime import open_kernel  # noqa: E402
 from linalg_prefill.runtime.compare import error_bound, reference_for  # noqa: E402
 from linalg_prefill.runtime.examples import example_inputs  # noqa: E402
 from serving_batches import cpu_model  # noqa: E402
-from test_fuzz import DENSE_SPECS, KV_SPECS  # noqa: E402
+from test_fuzz import DENSE_SPECS, KV_SPECS, THOROUGH_DENSE_SPECS, THOROUGH_KV_SPECS  # noqa: E402
 
 QUERY_LENS, KV_LENS = (0, 1, 2, 5, 9, 16, 17, 24), (0, 1, 3, 8, 16, 33, 40)
 
@@ -43,14 +43,15 @@ def main() -> None:
     options = parser.parse_args()
     rng = np.random.default_rng(0)
     ratios = collections.defaultdict(list)  # (dtype, rotated) -> [(output ratio, lse ratio)]
-    for spec in KV_SPECS + DENSE_SPECS:
+    specs = KV_SPECS + THOROUGH_KV_SPECS + DENSE_SPECS + THOROUGH_DENSE_SPECS
+    for spec in specs:
         kernel = open_kernel(spec)
         for _ in range(options.draws):
             args = _call(spec, rng)
             want = reference_for(spec, args)
             rotated = dict(zip(argument_names(spec), args)).get("rotary_mode", 0) == 1
             ratios[spec.dtype, rotated].append(error_bound(spec, args, want).ratio(kernel(*args), want))
-    print(f"CPU: {cpu_model()}; {options.draws} calls per spec, {len(KV_SPECS + DENSE_SPECS)} specs")
+    print(f"CPU: {cpu_model()}; {options.draws} calls per spec, {len(specs)} specs")
     print(f"{'dtype':<9} {'RoPE':<5} {'calls':>5} {'output max':>10} {'median':>7} {'lse max':>8} {'median':>7}")
     for (dtype, rotated), rows in sorted(ratios.items()):
         out, lse = np.array(rows).T
