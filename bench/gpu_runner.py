@@ -159,7 +159,7 @@ def _check(meta, args, out, lse) -> tuple[float, float, float, bool, bool]:
     valid = bound.valid
     err_out = float(np.max(np.abs(out.astype(np.float64) - want_out)[valid], initial=0.0))
     err_lse = float(np.max(np.abs(lse.astype(np.float64) - want_lse)[valid], initial=0.0))
-    ratio = max(bound.ratio((out, lse), want))
+    ratio = bound.worst((out, lse), want)
     empty_ok = bool(np.all(out.astype(np.float64)[~valid] == 0) and np.all(lse[~valid] == EMPTY_ROW_LSE))
     return err_out, err_lse, ratio, empty_ok, ratio <= 1.0 and empty_ok
 

@@ -21,6 +21,11 @@ NUMPY_DTYPES = {
 }
 
 
+def on_host(value):
+    """``value`` with an IREE DeviceArray copied to the host (anything else as it is)."""
+    return value.to_host() if isinstance(value, rt.DeviceArray) else value
+
+
 def as_array(name: str, value) -> np.ndarray:
     """``value`` as a numpy array (numpy, torch CPU tensors via __array__/DLPack, lists)."""
     if isinstance(value, np.ndarray):

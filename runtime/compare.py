@@ -16,7 +16,7 @@ import numpy as np
 from ..mlir.abi import argument_names, ordered
 from ..pipeline import ArtifactCache, target_for
 from . import reference
-from .checks import as_array
+from .checks import as_array, on_host
 from .devices import device_available
 from .error_model import CallFacts, ErrorBound, bound_of_call
 from .kernels import open_kernel
@@ -41,7 +41,7 @@ class BackendResult:
 
     @property
     def within_bound(self) -> bool:
-        return self.bound_ratio is not None and max(self.bound_ratio) <= 1.0
+        return self.bound_ratio is not None and all(ratio <= 1.0 for ratio in self.bound_ratio)  # NaN is not
 
     @property
     def ok(self) -> bool:
@@ -78,7 +78,7 @@ class ComparisonReport:
                 rows.append((r.backend, "-", "-", "-", "-", f"skipped: {r.skipped}"))
             else:
                 rows.append((r.backend, f"{r.output_error:.2e}", f"{r.lse_error:.2e}",
-                             f"{max(r.bound_ratio):.3f}", "exact" if r.empty_rows_exact else "WRONG",
+                             f"{np.max(r.bound_ratio):.3f}", "exact" if r.empty_rows_exact else "WRONG",
                              "ok" if r.ok else "OUT OF BOUND"))
         rows += [(f"{a} vs {b}", f"{out:.2e}", f"{lse:.2e}", "", "", "difference") for a, b, out, lse in self.pairwise]
         valid = self.bound.valid
@@ -143,13 +143,9 @@ def call_facts(spec) -> CallFacts:
 def error_bound(spec, args, want=None) -> ErrorBound:
     """The error bound (runtime/error_model.py) of the seed-ABI call ``args`` of ``spec``;
     ``want``: its reference_for, computed when not given."""
-    named = {name: value if isinstance(value, numbers.Number) else as_array(name, _host(value))
+    named = {name: value if isinstance(value, numbers.Number) else as_array(name, on_host(value))
              for name, value in zip(argument_names(spec), args)}
     return bound_of_call(named, call_facts(spec), lambda call: reference_for(spec, ordered(spec, call)), want)
-
-
-def _host(value):
-    return value.to_host() if hasattr(value, "to_host") else value  # an IREE DeviceArray
 
 
 def _max_abs(a: np.ndarray, b: np.ndarray) -> float:

@@ -20,13 +20,14 @@ lengths only, so its result is the same alone or in any batch. Measured on the 2
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 
 from ..mlir.abi import argument_names, kv_sources
 from ..mlir.attention_op import TILE
 from ..mlir.decode import DecodeSpec
+from .checks import on_host
 from .kv_checks import paged_kv_lengths
 
 
@@ -72,11 +73,6 @@ def bucket_tiles(tiles: np.ndarray) -> np.ndarray:
 NO_BLOCK = -1
 
 
-def _host(value) -> Any:
-    """A numpy view of a checked argument (IREE DeviceArrays are copied to the host)."""
-    return value.to_host() if hasattr(value, "to_host") else value
-
-
 def _named(spec, args: tuple) -> dict:
     """The call's arguments by their names in the variant's table (mlir/abi.py)."""
     return dict(zip(argument_names(spec), args))
@@ -86,8 +82,8 @@ def kv_lengths(spec, args: tuple) -> np.ndarray:
     """int64 [B]: each entry's logical KV length (semantics §2)."""
     named = _named(spec, args)
     if spec.kv_layout == "ragged":
-        return np.diff(_host(named["kv_indptr"]).astype(np.int64))
-    return paged_kv_lengths(_host(named["page_indptr"]), _host(named["length_info"]), spec.page_size,
+        return np.diff(on_host(named["kv_indptr"]).astype(np.int64))
+    return paged_kv_lengths(on_host(named["page_indptr"]), on_host(named["length_info"]), spec.page_size,
                             spec.sliding_window)
 
 
@@ -96,7 +92,7 @@ def pass_queries(spec, args: tuple, passes: DecodePasses = DECODE_PASSES["linalg
     ``passes.queries`` that holds its queries; 1 for an entry with more queries that runs one
     query at a time because its own pass is not usable), or 0 for the variant's own kernel."""
     named = _named(spec, args)
-    qo_lens = np.diff(_host(named["q_indptr"]).astype(np.int64))
+    qo_lens = np.diff(on_host(named["q_indptr"]).astype(np.int64))
     chosen = np.zeros(len(qo_lens), np.int64)
     usable = passes.usable(spec)
     if not usable or int(named.get("rotary_mode", 0)) != 0:
@@ -116,17 +112,17 @@ def block_table(spec: DecodeSpec, args: tuple, entries: np.ndarray, kv_lens: np.
     base, block = spec.base, spec.block
     named = _named(base, args)
     if base.kv_layout == "ragged":
-        starts = _host(named["kv_indptr"]).astype(np.int64)[entries]
+        starts = on_host(named["kv_indptr"]).astype(np.int64)[entries]
         blocks = -(-kv_lens // block)
         first_blocks = [starts[i] + block * np.arange(blocks[i]) for i in range(len(entries))]
         sink = offset = np.zeros_like(kv_lens)
     else:
-        page_indptr, page_values = _host(named["page_indptr"]).astype(np.int64), _host(named["page_values"])
+        page_indptr, page_values = on_host(named["page_indptr"]).astype(np.int64), on_host(named["page_values"])
         first_blocks = [page_values[page_indptr[b]:page_indptr[b + 1]] for b in entries]
         # Logical blocks past an entry's pages (sink > window offset) still read through the
         # table's last page: pad with it, so only blocks past every column are NO_BLOCK.
         blocks = np.maximum([len(p) for p in first_blocks], -(-kv_lens // block))
-        info = _host(named["length_info"])
+        info = on_host(named["length_info"])
         sink, offset = ((info[2][entries], info[1][entries]) if base.sliding_window
                         else (np.zeros_like(kv_lens), np.zeros_like(kv_lens)))
     width = -(-max(int(blocks.max()), 1) // width_multiple) * width_multiple
@@ -171,8 +167,8 @@ def decode_calls(spec, args: tuple, passes: np.ndarray, decode_passes: DecodePas
     token (at most the largest pass's query count), so each call holds the scores of one query
     per entry. ``args`` are checked, in the seed's order."""
     named = _named(spec, args)
-    q = np.asarray(_host(named["q"]))
-    q_indptr = _host(named["q_indptr"]).astype(np.int64)
+    q = np.asarray(on_host(named["q"]))
+    q_indptr = on_host(named["q_indptr"]).astype(np.int64)
     qo_lens = np.diff(q_indptr)
     kv_lens = kv_lengths(spec, args)
     causal = int(named["causal"]) == 1
@@ -223,8 +219,8 @@ def split_decode(spec, args: tuple, passes: np.ndarray, decode_passes: DecodePas
     rest through ``run_rest(*args)`` (both return numpy results); ``device_results`` uploads them
     when ``to_host`` is False. ``args`` are checked, in the seed's order."""
     named = _named(spec, args)
-    q_indptr = _host(named["q_indptr"]).astype(np.int64)
-    q = np.asarray(_host(named["q"]))
+    q_indptr = on_host(named["q_indptr"]).astype(np.int64)
+    q = np.asarray(on_host(named["q"]))
     qo_lens = np.diff(q_indptr)
     h_kv, group = spec.h_kv, spec.group_size
     output = lse = None
@@ -269,19 +265,19 @@ def _rest_call(spec, args: tuple, decode: np.ndarray, qo_lens: np.ndarray, q_res
     named = _named(spec, args)
     rest = dict(named, q=np.ascontiguousarray(q_rest))
     if "q_rope_position" in named:
-        rest["q_rope_position"] = np.ascontiguousarray(_host(named["q_rope_position"])[rest_rows])
+        rest["q_rope_position"] = np.ascontiguousarray(on_host(named["q_rope_position"])[rest_rows])
     if spec.kv_layout == "ragged":
         rest["q_indptr"] = np.concatenate([[0], np.cumsum(np.where(decode, 0, qo_lens))]).astype(np.int32)
         return list(rest.values())
     keep = np.flatnonzero(~decode)
-    page_indptr = _host(named["page_indptr"]).astype(np.int64)
+    page_indptr = on_host(named["page_indptr"]).astype(np.int64)
     counts = np.diff(page_indptr)[keep]
     rest["q_indptr"] = np.concatenate([[0], np.cumsum(qo_lens[keep])]).astype(np.int32)
     rest["page_indptr"] = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-    page_values = _host(named["page_values"])
+    page_values = on_host(named["page_values"])
     rest["page_values"] = (np.concatenate([page_values[page_indptr[b]:page_indptr[b + 1]] for b in keep])
                            .astype(np.int32) if counts.sum() else np.zeros(0, np.int32))
-    rest["length_info"] = np.ascontiguousarray(_host(named["length_info"])[..., keep])
+    rest["length_info"] = np.ascontiguousarray(on_host(named["length_info"])[..., keep])
     if "k_rope_pos_offset" in named:
-        rest["k_rope_pos_offset"] = np.ascontiguousarray(_host(named["k_rope_pos_offset"])[keep])
+        rest["k_rope_pos_offset"] = np.ascontiguousarray(on_host(named["k_rope_pos_offset"])[keep])
     return list(rest.values())

@@ -92,6 +92,14 @@ class ErrorBound:
         return (float(np.max((out - self.output)[self.valid], initial=-np.inf)),
                 float(np.max((lse - self.lse)[self.valid], initial=-np.inf)))
 
+    def holds(self, got, want) -> bool:
+        """Whether every element of ``got`` is within the bound of ``want`` (NaN is not)."""
+        return all(excess <= 0 for excess in self.excess(got, want))
+
+    def worst(self, got, want) -> float:
+        """The largest error / bound of output and lse (NaN when any error is)."""
+        return float(np.max(self.ratio(got, want)))
+
     def ratio(self, got, want) -> tuple[float, float]:
         """max(|got - want| / bound) of output and lse over the rows with a visible key."""
         out, lse = _errors(got, want)

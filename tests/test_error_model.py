@@ -85,13 +85,11 @@ def _calls(spec, given: dict, seed: int):
         yield example_inputs(spec, rng, entries, **{**drawn, **given})
 
 
-def _outside(spec, args, got) -> bool:
+def _outside(bound, want, got) -> bool:
     """Whether ``got`` breaks the call's bound, or the exactness of its rows without a key."""
-    want = reference_for(spec, args)
-    bound = error_bound(spec, args, want)
     out, lse = (np.asarray(x, np.float64) for x in got)
     empty_exact = np.all(out[~bound.valid] == 0) and np.all(lse[~bound.valid] == EMPTY_ROW_LSE)
-    return max(bound.excess((out, lse), want)) > 0 or not empty_exact
+    return not bound.holds((out, lse), want) or not empty_exact
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -108,10 +106,25 @@ def test_a_mutated_kernel_breaks_the_bound_wherever_it_differs(mutation, dtype, 
     changed = 0
     for i, (args, good) in enumerate(zip(calls, goods)):
         bad = mutated(*args)
-        assert not _outside(spec, args, good), f"draw {i}: the unpatched kernel is outside its bound"
+        want = reference_for(spec, args)
+        bound = error_bound(spec, args, want)
+        assert not _outside(bound, want, good), f"draw {i}: the unpatched kernel is outside its bound"
         if all(np.array_equal(np.asarray(a, np.float64), np.asarray(b, np.float64), equal_nan=True)
                for a, b in zip(good, bad)):
             continue  # the bug does not reach this call (no key, no query, ...)
         changed += 1
-        assert _outside(spec, args, bad), f"draw {i}: {mutation} changed the result within the bound"
+        assert _outside(bound, want, bad), f"draw {i}: {mutation} changed the result within the bound"
     assert changed >= DRAWS // 2, f"{mutation} changed only {changed} of {DRAWS} calls"
+
+
+def test_a_nan_result_is_outside_the_bound():
+    """NaN in any element breaks the bound, whichever of output and lse holds it."""
+    from linalg_prefill.runtime.compare import BackendResult
+    from linalg_prefill.runtime.error_model import ErrorBound
+
+    bound = ErrorBound(np.full((2, 1, 3), 1e-3), np.full((2, 1), 1e-3), np.ones((2, 1), bool))
+    want = (np.zeros((2, 1, 3)), np.zeros((2, 1)))
+    assert bound.holds(want, want) and bound.worst(want, want) == 0
+    for got in ((np.full((2, 1, 3), np.nan), want[1]), (want[0], np.full((2, 1), np.nan))):
+        assert not bound.holds(got, want) and np.isnan(bound.worst(got, want))
+    assert not BackendResult("llvm-cpu", 0.0, 0.0, True, bound_ratio=(0.5, float("nan"))).ok
