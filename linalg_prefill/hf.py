@@ -1,0 +1,215 @@
+"""transformers models on the kernels: an attention function and a mask function.
+
+    import linalg_prefill.hf
+    name = linalg_prefill.hf.register()          # "linalg_prefill"
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=name)
+    model.set_attn_implementation(name)          # or on a loaded model
+
+transformers calls :func:`attention` from every attention layer with the rotated ``query
+[B, H_q, S_q, D]`` (a transposed view of ``[B, S_q, H_q, D]``), ``key`` and ``value
+[B, H_kv, S_kv, D]`` (the cache's head-major tensors) and the mask :func:`attention_mask` built
+for that layer type (a boolean ``[B, 1, S_q, S_kv]``, or None for a plain causal prefill or a
+decode step without padding). It returns ``(output [B, S_q, H_q, D], None)``, contiguous.
+
+Which kernel runs (RoPE off: the model rotated q and k already):
+
+* no mask and no binding window: the dense kernel (``SequencePrefillSpec``, bottom-right causal
+  when ``module.is_causal``), on ``q`` as it lies and K/V copied token-major;
+* otherwise the paged kernel's sliding-window variant over one paged copy of K/V, with the
+  query groups and key ranges of :mod:`linalg_prefill.runtime.key_ranges`: left and right
+  padding, chunked prefill, per-layer sliding windows and packed sequences are all ranges of
+  keys. A query that sees no key gives 0 (never NaN).
+
+Kernels are compiled once per distinct spec (head counts, head dim, dtype, soft cap, and the
+dense kernel's causality and scale) and cached in the process and on disk
+(``LINALG_PREFILL_CACHE_DIR``). GQA runs without expanding K/V. Needs torch and transformers:
+``pip install 'linalg-prefill[hf]'``.
+"""
+
+from __future__ import annotations
+
+try:
+    import torch
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+except ImportError as err:  # pragma: no cover - exercised by tests/test_hf_import.py in a subprocess
+    raise ImportError("linalg_prefill.hf needs torch and transformers: pip install 'linalg-prefill[hf]' "
+                      f"({err})") from err
+
+import atexit
+import threading
+import weakref
+
+import numpy as np
+
+from .mlir import PagedPrefillSpec, SequencePrefillSpec
+from .runtime import InputError, open_kernel
+from .runtime.key_ranges import Entries, key_ranges, paged_arguments, plan_entries, rule_ranges
+
+__all__ = ["register", "attention", "attention_mask", "kernel_for", "DEFAULT_NAME"]
+
+DEFAULT_NAME = "linalg_prefill"
+#: Page size of the paged copy of K/V the masked path reads (a compile-time field of its kernel).
+PAGE_SIZE = 16
+DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+_kernels: dict = {}
+_kernels_lock = threading.Lock()
+atexit.register(_kernels.clear)  # release the IREE modules before the interpreter tears the bindings down
+
+
+def register(name: str = DEFAULT_NAME) -> str:
+    """Registers :func:`attention` with transformers' ``AttentionInterface`` and
+    :func:`attention_mask` with its ``AttentionMaskInterface`` under ``name``; returns ``name``
+    for ``attn_implementation=``."""
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, attention_mask)
+    return name
+
+
+def kernel_for(spec):
+    """The llvm-cpu kernel of ``spec``, compiled (or read from the disk cache) once per process."""
+    with _kernels_lock:
+        if spec not in _kernels:
+            _kernels[spec] = open_kernel(spec, "llvm-cpu")
+        return _kernels[spec]
+
+
+def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+                   mask_function=None, attention_mask=None, local_size: int | None = None,
+                   allow_is_causal_skip: bool = True, **kwargs):
+    """transformers' mask interface: the boolean mask of ``sdpa_mask``, or None where the mask is
+    the plain bottom-right causal one (``q_length == kv_length`` or 1, no padding, no binding
+    window). sdpa's other shortcut (a static cache's empty tail under a top-left causal mask) is
+    not taken: :func:`attention` aligns causal masks bottom-right."""
+    allow = allow_is_causal_skip and (q_length == kv_length or q_length == 1)
+    extra = {key: value for key, value in kwargs.items() if key in ("use_vmap", "device")}
+    if mask_function is not None:
+        extra["mask_function"] = mask_function
+    return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                     kv_offset=kv_offset, attention_mask=attention_mask, local_size=local_size,
+                     allow_is_causal_skip=allow, **extra)
+
+
+def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+              softcap: float | None = None, sliding_window: int | None = None, is_causal: bool | None = None,
+              s_aux=None, **kwargs):
+    """transformers' attention interface (module docstring): ``(output [B, S_q, H_q, D_v], None)``."""
+    if dropout:
+        raise InputError(f"dropout: {dropout} is not supported (the kernels are for inference; call "
+                         "model.eval() or use another attn_implementation for training)")
+    if s_aux is not None:
+        raise InputError("s_aux: per-head attention sinks (gpt-oss) are not supported by these kernels yet")
+    _check_tensors(query, key, value)
+    batch, h_q, q_len, d = query.shape
+    kv_len = key.shape[2]
+    causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
+    scale = float(d ** -0.5 if scaling is None else scaling)
+    cap = float(softcap or 0.0)
+    window = int(sliding_window) if sliding_window else None
+    if attention_mask is None and (window is None or kv_len <= window):
+        return _dense(query, key, value, causal, scale, cap), None
+    lo, hi = _ranges(attention_mask, batch, q_len, kv_len, causal, window)
+    return _paged(query, key, value, plan_entries(lo, hi), scale, cap), None
+
+
+def _check_tensors(query, key, value) -> None:
+    for name, tensor in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() != 4:
+            raise InputError(f"{name}: expected a 4-D torch tensor [B, heads, S, D], got "
+                             f"{getattr(tensor, 'shape', type(tensor).__name__)}")
+        if tensor.device.type != "cpu":
+            raise InputError(f"{name}: on {tensor.device}; this attention runs llvm-cpu kernels on CPU tensors")
+        if tensor.dtype != query.dtype or tensor.dtype not in DTYPES:
+            raise InputError(f"{name}: dtype {tensor.dtype}; expected query's, one of {sorted(map(str, DTYPES))}")
+    if key.shape != value.shape:
+        raise InputError(f"value: shape {tuple(value.shape)} differs from key's {tuple(key.shape)} (these kernels "
+                         "take one head dim for keys and values)")
+    if key.shape[0] != query.shape[0] or key.shape[3] != query.shape[3]:
+        raise InputError(f"key: shape {tuple(key.shape)} does not match query {tuple(query.shape)} "
+                         "(batch and head dim)")
+    if query.shape[1] % key.shape[1]:
+        raise InputError(f"key: {key.shape[1]} KV heads do not divide {query.shape[1]} query heads")
+
+
+def _token_major(tensor):
+    """``[B, H, S, D]`` -> ``[B, S, H, D]`` contiguous (a view when it already lies that way)."""
+    return tensor.transpose(1, 2).contiguous()
+
+
+def _dense(query, key, value, causal: bool, scale: float, cap: float):
+    batch, h_q, q_len, d = query.shape
+    spec = SequencePrefillSpec(h_q, key.shape[1], d, DTYPES[query.dtype], causal=causal, sm_scale=scale,
+                               logits_soft_cap=cap)
+    output, _lse = kernel_for(spec)(_token_major(query), _token_major(key), _token_major(value))
+    return output
+
+
+def _paged(query, key, value, entries: Entries, scale: float, cap: float):
+    batch, h_q, q_len, d = query.shape
+    h_kv = key.shape[1]
+    spec = PagedPrefillSpec(h_q, h_kv, d, DTYPES[query.dtype], page_size=PAGE_SIZE, sliding_window=True,
+                            logits_soft_cap=cap)
+    pages, pages_per_row = _pages(key, value)
+    page_indptr, page_values, length_info = paged_arguments(entries, pages_per_row, PAGE_SIZE)
+    q = _token_major(query).view(batch * q_len, h_q, d)
+    n = len(entries)
+    zeros = np.zeros(n, np.int32)
+    output, _lse = kernel_for(spec)(q, entries.q_indptr, pages, page_indptr, page_values, length_info, zeros,
+                                    np.zeros(batch * q_len, np.int32), 1, 0, 1.0, 1.0e4, scale)
+    return output.view(batch, q_len, h_q, d)
+
+
+def _pages(key, value):
+    """K/V ``[B, H_kv, S_kv, D]`` as pages ``[B * P, 2, H_kv, PAGE_SIZE, D]`` (batch row ``b``'s
+    ``p``-th page is page ``b * P + p``; the last page's unused rows are zero); returns (pages, P)."""
+    batch, h_kv, kv_len, d = key.shape
+    per_row = max(-(-kv_len // PAGE_SIZE), 1)
+    full, tail = divmod(kv_len, PAGE_SIZE)
+    pages = key.new_empty((batch, per_row, 2, h_kv, PAGE_SIZE, d))
+    for slot, source in enumerate((key, value)):
+        if full:
+            blocks = source[:, :, :full * PAGE_SIZE].reshape(batch, h_kv, full, PAGE_SIZE, d)
+            pages[:, :full, slot].copy_(blocks.permute(0, 2, 1, 3, 4))
+        if tail:
+            pages[:, full, slot, :, :tail].copy_(source[:, :, full * PAGE_SIZE:])
+            pages[:, full, slot, :, tail:].zero_()
+    return pages.view(batch * per_row, 2, h_kv, PAGE_SIZE, d), per_row
+
+
+_range_cache: dict[int, tuple] = {}
+
+
+def _ranges(mask, batch: int, q_len: int, kv_len: int, causal: bool, window: int | None):
+    """``(lo, hi)`` int64 ``[B, S_q]`` of the call: from the mask (read once per mask tensor: every
+    layer of a type shares it), else from the causal and window rules."""
+    if mask is None:
+        return rule_ranges(batch, q_len, kv_len, causal=causal, window=window)
+    key = id(mask)
+    cached = _range_cache.get(key)
+    if cached is not None and cached[0]() is mask and cached[1] == (mask._version, q_len, kv_len):
+        return cached[2]
+    ranges = key_ranges(_boolean_mask(mask, batch, q_len, kv_len))
+    if len(_range_cache) >= 4:  # a mask per layer type is live in a forward; keep the newest few
+        _range_cache.pop(next(iter(_range_cache)))
+    _range_cache[key] = (weakref.ref(mask), (mask._version, q_len, kv_len), ranges)
+    return ranges
+
+
+def _boolean_mask(mask, batch: int, q_len: int, kv_len: int) -> np.ndarray:
+    """bool ``[B, S_q, S_kv]`` from a boolean or additive (0 / very negative) ``[B or 1, 1 or H, S_q, >= S_kv]``."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
+        raise InputError(f"attention_mask: expected None or a 4-D tensor, got {getattr(mask, 'shape', type(mask))}")
+    if mask.shape[2] != q_len or mask.shape[3] < kv_len or mask.shape[0] not in (1, batch):
+        raise InputError(f"attention_mask: shape {tuple(mask.shape)} does not fit query length {q_len}, "
+                         f"key length {kv_len} and batch {batch}")
+    mask = mask[..., :kv_len]
+    if mask.dtype != torch.bool:
+        allowed = mask == 0
+        if not bool(((mask <= torch.finfo(mask.dtype).min / 2) | allowed).all()):
+            raise InputError("attention_mask: an additive mask with values other than 0 and -inf (a bias) is "
+                             "not supported")
+        mask = allowed
+    if mask.shape[1] != 1 and not bool((mask == mask[:, :1]).all()):
+        raise InputError("attention_mask: masks that differ per head are not supported")
+    return np.ascontiguousarray(mask[:, 0].expand(batch, q_len, kv_len).cpu().numpy())
