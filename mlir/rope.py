@@ -151,18 +151,24 @@ def _yarn_adjustment(head_dim: int, log2_theta: ir.Value, rs: Mapping[str, Any])
 
 
 def _yarn_ramp_bounds(head_dim: int, log2_theta: ir.Value, rs: Mapping[str, Any]) -> tuple[ir.Value, ir.Value]:
-    """f32 scalars ``(low, high)`` of the yarn ramp; runtime values when ilts depends on theta."""
+    """f32 scalars ``(low, high)`` of the yarn ramp; runtime values when ilts depends on theta.
+
+    With ``truncate`` the unclamped bounds are floored and ceiled (``math.floor`` / ``math.ceil``
+    of the f32 values), as transformers does by default.
+    """
     orig = float(rs["original_max_position_embeddings"])
-    beta_fast = float(rs.get("beta_fast", 32.0))
-    beta_slow = float(rs.get("beta_slow", 1.0))
+    beta_fast = float(rs.get("beta_fast") or 32.0)
+    beta_slow = float(rs.get("beta_slow") or 1.0)
     if rs.get("inv_theta_log_scale") is None:  # 1 / (2 ln theta)
         ilts = arith_d.divf(const_f32(1.0), arith_d.mulf(const_f32(2.0 * math.log(2.0)), log2_theta))
     else:
         ilts = const_f32(float(rs["inv_theta_log_scale"]))
-    low_scale = const_f32(head_dim * math.log(orig / (2.0 * math.pi * beta_fast)))
-    high_scale = const_f32(head_dim * math.log(orig / (2.0 * math.pi * beta_slow)))
-    low = arith_d.maximumf(arith_d.mulf(low_scale, ilts), const_f32(0.0))
-    high = arith_d.minimumf(arith_d.mulf(high_scale, ilts), const_f32(head_dim - 1.0))
+    low = arith_d.mulf(const_f32(head_dim * math.log(orig / (2.0 * math.pi * beta_fast))), ilts)
+    high = arith_d.mulf(const_f32(head_dim * math.log(orig / (2.0 * math.pi * beta_slow))), ilts)
+    if rs.get("truncate"):
+        low, high = math_d.floor(low), math_d.ceil(high)
+    low = arith_d.maximumf(low, const_f32(0.0))
+    high = arith_d.minimumf(high, const_f32(head_dim - 1.0))
     same = arith_d.cmpf(arith_d.CmpFPredicate.OEQ, low, high)
     return low, arith_d.select(same, arith_d.addf(high, const_f32(0.001)), high)
 
@@ -178,11 +184,14 @@ def _blend(f_low: ir.Value, f_high: ir.Value, weight: ir.Value) -> ir.Value:
 
 
 def _multiplier(kind: str, rs: Mapping[str, Any]) -> float:
-    """The cos/sin magnitude ``c``: longrope and yarn attention factors, 1 otherwise."""
+    """The cos/sin magnitude ``c``: longrope and yarn attention factors (yarn's explicit
+    ``attention_factor``, else ``0.1 ln(factor) + 1``), 1 otherwise."""
     if kind == "longrope":
         orig = float(rs["original_max_position_embeddings"])
         ratio = float(rs["max_position_embeddings"]) / orig
         return math.sqrt(1.0 + math.log(ratio) / math.log(orig)) if ratio > 1.0 else 1.0
+    if kind == "yarn" and rs.get("attention_factor") is not None:
+        return float(rs["attention_factor"])
     if kind == "yarn":
         factor = float(rs["factor"])
         return 0.1 * math.log(factor) + 1.0 if factor > 1.0 else 1.0

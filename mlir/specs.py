@@ -187,7 +187,9 @@ class MaskedSequencePrefillSpec(_OneHeadDim):
 #: lse of a query row with no valid key (semantics §11.3); the empty state of a merge.
 EMPTY_ROW_LSE = -5.0e4
 
-#: The rope types ``rope_scaling`` may name, with the keys each needs.
+#: The rope types ``rope_scaling`` may name, with the keys each needs. Other keys are optional
+#: (``beta_fast``, ``beta_slow``, ``inv_theta_log_scale``; yarn's ``truncate`` and
+#: ``attention_factor``, checked by :func:`_check_yarn_options`).
 ROPE_FIELDS = {
     "default": (),
     "gptj": (),
@@ -218,7 +220,24 @@ def freeze_rope_scaling(rope_scaling) -> tuple:
         raise SpecError(f"rope_scaling: rope_type {kind!r} needs {missing}")
     if "type" in items and "rope_type" not in items:
         items["rope_type"] = items.pop("type")
+    if kind == "yarn":
+        _check_yarn_options(items)
     return tuple(sorted((key, value) for key, value in items.items() if value is not None))
+
+
+def _check_yarn_options(items: dict) -> None:
+    """yarn's optional ``truncate`` (a bool: floor/ceil the ramp bounds, as transformers does) and
+    ``attention_factor`` (the cos/sin multiplier, a finite float > 0); None means the default."""
+    truncate = items.get("truncate")
+    if truncate is not None:
+        if truncate not in (True, False):
+            raise SpecError(f"rope_scaling: yarn truncate must be a bool, got {truncate!r}")
+        items["truncate"] = bool(truncate)
+    factor = items.get("attention_factor")
+    if factor is not None:
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0.0 < factor < float("inf"):
+            raise SpecError(f"rope_scaling: yarn attention_factor must be a finite float > 0, got {factor!r}")
+        items["attention_factor"] = float(factor)
 
 
 def _rope_tag(rope_scaling: tuple) -> str:

@@ -44,18 +44,26 @@ Frequencies per ``rope_scaling["rope_type"]`` (``e(i) = 2i / D``)::
     "longrope"          half         angle = s * theta^-e(i)
                                      c = sqrt(1 + ln(M / orig) / ln(orig)) if M / orig > 1 else 1
     "yarn"              half         p = theta^e(i), f_extra = 1 / p, f_inter = 1 / (factor p)
-                                     low  = max(D ln(orig / (2 pi beta_fast)) * ilts, 0)
-                                     high = min(D ln(orig / (2 pi beta_slow)) * ilts, D - 1)
-                                     high += 0.001 if low == high  (no floor / ceil)
+                                     lo = D ln(orig / (2 pi beta_fast)) * ilts
+                                     hi = D ln(orig / (2 pi beta_slow)) * ilts
+                                     lo, hi = floor(lo), ceil(hi)  only if truncate
+                                     low = max(lo, 0),  high = min(hi, D - 1)
+                                     high += 0.001 if low == high
                                      mask = 1 - clamp((i - low) / (high - low), 0, 1)
                                      angle = s * (f_inter (1 - mask) + f_extra mask)
-                                     c = 0.1 ln(factor) + 1 if factor > 1 else 1
+                                     c = attention_factor if given,
+                                         else 0.1 ln(factor) + 1 if factor > 1 else 1
 
 with ``factor``, ``low_freq_factor`` (lff), ``high_freq_factor`` (hff),
 ``original_max_position_embeddings`` (orig), ``max_position_embeddings`` (M), ``beta_fast``,
 ``beta_slow`` and ``inv_theta_log_scale`` (ilts) read from ``rope_scaling``.  For yarn, ``ilts``
 defaults to ``1 / (2 ln theta)`` computed from the ``rope_theta`` passed here (it is a runtime
-argument), and ``beta_fast``/``beta_slow`` default to 32 and 1 as in HF.  The yarn ramp uses the
+argument), and ``beta_fast``/``beta_slow`` default to 32 and 1 as in HF (a 0 or None too).
+``truncate`` (default False, the seed's ramp) and ``attention_factor`` (default
+``0.1 ln(factor) + 1``, the seed's multiplier) are optional; the Hugging Face loader
+(``pipeline/model_config.py``) always writes both, which gives transformers' yarn exactly:
+``truncate`` True unless the config says false, and ``attention_factor`` as transformers derives
+it (given, else from ``mscale``/``mscale_all_dim``, else ``0.1 ln(factor) + 1``).  The yarn ramp uses the
 pair index ``i = j mod D/2`` (§11.5), not the raw ``j`` of the seed (§9.6).  The seed's gptj,
 llama4 and yarn forms differ from these on purpose (§11.5); default, llama3 and longrope match it.
 Any other ``rope_type`` raises :class:`ValueError`.
@@ -122,23 +130,28 @@ def _llama_freqs(f: np.ndarray, rs: Mapping[str, Any]) -> np.ndarray:
 
 
 def _yarn_freqs(i: np.ndarray, head_dim: int, theta: float, rs: Mapping[str, Any]):
+    """(frequencies ``[D/2]``, multiplier) of yarn; see the module docstring."""
     factor = float(rs["factor"])
     orig = float(rs["original_max_position_embeddings"])
-    beta_fast = float(rs.get("beta_fast", 32.0))
-    beta_slow = float(rs.get("beta_slow", 1.0))
+    beta_fast = float(rs.get("beta_fast") or 32.0)
+    beta_slow = float(rs.get("beta_slow") or 1.0)
     ilts = rs.get("inv_theta_log_scale")
     ilts = 1.0 / (2.0 * math.log(theta)) if ilts is None else float(ilts)
     p = theta ** (2.0 * i / head_dim)
     f_extra = 1.0 / p
     f_inter = 1.0 / (factor * p)
-    low = max(head_dim * math.log(orig / (2.0 * math.pi * beta_fast)) * ilts, 0.0)
-    high = min(head_dim * math.log(orig / (2.0 * math.pi * beta_slow)) * ilts, head_dim - 1.0)
+    low = head_dim * math.log(orig / (2.0 * math.pi * beta_fast)) * ilts
+    high = head_dim * math.log(orig / (2.0 * math.pi * beta_slow)) * ilts
+    if rs.get("truncate"):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0.0), min(high, head_dim - 1.0)
     if low == high:
         high += 0.001
     mask = 1.0 - np.clip((i - low) / (high - low), 0.0, 1.0)
     freqs = f_inter * (1.0 - mask) + f_extra * mask
-    mult = 0.1 * math.log(factor) + 1.0 if factor > 1.0 else 1.0
-    return freqs, mult
+    if rs.get("attention_factor") is not None:
+        return freqs, float(rs["attention_factor"])
+    return freqs, 0.1 * math.log(factor) + 1.0 if factor > 1.0 else 1.0
 
 
 def rope_pair_angles(

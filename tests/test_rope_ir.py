@@ -12,7 +12,7 @@ from linalg_prefill.mlir.rope import apply_rope
 from linalg_prefill.pipeline import Target, compile_ir
 from linalg_prefill.runtime.error_model import rotation_bound
 from linalg_prefill.runtime.module import LoadedKernel
-from linalg_prefill.runtime.rope import apply_rope as reference_rope
+from linalg_prefill.runtime.rope import apply_rope as reference_rope, rope_pair_angles
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 8192}
@@ -24,6 +24,8 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
         "beta_fast": 32, "beta_slow": 1}
 YARN_ILTS = {**YARN, "inv_theta_log_scale": 0.05}
 YARN_FLAT = {**YARN, "beta_fast": 8, "beta_slow": 8}  # low == high: the ramp is a 0.001-wide step
+# transformers' yarn: bounds (10.47, 22.51) at theta 1e4 become (10, 23), (9.74, 20.94) at 2e4 (9, 21)
+YARN_TRUNCATED = {**YARN, "truncate": True, "attention_factor": 1.25}
 
 # (rope_scaling, head_dim, theta): each compiled kernel runs at (theta, 0.5) and (2 theta, 2.0).
 F32_CASES = {
@@ -37,6 +39,7 @@ F32_CASES = {
     "yarn": (YARN, 128, 10000.0),
     "yarn-ilts": (YARN_ILTS, 64, 1000000.0),
     "yarn-flat": (YARN_FLAT, 64, 10000.0),
+    "yarn-truncated": (YARN_TRUNCATED, 64, 10000.0),
 }
 HEADS = 3
 ROWS = 37
@@ -116,6 +119,16 @@ def test_first_position_scalar_with_static_rows():
         (got,) = kernel(x, first, theta, scale)
         _assert_within_rotation_bound("first", got, x, pos, "float32", rope_theta=theta, rope_scale=scale,
                                       rope_scaling=YARN)
+
+
+def test_truncated_yarn_reference_differs_from_the_seed_form():
+    """The truncated case really moves the ramp and the multiplier (so the IR test above sees it)."""
+    for theta in (10000.0, 20000.0):
+        seed, seed_mult = rope_pair_angles(np.ones(1), head_dim=64, rope_theta=theta, rope_scale=1.0,
+                                           rope_scaling=YARN)
+        hf, hf_mult = rope_pair_angles(np.ones(1), head_dim=64, rope_theta=theta, rope_scale=1.0,
+                                       rope_scaling=YARN_TRUNCATED)
+        assert np.max(np.abs(hf / seed - 1.0)) > 0.01 and hf_mult == 1.25 != seed_mult
 
 
 def _generics(module: ir.Module) -> list[tuple[ir.Operation, list[str]]]:
