@@ -36,7 +36,6 @@ except ImportError as err:  # pragma: no cover - exercised by tests/test_hf_impo
     raise ImportError("linalg_prefill.hf needs torch and transformers: pip install 'linalg-prefill[hf]' "
                       f"({err})") from err
 
-import atexit
 import threading
 import weakref
 
@@ -55,7 +54,6 @@ DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "b
 
 _kernels: dict = {}
 _kernels_lock = threading.Lock()
-atexit.register(_kernels.clear)  # release the IREE modules before the interpreter tears the bindings down
 
 
 def register(name: str = DEFAULT_NAME) -> str:

@@ -2,20 +2,39 @@
 
 ``load_model_config`` reads either a Hugging Face ``config.json`` or the project's own TOML/JSON,
 whose keys are the :class:`ModelConfig` field names (``mla`` a table of :class:`MlaConfig`
-fields). From a Hugging Face config it takes exactly the attention each layer runs:
-``num_attention_heads``, ``num_key_value_heads``, ``head_dim`` (else ``hidden_size / heads``),
-``query_pre_attn_scalar`` (scale ``query_pre_attn_scalar ** -0.5``, Gemma), ``attn_logit_softcapping``
-(Gemma 2), ``partial_rotary_factor`` / ``rotary_pct`` (Phi, StableLM, GPT-NeoX),
-``rope_theta``, ``rope_local_base_freq`` (Gemma 3's sliding layers), ``rope_scaling`` (``linear``
-becomes the runtime ``rope_scale``), ``sliding_window`` with ``use_sliding_window``,
-``sliding_window_pattern`` or ``layer_types`` (both paged variants are built when any layer
-slides), ``torch_dtype``, and DeepSeek's MLA keys (``kv_lora_rank``, ``qk_rope_head_dim``,
-``qk_nope_head_dim``, ``v_head_dim``; the yarn ``mscale_all_dim`` folds into ``sm_scale``). A key
-that changes attention and that the kernels do not implement is an error naming the key.
+fields). From a Hugging Face config it takes exactly the attention each layer runs, read as
+transformers reads it: ``num_attention_heads``, ``num_key_value_heads``, ``head_dim`` (else
+``hidden_size / heads``), ``query_pre_attn_scalar`` (scale ``query_pre_attn_scalar ** -0.5``,
+Gemma), ``attn_logit_softcapping`` (Gemma 2), ``sliding_window`` with ``use_sliding_window``,
+``layer_types`` (else derived from ``sliding_window_pattern`` as transformers' Gemma 2 / Gemma 3
+configs do; both paged variants are built when any layer slides), ``torch_dtype`` (or ``dtype``),
+and DeepSeek's MLA keys (``kv_lora_rank``, ``qk_rope_head_dim``, ``qk_nope_head_dim``,
+``v_head_dim``; the yarn ``mscale_all_dim`` folds into ``sm_scale``).
+
+RoPE comes in either transformers format:
+
+* transformers >= 5: ``rope_parameters``, one flat dict (``{"rope_type": "default", "rope_theta":
+  1e6}``, with ``partial_rotary_factor`` inside for StableLM / GPT-NeoX / Phi) or, when its keys
+  are layer types of ``layer_types``, one dict per layer type (Gemma 3's ``sliding_attention`` and
+  ``full_attention``);
+* transformers 4: ``rope_theta``, ``rope_scaling``, ``partial_rotary_factor`` / ``rotary_pct``
+  and Gemma 3's ``rope_local_base_freq`` at top level (a truthy ``rope_scaling`` wins over
+  ``rope_parameters``, as in transformers; for Gemma 3 it scales the full-attention layers only).
+
+Values inside the dict win; top-level ``rope_theta`` and ``partial_rotary_factor`` fill in missing
+ones; llama3 / yarn / longrope without ``original_max_position_embeddings`` take the top-level one
+(flat dicts only), else ``max_position_embeddings``. The rope types: ``default``; ``linear``
+(the runtime ``rope_scale = 1 / factor``); ``llama3``; ``yarn`` (written with ``truncate`` and an
+explicit ``attention_factor``, so the kernels compute transformers' yarn, docs/semantics.md §4);
+``longrope`` without per-dimension factors. Any other type (``dynamic``, ``proportional``, ...)
+and any key transformers' ``_validate_<type>_rope_parameters`` does not accept is an error naming
+it (``rope_parameters.full_attention.foo: unknown key ...``), as is any other key that changes
+attention and that the kernels do not implement.
 
 ``specs_for_model`` lists the variants TVM's KV cache instantiates for that model (semantics
 §1.6): ragged causal self-attention of the new tokens, paged (or MLA) attention over the cached
-prefix, and the dense and masked sequence kernels.
+prefix (both once per distinct compile-time ``rope_scaling`` of its layers), and the dense and
+masked sequence kernels.
 """
 
 from __future__ import annotations
@@ -46,12 +65,41 @@ class MlaConfig:
     v_head_dim: int
 
 
+#: The layer types the kernels run (Hugging Face ``layer_types`` values).
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """The attention one layer runs: q [L, h_q, d_qk] against its keys, RoPE inline.
+
+    ``sliding``: the layer attends through a window of ``window`` tokens (None: the caller's
+    runtime window); ``rope_theta`` and ``rope_scale`` are the runtime RoPE scalars,
+    ``rope_scaling`` the compile-time dict of its kernels, ``rotary_dim`` the rotating dims (None:
+    the whole head), ``sm_scale`` and ``logits_soft_cap`` its softmax scale and cap.
+    """
+
+    sliding: bool
+    window: int | None
+    rope_theta: float
+    rope_scale: float
+    rope_scaling: dict
+    rotary_dim: int | None
+    sm_scale: float
+    logits_soft_cap: float
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The attention shape of a model. ``head_dim`` is d_qk, ``v_head_dim`` is d_v.
 
     ``rope_scaling`` is a normalized Hugging Face dict (``rope_type`` key, ``{}`` for plain RoPE);
     ``rope_theta`` is recorded for the caller, since it is a runtime scalar of the kernels.
+    ``rope_theta``, ``rope_scaling`` and ``rope_scale`` are the full-attention layers' RoPE; the
+    ``local_*`` fields are the sliding-window layers' (None: the same as the full layers').
+    ``layer_types`` names each layer's type (:data:`LAYER_TYPES`); None: every layer is
+    ``sliding_attention`` when ``sliding_window``, else ``full_attention``. A sliding layer
+    attends through a window only when ``sliding_window`` is on (``window`` tokens when known).
     """
 
     name: str
@@ -74,6 +122,11 @@ class ModelConfig:
     #: theta of sliding-window layers when it differs (Gemma 3's ``rope_local_base_freq``).
     rope_scale: float = 1.0
     local_rope_theta: float | None = None
+    local_rope_scaling: dict | None = None
+    local_rope_scale: float | None = None
+    #: The sliding window in tokens (Hugging Face ``sliding_window``) when any layer slides.
+    window: int | None = None
+    layer_types: tuple[str, ...] | None = None
 
     def __post_init__(self):
         for key in ("h_q", "h_kv", "head_dim", "v_head_dim", "page_size"):
@@ -85,6 +138,8 @@ class ModelConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: must be one of {DTYPES}, got {self.dtype!r}")
         object.__setattr__(self, "rope_scaling", _normalize_rope(self.rope_scaling))
+        if self.local_rope_scaling is not None:
+            object.__setattr__(self, "local_rope_scaling", _normalize_rope(self.local_rope_scaling))
         if self.mla is not None:
             mla = self.mla if isinstance(self.mla, MlaConfig) else MlaConfig(**self.mla)
             object.__setattr__(self, "mla", mla)
@@ -99,15 +154,75 @@ class ModelConfig:
         if self.mla is None and self.v_head_dim != self.head_dim:
             raise ValueError(f"v_head_dim ({self.v_head_dim}) must equal head_dim ({self.head_dim}) "
                              "without MLA: the paged kernel has one head dim")
+        self._check_layers()
+
+    def _check_layers(self) -> None:
+        """``window`` a positive int only with ``sliding_window``; ``layer_types`` a non-empty
+        sequence of :data:`LAYER_TYPES`, stored as a tuple."""
+        if self.window is not None:
+            if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window <= 0:
+                raise ValueError(f"window: must be a positive int or None, got {self.window!r}")
+            if not self.sliding_window:
+                raise ValueError("window: set, but sliding_window is off")
+        if self.layer_types is None:
+            return
+        if isinstance(self.layer_types, str) or not self.layer_types:
+            raise ValueError(f"layer_types: expected a non-empty list of layer types, got {self.layer_types!r}")
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        unknown = [kind for kind in self.layer_types if kind not in LAYER_TYPES]
+        if unknown:
+            raise ValueError(f"layer_types: {unknown[0]!r} is not supported; expected {LAYER_TYPES}")
 
     @property
     def attention_scale(self) -> float:
         """The softmax scale every layer uses."""
         return self.head_dim ** -0.5 if self.sm_scale is None else self.sm_scale
 
+    def layer_type(self, i: int) -> str:
+        """The type of layer ``i`` (:data:`LAYER_TYPES`)."""
+        if i < 0:
+            raise IndexError(f"layer {i}: layers count from 0")
+        if self.layer_types is not None:
+            return self.layer_types[i]
+        return "sliding_attention" if self.sliding_window else "full_attention"
+
+    def layer(self, i: int) -> LayerAttention:
+        """The attention layer ``i`` runs."""
+        return self._attention_of(self.layer_type(i))
+
+    def layer_attentions(self) -> list[LayerAttention]:
+        """The distinct attentions of the model's layers, full-attention layers first."""
+        kinds = self.layer_types or (self.layer_type(0),)
+        attentions = [self._attention_of(kind) for kind in LAYER_TYPES if kind in kinds]
+        return [a for n, a in enumerate(attentions) if a not in attentions[:n]]
+
+    def _attention_of(self, kind: str) -> LayerAttention:
+        local = kind == "sliding_attention"
+
+        def pick(local_value, value):
+            return local_value if local and local_value is not None else value
+
+        sliding = local and self.sliding_window
+        return LayerAttention(
+            sliding=sliding, window=self.window if sliding else None,
+            rope_theta=pick(self.local_rope_theta, self.rope_theta),
+            rope_scale=pick(self.local_rope_scale, self.rope_scale),
+            rope_scaling=pick(self.local_rope_scaling, self.rope_scaling),
+            rotary_dim=self.rotary_dim, sm_scale=self.attention_scale, logits_soft_cap=self.logits_soft_cap)
+
+    def ragged_spec(self, layer: LayerAttention) -> RaggedPrefillSpec:
+        """The ragged self-attention kernel ``layer`` runs with its RoPE inline: d_qk = head_dim,
+        d_v = v_head_dim (equal without MLA; MLA: h_kv = h_q, the model rotates itself)."""
+        h_kv = self.h_q if self.mla is not None else self.h_kv
+        return RaggedPrefillSpec(self.h_q, h_kv, self.head_dim, self.v_head_dim, self.dtype, layer.rope_scaling,
+                                 logits_soft_cap=layer.logits_soft_cap, rotary_dim=layer.rotary_dim)
+
     def to_dict(self) -> dict:
         """The fields as plain JSON-serializable values."""
-        return dataclasses.asdict(self)
+        fields = dataclasses.asdict(self)
+        if self.layer_types is not None:
+            fields["layer_types"] = list(self.layer_types)
+        return fields
 
 
 def _normalize_rope(rope_scaling) -> dict:
@@ -179,37 +294,236 @@ def _hf_fields(raw: dict) -> dict:
     if not isinstance(h_kv, int) or h_kv <= 0 or h_q % h_kv:
         raise ValueError(f"num_key_value_heads: {h_kv!r} must divide num_attention_heads ({h_q})")
     _reject_unsupported(raw)
-    mla_model = raw.get("kv_lora_rank") is not None  # applies RoPE itself: rope_scaling set below
-    rope_scaling, rope_scale = ({}, 1.0) if mla_model else _hf_rope_scaling(raw)
+    slides = _slides(raw)
     fields = {
         "h_q": h_q,
         "h_kv": h_kv,
-        "rope_theta": float(raw.get("rope_theta", DEFAULT_ROPE_THETA)),
-        "rope_scaling": rope_scaling,
-        "rope_scale": rope_scale,
-        "sliding_window": _slides(raw),
+        "sliding_window": slides,
+        "window": raw["sliding_window"] if slides else None,
+        "layer_types": _hf_layer_types(raw),
         "logits_soft_cap": float(raw.get("attn_logit_softcapping") or 0.0),
     }
-    if raw.get("rope_local_base_freq") is not None:
-        fields["local_rope_theta"] = float(raw["rope_local_base_freq"])
     torch_dtype = raw.get("torch_dtype", raw.get("dtype"))
     if torch_dtype is not None:
         if torch_dtype not in DTYPES:
             raise ValueError(f"torch_dtype: {torch_dtype!r} is not one of {DTYPES} (pass --dtype)")
         fields["dtype"] = torch_dtype
-    if mla_model:
-        mla = MlaConfig(**{key: _required(raw, key) for key in
-                           ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")})
-        head_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
-        # The model applies RoPE to its MLA heads; yarn only changes the softmax scale there.
-        fields.update(head_dim=head_dim, v_head_dim=mla.v_head_dim, mla=mla, rope_scaling={}, rope_scale=1.0,
-                      sm_scale=head_dim ** -0.5 * _deepseek_mscale(raw.get("rope_scaling") or {}) ** 2)
-        return fields
+    if raw.get("kv_lora_rank") is not None:
+        return {**fields, **_mla_fields(raw)}
     head_dim = raw.get("head_dim") or _required(raw, "hidden_size") // h_q
-    fields.update(head_dim=head_dim, v_head_dim=head_dim, rotary_dim=_rotary_dim(raw, head_dim))
+    fields.update(head_dim=head_dim, v_head_dim=head_dim, **_hf_rope_fields(raw, fields["layer_types"], head_dim))
     if raw.get("query_pre_attn_scalar") is not None:
         fields["sm_scale"] = float(raw["query_pre_attn_scalar"]) ** -0.5
     return fields
+
+
+def _mla_fields(raw: dict) -> dict:
+    """DeepSeek MLA: the model applies RoPE to its MLA heads; yarn only changes the softmax scale."""
+    mla = MlaConfig(**{key: _required(raw, key) for key in
+                       ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")})
+    head_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+    return dict(head_dim=head_dim, v_head_dim=mla.v_head_dim, mla=mla, rope_scaling={}, rope_scale=1.0,
+                rope_theta=float(raw.get("rope_theta", DEFAULT_ROPE_THETA)),
+                sm_scale=head_dim ** -0.5 * _deepseek_mscale(raw.get("rope_scaling") or {}) ** 2)
+
+
+def _hf_layer_types(raw: dict) -> tuple[str, ...] | None:
+    """``layer_types``, else derived from the sliding pattern as transformers derives it: Gemma 2
+    alternates (every 2nd layer full), Gemma 3 has ``sliding_window_pattern`` (default 6) and
+    layer ``i`` is full when ``(i + 1) % pattern == 0``; None when the config has neither."""
+    if raw.get("layer_types") is not None:
+        return tuple(raw["layer_types"])
+    pattern = raw.get("sliding_window_pattern")
+    if raw.get("model_type") == "gemma2":
+        pattern = 2
+    elif raw.get("model_type") in GEMMA3_TYPES:
+        pattern = pattern or 6
+    if pattern is None:
+        return None
+    if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern <= 0:
+        raise ValueError(f"sliding_window_pattern: must be a positive int, got {pattern!r}")
+    layers = _required(raw, "num_hidden_layers")
+    return tuple("sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers))
+
+
+GEMMA3_TYPES = ("gemma3", "gemma3_text")
+
+#: Keys each rope type accepts as transformers' ``_validate_<type>_rope_parameters`` do:
+#: (required, optional). ``rope_type``, its old name ``type`` and ``partial_rotary_factor`` are
+#: accepted by every type.
+HF_ROPE_KEYS = {
+    "default": ((), ("rope_theta",)),
+    "linear": (("factor",), ("rope_theta",)),
+    "llama3": (("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"),
+               ("rope_theta",)),
+    "yarn": (("factor", "original_max_position_embeddings"),
+             ("rope_theta", "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")),
+    "longrope": (("short_factor", "long_factor", "original_max_position_embeddings"),
+                 ("rope_theta", "attention_factor", "factor")),
+}
+HF_ROPE_ANY_TYPE = ("rope_type", "type", "partial_rotary_factor")
+#: Rope types whose dict needs ``original_max_position_embeddings`` (transformers fills it in).
+HF_ORIGINAL_LENGTH_TYPES = ("llama3", "yarn", "longrope")
+
+
+def _hf_rope_fields(raw: dict, layer_types: tuple[str, ...] | None, head_dim: int) -> dict:
+    """The RoPE fields of ModelConfig: the full-attention layers' (the sliding ones' when every
+    layer slides), ``local_*`` where the sliding layers' differ, and one ``rotary_dim``."""
+    ropes = {kind: _kernel_rope(params, where, raw, head_dim)
+             for kind, (where, params) in _hf_rope_parameters(raw, layer_types).items()}
+    rotary_dims = {rope["rotary_dim"] for rope in ropes.values()}
+    if len(rotary_dims) > 1:
+        raise ValueError("partial_rotary_factor: differs between layer types; one rotary_dim is supported")
+    full = ropes.get("full_attention") or ropes["sliding_attention"]
+    local = ropes.get("sliding_attention", full)
+    fields = {key: full[key] for key in ("rope_theta", "rope_scaling", "rope_scale", "rotary_dim")}
+    for key in ("rope_theta", "rope_scaling", "rope_scale"):
+        if local[key] != full[key]:
+            fields[f"local_{key}"] = local[key]
+    return fields
+
+
+def _hf_rope_parameters(raw: dict, layer_types: tuple[str, ...] | None) -> dict[str, tuple[str, dict]]:
+    """``{layer type: (where, params)}``: each layer type's transformers rope dict after
+    transformers' standardization (``where`` names it in errors), for the layer types in use."""
+    kinds = tuple(dict.fromkeys(layer_types or LAYER_TYPES))
+    params, where = _hf_rope_source(raw)
+    nested = [key for key in params if key in kinds]
+    if not nested:
+        flat = _standardize_rope(params, where, raw, nested=False)
+        return {kind: (where, flat) for kind in kinds}
+    unknown = [key for key in params if key not in LAYER_TYPES]
+    if unknown:
+        raise ValueError(f"{where}.{unknown[0]}: unknown key; per-layer-type RoPE has keys {kinds}")
+    out = {}
+    for kind in kinds:
+        if not isinstance(params.get(kind), dict):
+            raise ValueError(f"{where}.{kind}: missing (layers without RoPE are not supported)")
+        out[kind] = (f"{where}.{kind}", _standardize_rope(params[kind], f"{where}.{kind}", raw, nested=True))
+    return out
+
+
+def _hf_rope_source(raw: dict) -> tuple[dict, str]:
+    """(the rope dict transformers starts from, its name): a truthy ``rope_scaling`` (the old
+    format) wins over ``rope_parameters``; Gemma 3 nests it per layer type with its own thetas."""
+    for key in ("rope_scaling", "rope_parameters"):
+        if raw.get(key) is not None and not isinstance(raw[key], dict):
+            raise ValueError(f"{key}: expected an object or null, got {raw[key]!r}")
+    old, params = raw.get("rope_scaling"), raw.get("rope_parameters")
+    gemma3 = raw.get("model_type") in GEMMA3_TYPES or "rope_local_base_freq" in raw
+    if gemma3 and (params is None or "full_attention" in params):
+        return _gemma3_rope(raw, params, old), "rope_parameters"
+    if old:
+        return dict(old), "rope_scaling"
+    return dict(params or {}), "rope_parameters"
+
+
+def _gemma3_rope(raw: dict, params: dict | None, old: dict | None) -> dict:
+    """Gemma 3's rope dicts as its transformers config builds them: ``rope_scaling`` updates the
+    full-attention dict; thetas default to ``rope_theta`` (else 1e6) for full attention and
+    ``rope_local_base_freq`` (else 1e4) for sliding layers."""
+    params = {key: dict(value) if isinstance(value, dict) else value for key, value in (params or {}).items()}
+    full = params.get("full_attention") or {"rope_type": "default"}
+    local = params.get("sliding_attention") or {"rope_type": "default"}
+    full.update(old or {})
+    full.setdefault("rope_theta", raw.get("rope_theta") or 1e6)
+    local.setdefault("rope_theta", raw.get("rope_local_base_freq") or 1e4)
+    return {**params, "full_attention": full, "sliding_attention": local}
+
+
+def _standardize_rope(params: dict, where: str, raw: dict, *, nested: bool) -> dict:
+    """One rope dict as transformers' ``convert_rope_params_to_dict`` / ``standardize_rope_params``
+    leave it: ``rope_type`` set, top-level ``rope_theta`` / ``partial_rotary_factor`` (or
+    ``rotary_pct``) filling missing ones, ``original_max_position_embeddings`` filled for the
+    types that need it; then checked against :data:`HF_ROPE_KEYS`."""
+    params = dict(params)
+    params["rope_type"] = params.get("rope_type") or params.pop("type", None) or "default"
+    params.pop("type", None)
+    if params.get("rope_theta") is None:
+        params["rope_theta"] = raw.get("rope_theta") or DEFAULT_ROPE_THETA
+    partial = raw.get("partial_rotary_factor", raw.get("rotary_pct"))
+    if partial is not None:
+        params.setdefault("partial_rotary_factor", partial)
+    kind = params["rope_type"]
+    _check_rope_keys(params, where)
+    if kind in HF_ORIGINAL_LENGTH_TYPES and params.get("original_max_position_embeddings") is None:
+        top = None if nested else raw.get("original_max_position_embeddings")
+        params["original_max_position_embeddings"] = top or _required(raw, "max_position_embeddings")
+    return params
+
+
+def _check_rope_keys(params: dict, where: str) -> None:
+    """A supported ``rope_type``, no per-dimension LongRoPE factor other than 1, no key the type
+    does not accept."""
+    kind = params["rope_type"]
+    if kind not in HF_ROPE_KEYS:
+        raise ValueError(f"{where}.rope_type: {kind!r} is not supported by these kernels; "
+                         f"expected one of {tuple(HF_ROPE_KEYS)}")
+    for key in ("short_factor", "long_factor"):
+        factors = params.get(key)
+        if factors is not None and any(float(f) != 1.0 for f in factors):
+            raise ValueError(f"{where}.{key}: per-dimension LongRoPE factors are not supported")
+    required, optional = HF_ROPE_KEYS[kind]
+    for key in params:
+        if key not in required + optional + HF_ROPE_ANY_TYPE:
+            raise ValueError(f"{where}.{key}: unknown key for rope_type {kind!r}; "
+                             f"expected some of {sorted(required + optional + HF_ROPE_ANY_TYPE)}")
+    for key in required:
+        if key not in params and key != "original_max_position_embeddings":
+            raise ValueError(f"{where}.{key}: missing (rope_type {kind!r})")
+
+
+def _kernel_rope(params: dict, where: str, raw: dict, head_dim: int) -> dict:
+    """One standardized rope dict as the kernels take it: ``rope_theta`` and ``rope_scale``
+    (runtime), ``rope_scaling`` (compile time) and ``rotary_dim``."""
+    kind = params["rope_type"]
+    rope_scale, scaling = 1.0, {}
+    if kind == "linear":
+        rope_scale = 1.0 / float(params["factor"])
+    elif kind == "llama3":
+        scaling = {key: params[key] for key in ("rope_type",) + HF_ROPE_KEYS["llama3"][0]}
+    elif kind == "yarn":
+        scaling = _kernel_yarn(params, raw)
+    elif kind == "longrope":
+        scaling = _kernel_longrope(params, where, raw)
+    return {"rope_theta": float(params["rope_theta"]), "rope_scale": rope_scale, "rope_scaling": scaling,
+            "rotary_dim": _rotary_dim(params.get("partial_rotary_factor"), head_dim, where)}
+
+
+def _kernel_yarn(params: dict, raw: dict) -> dict:
+    """transformers' yarn (``_compute_yarn_parameters``) in the kernels' keys: a missing factor is
+    ``max_position_embeddings / original``; ``beta_fast`` / ``beta_slow`` 32 / 1 unless set (0 or
+    None too); ``truncate`` True unless false; ``attention_factor`` given, else the ratio of the
+    ``mscale`` / ``mscale_all_dim`` corrections when both are set, else ``0.1 ln(factor) + 1``."""
+    orig = params["original_max_position_embeddings"]
+    factor = params["factor"]
+    if factor is None:
+        factor = _required(raw, "max_position_embeddings") / orig
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        attention_factor = _yarn_mscale(factor, 1.0)
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+    return {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": orig,
+            "beta_fast": params.get("beta_fast") or 32, "beta_slow": params.get("beta_slow") or 1,
+            "truncate": bool(params.get("truncate", True)), "attention_factor": float(attention_factor)}
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    """transformers' yarn ``get_mscale``: ``0.1 * mscale * ln(factor) + 1``, 1 for factor <= 1."""
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+def _kernel_longrope(params: dict, where: str, raw: dict) -> dict:
+    """LongRoPE without per-dimension factors: plain frequencies and the multiplier
+    ``sqrt(1 + ln(factor) / ln(original))``, factor given or ``max_position_embeddings / original``."""
+    if params.get("attention_factor") is not None:
+        raise ValueError(f"{where}.attention_factor: an explicit LongRoPE attention_factor is not supported")
+    orig = params["original_max_position_embeddings"]
+    factor = params.get("factor") or _required(raw, "max_position_embeddings") / orig
+    return {"rope_type": "longrope", "original_max_position_embeddings": orig,
+            "max_position_embeddings": float(factor) * orig}
 
 
 #: Hugging Face keys that change a layer's attention in ways the kernels do not implement.
@@ -239,37 +553,15 @@ def _slides(raw: dict) -> bool:
     return True
 
 
-def _rotary_dim(raw: dict, head_dim: int) -> int | None:
-    """``partial_rotary_factor`` (or GPT-NeoX's ``rotary_pct``) times head_dim, None for 1."""
-    factor = raw.get("partial_rotary_factor", raw.get("rotary_pct"))
+def _rotary_dim(factor, head_dim: int, where: str) -> int | None:
+    """``partial_rotary_factor`` times head_dim, None for 1 (or None)."""
     if factor is None or float(factor) == 1.0:
         return None
     rotary_dim = int(head_dim * float(factor))
     if rotary_dim <= 0 or rotary_dim % 2:
-        key = "partial_rotary_factor" if "partial_rotary_factor" in raw else "rotary_pct"
-        raise ValueError(f"{key}: {factor} x head_dim {head_dim} must give an even number of dims")
+        raise ValueError(f"{where}.partial_rotary_factor: {factor} x head_dim {head_dim} must give an even "
+                         "number of dims")
     return rotary_dim
-
-
-def _hf_rope_scaling(raw: dict) -> tuple[dict, float]:
-    """(``rope_scaling`` for the kernels, runtime ``rope_scale``): null is plain RoPE, ``linear``
-    scaling becomes ``rope_scale = 1 / factor``; per-dimension LongRoPE factors and unknown types
-    are errors naming the key (ModelConfig validates the rest)."""
-    value = raw.get("rope_scaling") or {}
-    if not isinstance(value, dict):
-        raise ValueError(f"rope_scaling: expected an object or null, got {value!r}")
-    kind = value.get("rope_type") or value.get("type") or "default"
-    if kind == "linear":
-        return {}, 1.0 / float(_required(value, "factor"))
-    for key in ("short_factor", "long_factor"):
-        factors = value.get(key)
-        if factors is not None and any(float(f) != 1.0 for f in factors):
-            raise ValueError(f"rope_scaling.{key}: per-dimension LongRoPE factors are not supported")
-    for key in ("mscale", "mscale_all_dim"):
-        if value.get(key) not in (None, 0, 1, 1.0):
-            raise ValueError(f"rope_scaling.{key}: yarn attention scaling outside MLA is not supported")
-    kept = {key: item for key, item in value.items() if key not in ("short_factor", "long_factor")}
-    return kept, 1.0
 
 
 def _deepseek_mscale(rope_scaling: dict) -> float:
@@ -291,26 +583,34 @@ def specs_for_model(cfg: ModelConfig) -> list:
 
     MLA: ragged self-attention with h_kv = h_q and d_qk = nope + rope, d_v = v_head_dim (RoPE is
     applied by the model, so no scaling inside), and the paged MLA kernel over the latent cache.
-    Otherwise: ragged and paged with the model's RoPE (partial when ``rotary_dim``), the
-    sliding-window paged kernel when any layer slides, the dense causal kernel and both masked
-    kernels (``attention_scale``); every spec carries the model's logits soft cap.
+    Otherwise, for each distinct compile-time ``rope_scaling`` of the layers (full-attention
+    layers' first): ragged and paged with that RoPE (partial when ``rotary_dim``), the paged ones
+    with and without the sliding window when any layer slides; then the dense causal kernel and
+    both masked kernels (``attention_scale``); every spec carries the model's logits soft cap.
     """
     if cfg.mla is not None:
         mla = cfg.mla
         return [
-            RaggedPrefillSpec(cfg.h_q, cfg.h_q, cfg.head_dim, cfg.v_head_dim, cfg.dtype, rope_scaling={}),
+            cfg.ragged_spec(cfg.layer(0)),
             MlaPagedPrefillSpec(cfg.h_q, mla.kv_lora_rank, mla.qk_rope_head_dim, cfg.dtype, page_size=cfg.page_size),
         ]
     d, sm_scale, cap = cfg.head_dim, cfg.attention_scale, cfg.logits_soft_cap
-    paged = [PagedPrefillSpec(cfg.h_q, cfg.h_kv, d, cfg.dtype, cfg.page_size, cfg.rope_scaling, sliding_window=sw,
-                              logits_soft_cap=cap, rotary_dim=cfg.rotary_dim)
-             for sw in ((False, True) if cfg.sliding_window else (False,))]
+    ropes = _distinct_ropes(cfg)
+    windows = (False, True) if cfg.sliding_window else (False,)
     return [
-        RaggedPrefillSpec(cfg.h_q, cfg.h_kv, d, d, cfg.dtype, cfg.rope_scaling, logits_soft_cap=cap,
-                          rotary_dim=cfg.rotary_dim),
-        *paged,
+        *(cfg.ragged_spec(layer) for layer in ropes),
+        *(PagedPrefillSpec(cfg.h_q, cfg.h_kv, d, cfg.dtype, cfg.page_size, layer.rope_scaling, sliding_window=sw,
+                           logits_soft_cap=cap, rotary_dim=layer.rotary_dim)
+          for layer in ropes for sw in windows),
         SequencePrefillSpec(cfg.h_q, cfg.h_kv, d, cfg.dtype, causal=True, sm_scale=sm_scale, logits_soft_cap=cap),
         *(MaskedSequencePrefillSpec(cfg.h_q, cfg.h_kv, d, cfg.dtype, mask_mode=mode, sm_scale=sm_scale,
                                     logits_soft_cap=cap)
           for mode in MASK_MODES),
     ]
+
+
+def _distinct_ropes(cfg: ModelConfig) -> list[LayerAttention]:
+    """One layer attention per distinct compile-time ``rope_scaling``, in layer-type order."""
+    layers = cfg.layer_attentions()
+    return [layer for n, layer in enumerate(layers)
+            if all(layer.rope_scaling != other.rope_scaling for other in layers[:n])]

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from linalg_prefill.mlir import (
     MaskedSequencePrefillSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec,
 )
-from linalg_prefill.pipeline.model_config import load_model_config, specs_for_model
+from linalg_prefill.pipeline.model_config import ModelConfig, load_model_config, specs_for_model
+from linalg_prefill.runtime.rope import rope_pair_angles
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -98,3 +101,204 @@ def test_every_example_config_round_trips_through_the_manifest_fields(name):
     included)."""
     for spec in _specs(name)[1]:
         assert type(spec)(**spec.fields()) == spec
+
+
+# Configs as transformers >= 5 writes them (rope_parameters), read as transformers reads them.
+
+COMMON = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+              intermediate_size=128, vocab_size=128)
+LLAMA3_PARAMS = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+YARN_PARAMS = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 32}
+
+
+def _transformers():
+    return pytest.importorskip("transformers")
+
+
+def _transformers_rope(config, layer_type: str | None) -> tuple[np.ndarray, float]:
+    """transformers' (inv_freq [rotary_dim / 2] float64, attention_factor) of a layer type."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    nested = layer_type in config.rope_parameters
+    params = config.rope_parameters[layer_type] if nested else config.rope_parameters
+    if params["rope_type"] == "default":
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+        return 1.0 / params["rope_theta"] ** (np.arange(0, dim, 2) / dim), 1.0
+    inv_freq, factor = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, "cpu", layer_type=layer_type if nested else None)
+    return inv_freq.numpy().astype(np.float64), factor
+
+
+def _assert_layers_match_transformers(cfg, config):
+    """Every layer's RoPE (frequencies at position 1 times rope_scale, multiplier), rotary dim and
+    window are transformers' for that layer."""
+    layer_types = getattr(config, "layer_types", None) or [None] * config.num_hidden_layers
+    for i, kind in enumerate(layer_types):
+        layer = cfg.layer(i)
+        inv_freq, factor = _transformers_rope(config, kind)
+        rotary = layer.rotary_dim or cfg.head_dim
+        angles, mult = rope_pair_angles(np.ones(1), head_dim=rotary, rope_theta=layer.rope_theta,
+                                        rope_scale=layer.rope_scale, rope_scaling=layer.rope_scaling)
+        assert 2 * inv_freq.size == rotary, (i, kind)
+        np.testing.assert_allclose(angles[0], inv_freq, rtol=1e-6, err_msg=f"layer {i} ({kind})")
+        assert mult == pytest.approx(factor, rel=1e-6)
+        window = config.sliding_window if kind in ("sliding_attention", None) else None
+        assert (layer.sliding, layer.window) == (window is not None, window), (i, kind)
+
+
+def _saved(tmp_path, config):
+    """``config`` through save_pretrained and load_model_config (float32: tiny configs carry no dtype)."""
+    config.save_pretrained(tmp_path)
+    cfg = load_model_config(tmp_path / "config.json", dtype="float32")
+    assert ModelConfig(**cfg.to_dict()) == cfg
+    _assert_layers_match_transformers(cfg, config)
+    return cfg
+
+
+def test_llama_3_rope_parameters(tmp_path):
+    t = _transformers()
+    cfg = _saved(tmp_path, t.LlamaConfig(**COMMON, max_position_embeddings=131072, rope_parameters=LLAMA3_PARAMS))
+    assert cfg.rope_theta == 500000.0 and cfg.rope_scale == 1.0
+    assert cfg.rope_scaling == {key: value for key, value in LLAMA3_PARAMS.items() if key != "rope_theta"}
+    assert not cfg.sliding_window and cfg.layer(1) == cfg.layer(0)
+
+
+def test_qwen2_plain_theta_from_rope_parameters(tmp_path):
+    t = _transformers()
+    cfg = _saved(tmp_path, t.Qwen2Config(**COMMON, rope_parameters={"rope_type": "default", "rope_theta": 1e6}))
+    assert (cfg.rope_theta, cfg.rope_scaling, cfg.layer_types) == (1e6, {}, ("full_attention",) * 2)
+    assert not cfg.layer(0).sliding and len(specs_for_model(cfg)) == 5
+
+
+def test_qwen2_yarn_is_transformers_yarn(tmp_path):
+    t = _transformers()
+    cfg = _saved(tmp_path, t.Qwen2Config(**COMMON, rope_parameters=YARN_PARAMS))
+    assert cfg.rope_scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                                "beta_fast": 32, "beta_slow": 1, "truncate": True,
+                                "attention_factor": 0.1 * math.log(4.0) + 1.0}
+    assert _one(specs_for_model(cfg), RaggedPrefillSpec).fields()["rope_scaling"] == cfg.rope_scaling
+
+
+def test_stablelm_partial_rotary_inside_rope_parameters(tmp_path):
+    t = _transformers()
+    params = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}
+    cfg = _saved(tmp_path, t.StableLmConfig(**COMMON, rope_parameters=params))
+    assert (cfg.head_dim, cfg.rotary_dim, cfg.layer(0).rotary_dim) == (16, 4, 4)
+
+
+def test_gemma_2_alternating_layers(tmp_path):
+    t = _transformers()
+    cfg = _saved(tmp_path, t.Gemma2Config(**COMMON, head_dim=16, sliding_window=64))
+    assert cfg.layer_types == ("sliding_attention", "full_attention") and cfg.window == 64
+    assert (cfg.layer(0).sliding, cfg.layer(1).sliding, cfg.layer(0).logits_soft_cap) == (True, False, 50.0)
+
+
+def test_gemma_3_rope_per_layer_type(tmp_path):
+    """Linear factor 8 on the full-attention layers only: their rope_scale is 1/8, the sliding
+    layers' 1 with their own theta; one compile-time rope_scaling, so one ragged kernel."""
+    t = _transformers()
+    params = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+              "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}
+    config = t.Gemma3TextConfig(**{**COMMON, "num_hidden_layers": 6}, head_dim=16, sliding_window=32,
+                                rope_parameters=params)
+    cfg = _saved(tmp_path, config)
+    full, local = cfg.layer(5), cfg.layer(0)
+    assert (full.sliding, full.rope_theta, full.rope_scale, full.window) == (False, 1e6, 0.125, None)
+    assert (local.sliding, local.rope_theta, local.rope_scale, local.window) == (True, 1e4, 1.0, 32)
+    assert len([s for s in specs_for_model(cfg) if isinstance(s, RaggedPrefillSpec)]) == 1
+
+
+def test_a_rope_type_per_layer_type_gets_a_kernel_each(tmp_path):
+    t = _transformers()
+    params = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+              "full_attention": {**YARN_PARAMS, "original_max_position_embeddings": 4096}}
+    cfg = _saved(tmp_path, t.Gemma3TextConfig(**{**COMMON, "num_hidden_layers": 6}, head_dim=16,
+                                              rope_parameters=params))
+    assert cfg.local_rope_scaling == {} and cfg.rope_scaling["rope_type"] == "yarn"
+    specs = specs_for_model(cfg)
+    assert [s.fields()["rope_scaling"] for s in specs if isinstance(s, RaggedPrefillSpec)] == [cfg.rope_scaling, {}]
+    assert [(dict(s.rope_scaling).get("rope_type"), s.sliding_window) for s in specs
+            if isinstance(s, PagedPrefillSpec)] == [("yarn", False), ("yarn", True), (None, False), (None, True)]
+
+
+def test_mistral_every_layer_slides(tmp_path):
+    t = _transformers()
+    cfg = _saved(tmp_path, t.MistralConfig(**COMMON, sliding_window=32))
+    assert cfg.layer_types is None and cfg.window == 32 and cfg.layer(1).sliding
+
+
+def test_phi_3(tmp_path):
+    t = _transformers()
+    cfg = _saved(tmp_path, t.Phi3Config(**COMMON, sliding_window=16))
+    assert (cfg.rotary_dim, cfg.rope_theta, cfg.window) == (None, 10000.0, 16)
+
+
+@pytest.mark.parametrize("name", ["llama-3-8b.json", "mistral-7b.json", "qwen2-0.5b.json", "qwen2.5-7b.json",
+                                  "gemma-2-27b.json", "gemma-3-1b.json", "phi-3-mini-4k.json",
+                                  "stablelm-2-1.6b.json"])
+def test_old_format_configs_read_as_transformers_reads_them(tmp_path, name):
+    t = _transformers()
+    (tmp_path / "config.json").write_text((CONFIGS / name).read_text())
+    _assert_layers_match_transformers(load_model_config(CONFIGS / name), t.AutoConfig.from_pretrained(tmp_path))
+
+
+def test_old_format_gemma_3_scales_its_full_layers_only(tmp_path):
+    raw = json.loads((CONFIGS / "gemma-3-1b.json").read_text())
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**raw, "rope_scaling": {"rope_type": "linear", "factor": 8.0}}))
+    cfg = load_model_config(path)
+    assert (cfg.rope_scale, cfg.local_rope_scale, cfg.local_rope_theta) == (0.125, 1.0, 1e4)
+    _assert_layers_match_transformers(cfg, _transformers().AutoConfig.from_pretrained(tmp_path))
+
+
+def _qwen2_json(tmp_path, **change) -> Path:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**COMMON, "model_type": "qwen2", "torch_dtype": "float32", **change}))
+    return path
+
+
+@pytest.mark.parametrize("rope_parameters, key", [
+    ({"rope_type": "default", "rope_theta": 1e6, "foo": 1}, r"rope_parameters\.foo: unknown key"),
+    ({"rope_type": "linear", "factor": 2.0, "beta_fast": 4}, r"rope_parameters\.beta_fast: unknown key"),
+    ({"rope_type": "dynamic", "factor": 2.0}, r"rope_parameters\.rope_type: 'dynamic'"),
+    ({"rope_type": "proportional", "rope_theta": 1e4}, r"rope_parameters\.rope_type: 'proportional'"),
+    ({"rope_type": "yarn", "rope_theta": 1e4}, r"rope_parameters\.factor: missing"),
+    ({"full_attention": {"rope_type": "default", "foo": 1}}, r"rope_parameters\.full_attention\.foo: unknown key"),
+])
+def test_bad_rope_parameters_name_the_key(tmp_path, rope_parameters, key):
+    path = _qwen2_json(tmp_path, rope_parameters=rope_parameters, layer_types=["full_attention"] * 2)
+    with pytest.raises(ValueError, match=key):
+        load_model_config(path)
+
+
+def test_top_level_keys_fill_in_missing_rope_parameters(tmp_path):
+    """rope_theta, partial_rotary_factor and original_max_position_embeddings from top level only
+    where the dict lacks them."""
+    path = _qwen2_json(tmp_path, rope_theta=7.0, partial_rotary_factor=0.5, original_max_position_embeddings=64,
+                       rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e5})
+    cfg = load_model_config(path)
+    assert (cfg.rope_theta, cfg.rotary_dim, cfg.rope_scaling["original_max_position_embeddings"]) == (1e5, 8, 64)
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+@pytest.mark.parametrize("theta", [10000.0, 1e6])
+@pytest.mark.parametrize("extra", [{}, {"mscale": 0.707, "mscale_all_dim": 1.0}, {"truncate": False},
+                                   {"original_max_position_embeddings": 4096, "beta_fast": 0, "beta_slow": 2}])
+def test_reference_yarn_is_transformers_yarn(tmp_path, head_dim, theta, extra):
+    """The float64 reference with the loader's truncate / attention_factor gives transformers'
+    inv_freq and attention_factor."""
+    t = _transformers()
+    config = t.Qwen2Config(**{**COMMON, "num_attention_heads": 2, "num_key_value_heads": 1}, head_dim=head_dim,
+                           rope_parameters={**YARN_PARAMS, "rope_theta": theta, **extra})
+    cfg = _saved(tmp_path, config)
+    assert cfg.rope_scaling["truncate"] is extra.get("truncate", True)
+
+
+def test_native_format_round_trips_the_new_fields(tmp_path):
+    raw = json.loads((CONFIGS / "gemma-3-1b.json").read_text())
+    path = tmp_path / "gemma3.json"
+    path.write_text(json.dumps({**raw, "rope_scaling": {"rope_type": "linear", "factor": 8.0}}))
+    cfg = load_model_config(path)
+    native = tmp_path / "native.json"
+    native.write_text(json.dumps(cfg.to_dict()))
+    assert load_model_config(native) == cfg and cfg.layer_types[:6] == ("sliding_attention",) * 5 + ("full_attention",)
