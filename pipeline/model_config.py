@@ -276,7 +276,7 @@ def _native_fields(raw: dict) -> dict:
             raise ValueError(f"{key}: missing")
     fields = dict(raw)
     fields.setdefault("v_head_dim", fields["head_dim"])
-    if "mla" in fields:
+    if fields.get("mla") is not None:
         mla_keys = {f.name for f in dataclasses.fields(MlaConfig)}
         bad = sorted(set(fields["mla"]) ^ mla_keys)
         if bad:
@@ -322,9 +322,10 @@ def _mla_fields(raw: dict) -> dict:
     mla = MlaConfig(**{key: _required(raw, key) for key in
                        ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")})
     head_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+    rope, _ = _hf_rope_source(raw)
     return dict(head_dim=head_dim, v_head_dim=mla.v_head_dim, mla=mla, rope_scaling={}, rope_scale=1.0,
-                rope_theta=float(raw.get("rope_theta", DEFAULT_ROPE_THETA)),
-                sm_scale=head_dim ** -0.5 * _deepseek_mscale(raw.get("rope_scaling") or {}) ** 2)
+                rope_theta=float(rope.get("rope_theta") or raw.get("rope_theta") or DEFAULT_ROPE_THETA),
+                sm_scale=head_dim ** -0.5 * _deepseek_mscale(rope) ** 2)
 
 
 def _hf_layer_types(raw: dict) -> tuple[str, ...] | None:

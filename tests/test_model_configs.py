@@ -142,7 +142,7 @@ def _assert_layers_match_transformers(cfg, config):
         assert 2 * inv_freq.size == rotary, (i, kind)
         np.testing.assert_allclose(angles[0], inv_freq, rtol=1e-6, err_msg=f"layer {i} ({kind})")
         assert mult == pytest.approx(factor, rel=1e-6)
-        window = config.sliding_window if kind in ("sliding_attention", None) else None
+        window = getattr(config, "sliding_window", None) if kind in ("sliding_attention", None) else None
         assert (layer.sliding, layer.window) == (window is not None, window), (i, kind)
 
 
@@ -302,3 +302,12 @@ def test_native_format_round_trips_the_new_fields(tmp_path):
     native = tmp_path / "native.json"
     native.write_text(json.dumps(cfg.to_dict()))
     assert load_model_config(native) == cfg and cfg.layer_types[:6] == ("sliding_attention",) * 5 + ("full_attention",)
+
+
+def test_deepseek_v3_yarn_softmax_scale_from_rope_parameters(tmp_path):
+    raw = json.loads((CONFIGS / "deepseek-v3.json").read_text())
+    rope = {**raw.pop("rope_scaling"), "rope_theta": raw.pop("rope_theta")}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**raw, "rope_parameters": rope}))
+    cfg = load_model_config(path)
+    assert cfg.attention_scale == load_model_config(CONFIGS / "deepseek-v3.json").attention_scale != 192 ** -0.5
