@@ -118,9 +118,10 @@ class ModelConfig:
     sm_scale: float | None = None
     logits_soft_cap: float = 0.0
     rotary_dim: int | None = None
-    #: Runtime RoPE scalars for the caller: ``rope_scale`` (1 / factor of linear scaling) and the
-    #: theta of sliding-window layers when it differs (Gemma 3's ``rope_local_base_freq``).
+    #: Runtime RoPE scalar for the caller: 1 / factor of linear scaling.
     rope_scale: float = 1.0
+    #: The sliding layers' RoPE where it differs (Gemma 3's ``rope_local_base_freq``; None: as
+    #: the full-attention layers).
     local_rope_theta: float | None = None
     local_rope_scaling: dict | None = None
     local_rope_scale: float | None = None
