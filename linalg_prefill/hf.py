@@ -37,6 +37,7 @@ except ImportError as err:  # pragma: no cover - exercised by tests/test_hf_impo
                       f"({err})") from err
 
 import threading
+from dataclasses import dataclass
 import weakref
 
 import numpy as np
@@ -45,7 +46,7 @@ from .mlir import PagedPrefillSpec, SequencePrefillSpec
 from .runtime import InputError, open_kernel
 from .runtime.key_ranges import Entries, key_ranges, paged_arguments, plan_entries, rule_ranges
 
-__all__ = ["register", "attention", "attention_mask", "kernel_for", "DEFAULT_NAME"]
+__all__ = ["register", "attention", "attention_mask", "plan_call", "KernelCall", "kernel_for", "DEFAULT_NAME"]
 
 DEFAULT_NAME = "linalg_prefill"
 #: Page size of the paged copy of K/V the masked path reads (a compile-time field of its kernel).
@@ -89,10 +90,34 @@ def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int
                      allow_is_causal_skip=allow, **extra)
 
 
+@dataclass(frozen=True)
+class KernelCall:
+    """One kernel call of an attention layer: ``spec``, its seed-ABI ``args`` (torch tensors and
+    int32 numpy index arrays) and the ``[B, S_q, H_q, D]`` shape its output takes."""
+
+    spec: object
+    args: tuple
+    output_shape: tuple
+
+    def run(self):
+        """``output [B, S_q, H_q, D]``, contiguous."""
+        output, _lse = kernel_for(self.spec)(*self.args)
+        return output.view(self.output_shape)
+
+
 def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
               softcap: float | None = None, sliding_window: int | None = None, is_causal: bool | None = None,
               s_aux=None, **kwargs):
     """transformers' attention interface (module docstring): ``(output [B, S_q, H_q, D_v], None)``."""
+    return plan_call(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, softcap=softcap,
+                     sliding_window=sliding_window, is_causal=is_causal, s_aux=s_aux).run(), None
+
+
+def plan_call(module, query, key, value, attention_mask, *, dropout: float = 0.0, scaling: float | None = None,
+              softcap: float | None = None, sliding_window: int | None = None, is_causal: bool | None = None,
+              s_aux=None) -> KernelCall:
+    """The checked :class:`KernelCall` of one :func:`attention` call (InputError naming the
+    argument for what the kernels cannot run)."""
     if dropout:
         raise InputError(f"dropout: {dropout} is not supported (the kernels are for inference; call "
                          "model.eval() or use another attn_implementation for training)")
@@ -106,9 +131,9 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
     cap = float(softcap or 0.0)
     window = int(sliding_window) if sliding_window else None
     if attention_mask is None and (window is None or kv_len <= window):
-        return _dense(query, key, value, causal, scale, cap), None
+        return _dense_call(query, key, value, causal, scale, cap)
     lo, hi = _ranges(attention_mask, batch, q_len, kv_len, causal, window)
-    return _paged(query, key, value, plan_entries(lo, hi), scale, cap), None
+    return _paged_call(query, key, value, plan_entries(lo, hi), scale, cap)
 
 
 def _check_tensors(query, key, value) -> None:
@@ -135,27 +160,23 @@ def _token_major(tensor):
     return tensor.transpose(1, 2).contiguous()
 
 
-def _dense(query, key, value, causal: bool, scale: float, cap: float):
+def _dense_call(query, key, value, causal: bool, scale: float, cap: float) -> KernelCall:
     batch, h_q, q_len, d = query.shape
     spec = SequencePrefillSpec(h_q, key.shape[1], d, DTYPES[query.dtype], causal=causal, sm_scale=scale,
                                logits_soft_cap=cap)
-    output, _lse = kernel_for(spec)(_token_major(query), _token_major(key), _token_major(value))
-    return output
+    return KernelCall(spec, (_token_major(query), _token_major(key), _token_major(value)), (batch, q_len, h_q, d))
 
 
-def _paged(query, key, value, entries: Entries, scale: float, cap: float):
+def _paged_call(query, key, value, entries: Entries, scale: float, cap: float) -> KernelCall:
     batch, h_q, q_len, d = query.shape
-    h_kv = key.shape[1]
-    spec = PagedPrefillSpec(h_q, h_kv, d, DTYPES[query.dtype], page_size=PAGE_SIZE, sliding_window=True,
+    spec = PagedPrefillSpec(h_q, key.shape[1], d, DTYPES[query.dtype], page_size=PAGE_SIZE, sliding_window=True,
                             logits_soft_cap=cap)
     pages, pages_per_row = _pages(key, value)
     page_indptr, page_values, length_info = paged_arguments(entries, pages_per_row, PAGE_SIZE)
     q = _token_major(query).view(batch * q_len, h_q, d)
-    n = len(entries)
-    zeros = np.zeros(n, np.int32)
-    output, _lse = kernel_for(spec)(q, entries.q_indptr, pages, page_indptr, page_values, length_info, zeros,
-                                    np.zeros(batch * q_len, np.int32), 1, 0, 1.0, 1.0e4, scale)
-    return output.view(batch, q_len, h_q, d)
+    args = (q, entries.q_indptr, pages, page_indptr, page_values, length_info, np.zeros(len(entries), np.int32),
+            np.zeros(batch * q_len, np.int32), 1, 0, 1.0, 1.0e4, scale)
+    return KernelCall(spec, args, (batch, q_len, h_q, d))
 
 
 def _pages(key, value):
@@ -164,14 +185,14 @@ def _pages(key, value):
     batch, h_kv, kv_len, d = key.shape
     per_row = max(-(-kv_len // PAGE_SIZE), 1)
     full, tail = divmod(kv_len, PAGE_SIZE)
-    pages = key.new_empty((batch, per_row, 2, h_kv, PAGE_SIZE, d))
+    pages = key.new_zeros((batch, per_row, 2, h_kv, PAGE_SIZE, d)) if tail else \
+        key.new_empty((batch, per_row, 2, h_kv, PAGE_SIZE, d))
     for slot, source in enumerate((key, value)):
         if full:
             blocks = source[:, :, :full * PAGE_SIZE].reshape(batch, h_kv, full, PAGE_SIZE, d)
             pages[:, :full, slot].copy_(blocks.permute(0, 2, 1, 3, 4))
         if tail:
             pages[:, full, slot, :, :tail].copy_(source[:, :, full * PAGE_SIZE:])
-            pages[:, full, slot, :, tail:].zero_()
     return pages.view(batch * per_row, 2, h_kv, PAGE_SIZE, d), per_row
 
 

@@ -1,0 +1,46 @@
+"""Tiny random-weight transformers models whose attention is peaked (no download).
+
+Random init attends almost uniformly, which hides scale, soft-cap and RoPE errors: the q and k
+projections are scaled by ``QK_GAIN`` so scores are O(10) and most rows put most of their weight on
+a few keys (``tests/test_hf_adapter.py`` checks that they do).
+"""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+QK_GAIN = 15.0
+TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
+            vocab_size=96, max_position_embeddings=256)
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 16, "rope_theta": 500000.0}
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 1000000.0}
+
+
+def configs() -> dict:
+    """Family name -> transformers config: Llama 3 (llama3 scaling), Qwen2 (theta 1e6, and yarn
+    with factor 4), Gemma 2 (soft cap 20, query_pre_attn_scalar 32, a sliding window of 8 on
+    alternate layers)."""
+    return {
+        "llama3": transformers.LlamaConfig(num_hidden_layers=2, rope_parameters=dict(LLAMA3), **TINY),
+        "qwen2": transformers.Qwen2Config(num_hidden_layers=2, rope_parameters={"rope_type": "default",
+                                                                                  "rope_theta": 1000000.0}, **TINY),
+        "qwen2-yarn": transformers.Qwen2Config(num_hidden_layers=2, rope_parameters=dict(YARN),
+                                                **dict(TINY, max_position_embeddings=128)),
+        "gemma2": transformers.Gemma2Config(num_hidden_layers=2, query_pre_attn_scalar=32, attn_logit_softcapping=20.0,
+                                            final_logit_softcapping=None, sliding_window=8,
+                                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **TINY),
+    }
+
+
+def tiny_model(family: str, dtype: torch.dtype = torch.float32, attn_implementation: str = "eager"):
+    """A seeded random-weight causal LM of ``family`` in eval mode, q/k projections scaled by QK_GAIN."""
+    torch.manual_seed(0)
+    config = configs()[family]
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(QK_GAIN)
+            layer.self_attn.k_proj.weight.mul_(QK_GAIN)
+    return model.to(dtype).eval()

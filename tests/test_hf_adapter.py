@@ -1,0 +1,191 @@
+"""transformers models on the kernels (linalg_prefill.hf), against transformers' eager attention.
+
+Every attention call a model makes through the adapter is also checked against the float64
+reference of the same kernel call within its error bound (runtime/error_model.py), rows without a
+key exactly 0: the ``checked`` implementation below. Logits are compared with eager's. In
+float32 the attention outputs are within ~1e-6 relative of exact and the rest of the model is the
+same torch code, so logits may differ by a small multiple of that after two layers: 1e-4 of their
+scale. In bfloat16 eager's own rounding dominates: the logits must be at most twice as far from
+the float32 model's (the same bf16 weights in float32, eager attention) as eager's bf16 logits are.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")  # CI installs the hf extra: these never skip there
+transformers = pytest.importorskip("transformers")
+
+import linalg_prefill.hf as hf  # noqa: E402
+from linalg_prefill.runtime import InputError  # noqa: E402
+from linalg_prefill.runtime.checks import as_array  # noqa: E402
+
+from conftest import assert_matches_reference  # noqa: E402
+from hf_models import tiny_model  # noqa: E402
+
+CHECKED = "linalg_prefill_checked"
+FAMILIES = ["llama3", "qwen2", "qwen2-yarn", "gemma2"]
+LOGIT_TOLERANCE = 1e-4
+calls: list = []  # (kernel variant, batch, S_q, S_kv) of every checked call of the running test
+
+
+def checked_attention(module, query, key, value, attention_mask, **kwargs):
+    """The adapter's call, checked against the float64 reference of the same kernel call."""
+    call = hf.plan_call(module, query, key, value, attention_mask, **{
+        name: kwargs[name] for name in ("dropout", "scaling", "softcap", "sliding_window", "is_causal", "s_aux")
+        if name in kwargs})
+    output, lse = hf.kernel_for(call.spec)(*call.args)
+    host_args = tuple(as_array(str(i), a) if isinstance(a, torch.Tensor) else a for i, a in enumerate(call.args))
+    assert_matches_reference(call.spec.name, (as_array("output", output), as_array("lse", lse)), call.spec, host_args)
+    calls.append((call.spec.symbol, query.shape[0], query.shape[2], key.shape[2]))
+    return output.view(call.output_shape), None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registered():
+    hf.register()
+    transformers.AttentionInterface.register(CHECKED, checked_attention)
+    transformers.masking_utils.AttentionMaskInterface.register(CHECKED, hf.attention_mask)
+
+
+@pytest.fixture(autouse=True)
+def fresh_calls():
+    calls.clear()
+
+
+def _logits(model, implementation: str, ids, **kwargs):
+    model.set_attn_implementation(implementation)
+    with torch.no_grad():
+        return model(ids, **kwargs).logits.float()
+
+
+def _assert_close(got, want, where=None):
+    got, want = (got, want) if where is None else (got[where], want[where])
+    scale = float(want.abs().max())
+    assert float((got - want).abs().max()) <= LOGIT_TOLERANCE * scale, "logits differ from eager's"
+
+
+def _assert_like_eager(model, ids, **kwargs):
+    """Logits through the kernels against eager's (module docstring), on the rows ``attention_mask`` keeps."""
+    where = kwargs["attention_mask"].bool() if "attention_mask" in kwargs else None
+    got, eager = _logits(model, CHECKED, ids, **kwargs), _logits(model, "eager", ids, **kwargs)
+    assert torch.isfinite(got).all()
+    if model.dtype == torch.float32:
+        return _assert_close(got, eager, where)
+    exact = _logits(copy.deepcopy(model).float(), "eager", ids, **kwargs)
+    if where is not None:
+        got, eager, exact = got[where], eager[where], exact[where]
+    assert float((got - exact).abs().max()) <= 2 * float((eager - exact).abs().max()), "further from f32 than eager"
+
+
+def test_the_test_models_attend_sharply():
+    """At least half of the rows of every layer put over half their weight on one key (random
+    weights alone give ~1/n): scale, cap and RoPE errors would show in the outputs."""
+    for family in FAMILIES:
+        model = tiny_model(family)
+        with torch.no_grad():
+            out = model(torch.arange(40).remainder(96)[None], output_attentions=True)
+        for weights in out.attentions:
+            assert float((weights.max(-1).values > 0.5).float().mean()) > 0.5, family
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefill_and_left_padded_batch_match_eager(family, dtype):
+    """One prompt of 37 tokens (the dense kernel; Gemma 2's window of 8 binds: the paged one on
+    its sliding layer) and a left-padded batch of two (paged, padding rows give 0)."""
+    model = tiny_model(family, dtype)
+    ids = torch.randint(0, 96, (2, 37), generator=torch.Generator().manual_seed(1))
+    _assert_like_eager(model, ids[:1])
+    mask = torch.ones_like(ids)
+    mask[1, :11] = 0
+    _assert_like_eager(model, ids, attention_mask=mask)
+    assert {symbol for symbol, *_ in calls} >= {"batch_prefill_paged_kv_sliding_window"}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_generate_gives_eager_tokens(family):
+    """Left-padded batch, 10 new tokens: a prefill, then decode steps (S_q = 1 against the cache)."""
+    model = tiny_model(family)
+    ids = torch.randint(0, 96, (2, 19), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[0, :6] = 0
+    tokens = {}
+    for implementation in ("eager", CHECKED):
+        model.set_attn_implementation(implementation)
+        tokens[implementation] = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False,
+                                                pad_token_id=0)
+    assert torch.equal(tokens[CHECKED], tokens["eager"])
+    assert any(q_len == 1 for *_, q_len, _kv in calls)
+
+
+def test_chunked_prefill_and_right_padding():
+    """Chunked prefill (S_q < S_kv through the cache, bottom-right causal) and a right-padded
+    batch (rows past a sequence's end see all of its keys, as in eager)."""
+    model = tiny_model("qwen2")
+    ids = torch.randint(0, 96, (1, 45), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = _logits(model, "eager", ids)
+        model.set_attn_implementation(CHECKED)
+        cache = transformers.DynamicCache(config=model.config)
+        first = model(ids[:, :20], cache=cache).logits.float()
+        second = model(ids[:, 20:], cache=cache).logits.float()
+    _assert_close(torch.cat([first, second], 1), want)
+    assert (1, 25, 45) in [call[1:] for call in calls]
+    batch = torch.randint(0, 96, (2, 30), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(batch)
+    mask[0, 21:] = 0
+    _assert_like_eager(model, batch, attention_mask=mask)
+
+
+def test_model_loaded_with_the_implementation_and_set_later():
+    """from_config(attn_implementation=...) and set_attn_implementation both route to the kernels."""
+    name = hf.register()
+    model = tiny_model("llama3", attn_implementation=name)
+    assert model.config._attn_implementation == name
+    ids = torch.arange(12)[None]
+    with torch.no_grad():
+        got = model(ids).logits
+    _assert_close(got, _logits(model, "eager", ids))
+
+
+class _Module:
+    is_causal = True
+
+
+def test_bad_calls_name_the_argument():
+    q, k = torch.zeros(1, 4, 3, 16), torch.zeros(1, 2, 3, 16)
+    with pytest.raises(InputError, match="dropout"):
+        hf.attention(_Module(), q, k, k, None, dropout=0.1)
+    with pytest.raises(InputError, match="s_aux"):
+        hf.attention(_Module(), q, k, k, None, s_aux=torch.zeros(4))
+    with pytest.raises(InputError, match="key"):
+        hf.attention(_Module(), q, torch.zeros(1, 3, 3, 16), torch.zeros(1, 3, 3, 16), None)
+    with pytest.raises(InputError, match="dtype"):
+        hf.attention(_Module(), q.double(), k.double(), k.double(), None)
+    holes = torch.ones(1, 1, 3, 3, dtype=torch.bool)
+    holes[0, 0, 2, 1] = False
+    with pytest.raises(InputError, match="attention_mask: query 2 of batch row 0"):
+        hf.attention(_Module(), q, k, k, holes)
+    with pytest.raises(InputError, match="attention_mask: an additive mask"):
+        hf.attention(_Module(), q, k, k, torch.full((1, 1, 3, 3), 0.5))
+
+
+def test_key_ranges_plan_staircases_and_single_queries():
+    """Left padding: one entry (empty rows, then the diagonal); a binding window: one entry per
+    query past the window; right padding: the rows past the end one entry each."""
+    from linalg_prefill.runtime.key_ranges import paged_arguments, plan_entries, rule_ranges
+
+    lo, hi = rule_ranges(2, 6, 6, causal=True, window=None)
+    lo[1], hi[1] = np.maximum(lo[1], 2), np.maximum(hi[1], 2)  # batch row 1: two padding keys
+    entries = plan_entries(lo, hi)
+    assert entries.q_indptr.tolist() == [0, 6, 12] and entries.lo.tolist() == [0, 2] and entries.hi.tolist() == [6, 6]
+    lo, hi = rule_ranges(1, 6, 6, causal=True, window=3)
+    entries = plan_entries(lo, hi)
+    assert entries.q_indptr.tolist() == [0, 3, 4, 5, 6] and entries.lo.tolist() == [0, 1, 2, 3]
+    page_indptr, page_values, length_info = paged_arguments(entries, pages_per_row=2, page_size=4)
+    assert page_indptr.tolist() == [0, 1, 2, 4, 6] and page_values.tolist() == [0, 0, 0, 1, 0, 1]
+    assert length_info.tolist() == [[3, 4, 1, 2], [0, 1, 2, 3], [0, 0, 0, 0]]
