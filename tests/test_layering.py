@@ -1,4 +1,5 @@
-"""Imports run one way: mlir <- pipeline <- runtime <- the front ends (cli, demo, bench).
+"""Imports run one way: mlir <- pipeline <- runtime <- the front ends (cli, demo, bench, and the
+torch/transformers integrations hf and torch_ops).
 
 Every module of the package is parsed (nothing is imported); an import of a later layer from an
 earlier one, at module level or inside a function, fails the test with the file and line.
@@ -18,7 +19,8 @@ PACKAGES = {"mlir": "linalg_prefill.mlir", "pipeline": "linalg_prefill.pipeline"
 #: Layer of each module: the subpackages in order, then the front ends. The package's own
 #: ``__init__`` (version, logging) imports no layer and any layer may read it.
 LAYERS = {"linalg_prefill.mlir": 0, "linalg_prefill.pipeline": 1, "linalg_prefill.runtime": 2,
-          "linalg_prefill.cli": 3, "linalg_prefill.demo": 3, "linalg_prefill.bench": 3}
+          "linalg_prefill.cli": 3, "linalg_prefill.demo": 3, "linalg_prefill.bench": 3, "linalg_prefill.hf": 3,
+          "linalg_prefill.torch_ops": 3}
 
 
 def layer_of(module: str) -> int | None:
@@ -54,7 +56,7 @@ def upward_imports(source: str, module: str, package: str) -> list[str]:
     if own is None:
         own = -1  # linalg_prefill/__init__.py: may import no layer at all
     return [f"{line}: {module} -> {name}" for line, name in imported_modules(source, package)
-            if (layer_of(name) or -1) > own]
+            if layer_of(name) is not None and layer_of(name) > own]
 
 
 def _modules():
