@@ -8,10 +8,10 @@ STAMP := $(VENV)/.installed
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test,conformance]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[test,conformance,hf]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -24,12 +24,12 @@ test-all: $(STAMP)
 	$(PY) -m pytest -q --run-expensive
 
 bench: $(STAMP)
-	$(PY) -m pip install --quiet -e '.[bench]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[bench]'
 	$(PY) bench/dense_prefill.py
 
 # The whole table against torch SDPA, IREE's fused op and the seed's TVM kernels: JSON + PNG
 bench-report: $(STAMP)
-	$(PY) -m pip install --quiet -e '.[bench]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[bench]'
 	$(PY) bench/report.py --tvm --out build/bench-report
 
 # CUDA artifacts + the tests' recorded calls + cp312 wheels in build/gpu-bundle; on the GPU machine:
