@@ -1,0 +1,115 @@
+"""One prefill through a transformers model: linalg_prefill vs sdpa vs eager, in the same run.
+
+    python bench/hf_prefill.py [--tokens 2048] [--reps 3] [--dtypes float32,bfloat16] [--models llama,gemma2]
+
+Random-weight models with real shapes cut to 2 layers (no download):
+* Llama-3-8B: hidden 4096, 32 query / 8 KV heads, head dim 128, MLP 14336;
+* Gemma-2-9B: hidden 3584, 16 / 8 heads, head dim 256, soft cap 50 (transformers' sdpa refuses
+  a soft cap, so Gemma 2 runs against eager only).
+
+For each row: the median time of a forward of the decoder (``model.model``: the 2 layers, not the
+LM head, whose 2048 x 4096 x vocab product would dominate) and of the attention calls inside it
+(the attention function timed per call, summed), after one warm-up forward that compiles our
+kernels (cached on disk). ``ratio`` = peer time / ours (above 1: ours is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import transformers
+from transformers.masking_utils import eager_mask, sdpa_mask
+from transformers.models.gemma2 import modeling_gemma2
+from transformers.models.llama import modeling_llama
+
+import linalg_prefill.hf as hf
+
+MODELS = {
+    "llama": lambda: transformers.LlamaConfig(
+        hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=14336,
+        num_hidden_layers=2, vocab_size=32000, max_position_embeddings=131072,
+        rope_parameters={"rope_type": "llama3", "factor": 8.0,
+                                                                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                                "original_max_position_embeddings": 8192,
+                                                                "rope_theta": 500000.0}),
+    "gemma2": lambda: transformers.Gemma2Config(
+        hidden_size=3584, num_attention_heads=16, num_key_value_heads=8, head_dim=256, intermediate_size=14336,
+        num_hidden_layers=2, vocab_size=32000, query_pre_attn_scalar=256, attn_logit_softcapping=50.0,
+        sliding_window=4096),
+}
+EAGER = {"llama": modeling_llama.eager_attention_forward, "gemma2": modeling_gemma2.eager_attention_forward}
+attention_seconds: list[float] = []
+
+
+def timed(attention):
+    """``attention`` with its wall time added to ``attention_seconds``."""
+    def run(*args, **kwargs):
+        start = time.perf_counter()
+        result = attention(*args, **kwargs)
+        attention_seconds.append(time.perf_counter() - start)
+        return result
+    return run
+
+
+def register_timed(model_name: str) -> dict:
+    """implementation label -> registered name of its timed attention."""
+    ours = hf.register()
+    functions = {"linalg_prefill": (hf.attention, hf.attention_mask),
+                 "sdpa": (transformers.integrations.sdpa_attention.sdpa_attention_forward, sdpa_mask),
+                 "eager": (EAGER[model_name], eager_mask)}
+    names = {}
+    for label, (attention, mask) in functions.items():
+        name = f"timed_{label}" if label != "linalg_prefill" else f"timed_{ours}"
+        transformers.AttentionInterface.register(name, timed(attention))
+        transformers.masking_utils.AttentionMaskInterface.register(name, mask)
+        names[label] = name
+    return names
+
+
+def forward_times(model, name: str, ids, reps: int) -> tuple[float, float]:
+    """Median (forward seconds, attention seconds) over ``reps`` forwards after a warm-up."""
+    model.set_attn_implementation(name)
+    forwards, attentions = [], []
+    for rep in range(reps + 1):
+        attention_seconds.clear()
+        start = time.perf_counter()
+        with torch.no_grad():
+            model.model(ids)
+        if rep:
+            forwards.append(time.perf_counter() - start)
+            attentions.append(sum(attention_seconds))
+    return statistics.median(forwards), statistics.median(attentions)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--models", default="llama,gemma2")
+    args = parser.parse_args()
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads, "
+          f"{args.tokens} tokens, median of {args.reps}")
+    print("model   dtype     impl            forward_s  attention_s  fwd_ratio  attn_ratio")
+    for model_name in args.models.split(","):
+        names = register_timed(model_name)
+        peers = ["sdpa", "eager"] if model_name == "llama" else ["eager"]
+        for dtype in args.dtypes.split(","):
+            torch.manual_seed(0)
+            model = transformers.AutoModelForCausalLM.from_config(MODELS[model_name]()).to(getattr(torch, dtype))
+            model.eval()
+            ids = torch.randint(0, 32000, (1, args.tokens))
+            ours = forward_times(model, names["linalg_prefill"], ids, args.reps)
+            print(f"{model_name:7} {dtype:9} {'linalg_prefill':15} {ours[0]:9.3f}  {ours[1]:11.3f}")
+            for peer in peers:
+                theirs = forward_times(model, names[peer], ids, args.reps)
+                print(f"{model_name:7} {dtype:9} {peer:15} {theirs[0]:9.3f}  {theirs[1]:11.3f}  "
+                      f"{theirs[0] / ours[0]:9.2f}  {theirs[1] / ours[1]:10.2f}", flush=True)
+            del model
+
+
+if __name__ == "__main__":
+    main()
