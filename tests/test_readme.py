@@ -28,3 +28,6 @@ def test_readme_examples_run_and_agree_with_the_reference():
     compared = {}
     exec(blocks[4], compared)  # noqa: S102
     assert compared["report"].ok and "llvm-cpu" in compared["report"].ran
+    model = {}
+    exec(blocks[5], model)  # noqa: S102
+    assert model["tokens"].shape == (2, 10)
