@@ -36,25 +36,22 @@ except ImportError as err:  # pragma: no cover - exercised by tests/test_hf_impo
     raise ImportError("linalg_prefill.hf needs torch and transformers: pip install 'linalg-prefill[hf]' "
                       f"({err})") from err
 
-import threading
 from dataclasses import dataclass
 import weakref
 
 import numpy as np
 
 from .mlir import PagedPrefillSpec, SequencePrefillSpec
-from .runtime import InputError, open_kernel
+from .runtime import InputError
 from .runtime.key_ranges import Entries, key_ranges, paged_arguments, plan_entries, rule_ranges
+from .torch_ops import DTYPES, kernel_for
 
 __all__ = ["register", "attention", "attention_mask", "plan_call", "KernelCall", "kernel_for", "DEFAULT_NAME"]
 
 DEFAULT_NAME = "linalg_prefill"
 #: Page size of the paged copy of K/V the masked path reads (a compile-time field of its kernel).
 PAGE_SIZE = 16
-DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
-_kernels: dict = {}
-_kernels_lock = threading.Lock()
 
 
 def register(name: str = DEFAULT_NAME) -> str:
@@ -64,14 +61,6 @@ def register(name: str = DEFAULT_NAME) -> str:
     AttentionInterface.register(name, attention)
     AttentionMaskInterface.register(name, attention_mask)
     return name
-
-
-def kernel_for(spec):
-    """The llvm-cpu kernel of ``spec``, compiled (or read from the disk cache) once per process."""
-    with _kernels_lock:
-        if spec not in _kernels:
-            _kernels[spec] = open_kernel(spec, "llvm-cpu")
-        return _kernels[spec]
 
 
 def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
@@ -185,14 +174,14 @@ def _pages(key, value):
     batch, h_kv, kv_len, d = key.shape
     per_row = max(-(-kv_len // PAGE_SIZE), 1)
     full, tail = divmod(kv_len, PAGE_SIZE)
-    pages = key.new_zeros((batch, per_row, 2, h_kv, PAGE_SIZE, d)) if tail else \
-        key.new_empty((batch, per_row, 2, h_kv, PAGE_SIZE, d))
+    pages = key.new_empty((batch, per_row, 2, h_kv, PAGE_SIZE, d))
     for slot, source in enumerate((key, value)):
         if full:
             blocks = source[:, :, :full * PAGE_SIZE].reshape(batch, h_kv, full, PAGE_SIZE, d)
             pages[:, :full, slot].copy_(blocks.permute(0, 2, 1, 3, 4))
         if tail:
             pages[:, full, slot, :, :tail].copy_(source[:, :, full * PAGE_SIZE:])
+            pages[:, full, slot, :, tail:].zero_()
     return pages.view(batch * per_row, 2, h_kv, PAGE_SIZE, d), per_row
 
 

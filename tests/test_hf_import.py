@@ -1,4 +1,5 @@
-"""Without torch or transformers, importing the integrations names the extra that brings them."""
+"""Without torch or transformers, importing the integrations names the extra that brings them;
+the torch ops need torch only."""
 
 from __future__ import annotations
 
@@ -8,10 +9,19 @@ import sys
 import pytest
 
 
-@pytest.mark.parametrize("missing", ["torch", "transformers"])
-@pytest.mark.parametrize("module", ["linalg_prefill.hf", "linalg_prefill.torch_ops"])
-def test_import_without_the_extra_names_it(module, missing):
+def _import_without(module: str, missing: str) -> str:
+    """What importing ``module`` prints with ``missing`` unimportable: the error, or 'imported'."""
     code = f"import sys; sys.modules[{missing!r}] = None\ntry:\n    import {module}\nexcept ImportError as e:\n" \
            "    print(e)\nelse:\n    print('imported')"
-    printed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+
+
+@pytest.mark.parametrize("module, missing", [("linalg_prefill.hf", "torch"), ("linalg_prefill.hf", "transformers"),
+                                             ("linalg_prefill.torch_ops", "torch")])
+def test_import_without_the_extra_names_it(module, missing):
+    printed = _import_without(module, missing)
     assert "pip install 'linalg-prefill[hf]'" in printed, printed
+
+
+def test_torch_ops_import_without_transformers():
+    assert _import_without("linalg_prefill.torch_ops", "transformers").strip() == "imported"
