@@ -3,7 +3,9 @@ the runtime's argument names and positions, and the README's ABI table are deriv
 
 A dim is an int, the name of a spec field (``"h_q"``, ``"d_qk"``, ``"page_size"``), or a symbol
 the call decides (``"B"``, ``"Lq"``, ...: dynamic). Kinds: ``tensor`` in the spec's dtype,
-``index`` an int32 array, ``int`` an i32 scalar, ``float`` an f32 scalar.
+``f32`` a float32 array whatever the spec's dtype, ``index`` an int32 array, ``int`` an i32
+scalar, ``float`` an f32 scalar. A spec with ``head_sinks`` takes ``sinks [h_q]`` f32 (natural-log
+logits, semantics §13) after every argument of its table.
 """
 
 from __future__ import annotations
@@ -59,12 +61,17 @@ ARGUMENTS: dict[type, Union[tuple[Arg, ...], Callable[[object], tuple[Arg, ...]]
 }
 
 
+#: The per-head sink logits of a spec with ``head_sinks``: always the last argument.
+SINKS = Arg("sinks", "f32", ("h_q",))
+
+
 def arguments(spec) -> tuple[Arg, ...]:
     try:
         table = ARGUMENTS[type(spec)]
     except KeyError:
         raise TypeError(f"spec: no argument table for {type(spec).__name__}") from None
-    return table(spec) if callable(table) else table
+    table = table(spec) if callable(table) else table
+    return (*table, SINKS) if spec.head_sinks else table
 
 
 def argument_names(spec) -> tuple[str, ...]:
@@ -89,7 +96,7 @@ def _dim(spec, value) -> int:
 
 
 def _tensor_type(spec, arg: Arg) -> ir.Type:
-    elem = element_type(spec.dtype) if arg.kind == "tensor" else i32()
+    elem = {"tensor": element_type(spec.dtype), "f32": f32()}.get(arg.kind, i32())
     return tensor_type([_dim(spec, d) for d in arg.dims_of(spec)], elem)
 
 
@@ -101,7 +108,7 @@ def argument_types(spec, host_readable: tuple[str, ...] = ()) -> list[ir.Type]:
     for arg in arguments(spec):
         if arg.name in host_readable:
             types.append(buffer_view_type())
-        elif arg.kind in ("tensor", "index"):
+        elif arg.kind in ("tensor", "f32", "index"):
             types.append(_tensor_type(spec, arg))
         else:
             types.append(i32() if arg.kind == "int" else f32())
@@ -128,14 +135,21 @@ def kv_sources(spec) -> tuple[Arg, ...]:
 
 def function_module(spec, emit: Callable[..., list], host_readable: tuple[str, ...] = ()) -> ir.Module:
     """A verified module with one function ``spec.symbol(*arguments) -> (output, lse)`` typed by
-    the table; ``emit(*block arguments)`` builds its body and returns the results."""
+    the table; ``emit(*block arguments)`` builds its body and returns the results (a spec with
+    ``head_sinks`` passes its last argument as ``emit(..., sinks=...)``)."""
     with module_context() as module:
         with ir.InsertionPoint(module.body):
             fn = func_d.FuncOp(spec.symbol, (argument_types(spec, host_readable), result_types(spec)))
             with ir.InsertionPoint(fn.add_entry_block()):
-                func_d.ReturnOp(emit(*fn.arguments))
+                args, named = split_sinks(spec, list(fn.arguments))
+                func_d.ReturnOp(emit(*args, **named))
         module.operation.verify()
         return module
+
+
+def split_sinks(spec, values: list) -> tuple[list, dict]:
+    """A call's values without its sinks, and ``{"sinks": value}`` (empty without ``head_sinks``)."""
+    return (values[:-1], {"sinks": values[-1]}) if spec.head_sinks else (values, {})
 
 
 def ordered(spec, named: dict) -> tuple:

@@ -32,7 +32,7 @@ from .ir import (
     affine_map, arith_d, collapse, const_f32, const_index, empty, expand, f32, fill, generic, i1, ir, linalg_d,
     math_d, sizes_of,
 )
-from .online_softmax import score_transform
+from .online_softmax import score_transform, sink_lse, sink_normalised
 from .specs import EMPTY_ROW_LSE
 
 #: Tokens per query tile and per KV tile: the op's innermost dims stay static (a dynamic sequence
@@ -72,10 +72,13 @@ _BAND_DIMS = OperandDims(q=("qi", "h", "g", "k1"), k=("kt", "h", "ki", "k1"), v=
 
 
 def attend_band(q_band: ir.Value, keys: ir.Value, values: ir.Value, *, first_row: ir.Value,
-                valid: Validity, sm_scale: Union[float, ir.Value], soft_cap: float) -> tuple[ir.Value, ir.Value]:
+                valid: Validity, sm_scale: Union[float, ir.Value], soft_cap: float,
+                sinks: ir.Value | None = None) -> tuple[ir.Value, ir.Value]:
     """(output, lse) of one band; ``first_row`` is the entry-local token of the band's row 0 and
     ``valid(row, col)`` decides which pairs enter the softmax (rows and columns entry-local).
-    The score of ``q.k`` is ``online_softmax.score_transform(sm_scale, soft_cap)``'s."""
+    The score of ``q.k`` is ``online_softmax.score_transform(sm_scale, soft_cap)``'s. ``sinks``:
+    the heads' sinks [h_kv, G] f32 in log2 units (``online_softmax.row_sinks`` of one token), or
+    None (semantics §13)."""
     band, h_kv, group, _d_qk = ir.RankedTensorType(q_band.type).shape
     d_v = ir.RankedTensorType(values.type).shape[3]
     elem = ir.RankedTensorType(q_band.type).element_type
@@ -93,8 +96,12 @@ def attend_band(q_band: ir.Value, keys: ir.Value, values: ir.Value, *, first_row
         loops, _BAND_DIMS, _squeezed(q_band, (*rows, "k1"), loops), _squeezed(keys, ("kt", "h", "ki", "k1"), loops),
         _squeezed(values, ("kt", "h", "ki", "n"), loops), mask, acc, row_max, row_sum,
         score_transform(sm_scale, soft_cap))
-    output = _normalised(acc, row_sum, elem)
-    lse = _lse(row_max, row_sum)
+    if sinks is None:
+        output = _normalised(acc, row_sum, elem)
+        lse = _lse(row_max, row_sum)
+    else:
+        output, lse = _with_sinks(acc, row_max, row_sum, _squeezed(sinks, ("h", "g"), loops), rows, ("h", "g"),
+                                  loops, elem)
     return (_unsqueezed(output, (*rows, "n"), loops, [band, h_kv, group, d_v]),
             _unsqueezed(lse, rows, loops, [band, h_kv, group]))
 
@@ -108,11 +115,13 @@ EntryValidity = Callable[[ir.Value, ir.Value, ir.Value], ir.Value]
 
 
 def attend_entries(q: ir.Value, keys: ir.Value, values: ir.Value, *, valid: EntryValidity,
-                   sm_scale: Union[float, ir.Value], soft_cap: float) -> tuple[ir.Value, ir.Value]:
+                   sm_scale: Union[float, ir.Value], soft_cap: float,
+                   sinks: ir.Value | None = None) -> tuple[ir.Value, ir.Value]:
     """(output [n, h_kv, R, d_v] in q's dtype, lse [n, h_kv, R] f32) of n entries at once, each
     with its own KV: q [n, h_kv, R, d_qk], keys [n, Tk, h_kv, TILE, d_qk], values [n, Tk, h_kv,
     TILE, d_v]; ``valid(entry, row, col)`` decides which pairs enter the softmax. Scores as in
-    :func:`attend_band`."""
+    :func:`attend_band`; ``sinks``: the rows' sinks [h_kv, R] f32 in log2 units
+    (``online_softmax.row_sinks``), or None."""
     entries, h_kv, rows, _d_qk = sizes_of(q)
     d_v = ir.RankedTensorType(values.type).shape[4]
     elem = ir.RankedTensorType(q.type).element_type
@@ -133,8 +142,12 @@ def attend_entries(q: ir.Value, keys: ir.Value, values: ir.Value, *, valid: Entr
     acc, row_max, row_sum = _online_attention(
         loops, dims, _squeezed(q, dims.q, loops), _squeezed(keys, dims.k, loops), _squeezed(values, dims.v, loops),
         _squeezed(mask, dims.mask, loops), acc, row_max, row_sum, score_transform(sm_scale, soft_cap))
-    output = _normalised(acc, row_sum, elem)
-    lse = _lse(row_max, row_sum)
+    if sinks is None:
+        output = _normalised(acc, row_sum, elem)
+        lse = _lse(row_max, row_sum)
+    else:
+        output, lse = _with_sinks(acc, row_max, row_sum, _squeezed(sinks, ("h", "qi"), loops), dims.rows,
+                                  ("h", "qi"), loops, elem)
     return (_unsqueezed(output, (*dims.rows, "n"), loops, [entries, h_kv, rows, d_v]),
             _unsqueezed(lse, dims.rows, loops, [entries, h_kv, rows]))
 
@@ -235,3 +248,29 @@ def _lse(row_max: ir.Value, row_sum: ir.Value) -> ir.Value:
     rank = ir.RankedTensorType(row_max.type).rank
     ident = affine_map(rank, range(rank))
     return generic([row_max, row_sum], [empty(sizes_of(row_max), f32())], [ident] * 3, "p" * rank, body)[0]
+
+
+def _with_sinks(acc: ir.Value, row_max: ir.Value, row_sum: ir.Value, sinks: ir.Value, rows: tuple,
+                sink_dims: tuple, loops: tuple, elem: ir.Type) -> tuple[ir.Value, ir.Value]:
+    """:func:`_normalised` and :func:`_lse` with each row's sink in the denominator
+    (online_softmax.sink_normalised, sink_lse), in f32 before the output's cast to ``elem``:
+    ``acc`` [*rows, d_v], ``row_max`` and ``row_sum`` [*rows], ``sinks`` indexed by ``sink_dims``
+    (each named as in ``rows``; names not in ``loops`` are absent from every operand)."""
+    kept = [name for name in rows if name in loops]
+    rank = len(kept)
+    row_map = affine_map(rank + 1, range(rank))
+    sink_map = affine_map(rank + 1, [kept.index(name) for name in sink_dims if name in loops])
+    ident = affine_map(rank + 1, range(rank + 1))
+    zero, empty_lse = const_f32(0.0), const_f32(EMPTY_ROW_LSE)
+
+    def body(a, m, s, k, _out):
+        value = sink_normalised(a, m, s, k, zero)
+        return [value if elem == f32() else arith_d.truncf(elem, value)]
+
+    output = generic([acc, row_max, row_sum, sinks], [empty(sizes_of(acc), elem)], [ident, row_map, row_map, sink_map, ident],
+                     "p" * (rank + 1), body)[0]
+    rows_ident = affine_map(rank, range(rank))
+    lse = generic([row_max, row_sum, sinks], [empty(sizes_of(row_max), f32())],
+                  [rows_ident, rows_ident, affine_map(rank, [kept.index(name) for name in sink_dims if name in loops]),
+                   rows_ident], "p" * rank, lambda m, s, k, _out: [sink_lse(m, s, k, zero, empty_lse)])[0]
+    return output, lse

@@ -9,7 +9,7 @@ t * G + g holding token t and head g, C = chunk columns, W = table width, a mult
     q         [n, h, R, d_qk]          the entries' query rows, zero past an entry's queries
     table     [n, W] i32               per KV block of ``block`` logical rows: a page id (paged,
                                        MLA) or the block's first row in k/v (ragged)
-    geometry  [n, 4] i32               kv_len, sink, window_offset (semantics §2; 0, 0 without
+    geometry  [n, 4] i32               kv_len, sink tokens, window_offset (semantics §2; 0, 0 without
                                        sliding window), qo_len
     scores    [n, W*block/C, h, C/block, block, R] f32   one pass per chunk of C columns
     output    [n, h, R, d_v] (dtype), lse [n, h, R] f32 (base 2); rows past qo_len are padding
@@ -36,10 +36,10 @@ from .ir import (
     tensor_d,
     tensor_type, widened,
 )
-from .abi import ARGUMENTS, Arg, argument_types, kv_sources, result_types
+from .abi import ARGUMENTS, Arg, argument_types, kv_sources, result_types, split_sinks
 from .kv_cache import _clamped_page, _read_element as _read
 from .masks import kv_cache_validity
-from .online_softmax import NO_KEY_MAX, score_transform
+from .online_softmax import NO_KEY_MAX, row_sinks, score_transform, sink_lse, sink_normalised
 from .specs import EMPTY_ROW_LSE, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec
 
 KvCacheSpec = Union[RaggedPrefillSpec, PagedPrefillSpec, MlaPagedPrefillSpec]
@@ -83,7 +83,7 @@ class DecodeSpec:
     symbol = "decode_entries"
     #: What the pass has as its variant has it (``sliding_window``: False for the ragged cache).
     _FROM_BASE = frozenset({"dtype", "h_q", "h_kv", "group_size", "kv_layout", "logits_soft_cap", "d", "d_qk", "d_v",
-                            "page_size"})
+                            "page_size", "head_sinks"})
 
     def __getattr__(self, name: str):
         if name == "sliding_window":
@@ -198,10 +198,11 @@ class KvCache:
             row = arith_d.maxsi(arith_d.minsi(row, arith_d.subi(dim(source, 0), const_index(1))), const_index(0))
             return tensor_d.extract(source, [row, head, col])
         table_block, page_slot = logical_block, slot
-        if base.sliding_window:  # logical row r is physical r (r < sink) or r - sink + window_offset
+        if base.sliding_window:  # logical row r is physical r (r < sink tokens) or r - sink tokens + window_offset
             r = _logical_column(spec, chunk, block, slot)
-            sink, offset = _read(self.geometry, [entry, const_index(1)]), _read(self.geometry, [entry, const_index(2)])
-            physical = arith_d.select(lt(r, sink), r, arith_d.addi(arith_d.subi(r, sink), offset))
+            sink_tokens = _read(self.geometry, [entry, const_index(1)])
+            offset = _read(self.geometry, [entry, const_index(2)])
+            physical = arith_d.select(lt(r, sink_tokens), r, arith_d.addi(arith_d.subi(r, sink_tokens), offset))
             last_block = arith_d.subi(dim(self.table, 1), const_index(1))
             table_block = arith_d.minsi(arith_d.divui(physical, const_index(spec.block)), last_block)
             page_slot = arith_d.remui(physical, const_index(spec.block))
@@ -225,14 +226,16 @@ ARGUMENTS[DecodeSpec] = _pass_arguments
 
 def decode_module(spec: DecodeSpec, emit: Callable[..., list]) -> ir.Module:
     """A verified module with one function ``decode_entries`` (module docstring);
-    ``emit(q, cache, table, geometry, causal, sm_scale)`` builds its body (cache: KvCache)."""
+    ``emit(q, cache, table, geometry, causal, sm_scale, sinks)`` builds its body (cache: KvCache;
+    sinks: [h_q] f32, the last argument of a spec with ``head_sinks``, or None)."""
     with module_context() as module:
         with ir.InsertionPoint(module.body):
             fn = func_d.FuncOp(spec.symbol, (argument_types(spec), result_types(spec)))
             with ir.InsertionPoint(fn.add_entry_block()):
-                q, *sources, table, geometry, causal, sm_scale = fn.arguments
+                args, named = split_sinks(spec, list(fn.arguments))
+                q, *sources, table, geometry, causal, sm_scale = args
                 cache = KvCache(spec, sources, table, geometry)
-                func_d.ReturnOp(emit(q, cache, table, geometry, causal, sm_scale))
+                func_d.ReturnOp(emit(q, cache, table, geometry, causal, sm_scale, named.get("sinks")))
         module.operation.verify()
         return module
 
@@ -243,7 +246,7 @@ def build_decode(spec: DecodeSpec) -> ir.Module:
     return decode_module(spec, lambda *args: _decode(spec, *args))
 
 
-def _decode(spec: DecodeSpec, q, cache: KvCache, table, geometry, causal, sm_scale) -> list[ir.Value]:
+def _decode(spec: DecodeSpec, q, cache: KvCache, table, geometry, causal, sm_scale, sinks) -> list[ir.Value]:
     base = spec.base
     h, group = base.h_kv, spec.rows
     per_chunk, block = spec.blocks_per_chunk, spec.block
@@ -310,7 +313,7 @@ def _decode(spec: DecodeSpec, q, cache: KvCache, table, geometry, causal, sm_sca
                         "pppprr", lambda x, acc: [arith_d.addf(x, acc)])[0]
 
     weighted = _probs_times_values(spec, cache, probs, table3, lengths, kept)
-    return _merge_chunks(spec, chunk_max, chunk_sum, weighted)
+    return _merge_chunks(spec, chunk_max, chunk_sum, weighted, sinks)
 
 
 def _heads_per_load(group: int) -> int:
@@ -380,9 +383,10 @@ def _column(geometry: ir.Value, column: int) -> ir.Value:
     return generic([], [empty([entries], i32())], [affine_map(1, (0,))], "p", body)[0]
 
 
-def _merge_chunks(spec: DecodeSpec, chunk_max, chunk_sum, weighted) -> list[ir.Value]:
+def _merge_chunks(spec: DecodeSpec, chunk_max, chunk_sum, weighted, sinks) -> list[ir.Value]:
     """Output [n, h, R, d_v] (dtype) and lse [n, h, R] from each chunk's max, sum and probs x
-    values: weights 2^(max_c - max), reduced one chunk at a time (reduction tile 1)."""
+    values: weights 2^(max_c - max), reduced one chunk at a time (reduction tile 1); the heads'
+    ``sinks`` [h_q] f32 (semantics §13), or None, join the final denominator."""
     base = spec.base
     h, group, d_v = base.h_kv, spec.rows, spec.d_v
     entries = dim(chunk_max, 0)
@@ -419,9 +423,32 @@ def _merge_chunks(spec: DecodeSpec, chunk_max, chunk_sum, weighted) -> list[ir.V
         value = arith_d.select(no_key(s), zero, arith_d.divf(a, s))
         return [value if isinstance(dt, ir.F32Type) else arith_d.truncf(dt, value)]
 
+    if sinks is not None:
+        return _with_sinks(spec, acc, row_max, total, sinks)
     output = generic([acc, total], [empty([*rows, d_v], dt)],
                      [affine_map(4, range(4)), affine_map(4, (0, 1, 2)), affine_map(4, range(4))], "pppp", normalised)[0]
     lse = generic([row_max, total], [empty(rows, f32())], [affine_map(3, range(3))] * 3, "ppp",
                   lambda m, s, _out: [arith_d.select(no_key(s), const_f32(EMPTY_ROW_LSE),
                                                      arith_d.addf(m, math_d.log2(s)))])[0]
+    return [output, lse]
+
+
+def _with_sinks(spec: DecodeSpec, acc, row_max, total, sinks) -> list[ir.Value]:
+    """The output [n, h, R, d_v] (dtype) and lse [n, h, R] of :func:`_merge_chunks` with each row's
+    sink in the denominator (online_softmax.sink_normalised, sink_lse), in f32 before the cast."""
+    base, dt = spec.base, element_type(spec.dtype)
+    rows = sizes_of(row_max)
+    by_row = row_sinks(sinks, base.h_kv, base.group_size, spec.queries)  # [h, R]
+    zero, empty_lse = const_f32(0.0), const_f32(EMPTY_ROW_LSE)
+
+    def normalised(a, m, s, k, _out):
+        value = sink_normalised(a, m, s, k, zero)
+        return [value if isinstance(dt, ir.F32Type) else arith_d.truncf(dt, value)]
+
+    output = generic([acc, row_max, total, by_row], [empty([*rows, spec.d_v], dt)],
+                     [affine_map(4, range(4)), affine_map(4, (0, 1, 2)), affine_map(4, (0, 1, 2)), affine_map(4, (1, 2)),
+                      affine_map(4, range(4))], "pppp", normalised)[0]
+    lse = generic([row_max, total, by_row], [empty(rows, f32())],
+                  [affine_map(3, range(3))] * 2 + [affine_map(3, (1, 2)), affine_map(3, range(3))], "ppp",
+                  lambda m, s, k, _out: [sink_lse(m, s, k, zero, empty_lse)])[0]
     return [output, lse]

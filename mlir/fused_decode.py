@@ -28,6 +28,7 @@ from .ir import (
 )
 from .kv_cache import _read_element as _read
 from .masks import kv_cache_validity
+from .online_softmax import row_sinks
 
 #: Query rows per workgroup of the decode op (pipeline/tuning.py: 16-row tiles, the mma.sync m);
 #: R is padded up to a multiple of it.
@@ -41,11 +42,11 @@ def padded_rows(spec: DecodeSpec) -> int:
 
 def build_fused_decode(spec: DecodeSpec) -> ir.Module:
     """``decode_entries(q, *kv, table, geometry, causal, sm_scale) -> (output, lse)``, fused."""
-    return decode_module(spec, lambda q, cache, _table, geometry, causal, sm_scale: _decode(
-        spec, q, cache, geometry, causal, sm_scale))
+    return decode_module(spec, lambda q, cache, _table, geometry, causal, sm_scale, sinks: _decode(
+        spec, q, cache, geometry, causal, sm_scale, sinks))
 
 
-def _decode(spec: DecodeSpec, q, cache: KvCache, geometry, causal, sm_scale) -> list[ir.Value]:
+def _decode(spec: DecodeSpec, q, cache: KvCache, geometry, causal, sm_scale, sinks) -> list[ir.Value]:
     base = spec.base
     entries, rows = dim(q, 0), spec.rows
     tiles = ceil_div(arith_d.muli(dim(cache.table, 1), const_index(spec.block)), TILE)
@@ -60,8 +61,9 @@ def _decode(spec: DecodeSpec, q, cache: KvCache, geometry, causal, sm_scale) -> 
         return kv_cache_validity(col, lambda: token, kv_len=kv_len, diagonal=arith_d.subi(kv_len, qo_len),
                                  causal=causal_on)
 
+    row_sink = None if sinks is None else _padded_row_sinks(spec, sinks)
     output, lse = attend_entries(_padded_queries(spec, q), keys, values, valid=valid, sm_scale=sm_scale,
-                                 soft_cap=base.logits_soft_cap)
+                                 soft_cap=base.logits_soft_cap, sinks=row_sink)
     h, d_v = base.h_kv, spec.d_v
     return [extract_slice(output, [0, 0, 0, 0], [entries, h, rows, d_v]),
             extract_slice(lse, [0, 0, 0], [entries, h, rows])]
@@ -100,3 +102,11 @@ def _gathered(spec: DecodeSpec, cache: KvCache, which: int, width: int, tiles: i
         return [arith_d.select(lt(row, kv_len), value, arith_d.constant(elem, 0.0))]
 
     return generic([], [empty([entries, tiles, h, TILE, width], elem)], [affine_map(5, range(5))], "ppppp", body)[0]
+
+
+def _padded_row_sinks(spec: DecodeSpec, sinks: ir.Value) -> ir.Value:
+    """[h, R'] f32: row r's sink in log2 units (online_softmax.row_sinks: query head h G + r % G);
+    the padding rows past R get a sink too, and are cut off with their results."""
+    group, padded = spec.base.group_size, padded_rows(spec)
+    by_row = row_sinks(sinks, spec.base.h_kv, group, -(-padded // group))
+    return extract_slice(by_row, [0, 0], [spec.base.h_kv, padded])

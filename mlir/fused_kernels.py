@@ -41,6 +41,7 @@ from .kv_cache import (
     page_bounds, physical_row,
 )
 from .masks import kv_cache_validity, sequence_validity
+from .online_softmax import row_sinks
 from .query_tiles import QueryTiles
 from .specs import MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec
 
@@ -114,14 +115,14 @@ def _visible_tiles(causal: Union[bool, ir.Value], last_row_end: ir.Value, diagon
 
 def build_fused_sequence_prefill(spec) -> ir.Module:
     """``batch_sequence_prefill_kv[_masked](q, k, v[, valid_lens]) -> (output, lse)``, fused."""
-    def emit(q, k, v, valid_lens=None):
+    def emit(q, k, v, valid_lens=None, sinks=None):
         sizes = [sizes_of(q), sizes_of(q)[:3]]
 
         def tied(values):
             return [tie_dims(value, size) for value, size in zip(values, sizes)]
 
         def body(band_tiles):
-            return lambda _unused: tied(_sequence_body(spec, band_tiles, q, k, v, valid_lens))
+            return lambda _unused: tied(_sequence_body(spec, band_tiles, q, k, v, valid_lens, sinks))
 
         is_short = le(dim(q, 1), const_index(TILE))
         placeholders = [empty(sizes[0], element_type(spec.dtype)), empty(sizes[1], f32())]
@@ -153,8 +154,9 @@ def _dense_tiles(x: ir.Value, stored_tiles: ir.Value) -> ir.Value:
     return tie_dims(branch.results[0], sizes)
 
 
-def _sequence_body(spec, band_tiles: int, q, k, v, valid_lens):
-    """Entries one at a time, query bands of ``band_tiles * TILE`` tokens."""
+def _sequence_body(spec, band_tiles: int, q, k, v, valid_lens, sinks):
+    """Entries one at a time, query bands of ``band_tiles * TILE`` tokens; ``sinks`` [h_q] f32 or
+    None (semantics §13)."""
     group, h_kv, d = spec.group_size, spec.h_kv, spec.d
     batch, q_len, kv_len = dim(q, 0), dim(q, 1), dim(k, 1)
     band = band_tiles * TILE
@@ -166,6 +168,7 @@ def _sequence_body(spec, band_tiles: int, q, k, v, valid_lens):
     keys, values = _dense_tiles(k, stored), _dense_tiles(v, stored)
     diagonal = arith_d.subi(kv_len, q_len)
     driver = QueryTiles([batch, padded, spec.h_q, d], [batch, padded, spec.h_q], group, h_kv, fenced=False)
+    head_sinks = None if sinks is None else row_sinks(sinks, h_kv, group, 1)
 
     def entry(b, carried):
         def band_of(first, carried):
@@ -180,7 +183,7 @@ def _sequence_body(spec, band_tiles: int, q, k, v, valid_lens):
 
             out, lse = attend_band(_band(q_rows, [b, first], band), _kv_prefix(keys, [b, 0], visible),
                                    _kv_prefix(values, [b, 0], visible), first_row=first, valid=valid,
-                                   sm_scale=spec.sm_scale, soft_cap=spec.logits_soft_cap)
+                                   sm_scale=spec.sm_scale, soft_cap=spec.logits_soft_cap, sinks=head_sinks)
             return [_write_band(out, out_acc, [b, first]), _write_band(lse, lse_acc, [b, first])]
 
         return driver.tiles(num_bands, band, carried, band_of)
@@ -309,8 +312,9 @@ def _batch_tiles(kv: BatchKv, num_tiles: ir.Value, rope: RopeArgs | None, elem: 
 
 
 def _kv_cache_body(spec, q, q_indptr: HostReadable, kv: BatchKv, *, causal: ir.Value, sm_scale: ir.Value,
-                   rope: RopeArgs | None) -> list[ir.Value]:
-    """Output [Lq, h_q, d_v] and lse [Lq, h_q] for q [Lq, h_q, d_qk] (already rotated).
+                   rope: RopeArgs | None, sinks: ir.Value | None) -> list[ir.Value]:
+    """Output [Lq, h_q, d_v] and lse [Lq, h_q] for q [Lq, h_q, d_qk] (already rotated), with the
+    heads' ``sinks`` [h_q] f32 (semantics §13) or None.
 
     Every value the host needs (loop bounds, offsets) comes from host reads of the index
     arguments (HostReadable): no loop waits on the device, and bands are written in place."""
@@ -323,6 +327,7 @@ def _kv_cache_body(spec, q, q_indptr: HostReadable, kv: BatchKv, *, causal: ir.V
     keys, values = _batch_tiles(kv, num_tiles, rope, dt)
     causal_on = _is_one(causal)
     driver = QueryTiles([padded, spec.h_q, d_v], [padded, spec.h_q], group, h_kv, fenced=False)
+    head_sinks = None if sinks is None else row_sinks(sinks, h_kv, group, 1)
 
     def entry(b, carried):
         q_start = q_indptr.load([b])
@@ -343,7 +348,7 @@ def _kv_cache_body(spec, q, q_indptr: HostReadable, kv: BatchKv, *, causal: ir.V
                 token = arith_d.addi(q_start, first)
                 out, lse = attend_band(_band(q_rows, [token], band), _kv_prefix(keys, [first_tile], visible),
                                        _kv_prefix(values, [first_tile], visible), first_row=first, valid=valid,
-                                       sm_scale=sm_scale, soft_cap=spec.logits_soft_cap)
+                                       sm_scale=sm_scale, soft_cap=spec.logits_soft_cap, sinks=head_sinks)
                 return [_write_band(out, out_acc, [token]), _write_band(lse, lse_acc, [token])]
 
             return lambda carried: driver.tiles(ceil_div(qo_len, band), band, carried, band_of)
@@ -360,7 +365,7 @@ def build_fused_ragged_prefill(spec: RaggedPrefillSpec) -> ir.Module:
     """``batch_prefill_ragged_kv`` (the signature of kv_cache.build_ragged_prefill; q_indptr and
     kv_indptr arrive as host-readable buffer views), fused."""
     def emit(q, q_indptr_view, k, v, kv_indptr_view, q_rope_position, k_rope_pos_offset,
-             causal, rotary_mode, rope_scale, rope_theta, sm_scale):
+             causal, rotary_mode, rope_scale, rope_theta, sm_scale, sinks=None):
         rope = RopeArgs(rotary_mode, rope_scale, rope_theta, dict(spec.rope_scaling), spec.rotary_dim)
         q_indptr = HostReadable(q_indptr_view, 1, "q_indptr")
         kv_indptr = HostReadable(kv_indptr_view, 1, "kv_indptr")
@@ -379,7 +384,7 @@ def build_fused_ragged_prefill(spec: RaggedPrefillSpec) -> ir.Module:
 
         kv = BatchKv(last, start, kv_len, rows_of(k), rows_of(v), spec.h_kv, spec.d_qk, spec.d_v, k_rope_pos_offset)
         return _kv_cache_body(spec, _rotated_if(rope, q, q_rope_position), q_indptr, kv,
-                              causal=causal, sm_scale=sm_scale, rope=rope)
+                              causal=causal, sm_scale=sm_scale, rope=rope, sinks=sinks)
 
     return function_module(spec, emit, host_readable=("q_indptr", "kv_indptr"))
 
@@ -425,7 +430,7 @@ def build_fused_paged_prefill(spec: PagedPrefillSpec) -> ir.Module:
     """``batch_prefill_paged_kv[_sliding_window]`` (kv_cache.build_paged_prefill's signature;
     q_indptr, page_indptr and length_info arrive as host-readable buffer views), fused."""
     def emit(q, q_indptr_view, pages, page_indptr_view, page_values, length_info_view, k_rope_pos_offset,
-             q_rope_position, causal, rotary_mode, rope_scale, rope_theta, sm_scale):
+             q_rope_position, causal, rotary_mode, rope_scale, rope_theta, sm_scale, sinks=None):
         rope = RopeArgs(rotary_mode, rope_scale, rope_theta, dict(spec.rope_scaling), spec.rotary_dim)
         q_indptr = HostReadable(q_indptr_view, 1, "q_indptr")
         page_indptr = HostReadable(page_indptr_view, 1, "page_indptr")
@@ -440,7 +445,7 @@ def build_fused_paged_prefill(spec: PagedPrefillSpec) -> ir.Module:
         kv = BatchKv(arith_d.subi(page_indptr.dims[0], const_index(1)), base, kv_len, half(0), half(1),
                      spec.h_kv, spec.d, spec.d, k_rope_pos_offset)
         return _kv_cache_body(spec, _rotated_if(rope, q, q_rope_position), q_indptr, kv,
-                              causal=causal, sm_scale=sm_scale, rope=rope)
+                              causal=causal, sm_scale=sm_scale, rope=rope, sinks=sinks)
 
     return function_module(spec, emit, host_readable=_PAGED_HOST_READABLE)
 
@@ -449,7 +454,7 @@ def build_fused_mla_prefill(spec: MlaPagedPrefillSpec) -> ir.Module:
     """``batch_prefill_paged_kv_mla[_sliding_window]`` (kv_cache.build_mla_prefill's signature,
     index arrays as for the paged kernel), fused: keys are whole latent rows, values their first
     d_latent columns."""
-    def emit(q, q_indptr_view, pages, page_indptr_view, page_values, length_info_view, causal, sm_scale):
+    def emit(q, q_indptr_view, pages, page_indptr_view, page_values, length_info_view, causal, sm_scale, sinks=None):
         q_indptr = HostReadable(q_indptr_view, 1, "q_indptr")
         page_indptr = HostReadable(page_indptr_view, 1, "page_indptr")
         length_info = HostReadable(length_info_view, _length_info_rank(spec), "length_info")
@@ -461,6 +466,6 @@ def build_fused_mla_prefill(spec: MlaPagedPrefillSpec) -> ir.Module:
         source = _paged_source(spec, table, page_values, fetch)
         kv = BatchKv(arith_d.subi(page_indptr.dims[0], const_index(1)), base, kv_len, source, source,
                      1, spec.d_qk, spec.d_latent, None)
-        return _kv_cache_body(spec, q, q_indptr, kv, causal=causal, sm_scale=sm_scale, rope=None)
+        return _kv_cache_body(spec, q, q_indptr, kv, causal=causal, sm_scale=sm_scale, rope=None, sinks=sinks)
 
     return function_module(spec, emit, host_readable=_PAGED_HOST_READABLE)

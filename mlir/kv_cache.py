@@ -32,7 +32,7 @@ from .ir import (
 from .abi import function_module
 from .layout import group_query_rows
 from .masks import kv_cache_validity
-from .online_softmax import ScoreIndices, ScoreMask, online_softmax, unmasked_kv_tiles
+from .online_softmax import ScoreIndices, ScoreMask, online_softmax, row_sinks, unmasked_kv_tiles
 from .query_tiles import QueryTiles, kv_tile_loader
 from .rope import apply_rope
 from .specs import SMALL_Q_TILE, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec
@@ -163,9 +163,10 @@ def _laid_out_kv(spec: KvCacheSpec, kv: EntryKv, rope: RopeArgs | None, d_qk: in
 
 def _tile_softmax(spec: KvCacheSpec, kv: EntryKv, load_kv_tile, num_kv_tiles: ir.Value, first_local: ir.Value,
                   tile_tokens: int, qo_len: ir.Value, diagonal: ir.Value, causal_on: ir.Value, *, d_v: int,
-                  sm_scale: ir.Value, row_chunk: int | None):
+                  sm_scale: ir.Value, row_chunk: int | None, sinks: ir.Value | None):
     """The online softmax of one query tile (tokens [first_local, first_local + tile_tokens) of
-    the entry) over the KV tiles it can see, masked by the entry's length and causality."""
+    the entry) over the KV tiles it can see, masked by the entry's length and causality; ``sinks``:
+    the tile rows' sinks (online_softmax.row_sinks) or None."""
     group = spec.group_size
 
     def valid(idx: ScoreIndices, _extras):
@@ -185,6 +186,7 @@ def _tile_softmax(spec: KvCacheSpec, kv: EntryKv, load_kv_tile, num_kv_tiles: ir
             unmasked_tiles=unmasked_kv_tiles(kv.kv_len, first_local, diagonal, spec.kv_tile, causal_on),
             row_chunk=row_chunk,
             soft_cap=spec.logits_soft_cap,
+            sinks=sinks,
         )
 
     return softmax
@@ -201,9 +203,11 @@ def _attend_entries(
     sm_scale: ir.Value,
     rope: RopeArgs | None,
     row_chunk: int | None,
+    sinks: ir.Value | None = None,
 ) -> list[ir.Value]:
     """Output [Lq, h_q, d_v] (dtype) and lse [Lq, h_q] (f32) for q [Lq, h_q, d_qk] (already rotated).
-    ``row_chunk``: the widest row the online softmax reduces in one op (None: whole rows)."""
+    ``row_chunk``: the widest row the online softmax reduces in one op (None: whole rows);
+    ``sinks``: [h_q] f32 sink logits (semantics §13) or None."""
     group, h_kv = spec.group_size, spec.h_kv
     q_shape = ir.RankedTensorType(q.type)
     d_qk, dt = q_shape.shape[2], q_shape.element_type
@@ -217,6 +221,8 @@ def _attend_entries(
     # intermittently, about 1 call in 15: "transient buffer has not been committed".)
     batch = arith_d.subi(dim(q_indptr, 0), const_index(1))
     driver = QueryTiles([1, padded_tokens, spec.h_q, d_v], [1, padded_tokens, spec.h_q], group, h_kv)
+    tile_sinks = {tokens: None if sinks is None else row_sinks(sinks, h_kv, group, tokens)
+                  for tokens in sorted({spec.q_tile, SMALL_Q_TILE})}
 
     def entry(b, carried):
         q_start = _index_at(q_indptr, b)
@@ -230,7 +236,8 @@ def _attend_entries(
         def attend(first_local, tile_tokens: int, tile):
             """Queries [first_local, first_local + tile_tokens) of the entry against its KV."""
             softmax = _tile_softmax(spec, kv, load_kv_tile, num_kv_tiles, first_local, tile_tokens, qo_len, diagonal,
-                                    causal_on, d_v=d_v, sm_scale=sm_scale, row_chunk=row_chunk)
+                                    causal_on, d_v=d_v, sm_scale=sm_scale, row_chunk=row_chunk,
+                                    sinks=tile_sinks[tile_tokens])
             return driver.attend(q_rows, 0, arith_d.addi(q_start, first_local), tile_tokens, tile, softmax)
 
         def all_tiles(tiles_carried):
@@ -305,9 +312,9 @@ class _PageTable:
 
     first_page: ir.Value  # position of the entry's first page in page_values
     physical_len: ir.Value  # rows stored in its pages
-    kv_len: ir.Value  # logical rows (after the sink/window remap)
-    window_offset: ir.Value  # physical row of logical row ``sink`` (0 without sliding window)
-    sink: ir.Value
+    kv_len: ir.Value  # logical rows (after the sink-token/window remap)
+    window_offset: ir.Value  # physical row of logical row ``sink_tokens`` (0 without sliding window)
+    sink_tokens: ir.Value  # attention-sink tokens kept before the window (length_info[2]; 0 without)
 
 
 def _read_element(array: ir.Value, indices: list) -> ir.Value:
@@ -326,14 +333,14 @@ def _page_table(spec, b, page_indptr, length_info, read=_read_element) -> _PageT
     if spec.sliding_window:
         def info(row):
             return read(length_info, [const_index(row), b])
-        last_page_len, window_offset, sink = info(0), info(1), info(2)
+        last_page_len, window_offset, sink_tokens = info(0), info(1), info(2)
     else:
-        last_page_len, window_offset, sink = read(length_info, [b]), zero, zero
+        last_page_len, window_offset, sink_tokens = read(length_info, [b]), zero, zero
     full_pages = arith_d.muli(arith_d.subi(num_pages, const_index(1)), const_index(spec.page_size))
     physical_len = arith_d.select(has_pages, arith_d.addi(full_pages, last_page_len), zero)
-    logical_len = arith_d.addi(arith_d.subi(physical_len, window_offset), sink)
+    logical_len = arith_d.addi(arith_d.subi(physical_len, window_offset), sink_tokens)
     kv_len = arith_d.select(has_pages, arith_d.maxsi(logical_len, zero), zero)
-    return _PageTable(first_page, physical_len, kv_len, window_offset, sink)
+    return _PageTable(first_page, physical_len, kv_len, window_offset, sink_tokens)
 
 
 def _gather_rows(spec, table: _PageTable, page_values, fetch, shape, elem) -> ir.Value:
@@ -368,12 +375,12 @@ def page_bounds(table: _PageTable, page_values: ir.Value) -> tuple[ir.Value, ir.
 
 def physical_row(spec, table: _PageTable, page_values: ir.Value, r: ir.Value,
                  bounds: tuple[ir.Value, ir.Value]) -> tuple[ir.Value, ir.Value]:
-    """(page id, slot) of the entry's logical row ``r`` (§2): the sink rows [0, sink) are the
+    """(page id, slot) of the entry's logical row ``r`` (§2): the sink-token rows [0, sink_tokens) are the
     first physical rows, the rest start at ``window_offset``; every index is clamped into range
     (``bounds`` from :func:`page_bounds`), so rows past kv_len never read out of bounds."""
     last_page_slot, last_row = bounds
-    remapped = arith_d.addi(arith_d.subi(r, table.sink), table.window_offset)
-    physical = arith_d.select(lt(r, table.sink), r, remapped)
+    remapped = arith_d.addi(arith_d.subi(r, table.sink_tokens), table.window_offset)
+    physical = arith_d.select(lt(r, table.sink_tokens), r, remapped)
     physical = arith_d.maxsi(arith_d.minsi(physical, last_row), const_index(0))
     page_slot = arith_d.addi(table.first_page, arith_d.divui(physical, const_index(spec.page_size)))
     page_slot = arith_d.minsi(page_slot, last_page_slot)
@@ -431,12 +438,12 @@ def build_ragged_prefill(spec: RaggedPrefillSpec, *, row_chunk: int | None) -> i
     """``batch_prefill_ragged_kv(q, q_indptr, k, v, kv_indptr, q_rope_position, k_rope_pos_offset,
     causal, rotary_mode, rope_scale, rope_theta, sm_scale) -> (output, lse)``."""
     def emit(q, q_indptr, k, v, kv_indptr, q_rope_position, k_rope_pos_offset,
-             causal, rotary_mode, rope_scale, rope_theta, sm_scale):
+             causal, rotary_mode, rope_scale, rope_theta, sm_scale, sinks=None):
         rope = RopeArgs(rotary_mode, rope_scale, rope_theta, dict(spec.rope_scaling), spec.rotary_dim)
         return _attend_entries(
             spec, _rotated_if(rope, q, q_rope_position), q_indptr, d_v=spec.d_v,
             load_entry=_ragged_loader(spec, k, v, kv_indptr, k_rope_pos_offset),
-            causal=causal, sm_scale=sm_scale, rope=rope, row_chunk=row_chunk,
+            causal=causal, sm_scale=sm_scale, rope=rope, row_chunk=row_chunk, sinks=sinks,
         )
 
     return function_module(spec, emit)
@@ -447,12 +454,12 @@ def build_paged_prefill(spec: PagedPrefillSpec, *, row_chunk: int | None) -> ir.
     length_info, k_rope_pos_offset, q_rope_position, causal, rotary_mode, rope_scale, rope_theta,
     sm_scale) -> (output, lse)``."""
     def emit(q, q_indptr, pages, page_indptr, page_values, length_info, k_rope_pos_offset,
-             q_rope_position, causal, rotary_mode, rope_scale, rope_theta, sm_scale):
+             q_rope_position, causal, rotary_mode, rope_scale, rope_theta, sm_scale, sinks=None):
         rope = RopeArgs(rotary_mode, rope_scale, rope_theta, dict(spec.rope_scaling), spec.rotary_dim)
         return _attend_entries(
             spec, _rotated_if(rope, q, q_rope_position), q_indptr, d_v=spec.d,
             load_entry=_paged_loader(spec, pages, page_indptr, page_values, length_info, k_rope_pos_offset),
-            causal=causal, sm_scale=sm_scale, rope=rope, row_chunk=row_chunk,
+            causal=causal, sm_scale=sm_scale, rope=rope, row_chunk=row_chunk, sinks=sinks,
         )
 
     return function_module(spec, emit)
@@ -461,11 +468,11 @@ def build_paged_prefill(spec: PagedPrefillSpec, *, row_chunk: int | None) -> ir.
 def build_mla_prefill(spec: MlaPagedPrefillSpec, *, row_chunk: int | None) -> ir.Module:
     """``batch_prefill_paged_kv_mla[_sliding_window](q, q_indptr, pages, page_indptr, page_values,
     length_info, causal, sm_scale) -> (output [Lq, h_q, d_latent], lse)``."""
-    def emit(q, q_indptr, pages, page_indptr, page_values, length_info, causal, sm_scale):
+    def emit(q, q_indptr, pages, page_indptr, page_values, length_info, causal, sm_scale, sinks=None):
         return _attend_entries(
             spec, q, q_indptr, d_v=spec.d_latent,
             load_entry=_mla_loader(spec, pages, page_indptr, page_values, length_info),
-            causal=causal, sm_scale=sm_scale, rope=None, row_chunk=row_chunk,
+            causal=causal, sm_scale=sm_scale, rope=None, row_chunk=row_chunk, sinks=sinks,
         )
 
     return function_module(spec, emit)

@@ -14,7 +14,8 @@ of the tile with the GQA group folded in, N = KV columns of one tile):
     acc         [B, H, M, d_v]    f32     sum of 2^(s - row_max) * v over valid keys
 
 Masked keys weigh exactly zero (semantics §11.2) and a row that never sees a valid key ends with
-output 0 and lse EMPTY_ROW_LSE (§11.3).
+output 0 and lse EMPTY_ROW_LSE (§11.3). Per-head sink logits (§13) join the denominator in the
+final normalisation only (:func:`normalised`), as ``2^(sink - row_max)`` in the same log2 units.
 """
 
 from __future__ import annotations
@@ -201,8 +202,43 @@ def _step_state(prev_max, prev_sum, prev_acc, scores, values, row_chunk: int | N
     return new_max, new_sum, new_acc
 
 
-def _finalize(acc: ir.Value, row_max: ir.Value, row_sum: ir.Value) -> AttentionTile:
-    """output = acc / row_sum and lse = row_max + log2(row_sum); rows with no key: 0 and -5e4.
+def row_sinks(sinks: ir.Value, h_kv: int, group: int, tokens: int) -> ir.Value:
+    """The sink of every query row of a tile in log2 units, f32 [h_kv, tokens * G]:
+    ``log2(e) * sinks[h * G + r % G]`` at (h, r), for ``sinks [h_q]`` f32 in natural-log units
+    (row r of KV head h holds token r // G and query head h * G + r % G)."""
+    by_head = expand(sinks, [[0, 1]], [h_kv, group])
+    maps = [affine_map(3, (0, 2)), affine_map(3, (0, 1, 2))]
+    log2e = const_f32(LOG2E)
+    spread = generic([by_head], [empty([h_kv, tokens, group], f32())], maps, "ppp",
+                     lambda x, _out: [arith_d.mulf(x, log2e)])[0]
+    return collapse(spread, [[0], [1, 2]])
+
+
+def sink_normalised(acc: ir.Value, row_max: ir.Value, row_sum: ir.Value, sink: ir.Value, zero: ir.Value) -> ir.Value:
+    """One output element from f32 scalars with a sink (log2 units; ``row_max`` is the base of
+    ``acc`` and ``row_sum``): ``acc / (row_sum + 2^(sink - row_max))``, ``zero`` (an f32 0) for a
+    row with no valid key (``row_sum == 0``: a NaN sum stays NaN). A sink far above the scores
+    makes the added term inf and the output 0, its limit."""
+    total = arith_d.addf(row_sum, math_d.exp2(arith_d.subf(sink, row_max)))
+    no_key = arith_d.cmpf(arith_d.CmpFPredicate.OEQ, row_sum, zero)
+    return arith_d.select(no_key, zero, arith_d.divf(acc, total))
+
+
+def sink_lse(row_max: ir.Value, row_sum: ir.Value, sink: ir.Value, zero: ir.Value, empty_lse: ir.Value) -> ir.Value:
+    """One lse from f32 scalars with a sink (log2 units): ``top + log2(row_sum 2^(row_max - top)
+    + 2^(sink - top))``, ``top = max(row_max, sink)`` (no overflow whichever is larger);
+    ``empty_lse`` for a row with no valid key."""
+    top = arith_d.maximumf(row_max, sink)
+    total = arith_d.addf(arith_d.mulf(row_sum, math_d.exp2(arith_d.subf(row_max, top))),
+                         math_d.exp2(arith_d.subf(sink, top)))
+    no_key = arith_d.cmpf(arith_d.CmpFPredicate.OEQ, row_sum, zero)
+    return arith_d.select(no_key, empty_lse, arith_d.addf(top, math_d.log2(total)))
+
+
+def _finalize(acc: ir.Value, row_max: ir.Value, row_sum: ir.Value, sinks: ir.Value | None) -> AttentionTile:
+    """output = acc / row_sum and lse = row_max + log2(row_sum), with the rows' sinks
+    (``sinks`` [H, M] from :func:`row_sinks`, or None) in the denominator (:func:`sink_normalised`,
+    :func:`sink_lse`); rows with no key: 0 and -5e4.
 
     A row has no valid key exactly when its sum is 0 (every weight was exp2(-inf) = 0). The test
     is ``sum == 0`` rather than ``sum > 0`` so that a NaN sum (NaN in that row's inputs) stays NaN
@@ -210,6 +246,15 @@ def _finalize(acc: ir.Value, row_max: ir.Value, row_sum: ir.Value) -> AttentionT
     """
     zero = const_f32(0.0)
     empty_lse = const_f32(EMPTY_ROW_LSE)
+    if sinks is not None:
+        rank = ir.RankedTensorType(acc.type).rank
+        ident, row, sink = (affine_map(rank, dims) for dims in (range(rank), (0, 1, 2), (1, 2)))
+        output = generic([acc, row_max, row_sum, sinks], [empty(sizes_of(acc), f32())], [ident, row, row, sink, ident],
+                         "p" * rank, lambda a, m, s, k, _out: [sink_normalised(a, m, s, k, zero)])[0]
+        lse = generic([row_max, row_sum, sinks], [empty(sizes_of(row_max), f32())],
+                      [affine_map(3, range(3))] * 2 + [affine_map(3, (1, 2)), affine_map(3, range(3))], "ppp",
+                      lambda m, s, k, _out: [sink_lse(m, s, k, zero, empty_lse)])[0]
+        return AttentionTile(output=output, lse=lse)
 
     def no_key(s):
         return arith_d.cmpf(arith_d.CmpFPredicate.OEQ, s, zero)
@@ -247,6 +292,7 @@ def online_softmax(
     unmasked_tiles: ir.Value | None = None,
     row_chunk: int | None,
     soft_cap: float = 0.0,
+    sinks: ir.Value | None = None,
 ) -> AttentionTile:
     """Attention of one query tile over ``num_kv_tiles`` KV tiles of ``kv_tile`` columns.
 
@@ -260,7 +306,8 @@ def online_softmax(
     whose per-element index arithmetic is most of the row-softmax dispatch's cost on AVX2.
 
     ``row_chunk`` is the widest row reduced in one op (see ``_reduce_rows``), or None.
-    ``soft_cap`` > 0 caps the logits (see :func:`score_transform`).
+    ``soft_cap`` > 0 caps the logits (see :func:`score_transform`). ``sinks``: the rows' sink
+    logits [H, M] in log2 units (:func:`row_sinks`), or None.
     """
     q_shape = ir.RankedTensorType(q_tile.type).shape
     batch = sizes_of(q_tile)[0]
@@ -293,4 +340,4 @@ def online_softmax(
             scf_d.YieldOp(list(_step_state(prev_max, prev_sum, prev_acc, scores, tile.values, row_chunk)))
         state = list(loop.results)
     row_max, row_sum, acc = state
-    return _finalize(acc, row_max, row_sum)
+    return _finalize(acc, row_max, row_sum, sinks)

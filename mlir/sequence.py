@@ -27,7 +27,7 @@ from .ir import (
 from .abi import function_module
 from .layout import group_query_rows
 from .masks import sequence_validity
-from .online_softmax import ScoreIndices, ScoreMask, online_softmax, unmasked_kv_tiles
+from .online_softmax import ScoreIndices, ScoreMask, online_softmax, row_sinks, unmasked_kv_tiles
 from .query_tiles import QueryTiles, kv_tile_loader
 from .specs import SMALL_Q_TILE, MaskedSequencePrefillSpec, SequencePrefillSpec
 
@@ -113,21 +113,21 @@ def _visible_kv_tiles(spec: SequenceSpec, q_tile: int, lengths: _Lengths, first_
 def build_sequence_prefill(spec: SequenceSpec, *, row_chunk: int | None) -> ir.Module:
     """The verified module for a dense (or masked) sequence-prefill spec; symbol ``spec.symbol``.
     ``row_chunk``: the widest row the online softmax reduces in one op (None: whole rows)."""
-    return function_module(spec, lambda *args: _emit_sized_body(spec, row_chunk, *args))
+    return function_module(spec, lambda *args, **named: _emit_sized_body(spec, row_chunk, *args, **named))
 
 
-def _emit_sized_body(spec: SequenceSpec, row_chunk: int | None, q, k, v, valid_lens=None):
+def _emit_sized_body(spec: SequenceSpec, row_chunk: int | None, q, k, v, valid_lens=None, *, sinks=None):
     """The body with ``spec.q_tile``, or, for a call of at most SMALL_Q_TILE query tokens (a short
     chunk against a long prefix), with SMALL_Q_TILE-token tiles instead of one mostly padded tile."""
     if spec.q_tile <= SMALL_Q_TILE:
-        return _emit_body(spec, spec.q_tile, row_chunk, q, k, v, valid_lens)
+        return _emit_body(spec, spec.q_tile, row_chunk, q, k, v, valid_lens, sinks)
     sizes = [[*sizes_of(q)[:3], spec.d], sizes_of(q)[:3]]
 
     def tied(values):
         return [tie_dims(value, size) for value, size in zip(values, sizes)]
 
     def body(tile_tokens):
-        return lambda _unused: tied(_emit_body(spec, tile_tokens, row_chunk, q, k, v, valid_lens))
+        return lambda _unused: tied(_emit_body(spec, tile_tokens, row_chunk, q, k, v, valid_lens, sinks))
 
     is_short = le(dim(q, 1), const_index(SMALL_Q_TILE))
     placeholders = [empty(size, ir.RankedTensorType(t).element_type) for size, t in zip(sizes, (q.type, _lse_type(q)))]
@@ -138,10 +138,10 @@ def _lse_type(q: ir.Value) -> ir.Type:
     return tensor_type([DYN, DYN, ir.RankedTensorType(q.type).shape[2]], f32())
 
 
-def _emit_body(spec: SequenceSpec, tile_tokens: int, row_chunk: int | None, q, k, v, valid_lens=None):
+def _emit_body(spec: SequenceSpec, tile_tokens: int, row_chunk: int | None, q, k, v, valid_lens=None, sinks=None):
     """Batch entries one at a time (an ``scf.for`` over B), so every dispatch inside works on
     static [1, h_kv, ...] tiles (1.2x faster than a dynamic batch dim, docs/performance.md).
-    Query tiles have ``tile_tokens`` tokens."""
+    Query tiles have ``tile_tokens`` tokens; ``sinks`` [h_q] f32 or None (semantics §13)."""
     group, h_kv, d = spec.group_size, spec.h_kv, spec.d
     dt = element_type(spec.dtype)
     batch = dim(q, 0)
@@ -155,6 +155,7 @@ def _emit_body(spec: SequenceSpec, tile_tokens: int, row_chunk: int | None, q, k
     values = _kv_tiles(v, stored_tiles, spec.kv_tile, keys=False)
 
     driver = QueryTiles([batch, padded_tokens, spec.h_q, d], [batch, padded_tokens, spec.h_q], group, h_kv)
+    tile_sinks = None if sinks is None else row_sinks(sinks, h_kv, group, tile_tokens)
 
     def entry(b, carried):
         valid_len = None
@@ -177,6 +178,7 @@ def _emit_body(spec: SequenceSpec, tile_tokens: int, row_chunk: int | None, q, k
                         lengths.kv_len, first_token, lengths.diagonal, spec.kv_tile, spec.causal),
                     row_chunk=row_chunk,
                     soft_cap=spec.logits_soft_cap,
+                    sinks=tile_sinks,
                 )
 
             return driver.attend(q_rows, b, first_token, tile_tokens, tile, softmax)

@@ -3,7 +3,9 @@
 A spec holds only structural choices (head counts, head dims, dtype, mask kind, tile sizes, and
 ``logits_soft_cap``: 0 = off, else every score is ``cap * tanh(sm_scale * q.k / cap)`` before the
 mask, as Gemma 2 does; ``rotary_dim`` on the RoPE variants: only the first ``rotary_dim`` dims of
-q and k rotate, Hugging Face's ``partial_rotary_factor``). Its
+q and k rotate, Hugging Face's ``partial_rotary_factor``; ``head_sinks``: the call takes one sink
+logit per query head, ``sinks [h_q]`` f32, that joins every row's softmax denominator, as gpt-oss
+does, semantics §13). Its
 ``symbol`` is the seed's function name (the exported entry point); its ``name`` spells every field
 and names the artifact; ``kv_layout`` says where keys and values live: ``dense`` (k, v [B, Lk, h_kv,
 d]), ``ragged`` (k, v rows by kv_indptr), ``paged`` (pages [P, 2, h_kv, page_size, d]) or
@@ -71,6 +73,9 @@ def _check_common(spec) -> None:
     if spec.dtype not in DTYPES:
         raise SpecError(f"dtype must be one of {DTYPES}, got {spec.dtype!r}")
     _check_positive(q_tile=spec.q_tile, kv_tile=spec.kv_tile)
+    if spec.head_sinks not in (True, False):
+        raise SpecError(f"head_sinks must be a bool, got {spec.head_sinks!r}")
+    object.__setattr__(spec, "head_sinks", bool(spec.head_sinks))
 
 
 class _SpecBase:
@@ -80,6 +85,11 @@ class _SpecBase:
     def cap_tag(self) -> str:
         """``_cap<value>`` in the artifact name when logits soft-capping is on, else empty."""
         return f"_cap{_scale_tag(self.logits_soft_cap)}" if self.logits_soft_cap else ""
+
+    @property
+    def sinks_tag(self) -> str:
+        """``_sinks`` in the artifact name when the call takes per-head sink logits, else empty."""
+        return "_sinks" if self.head_sinks else ""
 
     @property
     def group_size(self) -> int:
@@ -124,6 +134,7 @@ class SequencePrefillSpec(_OneHeadDim):
     q_tile: int = DENSE_Q_TILE
     kv_tile: int = DENSE_KV_TILE
     logits_soft_cap: float = 0.0
+    head_sinks: bool = False
 
     symbol = "batch_sequence_prefill_kv"
     kv_layout = "dense"
@@ -138,7 +149,7 @@ class SequencePrefillSpec(_OneHeadDim):
         return (
             f"{self.symbol}_hq{self.h_q}_hkv{self.h_kv}_d{self.d}_{self.dtype}"
             f"_causal{int(self.causal)}_sm{_scale_tag(self.sm_scale)}"
-            f"_qt{self.q_tile}_kt{self.kv_tile}{self.cap_tag}"
+            f"_qt{self.q_tile}_kt{self.kv_tile}{self.cap_tag}{self.sinks_tag}"
         )
 
 
@@ -161,6 +172,7 @@ class MaskedSequencePrefillSpec(_OneHeadDim):
     q_tile: int = DENSE_Q_TILE
     kv_tile: int = DENSE_KV_TILE
     logits_soft_cap: float = 0.0
+    head_sinks: bool = False
 
     symbol = "batch_sequence_prefill_kv_masked"
     kv_layout = "dense"
@@ -180,7 +192,7 @@ class MaskedSequencePrefillSpec(_OneHeadDim):
     def name(self) -> str:
         return (
             f"{self.symbol}_hq{self.h_q}_hkv{self.h_kv}_d{self.d}_{self.dtype}"
-            f"_{self.mask_mode}_sm{_scale_tag(self.sm_scale)}_qt{self.q_tile}_kt{self.kv_tile}{self.cap_tag}"
+            f"_{self.mask_mode}_sm{_scale_tag(self.sm_scale)}_qt{self.q_tile}_kt{self.kv_tile}{self.cap_tag}{self.sinks_tag}"
         )
 
 
@@ -296,6 +308,7 @@ class RaggedPrefillSpec(_SpecBase):
     kv_tile: int = KV_CACHE_KV_TILE
     logits_soft_cap: float = 0.0
     rotary_dim: int | None = None
+    head_sinks: bool = False
 
     symbol = "batch_prefill_ragged_kv"
     kv_layout = "ragged"
@@ -311,7 +324,7 @@ class RaggedPrefillSpec(_SpecBase):
     def name(self) -> str:
         return (
             f"{self.symbol}_hq{self.h_q}_hkv{self.h_kv}_dqk{self.d_qk}_dv{self.d_v}_{self.dtype}"
-            f"_rope-{_rope_tag(self.rope_scaling)}{_rotary_tag(self)}_qt{self.q_tile}_kt{self.kv_tile}{self.cap_tag}"
+            f"_rope-{_rope_tag(self.rope_scaling)}{_rotary_tag(self)}_qt{self.q_tile}_kt{self.kv_tile}{self.cap_tag}{self.sinks_tag}"
         )
 
 
@@ -335,6 +348,7 @@ class PagedPrefillSpec(_OneHeadDim):
     kv_tile: int = KV_CACHE_KV_TILE
     logits_soft_cap: float = 0.0
     rotary_dim: int | None = None
+    head_sinks: bool = False
 
     kv_layout = "paged"
 
@@ -354,7 +368,7 @@ class PagedPrefillSpec(_OneHeadDim):
     def name(self) -> str:
         return (
             f"{self.symbol}_hq{self.h_q}_hkv{self.h_kv}_d{self.d}_{self.dtype}_ps{self.page_size}"
-            f"_rope-{_rope_tag(self.rope_scaling)}{_rotary_tag(self)}_qt{self.q_tile}_kt{self.kv_tile}{self.cap_tag}"
+            f"_rope-{_rope_tag(self.rope_scaling)}{_rotary_tag(self)}_qt{self.q_tile}_kt{self.kv_tile}{self.cap_tag}{self.sinks_tag}"
         )
 
 
@@ -376,6 +390,7 @@ class MlaPagedPrefillSpec(_SpecBase):
     q_tile: int = 16
     kv_tile: int = KV_CACHE_KV_TILE
     logits_soft_cap: float = 0.0
+    head_sinks: bool = False
 
     def __post_init__(self):
         _check_positive(h_q=self.h_q, d_latent=self.d_latent, page_size=self.page_size)
@@ -403,5 +418,5 @@ class MlaPagedPrefillSpec(_SpecBase):
     def name(self) -> str:
         return (
             f"{self.symbol}_hq{self.h_q}_dl{self.d_latent}_dr{self.d_rope}_{self.dtype}"
-            f"_ps{self.page_size}_qt{self.q_tile}_kt{self.kv_tile}{self.cap_tag}"
+            f"_ps{self.page_size}_qt{self.q_tile}_kt{self.kv_tile}{self.cap_tag}{self.sinks_tag}"
         )
