@@ -66,6 +66,19 @@ def check_tensor(name: str, value, *, dtype: str, shape: Sequence[int | None]):
     return np.ascontiguousarray(array)
 
 
+def check_f32(name: str, value, *, shape: Sequence[int | None]) -> np.ndarray:
+    """A float32 array of the given shape whose every value is finite (the ABI's ``f32`` kind:
+    float32 whatever the spec's dtype, e.g. ``sinks``); an IREE ``DeviceArray`` is read back (these
+    arguments are small). Another dtype is an error, never cast."""
+    array = as_array(name, on_host(value))
+    if array.dtype != np.float32:
+        raise InputError(f"{name}: expected dtype float32, got {array.dtype}")
+    _check_shape(name, array.shape, shape)
+    if not np.all(np.isfinite(array)):
+        raise InputError(f"{name}: values must be finite, found {array[~np.isfinite(array)][0]}")
+    return np.ascontiguousarray(array)
+
+
 INT32 = np.iinfo(np.int32)
 
 

@@ -151,7 +151,7 @@ def _one_query_rows(entries: np.ndarray, kv_lens: np.ndarray, qo_lens: np.ndarra
 @dataclass(frozen=True)
 class DecodeCall:
     """One call of a pass: ``args`` in decode_entries' order (q [n, h_kv, R, d_qk], the KV
-    sources, table, geometry, causal, sm_scale), and where its rows go: ``rows`` [n, queries]
+    sources, table, geometry, causal, sm_scale[, sinks]), and where its rows go: ``rows`` [n, queries]
     the entries' query rows in the batch, ``real`` [n, queries] which of them exist."""
 
     spec: DecodeSpec
@@ -208,7 +208,7 @@ def _decode_call(pass_spec: DecodeSpec, args: tuple, q: np.ndarray, entries: np.
     q_pass = q_pass.reshape(n, queries, spec.h_kv, spec.group_size, -1).transpose(0, 2, 1, 3, 4)
     call_args = (np.ascontiguousarray(q_pass.reshape(n, spec.h_kv, queries * spec.group_size, -1)),
                  *(named[arg.name] for arg in kv_sources(spec)), table, geometry, int(named["causal"]),
-                 float(named["sm_scale"]))
+                 float(named["sm_scale"]), *((named["sinks"],) if spec.head_sinks else ()))
     return DecodeCall(pass_spec, call_args, rows, real)
 
 

@@ -32,6 +32,17 @@ n u32 / (1 - n u32) (the f32 sums over n keys), u_P = u for f16/bf16 (the fused 
 the softmax weights to the tensor cores in the dtype) and the last output term is the result's
 rounding to the dtype. Rows without a visible key are exact (output 0, lse -5e4, §11.3) and
 carry no bound.
+
+Per-head sinks (§13) add one positive term w_s = 2^(sink log2 e - m) to each row's denominator,
+in the final normalisation only. Its exponent is sink log2 e (the product rounded: u32 of it)
+less the row max (u32 of the difference), so w_s moves by a factor within
+exp(delta_s), delta_s = (2 |sink| + 2 |m| + 4) u32 natural units with exp2's own error, and
+|m| <= S_i + |cap| is already inside delta_i's S_i (D + 3) u32 term; adding 2 |sink| u32 + 4 u32
+to delta_i therefore moves every weight of the row, w_s included, within exp(+-2 delta_i) as
+before. The normalised weights p_ij = w_ij / (sum w + w_s) then sum to less than 1, so the
+output term (exp(2 delta_i) - 1) A_id still bounds the weights' share, with A_id the reference's
+sum_j p_ij |v_jd| (sink included: it only shrinks it); the denominator has n_i + 1 terms
+(gamma_{n+1}), and the lse's log2 of that sum keeps its terms. n_i is counted without the sink.
 """
 
 from __future__ import annotations
@@ -45,7 +56,8 @@ import numpy as np
 from .reference import EMPTY_ROW_LSE
 from .rope import rope_pair_angles, rope_pairing
 
-__all__ = ["CallFacts", "ErrorBound", "UNIT_ROUNDOFF", "bound_of_call", "merge_bound", "rotation_bound"]
+__all__ = ["CallFacts", "ErrorBound", "UNIT_ROUNDOFF", "bound_of_call", "merge_bound", "rotation_bound",
+           "sinks_bound"]
 
 UNIT_ROUNDOFF = {"float32": 2.0 ** -24, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}
 U32 = UNIT_ROUNDOFF["float32"]
@@ -119,8 +131,9 @@ def bound_of_call(named: dict, facts: CallFacts, reference: Reference, want=None
     u = UNIT_ROUNDOFF[facts.dtype]
     keys, values = _keys_and_values(named, facts)
     n = _keys_seen(named, reference)
-    gamma = n * U32 / (1.0 - n * U32)
-    delta = _score_error(named, facts, keys, n)
+    terms = n + 1 if "sinks" in named else n  # the sink is one more term of the sum
+    gamma = terms * U32 / (1.0 - terms * U32)
+    delta = _score_error(named, facts, keys, n) + _sink_error(named)
     weights = _weighted_values(named, facts, values, reference, want_out.shape)
     u_p = 0.0 if facts.dtype == "float32" else u
     spread = np.expm1(2.0 * delta) + 2.0 * gamma + u_p
@@ -146,10 +159,19 @@ def _keys_and_values(named: dict, facts: CallFacts) -> tuple[np.ndarray, np.ndar
     return tuple(np.asarray(x, np.float64).reshape(-1, x.shape[-1]) for x in (k, v))
 
 
+def _sink_error(named: dict) -> float:
+    """The sink's share of delta_i (module docstring): (2 max_h |sink_h| + 4) u32, 0 without
+    sinks (the largest sink for every row: a serving pass's rows are not in head order)."""
+    if "sinks" not in named:
+        return 0.0
+    return (2.0 * float(np.max(np.abs(np.asarray(named["sinks"], np.float64)), initial=0.0)) + 4.0) * U32
+
+
 def _keys_seen(named: dict, reference: Reference) -> np.ndarray:
-    """n_i, shaped like lse: the keys each query row sees (its lse with q = 0 is log2 n_i; at
-    least 1: rows without a key carry no bound)."""
-    _, lse = reference(dict(named, q=np.zeros_like(named["q"])))
+    """n_i, shaped like lse: the keys each query row sees (its lse with q = 0 and no sink is
+    log2 n_i; at least 1: rows without a key carry no bound)."""
+    no_sink = {"sinks": np.full(np.shape(named["sinks"]), -np.inf)} if "sinks" in named else {}
+    _, lse = reference(dict(named, q=np.zeros_like(named["q"]), **no_sink))
     return np.maximum(np.rint(np.exp2(np.asarray(lse, np.float64))), 1.0)
 
 
@@ -286,3 +308,17 @@ def merge_bound(outs, lses) -> tuple[np.ndarray, np.ndarray]:
         out = out + (8.0 * U32 + np.expm1(2.0 * math.log(2.0) * lse)[..., None]) * largest_out
         lse = lse + 4.0 * U32 + 2.0 * U32 * largest_lse
     return out, lse
+
+
+def sinks_bound(out_bound, lse_bound, out, lse, dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """(output, lse) bounds after runtime/merge.apply_sinks of a state whose output and lse are
+    off by at most ``out_bound`` [..., d] and ``lse_bound`` [...] (base 2); ``out`` and ``lse``
+    are the state's after the sinks, ``dtype`` the output's. apply_sinks scales the output by
+    f = 2^lse / (2^lse + e^sink) in (0, 1], in float64: an output error stays at most what it
+    was, an lse error e moves f by a factor within 2^(+-e) (so the output by (2^e - 1) |out|)
+    and the new lse by at most e; then the results are rounded (u of the dtype, u32 for lse)."""
+    lse_bound = np.asarray(lse_bound, np.float64)
+    spread = np.expm1(math.log(2.0) * lse_bound)[..., None]
+    out_abs, lse_abs = np.abs(np.asarray(out, np.float64)), np.abs(np.asarray(lse, np.float64))
+    return (np.asarray(out_bound, np.float64) + (spread + UNIT_ROUNDOFF[dtype]) * out_abs,
+            lse_bound + U32 * lse_abs)

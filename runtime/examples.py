@@ -26,6 +26,9 @@ EXAMPLE_ENTRIES = ((5, 3), (12, 40), (1, 9), (3, 0))
 DENSE_EXAMPLE = (3, 20, 17)
 # Sliding-window examples keep this many sink rows and evict this many rows after them.
 EXAMPLE_SINKS, EXAMPLE_EVICTED = 2, 5
+# Per-head sink logits (``head_sinks``, the ``f32`` arguments) are drawn uniform in this range:
+# from below the scores of [-1, 1) inputs to well above them, so the sink changes every row.
+SINK_RANGE = (-2.0, 4.0)
 
 
 @dataclass(frozen=True)
@@ -65,7 +68,8 @@ def example_inputs(spec, rng: np.random.Generator, entries=EXAMPLE_ENTRIES, *, w
     ``entries``: (qo_len, kv_len) per batch entry. KV-cache variants get random RoPE offsets
     (queries at the end of their entry's KV) and shuffled pages with 2 unused ones. A
     sliding-window table keeps EXAMPLE_SINKS sinks and evicts EXAMPLE_EVICTED rows per entry, or
-    follows ``window``: (sw_offset, sink) per entry. The dense variants take B = len(entries) and
+    follows ``window``: (sw_offset, sink) per entry; ``sinks`` (``head_sinks``) are uniform in
+    SINK_RANGE, drawn last. The dense variants take B = len(entries) and
     the first entry's lengths (DENSE_EXAMPLE for the default entries), the masked variant
     valid_lens min(Lq, Lk) each. ``given``: arguments by name that replace the drawn ones
     (``rotary_mode=0``, ``sm_scale=0.125``); tensors are drawn after the index arrays, in the
@@ -80,6 +84,8 @@ def example_inputs(spec, rng: np.random.Generator, entries=EXAMPLE_ENTRIES, *, w
         named, sizes = _kv_cache_batch(spec, rng, entries, window)
     named.update(causal=1, rotary_mode=1 - spec.d_qk % 2, rope_scale=1.0, rope_theta=1e4, sm_scale=spec.d_qk ** -0.5)
     named.update(draw_tensors(spec, rng, sizes, skip=tuple(given)))
+    named.update({arg.name: rng.uniform(*SINK_RANGE, concrete_dims(spec, arg, sizes)).astype(np.float32)
+                  for arg in arguments(spec) if arg.kind == "f32" and arg.name not in given})
     return ordered(spec, {**named, **given})
 
 

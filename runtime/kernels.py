@@ -20,7 +20,7 @@ from .decode import DECODE_PASSES, pass_queries, split_decode
 from .errors import InputError
 from .interop import like_inputs, results_to_host
 from .module import LoadedKernel, as_device_arrays
-from .variants import call_arguments, variant
+from .variants import call_arguments, checked, variant
 
 
 class Kernel:
@@ -38,7 +38,6 @@ class Kernel:
         self.spec = spec
         self.target = target
         self._loaded = loaded
-        self._check = variant(spec).check
         self._arg_names = argument_names(spec)  # the seed's ABI names (mlir/abi.py)
         # KV-cache kernels hand their short entries to the lowering's one-pass kernels
         # (runtime/decode.py), compiled through ``cache`` on the first call that has some.
@@ -57,7 +56,7 @@ class Kernel:
         for name, value in zip(self._arg_names, args):
             check_on_device(name, value, self.device)
         host = results_to_host(args, to_host)
-        arrays = self._check(self.spec, *args)
+        arrays = checked(self.spec, args)
         empty = _empty_result(self.spec, arrays[0])
         if empty is not None:
             results = empty if host else tuple(as_device_arrays(self.device, empty))

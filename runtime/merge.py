@@ -12,6 +12,11 @@ With ``s_max = max(s_a, s_b)`` and ``w_i = 2^(s_i - s_max)``:
 A state whose lse is at most -5e4 (a row that saw no valid key, §11.3) weighs exactly 0, so
 merging it with anything returns the other state unchanged, and two empty states merge to an
 empty state (output 0, lse -5e4), never NaN.
+
+Per-head sinks (semantics §13) enter a row's denominator once, so a stack that splits the KV
+merges the partial states of kernels without ``head_sinks`` first, then applies the sinks:
+
+    out, lse = apply_sinks(*merge_state(out_prefix, lse_prefix, out_new, lse_new), sinks)
 """
 
 from __future__ import annotations
@@ -90,3 +95,39 @@ def _weights(lse_a: np.ndarray, lse_b: np.ndarray):
 def _zeroed(out: np.ndarray, weight: np.ndarray) -> np.ndarray:
     """``out`` in float32 with rows of weight 0 set to 0 (so NaN in an empty state cannot leak)."""
     return np.where(weight[..., None] == 0, np.float32(0), out.astype(np.float32))
+
+
+def apply_sinks(out, lse, sinks) -> tuple[np.ndarray, np.ndarray]:
+    """A merged state with per-head sink logits in its denominator (§13), once.
+
+    Parameters
+    ----------
+    out : ``[..., h_q, d_v]`` float32, float16 or bfloat16
+    lse : ``[..., h_q]`` float32, base 2
+    sinks : ``[h_q]`` float32, natural-log logits (finite)
+
+    Returns
+    -------
+    out : ``out 2^lse / (2^lse + e^sink)`` in the dtype of ``out``
+    lse : ``log2(2^lse + e^sink)`` float32
+
+    Computed in float64 relative to ``top = max(lse, sink log2 e)``, so neither a large lse nor a
+    large sink overflows; a row whose lse is at most -5e4 (no valid key, §11.3) stays as it is.
+    """
+    out = as_array("out", out)
+    lse = _lse("lse", lse, out)
+    sinks = as_array("sinks", sinks)
+    if sinks.dtype != np.float32 or sinks.shape != lse.shape[-1:]:
+        raise InputError(f"sinks: expected float32 of shape {lse.shape[-1:]} (lse's heads), got "
+                         f"{sinks.dtype} {sinks.shape}")
+    if not np.all(np.isfinite(sinks)):
+        raise InputError("sinks: values must be finite")
+    state = lse.astype(np.float64)
+    sink = sinks.astype(np.float64) / np.log(2.0)
+    empty = state <= EMPTY_ROW_LSE
+    top = np.where(empty, 0.0, np.maximum(state, sink))
+    kept = np.where(empty, 1.0, np.exp2(np.where(empty, 0.0, state - top)))
+    total = kept + np.where(empty, 0.0, np.exp2(sink - top))
+    new_out = np.where(empty[..., None], out.astype(np.float64), out.astype(np.float64) * (kept / total)[..., None])
+    new_lse = np.where(empty, lse, top + np.log2(total)).astype(np.float32)
+    return new_out.astype(out.dtype), new_lse

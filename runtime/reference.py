@@ -16,7 +16,9 @@ Decisions of §11 implemented here:
 * a row with no valid key (``kv_len == 0``, causal rows ``row < qo_len - kv_len``, padding rows
   of the masked kernel) gets output exactly 0 and lse exactly :data:`EMPTY_ROW_LSE` (§11.3);
 * RoPE follows :mod:`linalg_prefill.runtime.rope` (§11.5), computed in float64;
-* sliding window is the seed's ``length_info`` remap with the plain causal mask (§2, §11.7).
+* sliding window is the seed's ``length_info`` remap with the plain causal mask (§2, §11.7);
+* per-head sink logits (``sinks``, the last argument of a ``head_sinks`` call) join each row's
+  denominator (§13).
 
 All inputs (float16, bfloat16, float32, float64) are converted to float64 first; nothing is
 rounded back to the kernel dtype.  Work is vectorised per batch entry (and per chunk of query rows
@@ -100,6 +102,7 @@ def attend(
     valid: np.ndarray,
     sm_scale: float,
     logits_soft_cap: float = 0.0,
+    sink: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Softmax attention over the valid keys only, in float64.
 
@@ -116,6 +119,10 @@ def attend(
     logits_soft_cap : float
         When > 0, ``score = cap * tanh(sm_scale * q.k / cap)`` (Gemma 2's logit soft-capping),
         applied before the mask.
+    sink : broadcastable to ``[..., M]``, optional
+        Each row's sink logit (natural log, §13): ``e^sink`` joins the denominator of a row with a
+        valid key, ``out = sum_n e^(s_n) v_n / (e^sink + sum_n e^(s_n))`` and ``lse =
+        log2(e^sink + sum_n e^(s_n))``.  A row with no valid key stays 0 and -5e4.
 
     Returns
     -------
@@ -142,8 +149,15 @@ def attend(
     has = valid.any(axis=-1)
     m = np.where(has, s.max(axis=-1), 0.0)
     s -= m[..., None]
+    if sink is not None:  # the larger of the row's max and its sink (log2 units) is the base
+        sink2 = np.broadcast_to(np.asarray(sink, np.float64) * _LOG2E, m.shape)
+        top = np.where(has, np.maximum(m, sink2), 0.0)
+        s -= (top - m)[..., None]
+        m = top
     p = np.exp2(s, out=s)  # exp2(-inf) == 0: masked keys weigh exactly 0
     d = np.where(has, p.sum(axis=-1), 1.0)
+    if sink is not None:
+        d += np.where(has, np.exp2(sink2 - m), 0.0)
     out = np.matmul(p, v)
     out /= d[..., None]
     lse = np.where(has, m + np.log2(d), EMPTY_ROW_LSE)
@@ -151,13 +165,14 @@ def attend(
 
 
 def _attend_heads(
-    q: np.ndarray, k: np.ndarray, v: np.ndarray, valid: np.ndarray, sm_scale: float, logits_soft_cap: float = 0.0
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, valid: np.ndarray, sm_scale: float, logits_soft_cap: float = 0.0,
+    sinks: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """GQA attention of one batch entry.
 
     ``q [M, h_q, d_qk]``, ``k [N, h_kv, d_qk]``, ``v [N, h_kv, d_v]``, ``valid [M, N]``; query
-    head ``h`` reads KV head ``h // (h_q // h_kv)``.  Returns ``out [M, h_q, d_v]`` and
-    ``lse [M, h_q]``.
+    head ``h`` reads KV head ``h // (h_q // h_kv)``; ``sinks [h_q]`` (natural log, §13) or None.
+    Returns ``out [M, h_q, d_v]`` and ``lse [M, h_q]``.
     """
     m_rows, h_q, d_qk = q.shape
     n_rows, h_kv, _ = k.shape
@@ -182,7 +197,9 @@ def _attend_heads(
         c0, c1 = int(cols[0]), int(cols[-1]) + 1
         qc = qh[:, :, a:b].reshape(h_kv, g * mc, d_qk)
         vc = np.tile(valid[a:b, c0:c1], (g, 1))[None]  # [1, g*mc, c1-c0]
-        o, s = attend(qc, kh[:, c0:c1], vh[:, c0:c1], vc, sm_scale, logits_soft_cap)
+        # row j * mc + i of KV head h is query head h * g + j
+        sc = None if sinks is None else np.repeat(_f64(sinks).reshape(h_kv, g), mc, axis=1)
+        o, s = attend(qc, kh[:, c0:c1], vh[:, c0:c1], vc, sm_scale, logits_soft_cap, sc)
         out[a:b] = o.reshape(h_q, mc, d_v).transpose(1, 0, 2)
         lse[a:b] = s.reshape(h_q, mc).T
     return out, lse
@@ -293,6 +310,7 @@ def batch_prefill_paged_kv(
     rope_scale: float,
     rope_theta: float,
     sm_scale: float,
+    sinks: np.ndarray | None = None,
     *,
     rope_scaling: Mapping[str, Any] | None = None,
     sliding_window: bool = False,
@@ -321,6 +339,8 @@ def batch_prefill_paged_kv(
     rotary_mode : int
         1: RoPE on Q (at ``q_rope_position``) and K (at ``k_rope_pos_offset[b] + r``), 0: none.
     rope_scale, rope_theta, sm_scale : float
+    sinks : ``[h_q]``, optional
+        Per-head sink logits (``head_sinks``, §13); the same for every variant.
     rope_scaling : dict, optional
         Compile-time RoPE scaling (see :mod:`linalg_prefill.runtime.rope`).
     sliding_window : bool
@@ -366,7 +386,7 @@ def batch_prefill_paged_kv(
             qb = apply_rope(qb, q_rope_position[q0:q1], **rope_kw)
             k = apply_rope(k, k_rope_pos_offset[b] + np.arange(kv_len), **rope_kw)
         valid = _causal_valid(q1 - q0, kv_len, int(causal))
-        out[q0:q1], lse[q0:q1] = _attend_heads(qb, k, v, valid, sm_scale, logits_soft_cap)
+        out[q0:q1], lse[q0:q1] = _attend_heads(qb, k, v, valid, sm_scale, logits_soft_cap, sinks)
     return out, lse
 
 
@@ -383,6 +403,7 @@ def batch_prefill_ragged_kv(
     rope_scale: float,
     rope_theta: float,
     sm_scale: float,
+    sinks: np.ndarray | None = None,
     *,
     rope_scaling: Mapping[str, Any] | None = None,
     logits_soft_cap: float = 0.0,
@@ -444,7 +465,7 @@ def batch_prefill_ragged_kv(
             qb = apply_rope(qb, q_rope_position[q0:q1], **rope_kw)
             kb = apply_rope(kb, k_rope_pos_offset[b] + np.arange(k1 - k0), **rope_kw)
         valid = _causal_valid(q1 - q0, k1 - k0, int(causal))
-        out[q0:q1], lse[q0:q1] = _attend_heads(qb, kb, vb, valid, sm_scale, logits_soft_cap)
+        out[q0:q1], lse[q0:q1] = _attend_heads(qb, kb, vb, valid, sm_scale, logits_soft_cap, sinks)
     return out, lse
 
 
@@ -457,6 +478,7 @@ def batch_prefill_paged_kv_mla(
     length_info: np.ndarray,
     causal: int,
     sm_scale: float,
+    sinks: np.ndarray | None = None,
     *,
     d_latent: int,
     sliding_window: bool = False,
@@ -509,7 +531,8 @@ def batch_prefill_paged_kv_mla(
             continue
         rows = _f64(pages[page, slot])[:, None, :]  # [kv_len, 1, d_qk]
         valid = _causal_valid(q1 - q0, rows.shape[0], int(causal))
-        out[q0:q1], lse[q0:q1] = _attend_heads(q[q0:q1], rows, rows[..., :d_latent], valid, sm_scale, logits_soft_cap)
+        out[q0:q1], lse[q0:q1] = _attend_heads(q[q0:q1], rows, rows[..., :d_latent], valid, sm_scale, logits_soft_cap,
+                                               sinks)
     return out, lse
 
 
@@ -525,6 +548,7 @@ def batch_sequence_prefill_kv(
     q: np.ndarray,
     k: np.ndarray,
     v: np.ndarray,
+    sinks: np.ndarray | None = None,
     *,
     causal: int,
     sm_scale: float,
@@ -548,16 +572,17 @@ def batch_sequence_prefill_kv(
     q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
     _check_dense(q, k, v)
     valid = _causal_valid(q.shape[1], k.shape[1], int(causal))
-    return _attend_entries(q, k, v, lambda _b: valid, sm_scale, logits_soft_cap)
+    return _attend_entries(q, k, v, lambda _b: valid, sm_scale, logits_soft_cap, sinks)
 
 
-def _attend_entries(q, k, v, valid_of, sm_scale: float, logits_soft_cap: float) -> tuple[np.ndarray, np.ndarray]:
+def _attend_entries(q, k, v, valid_of, sm_scale: float, logits_soft_cap: float,
+                    sinks: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Each dense entry ``b`` attended with its mask ``valid_of(b)`` [qo_len, kv_len]."""
     batch, qo_len, h_q, d = q.shape
     out = np.zeros((batch, qo_len, h_q, d))
     lse = np.full((batch, qo_len, h_q), EMPTY_ROW_LSE)
     for b in range(batch):
-        out[b], lse[b] = _attend_heads(q[b], k[b], v[b], valid_of(b), sm_scale, logits_soft_cap)
+        out[b], lse[b] = _attend_heads(q[b], k[b], v[b], valid_of(b), sm_scale, logits_soft_cap, sinks)
     return out, lse
 
 
@@ -576,6 +601,7 @@ def batch_sequence_prefill_kv_masked(
     k: np.ndarray,
     v: np.ndarray,
     valid_lens: np.ndarray,
+    sinks: np.ndarray | None = None,
     *,
     mask_mode: str,
     sm_scale: float,
@@ -613,11 +639,12 @@ def batch_sequence_prefill_kv_masked(
     if np.any(valid_lens < 0) or np.any(valid_lens > min(qo_len, kv_len)):
         raise ValueError(f"valid_lens must lie in [0, {min(qo_len, kv_len)}]: {valid_lens}")
     return _attend_entries(q, k, v, lambda b: _masked_valid(qo_len, kv_len, int(valid_lens[b]), mask_mode),
-                           sm_scale, logits_soft_cap)
+                           sm_scale, logits_soft_cap, sinks)
 
 
 def decode_entries(q: np.ndarray, *kv_and_plan: Any, kv_layout: str, group_size: int, block: int, d_v: int,
-                   sliding_window: bool = False, logits_soft_cap: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+                   sliding_window: bool = False, logits_soft_cap: float = 0.0,
+                   head_sinks: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """One call of a serving pass (``decode_entries`` of mlir/decode.py and mlir/fused_decode.py).
 
     ``q [n, h_kv, R, d_qk]`` (row ``t * G + g``: token t, query head ``h * G + g``, G =
@@ -628,9 +655,11 @@ def decode_entries(q: np.ndarray, *kv_and_plan: Any, kv_layout: str, group_size:
     ``sm_scale``. Logical KV row c of entry i is physical row ``c`` (``c - sink + window_offset``
     past the sink with ``sliding_window``), found through the table; token t sees c when
     ``c < kv_len`` and, if causal, ``c <= kv_len - qo_len + t`` (every token, the padding ones
-    past qo_len too). Returns ``output [n, h_kv, R, d_v]`` and ``lse [n, h_kv, R]``.
+    past qo_len too). With ``head_sinks`` the call ends with ``sinks [h_q]`` (§13). Returns
+    ``output [n, h_kv, R, d_v]`` and ``lse [n, h_kv, R]``.
     """
-    *sources, table, geometry, causal, sm_scale = kv_and_plan
+    sinks = kv_and_plan[-1] if head_sinks else None
+    *sources, table, geometry, causal, sm_scale = kv_and_plan[:len(kv_and_plan) - int(head_sinks)]
     n, h_kv, rows, d_qk = q.shape
     group = group_size
     queries = rows // group
@@ -653,7 +682,7 @@ def decode_entries(q: np.ndarray, *kv_and_plan: Any, kv_layout: str, group_size:
         tokens = np.arange(queries)[:, None]
         valid = np.ones((queries, kv_len), bool) if not causal else c[None] <= kv_len - qo_len + tokens
         q_tokens = _f64(q[i]).reshape(h_kv, queries, group, d_qk).transpose(1, 0, 2, 3).reshape(queries, -1, d_qk)
-        o, s = _attend_heads(q_tokens, k, v, valid, sm_scale, logits_soft_cap)
+        o, s = _attend_heads(q_tokens, k, v, valid, sm_scale, logits_soft_cap, sinks)
         out[i] = o.reshape(queries, h_kv, group, d_v).transpose(1, 0, 2, 3).reshape(h_kv, rows, d_v)
         lse[i] = s.reshape(queries, h_kv, group).transpose(1, 0, 2).reshape(h_kv, rows)
     return out, lse

@@ -11,12 +11,13 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..mlir.abi import argument_names
+from ..mlir.abi import argument_names, arguments, concrete_dims
 from ..mlir.decode import DecodeSpec
 from ..mlir.specs import (
     MaskedSequencePrefillSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec,
 )
 from . import reference
+from .checks import check_f32
 from .dense_checks import check_masked, check_sequence
 from .errors import InputError
 from .kv_checks import check_mla, check_paged, check_ragged
@@ -48,6 +49,17 @@ def variant(spec) -> Variant:
         return VARIANTS[type(spec)]
     except KeyError:
         raise InputError(f"spec: unsupported spec type {type(spec).__name__}") from None
+
+
+def checked(spec, args: tuple) -> tuple:
+    """A call's arguments (in the table's order) checked: the ``f32`` arguments of the table
+    (``sinks``) by their kind and dims (dims are spec fields), the rest by the variant's check.
+    InputError naming the argument otherwise."""
+    table = arguments(spec)
+    rest = [value for arg, value in zip(table, args) if arg.kind != "f32"]
+    checked_rest = iter(variant(spec).check(spec, *rest))
+    return tuple(check_f32(arg.name, value, shape=concrete_dims(spec, arg, {})) if arg.kind == "f32"
+                 else next(checked_rest) for arg, value in zip(table, args))
 
 
 def reference_options(spec) -> dict:
