@@ -10,6 +10,8 @@ transformers calls :func:`attention` from every attention layer with the rotated
 [B, H_kv, S_kv, D]`` (the cache's head-major tensors) and the mask :func:`attention_mask` built
 for that layer type (a boolean ``[B, 1, S_q, S_kv]``, or None for a plain causal prefill or a
 decode step without padding). It returns ``(output [B, S_q, H_q, D], None)``, contiguous.
+gpt-oss's per-head sinks arrive as ``s_aux [H_q]`` and run as the kernels' ``sinks`` (semantics
+§13), in float32 whatever the model's dtype.
 
 Which kernel runs (RoPE off: the model rotated q and k already):
 
@@ -110,9 +112,8 @@ def plan_call(module, query, key, value, attention_mask, *, dropout: float = 0.0
     if dropout:
         raise InputError(f"dropout: {dropout} is not supported (the kernels are for inference; call "
                          "model.eval() or use another attn_implementation for training)")
-    if s_aux is not None:
-        raise InputError("s_aux: per-head attention sinks (gpt-oss) are not supported by these kernels yet")
     _check_tensors(query, key, value)
+    sinks = None if s_aux is None else _sinks(s_aux, query.shape[1])
     batch, h_q, q_len, d = query.shape
     kv_len = key.shape[2]
     causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
@@ -120,9 +121,18 @@ def plan_call(module, query, key, value, attention_mask, *, dropout: float = 0.0
     cap = float(softcap or 0.0)
     window = int(sliding_window) if sliding_window else None
     if attention_mask is None and (window is None or kv_len <= window):
-        return _dense_call(query, key, value, causal, scale, cap)
+        return _dense_call(query, key, value, causal, scale, cap, sinks)
     lo, hi = _ranges(attention_mask, batch, q_len, kv_len, causal, window)
-    return _paged_call(query, key, value, plan_entries(lo, hi), scale, cap)
+    return _paged_call(query, key, value, plan_entries(lo, hi), scale, cap, sinks)
+
+
+def _sinks(s_aux, h_q: int) -> np.ndarray:
+    """``s_aux`` (a torch tensor of ``h_q`` logits, any float dtype) as the kernels' ``sinks``
+    [h_q] float32 (their host check rejects non-finite values)."""
+    if not isinstance(s_aux, torch.Tensor) or s_aux.numel() != h_q or not s_aux.dtype.is_floating_point:
+        raise InputError(f"s_aux: expected a float tensor of {h_q} per-head sink logits, got "
+                         f"{getattr(s_aux, 'shape', type(s_aux).__name__)}")
+    return s_aux.detach().reshape(h_q).to(device="cpu", dtype=torch.float32).numpy()
 
 
 def _check_tensors(query, key, value) -> None:
@@ -149,22 +159,28 @@ def _token_major(tensor):
     return tensor.transpose(1, 2).contiguous()
 
 
-def _dense_call(query, key, value, causal: bool, scale: float, cap: float) -> KernelCall:
+def _dense_call(query, key, value, causal: bool, scale: float, cap: float, sinks) -> KernelCall:
     batch, h_q, q_len, d = query.shape
     spec = SequencePrefillSpec(h_q, key.shape[1], d, DTYPES[query.dtype], causal=causal, sm_scale=scale,
-                               logits_soft_cap=cap)
-    return KernelCall(spec, (_token_major(query), _token_major(key), _token_major(value)), (batch, q_len, h_q, d))
+                               logits_soft_cap=cap, head_sinks=sinks is not None)
+    args = (_token_major(query), _token_major(key), _token_major(value), *_sinks_arg(sinks))
+    return KernelCall(spec, args, (batch, q_len, h_q, d))
 
 
-def _paged_call(query, key, value, entries: Entries, scale: float, cap: float) -> KernelCall:
+def _sinks_arg(sinks) -> tuple:
+    """The call's trailing ``sinks`` argument (empty without sinks)."""
+    return () if sinks is None else (sinks,)
+
+
+def _paged_call(query, key, value, entries: Entries, scale: float, cap: float, sinks) -> KernelCall:
     batch, h_q, q_len, d = query.shape
     spec = PagedPrefillSpec(h_q, key.shape[1], d, DTYPES[query.dtype], page_size=PAGE_SIZE, sliding_window=True,
-                            logits_soft_cap=cap)
+                            logits_soft_cap=cap, head_sinks=sinks is not None)
     pages, pages_per_row = _pages(key, value)
     page_indptr, page_values, length_info = paged_arguments(entries, pages_per_row, PAGE_SIZE)
     q = _token_major(query).view(batch * q_len, h_q, d)
     args = (q, entries.q_indptr, pages, page_indptr, page_values, length_info, np.zeros(len(entries), np.int32),
-            np.zeros(batch * q_len, np.int32), 1, 0, 1.0, 1.0e4, scale)
+            np.zeros(batch * q_len, np.int32), 1, 0, 1.0, 1.0e4, scale, *_sinks_arg(sinks))
     return KernelCall(spec, args, (batch, q_len, h_q, d))
 
 

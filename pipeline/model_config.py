@@ -9,7 +9,10 @@ Gemma), ``attn_logit_softcapping`` (Gemma 2), ``sliding_window`` with ``use_slid
 ``layer_types`` (else derived from ``sliding_window_pattern`` as transformers' Gemma 2 / Gemma 3
 configs do; both paged variants are built when any layer slides), ``torch_dtype`` (or ``dtype``),
 and DeepSeek's MLA keys (``kv_lora_rank``, ``qk_rope_head_dim``, ``qk_nope_head_dim``,
-``v_head_dim``; the yarn ``mscale_all_dim`` folds into ``sm_scale``).
+``v_head_dim``; the yarn ``mscale_all_dim`` folds into ``sm_scale``). ``model_type`` ``gpt_oss``
+sets ``head_sinks``: every layer has one learned sink logit per query head (transformers'
+``GptOssAttention.sinks``, passed to attention as ``s_aux``; semantics §13), so every kernel of
+the model takes ``sinks``.
 
 RoPE comes in either transformers format:
 
@@ -76,7 +79,8 @@ class LayerAttention:
     ``sliding``: the layer attends through a window of ``window`` tokens (None: the caller's
     runtime window); ``rope_theta`` and ``rope_scale`` are the runtime RoPE scalars,
     ``rope_scaling`` the compile-time dict of its kernels, ``rotary_dim`` the rotating dims (None:
-    the whole head), ``sm_scale`` and ``logits_soft_cap`` its softmax scale and cap.
+    the whole head), ``sm_scale`` and ``logits_soft_cap`` its softmax scale and cap,
+    ``head_sinks`` whether it has per-head sink logits (its kernels take ``sinks [h_q]``).
     """
 
     sliding: bool
@@ -87,6 +91,7 @@ class LayerAttention:
     rotary_dim: int | None
     sm_scale: float
     logits_soft_cap: float
+    head_sinks: bool = False
 
 
 @dataclass(frozen=True)
@@ -128,6 +133,8 @@ class ModelConfig:
     #: The sliding window in tokens (Hugging Face ``sliding_window``) when any layer slides.
     window: int | None = None
     layer_types: tuple[str, ...] | None = None
+    #: Per-head sink logits in every layer (gpt-oss): every kernel takes ``sinks [h_q]``.
+    head_sinks: bool = False
 
     def __post_init__(self):
         for key in ("h_q", "h_kv", "head_dim", "v_head_dim", "page_size"):
@@ -152,6 +159,8 @@ class ModelConfig:
             raise ValueError(f"logits_soft_cap: must be >= 0 (0 = off), got {self.logits_soft_cap!r}")
         if self.rotary_dim is not None and (self.rotary_dim % 2 or not 2 <= self.rotary_dim <= self.head_dim):
             raise ValueError(f"rotary_dim: must be an even int in [2, {self.head_dim}], got {self.rotary_dim!r}")
+        if self.head_sinks not in (True, False):
+            raise ValueError(f"head_sinks: must be a bool, got {self.head_sinks!r}")
         if self.mla is None and self.v_head_dim != self.head_dim:
             raise ValueError(f"v_head_dim ({self.v_head_dim}) must equal head_dim ({self.head_dim}) "
                              "without MLA: the paged kernel has one head dim")
@@ -209,14 +218,16 @@ class ModelConfig:
             rope_theta=pick(self.local_rope_theta, self.rope_theta),
             rope_scale=pick(self.local_rope_scale, self.rope_scale),
             rope_scaling=pick(self.local_rope_scaling, self.rope_scaling),
-            rotary_dim=self.rotary_dim, sm_scale=self.attention_scale, logits_soft_cap=self.logits_soft_cap)
+            rotary_dim=self.rotary_dim, sm_scale=self.attention_scale, logits_soft_cap=self.logits_soft_cap,
+            head_sinks=self.head_sinks)
 
     def ragged_spec(self, layer: LayerAttention) -> RaggedPrefillSpec:
         """The ragged self-attention kernel ``layer`` runs with its RoPE inline: d_qk = head_dim,
         d_v = v_head_dim (equal without MLA; MLA: h_kv = h_q, the model rotates itself)."""
         h_kv = self.h_q if self.mla is not None else self.h_kv
         return RaggedPrefillSpec(self.h_q, h_kv, self.head_dim, self.v_head_dim, self.dtype, layer.rope_scaling,
-                                 logits_soft_cap=layer.logits_soft_cap, rotary_dim=layer.rotary_dim)
+                                 logits_soft_cap=layer.logits_soft_cap, rotary_dim=layer.rotary_dim,
+                                 head_sinks=layer.head_sinks)
 
     def to_dict(self) -> dict:
         """The fields as plain JSON-serializable values."""
@@ -303,6 +314,7 @@ def _hf_fields(raw: dict) -> dict:
         "window": raw["sliding_window"] if slides else None,
         "layer_types": _hf_layer_types(raw),
         "logits_soft_cap": float(raw.get("attn_logit_softcapping") or 0.0),
+        "head_sinks": raw.get("model_type") in SINK_MODEL_TYPES,
     }
     torch_dtype = raw.get("torch_dtype", raw.get("dtype"))
     if torch_dtype is not None:
@@ -529,6 +541,8 @@ def _kernel_longrope(params: dict, where: str, raw: dict) -> dict:
 
 
 #: Hugging Face keys that change a layer's attention in ways the kernels do not implement.
+#: Hugging Face model types whose attention layers have per-head sink logits.
+SINK_MODEL_TYPES = ("gpt_oss",)
 UNSUPPORTED_ATTENTION_KEYS = {
     "alibi": "ALiBi position biases",
     "use_alibi": "ALiBi position biases",
@@ -588,13 +602,16 @@ def specs_for_model(cfg: ModelConfig) -> list:
     Otherwise, for each distinct compile-time ``rope_scaling`` of the layers (full-attention
     layers' first): ragged and paged with that RoPE (partial when ``rotary_dim``), the paged ones
     with and without the sliding window when any layer slides; then the dense causal kernel and
-    both masked kernels (``attention_scale``); every spec carries the model's logits soft cap.
+    both masked kernels (``attention_scale``); every spec carries the model's logits soft cap and
+    ``head_sinks``.
     """
+    sinks = cfg.head_sinks
     if cfg.mla is not None:
         mla = cfg.mla
         return [
             cfg.ragged_spec(cfg.layer(0)),
-            MlaPagedPrefillSpec(cfg.h_q, mla.kv_lora_rank, mla.qk_rope_head_dim, cfg.dtype, page_size=cfg.page_size),
+            MlaPagedPrefillSpec(cfg.h_q, mla.kv_lora_rank, mla.qk_rope_head_dim, cfg.dtype, page_size=cfg.page_size,
+                                head_sinks=sinks),
         ]
     d, sm_scale, cap = cfg.head_dim, cfg.attention_scale, cfg.logits_soft_cap
     ropes = _distinct_ropes(cfg)
@@ -602,11 +619,12 @@ def specs_for_model(cfg: ModelConfig) -> list:
     return [
         *(cfg.ragged_spec(layer) for layer in ropes),
         *(PagedPrefillSpec(cfg.h_q, cfg.h_kv, d, cfg.dtype, cfg.page_size, layer.rope_scaling, sliding_window=sw,
-                           logits_soft_cap=cap, rotary_dim=layer.rotary_dim)
+                           logits_soft_cap=cap, rotary_dim=layer.rotary_dim, head_sinks=sinks)
           for layer in ropes for sw in windows),
-        SequencePrefillSpec(cfg.h_q, cfg.h_kv, d, cfg.dtype, causal=True, sm_scale=sm_scale, logits_soft_cap=cap),
+        SequencePrefillSpec(cfg.h_q, cfg.h_kv, d, cfg.dtype, causal=True, sm_scale=sm_scale, logits_soft_cap=cap,
+                            head_sinks=sinks),
         *(MaskedSequencePrefillSpec(cfg.h_q, cfg.h_kv, d, cfg.dtype, mask_mode=mode, sm_scale=sm_scale,
-                                    logits_soft_cap=cap)
+                                    logits_soft_cap=cap, head_sinks=sinks)
           for mode in MASK_MODES),
     ]
 

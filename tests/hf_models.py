@@ -11,6 +11,8 @@ import torch
 import transformers
 
 QK_GAIN = 15.0
+#: gpt-oss's per-head sink logits: from below the peaked scores to above most of them.
+SINK_RANGE = (-2.0, 4.0)
 TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
             vocab_size=96, max_position_embeddings=256)
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -21,7 +23,7 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
 def configs() -> dict:
     """Family name -> transformers config: Llama 3 (llama3 scaling), Qwen2 (theta 1e6, and yarn
     with factor 4), Gemma 2 (soft cap 20, query_pre_attn_scalar 32, a sliding window of 8 on
-    alternate layers)."""
+    alternate layers), gpt-oss (per-head sinks, a window of 8 on alternate layers, 4 experts)."""
     return {
         "llama3": transformers.LlamaConfig(num_hidden_layers=2, rope_parameters=dict(LLAMA3), **TINY),
         "qwen2": transformers.Qwen2Config(num_hidden_layers=2, rope_parameters={"rope_type": "default",
@@ -31,11 +33,16 @@ def configs() -> dict:
         "gemma2": transformers.Gemma2Config(num_hidden_layers=2, query_pre_attn_scalar=32, attn_logit_softcapping=20.0,
                                             final_logit_softcapping=None, sliding_window=8,
                                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **TINY),
+        "gpt_oss": transformers.GptOssConfig(num_hidden_layers=2, sliding_window=8, num_local_experts=4,
+                                             num_experts_per_tok=2, rope_parameters={"rope_type": "default",
+                                                                                     "rope_theta": 10000.0},
+                                             **TINY),
     }
 
 
 def tiny_model(family: str, dtype: torch.dtype = torch.float32, attn_implementation: str = "eager"):
-    """A seeded random-weight causal LM of ``family`` in eval mode, q/k projections scaled by QK_GAIN."""
+    """A seeded random-weight causal LM of ``family`` in eval mode, q/k projections scaled by QK_GAIN
+    (gpt-oss: its sink logits uniform in SINK_RANGE, so that they matter)."""
     torch.manual_seed(0)
     config = configs()[family]
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
@@ -43,4 +50,6 @@ def tiny_model(family: str, dtype: torch.dtype = torch.float32, attn_implementat
         for layer in model.model.layers:
             layer.self_attn.q_proj.weight.mul_(QK_GAIN)
             layer.self_attn.k_proj.weight.mul_(QK_GAIN)
+            if hasattr(layer.self_attn, "sinks"):
+                layer.self_attn.sinks.uniform_(*SINK_RANGE)
     return model.to(dtype).eval()

@@ -36,6 +36,8 @@ KV_CACHE_SPECS = [
     *(PagedPrefillSpec(32, 8, 128, dtype, page_size=16, sliding_window=True, rope_scaling={"rope_type": "gptj"})
       for dtype in HALF),
     PagedPrefillSpec(8, 1, 256, "float16", page_size=64),
+    # gpt-oss: per-head sinks over a sliding window (semantics §13)
+    PagedPrefillSpec(64, 8, 64, "bfloat16", page_size=16, sliding_window=True, head_sinks=True),
 ]
 MLA_SPECS = [
     *(MlaPagedPrefillSpec(16, 512, 64, dtype, page_size=16) for dtype in HALF),
@@ -48,6 +50,7 @@ DECODE_SPECS = [
     DecodeSpec(RaggedPrefillSpec(16, 16, 192, 128, "bfloat16"), 16),
     DecodeSpec(MlaPagedPrefillSpec(16, 512, 64, "float16", page_size=16), 1),
     DecodeSpec(MlaPagedPrefillSpec(128, 512, 64, "bfloat16", page_size=64, sliding_window=True), 4),
+    DecodeSpec(PagedPrefillSpec(64, 8, 64, "bfloat16", page_size=16, sliding_window=True, head_sinks=True), 16),
 ]
 F32_SPECS = [
     SequencePrefillSpec(6, 1, 64, "float32", causal=False, sm_scale=0.125),

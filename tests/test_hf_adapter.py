@@ -161,7 +161,7 @@ def test_bad_calls_name_the_argument():
     with pytest.raises(InputError, match="dropout"):
         hf.attention(_Module(), q, k, k, None, dropout=0.1)
     with pytest.raises(InputError, match="s_aux"):
-        hf.attention(_Module(), q, k, k, None, s_aux=torch.zeros(4))
+        hf.attention(_Module(), q, k, k, None, s_aux=torch.zeros(5))  # 4 query heads
     with pytest.raises(InputError, match="key"):
         hf.attention(_Module(), q, torch.zeros(1, 3, 3, 16), torch.zeros(1, 3, 3, 16), None)
     with pytest.raises(InputError, match="dtype"):
