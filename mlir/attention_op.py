@@ -100,8 +100,7 @@ def attend_band(q_band: ir.Value, keys: ir.Value, values: ir.Value, *, first_row
         output = _normalised(acc, row_sum, elem)
         lse = _lse(row_max, row_sum)
     else:
-        output, lse = _with_sinks(acc, row_max, row_sum, _squeezed(sinks, ("h", "g"), loops), rows, ("h", "g"),
-                                  loops, elem)
+        output, lse = _with_sinks(acc, row_max, row_sum, sinks, rows, ("h", "g"), loops, elem)
     return (_unsqueezed(output, (*rows, "n"), loops, [band, h_kv, group, d_v]),
             _unsqueezed(lse, rows, loops, [band, h_kv, group]))
 
@@ -146,8 +145,7 @@ def attend_entries(q: ir.Value, keys: ir.Value, values: ir.Value, *, valid: Entr
         output = _normalised(acc, row_sum, elem)
         lse = _lse(row_max, row_sum)
     else:
-        output, lse = _with_sinks(acc, row_max, row_sum, _squeezed(sinks, ("h", "qi"), loops), dims.rows,
-                                  ("h", "qi"), loops, elem)
+        output, lse = _with_sinks(acc, row_max, row_sum, sinks, dims.rows, ("h", "qi"), loops, elem)
     return (_unsqueezed(output, (*dims.rows, "n"), loops, [entries, h_kv, rows, d_v]),
             _unsqueezed(lse, dims.rows, loops, [entries, h_kv, rows]))
 
@@ -254,12 +252,13 @@ def _with_sinks(acc: ir.Value, row_max: ir.Value, row_sum: ir.Value, sinks: ir.V
                 sink_dims: tuple, loops: tuple, elem: ir.Type) -> tuple[ir.Value, ir.Value]:
     """:func:`_normalised` and :func:`_lse` with each row's sink in the denominator
     (online_softmax.sink_normalised, sink_lse), in f32 before the output's cast to ``elem``:
-    ``acc`` [*rows, d_v], ``row_max`` and ``row_sum`` [*rows], ``sinks`` indexed by ``sink_dims``
-    (each named as in ``rows``; names not in ``loops`` are absent from every operand)."""
+    ``acc`` [*rows, d_v], ``row_max`` and ``row_sum`` [*rows] (less the dims whose loops are not
+    in ``loops``), ``sinks`` with the dims ``sink_dims`` (named as in ``rows``; squeezed here)."""
     kept = [name for name in rows if name in loops]
+    sink_positions = [kept.index(name) for name in sink_dims if name in loops]
+    sinks = _squeezed(sinks, sink_dims, loops) if sink_positions else collapse(sinks, [])
     rank = len(kept)
-    row_map = affine_map(rank + 1, range(rank))
-    sink_map = affine_map(rank + 1, [kept.index(name) for name in sink_dims if name in loops])
+    row_map, sink_map = affine_map(rank + 1, range(rank)), affine_map(rank + 1, sink_positions)
     ident = affine_map(rank + 1, range(rank + 1))
     zero, empty_lse = const_f32(0.0), const_f32(EMPTY_ROW_LSE)
 
@@ -267,10 +266,10 @@ def _with_sinks(acc: ir.Value, row_max: ir.Value, row_sum: ir.Value, sinks: ir.V
         value = sink_normalised(a, m, s, k, zero)
         return [value if elem == f32() else arith_d.truncf(elem, value)]
 
-    output = generic([acc, row_max, row_sum, sinks], [empty(sizes_of(acc), elem)], [ident, row_map, row_map, sink_map, ident],
-                     "p" * (rank + 1), body)[0]
+    output = generic([acc, row_max, row_sum, sinks], [empty(sizes_of(acc), elem)],
+                     [ident, row_map, row_map, sink_map, ident], "p" * (rank + 1), body)[0]
     rows_ident = affine_map(rank, range(rank))
     lse = generic([row_max, row_sum, sinks], [empty(sizes_of(row_max), f32())],
-                  [rows_ident, rows_ident, affine_map(rank, [kept.index(name) for name in sink_dims if name in loops]),
-                   rows_ident], "p" * rank, lambda m, s, k, _out: [sink_lse(m, s, k, zero, empty_lse)])[0]
+                  [rows_ident, rows_ident, affine_map(rank, sink_positions), rows_ident], "p" * rank,
+                  lambda m, s, k, _out: [sink_lse(m, s, k, zero, empty_lse)])[0]
     return output, lse

@@ -84,6 +84,9 @@ class _Wrapper:
         if not isinstance(spec, self.spec_type):
             raise InputError(f"spec: {type(self).__name__} needs a {self.spec_type.__name__}, "
                              f"got {type(spec).__name__}")
+        if spec.head_sinks:
+            raise InputError("spec: head_sinks is not supported by the wrappers yet; call open_kernel(spec) with "
+                             "sinks as the last argument")
         if artifacts is not None and backend is not None and \
                 target_for(backend).backend != target_for(artifacts.backend).backend:
             raise ValueError(f"backend {backend!r} differs from the artifacts' {artifacts.backend!r}")

@@ -34,8 +34,9 @@ SPECS = {
     "mla": MlaPagedPrefillSpec(4, 16, 8, "float32", page_size=8, head_sinks=True),
 }
 #: (qo_len, kv_len): causal rows with no key in a long entry (20 queries: the variant's kernel)
-#: and in a short one (4 queries: the 4-query serving pass of both lowerings), an entry without
-#: KV, and a short entry that sees a long cache.
+#: and in a short one (4 queries: a serving pass, the 4-query one or one query at a time where
+#: its scratch bound rules that out), an entry without KV, and a short entry that sees a long
+#: cache.
 ENTRIES = ((20, 12), (4, 2), (2, 0), (3, 40))
 
 
@@ -46,7 +47,7 @@ def _call(spec, seed=0):
     if spec.kv_layout == "dense":
         args = example_inputs(spec, rng)
     else:
-        args = example_inputs(spec, rng, ENTRIES, rotary_mode=0)
+        args = example_inputs(spec, rng, ENTRIES, **({"rotary_mode": 0} if spec.kv_layout != "latent" else {}))
     q = (np.asarray(args[0], np.float32) * 4).astype(args[0].dtype)
     return (q, *args[1:])
 
@@ -60,7 +61,7 @@ def test_head_sinks_match_the_reference(variant, backend, cache):
     assert np.any(want[1] == EMPTY_ROW_LSE), "the call must have rows with no visible key"
     if spec.kv_layout != "dense":
         lowering = "linalg" if backend == "llvm-cpu" else "fused"
-        assert np.any(pass_queries(spec, args, DECODE_PASSES[lowering]) == 4), "an entry must take the serving pass"
+        assert np.any(pass_queries(spec, args, DECODE_PASSES[lowering]) > 0), "an entry must take a serving pass"
     assert_matches_reference(variant, open_kernel(spec, backend, cache=cache)(*args), spec, args, want)
 
 
