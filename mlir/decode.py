@@ -445,9 +445,10 @@ def _with_sinks(spec: DecodeSpec, acc, row_max, total, sinks) -> list[ir.Value]:
         value = sink_normalised(a, m, s, k, zero)
         return [value if isinstance(dt, ir.F32Type) else arith_d.truncf(dt, value)]
 
+    row = affine_map(4, (0, 1, 2))
     output = generic([acc, row_max, total, by_row], [empty([*rows, spec.d_v], dt)],
-                     [affine_map(4, range(4)), affine_map(4, (0, 1, 2)), affine_map(4, (0, 1, 2)), affine_map(4, (1, 2)),
-                      affine_map(4, range(4))], "pppp", normalised)[0]
+                     [affine_map(4, range(4)), row, row, affine_map(4, (1, 2)), affine_map(4, range(4))], "pppp",
+                     normalised)[0]
     lse = generic([row_max, total, by_row], [empty(rows, f32())],
                   [affine_map(3, range(3))] * 2 + [affine_map(3, (1, 2)), affine_map(3, range(3))], "ppp",
                   lambda m, s, k, _out: [sink_lse(m, s, k, zero, empty_lse)])[0]

@@ -15,7 +15,7 @@ of the tile with the GQA group folded in, N = KV columns of one tile):
 
 Masked keys weigh exactly zero (semantics §11.2) and a row that never sees a valid key ends with
 output 0 and lse EMPTY_ROW_LSE (§11.3). Per-head sink logits (§13) join the denominator in the
-final normalisation only (:func:`normalised`), as ``2^(sink - row_max)`` in the same log2 units.
+final normalisation only (:func:`sink_normalised`, :func:`sink_lse`), as ``2^(sink - row_max)`` in the same log2 units.
 """
 
 from __future__ import annotations

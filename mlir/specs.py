@@ -192,7 +192,8 @@ class MaskedSequencePrefillSpec(_OneHeadDim):
     def name(self) -> str:
         return (
             f"{self.symbol}_hq{self.h_q}_hkv{self.h_kv}_d{self.d}_{self.dtype}"
-            f"_{self.mask_mode}_sm{_scale_tag(self.sm_scale)}_qt{self.q_tile}_kt{self.kv_tile}{self.cap_tag}{self.sinks_tag}"
+            f"_{self.mask_mode}_sm{_scale_tag(self.sm_scale)}_qt{self.q_tile}_kt{self.kv_tile}{self.cap_tag}"
+            f"{self.sinks_tag}"
         )
 
 
@@ -324,7 +325,8 @@ class RaggedPrefillSpec(_SpecBase):
     def name(self) -> str:
         return (
             f"{self.symbol}_hq{self.h_q}_hkv{self.h_kv}_dqk{self.d_qk}_dv{self.d_v}_{self.dtype}"
-            f"_rope-{_rope_tag(self.rope_scaling)}{_rotary_tag(self)}_qt{self.q_tile}_kt{self.kv_tile}{self.cap_tag}{self.sinks_tag}"
+            f"_rope-{_rope_tag(self.rope_scaling)}{_rotary_tag(self)}_qt{self.q_tile}_kt{self.kv_tile}{self.cap_tag}"
+            f"{self.sinks_tag}"
         )
 
 
@@ -368,7 +370,8 @@ class PagedPrefillSpec(_OneHeadDim):
     def name(self) -> str:
         return (
             f"{self.symbol}_hq{self.h_q}_hkv{self.h_kv}_d{self.d}_{self.dtype}_ps{self.page_size}"
-            f"_rope-{_rope_tag(self.rope_scaling)}{_rotary_tag(self)}_qt{self.q_tile}_kt{self.kv_tile}{self.cap_tag}{self.sinks_tag}"
+            f"_rope-{_rope_tag(self.rope_scaling)}{_rotary_tag(self)}_qt{self.q_tile}_kt{self.kv_tile}{self.cap_tag}"
+            f"{self.sinks_tag}"
         )
 
 
