@@ -1,27 +1,130 @@
-"""Compilation targets: which IREE flags build a vmfb for a backend.
+"""Compilation targets: one :class:`Backend` record per backend, and a :class:`Target` of one.
 
-Each backend has its lowering (``DEFAULT_LOWERING``). ``llvm-cpu`` defaults to the host CPU (``--iree-llvmcpu-target-cpu=host`` resolves to a named CPU
-with all its features); pass ``cpu="x86-64-v3"`` or another LLVM CPU name for an artifact that
-runs on other machines. ``cuda`` defaults to ``sm_80``: IREE 3.13 has no sm_90/sm_100 target
-("missing GPU target"), and Hopper runs sm_80 PTX through the driver's JIT.
+    Target("llvm-cpu")                      # the host CPU, the backend's own lowering (linalg)
+    Target("cuda", "sm_86")                 # an arch from BACKENDS["cuda"].archs
+    Target("llvm-cpu", lowering="fused")    # the fused lowering compiled for the CPU
+
+Everything that differs between backends lives in its record in ``BACKENDS``: the IREE flags, the
+HAL driver, the archs, the lowering, the row chunk and tiling hooks the IR gets
+(pipeline/tuning.py) and the structure checks its artifacts must pass (pipeline/vm_structure.py).
+A new backend is one record; the records are checked when this module is imported. ``llvm-cpu``
+defaults to the host CPU (``--iree-llvmcpu-target-cpu=host`` resolves to a named CPU with all its
+features); pass ``"x86-64-v3"`` or another LLVM CPU name for an artifact that runs on other
+machines. ``cuda`` defaults to ``sm_80``: IREE 3.13 has no sm_90/sm_100 target ("missing GPU
+target"), and Hopper runs sm_80 PTX through the driver's JIT.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
-BACKENDS = ("llvm-cpu", "cuda")
-RUNTIME_DRIVER = {"llvm-cpu": "local-task", "cuda": "cuda"}
+from . import tuning, vm_structure
+
 LOWERINGS = ("linalg", "fused")
-#: The one place the lowering is chosen per target. llvm-cpu: the explicit linalg online softmax
-#: (IREE's fused attention op measured ~30x slower there, bench/report.py). CUDA: the KV loop
-#: inside one online_attention dispatch per query band, f16/bf16 operands on the tensor cores
-#: (mlir/fused_kernels.py). ``Target(backend, lowering=...)`` overrides it, e.g. to check the
-#: fused lowering's numerics on llvm-cpu.
-DEFAULT_LOWERING = {"llvm-cpu": "linalg", "cuda": "fused"}
-#: CUDA architectures IREE 3.13 compiles for (sm_90, sm_90a and sm_100 fail with "missing GPU
-#: target"); Hopper runs sm_80 PTX through the driver's JIT.
-CUDA_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_120")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Backend:
+    """What a backend needs, every field required (checked at import: :func:`check_backend`).
+
+    ``archs``: the arch names it compiles for, or None for any name its compiler takes (LLVM CPU
+    names). ``flags(arch)``: the iree-compile flags. ``lowering``: the kernels' default lowering
+    (``Target(..., lowering=)`` overrides it). ``row_chunk``: the widest row the linalg
+    lowering's online softmax reduces in one op (``build_module(row_chunk=)``; None: whole rows).
+    ``tune_contraction(op)`` and ``tune_attention(op, loops)``: the attributes a marked
+    contraction or online_attention op gets (pipeline/tuning.py), None for the compiler's own
+    choice. ``structure_checks``: ``check(spec, vmfb_path) -> problem or None`` each artifact
+    must pass (pipeline/vm_structure.py)."""
+
+    name: str
+    driver: str
+    default_arch: str
+    archs: tuple[str, ...] | None
+    arch_note: str
+    flags: Callable[[str], list[str]]
+    lowering: str
+    row_chunk: int | None
+    tune_contraction: Callable
+    tune_attention: Callable
+    structure_checks: tuple[Callable, ...]
+
+    @property
+    def on_host(self) -> bool:
+        """Runs on the host CPU (a ``local-*`` driver): a device always exists."""
+        return self.driver.startswith("local-")
+
+
+def check_backend(key: str, record: Backend) -> None:
+    """Raises TypeError naming the first field of ``record`` that is missing or inconsistent."""
+    def bad(field_name: str, why: str):
+        return TypeError(f"BACKENDS[{key!r}].{field_name}: {why}")
+
+    for name in ("name", "driver", "default_arch"):
+        if not isinstance(getattr(record, name), str) or not getattr(record, name):
+            raise bad(name, "must be a non-empty string")
+    if record.name != key:
+        raise bad("name", f"{record.name!r} differs from its key")
+    if record.archs is not None and record.default_arch not in record.archs:
+        raise bad("default_arch", f"{record.default_arch!r} is not in archs {record.archs}")
+    if not isinstance(record.arch_note, str):
+        raise bad("arch_note", "must be a string")
+    if record.lowering not in LOWERINGS:
+        raise bad("lowering", f"must be one of {LOWERINGS}, got {record.lowering!r}")
+    if record.row_chunk is not None and (not isinstance(record.row_chunk, int) or record.row_chunk < 1):
+        raise bad("row_chunk", "must be None or a positive int")
+    for name in ("flags", "tune_contraction", "tune_attention"):
+        if not callable(getattr(record, name)):
+            raise bad(name, "must be callable")
+    if not isinstance(record.structure_checks, tuple) or not all(map(callable, record.structure_checks)):
+        raise bad("structure_checks", "must be a tuple of callables")
+    if not all(isinstance(flag, str) for flag in record.flags(record.default_arch)):
+        raise bad("flags", "must return a list of strings")
+
+
+def _cpu_flags(arch: str) -> list[str]:
+    return ["--iree-hal-target-device=local", "--iree-hal-local-target-device-backends=llvm-cpu",
+            f"--iree-llvmcpu-target-cpu={arch}", "--iree-opt-level=O3"]
+
+
+def _cuda_flags(arch: str) -> list[str]:
+    return ["--iree-hal-target-device=cuda", f"--iree-cuda-target={arch}", "--iree-opt-level=O3"]
+
+
+def _keep_default(*_) -> None:
+    """A tuning hook that keeps the compiler's own configuration."""
+    return None
+
+
+BACKENDS: dict[str, Backend] = {
+    # The explicit linalg online softmax (IREE's fused attention op measured ~30x slower there,
+    # bench/report.py); whole-row reductions: 3 dispatches a KV step instead of 6
+    # (docs/performance.md, row reductions); the measured contraction tiling.
+    "llvm-cpu": Backend(
+        name="llvm-cpu", driver="local-task", default_arch="host", archs=None, arch_note="",
+        flags=_cpu_flags, lowering="linalg", row_chunk=None,
+        tune_contraction=tuning.cpu_contraction_config, tune_attention=_keep_default, structure_checks=()),
+    # The KV loop inside one online_attention dispatch per query band, f16/bf16 operands on the
+    # tensor cores (mlir/fused_kernels.py, docs/cuda.md). IREE 3.13 fails to distribute a
+    # 256-column row reduction (the linalg lowering's row_chunk); sm_90, sm_90a and sm_100 fail
+    # with "missing GPU target".
+    "cuda": Backend(
+        name="cuda", driver="cuda", default_arch="sm_80", archs=("sm_80", "sm_86", "sm_89", "sm_120"),
+        arch_note="Hopper (H100, H200) and newer run sm_80 PTX through the driver JIT, so use sm_80",
+        flags=_cuda_flags, lowering="fused", row_chunk=128,
+        tune_contraction=_keep_default, tune_attention=tuning.cuda_attention_config,
+        structure_checks=(vm_structure.missing_tensor_cores, vm_structure.host_stalls_in_loops)),
+}
+for _key, _record in BACKENDS.items():
+    check_backend(_key, _record)
+
+
+def backend_record(name: str) -> Backend:
+    """The record of backend ``name``; ValueError naming it and the known ones if there is none."""
+    record = BACKENDS.get(name)
+    if record is None:
+        raise ValueError(f"unknown backend {name!r}: known backends are {', '.join(BACKENDS)}")
+    return record
 
 
 @dataclass(frozen=True)
@@ -34,42 +137,44 @@ class Target:
     lowering: str = ""
 
     def __post_init__(self):
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        record = backend_record(self.backend)
         if not self.arch:
-            object.__setattr__(self, "arch", "host" if self.backend == "llvm-cpu" else "sm_80")
-        if self.backend == "cuda" and self.arch not in CUDA_ARCHS:
-            raise ValueError(f"cuda arch {self.arch!r}: IREE 3.13 compiles CUDA for {', '.join(CUDA_ARCHS)} only; "
-                             "Hopper (H100, H200) and newer run sm_80 PTX through the driver JIT, so use sm_80")
+            object.__setattr__(self, "arch", record.default_arch)
+        if record.archs is not None and self.arch not in record.archs:
+            note = f"; {record.arch_note}" if record.arch_note else ""
+            raise ValueError(f"{self.backend} arch {self.arch!r}: known archs are {', '.join(record.archs)}{note}")
         if not self.lowering:
-            object.__setattr__(self, "lowering", DEFAULT_LOWERING[self.backend])
+            object.__setattr__(self, "lowering", record.lowering)
         if self.lowering not in LOWERINGS:
             raise ValueError(f"lowering must be one of {LOWERINGS}, got {self.lowering!r}")
 
     @property
+    def record(self) -> Backend:
+        """The backend's record in ``BACKENDS``."""
+        return backend_record(self.backend)
+
+    @property
     def driver(self) -> str:
         """The IREE runtime driver that runs this target's artifacts."""
-        return RUNTIME_DRIVER[self.backend]
+        return self.record.driver
 
     @property
     def tag(self) -> str:
         """Filename-safe id, e.g. ``llvm-cpu-host``, ``cuda-sm_80`` or, for a lowering other than
         the backend's own, ``llvm-cpu-host-fused``."""
-        suffix = "" if self.lowering == DEFAULT_LOWERING[self.backend] else f"-{self.lowering}"
+        suffix = "" if self.lowering == self.record.lowering else f"-{self.lowering}"
         return f"{self.backend}-{self.arch}{suffix}"
 
     def flags(self) -> list[str]:
-        if self.backend == "llvm-cpu":
-            base = [
-                "--iree-hal-target-device=local",
-                "--iree-hal-local-target-device-backends=llvm-cpu",
-                f"--iree-llvmcpu-target-cpu={self.arch}",
-            ]
-        else:
-            base = ["--iree-hal-target-device=cuda", f"--iree-cuda-target={self.arch}"]
-        return [*base, "--iree-opt-level=O3", *self.extra_flags]
+        return [*self.record.flags(self.arch), *self.extra_flags]
 
 
 def target_for(backend: str | Target) -> Target:
     """A Target from a backend name (defaults for its arch) or an existing Target."""
     return backend if isinstance(backend, Target) else Target(backend)
+
+
+def structure_problems(spec, target: Target, vmfb_path) -> list[str]:
+    """What is wrong with the structure of ``spec``'s artifact for ``target`` (the vmfb at
+    ``vmfb_path``), by its backend's structure checks; empty when it passes them all."""
+    return [problem for check in target.record.structure_checks if (problem := check(spec, vmfb_path))]

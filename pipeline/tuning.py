@@ -3,21 +3,26 @@
     ir_text = tuned_ir(spec, Target("llvm-cpu"))   # the spec's module, ready for iree-compile
 
 The IR builder marks its two contractions per KV tile (scores = q.k and probs x values) with
-``CONTRACTION_MARKER``. For llvm-cpu the marker becomes an ``iree_codegen.compilation_info`` that
-fixes the tiling (88-97 GFLOP/s against IREE's default 56-68 on the dense kernel's shapes:
-docs/performance.md, contraction tiling); other targets keep IREE's own choice. The marker is
-removed either way.
+``CONTRACTION_MARKER`` and each online_attention op with ``ATTENTION_MARKER``; the target's
+backend record (pipeline/targets.py: BACKENDS) says what each becomes. llvm-cpu's contractions
+get an ``iree_codegen.compilation_info`` that fixes the tiling (88-97 GFLOP/s against IREE's
+default 56-68 on the dense kernel's shapes: docs/performance.md, contraction tiling); CUDA's
+16-bit attention ops get a tensor-core configuration (:func:`cuda_attention_config`). The
+markers are removed either way.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..mlir import build_fused_module, build_module
 from ..mlir.attention_op import ATTENTION_MARKER, TILE
 from ..mlir.ir import ir
 from ..mlir.online_softmax import CONTRACTION_MARKER
-from .targets import Target
+
+if TYPE_CHECKING:
+    from .targets import Target
 
 # One entry per loop (h, m, n, k); docs/performance.md has what they were measured against.
 CPU_CONTRACTION_TILING = dict(distribution=[1, 32, 128, 0], vector_common_parallel=[1, 4, 16, 0],
@@ -28,13 +33,15 @@ CPU_CONTRACTION_TILING = dict(distribution=[1, 32, 128, 0], vector_common_parall
 _LEADING_LOOP = dict(distribution=1, vector_common_parallel=1, vector_reduction=0)
 
 
-def _cpu_compilation_info(loops: int) -> ir.Attribute:
-    """The llvm-cpu tiling for a contraction with ``loops`` loops (4, or 5 with a batch loop)."""
+def cpu_contraction_config(op: ir.Operation) -> dict[str, ir.Attribute]:
+    """The llvm-cpu tiling of a marked contraction (4 loops, or 5 with a batch loop): the
+    ``tune_contraction`` hook of ``BACKENDS["llvm-cpu"]``."""
+    loops = len(ir.ArrayAttr(op.attributes["iterator_types"]))
     levels = ", ".join(f"{name} = {[_LEADING_LOOP[name]] * (loops - len(sizes)) + sizes}"
                        for name, sizes in CPU_CONTRACTION_TILING.items())
-    return ir.Attribute.parse(
+    return {"compilation_info": ir.Attribute.parse(
         f"#iree_codegen.compilation_info<lowering_config = #iree_cpu.lowering_config<{levels}>, "
-        "translation_info = #iree_codegen.translation_info<pipeline = #iree_cpu.pipeline<DoubleTilingExpert>>>")
+        "translation_info = #iree_codegen.translation_info<pipeline = #iree_cpu.pipeline<DoubleTilingExpert>>>")}
 
 
 #: Tensor-core instruction per operand type on IREE 3.13's CUDA target (sm_80 mma.sync, f32 sums).
@@ -79,10 +86,11 @@ def cuda_attention_tiling(d_qk: int, d_v: int, query_rows: int = TILE) -> Attent
     return ROWS_64_UNSTAGED_STEPS
 
 
-def _cuda_attention_config(op: ir.Operation, loops: tuple[str, ...]) -> dict[str, ir.Attribute] | None:
+def cuda_attention_config(op: ir.Operation, loops: tuple[str, ...]) -> dict[str, ir.Attribute] | None:
     """compilation_info + decomposition_config of one online_attention op with ``loops`` (named
     as in ``attention_op.ALL_LOOPS`` or ``ENTRY_LOOPS``), or None for f32 operands (no tensor
-    cores on this target: IREE's default SIMT configuration)."""
+    cores on this target: IREE's default SIMT configuration): the ``tune_attention`` hook of
+    ``BACKENDS["cuda"]``."""
     query_type, value_type, mask_type = (ir.RankedTensorType(op.operands[i].type) for i in (0, 2, 4))
     kind = CUDA_MMA_KIND.get(str(query_type.element_type))
     if kind is None:
@@ -123,28 +131,20 @@ def _marked(module: ir.Module, marker: str) -> list[ir.Operation]:
 
 
 def apply_tuning(module: ir.Module, target: Target) -> ir.Module:
-    """Replaces every contraction and attention marker in ``module`` (in place) for ``target``;
-    returns it."""
+    """Replaces every contraction and attention marker in ``module`` (in place) by what the
+    target's backend record's hooks give (``tune_contraction``, ``tune_attention``); returns it."""
+    record = target.record
     with module.context:
         for op in _marked(module, CONTRACTION_MARKER):
             del op.attributes[CONTRACTION_MARKER]
-            if target.backend == "llvm-cpu":
-                loops = len(ir.ArrayAttr(op.attributes["iterator_types"]))
-                op.attributes["compilation_info"] = _cpu_compilation_info(loops)
+            for name, value in (record.tune_contraction(op) or {}).items():
+                op.attributes[name] = value
         for op in _marked(module, ATTENTION_MARKER):
             loops = tuple(ir.StringAttr(name).value for name in ir.ArrayAttr(op.attributes[ATTENTION_MARKER]))
             del op.attributes[ATTENTION_MARKER]
-            config = _cuda_attention_config(op, loops) if target.backend == "cuda" else None
-            for name, value in (config or {}).items():
+            for name, value in (record.tune_attention(op, loops) or {}).items():
                 op.attributes[name] = value
     return module
-
-
-#: The widest row the online softmax reduces in one op, per backend (``build_module(row_chunk=)``).
-#: IREE 3.13: CUDA fails to distribute a 256-column row reduction, two 128-column chunks compile.
-#: llvm-cpu reduces whole rows: 3 dispatches a KV step instead of 6 (docs/performance.md, row
-#: reductions).
-ROW_CHUNK = {"llvm-cpu": None, "cuda": 128}
 
 
 def tuned_module(spec, target: Target) -> ir.Module:
@@ -152,7 +152,7 @@ def tuned_module(spec, target: Target) -> ir.Module:
     if target.lowering == "fused":
         module = build_fused_module(spec)
     else:
-        module = build_module(spec, row_chunk=ROW_CHUNK[target.backend])
+        module = build_module(spec, row_chunk=target.record.row_chunk)
     return apply_tuning(module, target)
 
 

@@ -2,6 +2,7 @@
 
     calls = host_blocking_calls_in_loops(vmfb_path)   # {"hal.device.queue.alloca": 0, ...}
     count = tensor_core_instructions(vmfb_bytes)       # mma.sync in the embedded PTX
+    missing_tensor_cores(spec, vmfb_path)             # a structure check: a problem, or None
 
 IREE 3.13's CUDA HAL blocks the host inside ``queue.alloca`` and ``queue.dealloca`` and, of course,
 in ``fence.await``; any of them inside a loop of the host program drains the GPU on every trip.
@@ -114,3 +115,20 @@ def host_blocking_calls_in_loops(vmfb_path: str | Path, *, innermost: bool = Fal
 def tensor_core_instructions(vmfb: bytes) -> int:
     """``mma.sync`` instructions in the PTX a CUDA vmfb embeds as text (0: no tensor cores)."""
     return vmfb.count(b"mma.sync")
+
+
+# Structure checks: ``check(spec, vmfb_path) -> problem or None``; a backend record lists the ones
+# its artifacts must pass (pipeline/targets.py: Backend.structure_checks).
+
+
+def missing_tensor_cores(spec, vmfb_path: str | Path) -> str | None:
+    """f16/bf16 operands must run on tensor cores (f32 has none on IREE 3.13's CUDA target)."""
+    if spec.dtype == "float32" or tensor_core_instructions(Path(vmfb_path).read_bytes()):
+        return None
+    return f"{spec.name}: no mma.sync in the PTX, so its {spec.dtype} operands miss the tensor cores"
+
+
+def host_stalls_in_loops(spec, vmfb_path: str | Path) -> str | None:
+    """No host-blocking call inside a loop of the host program (each would drain the GPU)."""
+    stalls = {name: count for name, count in host_blocking_calls_in_loops(vmfb_path).items() if count}
+    return None if not stalls else f"{spec.name}: host-blocking calls inside host-program loops: {stalls}"
