@@ -1,6 +1,7 @@
 """The ``linalg-prefill`` command.
 
     linalg-prefill build --model configs/llama-3-8b.json --backends llvm-cpu,cuda --out build/llama
+    linalg-prefill build --model configs/llama-3-8b.json --arch cuda=sm_86 --arch llvm-cpu=x86-64-v3 --out build/l
     linalg-prefill list build/llama
     linalg-prefill check build/llama --backends llvm-cpu,cuda
     linalg-prefill bench build/llama --backends llvm-cpu --tokens 1024 --json bench.json
@@ -19,6 +20,8 @@ from .mlir.specs import DTYPES
 from .pipeline.cache import default_cache
 from .pipeline.targets import BACKENDS, Target
 
+ALL_BACKENDS = ",".join(BACKENDS)
+
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="linalg-prefill", description=__doc__,
@@ -26,17 +29,22 @@ def main(argv=None) -> int:
     parser.add_argument("--version", action="version", version=_version_line())
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="build the kernels, run them on the CPU against the reference")
-    demo.add_argument("--backends", default="llvm-cpu,cuda", help="comma-separated backends to build")
+    demo.add_argument("--backends", default=ALL_BACKENDS, help="comma-separated backends to build")
     sub.add_parser("clear-cache", help="remove every cached artifact")
     build = sub.add_parser("build", help="compile every kernel variant a model needs into a folder with a manifest")
     build.add_argument("--model", required=True, help="Hugging Face config.json or a project TOML/JSON config")
     build.add_argument("--out", required=True, help="output folder (vmfb files and manifest.json)")
-    build.add_argument("--backends", default="llvm-cpu,cuda", help="comma-separated, from " + ",".join(BACKENDS))
+    build.add_argument("--backends", default=ALL_BACKENDS, help="comma-separated, from " + ALL_BACKENDS)
     build.add_argument("--dtype", choices=DTYPES, help="override the config's dtype")
     build.add_argument("--page-size", type=int, help="override the config's KV-cache page size (default 16)")
     build.add_argument("--jobs", type=int, help="parallel compiles (default: CPU count)")
-    build.add_argument("--cpu", default="host", help="LLVM CPU for llvm-cpu, e.g. x86-64-v3 (default host)")
-    build.add_argument("--cuda-arch", default="sm_80", help="CUDA target for cuda (default sm_80)")
+    build.add_argument("--arch", action="append", default=[], metavar="BACKEND=ARCH",
+                       help="a backend's arch, repeatable, e.g. cuda=sm_86 or llvm-cpu=x86-64-v3 (default: "
+                            + ", ".join(f"{name}={record.default_arch}" for name, record in BACKENDS.items()) + ")")
+    build.add_argument("--cpu", action="append", dest="arch", type=lambda arch: f"llvm-cpu={arch}",
+                       help="the same as --arch llvm-cpu=CPU")
+    build.add_argument("--cuda-arch", action="append", dest="arch", type=lambda arch: f"cuda={arch}",
+                       help="the same as --arch cuda=ARCH")
     listing = sub.add_parser("list", help="list a build folder's artifacts and check their sha256")
     listing.add_argument("dir", help="a folder written by `linalg-prefill build`")
     check = sub.add_parser("check", help="run every artifact of a build folder on small random inputs "
@@ -88,7 +96,27 @@ def _argument_problem(args) -> str | None:
             return str(err)
     if args.command == "build" and Path(args.out).exists() and not Path(args.out).is_dir():
         return f"--out {args.out}: is a file; give a folder (created if missing)"
+    if args.command == "build":
+        try:
+            args.arch = arch_choices(args.arch)
+        except ValueError as err:
+            return str(err)
     return None
+
+
+def arch_choices(items: list[str]) -> dict[str, str]:
+    """``--arch BACKEND=ARCH`` items as {backend: arch}, the last one of a backend winning; each
+    backend and arch known (pipeline/targets.py: BACKENDS), else ValueError."""
+    choices = {}
+    for item in items:
+        name, sep, arch = (part.strip() for part in item.partition("="))
+        if not sep or not arch:
+            raise ValueError(f"--arch {item!r}: expected BACKEND=ARCH, e.g. cuda=sm_86")
+        try:
+            choices[name] = Target(name, arch).arch
+        except ValueError as err:
+            raise ValueError(f"--arch {item!r}: {err}") from None
+    return choices
 
 
 def backend_list(text: str) -> list[str]:
@@ -112,7 +140,7 @@ def _version_line() -> str:
 def _add_folder_and_backends(parser) -> None:
     """The build-folder argument and --backends of the commands that run a folder's artifacts."""
     parser.add_argument("dir", help="a folder written by `linalg-prefill build`")
-    parser.add_argument("--backends", default="llvm-cpu,cuda",
+    parser.add_argument("--backends", default=ALL_BACKENDS,
                         help="comma-separated; a backend without a device here is skipped")
 
 
@@ -122,10 +150,9 @@ def _build(args) -> int:
     from .pipeline.compiler import CompileError
     from .pipeline.model_config import load_model_config, specs_for_model
 
-    arch = {"llvm-cpu": args.cpu, "cuda": args.cuda_arch}
     try:
         cfg = load_model_config(args.model, dtype=args.dtype, page_size=args.page_size)
-        targets = [Target(b, arch.get(b, "")) for b in args.backends]
+        targets = [Target(b, args.arch.get(b, "")) for b in args.backends]
     except (OSError, ValueError) as err:
         print(f"linalg-prefill build: error: {err}", file=sys.stderr)
         return 2
@@ -236,7 +263,8 @@ def _size(count: int) -> str:
 
 
 def _show_config() -> int:
-    """``show-config``: compiler and runtime versions, HAL drivers, which devices can be created."""
+    """``show-config``: compiler and runtime versions, HAL drivers, the backends (pipeline/targets.py:
+    BACKENDS) and which of their devices can be created."""
     import iree.runtime as rt
     from iree.runtime.version import VERSION as RUNTIME_VERSION
 
@@ -247,7 +275,11 @@ def _show_config() -> int:
     print(f"IREE compiler     {COMPILER_VERSION}")
     print(f"IREE runtime      {RUNTIME_VERSION}")
     print(f"HAL drivers       {', '.join(rt.query_available_drivers())}")
-    for driver in ("local-task", "cuda"):
+    for name, record in BACKENDS.items():
+        archs = "any" if record.archs is None else ", ".join(record.archs)
+        print(f"backend {name:<9} driver {record.driver}, lowering {record.lowering}, "
+              f"arch {record.default_arch} (archs: {archs})")
+    for driver in dict.fromkeys(record.driver for record in BACKENDS.values()):
         reason = device_problem(driver)
         print(f"device {driver:<10} {'usable' if reason is None else 'not usable: ' + reason}")
     print(f"artifact cache    {cache.root}{'' if cache.enabled else ' (disabled)'}")

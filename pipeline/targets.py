@@ -110,7 +110,7 @@ BACKENDS: dict[str, Backend] = {
     # with "missing GPU target".
     "cuda": Backend(
         name="cuda", driver="cuda", default_arch="sm_80", archs=("sm_80", "sm_86", "sm_89", "sm_120"),
-        arch_note="Hopper (H100, H200) and newer run sm_80 PTX through the driver JIT, so use sm_80",
+        arch_note="IREE 3.13 has no sm_90 or sm_100 target; Hopper (H100, H200) and newer run sm_80 PTX through the driver JIT, so use sm_80",
         flags=_cuda_flags, lowering="fused", row_chunk=128,
         tune_contraction=_keep_default, tune_attention=tuning.cuda_attention_config,
         structure_checks=(vm_structure.missing_tensor_cores, vm_structure.host_stalls_in_loops)),

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..mlir.abi import argument_names, ordered
-from ..pipeline import ArtifactCache, target_for
+from ..pipeline import BACKENDS, ArtifactCache, target_for
 from . import reference
 from .checks import as_array, on_host
 from .devices import device_available
@@ -89,9 +89,10 @@ class ComparisonReport:
         return title + "\n" + _format_table(header, rows)
 
 
-def compare_backends(spec, args, backends=("llvm-cpu", "cuda"), *, cache: ArtifactCache | None = None,
+def compare_backends(spec, args, backends=None, *, cache: ArtifactCache | None = None,
                      artifacts=None) -> ComparisonReport:
-    """Runs the seed-ABI call ``args`` of ``spec`` on each backend whose device exists.
+    """Runs the seed-ABI call ``args`` of ``spec`` on each backend whose device exists (``backends``:
+    default every backend of pipeline/targets.py: BACKENDS).
 
     A backend is a name (``"cuda"``) or a :class:`Target` (reported by its tag, so two archs of one
     backend can be compared). Kernels come from ``artifacts`` (backend name -> :class:`ArtifactSet`)
@@ -103,7 +104,7 @@ def compare_backends(spec, args, backends=("llvm-cpu", "cuda"), *, cache: Artifa
     bound = error_bound(spec, args, want)
     valid = bound.valid
     results, runs = [], {}
-    for backend in backends:
+    for backend in tuple(BACKENDS) if backends is None else backends:
         name, driver = backend if isinstance(backend, str) else backend.tag, target_for(backend).driver
         if not device_available(driver):
             results.append(BackendResult(name, skipped=f"no {driver} device here"))

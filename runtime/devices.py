@@ -1,4 +1,5 @@
-"""IREE devices: creation, probing and the mapping from backend names to drivers."""
+"""IREE devices: creation, and probing by driver or by backend (its record's driver,
+pipeline/targets.py: BACKENDS)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import functools
 import iree.runtime as rt
 
 from ..pipeline.quiet_logging import root_logger_left_alone
+from ..pipeline.targets import Target, target_for
 
 DEFAULT_CPU_DRIVER = "local-task"
 
@@ -45,5 +47,10 @@ def device_problem(driver: str) -> str | None:
     return None
 
 
+def backend_available(backend: str | Target) -> bool:
+    """True when a device for the backend's driver can be created here."""
+    return device_available(target_for(backend).driver)
+
+
 def cuda_available() -> bool:
-    return device_available("cuda")
+    return backend_available("cuda")

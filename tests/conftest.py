@@ -12,29 +12,39 @@ import numpy as np
 import pytest
 
 from linalg_prefill.pipeline import ArtifactCache, Target
-from linalg_prefill.runtime import cuda_available, examples
+from linalg_prefill.pipeline.targets import BACKENDS as TARGET_BACKENDS, LOWERINGS
+from linalg_prefill.runtime import examples
+from linalg_prefill.runtime.devices import backend_available
 from linalg_prefill.runtime.examples import uniform as _uniform
 from linalg_prefill.runtime.compare import error_bound, reference_for
 from linalg_prefill.runtime.reference import EMPTY_ROW_LSE
 
 NUMPY_DTYPE = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 
-#: Every numerics test runs on each: llvm-cpu (its linalg lowering), the fused lowering CUDA uses
-#: compiled for llvm-cpu (same IR structure, so a wrong mask or index shows up without a GPU),
-#: and CUDA itself where a device exists.
-BACKENDS = [
-    "llvm-cpu",
-    pytest.param(Target("llvm-cpu", lowering="fused"), id="llvm-cpu-fused"),
-    pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not cuda_available(), reason="no CUDA device")]),
-]
-#: Without the fused lowering on llvm-cpu, for two kinds of test:
+#: Every numerics test runs on each backend of pipeline/targets.py: BACKENDS: llvm-cpu (its linalg
+#: lowering), then, for a backend on the host CPU, its other lowerings (the fused lowering CUDA
+#: uses compiled for llvm-cpu: same IR structure, so a wrong mask or index shows up without a
+#: GPU), and CUDA itself (marked ``device``) where a device exists.
+BACKENDS = []
+#: The same without the host backends' other lowerings, for two kinds of test:
 #: - query/key head dims above 128: IREE 3.13's llvm-cpu code for online_attention tiles the head
 #:   dim of Q.K^T and treats each partial dot product as a score (measured: ragged d_qk 160, 192,
-#:   256, 320 and 576 off by 0.24-0.39 in the output, 96 and 128 exact), so the fused lowering
-#:   cannot be checked there; the CUDA configuration keeps the head dim whole;
+#:   256, 320 and 576 off by 0.24-0.39 in the output, 96 and 128 exact; reproducer:
+#:   docs/iree-cpu-attention-bug.md), so the fused lowering cannot be checked there; the CUDA
+#:   configuration keeps the head dim whole;
 #: - the float32 grids of the dense and ragged kernels, whose fused runs repeat what the other
 #:   tests check (they kept the suite near 20 minutes on 2 cores).
-BACKENDS_WITHOUT_FUSED_CPU = [BACKENDS[0], BACKENDS[2]]
+BACKENDS_WITHOUT_FUSED_CPU = []
+for _name, _record in TARGET_BACKENDS.items():
+    if _record.on_host:
+        BACKENDS += [_name, *(pytest.param(Target(_name, lowering=lowering), id=f"{_name}-{lowering}")
+                              for lowering in LOWERINGS if lowering != _record.lowering)]
+        BACKENDS_WITHOUT_FUSED_CPU.append(_name)
+    else:
+        _param = pytest.param(_name, marks=[pytest.mark.device, pytest.mark.skipif(
+            not backend_available(_name), reason=f"no {_record.driver} device")])
+        BACKENDS.append(_param)
+        BACKENDS_WITHOUT_FUSED_CPU.append(_param)
 
 
 def pytest_addoption(parser):

@@ -288,7 +288,10 @@ def test_cli_version(capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--cuda-arch", "sm_90"], "cuda arch 'sm_90': IREE 3.13 compiles CUDA for sm_80"),
+    (["--cuda-arch", "sm_90"], "--arch 'cuda=sm_90': cuda arch 'sm_90': known archs are sm_80, sm_86"),
+    (["--arch", "cuda=sm_90"], "--arch 'cuda=sm_90': cuda arch 'sm_90': known archs are sm_80, sm_86"),
+    (["--arch", "metal=m3"], "--arch 'metal=m3': unknown backend 'metal': known backends are llvm-cpu, cuda"),
+    (["--arch", "sm_86"], "--arch 'sm_86': expected BACKEND=ARCH"),
     (["--backends", "llvm-cpu, metal"], "--backends 'llvm-cpu, metal': expected comma-separated names"),
 ])
 def test_cli_build_errors_are_one_line(argv, message, tmp_path, capsys):
@@ -311,6 +314,18 @@ def test_cli_build_out_must_be_a_folder_and_configs_name_their_line(tmp_path, ca
     assert main(["build", "--model", str(bad_toml), "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert f"{bad_toml}: malformed TOML" in err and "line 2" in err
+
+
+def test_cli_arch_takes_backend_arch_pairs_and_the_old_aliases(monkeypatch, tmp_path):
+    from linalg_prefill import cli
+
+    built = []
+    monkeypatch.setattr(cli, "_build", lambda args: built.append(args.arch) or 0)
+    base = ["build", "--model", str(TINY), "--out", str(tmp_path / "o")]
+    assert main(base) == 0
+    assert main([*base, "--arch", "cuda=sm_86", "--cpu", "x86-64-v3", "--arch", " llvm-cpu = znver4 "]) == 0
+    assert main([*base, "--cuda-arch", "sm_120"]) == 0
+    assert built == [{}, {"cuda": "sm_86", "llvm-cpu": "znver4"}, {"cuda": "sm_120"}]
 
 
 def test_cli_backends_tolerate_spaces():

@@ -1,6 +1,7 @@
 """Every variant compiles for CUDA without a GPU, and its artifact has the structure a GPU needs:
-tensor cores for f16/bf16 operands and no host-blocking call inside the loops of the host program
-(pipeline/vm_structure.py reads both from the vmfb)."""
+the structure checks of ``BACKENDS["cuda"]`` (pipeline/targets.py), tensor cores for f16/bf16
+operands and no host-blocking call inside the loops of the host program (pipeline/vm_structure.py
+reads both from the vmfb)."""
 
 import pytest
 
@@ -9,6 +10,7 @@ from linalg_prefill.mlir import (
     SequencePrefillSpec,
 )
 from linalg_prefill.pipeline import Target, compile_spec
+from linalg_prefill.pipeline.targets import structure_problems
 from linalg_prefill.pipeline.vm_structure import (
     disassembly, host_blocking_calls_in_loops, loop_bodies, tensor_core_instructions,
 )
@@ -67,25 +69,15 @@ def _artifact(spec, cache, tmp_path, lowering=""):
 
 
 @pytest.mark.parametrize("spec", ALL_SPECS, ids=lambda s: s.name)
-def test_compiles_for_cuda_sm80(spec, cache, tmp_path):
-    vmfb, _ = _artifact(spec, cache, tmp_path)
+def test_compiles_for_cuda_sm80_with_the_structure_a_gpu_needs(spec, cache, tmp_path):
+    """The structure checks: tensor cores for f16/bf16 operands; no queue.alloca, queue.dealloca
+    or fence.await inside a loop of the host program (the KV loop is inside each band's dispatch,
+    bands are written in place, and the KV-cache kernels read their index arrays from host
+    memory: mlir/ir.py: HostReadable)."""
+    vmfb, path = _artifact(spec, cache, tmp_path)
     assert vmfb[:2] == b"PK"  # a vmfb is a zip-framed flatbuffer
     assert spec.symbol.encode() in vmfb and b"cuda" in vmfb
-
-
-@pytest.mark.parametrize("spec", DENSE_SPECS + KV_CACHE_SPECS + MLA_SPECS + DECODE_SPECS, ids=lambda s: s.name)
-def test_half_precision_runs_on_tensor_cores(spec, cache, tmp_path):
-    vmfb, _ = _artifact(spec, cache, tmp_path)
-    assert tensor_core_instructions(vmfb) > 0
-
-
-@pytest.mark.parametrize("spec", ALL_SPECS, ids=lambda s: s.name)
-def test_no_host_blocking_call_in_any_loop(spec, cache, tmp_path):
-    """No queue.alloca, queue.dealloca or fence.await inside a loop of the host program: the KV
-    loop is inside each band's dispatch, bands are written in place, and the KV-cache kernels
-    read their index arrays from host memory (mlir/ir.py: HostReadable)."""
-    _, path = _artifact(spec, cache, tmp_path)
-    assert host_blocking_calls_in_loops(path) == dict.fromkeys(host_blocking_calls_in_loops(path), 0)
+    assert structure_problems(spec, Target("cuda"), path) == []
 
 
 @pytest.mark.parametrize("spec", DECODE_SPECS, ids=lambda s: s.name)
@@ -105,3 +97,5 @@ def test_the_check_sees_the_linalg_lowerings_stalls(cache, tmp_path):
     assert host_blocking_calls_in_loops(path, innermost=True)["hal.device.queue.alloca"] > 0
     assert host_blocking_calls_in_loops(path)["hal.fence.await"] > 0
     assert tensor_core_instructions(vmfb) == 0
+    tensor_cores, stalls = structure_problems(spec, Target("cuda"), path)
+    assert "no mma.sync in the PTX" in tensor_cores and "host-blocking calls inside host-program loops" in stalls
