@@ -94,7 +94,7 @@ def main() -> None:
         for label, spec, batch, new, cached in CONFIGS:
             for lowering in options.lowerings.split(","):
                 if lowering == "fused" and spec.d_qk > 128:
-                    continue  # llvm-cpu's online_attention mis-tiles head dims above 128 (docs/cuda.md)
+                    continue  # llvm-cpu's online_attention mis-tiles head dims above 128 (docs/iree-cpu-attention-bug.md)
                 r = measure(spec, lowering, batch, new, cached, folder)
                 print(f"{label:<41} {f'{batch} x {new} vs {cached}':<16} {lowering:<8} {r['calls']:>5} "
                       f"{r['kv'] / 2**20:>8.1f} {r['scratch'] / 2**20:>11.1f} {r['scratch'] / r['kv']:>6.2f}",

@@ -1,7 +1,7 @@
 """The ``linalg-prefill`` command.
 
     linalg-prefill build --model configs/llama-3-8b.json --backends llvm-cpu,cuda --out build/llama
-    linalg-prefill build --model configs/llama-3-8b.json --arch cuda=sm_86 --arch llvm-cpu=x86-64-v3 --out build/l
+    linalg-prefill build --model configs/llama-3-8b.json --arch cuda=sm_86 --out build/llama-sm86
     linalg-prefill list build/llama
     linalg-prefill check build/llama --backends llvm-cpu,cuda
     linalg-prefill bench build/llama --backends llvm-cpu --tokens 1024 --json bench.json
@@ -20,7 +20,11 @@ from .mlir.specs import DTYPES
 from .pipeline.cache import default_cache
 from .pipeline.targets import BACKENDS, Target
 
-ALL_BACKENDS = ",".join(BACKENDS)
+
+
+def _all_backends() -> str:
+    """Every backend of pipeline/targets.py: BACKENDS, comma-separated (the --backends default)."""
+    return ",".join(BACKENDS)
 
 
 def main(argv=None) -> int:
@@ -29,12 +33,12 @@ def main(argv=None) -> int:
     parser.add_argument("--version", action="version", version=_version_line())
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="build the kernels, run them on the CPU against the reference")
-    demo.add_argument("--backends", default=ALL_BACKENDS, help="comma-separated backends to build")
+    demo.add_argument("--backends", default=_all_backends(), help="comma-separated backends to build")
     sub.add_parser("clear-cache", help="remove every cached artifact")
     build = sub.add_parser("build", help="compile every kernel variant a model needs into a folder with a manifest")
     build.add_argument("--model", required=True, help="Hugging Face config.json or a project TOML/JSON config")
     build.add_argument("--out", required=True, help="output folder (vmfb files and manifest.json)")
-    build.add_argument("--backends", default=ALL_BACKENDS, help="comma-separated, from " + ALL_BACKENDS)
+    build.add_argument("--backends", default=_all_backends(), help="comma-separated, from " + _all_backends())
     build.add_argument("--dtype", choices=DTYPES, help="override the config's dtype")
     build.add_argument("--page-size", type=int, help="override the config's KV-cache page size (default 16)")
     build.add_argument("--jobs", type=int, help="parallel compiles (default: CPU count)")
@@ -140,7 +144,7 @@ def _version_line() -> str:
 def _add_folder_and_backends(parser) -> None:
     """The build-folder argument and --backends of the commands that run a folder's artifacts."""
     parser.add_argument("dir", help="a folder written by `linalg-prefill build`")
-    parser.add_argument("--backends", default=ALL_BACKENDS,
+    parser.add_argument("--backends", default=_all_backends(),
                         help="comma-separated; a backend without a device here is skipped")
 
 
