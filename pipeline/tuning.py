@@ -66,8 +66,9 @@ class AttentionTiling:
 #: Measured with ptxas -arch=sm_90 -v (registers / spill bytes of the 256- and 64-row bands):
 #: d 64: 130-157 / 0; d 128: 248-250 / 0 (169-174 for the KV-cache kernels); d 256: 252-254 / 0.
 ROWS_64 = AttentionTiling(rows=TILE, qk_split="qi", pv_split="qi", promote_steps=True)
-#: d_qk != d_v (192/128): the promoted steps fail in IREE 3.13 ("failed to derive layout for
-#: promoted read-like op"); without them: 255 regs, 0 / 56 B spill.
+#: Every other pair (d 72, 80, 96, 160; 192/128): the promoted steps fail in IREE 3.13 ("failed to
+#: derive layout for promoted read-like op"); without them: d 72-96 167-175 regs, 0 spill; d 160
+#: and 192/128 255 regs, 0-56 B spill (docs/cuda.md, head dims).
 ROWS_64_UNSTAGED_STEPS = AttentionTiling(rows=TILE, qk_split="qi", pv_split="qi", promote_steps=False)
 #: MLA (576/512): 64 rows hold a 64 x 512 f32 accumulator (256 registers a thread before
 #: anything else); 16 rows with the warps splitting the keys and the value columns: 255 regs,
