@@ -29,9 +29,11 @@ class Backend:
     """What a backend needs, every field required (checked at import: :func:`check_backend`).
 
     ``archs``: the arch names it compiles for, or None for any name its compiler takes (LLVM CPU
-    names). ``flags(arch)``: the iree-compile flags. ``lowering``: the kernels' default lowering
-    (``Target(..., lowering=)`` overrides it). ``row_chunk``: the widest row the linalg
-    lowering's online softmax reduces in one op (``build_module(row_chunk=)``; None: whole rows).
+    names); ``arch_note``: added to the error for an arch not in ``archs`` ("" for none).
+    ``driver``: the IREE runtime driver of its artifacts. ``flags(arch)``: the iree-compile
+    flags. ``lowering``: the kernels' default lowering (``Target(..., lowering=)`` overrides it).
+    ``row_chunk``: the widest row the linalg lowering's online softmax reduces in one op
+    (``build_module(row_chunk=)``; None: whole rows).
     ``tune_contraction(op)`` and ``tune_attention(op, loops)``: the attributes a marked
     contraction or online_attention op gets (pipeline/tuning.py), None for the compiler's own
     choice. ``structure_checks``: ``check(spec, vmfb_path) -> problem or None`` each artifact
@@ -110,7 +112,8 @@ BACKENDS: dict[str, Backend] = {
     # with "missing GPU target".
     "cuda": Backend(
         name="cuda", driver="cuda", default_arch="sm_80", archs=("sm_80", "sm_86", "sm_89", "sm_120"),
-        arch_note="IREE 3.13 has no sm_90 or sm_100 target; Hopper (H100, H200) and newer run sm_80 PTX through the driver JIT, so use sm_80",
+        arch_note=("IREE 3.13 has no sm_90 or sm_100 target; Hopper (H100, H200) and newer run sm_80 PTX "
+                   "through the driver JIT, so use sm_80"),
         flags=_cuda_flags, lowering="fused", row_chunk=128,
         tune_contraction=_keep_default, tune_attention=tuning.cuda_attention_config,
         structure_checks=(vm_structure.missing_tensor_cores, vm_structure.host_stalls_in_loops)),

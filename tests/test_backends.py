@@ -64,7 +64,8 @@ def test_a_new_backend_is_one_record(fake_backend, capsys):
                 tuned_ir(spec, Target("llvm-cpu", lowering=lowering))
     assert backend_list("llvm-cpu,fake-cpu") == ["llvm-cpu", "fake-cpu"]
     assert main(["show-config"]) == 0
-    assert "backend fake-cpu  driver local-task, lowering linalg, arch x86-64-v3 (archs: any)" in capsys.readouterr().out
+    shown = capsys.readouterr().out
+    assert "backend fake-cpu  driver local-task, lowering linalg, arch x86-64-v3 (archs: any)" in shown
 
 
 def test_a_new_backend_runs_against_the_reference_by_default(fake_backend, cache):
