@@ -37,7 +37,7 @@ from .ir import (
     tensor_type, widened,
 )
 from .abi import ARGUMENTS, Arg, argument_types, kv_sources, result_types, split_sinks
-from .kv_cache import _clamped_page, _read_element as _read
+from .kv_layouts import cache_layout
 from .masks import kv_cache_validity
 from .online_softmax import NO_KEY_MAX, row_sinks, score_transform, sink_lse, sink_normalised
 from .specs import EMPTY_ROW_LSE, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec
@@ -58,8 +58,6 @@ MAX_CHUNK_COLUMNS = 512
 #: f32 tensors of one score per (key, query row) the pass materialises: the raw scores, the
 #: masked and scaled scores, the probabilities.
 SCORE_TENSORS = 3
-#: Rows of a ragged entry per table entry (the ragged cache has no pages).
-RAGGED_BLOCK = 16
 #: Head-dim vector width of the two contractions (loads along d are contiguous), the fastest
 #: measured (docs/performance.md, decode passes).
 SCORE_VECTOR = 16
@@ -82,8 +80,8 @@ class DecodeSpec:
 
     symbol = "decode_entries"
     #: What the pass has as its variant has it (``sliding_window``: False for the ragged cache).
-    _FROM_BASE = frozenset({"dtype", "h_q", "h_kv", "group_size", "kv_layout", "logits_soft_cap", "d", "d_qk", "d_v",
-                            "page_size", "head_sinks"})
+    _FROM_BASE = frozenset({"dtype", "h_q", "h_kv", "group_size", "layout", "kv_layout", "logits_soft_cap", "d", "d_qk",
+                            "d_v", "page_size", "head_sinks"})
 
     def __getattr__(self, name: str):
         if name == "sliding_window":
@@ -104,7 +102,7 @@ class DecodeSpec:
     @property
     def block(self) -> int:
         """Logical KV rows per table entry."""
-        return RAGGED_BLOCK if self.base.kv_layout == "ragged" else self.base.page_size
+        return cache_layout(self.base).block(self.base)
 
     @property
     def blocks_per_chunk(self) -> int:
@@ -123,14 +121,12 @@ class DecodeSpec:
     @property
     def rows_vectorised(self) -> bool:
         """Whether the scores contraction vectorises along the query rows (ROWS_VECTORISED_FROM)."""
-        return self.rows >= ROWS_VECTORISED_FROM and self.base.kv_layout != "latent"
+        return self.rows >= ROWS_VECTORISED_FROM and cache_layout(self.base).vectorise_rows
 
     @property
     def kv_bytes_per_key(self) -> int:
         """Bytes of K/V one key's cache row holds (MLA: one latent row, values included)."""
-        base = self.base
-        itemsize = 4 if base.dtype == "float32" else 2
-        return (self.d_qk if base.kv_layout == "latent" else base.h_kv * (self.d_qk + self.d_v)) * itemsize
+        return cache_layout(self.base).kv_bytes_per_key(self.base)
 
     @property
     def scratch_per_key(self) -> float:
@@ -178,7 +174,8 @@ def _logical_column(spec: DecodeSpec, chunk: ir.Value, block: ir.Value, slot: ir
 
 
 class KvCache:
-    """Where logical row ``r`` of entry ``i`` lives, and its K or V element: the variant logic."""
+    """Where logical row ``r`` of entry ``i`` lives, and its K or V element: the layout's
+    (kv_layouts.py, ``element``)."""
 
     def __init__(self, spec: DecodeSpec, sources: list, table: ir.Value, geometry: ir.Value):
         self.spec, self.sources, self.table, self.geometry = spec, sources, table, geometry
@@ -190,27 +187,9 @@ class KvCache:
         return widened(value) if widen else value
 
     def _element(self, which: int, entry, chunk, block, slot, head, col) -> ir.Value:
-        spec, base = self.spec, self.spec.base
-        logical_block = _logical_block(spec, chunk, block)
-        if base.kv_layout == "ragged":
-            source = self.sources[which]
-            row = arith_d.addi(_read(self.table, [entry, logical_block]), slot)
-            row = arith_d.maxsi(arith_d.minsi(row, arith_d.subi(dim(source, 0), const_index(1))), const_index(0))
-            return tensor_d.extract(source, [row, head, col])
-        table_block, page_slot = logical_block, slot
-        if base.sliding_window:  # logical row r is physical r (r < sink tokens) or r - sink tokens + window_offset
-            r = _logical_column(spec, chunk, block, slot)
-            sink_tokens = _read(self.geometry, [entry, const_index(1)])
-            offset = _read(self.geometry, [entry, const_index(2)])
-            physical = arith_d.select(lt(r, sink_tokens), r, arith_d.addi(arith_d.subi(r, sink_tokens), offset))
-            last_block = arith_d.subi(dim(self.table, 1), const_index(1))
-            table_block = arith_d.minsi(arith_d.divui(physical, const_index(spec.block)), last_block)
-            page_slot = arith_d.remui(physical, const_index(spec.block))
-        pages = self.sources[0]
-        page = _clamped_page(_read(self.table, [entry, table_block]), pages)
-        if base.kv_layout == "paged":
-            return tensor_d.extract(pages, [page, const_index(which), head, page_slot, col])
-        return tensor_d.extract(pages, [page, page_slot, col])  # latent: values are the first d_v
+        spec = self.spec
+        return cache_layout(spec.base).element(spec, self, which, entry, _logical_block(spec, chunk, block),
+                                               lambda: _logical_column(spec, chunk, block, slot), slot, head, col)
 
 
 def _pass_arguments(spec: DecodeSpec) -> tuple[Arg, ...]:

@@ -26,9 +26,9 @@ from .ir import (
     affine_map, arith_d, ceil_div, const_index, dim, element_type, empty, extract_slice, generic,
     ir, linalg_d, lt, tensor_d,
 )
-from .kv_cache import _read_element as _read
 from .masks import kv_cache_validity
 from .online_softmax import row_sinks
+from .paging import read_element as _read
 
 #: Query rows per workgroup of the decode op (pipeline/tuning.py: 16-row tiles, the mma.sync m);
 #: R is padded up to a multiple of it.

@@ -3,7 +3,8 @@ query band (attention_op.py), the lowering the CUDA target uses (pipeline/tuning
 
 Same function signatures and semantics as the linalg lowering (sequence.py, kv_cache.py), and the
 same variant logic: the masks (``masks.py``), RoPE (``rope.py``, rotated values rounded to the
-input dtype) and the page remap (``kv_cache.physical_row``). What differs is the structure:
+input dtype) and the layouts' KV reads (``kv_layouts.py``: ``batch_kv``, the page remap of
+``paging.py``). What differs is the structure:
 
 * Operands stay in the input dtype (f16/bf16 reach the tensor cores); accumulation is f32.
 * K and V are laid out once per call, before any loop, as tile-major ``[T, h_kv, TILE, d]``
@@ -25,8 +26,7 @@ input dtype) and the page remap (``kv_cache.physical_row``). What differs is the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Union
+from typing import Union
 
 from .abi import function_module
 from .attention_op import TILE, attend_band
@@ -36,12 +36,11 @@ from .ir import (
     one_of, own_dispatch, scf_d, sizes_of, storage_tiles, tensor_d, tensor_type,
     tie_dims,
 )
-from .kv_cache import (
-    RopeArgs, _clamped_page, _index_at, _is_one, _page_table, _read_element, _rotated_if,
-    page_bounds, physical_row,
-)
+from .kv_cache import RopeArgs, _is_one, rotated_if
+from .kv_layouts import BatchKv, Reader, RowSource, device_read, host_read
 from .masks import kv_cache_validity, sequence_validity
 from .online_softmax import row_sinks
+from .paging import index_at
 from .query_tiles import QueryTiles
 from .specs import MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec
 
@@ -195,42 +194,6 @@ def _sequence_body(spec, band_tiles: int, q, k, v, valid_lens, sinks):
 
 # ---- KV-cache variants: ragged, paged, MLA ----
 
-#: The scalar of entry e's logical row r (r < kv_len(e)) at out_indices (head, column).
-RowSource = Callable[[ir.Value, ir.Value, list], ir.Value]
-#: Reads an element of an index array as an index: in a generic (tensor.extract) or on the host.
-Reader = Callable[[object, list], ir.Value]
-
-
-def _device_read(array: HostReadable, indices: list) -> ir.Value:
-    return _read_element(array.tensor, indices)
-
-
-def _host_read(array: HostReadable, indices: list) -> ir.Value:
-    return array.load(indices)
-
-
-@dataclass(frozen=True)
-class BatchKv:
-    """Every entry's KV as the batch-wide layout reads it (module docstring).
-
-    ``base(read, b)`` is the first storage row of entry ``b`` (its tiles start at ``base // TILE
-    + b``) and ``kv_len(read, b)`` its length, for ``b`` in [0, B) (``base`` also at B), read on
-    the host (``_host_read``) or in a generic (``_device_read``). ``keys`` and ``values`` fetch
-    one scalar of a row inside a generic; ``rope_offset`` is the [B] i32 RoPE position of each
-    entry's row 0, or None.
-    """
-
-    batch: ir.Value
-    base: Callable[[Reader, ir.Value], ir.Value]
-    kv_len: Callable[[Reader, ir.Value], ir.Value]
-    keys: RowSource
-    values: RowSource
-    heads: int
-    d_qk: int
-    d_v: int
-    rope_offset: ir.Value | None
-
-
 def _tile_offset(kv: BatchKv, read: Reader, b: ir.Value) -> ir.Value:
     return arith_d.addi(arith_d.divsi(kv.base(read, b), const_index(TILE)), b)
 
@@ -245,7 +208,7 @@ def _tile_entries(kv: BatchKv, num_tiles: ir.Value) -> ir.Value:
         lo, hi = const_index(0), last_entry
         for _ in range(32):
             mid = arith_d.divsi(arith_d.addi(arith_d.addi(lo, hi), const_index(1)), const_index(2))
-            fits = le(_tile_offset(kv, _device_read, mid), t)
+            fits = le(_tile_offset(kv, device_read, mid), t)
             lo = arith_d.select(fits, mid, lo)
             hi = arith_d.select(fits, hi, arith_d.maxsi(arith_d.subi(mid, const_index(1)), lo))
         return [arith_d.index_cast(i32(), lo)]
@@ -256,8 +219,8 @@ def _tile_entries(kv: BatchKv, num_tiles: ir.Value) -> ir.Value:
 def _locate(kv: BatchKv, entries: ir.Value) -> tuple[ir.Value, ir.Value]:
     """(entry, entry-local row) of loop 0's storage row, inside a generic."""
     row = linalg_d.IndexOp(0).result
-    e = _index_at(entries, arith_d.divsi(row, const_index(TILE)))
-    return e, arith_d.subi(row, arith_d.muli(_tile_offset(kv, _device_read, e), const_index(TILE)))
+    e = index_at(entries, arith_d.divsi(row, const_index(TILE)))
+    return e, arith_d.subi(row, arith_d.muli(_tile_offset(kv, device_read, e), const_index(TILE)))
 
 
 def _batch_rows(kv: BatchKv, source: RowSource, columns: int, entries: ir.Value, num_tiles: ir.Value,
@@ -266,7 +229,7 @@ def _batch_rows(kv: BatchKv, source: RowSource, columns: int, entries: ir.Value,
 
     def gather(_out):
         e, local = _locate(kv, entries)
-        kv_len = kv.kv_len(_device_read, e)
+        kv_len = kv.kv_len(device_read, e)
         clamped = arith_d.maxsi(arith_d.minsi(local, arith_d.subi(kv_len, const_index(1))), const_index(0))
         value = source(e, clamped, [linalg_d.IndexOp(1).result, linalg_d.IndexOp(2).result])
         return [arith_d.select(lt(local, kv_len), value, _zero(elem))]
@@ -306,7 +269,7 @@ def _batch_tiles(kv: BatchKv, num_tiles: ir.Value, rope: RopeArgs | None, elem: 
     entries = _tile_entries(kv, num_tiles)
     key_rows = _batch_rows(kv, kv.keys, kv.d_qk, entries, num_tiles, elem)
     if kv.rope_offset is not None:
-        key_rows = _rotated_if(rope, key_rows, _key_positions(kv, entries, num_tiles))
+        key_rows = rotated_if(rope, key_rows, _key_positions(kv, entries, num_tiles))
     value_rows = _batch_rows(kv, kv.values, kv.d_v, entries, num_tiles, elem)
     return _tile_major(key_rows, num_tiles), _tile_major(value_rows, num_tiles)
 
@@ -323,7 +286,7 @@ def _kv_cache_body(spec, q, q_indptr: HostReadable, kv: BatchKv, *, causal: ir.V
     total_q = dim(q, 0)
     padded = arith_d.addi(total_q, const_index(BAND_TILES * TILE))
     q_rows = _pad_rows(expand(q, [[0], [1, 2], [3]], [total_q, h_kv, group, d_qk]), 0, padded)
-    num_tiles = arith_d.maxsi(_tile_offset(kv, _host_read, kv.batch), const_index(1))
+    num_tiles = arith_d.maxsi(_tile_offset(kv, host_read, kv.batch), const_index(1))
     keys, values = _batch_tiles(kv, num_tiles, rope, dt)
     causal_on = _is_one(causal)
     driver = QueryTiles([padded, spec.h_q, d_v], [padded, spec.h_q], group, h_kv, fenced=False)
@@ -332,7 +295,7 @@ def _kv_cache_body(spec, q, q_indptr: HostReadable, kv: BatchKv, *, causal: ir.V
     def entry(b, carried):
         q_start = q_indptr.load([b])
         qo_len = arith_d.subi(q_indptr.load([arith_d.addi(b, const_index(1))]), q_start)
-        kv_len, first_tile = kv.kv_len(_host_read, b), _tile_offset(kv, _host_read, b)
+        kv_len, first_tile = kv.kv_len(host_read, b), _tile_offset(kv, host_read, b)
         diagonal = arith_d.subi(kv_len, qo_len)
 
         def valid(row, col):
@@ -368,62 +331,11 @@ def build_fused_ragged_prefill(spec: RaggedPrefillSpec) -> ir.Module:
              causal, rotary_mode, rope_scale, rope_theta, sm_scale, sinks=None):
         rope = RopeArgs(rotary_mode, rope_scale, rope_theta, dict(spec.rope_scaling), spec.rotary_dim)
         q_indptr = HostReadable(q_indptr_view, 1, "q_indptr")
-        kv_indptr = HostReadable(kv_indptr_view, 1, "kv_indptr")
-        last = arith_d.subi(kv_indptr.dims[0], const_index(1))
-
-        def start(read, b):
-            return read(kv_indptr, [arith_d.minsi(b, last)])
-
-        def kv_len(read, b):
-            return arith_d.subi(start(read, arith_d.addi(b, const_index(1))), start(read, b))
-
-        def rows_of(x):
-            last_row = arith_d.maxsi(arith_d.subi(dim(x, 0), const_index(1)), const_index(0))
-            return lambda e, r, rest: tensor_d.extract(
-                x, [arith_d.minsi(arith_d.addi(start(_device_read, e), r), last_row), *rest])
-
-        kv = BatchKv(last, start, kv_len, rows_of(k), rows_of(v), spec.h_kv, spec.d_qk, spec.d_v, k_rope_pos_offset)
-        return _kv_cache_body(spec, _rotated_if(rope, q, q_rope_position), q_indptr, kv,
+        kv = spec.layout.batch_kv(spec, k=k, v=v, kv_indptr=kv_indptr_view, k_rope_pos_offset=k_rope_pos_offset)
+        return _kv_cache_body(spec, rotated_if(rope, q, q_rope_position), q_indptr, kv,
                               causal=causal, sm_scale=sm_scale, rope=rope, sinks=sinks)
 
-    return function_module(spec, emit, host_readable=("q_indptr", "kv_indptr"))
-
-
-def _paged_geometry(spec, page_indptr: HostReadable, length_info: HostReadable):
-    """(base, kv_len, table) of the paged variants: an entry's storage is its pages (twice that
-    with a sliding window, whose sinks may repeat rows: kv_len <= 2 * physical rows), its length
-    the page table's (kv_cache._page_table)."""
-    rows_per_page = spec.page_size * (2 if spec.sliding_window else 1)
-    last = arith_d.subi(page_indptr.dims[0], const_index(1))
-
-    def base(read, b):
-        return arith_d.muli(read(page_indptr, [arith_d.minsi(b, last)]), const_index(rows_per_page))
-
-    def table(read, b):
-        last_entry = arith_d.maxsi(arith_d.subi(last, const_index(1)), const_index(0))
-        return _page_table(spec, arith_d.minsi(b, last_entry), page_indptr, length_info, read=read)
-
-    return base, lambda read, b: table(read, b).kv_len, table
-
-
-def _paged_source(spec, table, page_values, fetch):
-    """RowSource reading logical row r of entry e through the page table and ``fetch(page, slot,
-    rest)`` (page ids clamped into range)."""
-
-    def source(e, r, rest):
-        entry = table(_device_read, e)
-        page, slot = physical_row(spec, entry, page_values, r, page_bounds(entry, page_values))
-        return fetch(page, slot, rest)
-
-    return source
-
-
-#: The paged variants' index arguments the fused kernels read on the host side of their dispatches.
-_PAGED_HOST_READABLE = ("q_indptr", "page_indptr", "length_info")
-
-
-def _length_info_rank(spec) -> int:
-    return 2 if spec.sliding_window else 1
+    return function_module(spec, emit, host_readable=("q_indptr", *spec.layout.host_readable))
 
 
 def build_fused_paged_prefill(spec: PagedPrefillSpec) -> ir.Module:
@@ -433,21 +345,12 @@ def build_fused_paged_prefill(spec: PagedPrefillSpec) -> ir.Module:
              q_rope_position, causal, rotary_mode, rope_scale, rope_theta, sm_scale, sinks=None):
         rope = RopeArgs(rotary_mode, rope_scale, rope_theta, dict(spec.rope_scaling), spec.rotary_dim)
         q_indptr = HostReadable(q_indptr_view, 1, "q_indptr")
-        page_indptr = HostReadable(page_indptr_view, 1, "page_indptr")
-        length_info = HostReadable(length_info_view, _length_info_rank(spec), "length_info")
-        base, kv_len, table = _paged_geometry(spec, page_indptr, length_info)
-
-        def half(which):
-            def fetch(page, slot, rest):
-                return tensor_d.extract(pages, [_clamped_page(page, pages), const_index(which), rest[0], slot, rest[1]])
-            return _paged_source(spec, table, page_values, fetch)
-
-        kv = BatchKv(arith_d.subi(page_indptr.dims[0], const_index(1)), base, kv_len, half(0), half(1),
-                     spec.h_kv, spec.d, spec.d, k_rope_pos_offset)
-        return _kv_cache_body(spec, _rotated_if(rope, q, q_rope_position), q_indptr, kv,
+        kv = spec.layout.batch_kv(spec, pages=pages, page_indptr=page_indptr_view, page_values=page_values,
+                                  length_info=length_info_view, k_rope_pos_offset=k_rope_pos_offset)
+        return _kv_cache_body(spec, rotated_if(rope, q, q_rope_position), q_indptr, kv,
                               causal=causal, sm_scale=sm_scale, rope=rope, sinks=sinks)
 
-    return function_module(spec, emit, host_readable=_PAGED_HOST_READABLE)
+    return function_module(spec, emit, host_readable=("q_indptr", *spec.layout.host_readable))
 
 
 def build_fused_mla_prefill(spec: MlaPagedPrefillSpec) -> ir.Module:
@@ -456,16 +359,8 @@ def build_fused_mla_prefill(spec: MlaPagedPrefillSpec) -> ir.Module:
     d_latent columns."""
     def emit(q, q_indptr_view, pages, page_indptr_view, page_values, length_info_view, causal, sm_scale, sinks=None):
         q_indptr = HostReadable(q_indptr_view, 1, "q_indptr")
-        page_indptr = HostReadable(page_indptr_view, 1, "page_indptr")
-        length_info = HostReadable(length_info_view, _length_info_rank(spec), "length_info")
-        base, kv_len, table = _paged_geometry(spec, page_indptr, length_info)
-
-        def fetch(page, slot, rest):
-            return tensor_d.extract(pages, [_clamped_page(page, pages), slot, rest[1]])
-
-        source = _paged_source(spec, table, page_values, fetch)
-        kv = BatchKv(arith_d.subi(page_indptr.dims[0], const_index(1)), base, kv_len, source, source,
-                     1, spec.d_qk, spec.d_latent, None)
+        kv = spec.layout.batch_kv(spec, pages=pages, page_indptr=page_indptr_view, page_values=page_values,
+                                  length_info=length_info_view)
         return _kv_cache_body(spec, q, q_indptr, kv, causal=causal, sm_scale=sm_scale, rope=None, sinks=sinks)
 
-    return function_module(spec, emit, host_readable=_PAGED_HOST_READABLE)
+    return function_module(spec, emit, host_readable=("q_indptr", *spec.layout.host_readable))

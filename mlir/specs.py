@@ -7,9 +7,10 @@ q and k rotate, Hugging Face's ``partial_rotary_factor``; ``head_sinks``: the ca
 logit per query head, ``sinks [h_q]`` f32, that joins every row's softmax denominator, as gpt-oss
 does, semantics §13). Its
 ``symbol`` is the seed's function name (the exported entry point); its ``name`` spells every field
-and names the artifact; ``kv_layout`` says where keys and values live: ``dense`` (k, v [B, Lk, h_kv,
-d]), ``ragged`` (k, v rows by kv_indptr), ``paged`` (pages [P, 2, h_kv, page_size, d]) or
-``latent`` (MLA: pages [P, page_size, d_qk], a key row whose first d_v columns are its value).
+and names the artifact; ``layout`` says where keys and values live (kv_layouts.py: ``DENSE`` (k, v
+[B, Lk, h_kv, d]), ``RAGGED`` (k, v rows by kv_indptr), ``PAGED`` (pages [P, 2, h_kv, page_size,
+d]) or ``LATENT`` (MLA: pages [P, page_size, d_qk], a key row whose first d_v columns are its
+value)), ``kv_layout`` its name.
 Runtime scalars and sequence lengths are kernel arguments, not fields.
 """
 
@@ -18,6 +19,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from dataclasses import dataclass
+
+from .kv_layouts import DENSE, LATENT, PAGED, RAGGED
 
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -92,6 +95,11 @@ class _SpecBase:
         return "_sinks" if self.head_sinks else ""
 
     @property
+    def kv_layout(self) -> str:
+        """The layout's name: the plain value the reference and the error model key on."""
+        return self.layout.name
+
+    @property
     def group_size(self) -> int:
         """G = h_q // h_kv query heads per KV head (h_q for MLA, whose h_kv is 1)."""
         return self.h_q // self.h_kv
@@ -137,7 +145,7 @@ class SequencePrefillSpec(_OneHeadDim):
     head_sinks: bool = False
 
     symbol = "batch_sequence_prefill_kv"
-    kv_layout = "dense"
+    layout = DENSE
 
     def __post_init__(self):
         _check_heads(self.h_q, self.h_kv)
@@ -175,7 +183,7 @@ class MaskedSequencePrefillSpec(_OneHeadDim):
     head_sinks: bool = False
 
     symbol = "batch_sequence_prefill_kv_masked"
-    kv_layout = "dense"
+    layout = DENSE
 
     def __post_init__(self):
         _check_heads(self.h_q, self.h_kv)
@@ -312,7 +320,7 @@ class RaggedPrefillSpec(_SpecBase):
     head_sinks: bool = False
 
     symbol = "batch_prefill_ragged_kv"
-    kv_layout = "ragged"
+    layout = RAGGED
 
     def __post_init__(self):
         object.__setattr__(self, "rope_scaling", freeze_rope_scaling(self.rope_scaling))
@@ -352,7 +360,7 @@ class PagedPrefillSpec(_OneHeadDim):
     rotary_dim: int | None = None
     head_sinks: bool = False
 
-    kv_layout = "paged"
+    layout = PAGED
 
     def __post_init__(self):
         object.__setattr__(self, "rope_scaling", freeze_rope_scaling(self.rope_scaling))
@@ -403,7 +411,7 @@ class MlaPagedPrefillSpec(_SpecBase):
         _check_common(self)
 
     h_kv = 1
-    kv_layout = "latent"
+    layout = LATENT
 
     @property
     def symbol(self) -> str:

@@ -1,0 +1,392 @@
+"""Where a variant's keys and values live, as one object per layout: the IR half (how the kernels
+read a row). The host half (lengths, serving-pass tables, examples, the error model and the
+reference) is ``runtime/kv_layouts.py``, one class per layout under the same ``name``.
+
+* ``dense`` (k, v [B, Lk, h_kv, d]): read by the dense kernels themselves (sequence.py,
+  fused_kernels.py), so it has no hook here.
+* ``ragged`` (k [N, h_kv, d_qk], v [N, h_kv, d_v], entry b's rows by kv_indptr).
+* ``paged`` (pages [P, 2, h_kv, page_size, d] through the page table, paging.py).
+* ``latent`` (MLA: pages [P, page_size, d_qk] through the page table, a key row whose first
+  d_v columns are its value, one shared KV head).
+
+A KV-cache layout (:class:`CacheLayout`) reads its rows for each lowering: the linalg entry
+loader (``entry_loader``, kv_cache.py), the fused lowering's batch-wide source (``batch_kv``,
+fused_kernels.py) and the serving passes' element read (``element``, decode.py and
+fused_decode.py), plus the passes' ``block``, ``kv_bytes_per_key`` and ``vectorise_rows``.
+Each hook takes the call's arguments it reads by their ABI name (mlir/abi.py). A new layout
+is a subclass defining every abstract hook, registered in :data:`LAYOUTS` under its name
+(tests/test_kv_layouts.py checks both halves).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable
+
+from .ir import (
+    HostReadable, affine_map, arith_d, const_index, dim, element_type, empty, extract_slice, fill, generic, ir,
+    linalg_d, lt, scf_d, sizes_of, storage_tiles, tensor_d, tie_dims,
+)
+from .paging import clamped_page, gather_rows, index_at, page_bounds, page_table, physical_row, read_element
+
+#: Rows of a ragged entry per serving-pass table entry (the ragged cache has no pages).
+RAGGED_BLOCK = 16
+
+
+@dataclass(frozen=True)
+class EntryKv:
+    """One batch entry's KV as a linalg loader returns it.
+
+    ``load_keys()`` and ``load_values()`` build keys [kv_pad, h_kv, d_qk] and values
+    [kv_pad, h_kv, d_v] where they are called (inside each RoPE branch, see
+    kv_cache.``_then_rotated_if``), token-major, with ``kv_pad = storage_tiles(kv_len, kv_tile) *
+    kv_tile``; rows at or past ``kv_len`` may hold anything finite or not (they are zeroed before
+    use). ``rope_offset`` is the i32 RoPE position of row 0, or None for variants without RoPE.
+    """
+
+    kv_len: ir.Value
+    load_keys: Callable[[], ir.Value]
+    load_values: Callable[[], ir.Value]
+    rope_offset: ir.Value | None = None
+
+
+#: The scalar of entry e's logical row r (r < kv_len(e)) at out_indices (head, column).
+RowSource = Callable[[ir.Value, ir.Value, list], ir.Value]
+#: Reads an element of an index array as an index: in a generic (tensor.extract) or on the host.
+Reader = Callable[[object, list], ir.Value]
+
+
+def device_read(array: HostReadable, indices: list) -> ir.Value:
+    """An element of a host-readable index array, read where the code runs (in a generic)."""
+    return read_element(array.tensor, indices)
+
+
+def host_read(array: HostReadable, indices: list) -> ir.Value:
+    """An element of a host-readable index array, read on the host."""
+    return array.load(indices)
+
+
+@dataclass(frozen=True)
+class BatchKv:
+    """Every entry's KV as the fused lowering's batch-wide layout reads it (fused_kernels.py).
+
+    ``base(read, b)`` is the first storage row of entry ``b`` (its tiles start at ``base // TILE
+    + b``) and ``kv_len(read, b)`` its length, for ``b`` in [0, B) (``base`` also at B), read on
+    the host (:func:`host_read`) or in a generic (:func:`device_read`). ``keys`` and ``values``
+    fetch one scalar of a row inside a generic; ``rope_offset`` is the [B] i32 RoPE position of
+    each entry's row 0, or None.
+    """
+
+    batch: ir.Value
+    base: Callable[[Reader, ir.Value], ir.Value]
+    kv_len: Callable[[Reader, ir.Value], ir.Value]
+    keys: RowSource
+    values: RowSource
+    heads: int
+    d_qk: int
+    d_v: int
+    rope_offset: ir.Value | None
+
+
+class KvLayout:
+    """A layout: ``name`` is how specs, the host half and the artifacts' facts spell it."""
+
+    name: str
+
+
+class DenseLayout(KvLayout):
+    """k, v [B, Lk, h_kv, d]: the dense kernels index them directly."""
+
+    name = "dense"
+
+
+class CacheLayout(KvLayout, ABC):
+    """A KV-cache layout: how each lowering reads an entry's rows."""
+
+    #: The layout's index arguments the fused kernels read on the host (ir.HostReadable).
+    host_readable: tuple[str, ...]
+    #: Whether a serving pass with many query rows may vectorise its scores along them
+    #: (decode.ROWS_VECTORISED_FROM).
+    vectorise_rows: bool
+
+    @abstractmethod
+    def entry_loader(self, spec, **arguments) -> Callable[[ir.Value], EntryKv]:
+        """The linalg lowering's loader: entry ``b`` -> its :class:`EntryKv` (kv_cache.py)."""
+
+    @abstractmethod
+    def batch_kv(self, spec, **arguments) -> BatchKv:
+        """The fused lowering's source of every entry's rows; the ``host_readable`` arguments
+        arrive as buffer views."""
+
+    @abstractmethod
+    def element(self, spec, cache, which: int, entry, logical_block, column: Callable[[], ir.Value], slot, head,
+                col) -> ir.Value:
+        """A serving pass's K (``which`` 0) or V (1) element, in the cache's dtype: column ``col``
+        of head ``head`` at slot ``slot`` of the entry's logical block ``logical_block``
+        (``column()`` builds its logical row); ``cache`` is the pass's decode.KvCache (its
+        ``sources``, ``table`` and ``geometry``), ``spec`` the pass's DecodeSpec."""
+
+    @abstractmethod
+    def block(self, spec) -> int:
+        """Logical KV rows per serving-pass table entry of the variant ``spec``."""
+
+    @abstractmethod
+    def kv_bytes_per_key(self, spec) -> int:
+        """Bytes of K/V one key's cache row holds for the variant ``spec``."""
+
+
+def _itemsize(dtype: str) -> int:
+    return 4 if dtype == "float32" else 2
+
+
+# ---- ragged
+
+
+def _with_a_row(x: ir.Value) -> ir.Value:
+    """``x`` [N, ...], or one zero row in its place when N == 0, so that a row index clamped into
+    [0, rows - 1] always reads inside it. No copy when N > 0."""
+    sizes = sizes_of(x)
+    branch = scf_d.IfOp(lt(sizes[0], const_index(1)), [x.type], has_else=True)
+    with ir.InsertionPoint(branch.then_block):
+        elem = ir.RankedTensorType(x.type).element_type
+        scf_d.YieldOp([fill(arith_d.constant(elem, 0.0), [const_index(1), *sizes[1:]], elem)])
+    with ir.InsertionPoint(branch.else_block):
+        scf_d.YieldOp([x])
+    return tie_dims(branch.results[0], [arith_d.maxsi(sizes[0], const_index(1)), *sizes[1:]])
+
+
+def _entry_rows(x: ir.Value, start: ir.Value, rows: ir.Value) -> ir.Value:
+    """Rows [start, start + rows) of ``x`` [N, ...] (N >= 1), each index clamped into [0, N - 1]: the
+    rows past the entry read its neighbour's (or the last) rows, never out of bounds, and the
+    caller zeroes them. One gather generic: before, K and V were each zero-padded (a fill and a
+    copy of the whole tensor) and then sliced (a second copy per entry)."""
+    sizes = sizes_of(x)
+    last = arith_d.subi(sizes[0], const_index(1))
+    rank = len(sizes)
+
+    def body(_out):
+        row = arith_d.minsi(arith_d.addi(start, linalg_d.IndexOp(0).result), last)
+        return [tensor_d.extract(x, [row, *[linalg_d.IndexOp(i).result for i in range(1, rank)]])]
+
+    out = empty([rows, *sizes[1:]], ir.RankedTensorType(x.type).element_type)
+    return generic([], [out], [affine_map(rank, range(rank))], "p" * rank, body)[0]
+
+
+class RaggedLayout(CacheLayout):
+    """Entry b's KV is rows [kv_indptr[b], kv_indptr[b + 1]) of k and v."""
+
+    name = "ragged"
+    host_readable = ("kv_indptr",)
+    vectorise_rows = True
+
+    def entry_loader(self, spec, *, k, v, kv_indptr, k_rope_pos_offset):
+        k_rows, v_rows = _with_a_row(k), _with_a_row(v)
+
+        def load(b: ir.Value) -> EntryKv:
+            start = index_at(kv_indptr, b)
+            kv_len = arith_d.subi(index_at(kv_indptr, arith_d.addi(b, const_index(1))), start)
+            kv_pad = arith_d.muli(storage_tiles(kv_len, spec.kv_tile), const_index(spec.kv_tile))
+            return EntryKv(
+                kv_len=kv_len,
+                load_keys=lambda: _entry_rows(k_rows, start, kv_pad),
+                load_values=lambda: _entry_rows(v_rows, start, kv_pad),
+                rope_offset=tensor_d.extract(k_rope_pos_offset, [b]),
+            )
+
+        return load
+
+    def batch_kv(self, spec, *, k, v, kv_indptr, k_rope_pos_offset) -> BatchKv:
+        kv_indptr = HostReadable(kv_indptr, 1, "kv_indptr")
+        last = arith_d.subi(kv_indptr.dims[0], const_index(1))
+
+        def start(read, b):
+            return read(kv_indptr, [arith_d.minsi(b, last)])
+
+        def kv_len(read, b):
+            return arith_d.subi(start(read, arith_d.addi(b, const_index(1))), start(read, b))
+
+        def rows_of(x):
+            last_row = arith_d.maxsi(arith_d.subi(dim(x, 0), const_index(1)), const_index(0))
+            return lambda e, r, rest: tensor_d.extract(
+                x, [arith_d.minsi(arith_d.addi(start(device_read, e), r), last_row), *rest])
+
+        return BatchKv(last, start, kv_len, rows_of(k), rows_of(v), spec.h_kv, spec.d_qk, spec.d_v, k_rope_pos_offset)
+
+    def element(self, spec, cache, which, entry, logical_block, column, slot, head, col):
+        source = cache.sources[which]
+        row = arith_d.addi(read_element(cache.table, [entry, logical_block]), slot)
+        row = arith_d.maxsi(arith_d.minsi(row, arith_d.subi(dim(source, 0), const_index(1))), const_index(0))
+        return tensor_d.extract(source, [row, head, col])
+
+    def block(self, spec) -> int:
+        return RAGGED_BLOCK
+
+    def kv_bytes_per_key(self, spec) -> int:
+        return spec.h_kv * (spec.d_qk + spec.d_v) * _itemsize(spec.dtype)
+
+
+# ---- paged and latent: rows through the page table (paging.py)
+
+
+def _paged_geometry(spec, page_indptr: HostReadable, length_info: HostReadable):
+    """(base, kv_len, table) of the paged layouts in the fused lowering: an entry's storage is its
+    pages (twice that with a sliding window, whose sinks may repeat rows: kv_len <= 2 * physical
+    rows), its length the page table's (paging.page_table)."""
+    rows_per_page = spec.page_size * (2 if spec.sliding_window else 1)
+    last = arith_d.subi(page_indptr.dims[0], const_index(1))
+
+    def base(read, b):
+        return arith_d.muli(read(page_indptr, [arith_d.minsi(b, last)]), const_index(rows_per_page))
+
+    def table(read, b):
+        last_entry = arith_d.maxsi(arith_d.subi(last, const_index(1)), const_index(0))
+        return page_table(spec, arith_d.minsi(b, last_entry), page_indptr, length_info, read=read)
+
+    return base, lambda read, b: table(read, b).kv_len, table
+
+
+def _paged_source(spec, table, page_values, fetch) -> RowSource:
+    """RowSource reading logical row r of entry e through the page table and ``fetch(page, slot,
+    rest)`` (page ids clamped into range)."""
+
+    def source(e, r, rest):
+        entry = table(device_read, e)
+        page, slot = physical_row(spec, entry, page_values, r, page_bounds(entry, page_values))
+        return fetch(page, slot, rest)
+
+    return source
+
+
+def _length_info_rank(spec) -> int:
+    return 2 if spec.sliding_window else 1
+
+
+class _PageTableLayout(CacheLayout, ABC):
+    """Rows through the page table (page_indptr, page_values, length_info); a serving-pass table
+    entry is a page."""
+
+    host_readable = ("page_indptr", "length_info")
+
+    def _host_table(self, spec, page_indptr, length_info):
+        """The fused lowering's host-readable page_indptr and length_info, and the page table's
+        (base, kv_len, table) over them."""
+        page_indptr = HostReadable(page_indptr, 1, "page_indptr")
+        length_info = HostReadable(length_info, _length_info_rank(spec), "length_info")
+        return page_indptr, _paged_geometry(spec, page_indptr, length_info)
+
+    @abstractmethod
+    def _page_element(self, pages, page, which: int, head, slot, col) -> ir.Value:
+        """K (0) or V (1) element ``col`` of head ``head`` at ``slot`` of page ``page``."""
+
+    def element(self, spec, cache, which, entry, logical_block, column, slot, head, col):
+        table_block, page_slot = logical_block, slot
+        if spec.sliding_window:  # logical row r is physical r (r < sink tokens) or r - sink tokens + window_offset
+            r = column()
+            sink_tokens = read_element(cache.geometry, [entry, const_index(1)])
+            offset = read_element(cache.geometry, [entry, const_index(2)])
+            physical = arith_d.select(lt(r, sink_tokens), r, arith_d.addi(arith_d.subi(r, sink_tokens), offset))
+            last_block = arith_d.subi(dim(cache.table, 1), const_index(1))
+            table_block = arith_d.minsi(arith_d.divui(physical, const_index(spec.block)), last_block)
+            page_slot = arith_d.remui(physical, const_index(spec.block))
+        pages = cache.sources[0]
+        page = clamped_page(read_element(cache.table, [entry, table_block]), pages)
+        return self._page_element(pages, page, which, head, page_slot, col)
+
+    def block(self, spec) -> int:
+        return spec.page_size
+
+
+class PagedLayout(_PageTableLayout):
+    """Entry b's K and V rows gathered from pages [P, 2, h_kv, page_size, d]."""
+
+    name = "paged"
+    vectorise_rows = True
+
+    def entry_loader(self, spec, *, pages, page_indptr, page_values, length_info, k_rope_pos_offset):
+        elem = element_type(spec.dtype)
+
+        def load(b: ir.Value) -> EntryKv:
+            table = page_table(spec, b, page_indptr, length_info)
+
+            def gather(which: int) -> ir.Value:  # 0: keys, 1: values
+                def fetch(page, slot, out_indices):
+                    head, col = out_indices
+                    return tensor_d.extract(pages, [clamped_page(page, pages), const_index(which), head, slot, col])
+                return gather_rows(spec, table, page_values, fetch, [spec.h_kv, spec.d], elem)
+
+            return EntryKv(kv_len=table.kv_len, load_keys=lambda: gather(0), load_values=lambda: gather(1),
+                           rope_offset=tensor_d.extract(k_rope_pos_offset, [b]))
+
+        return load
+
+    def batch_kv(self, spec, *, pages, page_indptr, page_values, length_info, k_rope_pos_offset) -> BatchKv:
+        page_indptr, (base, kv_len, table) = self._host_table(spec, page_indptr, length_info)
+
+        def half(which):
+            def fetch(page, slot, rest):
+                return tensor_d.extract(pages, [clamped_page(page, pages), const_index(which), rest[0], slot, rest[1]])
+            return _paged_source(spec, table, page_values, fetch)
+
+        return BatchKv(arith_d.subi(page_indptr.dims[0], const_index(1)), base, kv_len, half(0), half(1),
+                       spec.h_kv, spec.d, spec.d, k_rope_pos_offset)
+
+    def _page_element(self, pages, page, which, head, slot, col):
+        return tensor_d.extract(pages, [page, const_index(which), head, slot, col])
+
+    def kv_bytes_per_key(self, spec) -> int:
+        return spec.h_kv * (spec.d_qk + spec.d_v) * _itemsize(spec.dtype)
+
+
+class LatentLayout(_PageTableLayout):
+    """MLA's latent rows from pages [P, page_size, d_latent + d_rope]: keys are whole rows, values
+    their first d_latent columns (one shared KV head)."""
+
+    name = "latent"
+    #: Slower for MLA's wide rows (docs/performance.md, decode passes).
+    vectorise_rows = False
+
+    def entry_loader(self, spec, *, pages, page_indptr, page_values, length_info):
+        elem = element_type(spec.dtype)
+
+        def load(b: ir.Value) -> EntryKv:
+            table = page_table(spec, b, page_indptr, length_info)
+
+            def fetch(page, slot, out_indices):
+                _head, col = out_indices
+                return tensor_d.extract(pages, [clamped_page(page, pages), slot, col])
+
+            rows = gather_rows(spec, table, page_values, fetch, [1, spec.d_qk], elem)
+            values = extract_slice(rows, [0, 0, 0], [dim(rows, 0), 1, spec.d_latent])
+            return EntryKv(kv_len=table.kv_len, load_keys=lambda: rows, load_values=lambda: values)
+
+        return load
+
+    def batch_kv(self, spec, *, pages, page_indptr, page_values, length_info) -> BatchKv:
+        page_indptr, (base, kv_len, table) = self._host_table(spec, page_indptr, length_info)
+
+        def fetch(page, slot, rest):
+            return tensor_d.extract(pages, [clamped_page(page, pages), slot, rest[1]])
+
+        source = _paged_source(spec, table, page_values, fetch)
+        return BatchKv(arith_d.subi(page_indptr.dims[0], const_index(1)), base, kv_len, source, source,
+                       1, spec.d_qk, spec.d_latent, None)
+
+    def _page_element(self, pages, page, which, head, slot, col):
+        return tensor_d.extract(pages, [page, slot, col])  # values are the first d_v columns
+
+    def kv_bytes_per_key(self, spec) -> int:
+        return spec.d_qk * _itemsize(spec.dtype)  # one latent row, values included
+
+
+DENSE, RAGGED, PAGED, LATENT = DenseLayout(), RaggedLayout(), PagedLayout(), LatentLayout()
+#: Every layout by name (runtime/kv_layouts.py has the host half of each).
+LAYOUTS: dict[str, KvLayout] = {layout.name: layout for layout in (DENSE, RAGGED, PAGED, LATENT)}
+
+
+def cache_layout(spec) -> CacheLayout:
+    """``spec``'s layout, which must be a KV cache's (TypeError otherwise)."""
+    layout = spec.layout
+    if not isinstance(layout, CacheLayout):
+        raise TypeError(f"{type(spec).__name__} has no KV cache (layout {layout.name})")
+    return layout
