@@ -22,8 +22,8 @@ The folder holds, next to ``gpu_runner.py`` (numpy + IREE runtime only) and ``gp
   Arrays the tests drew with their ``uniform`` helper are stored as the PCG64 state, shape and dtype
   that draw them again (and the sha1 the redraw must match), so the bundle stays well under the
   64 MiB a device call can carry; the reference and the bound are computed on the GPU machine's
-  CPU from ``reference/`` (copies of ``runtime/reference.py``, ``runtime/rope.py`` and
-  ``runtime/error_model.py``, numpy only);
+  CPU from ``reference/`` (copies of ``runtime/reference.py``, ``runtime/rope.py``,
+  ``runtime/kv_layouts.py`` and ``runtime/error_model.py``, numpy only);
 * ``wheels/``: the cp312 wheels of iree-base-runtime (same version as here), numpy and ml_dtypes.
 
 Copy the folder to the GPU machine and run ``python3 gpu_runner.py`` there.
@@ -58,7 +58,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 MODELS = ("tiny.toml", "mistral-7b.json", "deepseek-v2-lite.json")
 WHEELS = ("iree-base-runtime==3.13.0", "numpy", "ml_dtypes")
-REFERENCE_FILES = ("reference.py", "rope.py", "error_model.py")
+REFERENCE_FILES = ("reference.py", "rope.py", "kv_layouts.py", "error_model.py")
 
 
 def bench_cases(dense_lengths=(2048, 8192)):

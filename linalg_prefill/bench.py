@@ -78,9 +78,11 @@ def torch_sdpa(spec, batch: int, tokens: int, rng: np.random.Generator):
         import torch.nn.functional as F
     except ImportError:
         return None
+    from .mlir.kv_layouts import CacheLayout
+
     h_q, h_kv, d_qk, d_v = spec.h_q, spec.h_kv, spec.d_qk, spec.d_v
     dtype = getattr(torch, spec.dtype)
-    calls, rows = (1, batch) if spec.kv_layout == "dense" else (batch, 1)
+    calls, rows = (batch, 1) if isinstance(spec.layout, CacheLayout) else (1, batch)
 
     def tensor(heads, dim):
         return torch.from_numpy(rng.uniform(-1, 1, (rows, heads, tokens, dim)).astype(np.float32)).to(dtype)

@@ -90,9 +90,17 @@ class BatchKv:
 
 
 class KvLayout:
-    """A layout: ``name`` is how specs, the host half and the artifacts' facts spell it."""
+    """A layout: ``name`` is how specs, the host half and the artifacts' facts spell it.
+    Creating one checks that its class sets every attribute of ``required`` (and, for an ABC,
+    defines every abstract hook)."""
 
     name: str
+    required: tuple[str, ...] = ("name",)
+
+    def __init__(self):
+        missing = [attribute for attribute in self.required if not hasattr(self, attribute)]
+        if missing:
+            raise TypeError(f"{type(self).__name__} must set {', '.join(missing)}")
 
 
 class DenseLayout(KvLayout):
@@ -104,6 +112,7 @@ class DenseLayout(KvLayout):
 class CacheLayout(KvLayout, ABC):
     """A KV-cache layout: how each lowering reads an entry's rows."""
 
+    required = ("name", "host_readable", "vectorise_rows")
     #: The layout's index arguments the fused kernels read on the host (ir.HostReadable).
     host_readable: tuple[str, ...]
     #: Whether a serving pass with many query rows may vectorise its scores along them

@@ -24,11 +24,11 @@ from typing import Callable
 
 import numpy as np
 
-from ..mlir.abi import argument_names, kv_sources
+from ..mlir.abi import argument_names, arguments, kv_sources
 from ..mlir.attention_op import TILE
 from ..mlir.decode import DecodeSpec
 from .checks import on_host
-from .kv_checks import paged_kv_lengths
+from .kv_layouts import host_layout
 
 
 @dataclass(frozen=True)
@@ -78,13 +78,14 @@ def _named(spec, args: tuple) -> dict:
     return dict(zip(argument_names(spec), args))
 
 
+def _index_arrays(spec, args: tuple) -> dict:
+    """The call's index arrays (mlir/abi.py: kind ``index``) by name, on the host."""
+    return {arg.name: on_host(value) for arg, value in zip(arguments(spec), args) if arg.kind == "index"}
+
+
 def kv_lengths(spec, args: tuple) -> np.ndarray:
     """int64 [B]: each entry's logical KV length (semantics §2)."""
-    named = _named(spec, args)
-    if spec.kv_layout == "ragged":
-        return np.diff(on_host(named["kv_indptr"]).astype(np.int64))
-    return paged_kv_lengths(on_host(named["page_indptr"]), on_host(named["length_info"]), spec.page_size,
-                            spec.sliding_window)
+    return host_layout(spec).kv_lengths(spec, _index_arrays(spec, args))
 
 
 def pass_queries(spec, args: tuple, passes: DecodePasses = DECODE_PASSES["linalg"]) -> np.ndarray:
@@ -109,22 +110,9 @@ def block_table(spec: DecodeSpec, args: tuple, entries: np.ndarray, kv_lens: np.
     window_offset, qo_len) for pass entries that read batch entries ``entries`` (indices into
     the batch, int [n]) with ``kv_lens`` keys, of which the first ``visible`` count, and
     ``qo_lens`` queries (int [n] each); W is a multiple of ``width_multiple``."""
-    base, block = spec.base, spec.block
-    named = _named(base, args)
-    if base.kv_layout == "ragged":
-        starts = on_host(named["kv_indptr"]).astype(np.int64)[entries]
-        blocks = -(-kv_lens // block)
-        first_blocks = [starts[i] + block * np.arange(blocks[i]) for i in range(len(entries))]
-        sink = offset = np.zeros_like(kv_lens)
-    else:
-        page_indptr, page_values = on_host(named["page_indptr"]).astype(np.int64), on_host(named["page_values"])
-        first_blocks = [page_values[page_indptr[b]:page_indptr[b + 1]] for b in entries]
-        # Logical blocks past an entry's pages (sink > window offset) still read through the
-        # table's last page: pad with it, so only blocks past every column are NO_BLOCK.
-        blocks = np.maximum([len(p) for p in first_blocks], -(-kv_lens // block))
-        info = on_host(named["length_info"])
-        sink, offset = ((info[2][entries], info[1][entries]) if base.sliding_window
-                        else (np.zeros_like(kv_lens), np.zeros_like(kv_lens)))
+    base = spec.base
+    first_blocks, blocks, sink, offset = host_layout(base).table_rows(base, _index_arrays(base, args), entries,
+                                                                      kv_lens, spec.block)
     width = -(-max(int(blocks.max()), 1) // width_multiple) * width_multiple
     table = np.full((len(entries), width), NO_BLOCK, np.int32)
     for row, (ids, count) in enumerate(zip(first_blocks, blocks)):
@@ -254,30 +242,16 @@ def _calls_of(entries: np.ndarray, kv_lens: np.ndarray, bucketed: bool) -> list[
 
 def _rest_call(spec, args: tuple, decode: np.ndarray, qo_lens: np.ndarray, q_rest: np.ndarray,
                rest_rows: np.ndarray) -> list:
-    """The variant's arguments for the entries that are not decode entries (queries ``q_rest``).
-
-    Paged and MLA calls keep only those entries (their page tables are cut down to them). A
-    ragged call keeps every entry, the decode entries with no queries, because its KV rows
-    are addressed by one indptr over all entries; the kernel still lays out their KV then.
-    (Skipping query-less entries inside the kernel, an ``scf.if`` around the entry's work, made
-    about one call in two return wrong rows for other entries in IREE 3.13.)
+    """The variant's arguments for the entries that are not decode entries (queries ``q_rest``):
+    the layout decides which entries the call keeps and cuts its index arrays to them
+    (runtime/kv_layouts.py, ``rest_arguments``: the page tables keep only those entries, the
+    ragged cache every entry, the decode entries with no queries). (Skipping query-less entries
+    inside the kernel, an ``scf.if`` around the entry's work, made about one call in two return
+    wrong rows for other entries in IREE 3.13.)
     """
     named = _named(spec, args)
     rest = dict(named, q=np.ascontiguousarray(q_rest))
     if "q_rope_position" in named:
         rest["q_rope_position"] = np.ascontiguousarray(on_host(named["q_rope_position"])[rest_rows])
-    if spec.kv_layout == "ragged":
-        rest["q_indptr"] = np.concatenate([[0], np.cumsum(np.where(decode, 0, qo_lens))]).astype(np.int32)
-        return list(rest.values())
-    keep = np.flatnonzero(~decode)
-    page_indptr = on_host(named["page_indptr"]).astype(np.int64)
-    counts = np.diff(page_indptr)[keep]
-    rest["q_indptr"] = np.concatenate([[0], np.cumsum(qo_lens[keep])]).astype(np.int32)
-    rest["page_indptr"] = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-    page_values = on_host(named["page_values"])
-    rest["page_values"] = (np.concatenate([page_values[page_indptr[b]:page_indptr[b + 1]] for b in keep])
-                           .astype(np.int32) if counts.sum() else np.zeros(0, np.int32))
-    rest["length_info"] = np.ascontiguousarray(on_host(named["length_info"])[..., keep])
-    if "k_rope_pos_offset" in named:
-        rest["k_rope_pos_offset"] = np.ascontiguousarray(on_host(named["k_rope_pos_offset"])[keep])
+    rest.update(host_layout(spec).rest_arguments(spec, _index_arrays(spec, args), decode, qo_lens))
     return list(rest.values())

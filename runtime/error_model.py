@@ -5,8 +5,8 @@ do (docs/semantics.md §12 states the model and why each term is there).
     bound = compare.error_bound(spec, args, want)                # the spec's CallFacts filled in
     out_excess, lse_excess = bound.excess(kernel(*args), want)   # both <= 0: within the bound
 
-This module needs numpy and the float64 reference only (``reference.py`` and ``rope.py`` beside
-it), so the GPU bundle carries it too (bench/gpu_bundle.py).
+This module needs numpy and the float64 reference only (``reference.py``, ``rope.py`` and
+``kv_layouts.py`` beside it), so the GPU bundle carries it too (bench/gpu_bundle.py).
 
 The kernels compute in float32 from inputs in the spec's dtype (unit roundoff ``u``: 2^-24,
 2^-11, 2^-8); RoPE rotates q and k in float32 and rounds the rotated values to the dtype
@@ -53,6 +53,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
+from .kv_layouts import host_layout
 from .reference import EMPTY_ROW_LSE
 from .rope import rope_pair_angles, rope_pairing
 
@@ -73,9 +74,10 @@ Reference = Callable[[dict], tuple]
 @dataclass(frozen=True)
 class CallFacts:
     """What the model needs of a call's spec (plain values, so a GPU bundle can carry them):
-    ``kv_layout`` (dense, ragged, paged, latent), ``d_v``, the compile-time ``sm_scale`` of the
-    dense variants (None: the call's argument), ``logits_soft_cap``, ``rope_scaling`` (a dict)
-    and ``rotary_dim`` (None: the whole head), and the spec's ``kv_tile`` (None for a pass)."""
+    ``kv_layout`` (a name in kv_layouts.HOST_LAYOUTS: dense, ragged, paged, latent), ``d_v``,
+    the compile-time ``sm_scale`` of the dense variants (None: the call's argument),
+    ``logits_soft_cap``, ``rope_scaling`` (a dict) and ``rotary_dim`` (None: the whole head), and
+    the spec's ``kv_tile`` (None for a pass)."""
 
     dtype: str
     kv_layout: str
@@ -149,13 +151,7 @@ def bound_of_call(named: dict, facts: CallFacts, reference: Reference, want=None
 def _keys_and_values(named: dict, facts: CallFacts) -> tuple[np.ndarray, np.ndarray]:
     """Every key row [N, d_qk] and value row [N, d_v] the call's cache holds (all heads, pages
     in use or not), in float64; the maxima below skip NaN (a cache's unused slots may hold it)."""
-    if "k" in named:
-        k, v = named["k"], named["v"]
-    elif facts.kv_layout == "paged":
-        k, v = named["pages"][:, 0], named["pages"][:, 1]
-    else:  # latent: a key row's first d_v columns are its value
-        k = named["pages"]
-        v = k[..., :facts.d_v]
+    k, v = host_layout(facts.kv_layout).keys_and_values(named, facts.d_v)
     return tuple(np.asarray(x, np.float64).reshape(-1, x.shape[-1]) for x in (k, v))
 
 
@@ -280,14 +276,9 @@ def _largest_position(named: dict, n: np.ndarray) -> float:
 def _weighted_values(named: dict, facts: CallFacts, values: np.ndarray, reference: Reference,
                      shape: tuple) -> np.ndarray:
     """A_id = sum_j p_ij |v_jd|, shaped like the output: the reference run with |v| where the
-    values are a tensor of their own, else max |v| (MLA)."""
-    if "v" in named:
-        absolute = dict(named, v=np.abs(named["v"]))
-    elif facts.kv_layout == "paged":
-        pages = np.array(named["pages"], copy=True)
-        pages[:, 1] = np.abs(pages[:, 1])
-        absolute = dict(named, pages=pages)
-    else:
+    layout's values are a tensor of their own, else max |v| (MLA)."""
+    absolute = host_layout(facts.kv_layout).with_absolute_values(named)
+    if absolute is None:
         return np.full(shape, float(np.nanmax(np.abs(values), initial=0.0)))
     return np.asarray(reference(absolute)[0], np.float64)
 

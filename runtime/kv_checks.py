@@ -25,6 +25,7 @@ import numpy as np
 
 from .checks import as_array, check_int32, check_range, check_same, check_tensor
 from .errors import InputError
+from .kv_layouts import paged_kv_lengths, physical_lengths
 
 INT32_MAX = int(np.iinfo(np.int32).max)
 FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -104,31 +105,6 @@ def check_mla(spec, q, q_indptr, pages, page_indptr, page_values, length_info, c
     return q, q_indptr, pages, page_indptr, page_values, length_info, causal, sm_scale
 
 
-# ----------------------------------------------------------------------------- KV lengths
-
-
-def paged_kv_lengths(page_indptr: np.ndarray, length_info: np.ndarray, page_size: int,
-                     sliding_window: bool) -> np.ndarray:
-    """Logical KV length of every entry, int64 [B] (semantics §2), from checked arrays.
-
-    ``page_indptr`` [B+1]; ``length_info`` [B] (last_page_len) or, with ``sliding_window``,
-    [3, B] (last_page_len, sw_off, sink). An entry with no pages has length 0 whatever its
-    ``length_info``; otherwise ``(n_pages - 1) * page_size + last_page_len - sw_off + sink``.
-    Computed in int64, so it never overflows.
-    """
-    n_pages = np.diff(np.asarray(page_indptr, dtype=np.int64))
-    info = np.asarray(length_info, dtype=np.int64)
-    phys = _physical_lengths(n_pages, info[0] if sliding_window else info, page_size)
-    if not sliding_window:
-        return phys
-    return np.where(n_pages > 0, phys - info[1] + info[2], 0)
-
-
-def _physical_lengths(n_pages: np.ndarray, last_page_len: np.ndarray, page_size: int) -> np.ndarray:
-    """Used slots of each entry, int64 [B]: ``(n_pages - 1) * page_size + last_page_len``, or 0."""
-    return np.where(n_pages > 0, (n_pages - 1) * page_size + last_page_len, 0)
-
-
 # ----------------------------------------------------------------------------- index arrays
 
 
@@ -191,7 +167,7 @@ def check_length_info(length_info: np.ndarray, page_indptr: np.ndarray, page_siz
     element = "length_info[0, {b}]" if sliding_window else "length_info[{b}]"
     _check_entries(f"last_page_len ({element})", n_pages > 0, last, 1, page_size)
     if sliding_window:
-        phys = _physical_lengths(n_pages, last, page_size)
+        phys = physical_lengths(n_pages, last, page_size)
         _check_entries("sliding-window offset sw_off (length_info[1, {b}])", n_pages > 0, info[1], 0, phys)
         _check_entries("sink length (length_info[2, {b}])", n_pages > 0, info[2], 0, phys)
 

@@ -49,6 +49,7 @@ from typing import Any
 
 import numpy as np
 
+from .kv_layouts import host_layout
 from .rope import apply_rope
 
 __all__ = [
@@ -658,6 +659,7 @@ def decode_entries(q: np.ndarray, *kv_and_plan: Any, kv_layout: str, group_size:
     past qo_len too). With ``head_sinks`` the call ends with ``sinks [h_q]`` (§13). Returns
     ``output [n, h_kv, R, d_v]`` and ``lse [n, h_kv, R]``.
     """
+    layout = host_layout(kv_layout)
     sinks = kv_and_plan[-1] if head_sinks else None
     *sources, table, geometry, causal, sm_scale = kv_and_plan[:len(kv_and_plan) - int(head_sinks)]
     n, h_kv, rows, d_qk = q.shape
@@ -669,16 +671,7 @@ def decode_entries(q: np.ndarray, *kv_and_plan: Any, kv_layout: str, group_size:
         kv_len, sink, offset, qo_len = (int(x) for x in geometry[i])
         c = np.arange(kv_len)
         physical = np.where(c < sink, c, c - sink + offset) if sliding_window else c
-        if kv_layout == "ragged":
-            row = table[i][physical // block] + physical % block
-            k, v = sources[0][row], sources[1][row]
-        else:
-            page, slot = table[i][physical // block], physical % block
-            if kv_layout == "paged":
-                k, v = sources[0][page, 0, :, slot], sources[0][page, 1, :, slot]
-            else:
-                latent = sources[0][page, slot][:, None]
-                k, v = latent, latent[..., :d_v]
+        k, v = layout.pass_entry_kv(sources, table[i], physical, block, d_v)
         tokens = np.arange(queries)[:, None]
         valid = np.ones((queries, kv_len), bool) if not causal else c[None] <= kv_len - qo_len + tokens
         q_tokens = _f64(q[i]).reshape(h_kv, queries, group, d_qk).transpose(1, 0, 2, 3).reshape(queries, -1, d_qk)

@@ -10,7 +10,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from linalg_prefill.mlir import PagedPrefillSpec, decode, fused_decode, fused_kernels, kv_cache, masks, online_softmax
+from linalg_prefill.mlir import (
+    PagedPrefillSpec, decode, fused_decode, fused_kernels, kv_cache, kv_layouts, masks, online_softmax,
+)
 from linalg_prefill.mlir import rope as rope_builder
 from linalg_prefill.mlir.ir import arith_d, const_index
 from linalg_prefill.runtime import open_kernel
@@ -36,12 +38,12 @@ def _off_by_one_mask():
 
 def _wrong_page():
     """Every page id read one too high (clamped into the cache)."""
-    original = kv_cache._clamped_page
+    original = kv_layouts.clamped_page
 
     def next_page(page, pages):
         return original(arith_d.addi(page, const_index(1)), pages)
 
-    return [(module, "_clamped_page", next_page) for module in (kv_cache, decode, fused_kernels)]
+    return [(kv_layouts, "clamped_page", next_page)]
 
 
 def _wrong_rope_position():
