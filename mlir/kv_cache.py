@@ -6,7 +6,8 @@ entries in an ``scf.for`` on the host side of the IREE program, so an entry cost
 tokens cost: no entry is padded to the longest one. Per entry:
 
 1. its KV rows are loaded token-major, ``[kv_pad, h_kv, d]`` with ``kv_pad`` its length rounded up
-   to the KV tile: a slice for ragged KV, a gather through the page table for paged KV and MLA;
+   to the KV tile, by the spec's layout (kv_layouts.py, ``entry_loader``): a slice for ragged KV,
+   a gather through the page table for paged KV and MLA;
 2. keys get RoPE at ``k_rope_pos_offset[b] + row`` when ``rotary_mode == 1`` (never values);
 3. rows past the entry's length are zeroed and K/V are laid out in KV tiles, widened to f32
    (keys ``[1, h_kv, T, d_qk, kv_tile]``, values ``[1, h_kv, T * kv_tile, d_v]``);
