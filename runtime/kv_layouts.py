@@ -61,7 +61,7 @@ class CacheHostLayout(HostLayout):
         ``entries`` (int [n], ``kv_lens`` keys each): ``ids[i]`` the table entries the layout
         stores for entry i (a page id, or the first row of a ``block``-row block), ``blocks``
         int [n] how many table entries each reads (the last id repeats up to it), and the
-        sliding window's sink and offset per entry (0 without one)."""
+        sliding window's sink tokens and offset per entry (0 without one)."""
 
     @abstractmethod
     def rest_arguments(self, spec, named: dict, in_pass: np.ndarray, qo_lens: np.ndarray) -> dict:
