@@ -2,6 +2,7 @@
 
     linalg-prefill build --model configs/llama-3-8b.json --backends llvm-cpu,cuda --out build/llama
     linalg-prefill build --model configs/llama-3-8b.json --arch cuda=sm_86 --out build/llama-sm86
+    linalg-prefill build --model configs/llama-3-8b.json --backends rocm --rocm-arch gfx942 --out build/llama-mi300
     linalg-prefill list build/llama
     linalg-prefill check build/llama --backends llvm-cpu,cuda
     linalg-prefill bench build/llama --backends llvm-cpu --tokens 1024 --json bench.json
@@ -49,6 +50,8 @@ def main(argv=None) -> int:
                        help="the same as --arch llvm-cpu=CPU")
     build.add_argument("--cuda-arch", action="append", dest="arch", type=lambda arch: f"cuda={arch}",
                        help="the same as --arch cuda=ARCH")
+    build.add_argument("--rocm-arch", action="append", dest="arch", type=lambda arch: f"rocm={arch}",
+                       help="the same as --arch rocm=ARCH (" + ", ".join(BACKENDS["rocm"].archs) + ")")
     listing = sub.add_parser("list", help="list a build folder's artifacts and check their sha256")
     listing.add_argument("dir", help="a folder written by `linalg-prefill build`")
     check = sub.add_parser("check", help="run every artifact of a build folder on small random inputs "

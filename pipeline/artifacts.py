@@ -5,7 +5,7 @@
 name>.vmfb`` and ``<out>/manifest.json``::
 
     {"format": 1, "compiler_version": ..., "model": ..., "model_config": {...} or null,
-     "artifacts": [{"variant", "symbol", "spec_type", "spec", "backend", "target", "flags",
+     "artifacts": [{"variant", "symbol", "spec_type", "spec", "backend", "target", "arch", "flags",
                     "file", "sha256", "bytes"}, ...]}
 
 A build holds an exclusive lock on ``<out>/.build.lock``, so two processes building into one
@@ -140,6 +140,7 @@ def _entry(spec, target: Target, sha256: str, size: int) -> dict:
         "spec": spec.fields(),
         "backend": target.backend,
         "target": target.tag,
+        "arch": target.arch,
         "flags": target.flags(),
         "file": _relative_file(spec, target),
         "sha256": sha256,

@@ -93,6 +93,10 @@ def _cuda_flags(arch: str) -> list[str]:
     return ["--iree-hal-target-device=cuda", f"--iree-cuda-target={arch}", "--iree-opt-level=O3"]
 
 
+def _rocm_flags(arch: str) -> list[str]:
+    return ["--iree-hal-target-device=hip", f"--iree-rocm-target={arch}", "--iree-opt-level=O3"]
+
+
 def _keep_default(*_) -> None:
     """A tuning hook that keeps the compiler's own configuration."""
     return None
@@ -117,6 +121,11 @@ BACKENDS: dict[str, Backend] = {
         flags=_cuda_flags, lowering="fused", row_chunk=128,
         tune_contraction=_keep_default, tune_attention=tuning.cuda_attention_config,
         structure_checks=(vm_structure.missing_tensor_cores, vm_structure.host_stalls_in_loops)),
+    "rocm": Backend(
+        name="rocm", driver="hip", default_arch="gfx942", archs=("gfx942", "gfx950", "gfx90a"),
+        arch_note="", flags=_rocm_flags, lowering="fused", row_chunk=128,
+        tune_contraction=_keep_default, tune_attention=tuning.rocm_attention_config,
+        structure_checks=(vm_structure.missing_mfma, vm_structure.host_stalls_in_loops)),
 }
 for _key, _record in BACKENDS.items():
     check_backend(_key, _record)

@@ -55,12 +55,13 @@ class AttentionTiling:
     """One CUDA configuration of the online_attention op: ``rows`` query rows per workgroup, the
     whole head dim, TILE keys per step; the warps split the loop ``qk_split`` in Q.K^T and
     ``pv_split`` in P.V; ``promote_steps`` also stages the two contractions' operands in shared
-    memory (the workgroup always stages Q, K and V)."""
+    memory (the workgroup always stages Q, K and V); ``keys`` of the TILE a step reduces."""
 
     rows: int
     qk_split: str
     pv_split: str
     promote_steps: bool
+    keys: int = TILE
 
 
 #: Measured with ptxas -arch=sm_90 -v (registers / spill bytes of the 256- and 64-row bands):
@@ -87,36 +88,86 @@ def cuda_attention_tiling(d_qk: int, d_v: int, query_rows: int = TILE) -> Attent
     return ROWS_64_UNSTAGED_STEPS
 
 
-def cuda_attention_config(op: ir.Operation, loops: tuple[str, ...]) -> dict[str, ir.Attribute] | None:
+@dataclass(frozen=True)
+class MatrixCores:
+    """A GPU target's matrix instructions for the fused attention op: per operand type (``f16``,
+    ``bf16``) the ``#iree_gpu`` layout attribute of the Q.K^T step and of the P.V step; the
+    subgroup (warp, wavefront) width and the subgroups of a workgroup."""
+
+    qk: dict[str, str]
+    pv: dict[str, str]
+    subgroup_size: int
+    subgroups: int
+
+
+#: sm_80 mma.sync, f32 sums, 4 warps of 32.
+CUDA_CORES = MatrixCores(qk={t: f"#iree_gpu.mma_layout<{k}>" for t, k in CUDA_MMA_KIND.items()},
+                         pv={t: f"#iree_gpu.mma_layout<{k}>" for t, k in CUDA_MMA_KIND.items()},
+                         subgroup_size=32, subgroups=CUDA_ATTENTION_WARPS)
+
+
+def _gpu_attention_config(op: ir.Operation, loops: tuple[str, ...], cores: MatrixCores,
+                          tiling_of) -> dict[str, ir.Attribute] | None:
     """compilation_info + decomposition_config of one online_attention op with ``loops`` (named
-    as in ``attention_op.ALL_LOOPS`` or ``ENTRY_LOOPS``), or None for f32 operands (no tensor
-    cores on this target: IREE's default SIMT configuration): the ``tune_attention`` hook of
-    ``BACKENDS["cuda"]``."""
+    as in ``attention_op.ALL_LOOPS`` or ``ENTRY_LOOPS``) on ``cores``, the tiling
+    ``tiling_of(d_qk, d_v, query_rows)`` gives; None for an operand type ``cores`` has no
+    instruction for (the compiler's own configuration)."""
     query_type, value_type, mask_type = (ir.RankedTensorType(op.operands[i].type) for i in (0, 2, 4))
-    kind = CUDA_MMA_KIND.get(str(query_type.element_type))
-    if kind is None:
+    operand = str(query_type.element_type)
+    if operand not in cores.qk:
         return None
     # the mask's dims end in (qi, kt, ki) (attention_op.OperandDims)
-    tiling = cuda_attention_tiling(query_type.shape[-1], value_type.shape[-1], mask_type.shape[-3])
+    tiling = tiling_of(query_type.shape[-1], value_type.shape[-1], mask_type.shape[-3])
 
     def per_loop(**sizes):
         return [sizes.get(name, 0) for name in loops]
 
-    def step(split: str, skipped: str, promoted: str) -> str:
-        counts = [CUDA_ATTENTION_WARPS if name == split else 1 for name in loops]
+    def step(kind: str, split: str, skipped: str, promoted: str) -> str:
+        counts = [cores.subgroups if name == split else 1 for name in loops]
         basis = f"subgroup_basis = [{counts}, {[i for i, name in enumerate(loops) if name != skipped]}]"
         promote = f"promote_operands = {promoted}, " if tiling.promote_steps else ""
-        return (f"{{lowering_config = #iree_gpu.lowering_config<{{mma_kind = #iree_gpu.mma_layout<{kind}>, "
-                f"{promote}{basis}}}>}}")
+        return f"{{lowering_config = #iree_gpu.lowering_config<{{mma_kind = {kind}, {promote}{basis}}}>}}"
 
     decomposition = ir.Attribute.parse(
-        f"{{qk_attrs = {step(tiling.qk_split, 'n', '[0, 1]')}, pv_attrs = {step(tiling.pv_split, 'k1', '[1]')}}}")
+        f"{{qk_attrs = {step(cores.qk[operand], tiling.qk_split, 'n', '[0, 1]')}, "
+        f"pv_attrs = {step(cores.pv[operand], tiling.pv_split, 'k1', '[1]')}}}")
     compilation = ir.Attribute.parse(
         "#iree_codegen.compilation_info<lowering_config = #iree_gpu.lowering_config<{promote_operands = [0, 1, 2], "
-        f"reduction = {per_loop(kt=1, ki=TILE)}, workgroup = {per_loop(e=1, h=1, g=1, qi=tiling.rows)}}}>, "
+        f"reduction = {per_loop(kt=1, ki=tiling.keys)}, workgroup = {per_loop(e=1, h=1, g=1, qi=tiling.rows)}}}>, "
         "translation_info = #iree_codegen.translation_info<pipeline = #iree_gpu.pipeline<VectorDistribute> "
-        f"workgroup_size = [{32 * CUDA_ATTENTION_WARPS}, 1, 1] subgroup_size = 32>>")
+        f"workgroup_size = [{cores.subgroup_size * cores.subgroups}, 1, 1] subgroup_size = {cores.subgroup_size}>>")
     return {"decomposition_config": decomposition, "compilation_info": compilation}
+
+
+def cuda_attention_config(op: ir.Operation, loops: tuple[str, ...]) -> dict[str, ir.Attribute] | None:
+    """The tensor-core configuration of one online_attention op (:func:`cuda_attention_tiling`),
+    or None for f32 operands (no tensor cores on this target: IREE's default SIMT
+    configuration): the ``tune_attention`` hook of ``BACKENDS["cuda"]``."""
+    return _gpu_attention_config(op, loops, CUDA_CORES, cuda_attention_tiling)
+
+
+#: d 256 on CDNA: 64 KB of LDS a workgroup holds Q and K/V tiles of 32 keys but not of 64 (IREE
+#: 3.13: "uses 106496 bytes of shared memory; exceeded the limit of 65536 bytes" for ROWS_64).
+ROWS_64_KEYS_32 = AttentionTiling(rows=TILE, qk_split="qi", pv_split="qi", promote_steps=False, keys=TILE // 2)
+
+
+def rocm_attention_tiling(d_qk: int, d_v: int, query_rows: int = TILE) -> AttentionTiling:
+    """:func:`cuda_attention_tiling`, but head dims above 192 take half the keys a step
+    (ROWS_64_KEYS_32) where CUDA's 64-row tiles would overflow CDNA's 64 KB of LDS."""
+    tiling = cuda_attention_tiling(d_qk, d_v, query_rows)
+    return ROWS_64_KEYS_32 if tiling.rows == TILE and max(d_qk, d_v) > 192 else tiling
+
+
+#: CDNA MFMA (gfx90a, gfx942, gfx950), f32 sums, 4 wavefronts of 64.
+ROCM_CORES = MatrixCores(qk={t: f"#iree_gpu.mma_layout<MFMA_F32_16x16x16_{t.upper()}>" for t in ("f16", "bf16")},
+                         pv={t: f"#iree_gpu.mma_layout<MFMA_F32_16x16x16_{t.upper()}>" for t in ("f16", "bf16")},
+                         subgroup_size=64, subgroups=4)
+
+
+def rocm_attention_config(op: ir.Operation, loops: tuple[str, ...]) -> dict[str, ir.Attribute] | None:
+    """The MFMA configuration of one online_attention op: the ``tune_attention`` hook of
+    ``BACKENDS["rocm"]``."""
+    return _gpu_attention_config(op, loops, ROCM_CORES, rocm_attention_tiling)
 
 
 def _marked(module: ir.Module, marker: str) -> list[ir.Operation]:

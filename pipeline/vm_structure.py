@@ -3,6 +3,11 @@
     calls = host_blocking_calls_in_loops(vmfb_path)   # {"hal.device.queue.alloca": 0, ...}
     count = tensor_core_instructions(vmfb_bytes)       # mma.sync in the embedded PTX
     missing_tensor_cores(spec, vmfb_path)             # a structure check: a problem, or None
+    kernels = amdgpu_kernels(amdgpu_isa(vmfb_path))    # ROCm: per kernel v_mfma, VGPRs, spills
+
+A ROCm vmfb embeds machine code, not assembly: its ISA is the ``*.rocmasm`` that iree-compile
+writes with ``--iree-hal-dump-executable-intermediates-to=DIR``; the ROCm checks read it from
+:func:`isa_folder` beside the vmfb (``isa_dump_flag`` gives the flag that writes it there).
 
 IREE 3.13's CUDA HAL blocks the host inside ``queue.alloca`` and ``queue.dealloca`` and, of course,
 in ``fence.await``; any of them inside a loop of the host program drains the GPU on every trip.
@@ -15,6 +20,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 HOST_BLOCKING = ("hal.device.queue.alloca", "hal.device.queue.dealloca", "hal.fence.await")
@@ -117,6 +123,61 @@ def tensor_core_instructions(vmfb: bytes) -> int:
     return vmfb.count(b"mma.sync")
 
 
+def isa_folder(vmfb_path: str | Path) -> Path:
+    """Where the ROCm checks read the ISA of the vmfb at ``vmfb_path``: ``kernel.vmfb`` ->
+    ``kernel.isa/``."""
+    return Path(vmfb_path).with_suffix(".isa")
+
+
+def isa_dump_flag(vmfb_path: str | Path) -> str:
+    """The iree-compile flag that writes the ISA of the vmfb to be written at ``vmfb_path`` into
+    :func:`isa_folder`."""
+    return f"--iree-hal-dump-executable-intermediates-to={isa_folder(vmfb_path)}"
+
+
+def amdgpu_isa(vmfb_path: str | Path) -> str:
+    """The AMDGPU assembly of every executable of the vmfb (its ``*.rocmasm`` files, joined);
+    FileNotFoundError naming the flag when there are none."""
+    files = sorted(isa_folder(vmfb_path).glob("*.rocmasm"))
+    if not files:
+        raise FileNotFoundError(f"no *.rocmasm in {isa_folder(vmfb_path)}: compile with {isa_dump_flag(vmfb_path)}")
+    return "\n".join(path.read_text() for path in files)
+
+
+@dataclass(frozen=True)
+class AmdgpuKernel:
+    """One kernel of an AMDGPU ISA: its name, ``v_mfma`` instructions, VGPRs and AGPRs used,
+    and the registers it spills to scratch (VGPR and SGPR)."""
+
+    name: str
+    mfma: int
+    vgprs: int
+    agprs: int
+    vgpr_spills: int
+    sgpr_spills: int
+
+
+_MFMA = re.compile(r"^\s*v_mfma\w*", re.M)
+
+
+def amdgpu_kernels(isa: str) -> list[AmdgpuKernel]:
+    """Every kernel of the assembly :func:`amdgpu_isa` gives, from each function's body
+    (``v_mfma`` lines, between ``name:`` and ``.Lfunc_end``) and the ``amdhsa.kernels``
+    metadata (registers, spills)."""
+    bodies = {match.group(1): len(_MFMA.findall(match.group(2)))
+              for match in re.finditer(r"^(\w+):\s*\n(.*?)^\.Lfunc_end\d+:", isa, re.M | re.S)}
+    kernels = []
+    for block in re.split(r"^\s*- \.agpr_count:", isa, flags=re.M)[1:]:
+        def field(name: str) -> int:
+            return int(re.search(rf"^\s*\.{name}:\s*(\d+)", block, re.M).group(1))
+
+        name = re.search(r"^\s*\.name:\s*(\S+)", block, re.M).group(1)
+        kernels.append(AmdgpuKernel(name, bodies.get(name, 0), field("vgpr_count"),
+                                    int(block.split("\n", 1)[0]), field("vgpr_spill_count"),
+                                    field("sgpr_spill_count")))
+    return kernels
+
+
 # Structure checks: ``check(spec, vmfb_path) -> problem or None``; a backend record lists the ones
 # its artifacts must pass (pipeline/targets.py: Backend.structure_checks).
 
@@ -126,6 +187,18 @@ def missing_tensor_cores(spec, vmfb_path: str | Path) -> str | None:
     if spec.dtype == "float32" or tensor_core_instructions(Path(vmfb_path).read_bytes()):
         return None
     return f"{spec.name}: no mma.sync in the PTX, so its {spec.dtype} operands miss the tensor cores"
+
+
+def missing_mfma(spec, vmfb_path: str | Path) -> str | None:
+    """f16/bf16 operands must run on the matrix cores (``v_mfma`` in the ISA :func:`amdgpu_isa`
+    reads); f32 operands are free not to."""
+    if spec.dtype == "float32":
+        return None
+    try:
+        count = sum(kernel.mfma for kernel in amdgpu_kernels(amdgpu_isa(vmfb_path)))
+    except FileNotFoundError as err:
+        return f"{spec.name}: {err}"
+    return None if count else f"{spec.name}: no v_mfma in the ISA, so its {spec.dtype} operands miss the matrix cores"
 
 
 def host_stalls_in_loops(spec, vmfb_path: str | Path) -> str | None:

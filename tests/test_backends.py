@@ -18,7 +18,7 @@ from linalg_prefill.runtime.examples import example_inputs
 
 
 def test_an_unknown_backend_names_itself_and_the_known_ones():
-    with pytest.raises(ValueError, match=r"unknown backend 'metal': known backends are llvm-cpu, cuda$"):
+    with pytest.raises(ValueError, match=r"unknown backend 'metal': known backends are llvm-cpu, cuda, rocm$"):
         Target("metal")
 
 
