@@ -32,13 +32,14 @@ bench-report: $(STAMP)
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[bench]'
 	$(PY) bench/report.py --tvm --out build/bench-report
 
-# CUDA artifacts + the tests' recorded calls + cp312 wheels in build/gpu-bundle; on the GPU machine:
-# bash gpu_check.sh OUT_DIR (or python3 gpu_runner.py)
+# CUDA artifacts + the tests' recorded calls + cp312 wheels in build/gpu-bundle, the same for ROCm
+# (gfx942, an MI300 host) in build/gpu-bundle-rocm; on the GPU machine: bash gpu_check.sh OUT_DIR
 gpu-bundle: $(STAMP)
 	rm -rf build/recorded-calls
 	LINALG_PREFILL_RECORD_CASES=build/recorded-calls $(PY) -m pytest -q -p no:cacheprovider \
 		tests/test_sequence_prefill.py tests/test_kv_cache_prefill.py -k "llvm-cpu and not fused"
 	$(PY) bench/gpu_bundle.py --out build/gpu-bundle --recorded build/recorded-calls
+	$(PY) bench/gpu_bundle.py --backend rocm --out build/gpu-bundle-rocm --recorded build/recorded-calls
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,11 +1,14 @@
-"""Makes a folder that checks the CUDA artifacts on a GPU machine with no registry (``make gpu-bundle``).
+"""Makes a folder that checks the GPU artifacts on a GPU machine with no registry (``make gpu-bundle``:
+CUDA in build/gpu-bundle, ROCm for an MI300 host in build/gpu-bundle-rocm).
 
-    .venv/bin/python bench/gpu_bundle.py [--out build/gpu-bundle] [--backend cuda] [--models ...]
+    .venv/bin/python bench/gpu_bundle.py [--out build/gpu-bundle] [--backend cuda|rocm] [--models ...]
                                          [--recorded DIR] [--no-wheels]
 
-The folder holds, next to ``gpu_runner.py`` (numpy + IREE runtime only) and ``gpu_check.sh``:
+The folder holds, next to ``gpu_runner.py`` (numpy + IREE runtime only), ``gpu_check.sh`` (the run
+script: ``bash gpu_check.sh OUT_DIR``, on the driver ``backend.json`` names) and ``backend.json``:
 
-* ``artifacts/``: every spec of its cases compiled for ``--backend`` (sm_80 for CUDA);
+* ``artifacts/``: every spec of its cases compiled for ``--backend`` (sm_80 for CUDA, gfx942 for
+  ROCm: MI300X/MI300A/MI325X);
 * ``cases/*.npz``: one seed-ABI call each, with the ``runtime.reference`` function and keyword
   arguments that evaluate it, its argument names and the spec's facts the error model needs
   (``runtime.compare.call_facts``): every element must be within the call's error bound
@@ -212,6 +215,8 @@ def main() -> None:
         os.makedirs(os.path.join(args.out, sub))
     for tool in ("gpu_runner.py", "gpu_check.sh"):
         shutil.copy(os.path.join(HERE, tool), args.out)
+    with open(os.path.join(args.out, "backend.json"), "w") as f:  # read by gpu_check.sh
+        json.dump({"backend": target.backend, "target": target.tag, "driver": target.driver}, f)
     for file in REFERENCE_FILES:  # the reference package: numpy only
         shutil.copy(os.path.join(ROOT, "runtime", file), os.path.join(args.out, "reference"))
     open(os.path.join(args.out, "reference", "__init__.py"), "w").close()
