@@ -13,6 +13,7 @@ markers are removed either way.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -55,13 +56,15 @@ class AttentionTiling:
     """One CUDA configuration of the online_attention op: ``rows`` query rows per workgroup, the
     whole head dim, TILE keys per step; the warps split the loop ``qk_split`` in Q.K^T and
     ``pv_split`` in P.V; ``promote_steps`` also stages the two contractions' operands in shared
-    memory (the workgroup always stages Q, K and V); ``keys`` of the TILE a step reduces."""
+    memory (the workgroup always stages Q, K and V); ``keys`` of the TILE a step reduces;
+    ``col_major``: the matrix instructions' results column-major (ROCm's MFMA only)."""
 
     rows: int
     qk_split: str
     pv_split: str
     promote_steps: bool
     keys: int = TILE
+    col_major: bool = False
 
 
 #: Measured with ptxas -arch=sm_90 -v (registers / spill bytes of the 256- and 64-row bands):
@@ -110,27 +113,30 @@ def _gpu_attention_config(op: ir.Operation, loops: tuple[str, ...], cores: Matri
                           tiling_of) -> dict[str, ir.Attribute] | None:
     """compilation_info + decomposition_config of one online_attention op with ``loops`` (named
     as in ``attention_op.ALL_LOOPS`` or ``ENTRY_LOOPS``) on ``cores``, the tiling
-    ``tiling_of(d_qk, d_v, query_rows)`` gives; None for an operand type ``cores`` has no
-    instruction for (the compiler's own configuration)."""
+    ``tiling_of(d_qk, d_v, query_rows)`` gives; None (the compiler's own configuration) for an
+    operand type ``cores`` has no instruction for or where ``tiling_of`` gives None."""
     query_type, value_type, mask_type = (ir.RankedTensorType(op.operands[i].type) for i in (0, 2, 4))
     operand = str(query_type.element_type)
     if operand not in cores.qk:
         return None
     # the mask's dims end in (qi, kt, ki) (attention_op.OperandDims)
     tiling = tiling_of(query_type.shape[-1], value_type.shape[-1], mask_type.shape[-3])
+    if tiling is None:
+        return None
 
     def per_loop(**sizes):
         return [sizes.get(name, 0) for name in loops]
 
-    def step(kind: str, split: str, skipped: str, promoted: str) -> str:
+    def step(kind: str, split: str, skipped: str, promoted: list[int]) -> str:
+        kind = kind.removesuffix(">") + ", col_major = true>" if tiling.col_major else kind
         counts = [cores.subgroups if name == split else 1 for name in loops]
         basis = f"subgroup_basis = [{counts}, {[i for i, name in enumerate(loops) if name != skipped]}]"
         promote = f"promote_operands = {promoted}, " if tiling.promote_steps else ""
         return f"{{lowering_config = #iree_gpu.lowering_config<{{mma_kind = {kind}, {promote}{basis}}}>}}"
 
     decomposition = ir.Attribute.parse(
-        f"{{qk_attrs = {step(cores.qk[operand], tiling.qk_split, 'n', '[0, 1]')}, "
-        f"pv_attrs = {step(cores.pv[operand], tiling.pv_split, 'k1', '[1]')}}}")
+        f"{{qk_attrs = {step(cores.qk[operand], tiling.qk_split, 'n', [0, 1])}, "
+        f"pv_attrs = {step(cores.pv[operand], tiling.pv_split, 'k1', [1])}}}")
     compilation = ir.Attribute.parse(
         "#iree_codegen.compilation_info<lowering_config = #iree_gpu.lowering_config<{promote_operands = [0, 1, 2], "
         f"reduction = {per_loop(kt=1, ki=tiling.keys)}, workgroup = {per_loop(e=1, h=1, g=1, qi=tiling.rows)}}}>, "
@@ -148,14 +154,26 @@ def cuda_attention_config(op: ir.Operation, loops: tuple[str, ...]) -> dict[str,
 
 #: d 256 on CDNA: 64 KB of LDS a workgroup holds Q and K/V tiles of 32 keys but not of 64 (IREE
 #: 3.13: "uses 106496 bytes of shared memory; exceeded the limit of 65536 bytes" for ROWS_64).
-ROWS_64_KEYS_32 = AttentionTiling(rows=TILE, qk_split="qi", pv_split="qi", promote_steps=False, keys=TILE // 2)
+ROWS_64_KEYS_32 = AttentionTiling(rows=TILE, qk_split="qi", pv_split="qi", promote_steps=False, keys=TILE // 2,
+                                  col_major=True)
 
 
-def rocm_attention_tiling(d_qk: int, d_v: int, query_rows: int = TILE) -> AttentionTiling:
-    """:func:`cuda_attention_tiling`, but head dims above 192 take half the keys a step
-    (ROWS_64_KEYS_32) where CUDA's 64-row tiles would overflow CDNA's 64 KB of LDS."""
+def rocm_attention_tiling(d_qk: int, d_v: int, query_rows: int = TILE) -> AttentionTiling | None:
+    """The CDNA configuration of a head-dim pair, or None for IREE's own (d 64 and 128 bands).
+
+    Measured on gfx942's ISA (docs/rocm.md, configuration): IREE's own choice has MFMA for the
+    64/128 bands and a smaller kernel than :func:`cuda_attention_tiling`'s (d 128 f16: 196
+    VGPRs, 84 LDS reads, 940 instructions against 219, 148, 1385), but none for d 72-192 or MLA
+    (a SIMT reduction) and, for d 256, 16 value columns a workgroup, so Q.K^T 16 times over.
+    Those take CUDA's tiles with column-major MFMA results (MLA's VGPRs 264 -> 228) except the
+    unstaged 64-row tiles (d 80: 125 -> 204, so row-major); d 256 half the keys a step
+    (ROWS_64_KEYS_32), as 64 would overflow the 64 KB of LDS."""
     tiling = cuda_attention_tiling(d_qk, d_v, query_rows)
-    return ROWS_64_KEYS_32 if tiling.rows == TILE and max(d_qk, d_v) > 192 else tiling
+    if tiling == ROWS_64:
+        return None
+    if tiling.rows == TILE and max(d_qk, d_v) > 192:
+        return ROWS_64_KEYS_32
+    return tiling if tiling == ROWS_64_UNSTAGED_STEPS else dataclasses.replace(tiling, col_major=True)
 
 
 #: CDNA MFMA (gfx90a, gfx942, gfx950), f32 sums, 4 wavefronts of 64.
@@ -165,8 +183,9 @@ ROCM_CORES = MatrixCores(qk={t: f"#iree_gpu.mma_layout<MFMA_F32_16x16x16_{t.uppe
 
 
 def rocm_attention_config(op: ir.Operation, loops: tuple[str, ...]) -> dict[str, ir.Attribute] | None:
-    """The MFMA configuration of one online_attention op: the ``tune_attention`` hook of
-    ``BACKENDS["rocm"]``."""
+    """The MFMA configuration of one online_attention op (:func:`rocm_attention_tiling`), or None
+    for IREE's own (f32 operands, d 64/128 bands: MFMA either way, checked by the rocm record's
+    structure checks): the ``tune_attention`` hook of ``BACKENDS["rocm"]``."""
     return _gpu_attention_config(op, loops, ROCM_CORES, rocm_attention_tiling)
 
 
