@@ -11,7 +11,8 @@ A new backend is one record; the records are checked when this module is importe
 defaults to the host CPU (``--iree-llvmcpu-target-cpu=host`` resolves to a named CPU with all its
 features); pass ``"x86-64-v3"`` or another LLVM CPU name for an artifact that runs on other
 machines. ``cuda`` defaults to ``sm_80``: IREE 3.13 has no sm_90/sm_100 target ("missing GPU
-target"), and Hopper runs sm_80 PTX through the driver's JIT.
+target"), and Hopper runs sm_80 PTX through the driver's JIT. ``rocm`` defaults to ``gfx942``
+(MI300) and takes ``gfx950`` and ``gfx90a``.
 """
 
 from __future__ import annotations
@@ -121,6 +122,8 @@ BACKENDS: dict[str, Backend] = {
         flags=_cuda_flags, lowering="fused", row_chunk=128,
         tune_contraction=_keep_default, tune_attention=tuning.cuda_attention_config,
         structure_checks=(vm_structure.missing_tensor_cores, vm_structure.host_stalls_in_loops)),
+    # The fused lowering on AMD Instinct (gfx942: MI300; docs/rocm.md), f16/bf16 on MFMA; waves
+    # of 64, so CUDA's configuration does not apply (rocm_attention_config).
     "rocm": Backend(
         name="rocm", driver="hip", default_arch="gfx942", archs=("gfx942", "gfx950", "gfx90a"),
         arch_note="", flags=_rocm_flags, lowering="fused", row_chunk=128,

@@ -7,8 +7,9 @@ The IR builder marks its two contractions per KV tile (scores = q.k and probs x 
 backend record (pipeline/targets.py: BACKENDS) says what each becomes. llvm-cpu's contractions
 get an ``iree_codegen.compilation_info`` that fixes the tiling (88-97 GFLOP/s against IREE's
 default 56-68 on the dense kernel's shapes: docs/performance.md, contraction tiling); CUDA's
-16-bit attention ops get a tensor-core configuration (:func:`cuda_attention_config`). The
-markers are removed either way.
+16-bit attention ops get a tensor-core configuration (:func:`cuda_attention_config`), ROCm's an
+MFMA one where IREE's own has none or a worse one (:func:`rocm_attention_config`). The markers
+are removed either way.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ CUDA_ATTENTION_WARPS = 4
 
 @dataclass(frozen=True)
 class AttentionTiling:
-    """One CUDA configuration of the online_attention op: ``rows`` query rows per workgroup, the
+    """One GPU configuration of the online_attention op: ``rows`` query rows per workgroup, the
     whole head dim, TILE keys per step; the warps split the loop ``qk_split`` in Q.K^T and
     ``pv_split`` in P.V; ``promote_steps`` also stages the two contractions' operands in shared
     memory (the workgroup always stages Q, K and V); ``keys`` of the TILE a step reduces;
