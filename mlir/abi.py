@@ -3,9 +3,10 @@ the runtime's argument names and positions, and the README's ABI table are deriv
 
 A dim is an int, the name of a spec field (``"h_q"``, ``"d_qk"``, ``"page_size"``), or a symbol
 the call decides (``"B"``, ``"Lq"``, ...: dynamic). Kinds: ``tensor`` in the spec's dtype,
-``f32`` a float32 array whatever the spec's dtype, ``index`` an int32 array, ``int`` an i32
-scalar, ``float`` an f32 scalar. A spec with ``head_sinks`` takes ``sinks [h_q]`` f32 (natural-log
-logits, semantics §13) after every argument of its table.
+``f32`` a float32 array whatever the spec's dtype, ``index`` an int32 array, ``mask`` a custom
+mask (bool or uint8 at the call, i8 in the IR), ``int`` an i32 scalar, ``float`` an f32 scalar. A
+spec with ``head_sinks`` takes ``sinks [h_q]`` f32 (natural-log logits, semantics §13) after every
+argument of its table.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Union
 
-from .ir import DYN, buffer_view_type, element_type, f32, func_d, i32, ir, module_context, tensor_type
+from .ir import DYN, buffer_view_type, element_type, f32, func_d, i32, i8, ir, module_context, tensor_type
 from .specs import MaskedSequencePrefillSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec
 
 Dims = tuple[Union[int, str], ...]
@@ -42,19 +43,38 @@ _DENSE = (Arg("q", "tensor", ("B", "Lq", "h_q", "d")), Arg("k", "tensor", ("B", 
 _PAGE_TABLE = (Arg("page_indptr", "index", ("B+1",)), Arg("page_values", "index", ("nnz",)),
                Arg("length_info", "index", lambda spec: (3, "B") if spec.sliding_window else ("B",)))
 
-#: Each variant's arguments (a pass's table may depend on its spec: a callable of it).
+_RAGGED = (
+    Arg("q", "tensor", ("Lq", "h_q", "d_qk")), Arg("q_indptr", "index", ("B+1",)),
+    Arg("k", "tensor", ("Lk", "h_kv", "d_qk")), Arg("v", "tensor", ("Lk", "h_kv", "d_v")),
+    Arg("kv_indptr", "index", ("B+1",)), Arg("q_rope_position", "index", ("Lq",)),
+    Arg("k_rope_pos_offset", "index", ("B",)), *_ROPE_SCALARS)
+_PAGED = (
+    Arg("q", "tensor", ("Lq", "h_q", "d")), Arg("q_indptr", "index", ("B+1",)),
+    Arg("pages", "tensor", ("P", 2, "h_kv", "page_size", "d")), *_PAGE_TABLE,
+    Arg("k_rope_pos_offset", "index", ("B",)), Arg("q_rope_position", "index", ("Lq",)), *_ROPE_SCALARS)
+#: A KV-cache custom mask (semantics §14): each entry's qo_len x kv_len block, row-major,
+#: concatenated (``nnz_mask`` = sum of qo_len * kv_len), and the offsets of the blocks.
+_CUSTOM_MASK = (Arg("custom_mask", "mask", ("nnz_mask",)), Arg("mask_indptr", "index", ("B+1",)))
+
+
+def _with_custom_mask(base: tuple[Arg, ...]) -> Callable[[object], tuple[Arg, ...]]:
+    """``base``, then the custom-mask arguments when the spec sets ``custom_mask``."""
+    return lambda spec: (*base, *(_CUSTOM_MASK if spec.custom_mask else ()))
+
+
+def _masked_dense(spec) -> tuple[Arg, ...]:
+    """The masked variant's: valid_lens [B], or with ``mask_mode="custom"`` custom_mask [B, Lq, Lk]."""
+    if spec.mask_mode == "custom":
+        return (*_DENSE, Arg("custom_mask", "mask", ("B", "Lq", "Lk")))
+    return (*_DENSE, Arg("valid_lens", "index", ("B",)))
+
+
+#: Each variant's arguments (a callable of the spec where they depend on it).
 ARGUMENTS: dict[type, Union[tuple[Arg, ...], Callable[[object], tuple[Arg, ...]]]] = {
     SequencePrefillSpec: _DENSE,
-    MaskedSequencePrefillSpec: (*_DENSE, Arg("valid_lens", "index", ("B",))),
-    RaggedPrefillSpec: (
-        Arg("q", "tensor", ("Lq", "h_q", "d_qk")), Arg("q_indptr", "index", ("B+1",)),
-        Arg("k", "tensor", ("Lk", "h_kv", "d_qk")), Arg("v", "tensor", ("Lk", "h_kv", "d_v")),
-        Arg("kv_indptr", "index", ("B+1",)), Arg("q_rope_position", "index", ("Lq",)),
-        Arg("k_rope_pos_offset", "index", ("B",)), *_ROPE_SCALARS),
-    PagedPrefillSpec: (
-        Arg("q", "tensor", ("Lq", "h_q", "d")), Arg("q_indptr", "index", ("B+1",)),
-        Arg("pages", "tensor", ("P", 2, "h_kv", "page_size", "d")), *_PAGE_TABLE,
-        Arg("k_rope_pos_offset", "index", ("B",)), Arg("q_rope_position", "index", ("Lq",)), *_ROPE_SCALARS),
+    MaskedSequencePrefillSpec: _masked_dense,
+    RaggedPrefillSpec: _with_custom_mask(_RAGGED),
+    PagedPrefillSpec: _with_custom_mask(_PAGED),
     MlaPagedPrefillSpec: (
         Arg("q", "tensor", ("Lq", "h_q", "d_qk")), Arg("q_indptr", "index", ("B+1",)),
         Arg("pages", "tensor", ("P", "page_size", "d_qk")), *_PAGE_TABLE, *_scalars("causal", "sm_scale")),
@@ -96,7 +116,7 @@ def _dim(spec, value) -> int:
 
 
 def _tensor_type(spec, arg: Arg) -> ir.Type:
-    elem = {"tensor": element_type(spec.dtype), "f32": f32()}.get(arg.kind, i32())
+    elem = {"tensor": element_type(spec.dtype), "f32": f32(), "mask": i8()}.get(arg.kind, i32())
     return tensor_type([_dim(spec, d) for d in arg.dims_of(spec)], elem)
 
 
@@ -108,7 +128,7 @@ def argument_types(spec, host_readable: tuple[str, ...] = ()) -> list[ir.Type]:
     for arg in arguments(spec):
         if arg.name in host_readable:
             types.append(buffer_view_type())
-        elif arg.kind in ("tensor", "f32", "index"):
+        elif arg.kind in ("tensor", "f32", "index", "mask"):
             types.append(_tensor_type(spec, arg))
         else:
             types.append(i32() if arg.kind == "int" else f32())

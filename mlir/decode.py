@@ -17,8 +17,8 @@ t * G + g holding token t and head g, C = chunk columns, W = table width, a mult
 Every chunk is reduced on its own (max, sum, probs x values), then the chunks merge by their
 maxima. The K and V rows are read straight from the cache inside the two contractions (no
 gathered copy): the contraction's loop order is chosen so IREE cannot collapse its dims, and its
-tiling vectorises only the head dim, whose loads are then contiguous. The causal mask is the
-KV-cache variants' (bottom-right, runtime flag).
+tiling vectorises only the head dim, whose loads are then contiguous. The mask is the base
+spec's rule (mask_rules.py), which must be a ``one_pass`` one: the KV-cache causal mask.
 
 Bitwise reproducibility: an entry's chunks are computed alone, padded chunks add exact zeros, and
 the chunk merge reduces one chunk at a time, so an entry's result does not depend on the other
@@ -38,7 +38,7 @@ from .ir import (
 )
 from .abi import ARGUMENTS, Arg, argument_types, kv_sources, result_types, split_sinks
 from .kv_layouts import cache_layout
-from .masks import kv_cache_validity
+from .mask_rules import Lengths, MaskRule, mask_rule
 from .online_softmax import NO_KEY_MAX, row_sinks, score_transform, sink_lse, sink_normalised
 from .specs import EMPTY_ROW_LSE, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec
 
@@ -219,13 +219,24 @@ def decode_module(spec: DecodeSpec, emit: Callable[..., list]) -> ir.Module:
         return module
 
 
-def build_decode(spec: DecodeSpec) -> ir.Module:
+def build_decode(spec: DecodeSpec, rule: MaskRule | None = None) -> ir.Module:
     """``decode_entries(q, *kv, table, geometry, causal, sm_scale) -> (output, lse)``; ``kv`` is
-    ``pages`` (paged [P, 2, h_kv, page, d], MLA [P, page, d_qk]) or ``k, v`` (ragged)."""
-    return decode_module(spec, lambda *args: _decode(spec, *args))
+    ``pages`` (paged [P, 2, h_kv, page, d], MLA [P, page, d_qk]) or ``k, v`` (ragged). ``rule``:
+    the mask (default: the base spec's), a ``one_pass`` rule reading at most ``causal``."""
+    rule = pass_rule(spec, rule)
+    return decode_module(spec, lambda *args: _decode(spec, rule, *args))
 
 
-def _decode(spec: DecodeSpec, q, cache: KvCache, table, geometry, causal, sm_scale, sinks) -> list[ir.Value]:
+def pass_rule(spec: DecodeSpec, rule: MaskRule | None) -> MaskRule:
+    """``rule``, or the base spec's; ValueError unless it is a ``one_pass`` rule (mask_rules.py)."""
+    rule = rule or mask_rule(spec.base)
+    if not rule.one_pass:
+        raise ValueError(f"{type(rule).__name__} does not run in the one-pass serving kernels")
+    return rule
+
+
+def _decode(spec: DecodeSpec, rule: MaskRule, q, cache: KvCache, table, geometry, causal, sm_scale,
+            sinks) -> list[ir.Value]:
     base = spec.base
     h, group = base.h_kv, spec.rows
     per_chunk, block = spec.blocks_per_chunk, spec.block
@@ -267,15 +278,14 @@ def _decode(spec: DecodeSpec, q, cache: KvCache, table, geometry, causal, sm_sca
     scale = score_transform(sm_scale, base.logits_soft_cap)
     every = affine_map(6, range(6))
 
-    causal_on = arith_d.cmpi(arith_d.CmpIPredicate.eq, causal, arith_d.constant(i32(), 1))
+    mask = rule.bind({"causal": causal}).per_call()
 
     def mask_body(x, kv_len, qo_len, _out):
         c, p, s, row = (_index(x_) for x_ in (1, 3, 4, 5))
         col = _logical_column(spec, c, p, s)
         kv_len, qo_len = (arith_d.index_cast(index(), v) for v in (kv_len, qo_len))
         token = arith_d.divui(row, const_index(base.group_size))
-        valid = kv_cache_validity(col, lambda: token, kv_len=kv_len, diagonal=arith_d.subi(kv_len, qo_len),
-                                  causal=causal_on)
+        valid = mask.valid(Lengths(qo_len, kv_len, arith_d.subi(kv_len, qo_len)), lambda: token, col)
         return [arith_d.select(valid, scale(x), const_f32(float("-inf")))]
 
     lengths, query_lengths = _column(geometry, 0), _column(geometry, 3)

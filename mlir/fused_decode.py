@@ -1,8 +1,8 @@
 """The decode pass in the fused lowering (the CUDA target's): every entry in one online_attention.
 
 Same signature and semantics as ``decode.build_decode`` (the llvm-cpu lowering), and the same
-variant logic (``decode.KvCache``: page table, sliding-window remap, ragged blocks; the KV-cache
-mask of ``masks.py``). The structure is the fused lowering's (fused_kernels.py): K and V are
+variant logic (``decode.KvCache``: page table, sliding-window remap, ragged blocks; the base spec's
+mask rule, ``mask_rules.py``). The structure is the fused lowering's (fused_kernels.py): K and V are
 gathered once into tile-major rows, then one ``iree_linalg_ext.online_attention`` over (entry,
 KV head, query row) holds every entry's KV loop in one dispatch. Shapes (n entries, h = h_kv,
 R = queries x G rows per KV head, R' = R rounded up to ``ROW_MULTIPLE``, W table width,
@@ -21,12 +21,12 @@ No loop anywhere: a fixed number of dispatches whatever the batch size.
 from __future__ import annotations
 
 from .attention_op import TILE, attend_entries
-from .decode import DecodeSpec, KvCache, decode_module
+from .decode import DecodeSpec, KvCache, decode_module, pass_rule
 from .ir import (
     affine_map, arith_d, ceil_div, const_index, dim, element_type, empty, extract_slice, generic,
     ir, linalg_d, lt, tensor_d,
 )
-from .masks import kv_cache_validity
+from .mask_rules import Lengths, MaskRule
 from .online_softmax import row_sinks
 from .paging import read_element as _read
 
@@ -40,26 +40,27 @@ def padded_rows(spec: DecodeSpec) -> int:
     return -(-spec.rows // ROW_MULTIPLE) * ROW_MULTIPLE
 
 
-def build_fused_decode(spec: DecodeSpec) -> ir.Module:
-    """``decode_entries(q, *kv, table, geometry, causal, sm_scale) -> (output, lse)``, fused."""
+def build_fused_decode(spec: DecodeSpec, rule: MaskRule | None = None) -> ir.Module:
+    """``decode_entries(q, *kv, table, geometry, causal, sm_scale) -> (output, lse)``, fused;
+    ``rule`` as for ``decode.build_decode``."""
+    rule = pass_rule(spec, rule)
     return decode_module(spec, lambda q, cache, _table, geometry, causal, sm_scale, sinks: _decode(
-        spec, q, cache, geometry, causal, sm_scale, sinks))
+        spec, rule, q, cache, geometry, causal, sm_scale, sinks))
 
 
-def _decode(spec: DecodeSpec, q, cache: KvCache, geometry, causal, sm_scale, sinks) -> list[ir.Value]:
+def _decode(spec: DecodeSpec, rule: MaskRule, q, cache: KvCache, geometry, causal, sm_scale, sinks) -> list[ir.Value]:
     base = spec.base
     entries, rows = dim(q, 0), spec.rows
     tiles = ceil_div(arith_d.muli(dim(cache.table, 1), const_index(spec.block)), TILE)
     keys = _gathered(spec, cache, 0, spec.d_qk, tiles)
     values = _gathered(spec, cache, 1, spec.d_v, tiles)
-    causal_on = arith_d.cmpi(arith_d.CmpIPredicate.eq, causal, arith_d.constant(ir.IntegerType.get_signless(32), 1))
+    mask = rule.bind({"causal": causal}).per_call()
 
     def valid(e, row, col):
         kv_len = _read(geometry, [e, const_index(0)])
         qo_len = _read(geometry, [e, const_index(3)])
         token = arith_d.divui(row, const_index(base.group_size))
-        return kv_cache_validity(col, lambda: token, kv_len=kv_len, diagonal=arith_d.subi(kv_len, qo_len),
-                                 causal=causal_on)
+        return mask.valid(Lengths(qo_len, kv_len, arith_d.subi(kv_len, qo_len)), lambda: token, col)
 
     row_sink = None if sinks is None else _padded_row_sinks(spec, sinks)
     output, lse = attend_entries(_padded_queries(spec, q), keys, values, valid=valid, sm_scale=sm_scale,

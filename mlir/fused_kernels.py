@@ -2,7 +2,7 @@
 query band (attention_op.py), the lowering the CUDA target uses (pipeline/tuning.py).
 
 Same function signatures and semantics as the linalg lowering (sequence.py, kv_cache.py), and the
-same variant logic: the masks (``masks.py``), RoPE (``rope.py``, rotated values rounded to the
+same variant logic: the mask rules (``mask_rules.py``), RoPE (``rope.py``, rotated values rounded to the
 input dtype) and the layouts' KV reads (``kv_layouts.py``: ``batch_kv``, the page remap of
 ``paging.py``). What differs is the structure:
 
@@ -26,9 +26,7 @@ input dtype) and the layouts' KV reads (``kv_layouts.py``: ``batch_kv``, the pag
 
 from __future__ import annotations
 
-from typing import Union
-
-from .abi import function_module
+from .abi import argument_names, function_module
 from .attention_op import TILE, attend_band
 from .ir import (
     DYN, HostReadable, affine_map, arith_d, ceil_div, collapse, const_index, dim, element_type,
@@ -36,9 +34,9 @@ from .ir import (
     one_of, own_dispatch, scf_d, sizes_of, storage_tiles, tensor_d, tensor_type,
     tie_dims,
 )
-from .kv_cache import RopeArgs, _is_one, rotated_if
+from .kv_cache import RopeArgs, rotated_if
 from .kv_layouts import BatchKv, Reader, RowSource, device_read, host_read
-from .masks import kv_cache_validity, sequence_validity
+from .mask_rules import Lengths, MaskRule, mask_rule, rule_arguments
 from .online_softmax import row_sinks
 from .paging import index_at
 from .query_tiles import QueryTiles
@@ -98,30 +96,22 @@ def _write_band(result: ir.Value, dest: ir.Value, offsets: list) -> ir.Value:
     return insert_slice(flat, dest, [*offsets, *[0] * (len(tail) + 1)], rows)
 
 
-def _visible_tiles(causal: Union[bool, ir.Value], last_row_end: ir.Value, diagonal: ir.Value,
-                   kv_len: ir.Value) -> ir.Value:
-    """KV tiles a band must visit: all ``ceil(kv_len / TILE)``, or, when causal, up to the diagonal
-    of its last row (``last_row_end - 1``): the growing KV prefix that skips masked work."""
-    every = ceil_div(kv_len, TILE)
-    if causal is False:
-        return every
-    causal_end = arith_d.maxsi(arith_d.minsi(arith_d.addi(last_row_end, diagonal), kv_len), const_index(0))
-    limited = ceil_div(causal_end, TILE)
-    return limited if causal is True else arith_d.select(causal, limited, every)
-
-
 # ---- dense and masked sequence prefill ----
 
-def build_fused_sequence_prefill(spec) -> ir.Module:
-    """``batch_sequence_prefill_kv[_masked](q, k, v[, valid_lens]) -> (output, lse)``, fused."""
-    def emit(q, k, v, valid_lens=None, sinks=None):
+def build_fused_sequence_prefill(spec, rule: MaskRule | None = None) -> ir.Module:
+    """``batch_sequence_prefill_kv[_masked](q, k, v[, valid_lens or custom_mask][, sinks]) -> (output,
+    lse)``, fused; ``rule``: the mask (default: the spec's, mask_rules.mask_rule)."""
+    rule = rule or mask_rule(spec)
+
+    def emit(q, k, v, *extra, sinks=None):
+        mask = rule.bind(dict(zip(argument_names(spec)[3:], extra)))
         sizes = [sizes_of(q), sizes_of(q)[:3]]
 
         def tied(values):
             return [tie_dims(value, size) for value, size in zip(values, sizes)]
 
         def body(band_tiles):
-            return lambda _unused: tied(_sequence_body(spec, band_tiles, q, k, v, valid_lens, sinks))
+            return lambda _unused: tied(_sequence_body(spec, band_tiles, q, k, v, mask, sinks))
 
         is_short = le(dim(q, 1), const_index(TILE))
         placeholders = [empty(sizes[0], element_type(spec.dtype)), empty(sizes[1], f32())]
@@ -153,9 +143,9 @@ def _dense_tiles(x: ir.Value, stored_tiles: ir.Value) -> ir.Value:
     return tie_dims(branch.results[0], sizes)
 
 
-def _sequence_body(spec, band_tiles: int, q, k, v, valid_lens, sinks):
-    """Entries one at a time, query bands of ``band_tiles * TILE`` tokens; ``sinks`` [h_q] f32 or
-    None (semantics §13)."""
+def _sequence_body(spec, band_tiles: int, q, k, v, mask, sinks):
+    """Entries one at a time, query bands of ``band_tiles * TILE`` tokens; ``mask``: the rule
+    bound to the call; ``sinks`` [h_q] f32 or None (semantics §13)."""
     group, h_kv, d = spec.group_size, spec.h_kv, spec.d
     batch, q_len, kv_len = dim(q, 0), dim(q, 1), dim(k, 1)
     band = band_tiles * TILE
@@ -165,7 +155,7 @@ def _sequence_body(spec, band_tiles: int, q, k, v, valid_lens, sinks):
     q_rows = _pad_rows(q5, 1, padded)
     stored = storage_tiles(kv_len, TILE)
     keys, values = _dense_tiles(k, stored), _dense_tiles(v, stored)
-    diagonal = arith_d.subi(kv_len, q_len)
+    lengths = Lengths(q_len, kv_len, arith_d.subi(kv_len, q_len))
     driver = QueryTiles([batch, padded, spec.h_q, d], [batch, padded, spec.h_q], group, h_kv, fenced=False)
     head_sinks = None if sinks is None else row_sinks(sinks, h_kv, group, 1)
 
@@ -173,12 +163,10 @@ def _sequence_body(spec, band_tiles: int, q, k, v, valid_lens, sinks):
         def band_of(first, carried):
             out_acc, lse_acc = carried
             last_row_end = arith_d.minsi(arith_d.addi(first, const_index(band)), q_len)
-            visible = _visible_tiles(spec.causal, last_row_end, diagonal, kv_len)
+            visible = mask.visible_tiles(lengths, lambda: last_row_end, TILE, ceil_div(kv_len, TILE))
 
             def valid(row, col):
-                valid_len = None if valid_lens is None else arith_d.index_cast(index(), tensor_d.extract(valid_lens, [b]))
-                return sequence_validity(spec, col, lambda: row, q_len=q_len, kv_len=kv_len, diagonal=diagonal,
-                                         valid_len=valid_len)
+                return mask.entry(b).valid(lengths, lambda: row, col)
 
             out, lse = attend_band(_band(q_rows, [b, first], band), _kv_prefix(keys, [b, 0], visible),
                                    _kv_prefix(values, [b, 0], visible), first_row=first, valid=valid,
@@ -274,10 +262,11 @@ def _batch_tiles(kv: BatchKv, num_tiles: ir.Value, rope: RopeArgs | None, elem: 
     return _tile_major(key_rows, num_tiles), _tile_major(value_rows, num_tiles)
 
 
-def _kv_cache_body(spec, q, q_indptr: HostReadable, kv: BatchKv, *, causal: ir.Value, sm_scale: ir.Value,
-                   rope: RopeArgs | None, sinks: ir.Value | None) -> list[ir.Value]:
-    """Output [Lq, h_q, d_v] and lse [Lq, h_q] for q [Lq, h_q, d_qk] (already rotated), with the
-    heads' ``sinks`` [h_q] f32 (semantics §13) or None.
+def _kv_cache_body(spec, q, q_indptr: HostReadable, kv: BatchKv, *, mask_args: dict, rule: MaskRule,
+                   sm_scale: ir.Value, rope: RopeArgs | None, sinks: ir.Value | None) -> list[ir.Value]:
+    """Output [Lq, h_q, d_v] and lse [Lq, h_q] for q [Lq, h_q, d_qk] (already rotated), masked
+    by ``rule`` (its operands read from ``mask_args``, mask_rules.rule_arguments), with the heads'
+    ``sinks`` [h_q] f32 (semantics §13) or None.
 
     Every value the host needs (loop bounds, offsets) comes from host reads of the index
     arguments (HostReadable): no loop waits on the device, and bands are written in place."""
@@ -288,7 +277,7 @@ def _kv_cache_body(spec, q, q_indptr: HostReadable, kv: BatchKv, *, causal: ir.V
     q_rows = _pad_rows(expand(q, [[0], [1, 2], [3]], [total_q, h_kv, group, d_qk]), 0, padded)
     num_tiles = arith_d.maxsi(_tile_offset(kv, host_read, kv.batch), const_index(1))
     keys, values = _batch_tiles(kv, num_tiles, rope, dt)
-    causal_on = _is_one(causal)
+    mask = rule.bind(mask_args)
     driver = QueryTiles([padded, spec.h_q, d_v], [padded, spec.h_q], group, h_kv, fenced=False)
     head_sinks = None if sinks is None else row_sinks(sinks, h_kv, group, 1)
 
@@ -296,10 +285,10 @@ def _kv_cache_body(spec, q, q_indptr: HostReadable, kv: BatchKv, *, causal: ir.V
         q_start = q_indptr.load([b])
         qo_len = arith_d.subi(q_indptr.load([arith_d.addi(b, const_index(1))]), q_start)
         kv_len, first_tile = kv.kv_len(host_read, b), _tile_offset(kv, host_read, b)
-        diagonal = arith_d.subi(kv_len, qo_len)
+        lengths = Lengths(qo_len, kv_len, arith_d.subi(kv_len, qo_len))
 
         def valid(row, col):
-            return kv_cache_validity(col, lambda: row, kv_len=kv_len, diagonal=diagonal, causal=causal_on)
+            return mask.entry(b).valid(lengths, lambda: row, col)
 
         def bands_of(band_tiles: int):
             band = band_tiles * TILE
@@ -307,7 +296,7 @@ def _kv_cache_body(spec, q, q_indptr: HostReadable, kv: BatchKv, *, causal: ir.V
             def band_of(first, carried):
                 out_acc, lse_acc = carried
                 last_row_end = arith_d.minsi(arith_d.addi(first, const_index(band)), qo_len)
-                visible = _visible_tiles(causal_on, last_row_end, diagonal, kv_len)
+                visible = mask.visible_tiles(lengths, lambda: last_row_end, TILE, ceil_div(kv_len, TILE))
                 token = arith_d.addi(q_start, first)
                 out, lse = attend_band(_band(q_rows, [token], band), _kv_prefix(keys, [first_tile], visible),
                                        _kv_prefix(values, [first_tile], visible), first_row=first, valid=valid,
@@ -324,43 +313,55 @@ def _kv_cache_body(spec, q, q_indptr: HostReadable, kv: BatchKv, *, causal: ir.V
             extract_slice(lse, [0, 0], [total_q, spec.h_q])]
 
 
-def build_fused_ragged_prefill(spec: RaggedPrefillSpec) -> ir.Module:
+def build_fused_ragged_prefill(spec: RaggedPrefillSpec, rule: MaskRule | None = None) -> ir.Module:
     """``batch_prefill_ragged_kv`` (the signature of kv_cache.build_ragged_prefill; q_indptr and
-    kv_indptr arrive as host-readable buffer views), fused."""
+    kv_indptr arrive as host-readable buffer views), fused; ``rule``: the mask (default: the
+    spec's, mask_rules.mask_rule)."""
+    rule = rule or mask_rule(spec)
+
     def emit(q, q_indptr_view, k, v, kv_indptr_view, q_rope_position, k_rope_pos_offset,
-             causal, rotary_mode, rope_scale, rope_theta, sm_scale, sinks=None):
+             causal, rotary_mode, rope_scale, rope_theta, sm_scale, *extra, sinks=None):
         rope = RopeArgs(rotary_mode, rope_scale, rope_theta, dict(spec.rope_scaling), spec.rotary_dim)
         q_indptr = HostReadable(q_indptr_view, 1, "q_indptr")
         kv = spec.layout.batch_kv(spec, k=k, v=v, kv_indptr=kv_indptr_view, k_rope_pos_offset=k_rope_pos_offset)
         return _kv_cache_body(spec, rotated_if(rope, q, q_rope_position), q_indptr, kv,
-                              causal=causal, sm_scale=sm_scale, rope=rope, sinks=sinks)
+                              mask_args=rule_arguments(spec, causal, extra), rule=rule, sm_scale=sm_scale,
+                              rope=rope, sinks=sinks)
 
     return function_module(spec, emit, host_readable=("q_indptr", *spec.layout.host_readable))
 
 
-def build_fused_paged_prefill(spec: PagedPrefillSpec) -> ir.Module:
+def build_fused_paged_prefill(spec: PagedPrefillSpec, rule: MaskRule | None = None) -> ir.Module:
     """``batch_prefill_paged_kv[_sliding_window]`` (kv_cache.build_paged_prefill's signature;
-    q_indptr, page_indptr and length_info arrive as host-readable buffer views), fused."""
+    q_indptr, page_indptr and length_info arrive as host-readable buffer views), fused; ``rule``
+    as for the ragged kernel."""
+    rule = rule or mask_rule(spec)
+
     def emit(q, q_indptr_view, pages, page_indptr_view, page_values, length_info_view, k_rope_pos_offset,
-             q_rope_position, causal, rotary_mode, rope_scale, rope_theta, sm_scale, sinks=None):
+             q_rope_position, causal, rotary_mode, rope_scale, rope_theta, sm_scale, *extra, sinks=None):
         rope = RopeArgs(rotary_mode, rope_scale, rope_theta, dict(spec.rope_scaling), spec.rotary_dim)
         q_indptr = HostReadable(q_indptr_view, 1, "q_indptr")
         kv = spec.layout.batch_kv(spec, pages=pages, page_indptr=page_indptr_view, page_values=page_values,
                                   length_info=length_info_view, k_rope_pos_offset=k_rope_pos_offset)
         return _kv_cache_body(spec, rotated_if(rope, q, q_rope_position), q_indptr, kv,
-                              causal=causal, sm_scale=sm_scale, rope=rope, sinks=sinks)
+                              mask_args=rule_arguments(spec, causal, extra), rule=rule, sm_scale=sm_scale,
+                              rope=rope, sinks=sinks)
 
     return function_module(spec, emit, host_readable=("q_indptr", *spec.layout.host_readable))
 
 
-def build_fused_mla_prefill(spec: MlaPagedPrefillSpec) -> ir.Module:
+def build_fused_mla_prefill(spec: MlaPagedPrefillSpec, rule: MaskRule | None = None) -> ir.Module:
     """``batch_prefill_paged_kv_mla[_sliding_window]`` (kv_cache.build_mla_prefill's signature,
     index arrays as for the paged kernel), fused: keys are whole latent rows, values their first
-    d_latent columns."""
-    def emit(q, q_indptr_view, pages, page_indptr_view, page_values, length_info_view, causal, sm_scale, sinks=None):
+    d_latent columns; ``rule`` as for the ragged kernel."""
+    rule = rule or mask_rule(spec)
+
+    def emit(q, q_indptr_view, pages, page_indptr_view, page_values, length_info_view, causal, sm_scale, *extra,
+             sinks=None):
         q_indptr = HostReadable(q_indptr_view, 1, "q_indptr")
         kv = spec.layout.batch_kv(spec, pages=pages, page_indptr=page_indptr_view, page_values=page_values,
                                   length_info=length_info_view)
-        return _kv_cache_body(spec, q, q_indptr, kv, causal=causal, sm_scale=sm_scale, rope=None, sinks=sinks)
+        return _kv_cache_body(spec, q, q_indptr, kv, mask_args=rule_arguments(spec, causal, extra), rule=rule,
+                              sm_scale=sm_scale, rope=None, sinks=sinks)
 
     return function_module(spec, emit, host_readable=("q_indptr", *spec.layout.host_readable))

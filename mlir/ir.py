@@ -88,6 +88,10 @@ def i1() -> ir.Type:
     return ir.IntegerType.get_signless(1)
 
 
+def i8() -> ir.Type:
+    return ir.IntegerType.get_signless(8)
+
+
 def i32() -> ir.Type:
     return ir.IntegerType.get_signless(32)
 

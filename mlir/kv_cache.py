@@ -33,8 +33,8 @@ from .ir import (
 from .abi import function_module
 from .kv_layouts import EntryKv
 from .layout import group_query_rows
-from .masks import kv_cache_validity
-from .online_softmax import ScoreIndices, ScoreMask, online_softmax, row_sinks, unmasked_kv_tiles
+from .mask_rules import CallMask, Lengths, MaskRule, mask_rule, rule_arguments
+from .online_softmax import ScoreIndices, ScoreMask, online_softmax, row_sinks
 from .paging import index_at
 from .query_tiles import QueryTiles, kv_tile_loader
 from .rope import apply_rope
@@ -142,29 +142,30 @@ def _laid_out_kv(spec: KvCacheSpec, kv: EntryKv, rope: RopeArgs | None, d_qk: in
         [[1, h_kv, stored_tiles, d_qk, spec.kv_tile], [1, h_kv, stored_rows, d_v]])
 
 
-def _tile_softmax(spec: KvCacheSpec, kv: EntryKv, load_kv_tile, num_kv_tiles: ir.Value, first_local: ir.Value,
-                  tile_tokens: int, qo_len: ir.Value, diagonal: ir.Value, causal_on: ir.Value, *, d_v: int,
+def _tile_softmax(spec: KvCacheSpec, mask: CallMask, entry_mask, lengths: Lengths, load_kv_tile,
+                  num_kv_tiles: ir.Value, first_local: ir.Value, tile_tokens: int, *, d_v: int,
                   sm_scale: ir.Value, row_chunk: int | None, sinks: ir.Value | None):
     """The online softmax of one query tile (tokens [first_local, first_local + tile_tokens) of
-    the entry) over the KV tiles it can see, masked by the entry's length and causality; ``sinks``:
-    the tile rows' sinks (online_softmax.row_sinks) or None."""
+    the entry) over the KV tiles it can see, masked by the rule (``mask`` bound to the call,
+    ``entry_mask`` to the entry); ``sinks``: the tile rows' sinks (online_softmax.row_sinks) or
+    None."""
     group = spec.group_size
 
     def valid(idx: ScoreIndices, _extras):
         col = arith_d.addi(idx.kv_start, idx.n)
-        return kv_cache_validity(
-            col, lambda: arith_d.addi(first_local, arith_d.divui(idx.m, const_index(group))),
-            kv_len=kv.kv_len, diagonal=diagonal, causal=causal_on)
+        return entry_mask.valid(lengths, lambda: arith_d.addi(first_local, arith_d.divui(idx.m, const_index(group))),
+                                col)
 
     def softmax(q_tile):
-        last_row_end = arith_d.minsi(arith_d.addi(first_local, const_index(tile_tokens)), qo_len)
-        causal_end = arith_d.maxsi(arith_d.minsi(arith_d.addi(last_row_end, diagonal), kv.kv_len), const_index(0))
-        visible = arith_d.select(causal_on, ceil_div(causal_end, spec.kv_tile), num_kv_tiles)
+        def last_row_end():
+            return arith_d.minsi(arith_d.addi(first_local, const_index(tile_tokens)), lengths.q_len)
+
         return online_softmax(
-            q_tile, num_kv_tiles=visible, kv_tile=spec.kv_tile, d_v=d_v,
-            load_kv_tile=load_kv_tile, mask=ScoreMask(predicate=valid), sm_scale=sm_scale,
+            q_tile, num_kv_tiles=mask.visible_tiles(lengths, last_row_end, spec.kv_tile, num_kv_tiles),
+            kv_tile=spec.kv_tile, d_v=d_v, load_kv_tile=load_kv_tile, mask=ScoreMask(predicate=valid),
+            sm_scale=sm_scale,
             # rows past the entry (the next entry's, or padding) only see more than its first row
-            unmasked_tiles=unmasked_kv_tiles(kv.kv_len, first_local, diagonal, spec.kv_tile, causal_on),
+            unmasked_tiles=mask.unmasked_tiles(lengths, first_local, spec.kv_tile),
             row_chunk=row_chunk,
             soft_cap=spec.logits_soft_cap,
             sinks=sinks,
@@ -180,13 +181,15 @@ def _attend_entries(
     *,
     d_v: int,
     load_entry: Callable[[ir.Value], EntryKv],
-    causal: ir.Value,
+    mask_args: dict,
+    rule: MaskRule,
     sm_scale: ir.Value,
     rope: RopeArgs | None,
     row_chunk: int | None,
     sinks: ir.Value | None = None,
 ) -> list[ir.Value]:
     """Output [Lq, h_q, d_v] (dtype) and lse [Lq, h_q] (f32) for q [Lq, h_q, d_qk] (already rotated).
+    ``mask_args``: the arguments ``rule`` reads, by name (mask_rules.rule_arguments);
     ``row_chunk``: the widest row the online softmax reduces in one op (None: whole rows);
     ``sinks``: [h_q] f32 sink logits (semantics §13) or None."""
     group, h_kv = spec.group_size, spec.h_kv
@@ -196,7 +199,7 @@ def _attend_entries(
     padded_tokens = arith_d.addi(total_q, _query_padding(spec, total_q))
     q4 = expand(q, [[0, 1], [2], [3]], [1, total_q, spec.h_q, d_qk])
     q_rows = group_query_rows(q4, h_kv, group, padded_tokens)
-    causal_on = _is_one(causal)
+    mask = rule.bind(mask_args)
     # The batch's output and lse are carried in token order, padded by one query tile
     # (query_tiles.py). (IREE 3.13: carrying a buffer per entry instead made paged calls fail
     # intermittently, about 1 call in 15: "transient buffer has not been committed".)
@@ -209,15 +212,16 @@ def _attend_entries(
         q_start = index_at(q_indptr, b)
         qo_len = arith_d.subi(index_at(q_indptr, arith_d.addi(b, const_index(1))), q_start)
         kv = load_entry(b)
+        entry_mask = mask.entry(b)
         num_kv_tiles = ceil_div(kv.kv_len, spec.kv_tile)
         keys, values = _laid_out_kv(spec, kv, rope, d_qk, d_v)
-        diagonal = arith_d.subi(kv.kv_len, qo_len)  # causal: col <= row + diagonal
+        lengths = Lengths(qo_len, kv.kv_len, arith_d.subi(kv.kv_len, qo_len))
         load_kv_tile = kv_tile_loader(keys, values, 0, spec.kv_tile)
 
         def attend(first_local, tile_tokens: int, tile):
             """Queries [first_local, first_local + tile_tokens) of the entry against its KV."""
-            softmax = _tile_softmax(spec, kv, load_kv_tile, num_kv_tiles, first_local, tile_tokens, qo_len, diagonal,
-                                    causal_on, d_v=d_v, sm_scale=sm_scale, row_chunk=row_chunk,
+            softmax = _tile_softmax(spec, mask, entry_mask, lengths, load_kv_tile, num_kv_tiles, first_local,
+                                    tile_tokens, d_v=d_v, sm_scale=sm_scale, row_chunk=row_chunk,
                                     sinks=tile_sinks[tile_tokens])
             return driver.attend(q_rows, 0, arith_d.addi(q_start, first_local), tile_tokens, tile, softmax)
 
@@ -239,48 +243,60 @@ def _attend_entries(
     return [collapse(output, [[0, 1], [2], [3]]), collapse(lse, [[0, 1], [2]])]
 
 
-def build_ragged_prefill(spec: RaggedPrefillSpec, *, row_chunk: int | None) -> ir.Module:
+def build_ragged_prefill(spec: RaggedPrefillSpec, *, row_chunk: int | None, rule: MaskRule | None = None) -> ir.Module:
     """``batch_prefill_ragged_kv(q, q_indptr, k, v, kv_indptr, q_rope_position, k_rope_pos_offset,
-    causal, rotary_mode, rope_scale, rope_theta, sm_scale) -> (output, lse)``."""
+    causal, rotary_mode, rope_scale, rope_theta, sm_scale[, custom_mask, mask_indptr][, sinks]) ->
+    (output, lse)``; ``rule``: the mask (default: the spec's, mask_rules.mask_rule)."""
+    rule = rule or mask_rule(spec)
+
     def emit(q, q_indptr, k, v, kv_indptr, q_rope_position, k_rope_pos_offset,
-             causal, rotary_mode, rope_scale, rope_theta, sm_scale, sinks=None):
+             causal, rotary_mode, rope_scale, rope_theta, sm_scale, *extra, sinks=None):
         rope = RopeArgs(rotary_mode, rope_scale, rope_theta, dict(spec.rope_scaling), spec.rotary_dim)
         return _attend_entries(
             spec, rotated_if(rope, q, q_rope_position), q_indptr, d_v=spec.d_v,
             load_entry=spec.layout.entry_loader(spec, k=k, v=v, kv_indptr=kv_indptr,
                                                 k_rope_pos_offset=k_rope_pos_offset),
-            causal=causal, sm_scale=sm_scale, rope=rope, row_chunk=row_chunk, sinks=sinks,
+            mask_args=rule_arguments(spec, causal, extra), rule=rule, sm_scale=sm_scale, rope=rope,
+            row_chunk=row_chunk, sinks=sinks,
         )
 
     return function_module(spec, emit)
 
 
-def build_paged_prefill(spec: PagedPrefillSpec, *, row_chunk: int | None) -> ir.Module:
+def build_paged_prefill(spec: PagedPrefillSpec, *, row_chunk: int | None, rule: MaskRule | None = None) -> ir.Module:
     """``batch_prefill_paged_kv[_sliding_window](q, q_indptr, pages, page_indptr, page_values,
     length_info, k_rope_pos_offset, q_rope_position, causal, rotary_mode, rope_scale, rope_theta,
-    sm_scale) -> (output, lse)``."""
+    sm_scale[, custom_mask, mask_indptr][, sinks]) -> (output, lse)``; ``rule`` as for the ragged
+    kernel."""
+    rule = rule or mask_rule(spec)
+
     def emit(q, q_indptr, pages, page_indptr, page_values, length_info, k_rope_pos_offset,
-             q_rope_position, causal, rotary_mode, rope_scale, rope_theta, sm_scale, sinks=None):
+             q_rope_position, causal, rotary_mode, rope_scale, rope_theta, sm_scale, *extra, sinks=None):
         rope = RopeArgs(rotary_mode, rope_scale, rope_theta, dict(spec.rope_scaling), spec.rotary_dim)
         return _attend_entries(
             spec, rotated_if(rope, q, q_rope_position), q_indptr, d_v=spec.d,
             load_entry=spec.layout.entry_loader(spec, pages=pages, page_indptr=page_indptr, page_values=page_values,
                                                 length_info=length_info, k_rope_pos_offset=k_rope_pos_offset),
-            causal=causal, sm_scale=sm_scale, rope=rope, row_chunk=row_chunk, sinks=sinks,
+            mask_args=rule_arguments(spec, causal, extra), rule=rule, sm_scale=sm_scale, rope=rope,
+            row_chunk=row_chunk, sinks=sinks,
         )
 
     return function_module(spec, emit)
 
 
-def build_mla_prefill(spec: MlaPagedPrefillSpec, *, row_chunk: int | None) -> ir.Module:
+def build_mla_prefill(spec: MlaPagedPrefillSpec, *, row_chunk: int | None, rule: MaskRule | None = None) -> ir.Module:
     """``batch_prefill_paged_kv_mla[_sliding_window](q, q_indptr, pages, page_indptr, page_values,
-    length_info, causal, sm_scale) -> (output [Lq, h_q, d_latent], lse)``."""
-    def emit(q, q_indptr, pages, page_indptr, page_values, length_info, causal, sm_scale, sinks=None):
+    length_info, causal, sm_scale[, sinks]) -> (output [Lq, h_q, d_latent], lse)``; ``rule`` as for
+    the ragged kernel."""
+    rule = rule or mask_rule(spec)
+
+    def emit(q, q_indptr, pages, page_indptr, page_values, length_info, causal, sm_scale, *extra, sinks=None):
         return _attend_entries(
             spec, q, q_indptr, d_v=spec.d_latent,
             load_entry=spec.layout.entry_loader(spec, pages=pages, page_indptr=page_indptr, page_values=page_values,
                                                 length_info=length_info),
-            causal=causal, sm_scale=sm_scale, rope=None, row_chunk=row_chunk, sinks=sinks,
+            mask_args=rule_arguments(spec, causal, extra), rule=rule, sm_scale=sm_scale, rope=None,
+            row_chunk=row_chunk, sinks=sinks,
         )
 
     return function_module(spec, emit)

@@ -24,10 +24,10 @@ from .ir import (
     generic, ir, le, linalg_d, lt, one_of, scf_d, sizes_of, storage_tiles,
     tensor_d, tensor_type, tie_dims, widened,
 )
-from .abi import function_module
+from .abi import argument_names, function_module
 from .layout import group_query_rows
-from .masks import sequence_validity
-from .online_softmax import ScoreIndices, ScoreMask, online_softmax, row_sinks, unmasked_kv_tiles
+from .mask_rules import CallMask, Lengths, MaskRule, mask_rule
+from .online_softmax import ScoreIndices, ScoreMask, online_softmax, row_sinks
 from .query_tiles import QueryTiles, kv_tile_loader
 from .specs import SMALL_Q_TILE, MaskedSequencePrefillSpec, SequencePrefillSpec
 
@@ -77,57 +77,52 @@ def _kv_tiles(x: ir.Value, num_tiles: ir.Value, kv_tile: int, keys: bool) -> ir.
     return tie_dims(branch.results[0], sizes)
 
 
-class _Lengths:
-    """Index values shared by mask predicates: per-call lengths and the query tile's first token."""
-
-    def __init__(self, q_len: ir.Value, kv_len: ir.Value, group: int):
-        self.q_len = q_len
-        self.kv_len = kv_len
-        self.group = group
-        self.diagonal = arith_d.subi(kv_len, q_len)  # col <= row + diagonal (bottom-right causal)
-
-    def token(self, first_token: ir.Value, m: ir.Value) -> ir.Value:
-        return arith_d.addi(first_token, arith_d.divui(m, const_index(self.group)))
+def _token(first_token: ir.Value, m: ir.Value, group: int) -> ir.Value:
+    """The entry-local token of query-tile row ``m`` (rows hold token-major GQA groups)."""
+    return arith_d.addi(first_token, arith_d.divui(m, const_index(group)))
 
 
-def _sequence_mask(spec: SequenceSpec, lengths: _Lengths, first_token: ir.Value,
-                   valid_len: ir.Value | None = None) -> ScoreMask:
+def _sequence_mask(mask, lengths: Lengths, first_token: ir.Value, group: int) -> ScoreMask:
+    """The score predicate of a query tile whose first token is ``first_token`` (``mask``: the
+    rule bound to the batch entry)."""
     def predicate(idx: ScoreIndices, _extras):
         col = arith_d.addi(idx.kv_start, idx.n)
-        return sequence_validity(spec, col, lambda: lengths.token(first_token, idx.m), q_len=lengths.q_len,
-                                 kv_len=lengths.kv_len, diagonal=lengths.diagonal, valid_len=valid_len)
+        return mask.valid(lengths, lambda: _token(first_token, idx.m, group), col)
 
     return ScoreMask(predicate=predicate)
 
 
-def _visible_kv_tiles(spec: SequenceSpec, q_tile: int, lengths: _Lengths, first_token, num_kv_tiles):
-    """KV tiles a query tile must visit: all of them, or up to its last row's diagonal if causal."""
-    if not spec.causal:
-        return num_kv_tiles
-    last_token_end = arith_d.minsi(arith_d.addi(first_token, const_index(q_tile)), lengths.q_len)
-    kv_end = arith_d.addi(last_token_end, lengths.diagonal)
-    kv_end = arith_d.maxsi(arith_d.minsi(kv_end, lengths.kv_len), const_index(0))
-    return ceil_div(kv_end, spec.kv_tile)
-
-
-def build_sequence_prefill(spec: SequenceSpec, *, row_chunk: int | None) -> ir.Module:
+def build_sequence_prefill(spec: SequenceSpec, *, row_chunk: int | None, rule: MaskRule | None = None) -> ir.Module:
     """The verified module for a dense (or masked) sequence-prefill spec; symbol ``spec.symbol``.
-    ``row_chunk``: the widest row the online softmax reduces in one op (None: whole rows)."""
-    return function_module(spec, lambda *args, **named: _emit_sized_body(spec, row_chunk, *args, **named))
+    ``row_chunk``: the widest row the online softmax reduces in one op (None: whole rows);
+    ``rule``: the mask (default: the spec's, mask_rules.mask_rule), whose operands are the
+    arguments after q, k, v."""
+    rule = rule or mask_rule(spec)
+
+    def emit(q, k, v, *extra, sinks=None):
+        mask = rule.bind(dict(zip(_extra_names(spec), extra)))
+        return _emit_sized_body(spec, row_chunk, mask, q, k, v, sinks=sinks)
+
+    return function_module(spec, emit)
 
 
-def _emit_sized_body(spec: SequenceSpec, row_chunk: int | None, q, k, v, valid_lens=None, *, sinks=None):
+def _extra_names(spec: SequenceSpec) -> tuple[str, ...]:
+    """The names of the arguments after q, k, v (the mask's operands)."""
+    return argument_names(spec)[3:]
+
+
+def _emit_sized_body(spec: SequenceSpec, row_chunk: int | None, mask: CallMask, q, k, v, *, sinks=None):
     """The body with ``spec.q_tile``, or, for a call of at most SMALL_Q_TILE query tokens (a short
     chunk against a long prefix), with SMALL_Q_TILE-token tiles instead of one mostly padded tile."""
     if spec.q_tile <= SMALL_Q_TILE:
-        return _emit_body(spec, spec.q_tile, row_chunk, q, k, v, valid_lens, sinks)
+        return _emit_body(spec, spec.q_tile, row_chunk, mask, q, k, v, sinks)
     sizes = [[*sizes_of(q)[:3], spec.d], sizes_of(q)[:3]]
 
     def tied(values):
         return [tie_dims(value, size) for value, size in zip(values, sizes)]
 
     def body(tile_tokens):
-        return lambda _unused: tied(_emit_body(spec, tile_tokens, row_chunk, q, k, v, valid_lens, sinks))
+        return lambda _unused: tied(_emit_body(spec, tile_tokens, row_chunk, mask, q, k, v, sinks))
 
     is_short = le(dim(q, 1), const_index(SMALL_Q_TILE))
     placeholders = [empty(size, ir.RankedTensorType(t).element_type) for size, t in zip(sizes, (q.type, _lse_type(q)))]
@@ -138,14 +133,16 @@ def _lse_type(q: ir.Value) -> ir.Type:
     return tensor_type([DYN, DYN, ir.RankedTensorType(q.type).shape[2]], f32())
 
 
-def _emit_body(spec: SequenceSpec, tile_tokens: int, row_chunk: int | None, q, k, v, valid_lens=None, sinks=None):
+def _emit_body(spec: SequenceSpec, tile_tokens: int, row_chunk: int | None, mask: CallMask, q, k, v, sinks=None):
     """Batch entries one at a time (an ``scf.for`` over B), so every dispatch inside works on
     static [1, h_kv, ...] tiles (1.2x faster than a dynamic batch dim, docs/performance.md).
-    Query tiles have ``tile_tokens`` tokens; ``sinks`` [h_q] f32 or None (semantics §13)."""
+    Query tiles have ``tile_tokens`` tokens; ``mask`` is the rule bound to the call; ``sinks``
+    [h_q] f32 or None (semantics §13)."""
     group, h_kv, d = spec.group_size, spec.h_kv, spec.d
     dt = element_type(spec.dtype)
     batch = dim(q, 0)
-    lengths = _Lengths(dim(q, 1), dim(k, 1), group)
+    q_len, kv_len = dim(q, 1), dim(k, 1)
+    lengths = Lengths(q_len, kv_len, arith_d.subi(kv_len, q_len))
     num_q_tiles = ceil_div(lengths.q_len, tile_tokens)
     num_kv_tiles = ceil_div(lengths.kv_len, spec.kv_tile)
     padded_tokens = arith_d.muli(num_q_tiles, const_index(tile_tokens))
@@ -158,24 +155,23 @@ def _emit_body(spec: SequenceSpec, tile_tokens: int, row_chunk: int | None, q, k
     tile_sinks = None if sinks is None else row_sinks(sinks, h_kv, group, tile_tokens)
 
     def entry(b, carried):
-        valid_len = None
-        if valid_lens is not None:
-            valid_len = arith_d.index_cast(ir.IndexType.get(), tensor_d.extract(valid_lens, [b]))
+        entry_mask = mask.entry(b)
         load_kv_tile = kv_tile_loader(keys, values, b, spec.kv_tile)
 
         def attend(first_token, tile):
             def softmax(q_tile):
-                mask = _sequence_mask(spec, lengths, first_token, valid_len)
+                def last_row_end():
+                    return arith_d.minsi(arith_d.addi(first_token, const_index(tile_tokens)), lengths.q_len)
+
                 return online_softmax(
                     q_tile,
-                    num_kv_tiles=_visible_kv_tiles(spec, tile_tokens, lengths, first_token, num_kv_tiles),
+                    num_kv_tiles=mask.visible_tiles(lengths, last_row_end, spec.kv_tile, num_kv_tiles),
                     kv_tile=spec.kv_tile,
                     d_v=d,
                     load_kv_tile=load_kv_tile,
-                    mask=mask,
+                    mask=_sequence_mask(entry_mask, lengths, first_token, group),
                     sm_scale=spec.sm_scale,
-                    unmasked_tiles=None if valid_len is not None else unmasked_kv_tiles(
-                        lengths.kv_len, first_token, lengths.diagonal, spec.kv_tile, spec.causal),
+                    unmasked_tiles=mask.unmasked_tiles(lengths, first_token, spec.kv_tile),
                     row_chunk=row_chunk,
                     soft_cap=spec.logits_soft_cap,
                     sinks=tile_sinks,

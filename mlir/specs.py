@@ -35,7 +35,7 @@ DENSE_KV_TILE = 256
 SMALL_Q_TILE = 16
 KV_CACHE_Q_TILE = 64
 KV_CACHE_KV_TILE = 128
-MASK_MODES = ("padded", "causal_padded_left")
+MASK_MODES = ("padded", "causal_padded_left", "custom")
 
 
 class SpecError(ValueError):
@@ -83,6 +83,11 @@ def _check_common(spec) -> None:
 
 class _SpecBase:
     """What every spec derives the same way from its fields (the dataclasses inherit it)."""
+
+    @property
+    def mask_tag(self) -> str:
+        """``_custommask`` in the artifact name of a custom-mask spec, else empty."""
+        return "_custommask" if getattr(self, "custom_mask", False) else ""
 
     @property
     def cap_tag(self) -> str:
@@ -168,7 +173,8 @@ class MaskedSequencePrefillSpec(_OneHeadDim):
 
     Shapes as :class:`SequencePrefillSpec` plus valid_lens [B] int32. ``mask_mode`` is
     ``"padded"`` (right padding, bidirectional) or ``"causal_padded_left"`` (left padding, causal
-    on the valid suffix), semantics §7.
+    on the valid suffix), semantics §7, or ``"custom"``: ``custom_mask`` [B, Lq, Lk] (bool or
+    uint8, 1 = the query may see the key) in place of valid_lens, semantics §14.
     """
 
     h_q: int
@@ -292,6 +298,12 @@ def _check_positive(**values: int) -> None:
             raise SpecError(f"{key} must be a positive int, got {value!r}")
 
 
+def _check_custom_mask_flag(spec) -> None:
+    if spec.custom_mask not in (True, False):
+        raise SpecError(f"custom_mask must be a bool, got {spec.custom_mask!r}")
+    object.__setattr__(spec, "custom_mask", bool(spec.custom_mask))
+
+
 def _check_window_flag(spec) -> None:
     if spec.sliding_window not in (True, False):
         raise SpecError(f"sliding_window must be a bool, got {spec.sliding_window!r}")
@@ -304,7 +316,9 @@ class RaggedPrefillSpec(_SpecBase):
 
     ``(q [Lq, h_q, d_qk], q_indptr [B+1], k [Lk, h_kv, d_qk], v [Lk, h_kv, d_v], kv_indptr [B+1],
     q_rope_position [Lq], k_rope_pos_offset [B], causal, rotary_mode, rope_scale, rope_theta,
-    sm_scale) -> (output [Lq, h_q, d_v], lse [Lq, h_q] float32)``.
+    sm_scale) -> (output [Lq, h_q, d_v], lse [Lq, h_q] float32)``. With ``custom_mask`` the call
+    also takes ``custom_mask`` [sum qo_len * kv_len] (bool or uint8) and ``mask_indptr`` [B+1]
+    int32, and ``causal`` is ignored (semantics §14).
     """
 
     h_q: int
@@ -318,6 +332,7 @@ class RaggedPrefillSpec(_SpecBase):
     logits_soft_cap: float = 0.0
     rotary_dim: int | None = None
     head_sinks: bool = False
+    custom_mask: bool = False
 
     symbol = "batch_prefill_ragged_kv"
     layout = RAGGED
@@ -326,6 +341,7 @@ class RaggedPrefillSpec(_SpecBase):
         object.__setattr__(self, "rope_scaling", freeze_rope_scaling(self.rope_scaling))
         _check_heads(self.h_q, self.h_kv)
         _check_positive(d_qk=self.d_qk, d_v=self.d_v)
+        _check_custom_mask_flag(self)
         _check_common(self)
         _check_rotary_dim(self, self.d_qk)
 
@@ -334,7 +350,7 @@ class RaggedPrefillSpec(_SpecBase):
         return (
             f"{self.symbol}_hq{self.h_q}_hkv{self.h_kv}_dqk{self.d_qk}_dv{self.d_v}_{self.dtype}"
             f"_rope-{_rope_tag(self.rope_scaling)}{_rotary_tag(self)}_qt{self.q_tile}_kt{self.kv_tile}{self.cap_tag}"
-            f"{self.sinks_tag}"
+            f"{self.sinks_tag}{self.mask_tag}"
         )
 
 
@@ -345,6 +361,7 @@ class PagedPrefillSpec(_OneHeadDim):
     ``(q [Lq, h_q, d], q_indptr [B+1], pages [P, 2, h_kv, page_size, d], page_indptr [B+1],
     page_values [nnz], length_info [B] or [3, B], k_rope_pos_offset [B], q_rope_position [Lq],
     causal, rotary_mode, rope_scale, rope_theta, sm_scale) -> (output [Lq, h_q, d], lse [Lq, h_q])``.
+    ``custom_mask``: as :class:`RaggedPrefillSpec`'s (columns are the logical KV rows, §2, §14).
     """
 
     h_q: int
@@ -359,6 +376,7 @@ class PagedPrefillSpec(_OneHeadDim):
     logits_soft_cap: float = 0.0
     rotary_dim: int | None = None
     head_sinks: bool = False
+    custom_mask: bool = False
 
     layout = PAGED
 
@@ -367,6 +385,7 @@ class PagedPrefillSpec(_OneHeadDim):
         _check_heads(self.h_q, self.h_kv)
         _check_positive(d=self.d, page_size=self.page_size)
         _check_window_flag(self)
+        _check_custom_mask_flag(self)
         _check_common(self)
         _check_rotary_dim(self, self.d)
 
@@ -379,7 +398,7 @@ class PagedPrefillSpec(_OneHeadDim):
         return (
             f"{self.symbol}_hq{self.h_q}_hkv{self.h_kv}_d{self.d}_{self.dtype}_ps{self.page_size}"
             f"_rope-{_rope_tag(self.rope_scaling)}{_rotary_tag(self)}_qt{self.q_tile}_kt{self.kv_tile}{self.cap_tag}"
-            f"{self.sinks_tag}"
+            f"{self.sinks_tag}{self.mask_tag}"
         )
 
 

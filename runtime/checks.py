@@ -99,6 +99,20 @@ def check_int32(name: str, value, *, shape: Sequence[int | None]) -> np.ndarray:
     return np.ascontiguousarray(array)
 
 
+def check_mask(name: str, value, *, shape: Sequence[int | None]) -> np.ndarray:
+    """A custom mask (semantics §14): bool or uint8 values 0 or 1 of the given shape, returned as
+    a C-contiguous int8 array (the kernels' i8 operand, which a checked call passes again). An
+    IREE DeviceArray is read back first."""
+    array = as_array(name, on_host(value))
+    if array.dtype not in (np.bool_, np.uint8, np.int8):
+        raise InputError(f"{name}: expected dtype bool or uint8, got {array.dtype}")
+    _check_shape(name, array.shape, shape)
+    if array.dtype != np.bool_ and array.size and (array.min() < 0 or array.max() > 1):
+        bad = array[(array < 0) | (array > 1)][0]
+        raise InputError(f"{name}: values must be 0 or 1, found {bad}")
+    return np.ascontiguousarray(array.astype(np.int8))
+
+
 def _check_shape(name: str, got_shape: tuple, shape: Sequence[int | None]) -> None:
     if len(got_shape) != len(shape):
         raise InputError(f"{name}: expected rank {len(shape)} with shape {_spell(shape)}, got shape {got_shape}")

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import numbers
 from dataclasses import dataclass
@@ -129,8 +130,16 @@ def reference_call(spec) -> tuple[str, dict]:
 
 
 def reference_for(spec, args) -> tuple[np.ndarray, np.ndarray]:
-    """The float64 (output, lse) of the seed-ABI call ``args`` for ``spec`` (runtime.reference)."""
-    return variant(spec).reference(*args, **reference_options(spec))
+    """The float64 (output, lse) of the seed-ABI call ``args`` for ``spec`` (runtime.reference):
+    the arguments every call has in order, those an option adds (``custom_mask``, ``mask_indptr``,
+    ``sinks``: optional parameters of the reference) by name."""
+    reference = variant(spec).reference
+    parameters = inspect.signature(reference).parameters.values()
+    if any(p.kind is p.VAR_POSITIONAL for p in parameters):  # a serving pass's: every argument in order
+        return reference(*args, **reference_options(spec))
+    required = sum(p.kind is p.POSITIONAL_OR_KEYWORD and p.default is p.empty for p in parameters)
+    optional = dict(zip(argument_names(spec)[required:], args[required:]))
+    return reference(*args[:required], **optional, **reference_options(spec))
 
 
 def call_facts(spec) -> CallFacts:

@@ -38,9 +38,10 @@ def example_inputs(spec, rng: np.random.Generator, entries=EXAMPLE_ENTRIES, *, w
     (runtime/kv_layouts.py), or follows ``window``: (sw_offset, sink) per entry; ``sinks``
     (``head_sinks``) are uniform in SINK_RANGE, drawn last. The dense variants take B =
     len(entries) and the first entry's lengths (DENSE_EXAMPLE for the default entries), the masked
-    variant valid_lens min(Lq, Lk) each. ``given``: arguments by name that replace the drawn ones
+    variant valid_lens min(Lq, Lk) each. A custom mask (semantics §14) lets each query see a key
+    with probability 3/4. ``given``: arguments by name that replace the drawn ones
     (``rotary_mode=0``, ``sm_scale=0.125``); tensors are drawn after the index arrays, in the
-    table's order.
+    table's order, then the custom mask.
     """
     unknown = sorted(set(given) - set(argument_names(spec)))
     if unknown:
@@ -54,7 +55,18 @@ def example_inputs(spec, rng: np.random.Generator, entries=EXAMPLE_ENTRIES, *, w
     named.update(draw_tensors(spec, rng, sizes, skip=tuple(given)))
     named.update({arg.name: rng.uniform(*SINK_RANGE, concrete_dims(spec, arg, sizes)).astype(np.float32)
                   for arg in arguments(spec) if arg.kind == "f32" and arg.name not in given})
+    if "custom_mask" in argument_names(spec) and "custom_mask" not in given:
+        named.update(_custom_mask(rng, sizes))
     return ordered(spec, {**named, **given})
+
+
+def _custom_mask(rng: np.random.Generator, sizes: dict) -> dict:
+    """A random custom mask by ABI name: [B, Lq, Lk] for the dense variant, else the entries'
+    blocks concatenated (``sizes["blocks"]``: qo_len * kv_len each) and their mask_indptr."""
+    if "blocks" not in sizes:
+        return {"custom_mask": rng.random((sizes["B"], sizes["Lq"], sizes["Lk"])) < 0.75}
+    blocks = sizes["blocks"]
+    return {"custom_mask": rng.random(int(blocks.sum())) < 0.75, "mask_indptr": indptr(blocks)}
 
 
 def draw_tensors(spec, rng: np.random.Generator, sizes: dict, skip: tuple[str, ...] = ()) -> dict:
@@ -86,4 +98,4 @@ def _kv_cache_batch(spec, layout: CacheHostLayout, rng, entries, window) -> tupl
     q_pos, k_off = natural_positions(q_indptr, kv_lens, k_rope_pos_offset=k_off)
     own, own_sizes = layout.example_arrays(spec, rng, kv_lens, window)
     return ({"q_indptr": q_indptr, "q_rope_position": q_pos, "k_rope_pos_offset": k_off, **own},
-            {"Lq": int(q_indptr[-1]), **own_sizes})
+            {"Lq": int(q_indptr[-1]), "blocks": qo_lens * kv_lens, **own_sizes})

@@ -14,6 +14,7 @@ import numpy as np
 
 from ..mlir.abi import argument_names
 from ..mlir.decode import DecodeSpec
+from ..mlir.mask_rules import mask_rule
 from ..pipeline import ArtifactCache, Target, compile_spec, target_for
 from .checks import NUMPY_DTYPES, check_on_device
 from .decode import DECODE_PASSES, pass_queries, split_decode
@@ -39,9 +40,10 @@ class Kernel:
         self.target = target
         self._loaded = loaded
         self._arg_names = argument_names(spec)  # the seed's ABI names (mlir/abi.py)
-        # KV-cache kernels hand their short entries to the lowering's one-pass kernels
-        # (runtime/decode.py), compiled through ``cache`` on the first call that has some.
-        self._decode_pass = decode_pass and spec.kv_layout != "dense"
+        # Kernels whose mask rule allows it (the KV-cache causal mask) hand their short entries to
+        # the lowering's one-pass kernels (runtime/decode.py), compiled through ``cache`` on the
+        # first call that has some; other rules run every entry in the main kernel.
+        self._decode_pass = decode_pass and mask_rule(spec).one_pass
         self._decode_passes = DECODE_PASSES[target.lowering]
         self._cache = cache
         self._decode_kernels: dict[int, LoadedKernel] = {}

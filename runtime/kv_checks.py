@@ -20,28 +20,30 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import Callable
 
 import numpy as np
 
-from .checks import as_array, check_int32, check_range, check_same, check_tensor
+from .checks import as_array, check_int32, check_mask, check_range, check_same, check_tensor
 from .errors import InputError
 from .kv_layouts import paged_kv_lengths, physical_lengths
 
 INT32_MAX = int(np.iinfo(np.int32).max)
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 
-__all__ = ["check_indptr", "check_mla", "check_paged", "check_ragged", "paged_kv_lengths"]
+__all__ = ["check_custom_mask", "check_indptr", "check_mla", "check_paged", "check_ragged", "paged_kv_lengths"]
 
 
 # ----------------------------------------------------------------------------- variants
 
 
 def check_ragged(spec, q, q_indptr, k, v, kv_indptr, q_rope_position, k_rope_pos_offset,
-                 causal, rotary_mode, rope_scale, rope_theta, sm_scale) -> tuple:
+                 causal, rotary_mode, rope_scale, rope_theta, sm_scale, *extra) -> tuple:
     """Arguments of ``batch_prefill_ragged_kv`` (§1.2) for a ``RaggedPrefillSpec``.
 
     q [Lq, h_q, d_qk], q_indptr [B+1] i32, k [Lk, h_kv, d_qk], v [Lk, h_kv, d_v],
-    kv_indptr [B+1] i32, q_rope_position [Lq] i32, k_rope_pos_offset [B] i32, then the scalars.
+    kv_indptr [B+1] i32, q_rope_position [Lq] i32, k_rope_pos_offset [B] i32, then the scalars,
+    then ``extra``: custom_mask and mask_indptr with ``spec.custom_mask`` (:func:`check_custom_mask`).
     """
     q = check_tensor("q", q, dtype=spec.dtype, shape=(None, spec.h_q, spec.d_qk))
     k = check_tensor("k", k, dtype=spec.dtype, shape=(None, spec.h_kv, spec.d_qk))
@@ -57,18 +59,20 @@ def check_ragged(spec, q, q_indptr, k, v, kv_indptr, q_rope_position, k_rope_pos
     if rotary_mode == 1:
         kv_len = np.diff(kv_indptr.astype(np.int64))
         check_positions(q_rope_position, k_rope_pos_offset, kv_len)
+    extra = check_custom_mask(spec, extra, q_indptr, lambda: np.diff(kv_indptr.astype(np.int64)))
     return (q, q_indptr, k, v, kv_indptr, q_rope_position, k_rope_pos_offset,
-            causal, rotary_mode, rope_scale, rope_theta, sm_scale)
+            causal, rotary_mode, rope_scale, rope_theta, sm_scale, *extra)
 
 
 def check_paged(spec, q, q_indptr, pages, page_indptr, page_values, length_info,
                 k_rope_pos_offset, q_rope_position, causal, rotary_mode, rope_scale, rope_theta,
-                sm_scale) -> tuple:
+                sm_scale, *extra) -> tuple:
     """Arguments of ``batch_prefill_paged_kv[_sliding_window]`` (§1.1) for a ``PagedPrefillSpec``.
 
     q [Lq, h_q, d], q_indptr [B+1] i32, pages [P, 2, h_kv, page_size, d], page_indptr [B+1] i32,
     page_values [nnz] i32, length_info [B] i32 (or [3, B] with ``spec.sliding_window``),
-    k_rope_pos_offset [B] i32, q_rope_position [Lq] i32, then the scalars.
+    k_rope_pos_offset [B] i32, q_rope_position [Lq] i32, then the scalars, then ``extra``:
+    custom_mask and mask_indptr with ``spec.custom_mask`` (columns: logical KV rows, §2).
     """
     q = check_tensor("q", q, dtype=spec.dtype, shape=(None, spec.h_q, spec.d))
     pages = check_tensor("pages", pages, dtype=spec.dtype,
@@ -83,8 +87,10 @@ def check_paged(spec, q, q_indptr, pages, page_indptr, page_values, length_info,
     if rotary_mode == 1:
         kv_len = paged_kv_lengths(page_indptr, length_info, spec.page_size, spec.sliding_window)
         check_positions(q_rope_position, k_rope_pos_offset, kv_len)
+    extra = check_custom_mask(spec, extra, q_indptr, lambda: paged_kv_lengths(
+        page_indptr, length_info, spec.page_size, spec.sliding_window))
     return (q, q_indptr, pages, page_indptr, page_values, length_info, k_rope_pos_offset,
-            q_rope_position, causal, rotary_mode, rope_scale, rope_theta, sm_scale)
+            q_rope_position, causal, rotary_mode, rope_scale, rope_theta, sm_scale, *extra)
 
 
 def check_mla(spec, q, q_indptr, pages, page_indptr, page_values, length_info, causal,
@@ -103,6 +109,34 @@ def check_mla(spec, q, q_indptr, pages, page_indptr, page_values, length_info, c
     causal = check_choice("causal", causal, (0, 1))
     sm_scale = check_float("sm_scale", sm_scale)
     return q, q_indptr, pages, page_indptr, page_values, length_info, causal, sm_scale
+
+
+# ----------------------------------------------------------------------------- custom masks
+
+
+def check_custom_mask(spec, extra: tuple, q_indptr: np.ndarray, kv_lens: Callable[[], np.ndarray]) -> tuple:
+    """``extra`` (the arguments after the scalars) with its leading custom_mask and mask_indptr
+    checked when ``spec.custom_mask`` (semantics §14), the rest as it is.
+
+    custom_mask: bool or uint8 (values 0 or 1) [sum of qo_len * kv_len], returned as int8;
+    mask_indptr: int32 [B+1] with mask_indptr[b + 1] - mask_indptr[b] = qo_len(b) * kv_len(b)
+    (``kv_lens()``: each entry's logical KV length, int64 [B]).
+    """
+    if not getattr(spec, "custom_mask", False):
+        return extra
+    custom_mask, mask_indptr, *rest = extra
+    sizes = np.diff(q_indptr.astype(np.int64)) * kv_lens()
+    total = int(sizes.sum())
+    custom_mask = check_mask("custom_mask", custom_mask, shape=(None,))
+    if custom_mask.shape[0] != total:
+        raise InputError(f"custom_mask: expected sum of qo_len * kv_len = {total} elements, got {custom_mask.shape[0]}")
+    mask_indptr = check_indptr("mask_indptr", mask_indptr, sizes.shape[0], total, "the sum of qo_len * kv_len")
+    wrong = np.nonzero(np.diff(mask_indptr.astype(np.int64)) != sizes)[0]
+    if wrong.size:
+        b = int(wrong[0])
+        raise InputError(f"mask_indptr: entry {b} spans {mask_indptr[b + 1] - mask_indptr[b]} elements, expected "
+                         f"qo_len * kv_len = {sizes[b]}")
+    return (custom_mask, mask_indptr, *rest)
 
 
 # ----------------------------------------------------------------------------- index arrays

@@ -71,7 +71,7 @@ __all__ = [
 #: lse of a row with no valid key (§11.3); also the "empty state" marker for :func:`merge_state`.
 EMPTY_ROW_LSE = -5e4
 #: mask modes of :func:`batch_sequence_prefill_kv_masked` (§7).
-MASK_MODES = ("padded", "causal_padded_left")
+MASK_MODES = ("padded", "causal_padded_left", "custom")
 
 
 _LOG2E = 1.0 / math.log(2.0)
@@ -218,6 +218,19 @@ def _causal_valid(qo_len: int, kv_len: int, causal: int) -> np.ndarray:
 # ----------------------------------------------------------------------------- validation
 
 
+def _entry_valid(qo_len: int, kv_len: int, causal: int, custom_mask, mask_indptr, b: int) -> np.ndarray:
+    """``valid [qo_len, kv_len]`` of entry ``b``: its block of ``custom_mask`` (§14: from
+    ``mask_indptr[b]``, row-major, non-zero = visible; ``causal`` ignored) when one is given,
+    else :func:`_causal_valid`."""
+    if custom_mask is None:
+        return _causal_valid(qo_len, kv_len, causal)
+    start = int(np.asarray(mask_indptr)[b])
+    block = np.asarray(custom_mask).reshape(-1)[start:start + qo_len * kv_len]
+    if block.size != qo_len * kv_len:
+        raise ValueError(f"custom_mask: entry {b} needs {qo_len * kv_len} elements from {start}, found {block.size}")
+    return block.reshape(qo_len, kv_len) != 0
+
+
 def _check_heads(h_q: int, h_kv: int) -> None:
     if h_kv <= 0 or h_q % h_kv != 0:
         raise ValueError(f"h_q ({h_q}) must be a positive multiple of h_kv ({h_kv})")
@@ -312,6 +325,8 @@ def batch_prefill_paged_kv(
     rope_theta: float,
     sm_scale: float,
     sinks: np.ndarray | None = None,
+    custom_mask: np.ndarray | None = None,
+    mask_indptr: np.ndarray | None = None,
     *,
     rope_scaling: Mapping[str, Any] | None = None,
     sliding_window: bool = False,
@@ -336,12 +351,18 @@ def batch_prefill_paged_kv(
         RoPE position of logical KV row 0 of each entry.
     q_rope_position : int ``[total_len]``
     causal : int
-        ``> 0``: bottom-right causal mask (§3); else every KV row is valid.
+        ``> 0``: bottom-right causal mask (§3); else every KV row is valid. Ignored with a
+        ``custom_mask``.
     rotary_mode : int
         1: RoPE on Q (at ``q_rope_position``) and K (at ``k_rope_pos_offset[b] + r``), 0: none.
     rope_scale, rope_theta, sm_scale : float
     sinks : ``[h_q]``, optional
         Per-head sink logits (``head_sinks``, §13); the same for every variant.
+    custom_mask : bool or uint8 ``[sum of qo_len * kv_len]``, optional
+        Entry ``b``'s ``qo_len x kv_len`` block from ``mask_indptr[b]``, row-major over its
+        logical KV rows (after the window remap); non-zero: the query sees the key (§14). Pass
+        it and ``mask_indptr`` by name: the kernel's call puts them before ``sinks``.
+    mask_indptr : int ``[B + 1]``, optional
     rope_scaling : dict, optional
         Compile-time RoPE scaling (see :mod:`linalg_prefill.runtime.rope`).
     sliding_window : bool
@@ -386,7 +407,7 @@ def batch_prefill_paged_kv(
         if rotary:
             qb = apply_rope(qb, q_rope_position[q0:q1], **rope_kw)
             k = apply_rope(k, k_rope_pos_offset[b] + np.arange(kv_len), **rope_kw)
-        valid = _causal_valid(q1 - q0, kv_len, int(causal))
+        valid = _entry_valid(q1 - q0, kv_len, int(causal), custom_mask, mask_indptr, b)
         out[q0:q1], lse[q0:q1] = _attend_heads(qb, k, v, valid, sm_scale, logits_soft_cap, sinks)
     return out, lse
 
@@ -405,6 +426,8 @@ def batch_prefill_ragged_kv(
     rope_theta: float,
     sm_scale: float,
     sinks: np.ndarray | None = None,
+    custom_mask: np.ndarray | None = None,
+    mask_indptr: np.ndarray | None = None,
     *,
     rope_scaling: Mapping[str, Any] | None = None,
     logits_soft_cap: float = 0.0,
@@ -427,6 +450,8 @@ def batch_prefill_ragged_kv(
     causal, rotary_mode : int
         As :func:`batch_prefill_paged_kv`; RoPE rotates all ``d_qk`` dims of Q and K.
     rope_scale, rope_theta, sm_scale : float
+    custom_mask, mask_indptr : optional
+        As :func:`batch_prefill_paged_kv` (§14).
     rope_scaling : dict, optional
 
     Returns
@@ -465,7 +490,7 @@ def batch_prefill_ragged_kv(
         if rotary:
             qb = apply_rope(qb, q_rope_position[q0:q1], **rope_kw)
             kb = apply_rope(kb, k_rope_pos_offset[b] + np.arange(k1 - k0), **rope_kw)
-        valid = _causal_valid(q1 - q0, k1 - k0, int(causal))
+        valid = _entry_valid(q1 - q0, k1 - k0, int(causal), custom_mask, mask_indptr, b)
         out[q0:q1], lse[q0:q1] = _attend_heads(qb, kb, vb, valid, sm_scale, logits_soft_cap, sinks)
     return out, lse
 
@@ -615,8 +640,9 @@ def batch_sequence_prefill_kv_masked(
     q : ``[B, qo_len, h_q, d]``
     k, v : ``[B, kv_len, h_kv, d]``
     valid_lens : int ``[B]``
-        In ``[0, min(qo_len, kv_len)]``.
-    mask_mode : ``"padded"`` or ``"causal_padded_left"``
+        In ``[0, min(qo_len, kv_len)]``; with ``mask_mode="custom"`` the custom mask
+        ``[B, qo_len, kv_len]`` instead (non-zero: the query sees the key, §14).
+    mask_mode : ``"padded"``, ``"causal_padded_left"`` or ``"custom"``
         ``"padded"``: right padding, bidirectional; query row ``i`` and key ``j`` are valid when
         ``i, j < valid_len``.  ``"causal_padded_left"``: left padding; valid query suffix and KV
         suffix of length ``valid_len`` aligned bottom-right, causal inside.
@@ -634,6 +660,11 @@ def batch_sequence_prefill_kv_masked(
     q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
     _check_dense(q, k, v)
     batch, qo_len, kv_len = q.shape[0], q.shape[1], k.shape[1]
+    if mask_mode == "custom":
+        custom_mask = np.asarray(valid_lens)
+        if custom_mask.shape != (batch, qo_len, kv_len):
+            raise ValueError(f"custom_mask must have shape ({batch}, {qo_len}, {kv_len}), got {custom_mask.shape}")
+        return _attend_entries(q, k, v, lambda b: custom_mask[b] != 0, sm_scale, logits_soft_cap)
     valid_lens = _i64(valid_lens, "valid_lens")
     if valid_lens.shape != (batch,):
         raise ValueError(f"valid_lens must have shape ({batch},), got {valid_lens.shape}")

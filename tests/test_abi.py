@@ -20,7 +20,7 @@ from linalg_prefill.mlir.abi import ARGUMENTS, argument_names, arguments, positi
 from linalg_prefill.runtime.errors import InputError
 from linalg_prefill.runtime.examples import example_inputs
 from linalg_prefill.runtime.kernels import open_kernel
-from linalg_prefill.runtime.variants import VARIANTS, call_arguments
+from linalg_prefill.runtime.variants import VARIANTS, call_arguments, checked
 
 SPECS = [SequencePrefillSpec(8, 2, 64, "float32", causal=True, sm_scale=0.125),
          MaskedSequencePrefillSpec(8, 2, 64, "float16", mask_mode="padded", sm_scale=0.125),
@@ -36,23 +36,45 @@ def test_every_variant_has_a_table():
     assert set(VARIANTS) == set(ARGUMENTS)  # the serving passes have a table and a reference too
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=lambda s: type(s).__name__)
+#: The specs whose tables grow with an option (the custom-mask arguments, semantics §13).
+WITH_OPTIONS = SPECS + [dataclasses.replace(SPECS[1], mask_mode="custom"),
+                        dataclasses.replace(SPECS[2], custom_mask=True), dataclasses.replace(SPECS[3], custom_mask=True),
+                        dataclasses.replace(SPECS[3], custom_mask=True, head_sinks=True),
+                        dataclasses.replace(SPECS[4], head_sinks=True)]
+
+
+@pytest.mark.parametrize("spec", WITH_OPTIONS, ids=lambda s: s.name)
 def test_the_host_check_and_the_reference_take_the_tables_arguments(spec):
+    """Each takes the table's arguments in its order: the check names those every call has and
+    takes an option's (after the scalars) as ``*extra``; the reference names them all, an
+    option's with a default."""
     hooks = VARIANTS[type(spec)]
-    assert tuple(inspect.signature(hooks.check).parameters)[1:] == argument_names(spec)
-    positional = [p.name for p in inspect.signature(hooks.reference).parameters.values()
-                  if p.kind is p.POSITIONAL_OR_KEYWORD]
-    # the reference takes a head_sinks call's last argument, sinks, as an optional last parameter
-    # (runtime.variants.checked checks the f32 arguments before the variant's check)
-    assert tuple(positional) == argument_names(dataclasses.replace(spec, head_sinks=True))
-    assert argument_names(dataclasses.replace(spec, head_sinks=True)) == (*argument_names(spec), "sinks")
+    table = arguments(spec)
+    names = tuple(arg.name for arg in table)
+    if type(spec) is MaskedSequencePrefillSpec:  # the parameter valid_lens takes custom_mask in its place
+        names = (*names[:3], "valid_lens", *names[4:])
+    # the check: the arguments every call has by name, an option's (after the scalars) as *extra;
+    # runtime.variants.checked checks the f32 arguments (sinks) before it
+    checked = tuple(name for name, arg in zip(names, table) if arg.kind != "f32")
+    check = inspect.signature(hooks.check).parameters.values()
+    fixed = tuple(p.name for p in check if p.kind is p.POSITIONAL_OR_KEYWORD)[1:]
+    has_extra = any(p.kind is p.VAR_POSITIONAL for p in check)
+    assert checked[:len(fixed)] == fixed and (len(fixed) == len(checked) or has_extra)
+    # the reference: those every call has in order, an option's by name (runtime.compare.reference_for)
+    reference = [p for p in inspect.signature(hooks.reference).parameters.values()
+                 if p.kind is p.POSITIONAL_OR_KEYWORD]
+    required = tuple(p.name for p in reference if p.default is p.empty)
+    assert names[:len(required)] == required
+    assert set(names[len(required):]) <= {p.name for p in reference if p.default is None}
+    if not spec.head_sinks:
+        assert argument_names(dataclasses.replace(spec, head_sinks=True)) == (*argument_names(spec), "sinks")
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=lambda s: type(s).__name__)
+@pytest.mark.parametrize("spec", WITH_OPTIONS, ids=lambda s: s.name)
 def test_example_inputs_pass_the_host_check(spec):
     args = example_inputs(spec, np.random.default_rng(0))
     assert len(args) == len(arguments(spec))
-    VARIANTS[type(spec)].check(spec, *args)  # raises InputError naming the argument otherwise
+    checked(spec, args)  # raises InputError naming the argument otherwise
 
 
 #: The variants and serving passes of each KV-cache layout (ragged, paged with a window, latent).

@@ -27,6 +27,7 @@ DENSE_SPECS = [
     SequencePrefillSpec(8, 2, 256, "bfloat16", causal=True, sm_scale=0.0625),
     SequencePrefillSpec(32, 32, 80, "float16", causal=True, sm_scale=80 ** -0.5),
     SequencePrefillSpec(8, 4, 256, "bfloat16", causal=True, sm_scale=256 ** -0.5, logits_soft_cap=50.0),
+    MaskedSequencePrefillSpec(8, 2, 64, "float16", mask_mode="custom", sm_scale=0.125),
 ]
 KV_CACHE_SPECS = [
     RaggedPrefillSpec(32, 8, 128, 128, "float16", LLAMA3),
@@ -40,6 +41,9 @@ KV_CACHE_SPECS = [
     PagedPrefillSpec(8, 1, 256, "float16", page_size=64),
     # gpt-oss: per-head sinks over a sliding window (semantics §13)
     PagedPrefillSpec(64, 8, 64, "bfloat16", page_size=16, sliding_window=True, head_sinks=True),
+    # custom masks (semantics §14): the mask operand reads custom_mask inside the band's dispatch
+    RaggedPrefillSpec(32, 8, 128, 128, "float16", custom_mask=True),
+    PagedPrefillSpec(32, 8, 128, "bfloat16", page_size=16, sliding_window=True, custom_mask=True),
 ]
 MLA_SPECS = [
     *(MlaPagedPrefillSpec(16, 512, 64, dtype, page_size=16) for dtype in HALF),

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from linalg_prefill.mlir import (
-    PagedPrefillSpec, decode, fused_decode, fused_kernels, kv_cache, kv_layouts, masks, online_softmax,
+    PagedPrefillSpec, decode, fused_decode, fused_kernels, kv_cache, kv_layouts, mask_rules, online_softmax,
 )
 from linalg_prefill.mlir import rope as rope_builder
 from linalg_prefill.mlir.ir import arith_d, const_index
@@ -28,12 +28,13 @@ QUERY_LENS, KV_LENS = (0, 1, 2, 5, 9, 16, 17, 24), (0, 1, 3, 8, 16, 33, 40)
 
 def _off_by_one_mask():
     """The causal diagonal one column too far right: each row sees one key it must not."""
-    original = masks.kv_cache_validity
+    original = mask_rules.KvCacheCausalRule.valid
 
-    def shifted(col, row, *, kv_len, diagonal, causal):
-        return original(col, row, kv_len=kv_len, diagonal=arith_d.addi(diagonal, const_index(1)), causal=causal)
+    def shifted(self, values, lengths, row, col):
+        moved = mask_rules.Lengths(lengths.q_len, lengths.kv_len, arith_d.addi(lengths.diagonal, const_index(1)))
+        return original(self, values, moved, row, col)
 
-    return [(module, "kv_cache_validity", shifted) for module in (kv_cache, decode, fused_decode, fused_kernels)]
+    return [(mask_rules.KvCacheCausalRule, "valid", shifted)]
 
 
 def _wrong_page():
