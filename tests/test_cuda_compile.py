@@ -59,6 +59,8 @@ F32_SPECS = [
     PagedPrefillSpec(8, 1, 64, "float32", page_size=1, rope_scaling={"rope_type": "gptj"}),
 ]
 ALL_SPECS = DENSE_SPECS + KV_CACHE_SPECS + MLA_SPECS + DECODE_SPECS + F32_SPECS
+#: The spec parameters compile for sm_80, before the tests run (tests/conftest.py).
+pytestmark = pytest.mark.compiles(backends=[Target("cuda", "sm_80")], passes=False)
 
 
 def _artifact(spec, cache, tmp_path, lowering=""):
