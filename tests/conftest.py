@@ -12,9 +12,10 @@ test finds its kernels already built. A test declares what it compiles in either
   whole module): those specs, for those backends (default as above); without specs, the mark
   names the backends of the test's spec parameters.
 
-A KV-cache spec brings its serving passes (runtime/decode.py) for the lowering of its target,
-which ``open_kernel`` compiles on the first call with short entries; a test that compiles specs
-without opening them says ``compiles(..., passes=False)``.
+A KV-cache spec brings the serving passes (runtime/decode.py) of its target's lowering, which
+``open_kernel`` compiles on the first call with short entries: all of them, or with
+``compiles(..., passes=ENTRIES)`` those that calls of ``ENTRIES`` ((qo_len, kv_len) per entry)
+take, or none with ``passes=False`` (a test that compiles specs without opening them).
 Tests that are skipped (a true ``skipif``, e.g. CUDA without a device) or deselected declare
 nothing. A spec no test declares still works: it compiles when the test opens it, one after
 another; the summary line at the end names how many did (``compiled during the tests``).
@@ -29,6 +30,7 @@ a kernel without ``cache=`` uses the same artifacts.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import itertools
 import os
 import pickle
@@ -48,6 +50,7 @@ from linalg_prefill.runtime.decode import DECODE_PASSES
 from linalg_prefill.runtime.devices import backend_available
 from linalg_prefill.runtime.variants import VARIANTS
 from linalg_prefill.runtime.examples import uniform as _uniform
+import support
 from support import NUMPY_DTYPE, TensorLike, assert_matches_reference  # noqa: F401 (imported from here too)
 
 __all__ = ["BACKENDS", "BACKENDS_WITHOUT_FUSED_CPU", "NUMPY_DTYPE", "TensorLike", "assert_matches_reference",
@@ -114,9 +117,9 @@ def pytest_collection_modifyitems(config, items):
 
 #: pytest-xdist's worker name ("gw0", ...), None without xdist.
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")
-#: What the pre-build found and did: the (spec, target) pairs, the fill's result, and the
-#: artifacts compiled in this process outside it (``late``).
-_PREBUILD: dict = {"tasks": [], "result": None, "running": False, "late": []}
+#: What the pre-build found and did: the (spec, target) pairs, the fill's result, the artifacts
+#: compiled in this process outside it (``late``), and (xdist's controller) the workers' reports.
+_PREBUILD: dict = {"tasks": [], "result": None, "running": False, "late": [], "workers": []}
 
 
 def _is_spec(value) -> bool:
@@ -133,13 +136,12 @@ def compiled_by(item) -> list[tuple]:
     its KV-cache specs."""
     params = getattr(getattr(item, "callspec", None), "params", {})
     marks = list(item.iter_markers("compiles"))
-    if _skipped(item) or not marks and "cache" not in getattr(item, "fixturenames", ()):  # IR-only tests
+    if _skipped(item) or not marks and "cache" not in inspect.signature(item.function).parameters:  # IR only
         return []
     default = [params["backend"]] if "backend" in params else ["llvm-cpu"]
     groups = [([value for value in params.values() if _is_spec(value)], default)]
-    passes = True
+    passes = next((mark.kwargs["passes"] for mark in marks if "passes" in mark.kwargs), True)  # the closest
     for mark in marks:
-        passes = mark.kwargs.get("passes", passes)
         if mark.args:
             groups.append((mark.args, mark.kwargs.get("backends") or default))
         elif mark.kwargs.get("backends"):  # the backends of the spec parameters
@@ -149,10 +151,21 @@ def compiled_by(item) -> list[tuple]:
         for target in map(target_for, backends):
             for spec in specs:
                 pairs.append((spec, target))
-                if passes and not isinstance(spec, DecodeSpec) and spec.kv_layout != "dense":
-                    usable = DECODE_PASSES[target.lowering].usable(spec)
-                    pairs += [(DecodeSpec(spec, queries), target) for queries in usable]
+                if passes is not False and not isinstance(spec, DecodeSpec) and spec.kv_layout != "dense":
+                    pairs += [(DecodeSpec(spec, queries), target) for queries in _passes(spec, target, passes)]
     return pairs
+
+
+def _passes(spec, target: Target, entries) -> list[int]:
+    """The query counts of the serving passes of ``spec`` on ``target`` that calls of ``entries``
+    ((qo_len, kv_len) per entry) take (runtime/decode.py's pass_queries), or all of them for True."""
+    usable = DECODE_PASSES[target.lowering].usable(spec)
+    if entries is True or not usable:
+        return list(usable)
+    queries = DECODE_PASSES[target.lowering].queries
+    taken = {next((count for count in sorted(queries) if qo_len <= count), None) for qo_len, kv_len in entries
+             if qo_len >= 1 and kv_len >= 1}
+    return sorted({count if count in usable else min(usable) for count in taken if count is not None})
 
 
 def pytest_collection_finish(session):
@@ -160,14 +173,33 @@ def pytest_collection_finish(session):
         _PREBUILD["tasks"] = list(dict.fromkeys(pair for item in session.items for pair in compiled_by(item)))
 
 
+def pytest_sessionfinish(session):
+    if WORKER:  # to the controller (pytest_testnodedown)
+        result = _PREBUILD["result"]
+        session.config.workeroutput["prebuild"] = dict(
+            compiled=result.compiled if result else 0, seconds=result.seconds if result else 0.0, late=_PREBUILD["late"])
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """xdist's controller: the workers' pre-build figures, summed for the summary line."""
+    report = getattr(node, "workeroutput", {}).get("prebuild")
+    if report:
+        _PREBUILD["workers"].append(report)
+
+
 def pytest_terminal_summary(terminalreporter):
-    result, late = _PREBUILD["result"], _PREBUILD["late"]
+    result, late, workers = _PREBUILD["result"], list(_PREBUILD["late"]), _PREBUILD["workers"]
     if result is not None:
         terminalreporter.write_line(f"pre-built {result.compiled + result.reused} artifacts ({result.compiled} "
                                     f"compiled) in {result.seconds:.0f} s")
+    if workers:
+        late += [name for report in workers for name in report["late"]]
+        terminalreporter.write_line(f"pre-built: {sum(r['compiled'] for r in workers)} artifacts compiled by "
+                                    f"{len(workers)} workers in {max(r['seconds'] for r in workers):.0f} s")
     if late:
-        terminalreporter.write_line(f"compiled during the tests: {len(late)} artifacts not declared (tests/conftest.py), "
-                                    f"e.g. {', '.join(late[:5])}")
+        terminalreporter.write_line(f"compiled during the tests: {len(late)} artifacts no test declares "
+                                    f"(tests/conftest.py), e.g. {', '.join(late[:3])}")
 
 
 RECORD_DIR = os.environ.get("LINALG_PREFILL_RECORD_CASES")
@@ -197,12 +229,11 @@ def record_backend_cases(request, monkeypatch):
     runtime/error_model.py)."""
     directory = RECORD_DIR
     callspec = getattr(request.node, "callspec", None)
-    if not directory or callspec is None or callspec.params.get("backend") != "llvm-cpu" \
-            or not hasattr(request.module, "open_kernel"):
+    if not directory or callspec is None or callspec.params.get("backend") != "llvm-cpu":
         return
     os.makedirs(directory, exist_ok=True)
     monkeypatch.setattr(examples, "uniform", uniform)  # the draws of runtime/examples.py are recorded too
-    real_open_kernel = request.module.open_kernel
+    real_open_kernel = support.open_kernel
 
     def recording_open_kernel(spec, *args, **kwargs):
         kernel = real_open_kernel(spec, *args, **kwargs)
@@ -215,7 +246,10 @@ def record_backend_cases(request, monkeypatch):
 
         return call
 
-    monkeypatch.setattr(request.module, "open_kernel", recording_open_kernel)
+    for module in (request.module, support):  # the test's own calls and run_against_reference's
+        if hasattr(module, "open_kernel"):
+            monkeypatch.setattr(module, "open_kernel", recording_open_kernel)
+    monkeypatch.setattr(support, "_KERNELS", {})  # kernels opened in this test record under its name
 
 
 @pytest.fixture(scope="session")

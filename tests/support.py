@@ -104,6 +104,18 @@ def with_arguments(spec, args: tuple, **given) -> tuple:
     return ordered(spec, {**dict(zip(argument_names(spec), args)), **given})
 
 
+_KERNELS: dict = {}
+
+
+def kernel_for(spec, backend="llvm-cpu", cache=None):
+    """``open_kernel(spec, backend, cache=cache)``, opened once per session (opening builds the
+    spec's IR again to find its artifact)."""
+    key = (spec, backend, cache.root if cache else None)
+    if key not in _KERNELS:
+        _KERNELS[key] = open_kernel(spec, backend, cache=cache)
+    return _KERNELS[key]
+
+
 def run_against_reference(spec, backend="llvm-cpu", *, cache=None, entries: Iterable | None = None,
                           calls: Iterable[dict] = ({},), window=None, seed: int = 0) -> None:
     """Opens ``spec`` on ``backend`` and checks one call per dict of ``calls`` (arguments by name
@@ -111,7 +123,7 @@ def run_against_reference(spec, backend="llvm-cpu", *, cache=None, entries: Iter
     float64 reference. The tensors and index arrays are drawn once, by ``example_inputs(spec, rng,
     entries, window=window)``: ``entries`` (qo_len, kv_len) per batch entry; a dense spec takes B =
     len(entries) of the first entry's lengths."""
-    kernel = open_kernel(spec, backend, cache=cache)
+    kernel = kernel_for(spec, backend, cache)
     rng = np.random.default_rng(seed)
     args = example_inputs(spec, rng, window=window) if entries is None else \
         example_inputs(spec, rng, list(entries), window=window)

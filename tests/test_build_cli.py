@@ -113,6 +113,10 @@ def test_bad_config_names_the_key(tmp_path, name, change, key):
         load_model_config(path)
 
 
+#: The module's builds share a cache of its own: one xdist worker runs them all.
+pytestmark = pytest.mark.xdist_group("build_cli")
+
+
 @pytest.fixture(scope="module")
 def build_cache(tmp_path_factory) -> ArtifactCache:
     """A cache of this module's own, so the first build really compiles."""

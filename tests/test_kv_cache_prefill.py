@@ -22,6 +22,10 @@ from support import LLAMA3, ROPE_TYPES, run_against_reference, spec_id
 # (qo_len, kv_len) per entry; kv_len is the logical length (after any sink/window remap).
 ENTRIES = [(5, 3), (0, 7), (17, 40), (1, 1), (9, 0), (70, 150)]
 SHORT_ENTRIES = [(5, 3), (0, 7), (12, 30), (9, 0), (3, 20)]
+MLA_ENTRIES = [(5, 3), (0, 7), (20, 40), (9, 0), (33, 140)]
+#: The serving passes that calls of these entries take are built before the tests run
+#: (tests/conftest.py); calls with inline RoPE (rotary_mode 1) take none.
+pytestmark = pytest.mark.compiles(passes=ENTRIES + MLA_ENTRIES)
 
 
 def test_the_rope_examples_cover_every_rope_type():
@@ -63,6 +67,7 @@ def test_ragged_half(backend, spec, cache):
     run_against_reference(spec, backend, cache=cache, entries=ENTRIES, calls=_calls())
 
 
+@pytest.mark.compiles(passes=False)
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("spec", [RaggedPrefillSpec(4, 2, 64, 64, "float32", rope) for rope in ROPE_TYPES.values()],
                          ids=spec_id)
@@ -118,7 +123,7 @@ MLA_CALLS = [dict(causal=causal, sm_scale=192 ** -0.5) for causal in (0, 1)]
                                   for dtype in ("float32", "float16", "bfloat16")], ids=spec_id)
 def test_mla_deepseek_sizes(backend, spec, cache):
     """d_latent 512 + d_rope 64, h_q = 16 (DeepSeek-V2-Lite)."""
-    run_against_reference(spec, backend, cache=cache, entries=[(5, 3), (0, 7), (20, 40), (9, 0), (33, 140)],
+    run_against_reference(spec, backend, cache=cache, entries=MLA_ENTRIES,
                           calls=MLA_CALLS)
 
 
@@ -134,13 +139,14 @@ def test_mla_sliding_window(backend, spec, cache):
 # batch behaviour
 
 
+@pytest.mark.compiles(passes=False)
 @pytest.mark.parametrize("spec", [RaggedPrefillSpec(8, 2, 64, 64, "float32", q_tile=8, kv_tile=16)], ids=spec_id)
 def test_ragged_small_tiles_walk_many_tiles(spec, cache):
     """Tiles far smaller than the entries: many query and KV steps per entry, partial last tiles."""
     run_against_reference(spec, cache=cache, entries=ENTRIES, calls=_calls((1,)))
 
 
-@pytest.mark.compiles(RaggedPrefillSpec(8, 2, 64, 64, "float32"))
+@pytest.mark.compiles(RaggedPrefillSpec(8, 2, 64, 64, "float32"), passes=False)
 def test_entry_results_do_not_depend_on_the_batch(cache):
     """An entry alone and inside a batch (any position) gives bitwise the same float32 result."""
     spec = RaggedPrefillSpec(8, 2, 64, 64, "float32")
@@ -156,7 +162,7 @@ def test_entry_results_do_not_depend_on_the_batch(cache):
     np.testing.assert_array_equal(alone[1], lse[q0:q1])
 
 
-@pytest.mark.compiles(RaggedPrefillSpec(4, 2, 64, 64, "float32"))
+@pytest.mark.compiles(RaggedPrefillSpec(4, 2, 64, 64, "float32"), passes=SHORT_ENTRIES)
 def test_nan_in_one_entry_stays_in_that_entry(cache):
     """NaN in one entry's keys and values never reaches another entry's output (KV rows past an
     entry's end are zeroed, not multiplied by a zero weight)."""
