@@ -12,10 +12,10 @@ test finds its kernels already built. A test declares what it compiles in either
   whole module): those specs, for those backends (default as above); without specs, the mark
   names the backends of the test's spec parameters.
 
-A KV-cache spec brings the serving passes (runtime/decode.py) of its target's lowering, which
-``open_kernel`` compiles on the first call with short entries: all of them, or with
-``compiles(..., passes=ENTRIES)`` those that calls of ``ENTRIES`` ((qo_len, kv_len) per entry)
-take, or none with ``passes=False`` (a test that compiles specs without opening them).
+The serving passes (runtime/decode.py) that ``open_kernel`` compiles on a KV-cache kernel's first
+call with short entries (and no inline RoPE) are declared with ``compiles(..., passes=ENTRIES)``:
+those that calls of ``ENTRIES`` ((qo_len, kv_len) per entry) take, for each KV-cache spec the
+test declares; ``passes=True``: all of them; none by default.
 Tests that are skipped (a true ``skipif``, e.g. CUDA without a device) or deselected declare
 nothing. A spec no test declares still works: it compiles when the test opens it, one after
 another; the summary line at the end names how many did (``compiled during the tests``).
@@ -140,7 +140,7 @@ def compiled_by(item) -> list[tuple]:
         return []
     default = [params["backend"]] if "backend" in params else ["llvm-cpu"]
     groups = [([value for value in params.values() if _is_spec(value)], default)]
-    passes = next((mark.kwargs["passes"] for mark in marks if "passes" in mark.kwargs), True)  # the closest
+    passes = next((mark.kwargs["passes"] for mark in marks if "passes" in mark.kwargs), False)  # the closest
     for mark in marks:
         if mark.args:
             groups.append((mark.args, mark.kwargs.get("backends") or default))
@@ -158,7 +158,8 @@ def compiled_by(item) -> list[tuple]:
 
 def _passes(spec, target: Target, entries) -> list[int]:
     """The query counts of the serving passes of ``spec`` on ``target`` that calls of ``entries``
-    ((qo_len, kv_len) per entry) take (runtime/decode.py's pass_queries), or all of them for True."""
+    ((qo_len, kv_len) per entry, rotary_mode 0) take (runtime/decode.py's pass_queries), or all
+    of them for True."""
     usable = DECODE_PASSES[target.lowering].usable(spec)
     if entries is True or not usable:
         return list(usable)

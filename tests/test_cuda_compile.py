@@ -60,7 +60,7 @@ F32_SPECS = [
 ]
 ALL_SPECS = DENSE_SPECS + KV_CACHE_SPECS + MLA_SPECS + DECODE_SPECS + F32_SPECS
 #: The spec parameters compile for sm_80, before the tests run (tests/conftest.py).
-pytestmark = pytest.mark.compiles(backends=[Target("cuda", "sm_80")], passes=False)
+pytestmark = pytest.mark.compiles(backends=[Target("cuda", "sm_80")])
 
 
 def _artifact(spec, cache, tmp_path, lowering=""):

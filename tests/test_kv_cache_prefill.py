@@ -67,7 +67,7 @@ def test_ragged_half(backend, spec, cache):
     run_against_reference(spec, backend, cache=cache, entries=ENTRIES, calls=_calls())
 
 
-@pytest.mark.compiles(passes=False)
+@pytest.mark.compiles(passes=False)  # inline RoPE: no pass
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("spec", [RaggedPrefillSpec(4, 2, 64, 64, "float32", rope) for rope in ROPE_TYPES.values()],
                          ids=spec_id)
