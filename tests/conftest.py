@@ -48,8 +48,9 @@ from linalg_prefill.pipeline.targets import BACKENDS as TARGET_BACKENDS, LOWERIN
 from linalg_prefill.runtime import examples
 from linalg_prefill.runtime.decode import DECODE_PASSES
 from linalg_prefill.runtime.devices import backend_available
-from linalg_prefill.runtime.variants import VARIANTS
 from linalg_prefill.runtime.examples import uniform as _uniform
+from linalg_prefill.runtime.variants import VARIANTS
+
 import support
 from support import NUMPY_DTYPE, TensorLike, assert_matches_reference  # noqa: F401 (imported from here too)
 
@@ -82,6 +83,13 @@ for _name, _record in TARGET_BACKENDS.items():
         BACKENDS_WITHOUT_FUSED_CPU.append(_param)
 
 
+#: pytest-xdist's worker name ("gw0", ...), None without xdist.
+WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+#: What the pre-build found and did: the (spec, target) pairs, the fill's result, the artifacts
+#: compiled in this process outside it (``late``), and (xdist's controller) the workers' reports.
+_PREBUILD: dict = {"tasks": [], "result": None, "running": False, "late": [], "workers": [], "compile_ir": None}
+
+
 def pytest_addoption(parser):
     parser.addoption("--run-expensive", action="store_true", help="run the large grids")
     parser.addoption("--no-prebuild", action="store_true", help="compile each spec when a test opens it")
@@ -95,14 +103,18 @@ def pytest_configure(config):
         workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
         groups = max(1, (os.cpu_count() or 1) // workers)
         iree.runtime.flags.parse_flags(f"--task_topology_max_group_count={groups}")
-    real_compile_ir = compiler.compile_ir
+    real_compile_ir = _PREBUILD["compile_ir"] = compiler.compile_ir
 
     def counted_compile_ir(ir_text, target, name="module"):
         if not _PREBUILD["running"]:
             _PREBUILD["late"].append(f"{target.tag}/{name}")
         return real_compile_ir(ir_text, target, name)
 
-    compiler.compile_ir = counted_compile_ir
+    compiler.compile_ir = counted_compile_ir  # counts the compiles outside the pre-build
+
+
+def pytest_unconfigure(config):
+    compiler.compile_ir = _PREBUILD["compile_ir"]
 
 
 def pytest_collection_modifyitems(config, items):
@@ -113,13 +125,6 @@ def pytest_collection_modifyitems(config, items):
     if expensive:
         config.hook.pytest_deselected(items=expensive)
         items[:] = [item for item in items if "expensive" not in item.keywords]
-
-
-#: pytest-xdist's worker name ("gw0", ...), None without xdist.
-WORKER = os.environ.get("PYTEST_XDIST_WORKER")
-#: What the pre-build found and did: the (spec, target) pairs, the fill's result, the artifacts
-#: compiled in this process outside it (``late``), and (xdist's controller) the workers' reports.
-_PREBUILD: dict = {"tasks": [], "result": None, "running": False, "late": [], "workers": []}
 
 
 def _is_spec(value) -> bool:
@@ -136,7 +141,9 @@ def compiled_by(item) -> list[tuple]:
     its KV-cache specs."""
     params = getattr(getattr(item, "callspec", None), "params", {})
     marks = list(item.iter_markers("compiles"))
-    if _skipped(item) or not marks and "cache" not in inspect.signature(item.function).parameters:  # IR only
+    function = getattr(item, "function", None)
+    takes_cache = function is not None and "cache" in inspect.signature(function).parameters
+    if _skipped(item) or not marks and not takes_cache:  # a test of the IR alone
         return []
     default = [params["backend"]] if "backend" in params else ["llvm-cpu"]
     groups = [([value for value in params.values() if _is_spec(value)], default)]
