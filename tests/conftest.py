@@ -83,8 +83,6 @@ for _name, _record in TARGET_BACKENDS.items():
         BACKENDS_WITHOUT_FUSED_CPU.append(_param)
 
 
-#: pytest-xdist's worker name ("gw0", ...), None without xdist.
-WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 #: What the pre-build found and did: the (spec, target) pairs, the fill's result, the artifacts
 #: compiled in this process outside it (``late``), and (xdist's controller) the workers' reports.
 _PREBUILD: dict = {"tasks": [], "result": None, "running": False, "late": [], "workers": [], "compile_ir": None}
@@ -95,13 +93,20 @@ def pytest_addoption(parser):
     parser.addoption("--no-prebuild", action="store_true", help="compile each spec when a test opens it")
 
 
+def xdist_worker(config) -> tuple[int, int] | None:
+    """(this worker's index, the number of workers) in a pytest-xdist worker, else None (also in a
+    pytest that a worker's test starts, which inherits the worker's environment)."""
+    worker = getattr(config, "workerinput", None)
+    return None if worker is None else (int(worker["workerid"].removeprefix("gw")), int(worker["workercount"]))
+
+
 def pytest_configure(config):
-    if WORKER:
+    worker = xdist_worker(config)
+    if worker:
         import iree.runtime
 
         # n test processes share the cores: IREE's local-task driver takes its share of them each
-        workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-        groups = max(1, (os.cpu_count() or 1) // workers)
+        groups = max(1, (os.cpu_count() or 1) // worker[1])
         iree.runtime.flags.parse_flags(f"--task_topology_max_group_count={groups}")
     real_compile_ir = _PREBUILD["compile_ir"] = compiler.compile_ir
 
@@ -182,7 +187,7 @@ def pytest_collection_finish(session):
 
 
 def pytest_sessionfinish(session):
-    if WORKER:  # to the controller (pytest_testnodedown)
+    if xdist_worker(session.config):  # to the controller (pytest_testnodedown)
         result = _PREBUILD["result"]
         session.config.workeroutput["prebuild"] = dict(
             compiled=result.compiled if result else 0, seconds=result.seconds if result else 0.0, late=_PREBUILD["late"])
@@ -261,15 +266,15 @@ def record_backend_cases(request, monkeypatch):
 
 
 @pytest.fixture(scope="session")
-def cache(tmp_path_factory) -> ArtifactCache:
+def cache(request, tmp_path_factory) -> ArtifactCache:
     """One cache for the session (shared by xdist's workers): each spec compiles once however many
     tests use it."""
     root = tmp_path_factory.getbasetemp()
-    return ArtifactCache((root.parent if WORKER else root) / "artifacts")
+    return ArtifactCache((root.parent if xdist_worker(request.config) else root) / "artifacts")
 
 
 @pytest.fixture(scope="session", autouse=True)
-def prebuilt(cache):
+def prebuilt(request, cache):
     """The session's cache as the environment's, filled with every declared spec (module docstring)."""
     os.environ["LINALG_PREFILL_CACHE_DIR"] = str(cache.root)
     tasks = _PREBUILD["tasks"]
@@ -277,9 +282,9 @@ def prebuilt(cache):
         return
     _PREBUILD["running"] = True
     try:
-        if WORKER:
-            _PREBUILD["result"] = _fill_share(tasks, cache, int(WORKER.removeprefix("gw")),
-                                              int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+        worker = xdist_worker(request.config)
+        if worker:
+            _PREBUILD["result"] = _fill_share(tasks, cache, *worker)
         else:
             _PREBUILD["result"] = fill_cache(tasks, cache=cache, progress=False)
     except CompileError as err:  # the tests that need these compile them again and fail there
