@@ -190,7 +190,8 @@ def pytest_sessionfinish(session):
     if xdist_worker(session.config):  # to the controller (pytest_testnodedown)
         result = _PREBUILD["result"]
         session.config.workeroutput["prebuild"] = dict(
-            compiled=result.compiled if result else 0, seconds=result.seconds if result else 0.0, late=_PREBUILD["late"])
+            compiled=result.compiled if result else None, seconds=result.seconds if result else 0.0,
+            late=_PREBUILD["late"])
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -206,8 +207,9 @@ def pytest_terminal_summary(terminalreporter):
     if result is not None:
         terminalreporter.write_line(f"pre-built {result.compiled + result.reused} artifacts ({result.compiled} "
                                     f"compiled) in {result.seconds:.0f} s")
+    late += [name for report in workers for name in report["late"]]
+    workers = [report for report in workers if report["compiled"] is not None]
     if workers:
-        late += [name for report in workers for name in report["late"]]
         terminalreporter.write_line(f"pre-built: {sum(r['compiled'] for r in workers)} artifacts compiled by "
                                     f"{len(workers)} workers in {max(r['seconds'] for r in workers):.0f} s")
     if late:
