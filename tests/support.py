@@ -36,20 +36,21 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
 ROPE_TYPES = {"default": {}, "gptj": {"rope_type": "gptj"}, "llama3": LLAMA3, "llama4": LLAMA4,
               "longrope": LONGROPE, "yarn": YARN}
 
+#: Original contexts of 32-64 positions, so that short calls reach every band of the scaled types.
+LLAMA3_64 = {**LLAMA3, "original_max_position_embeddings": 64}
+LLAMA4_64 = {**LLAMA3_64, "rope_type": "llama4"}
+YARN_32 = {**YARN, "original_max_position_embeddings": 32}
+LONGROPE_64 = {"rope_type": "longrope", "max_position_embeddings": 1024, "original_max_position_embeddings": 64}
+
 # ------------------------------------------------------------------------------ fuzzed specs
-# (tests/test_fuzz.py, bench/bound_ratios.py): original contexts of 32-64 positions, so that the
-# fuzzed lengths reach every band of the scaled rope types.
-FUZZ_LLAMA3 = {**LLAMA3, "original_max_position_embeddings": 64}
-FUZZ_LLAMA4 = {**FUZZ_LLAMA3, "rope_type": "llama4"}
-FUZZ_YARN = {**YARN, "original_max_position_embeddings": 32}
-FUZZ_LONGROPE = {"rope_type": "longrope", "max_position_embeddings": 1024, "original_max_position_embeddings": 64}
+# (tests/test_fuzz.py, bench/bound_ratios.py)
 
 KV_SPECS = [
     RaggedPrefillSpec(4, 2, 32, 16, "float32"),
-    RaggedPrefillSpec(4, 1, 32, 32, "bfloat16", rope_scaling=FUZZ_LLAMA3),
+    RaggedPrefillSpec(4, 1, 32, 32, "bfloat16", rope_scaling=LLAMA3_64),
     RaggedPrefillSpec(2, 2, 16, 16, "float16", q_tile=8, kv_tile=16),
     PagedPrefillSpec(4, 2, 32, "float32", page_size=4),
-    PagedPrefillSpec(4, 2, 32, "bfloat16", page_size=8, sliding_window=True, rope_scaling=FUZZ_YARN),
+    PagedPrefillSpec(4, 2, 32, "bfloat16", page_size=8, sliding_window=True, rope_scaling=YARN_32),
     PagedPrefillSpec(8, 2, 16, "float16", page_size=1, q_tile=8, kv_tile=16),
     MlaPagedPrefillSpec(4, 32, 16, "float32", page_size=4),
     MlaPagedPrefillSpec(2, 16, 8, "bfloat16", page_size=8, sliding_window=True),
@@ -58,9 +59,9 @@ KV_SPECS = [
 #: (CI covers them in tests/test_soft_cap.py, test_partial_rotary.py, test_kv_cache_prefill.py).
 THOROUGH_KV_SPECS = [
     RaggedPrefillSpec(4, 2, 32, 32, "float16", rope_scaling={"rope_type": "gptj"}, logits_soft_cap=20.0),
-    RaggedPrefillSpec(2, 1, 64, 32, "float32", rope_scaling=FUZZ_LONGROPE, rotary_dim=32),
-    PagedPrefillSpec(4, 1, 32, "bfloat16", page_size=4, rope_scaling=FUZZ_LLAMA4, rotary_dim=16),
-    PagedPrefillSpec(4, 2, 32, "float16", page_size=16, sliding_window=True, rope_scaling=FUZZ_LLAMA3,
+    RaggedPrefillSpec(2, 1, 64, 32, "float32", rope_scaling=LONGROPE_64, rotary_dim=32),
+    PagedPrefillSpec(4, 1, 32, "bfloat16", page_size=4, rope_scaling=LLAMA4_64, rotary_dim=16),
+    PagedPrefillSpec(4, 2, 32, "float16", page_size=16, sliding_window=True, rope_scaling=LLAMA3_64,
                      logits_soft_cap=30.0),
     MlaPagedPrefillSpec(4, 32, 16, "float16", page_size=4, logits_soft_cap=30.0),
 ]

@@ -14,9 +14,8 @@ from linalg_prefill.pipeline.targets import structure_problems
 from linalg_prefill.pipeline.vm_structure import (
     disassembly, host_blocking_calls_in_loops, loop_bodies, tensor_core_instructions,
 )
+from support import LLAMA3
 
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 8192}
 HALF = ("float16", "bfloat16")
 #: Every variant in both tensor-core dtypes, plus the head dims the tilings differ on.
 DENSE_SPECS = [
