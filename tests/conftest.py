@@ -12,6 +12,14 @@ test finds its kernels already built. A test declares what it compiles in either
   whole module): those specs, for those backends (default as above); without specs, the mark
   names the backends of the test's spec parameters.
 
+For example (tests/test_kv_cache_prefill.py, tests/test_head_sinks.py)::
+
+    @pytest.mark.parametrize("backend", BACKENDS)
+    @pytest.mark.parametrize("spec", SPECS, ids=spec_id)   # each spec on each backend
+    def test_matches_the_reference(spec, backend, cache): ...
+
+    pytestmark = pytest.mark.compiles(*SPECS.values(), passes=ENTRIES)   # a whole module
+
 The serving passes (runtime/decode.py) that ``open_kernel`` compiles on a KV-cache kernel's first
 call with short entries (and no inline RoPE) are declared with ``compiles(..., passes=ENTRIES)``:
 those that calls of ``ENTRIES`` ((qo_len, kv_len) per entry) take, for each KV-cache spec the
@@ -21,7 +29,7 @@ nothing. A spec no test declares still works: it compiles when the test opens it
 another; the summary line at the end names how many did (``compiled during the tests``).
 ``--no-prebuild`` turns the pre-build off. Under pytest-xdist (``-n 2``) the workers share one
 cache: each builds its share of the declared specs first, then takes what is left (the cache's
-lock compiles each artifact once), and each runs IREE's local-task driver on one thread group.
+lock compiles each artifact once), and each runs IREE's local-task driver on its share of the cores.
 
 The session's cache is also the environment's (``LINALG_PREFILL_CACHE_DIR``), so a test that opens
 a kernel without ``cache=`` uses the same artifacts.
