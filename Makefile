@@ -17,11 +17,14 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(VENV)/bin/linalg-prefill demo
 
+# One pytest-xdist worker per core; tests/conftest.py compiles every declared spec before the tests run.
+# `make test JOBS=0` runs in this process alone.
+JOBS ?= auto
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(JOBS) --dist loadgroup
 
 test-all: $(STAMP)
-	$(PY) -m pytest -q --run-expensive
+	$(PY) -m pytest -q -n $(JOBS) --dist loadgroup --run-expensive
 
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[bench]'

@@ -25,7 +25,7 @@ from linalg_prefill.runtime import open_kernel  # noqa: E402
 from linalg_prefill.runtime.compare import error_bound, reference_for  # noqa: E402
 from linalg_prefill.runtime.examples import example_inputs  # noqa: E402
 from serving_batches import cpu_model  # noqa: E402
-from test_fuzz import DENSE_SPECS, KV_SPECS, THOROUGH_DENSE_SPECS, THOROUGH_KV_SPECS  # noqa: E402
+from support import DENSE_SPECS, KV_SPECS, THOROUGH_DENSE_SPECS, THOROUGH_KV_SPECS  # noqa: E402
 
 QUERY_LENS, KV_LENS = (0, 1, 2, 5, 9, 16, 17, 24), (0, 1, 3, 8, 16, 33, 40)
 

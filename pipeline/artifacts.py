@@ -12,6 +12,10 @@ A build holds an exclusive lock on ``<out>/.build.lock``, so two processes build
 folder both succeed (the second one finds everything in the cache); every file is written
 through a temporary file and a rename. ``load_manifest`` and ``verify_artifact`` check a folder
 before use and raise :class:`ArtifactError` with the fix (rebuild with ``linalg-prefill build``).
+
+``fill_cache`` is the same parallel build for any list of (spec, target) pairs, into the cache
+only (no folder, no manifest): the test suite compiles every spec its collected tests need with
+it before they run (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -79,7 +83,8 @@ def build_artifacts(specs, backends, out_dir, *, jobs: int | None = None, cache:
     stream = sys.stderr if progress is True else progress or None
     start = time.perf_counter()
     with file_lock(out_dir / ".build.lock"):
-        results = _run_pool(tasks, out_dir, store, jobs or os.cpu_count() or 1, stream)
+        paths = [out_dir / _relative_file(spec, target) for spec, target in tasks]
+        results = _run_pool(tasks, paths, store, jobs or os.cpu_count() or 1, stream)
         entries = [_entry(spec, target, *results[i][1:3]) for i, (spec, target) in enumerate(tasks)]
         manifest = {
             "format": MANIFEST_FORMAT,
@@ -93,14 +98,41 @@ def build_artifacts(specs, backends, out_dir, *, jobs: int | None = None, cache:
     return BuildReport(out_dir, entries, compiled, len(tasks) - compiled, time.perf_counter() - start)
 
 
-def _run_pool(tasks, out_dir: Path, cache: ArtifactCache, jobs: int, progress: TextIO | None) -> list:
-    """``_build_one``'s result per task, in task order; worker processes are spawned, not forked."""
+@dataclass(frozen=True)
+class CacheFill:
+    """What ``fill_cache`` did: how many artifacts were compiled vs already in the cache."""
+
+    compiled: int
+    reused: int
+    seconds: float
+
+
+def fill_cache(tasks, *, jobs: int | None = None, cache: ArtifactCache | None = None,
+               progress: TextIO | bool = True) -> CacheFill:
+    """Compiles every (spec, target) pair of ``tasks`` (a target: a name or a :class:`Target`)
+    into ``cache`` (default: the environment's) in ``jobs`` worker processes (default
+    ``os.cpu_count()``), writing nothing else; ``progress`` as in ``build_artifacts``. Raises
+    :class:`CompileError` listing every failed pair after the others finish. Same ``__main__``
+    guard as ``build_artifacts``."""
+    tasks = list(dict.fromkeys((spec, target_for(target)) for spec, target in tasks))
+    start = time.perf_counter()
+    if not tasks:
+        return CacheFill(0, 0, 0.0)
+    store = default_cache() if cache is None else cache
+    stream = sys.stderr if progress is True else progress or None
+    results = _run_pool(tasks, [None] * len(tasks), store, jobs or os.cpu_count() or 1, stream)
+    compiled = sum(result[0] for result in results)
+    return CacheFill(compiled, len(tasks) - compiled, time.perf_counter() - start)
+
+
+def _run_pool(tasks, paths: list, cache: ArtifactCache, jobs: int, progress: TextIO | None) -> list:
+    """``_build_one``'s result per task (written to ``paths[i]`` unless None), in task order;
+    worker processes are spawned, not forked."""
     results: list = [None] * len(tasks)
     failures = []
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), mp_context=context) as pool:
-        futures = {pool.submit(_build_one, spec, target, out_dir / _relative_file(spec, target), cache): i
-                   for i, (spec, target) in enumerate(tasks)}
+        futures = {pool.submit(_build_one, spec, target, paths[i], cache): i for i, (spec, target) in enumerate(tasks)}
         for done, future in enumerate(as_completed(futures), 1):
             i = futures[future]
             spec, target = tasks[i]
@@ -117,14 +149,15 @@ def _run_pool(tasks, out_dir: Path, cache: ArtifactCache, jobs: int, progress: T
     return results
 
 
-def _build_one(spec, target: Target, path: Path, cache: ArtifactCache) -> tuple[bool, str, int, float]:
-    """Worker: the vmfb from the cache (compiling it if missing) written to ``path``.
+def _build_one(spec, target: Target, path: Path | None, cache: ArtifactCache) -> tuple[bool, str, int, float]:
+    """Worker: the vmfb from the cache (compiling it if missing) written to ``path`` (unless None).
 
     Returns (compiled, sha256, size, seconds); ``compiled`` is True only when this call ran IREE.
     """
     start = time.perf_counter()
     data, compiled = cached_build(spec, target, cache)
-    atomic_write(path, data)
+    if path is not None:
+        atomic_write(path, data)
     return compiled, hashlib.sha256(data).hexdigest(), len(data), time.perf_counter() - start
 
 

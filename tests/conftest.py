@@ -1,25 +1,69 @@
-"""Shared fixtures: an isolated artifact cache per session, backend parameters, GPU detection."""
+"""Shared fixtures: an isolated artifact cache per session, built in parallel before the tests
+run; backend parameters; GPU detection.
+
+**Pre-build.** After collection, every (spec, target) the collected tests declare is compiled
+into the session's cache at once (``pipeline.artifacts.fill_cache``, one process per core), so a
+test finds its kernels already built. A test declares what it compiles in either of two ways:
+
+* a parameter whose values are specs (``@pytest.mark.parametrize("spec", SPECS)``) of a test
+  that uses the ``cache`` fixture: each value, for the test's ``backend`` parameter if it has
+  one, else llvm-cpu (a test that reads the IR only and takes no ``cache`` declares nothing);
+* ``@pytest.mark.compiles(*specs, backends=(...))`` on the test (or ``pytestmark = ...`` for a
+  whole module): those specs, for those backends (default as above); without specs, the mark
+  names the backends of the test's spec parameters.
+
+For example (tests/test_kv_cache_prefill.py, tests/test_head_sinks.py)::
+
+    @pytest.mark.parametrize("backend", BACKENDS)
+    @pytest.mark.parametrize("spec", SPECS, ids=spec_id)   # each spec on each backend
+    def test_matches_the_reference(spec, backend, cache): ...
+
+    pytestmark = pytest.mark.compiles(*SPECS.values(), passes=ENTRIES)   # a whole module
+
+The serving passes (runtime/decode.py) that ``open_kernel`` compiles on a KV-cache kernel's first
+call with short entries (and no inline RoPE) are declared with ``compiles(..., passes=ENTRIES)``:
+those that calls of ``ENTRIES`` ((qo_len, kv_len) per entry) take, for each KV-cache spec the
+test declares; ``passes=True``: all of them; none by default.
+Tests that are skipped (a true ``skipif``, e.g. CUDA without a device) or deselected declare
+nothing. A spec no test declares still works: it compiles when the test opens it, one after
+another; the summary line at the end names how many did (``compiled during the tests``).
+``--no-prebuild`` turns the pre-build off. Under pytest-xdist (``-n 2``) the workers share one
+cache: each builds its share of the declared specs first, then takes what is left (the cache's
+lock compiles each artifact once), and each runs IREE's local-task driver on its share of the cores.
+
+The session's cache is also the environment's (``LINALG_PREFILL_CACHE_DIR``), so a test that opens
+a kernel without ``cache=`` uses the same artifacts.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import itertools
 import os
 import pickle
+import time
+import warnings
 
-import ml_dtypes
 import numpy as np
 import pytest
 
-from linalg_prefill.pipeline import ArtifactCache, Target
+from linalg_prefill.mlir.decode import DecodeSpec
+from linalg_prefill.pipeline import ArtifactCache, CompileError, Target, compiler, target_for
+from linalg_prefill.pipeline.artifacts import CacheFill, fill_cache
+from linalg_prefill.pipeline.compiler import cached_build
 from linalg_prefill.pipeline.targets import BACKENDS as TARGET_BACKENDS, LOWERINGS
 from linalg_prefill.runtime import examples
+from linalg_prefill.runtime.decode import DECODE_PASSES
 from linalg_prefill.runtime.devices import backend_available
 from linalg_prefill.runtime.examples import uniform as _uniform
-from linalg_prefill.runtime.compare import error_bound, reference_for
-from linalg_prefill.runtime.reference import EMPTY_ROW_LSE
+from linalg_prefill.runtime.variants import VARIANTS
 
-NUMPY_DTYPE = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+import support
+from support import NUMPY_DTYPE, TensorLike, assert_matches_reference  # noqa: F401 (imported from here too)
+
+__all__ = ["BACKENDS", "BACKENDS_WITHOUT_FUSED_CPU", "NUMPY_DTYPE", "TensorLike", "assert_matches_reference",
+           "uniform"]
 
 #: Every numerics test runs on each backend of pipeline/targets.py: BACKENDS: llvm-cpu (its linalg
 #: lowering), then, for a backend on the host CPU, its other lowerings (the fused lowering CUDA
@@ -47,8 +91,43 @@ for _name, _record in TARGET_BACKENDS.items():
         BACKENDS_WITHOUT_FUSED_CPU.append(_param)
 
 
+#: What the pre-build found and did: the (spec, target) pairs, the fill's result, the artifacts
+#: compiled in this process outside it (``late``), and (xdist's controller) the workers' reports.
+_PREBUILD: dict = {"tasks": [], "result": None, "running": False, "late": [], "workers": [], "compile_ir": None}
+
+
 def pytest_addoption(parser):
     parser.addoption("--run-expensive", action="store_true", help="run the large grids")
+    parser.addoption("--no-prebuild", action="store_true", help="compile each spec when a test opens it")
+
+
+def xdist_worker(config) -> tuple[int, int] | None:
+    """(this worker's index, the number of workers) in a pytest-xdist worker, else None (also in a
+    pytest that a worker's test starts, which inherits the worker's environment)."""
+    worker = getattr(config, "workerinput", None)
+    return None if worker is None else (int(worker["workerid"].removeprefix("gw")), int(worker["workercount"]))
+
+
+def pytest_configure(config):
+    worker = xdist_worker(config)
+    if worker:
+        import iree.runtime
+
+        # n test processes share the cores: IREE's local-task driver takes its share of them each
+        groups = max(1, (os.cpu_count() or 1) // worker[1])
+        iree.runtime.flags.parse_flags(f"--task_topology_max_group_count={groups}")
+    real_compile_ir = _PREBUILD["compile_ir"] = compiler.compile_ir
+
+    def counted_compile_ir(ir_text, target, name="module"):
+        if not _PREBUILD["running"]:
+            _PREBUILD["late"].append(f"{target.tag}/{name}")
+        return real_compile_ir(ir_text, target, name)
+
+    compiler.compile_ir = counted_compile_ir  # counts the compiles outside the pre-build
+
+
+def pytest_unconfigure(config):
+    compiler.compile_ir = _PREBUILD["compile_ir"]
 
 
 def pytest_collection_modifyitems(config, items):
@@ -59,6 +138,91 @@ def pytest_collection_modifyitems(config, items):
     if expensive:
         config.hook.pytest_deselected(items=expensive)
         items[:] = [item for item in items if "expensive" not in item.keywords]
+
+
+def _is_spec(value) -> bool:
+    return type(value) in VARIANTS or isinstance(value, DecodeSpec)
+
+
+def _skipped(item) -> bool:
+    return any(mark.name == "skip" or (mark.name == "skipif" and mark.args and mark.args[0] is True)
+               for mark in item.iter_markers())
+
+
+def compiled_by(item) -> list[tuple]:
+    """The (spec, target) pairs ``item`` declares (module docstring), with the serving passes of
+    its KV-cache specs."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    marks = list(item.iter_markers("compiles"))
+    function = getattr(item, "function", None)
+    takes_cache = function is not None and "cache" in inspect.signature(function).parameters
+    if _skipped(item) or not marks and not takes_cache:  # a test of the IR alone
+        return []
+    default = [params["backend"]] if "backend" in params else ["llvm-cpu"]
+    groups = [([value for value in params.values() if _is_spec(value)], default)]
+    passes = next((mark.kwargs["passes"] for mark in marks if "passes" in mark.kwargs), False)  # the closest
+    for mark in marks:
+        if mark.args:
+            groups.append((mark.args, mark.kwargs.get("backends") or default))
+        elif mark.kwargs.get("backends"):  # the backends of the spec parameters
+            groups[0] = (groups[0][0], mark.kwargs["backends"])
+    pairs = []
+    for specs, backends in groups:
+        for target in map(target_for, backends):
+            for spec in specs:
+                pairs.append((spec, target))
+                if passes is not False and not isinstance(spec, DecodeSpec) and spec.kv_layout != "dense":
+                    pairs += [(DecodeSpec(spec, queries), target) for queries in _passes(spec, target, passes)]
+    return pairs
+
+
+def _passes(spec, target: Target, entries) -> list[int]:
+    """The query counts of the serving passes of ``spec`` on ``target`` that calls of ``entries``
+    ((qo_len, kv_len) per entry, rotary_mode 0) take (runtime/decode.py's pass_queries), or all
+    of them for True."""
+    usable = DECODE_PASSES[target.lowering].usable(spec)
+    if entries is True or not usable:
+        return list(usable)
+    queries = DECODE_PASSES[target.lowering].queries
+    taken = {next((count for count in sorted(queries) if qo_len <= count), None) for qo_len, kv_len in entries
+             if qo_len >= 1 and kv_len >= 1}
+    return sorted({count if count in usable else min(usable) for count in taken if count is not None})
+
+
+def pytest_collection_finish(session):
+    if not session.config.getoption("--no-prebuild") and not session.config.getoption("--collect-only"):
+        _PREBUILD["tasks"] = list(dict.fromkeys(pair for item in session.items for pair in compiled_by(item)))
+
+
+def pytest_sessionfinish(session):
+    if xdist_worker(session.config):  # to the controller (pytest_testnodedown)
+        result = _PREBUILD["result"]
+        session.config.workeroutput["prebuild"] = dict(
+            compiled=result.compiled if result else None, seconds=result.seconds if result else 0.0,
+            late=_PREBUILD["late"])
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """xdist's controller: the workers' pre-build figures, summed for the summary line."""
+    report = getattr(node, "workeroutput", {}).get("prebuild")
+    if report:
+        _PREBUILD["workers"].append(report)
+
+
+def pytest_terminal_summary(terminalreporter):
+    result, late, workers = _PREBUILD["result"], list(_PREBUILD["late"]), _PREBUILD["workers"]
+    if result is not None:
+        terminalreporter.write_line(f"pre-built {result.compiled + result.reused} artifacts ({result.compiled} "
+                                    f"compiled) in {result.seconds:.0f} s")
+    late += [name for report in workers for name in report["late"]]
+    workers = [report for report in workers if report["compiled"] is not None]
+    if workers:
+        terminalreporter.write_line(f"pre-built: {sum(r['compiled'] for r in workers)} artifacts compiled by "
+                                    f"{len(workers)} workers in {max(r['seconds'] for r in workers):.0f} s")
+    if late:
+        terminalreporter.write_line(f"compiled during the tests: {len(late)} artifacts no test declares "
+                                    f"(tests/conftest.py), e.g. {', '.join(late[:3])}")
 
 
 RECORD_DIR = os.environ.get("LINALG_PREFILL_RECORD_CASES")
@@ -88,12 +252,11 @@ def record_backend_cases(request, monkeypatch):
     runtime/error_model.py)."""
     directory = RECORD_DIR
     callspec = getattr(request.node, "callspec", None)
-    if not directory or callspec is None or callspec.params.get("backend") != "llvm-cpu" \
-            or not hasattr(request.module, "open_kernel"):
+    if not directory or callspec is None or callspec.params.get("backend") != "llvm-cpu":
         return
     os.makedirs(directory, exist_ok=True)
     monkeypatch.setattr(examples, "uniform", uniform)  # the draws of runtime/examples.py are recorded too
-    real_open_kernel = request.module.open_kernel
+    real_open_kernel = support.open_kernel
 
     def recording_open_kernel(spec, *args, **kwargs):
         kernel = real_open_kernel(spec, *args, **kwargs)
@@ -106,13 +269,53 @@ def record_backend_cases(request, monkeypatch):
 
         return call
 
-    monkeypatch.setattr(request.module, "open_kernel", recording_open_kernel)
+    for module in (request.module, support):  # the test's own calls and run_against_reference's
+        if hasattr(module, "open_kernel"):
+            monkeypatch.setattr(module, "open_kernel", recording_open_kernel)
+    monkeypatch.setattr(support, "_KERNELS", {})  # kernels opened in this test record under its name
 
 
 @pytest.fixture(scope="session")
-def cache(tmp_path_factory) -> ArtifactCache:
-    """One cache for the session: each spec compiles once however many tests use it."""
-    return ArtifactCache(tmp_path_factory.mktemp("artifacts"))
+def cache(request, tmp_path_factory) -> ArtifactCache:
+    """One cache for the session (shared by xdist's workers): each spec compiles once however many
+    tests use it."""
+    root = tmp_path_factory.getbasetemp()
+    return ArtifactCache((root.parent if xdist_worker(request.config) else root) / "artifacts")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def prebuilt(request, cache):
+    """The session's cache as the environment's, filled with every declared spec (module docstring)."""
+    os.environ["LINALG_PREFILL_CACHE_DIR"] = str(cache.root)
+    tasks = _PREBUILD["tasks"]
+    if not tasks:
+        return
+    _PREBUILD["running"] = True
+    try:
+        worker = xdist_worker(request.config)
+        if worker:
+            _PREBUILD["result"] = _fill_share(tasks, cache, *worker)
+        else:
+            _PREBUILD["result"] = fill_cache(tasks, cache=cache, progress=False)
+    except CompileError as err:  # the tests that need these compile them again and fail there
+        warnings.warn(f"pre-build: {err}")
+    finally:
+        _PREBUILD["running"] = False
+
+
+def _fill_share(tasks, cache: ArtifactCache, worker: int, workers: int):
+    """One xdist worker's part of the pre-build, in this process: its share (every ``workers``-th
+    task), then the others' from the end (compiled here if nobody has started them yet)."""
+    start = time.perf_counter()
+    own = tasks[worker::workers]
+    rest = [task for i, task in enumerate(tasks) if i % workers != worker][::-1]
+    compiled = 0
+    for spec, target in own + rest:
+        try:
+            compiled += cached_build(spec, target, cache)[1]
+        except CompileError as err:
+            warnings.warn(f"pre-build of {spec.name} for {target.tag}: {err}")
+    return CacheFill(compiled, len(tasks) - compiled, time.perf_counter() - start)
 
 
 def uniform(rng: np.random.Generator, shape, dtype: str) -> np.ndarray:
@@ -123,42 +326,3 @@ def uniform(rng: np.random.Generator, shape, dtype: str) -> np.ndarray:
     if RECORD_DIR and isinstance(rng.bit_generator, np.random.PCG64):
         _UNIFORM_DRAWS[id(drawn)] = (drawn, dict(state=state, shape=list(np.shape(drawn)), dtype=dtype))
     return drawn
-
-
-def assert_matches_reference(name: str, got, spec, args, want=None) -> None:
-    """(output, lse) of the call ``args`` of ``spec`` against its float64 reference (``want``, or
-    computed): rows with a visible key within the call's error bound (runtime/error_model.py),
-    the rows without one (reference lse -5e4, semantics §11.3) exactly output 0 and lse -5e4."""
-    want = reference_for(spec, args) if want is None else want
-    bound = error_bound(spec, args, want)
-    (out, lse), (want_out, want_lse) = (np.asarray(x, np.float64) for x in got), want
-    assert out.shape == np.shape(want_out) and lse.shape == np.shape(want_lse), f"{name}: shapes differ"
-    if not bound.holds((out, lse), want):
-        out_ratio, lse_ratio = bound.ratio((out, lse), want)
-        raise AssertionError(f"{name}: output error {out_ratio:.3g}, lse error {lse_ratio:.3g} x its bound "
-                             f"({spec.dtype})")
-    empty = ~bound.valid
-    assert np.all(out[empty] == 0.0), f"{name}: empty rows must be 0"
-    assert np.all(lse[empty] == EMPTY_ROW_LSE), f"{name}: empty rows must have lse -5e4"
-
-
-def max_error(got, want) -> float:
-    return float(np.max(np.abs(np.asarray(got, np.float64) - np.asarray(want, np.float64)), initial=0.0))
-
-
-class TensorLike:
-    """The part of a torch CPU tensor that ``runtime.checks.as_array`` reads (detach, cpu, numpy,
-    dtype): lets the torch adapter be tested without torch, which the test extra does not install."""
-
-    def __init__(self, array):
-        self._array = array
-        self.dtype = f"torch.{array.dtype}"
-
-    def detach(self):
-        return self
-
-    def cpu(self):
-        return self
-
-    def numpy(self):
-        return self._array

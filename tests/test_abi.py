@@ -128,6 +128,7 @@ def test_call_arguments_bind_positions_and_names():
         call_arguments(spec, values + (0,), {})
 
 
+@pytest.mark.compiles(SPECS[2])
 def test_a_kernel_called_by_name_runs_the_positional_call(cache):
     spec = SPECS[2]
     kernel = open_kernel(spec, cache=cache)

@@ -18,7 +18,7 @@ from linalg_prefill.mlir import (
 )
 from linalg_prefill.pipeline import COMPILER_VERSION, ArtifactCache, CompileError, Target
 from linalg_prefill.pipeline.artifacts import (
-    ArtifactError, build_artifacts, load_manifest, verify_artifact,
+    ArtifactError, build_artifacts, fill_cache, load_manifest, verify_artifact,
 )
 from linalg_prefill.bench import attention_flops
 from linalg_prefill.cli import main
@@ -113,6 +113,10 @@ def test_bad_config_names_the_key(tmp_path, name, change, key):
         load_model_config(path)
 
 
+#: The module's builds share a cache of its own: one xdist worker runs them all.
+pytestmark = pytest.mark.xdist_group("build_cli")
+
+
 @pytest.fixture(scope="module")
 def build_cache(tmp_path_factory) -> ArtifactCache:
     """A cache of this module's own, so the first build really compiles."""
@@ -155,6 +159,18 @@ def test_second_build_compiles_nothing(tiny_build):
     assert "0 compiled" in second.summary()
     assert progress.count("cached") == len(specs) and "compiled" not in progress
     assert second.entries == first.entries
+
+
+def test_fill_cache_builds_pairs_into_the_cache_only(tiny_build, build_cache, tmp_path, monkeypatch):
+    """The test suite's pre-build (tests/conftest.py): (spec, target) pairs, each once, from the
+    cache the build filled, and no file written anywhere else."""
+    specs = tiny_build[0][:2]
+    monkeypatch.chdir(tmp_path)
+    done = fill_cache([(specs[0], "llvm-cpu"), (specs[1], Target("llvm-cpu")), (specs[0], "llvm-cpu")], jobs=2,
+                      cache=build_cache, progress=False)
+    assert (done.compiled, done.reused) == (0, 2)
+    assert not list(tmp_path.iterdir())
+    assert fill_cache([], cache=build_cache).compiled == 0
 
 
 def test_concurrent_builds_into_one_folder(tiny_build, build_cache, tmp_path):

@@ -14,9 +14,8 @@ from linalg_prefill.pipeline.targets import structure_problems
 from linalg_prefill.pipeline.vm_structure import (
     disassembly, host_blocking_calls_in_loops, loop_bodies, tensor_core_instructions,
 )
+from support import LLAMA3
 
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 8192}
 HALF = ("float16", "bfloat16")
 #: Every variant in both tensor-core dtypes, plus the head dims the tilings differ on.
 DENSE_SPECS = [
@@ -63,6 +62,8 @@ F32_SPECS = [
     PagedPrefillSpec(8, 1, 64, "float32", page_size=1, rope_scaling={"rope_type": "gptj"}),
 ]
 ALL_SPECS = DENSE_SPECS + KV_CACHE_SPECS + MLA_SPECS + DECODE_SPECS + F32_SPECS
+#: The spec parameters compile for sm_80, before the tests run (tests/conftest.py).
+pytestmark = pytest.mark.compiles(backends=[Target("cuda", "sm_80")])
 
 
 def _artifact(spec, cache, tmp_path, lowering=""):

@@ -84,6 +84,11 @@ CASES = {
 }
 
 
+#: The cases' kernels and the passes MIXED takes, on each test's backend: built before the tests
+#: run (tests/conftest.py).
+pytestmark = pytest.mark.compiles(*(spec for spec, _ in CASES.values()), passes=MIXED)
+
+
 #: Calls of the passes on MIXED, per lowering (the variant's own kernel takes the rest in one call).
 #: linalg: the 1-query and the 4-query pass. fused: one call per (query count, KV bucket): 1 query
 #: vs 37 / 300 / 1 / 700 / 256 keys is 1 / 5 / 1 / 11 / 4 tiles in buckets 1, 6, 12 and 4 (4 calls);

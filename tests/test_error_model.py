@@ -95,6 +95,7 @@ def _outside(bound, want, got) -> bool:
     return not bound.holds((out, lse), want) or not empty_exact
 
 
+@pytest.mark.compiles(*(PagedPrefillSpec(4, 2, 32, dtype, page_size=4, q_tile=8, kv_tile=16) for dtype in DTYPES))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("mutation", list(MUTATIONS))
 def test_a_mutated_kernel_breaks_the_bound_wherever_it_differs(mutation, dtype, cache, monkeypatch):

@@ -11,7 +11,8 @@ from linalg_prefill.mlir import (
     MaskedSequencePrefillSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec,
 )
 from linalg_prefill.pipeline import Target
-from linalg_prefill.pipeline.tuning import tuned_ir
+from linalg_prefill.pipeline.tuning import tuned_ir, tuned_module
+from support import structure
 
 SPECS = [
     SequencePrefillSpec(32, 8, 128, "float16", causal=True, sm_scale=128 ** -0.5),
@@ -41,23 +42,26 @@ def test_each_target_has_its_lowering():
 def test_operands_stay_in_their_dtype_and_the_kv_loop_is_inside_the_op(spec):
     """One online_attention per band size (short and long), on the input dtype, with no host
     scf.for over KV tiles: the loops left on the host walk entries and query bands only."""
-    text = tuned_ir(spec, Target("cuda"))
-    ops = _attention_ops(text)
+    module = tuned_module(spec, Target("cuda"))
+    ops = _attention_ops(str(module))
     assert len(ops) == 2
     elem = {"float16": "f16", "bfloat16": "bf16"}[spec.dtype]
     for op in ops:
         operand_types = re.search(r"ins\(.*?: (.*?)\) outs", op).group(1)
         assert operand_types.count(f"x{elem}>") == 3 and "xf32>" not in operand_types.split(", f32,")[0]
-    dense = spec.kv_layout == "dense"
-    # Dense: per band size, an entry loop around a band loop; KV cache: one entry loop around
-    # the band loop of each band size.
-    assert text.count("scf.for") == (4 if dense else 3)
+    # each op inside an entry loop and a band loop (dense: per band size; KV cache: the band loops
+    # of both sizes inside one entry loop), with no loop of its own or around it over KV tiles
+    tree = structure(module)
+    paths = tree.paths("iree_linalg_ext.online_attention")
+    assert len(paths) == 2 and all(path.count("scf.for") == 2 for path in paths), tree.outline()
+    assert not any(op.inner for op in tree.find("iree_linalg_ext.online_attention")), tree.outline()
+    assert len(tree.find("scf.for")) == (4 if spec.kv_layout == "dense" else 3), tree.outline()
 
 
 @pytest.mark.parametrize("spec", SPECS[:4], ids=lambda s: s.name)
 def test_half_precision_gets_the_tensor_core_configuration(spec):
     text = tuned_ir(spec, Target("cuda"))
-    assert text.count(MMA[spec.dtype]) == 4  # Q.K^T and P.V of both ops
+    assert text.count(MMA[spec.dtype]) == 2 * len(_attention_ops(text))  # Q.K^T and P.V of each op
     assert text.count("compilation_info = #") == 2 or text.count("#iree_codegen.compilation_info") >= 1
     assert "linalg_prefill.attention" not in text  # the marker is consumed
 

@@ -17,17 +17,15 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import assert_matches_reference
-from linalg_prefill.mlir import (
-    MaskedSequencePrefillSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec,
-)
 from linalg_prefill.mlir.abi import argument_names, ordered
-from linalg_prefill.runtime import open_kernel
 from linalg_prefill.runtime.examples import PageTable, draw_tensors, indptr, page_table
 from linalg_prefill.runtime.kv_checks import natural_positions, paged_kv_lengths
+from support import DENSE_SPECS, KV_SPECS, THOROUGH_DENSE_SPECS, THOROUGH_KV_SPECS, kernel_for
 
 FUZZ_EXAMPLES = int(os.environ.get("LINALG_PREFILL_FUZZ", "0"))
 THOROUGH = FUZZ_EXAMPLES > 0
@@ -40,55 +38,9 @@ def fuzz_settings(ci_examples: int):
                                                          HealthCheck.function_scoped_fixture])
 
 
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 64}
-YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 32,
-        "beta_slow": 1}
-LLAMA4 = {**LLAMA3, "rope_type": "llama4"}
-LONGROPE = {"rope_type": "longrope", "max_position_embeddings": 1024, "original_max_position_embeddings": 64}
-
-KV_SPECS = [
-    RaggedPrefillSpec(4, 2, 32, 16, "float32"),
-    RaggedPrefillSpec(4, 1, 32, 32, "bfloat16", rope_scaling=LLAMA3),
-    RaggedPrefillSpec(2, 2, 16, 16, "float16", q_tile=8, kv_tile=16),
-    PagedPrefillSpec(4, 2, 32, "float32", page_size=4),
-    PagedPrefillSpec(4, 2, 32, "bfloat16", page_size=8, sliding_window=True, rope_scaling=YARN),
-    PagedPrefillSpec(8, 2, 16, "float16", page_size=1, q_tile=8, kv_tile=16),
-    MlaPagedPrefillSpec(4, 32, 16, "float32", page_size=4),
-    MlaPagedPrefillSpec(2, 16, 8, "bfloat16", page_size=8, sliding_window=True),
-]
-#: Every other rope type, soft-capping and partial rotary: fuzzed when LINALG_PREFILL_FUZZ is set
-#: (CI covers them in tests/test_soft_cap.py, test_partial_rotary.py, test_kv_cache_prefill.py).
-THOROUGH_KV_SPECS = [
-    RaggedPrefillSpec(4, 2, 32, 32, "float16", rope_scaling={"rope_type": "gptj"}, logits_soft_cap=20.0),
-    RaggedPrefillSpec(2, 1, 64, 32, "float32", rope_scaling=LONGROPE, rotary_dim=32),
-    PagedPrefillSpec(4, 1, 32, "bfloat16", page_size=4, rope_scaling=LLAMA4, rotary_dim=16),
-    PagedPrefillSpec(4, 2, 32, "float16", page_size=16, sliding_window=True, rope_scaling=LLAMA3,
-                     logits_soft_cap=30.0),
-    MlaPagedPrefillSpec(4, 32, 16, "float16", page_size=4, logits_soft_cap=30.0),
-]
-DENSE_SPECS = [
-    SequencePrefillSpec(4, 2, 32, "float32", causal=True, sm_scale=32 ** -0.5),
-    SequencePrefillSpec(4, 4, 16, "bfloat16", causal=False, sm_scale=0.3, q_tile=8, kv_tile=16),
-    MaskedSequencePrefillSpec(4, 2, 32, "float16", "padded", sm_scale=32 ** -0.5),
-    MaskedSequencePrefillSpec(2, 1, 32, "float32", "causal_padded_left", sm_scale=0.2, q_tile=8, kv_tile=16),
-]
-THOROUGH_DENSE_SPECS = [
-    SequencePrefillSpec(4, 2, 32, "float16", causal=True, sm_scale=0.5, logits_soft_cap=10.0),
-    MaskedSequencePrefillSpec(4, 4, 32, "bfloat16", "causal_padded_left", sm_scale=32 ** -0.5, logits_soft_cap=30.0),
-]
-
 FUZZED_KV_SPECS = KV_SPECS + (THOROUGH_KV_SPECS if THOROUGH else [])
 FUZZED_DENSE_SPECS = DENSE_SPECS + (THOROUGH_DENSE_SPECS if THOROUGH else [])
-
-_KERNELS: dict = {}
-
-
-def kernel_for(spec, cache):
-    if spec not in _KERNELS:
-        _KERNELS[spec] = open_kernel(spec, cache=cache)
-    return _KERNELS[spec]
-
+pytestmark = pytest.mark.compiles(*FUZZED_KV_SPECS, *FUZZED_DENSE_SPECS, passes=True)  # serving-shaped draws
 
 # ----------------------------------------------------------------------------- drawing calls
 
@@ -171,7 +123,7 @@ def dense_call(draw, spec):
 def test_kv_cache_variants_match_the_reference(cache, data):
     spec = data.draw(st.sampled_from(FUZZED_KV_SPECS), label="spec")
     args, _, _ = data.draw(kv_call(spec), label="call")
-    got = kernel_for(spec, cache)(*args)
+    got = kernel_for(spec, cache=cache)(*args)
     assert_matches_reference(spec.name, got, spec, args)
 
 
@@ -181,7 +133,7 @@ def test_serving_shaped_batches_match_the_reference(cache, data):
     """Many entries with one query each (runtime/decode.py runs them in one pass) among others."""
     spec = data.draw(st.sampled_from(FUZZED_KV_SPECS), label="spec")
     args, _, _ = data.draw(kv_call(spec, serving=True), label="call")
-    got = kernel_for(spec, cache)(*args)
+    got = kernel_for(spec, cache=cache)(*args)
     assert_matches_reference(spec.name, got, spec, args)
 
 
@@ -190,7 +142,7 @@ def test_serving_shaped_batches_match_the_reference(cache, data):
 def test_dense_variants_match_the_reference(cache, data):
     spec = data.draw(st.sampled_from(FUZZED_DENSE_SPECS), label="spec")
     args = data.draw(dense_call(spec), label="call")
-    got = kernel_for(spec, cache)(*args)
+    got = kernel_for(spec, cache=cache)(*args)
     assert_matches_reference(spec.name, got, spec, args)
 
 
@@ -201,7 +153,7 @@ def test_entry_results_do_not_depend_on_batch_order(cache, data):
     spec = KV_SPECS[0]
     args, q_indptr, kv_lens = data.draw(kv_call(spec), label="call")
     q, _, k, v, kv_indptr, q_pos, k_off, *scalars = args
-    kernel = kernel_for(spec, cache)
+    kernel = kernel_for(spec, cache=cache)
     out, lse = kernel(*args)
     order = np.arange(len(kv_lens))[::-1]
     q_rows = [np.arange(q_indptr[b], q_indptr[b + 1]) for b in order]
@@ -222,7 +174,7 @@ def test_nan_in_one_sequence_never_reaches_another(cache, data):
     q, _, pages, page_indptr, page_values, *rest = args
     batch = len(q_indptr) - 1
     victim = data.draw(st.integers(0, batch - 1), label="victim")
-    kernel = kernel_for(spec, cache)
+    kernel = kernel_for(spec, cache=cache)
     clean = kernel(*args)
     poisoned = pages.copy()
     poisoned[page_values[page_indptr[victim]:page_indptr[victim + 1]]] = np.nan

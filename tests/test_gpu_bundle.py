@@ -19,9 +19,11 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-# Two recorded tests: dense (B=3, 300 x 300 included) and ragged with RoPE on and off.
-RECORDED_TESTS = ["tests/test_sequence_prefill.py::test_sequence_prefill_float32[heads0-64-True-llvm-cpu]",
-                  "tests/test_kv_cache_prefill.py::test_ragged_half[bfloat16-llvm-cpu]"]
+# Two recorded tests: dense (B=2, 300 x 300 included) and ragged with RoPE on and off.
+RECORDED_TESTS = [
+    "tests/test_sequence_prefill.py::test_sequence_prefill_float32[hq4_hkv4_d64_float32_causal1_sm0p125_qt256_kt256-llvm-cpu]",
+    "tests/test_kv_cache_prefill.py::test_ragged_half[hq8_hkv2_dqk64_dv64_bfloat16_rope-llama3-b14df0cb_qt64_kt128-llvm-cpu]",
+]
 
 
 def _run(command, **kwargs) -> subprocess.CompletedProcess:

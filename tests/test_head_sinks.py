@@ -38,6 +38,8 @@ SPECS = {
 #: its scratch bound rules that out), an entry without KV, and a short entry that sees a long
 #: cache.
 ENTRIES = ((20, 12), (4, 2), (2, 0), (3, 40))
+#: Built before the tests run, with the serving passes ENTRIES take (tests/conftest.py).
+pytestmark = pytest.mark.compiles(*SPECS.values(), passes=ENTRIES)
 
 
 def _call(spec, seed=0):

@@ -4,6 +4,7 @@ get them, run the fused lowering's KV-cache kernels correctly; on llvm-cpu, thro
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from conftest import assert_matches_reference
 from linalg_prefill.mlir import PagedPrefillSpec, RaggedPrefillSpec
@@ -15,8 +16,15 @@ from linalg_prefill.runtime.module import as_device_arrays, host_readable
 ENTRIES = [(5, 3), (0, 7), (70, 150), (9, 0), (1, 1)]
 
 
+FUSED = Target("llvm-cpu", lowering="fused")
+RAGGED = RaggedPrefillSpec(8, 2, 64, 64, "float32")
+PAGED = PagedPrefillSpec(4, 2, 32, "float16", page_size=8, sliding_window=True)
+pytestmark = [pytest.mark.compiles(RAGGED, backends=["llvm-cpu", FUSED]),  # tests/conftest.py
+              pytest.mark.compiles(PAGED, backends=[FUSED])]
+
+
 def _run_with_host_local_indices(spec, cache):
-    kernel = open_kernel(spec, Target("llvm-cpu", lowering="fused"), cache=cache)
+    kernel = open_kernel(spec, FUSED, cache=cache)
     args = list(example_inputs(spec, np.random.default_rng(3), entries=ENTRIES))
     indices = [i for i, a in enumerate(args) if isinstance(a, np.ndarray) and a.dtype == np.int32]
     staged = list(args)
@@ -28,15 +36,15 @@ def _run_with_host_local_indices(spec, cache):
 
 
 def test_ragged_reads_host_local_index_arrays(cache):
-    _run_with_host_local_indices(RaggedPrefillSpec(8, 2, 64, 64, "float32"), cache)
+    _run_with_host_local_indices(RAGGED, cache)
 
 
 def test_paged_sliding_window_reads_host_local_index_arrays(cache):
-    _run_with_host_local_indices(PagedPrefillSpec(4, 2, 32, "float16", page_size=8, sliding_window=True), cache)
+    _run_with_host_local_indices(PAGED, cache)
 
 
 def test_uploads_keep_float_arrays_on_the_device_and_indices_intact(cache):
-    kernel = open_kernel(RaggedPrefillSpec(8, 2, 64, 64, "float32"), cache=cache)
+    kernel = open_kernel(RAGGED, cache=cache)
     q = np.ones((3, 8, 64), np.float32)
     indptr = np.array([0, 1, 3], np.int32)
     q_dev, indptr_dev = as_device_arrays(kernel.device, [q, indptr])

@@ -17,6 +17,7 @@ from linalg_prefill.runtime import RaggedPrefillWrapper, open_kernel
 from linalg_prefill.runtime.examples import example_inputs
 
 SPEC = SequencePrefillSpec(4, 2, 64, "bfloat16", causal=True, sm_scale=0.125)
+pytestmark = pytest.mark.compiles(SPEC, RaggedPrefillSpec(8, 2, 64, 64, "float32"))  # tests/conftest.py
 
 
 class _StandInTensor(TensorLike):

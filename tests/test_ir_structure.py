@@ -7,6 +7,7 @@ from linalg_prefill.mlir import (
     MaskedSequencePrefillSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec,
     build_module,
 )
+from support import structure
 
 
 def _ir(spec) -> str:
@@ -26,14 +27,29 @@ def test_masked_module_takes_valid_lens():
     assert "%arg3: tensor<?xi32>" in text
 
 
+def _kv_loops(tree) -> list:
+    """The KV tile loops of the linalg lowering (the loops around the online softmax's exp2) in
+    ``tree`` (support.structure), after checking that each sits in a query-tile loop inside the
+    entry loop and holds no loop."""
+    kv_loops = tree.holding("math.exp2")
+    assert kv_loops, tree.outline()
+    for path in tree.paths("math.exp2"):
+        if path[-1] == "scf.for":  # (the others are RoPE's, in branches)
+            assert path.count("scf.for") == 3, f"exp2 at {path}:\n{tree.outline()}"
+    assert not any(loop.find("scf.for") for loop in kv_loops), tree.outline()
+    return kv_loops
+
+
 def test_online_softmax_is_an_scf_loop_of_linalg_ops_in_log2_domain():
-    text = _ir(SequencePrefillSpec(4, 4, 64, "float32", causal=False, sm_scale=0.125, kv_tile=32))
-    # batch entries, their query tiles, and KV tiles inside in two loops (the tiles the mask holds
-    # on everywhere, without it; then the rest); twice: 16-token tiles for calls of at most 16
-    # queries (SMALL_Q_TILE), spec.q_tile ones otherwise; per tile size one scf.if choosing the
-    # path and one each building the key and value tiles (zero fills when kv_len == 0)
-    assert text.count("scf.for") == 8
-    assert text.count("scf.if") == 6
+    module = build_module(SequencePrefillSpec(4, 4, 64, "float32", causal=False, sm_scale=0.125, kv_tile=32))
+    text = str(module)
+    # per tile size (16-token tiles for calls of at most 16 queries, SMALL_Q_TILE, and spec.q_tile
+    # ones otherwise): batch entries > query tiles > two KV loops (the tiles the mask holds on
+    # everywhere, without it; then the rest)
+    tree = structure(module)
+    kv_loops = _kv_loops(tree)
+    kv_loops_per_loop = [sum(inner in kv_loops for inner in loop.inner) for loop in tree.find("scf.for")]
+    assert [count for count in kv_loops_per_loop if count] == [2, 2], tree.outline()
     assert "math.exp2" in text and "math.log2" in text
     assert "math.exp " not in text
     assert "iree_linalg_ext" not in text
@@ -140,11 +156,12 @@ def test_kv_cache_variants_share_the_one_emitter():
     """Entries, their query tiles, then the emitter's two KV loops (tiles the mask holds on
     everywhere, then the rest); scores are static [1, h_kv, rows, N] tiles (G folded into rows)
     and MLA folds all h_q heads onto its single latent head."""
-    ragged = _ir(RaggedPrefillSpec(8, 2, 64, 64, "float32", q_tile=16, kv_tile=32))
-    assert ragged.count("scf.for") == 4 and ragged.count("math.exp2") >= 2
+    ragged_module = build_module(RaggedPrefillSpec(8, 2, 64, 64, "float32", q_tile=16, kv_tile=32))
+    mla_module = build_module(MlaPagedPrefillSpec(16, 512, 64, "float32", q_tile=16, kv_tile=32))
+    assert len(_kv_loops(structure(ragged_module))) == len(_kv_loops(structure(mla_module))) == 2
+    ragged, mla = str(ragged_module), str(mla_module)
     assert "tensor<1x2x64x32xf32>" in ragged
-    mla = _ir(MlaPagedPrefillSpec(16, 512, 64, "float32", q_tile=16, kv_tile=32))
-    assert mla.count("scf.for") == 4 and "tensor<1x1x256x32xf32>" in mla
+    assert "tensor<1x1x256x32xf32>" in mla
     assert "math.cos" not in mla  # MLA applies no RoPE (§1.3)
     assert "math.cos" in ragged and "scf.if" in ragged  # inline RoPE under rotary_mode == 1
 

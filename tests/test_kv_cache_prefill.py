@@ -11,160 +11,142 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import BACKENDS, BACKENDS_WITHOUT_FUSED_CPU, assert_matches_reference
+from conftest import BACKENDS, BACKENDS_WITHOUT_FUSED_CPU
 from linalg_prefill.mlir import MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec
 from linalg_prefill.mlir.specs import ROPE_FIELDS
 from linalg_prefill.mlir.abi import position
 from linalg_prefill.runtime import open_kernel
 from linalg_prefill.runtime.examples import example_inputs
+from support import LLAMA3, ROPE_TYPES, run_against_reference, spec_id
 
 # (qo_len, kv_len) per entry; kv_len is the logical length (after any sink/window remap).
 ENTRIES = [(5, 3), (0, 7), (17, 40), (1, 1), (9, 0), (70, 150)]
 SHORT_ENTRIES = [(5, 3), (0, 7), (12, 30), (9, 0), (3, 20)]
-
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 8192}
-ROPE_TYPES = {
-    "default": {},
-    "gptj": {"rope_type": "gptj"},
-    "llama3": LLAMA3,
-    "llama4": {**LLAMA3, "rope_type": "llama4"},
-    "longrope": {"rope_type": "longrope", "max_position_embeddings": 131072,
-                 "original_max_position_embeddings": 4096},
-    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096,
-             "beta_fast": 32, "beta_slow": 1},
-}
+MLA_ENTRIES = [(5, 3), (0, 7), (20, 40), (9, 0), (33, 140)]
+#: The serving passes that calls of these entries take are built before the tests run
+#: (tests/conftest.py); calls with inline RoPE (rotary_mode 1) take none.
+pytestmark = pytest.mark.compiles(passes=ENTRIES + MLA_ENTRIES)
 
 
 def test_the_rope_examples_cover_every_rope_type():
     assert set(ROPE_TYPES) == set(ROPE_FIELDS)
 
 
-def _inputs(spec, rng, entries, window=None) -> tuple:
-    """The call's arguments before its scalars (runtime/examples.py); with a sliding window,
-    ``window[b] = (sw_off, sink)``."""
-    return example_inputs(spec, rng, entries, window=window)[:position(spec, "causal")]
+def _calls(rotary_modes=(0, 1), **scalars) -> list[dict]:
+    """Both masks (causal 0 and 1) for each of ``rotary_modes``, with ``scalars`` by name."""
+    return [dict(causal=causal, rotary_mode=rotary, **scalars) for causal in (0, 1) for rotary in rotary_modes]
+
+
+def _inputs(spec, rng, entries) -> tuple:
+    """The call's arguments before its scalars (runtime/examples.py)."""
+    return example_inputs(spec, rng, entries)[:position(spec, "causal")]
 
 
 # ---------------------------------------------------------------------------------------------
 # ragged
 
 
-def _run_ragged(spec, backend, cache, *, entries=ENTRIES, rotary_modes=(0, 1), rope_scale=1.0, seed=0):
-    kernel = open_kernel(spec, backend, cache=cache)
-    rng = np.random.default_rng(seed)
-    q, q_indptr, k, v, kv_indptr, q_pos, k_offsets = _inputs(spec, rng, entries)
-    sm_scale = spec.d_qk ** -0.5
-    for causal in (0, 1):
-        for rotary in rotary_modes:
-            args = (q, q_indptr, k, v, kv_indptr, q_pos, k_offsets, causal, rotary, rope_scale, 1e4, sm_scale)
-            assert_matches_reference(f"{spec.name} causal={causal} rotary={rotary}", kernel(*args), spec, args)
+@pytest.mark.parametrize("backend", BACKENDS_WITHOUT_FUSED_CPU)
+@pytest.mark.parametrize("spec", [RaggedPrefillSpec(*heads, d, d, "float32") for heads in [(4, 4), (8, 2), (8, 1)]
+                                  for d in (64, 128)], ids=spec_id)
+def test_ragged_float32(backend, spec, cache):
+    run_against_reference(spec, backend, cache=cache, entries=ENTRIES, calls=_calls())
 
 
 @pytest.mark.parametrize("backend", BACKENDS_WITHOUT_FUSED_CPU)
-@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (8, 1)], ids=["G1", "G4", "G8"])
-@pytest.mark.parametrize("d", [64, 128])
-def test_ragged_float32(backend, heads, d, cache):
-    _run_ragged(RaggedPrefillSpec(*heads, d, d, "float32"), backend, cache)
-
-
-@pytest.mark.parametrize("backend", BACKENDS_WITHOUT_FUSED_CPU)
-def test_ragged_dqk_differs_from_dv(backend, cache):
+@pytest.mark.parametrize("spec", [RaggedPrefillSpec(4, 4, 192, 128, "float32")], ids=spec_id)
+def test_ragged_dqk_differs_from_dv(backend, spec, cache):
     """The MLA self-attention shape: d_qk = 192 (nope + rope), d_v = 128."""
-    _run_ragged(RaggedPrefillSpec(4, 4, 192, 128, "float32"), backend, cache, rotary_modes=(0,))
+    run_against_reference(spec, backend, cache=cache, entries=ENTRIES, calls=_calls(rotary_modes=(0,)))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_ragged_half(backend, dtype, cache):
-    _run_ragged(RaggedPrefillSpec(8, 2, 64, 64, dtype, ROPE_TYPES["llama3"]), backend, cache)
+@pytest.mark.parametrize("spec", [RaggedPrefillSpec(8, 2, 64, 64, dtype, LLAMA3) for dtype in ("float16", "bfloat16")],
+                         ids=spec_id)
+def test_ragged_half(backend, spec, cache):
+    run_against_reference(spec, backend, cache=cache, entries=ENTRIES, calls=_calls())
 
 
+@pytest.mark.compiles(passes=False)  # inline RoPE: no pass
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("rope_type", list(ROPE_TYPES))
-def test_ragged_rope_types(backend, rope_type, cache):
+@pytest.mark.parametrize("spec", [RaggedPrefillSpec(4, 2, 64, 64, "float32", rope) for rope in ROPE_TYPES.values()],
+                         ids=spec_id)
+def test_ragged_rope_types(backend, spec, cache):
     """Every rope type with rope_scale != 1."""
-    spec = RaggedPrefillSpec(4, 2, 64, 64, "float32", ROPE_TYPES[rope_type])
-    _run_ragged(spec, backend, cache, entries=SHORT_ENTRIES, rotary_modes=(1,), rope_scale=0.5, seed=3)
+    run_against_reference(spec, backend, cache=cache, entries=SHORT_ENTRIES, calls=_calls((1,), rope_scale=0.5),
+                          seed=3)
 
 
 # ---------------------------------------------------------------------------------------------
 # paged
 
 
-def _run_paged(spec, backend, cache, *, entries=ENTRIES, window=None, rotary_modes=(0, 1), seed=0):
-    kernel = open_kernel(spec, backend, cache=cache)
-    args = _inputs(spec, np.random.default_rng(seed), entries, window)
-    for causal in (0, 1):
-        for rotary in rotary_modes:
-            call = (*args, causal, rotary, 1.0, 1e4, spec.d ** -0.5)
-            assert_matches_reference(f"{spec.name} causal={causal} rotary={rotary}", kernel(*call), spec, call)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("spec", [PagedPrefillSpec(8, 2, 64, "float32", page_size=page_size)
+                                  for page_size in (1, 8, 16, 32, 64)], ids=spec_id)
+def test_paged_page_sizes(backend, spec, cache):
+    run_against_reference(spec, backend, cache=cache, entries=ENTRIES, calls=_calls())
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("page_size", [1, 8, 16, 32, 64])
-def test_paged_page_sizes(backend, page_size, cache):
-    _run_paged(PagedPrefillSpec(8, 2, 64, "float32", page_size=page_size), backend, cache)
+@pytest.mark.parametrize("spec", [PagedPrefillSpec(8, 1, 128, "float32", page_size=16)], ids=spec_id)
+def test_paged_d128_gqa8(backend, spec, cache):
+    run_against_reference(spec, backend, cache=cache, entries=ENTRIES, calls=_calls((0,)))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_paged_d128_gqa8(backend, cache):
-    _run_paged(PagedPrefillSpec(8, 1, 128, "float32", page_size=16), backend, cache, rotary_modes=(0,))
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-def test_paged_sliding_window_with_sinks(backend, dtype, cache):
+@pytest.mark.parametrize("spec", [PagedPrefillSpec(8, 2, 64, dtype, page_size=8, sliding_window=True)
+                                  for dtype in ("float32", "float16", "bfloat16")], ids=spec_id)
+def test_paged_sliding_window_with_sinks(backend, spec, cache):
     """length_info [3, B]: window offsets and sinks remap logical rows (§2)."""
-    spec = PagedPrefillSpec(8, 2, 64, dtype, page_size=8, sliding_window=True)
     window = [(4, 2), (0, 0), (10, 4), (3, 1), (0, 0), (20, 6)]
-    _run_paged(spec, backend, cache, window=window, rotary_modes=(0,))
+    run_against_reference(spec, backend, cache=cache, entries=ENTRIES, window=window, calls=_calls((0,)))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_paged_half(backend, dtype, cache):
-    _run_paged(PagedPrefillSpec(4, 4, 128, dtype, page_size=16), backend, cache, rotary_modes=(0,))
+@pytest.mark.parametrize("spec", [PagedPrefillSpec(4, 4, 128, dtype, page_size=16) for dtype in ("float16", "bfloat16")],
+                         ids=spec_id)
+def test_paged_half(backend, spec, cache):
+    run_against_reference(spec, backend, cache=cache, entries=ENTRIES, calls=_calls((0,)))
 
 
 # ---------------------------------------------------------------------------------------------
 # MLA
 
 
-def _run_mla(spec, backend, cache, *, entries=ENTRIES, window=None, seed=0):
-    kernel = open_kernel(spec, backend, cache=cache)
-    rng = np.random.default_rng(seed)
-    inputs = _inputs(spec, rng, entries, window)
-    sm_scale = 192 ** -0.5  # DeepSeek's (qk_nope + qk_rope)^-0.5, not d_qk^-0.5 (§1.3)
-    for causal in (0, 1):
-        args = (*inputs, causal, sm_scale)
-        assert_matches_reference(f"{spec.name} causal={causal}", kernel(*args), spec, args)
+#: DeepSeek's sm_scale, (qk_nope + qk_rope)^-0.5, not d_qk^-0.5 (§1.3), with both masks.
+MLA_CALLS = [dict(causal=causal, sm_scale=192 ** -0.5) for causal in (0, 1)]
 
 
 @pytest.mark.parametrize("backend", BACKENDS_WITHOUT_FUSED_CPU)
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-def test_mla_deepseek_sizes(backend, dtype, cache):
+@pytest.mark.parametrize("spec", [MlaPagedPrefillSpec(16, 512, 64, dtype, page_size=16)
+                                  for dtype in ("float32", "float16", "bfloat16")], ids=spec_id)
+def test_mla_deepseek_sizes(backend, spec, cache):
     """d_latent 512 + d_rope 64, h_q = 16 (DeepSeek-V2-Lite)."""
-    spec = MlaPagedPrefillSpec(16, 512, 64, dtype, page_size=16)
-    _run_mla(spec, backend, cache, entries=[(5, 3), (0, 7), (20, 40), (9, 0), (33, 140)])
+    run_against_reference(spec, backend, cache=cache, entries=MLA_ENTRIES,
+                          calls=MLA_CALLS)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_mla_sliding_window(backend, cache):
-    spec = MlaPagedPrefillSpec(4, 64, 16, "float32", page_size=8, sliding_window=True)
-    _run_mla(spec, backend, cache, window=[(4, 2), (0, 0), (10, 4), (3, 1), (0, 0), (20, 6)])
+@pytest.mark.parametrize("spec", [MlaPagedPrefillSpec(4, 64, 16, "float32", page_size=8, sliding_window=True)],
+                         ids=spec_id)
+def test_mla_sliding_window(backend, spec, cache):
+    window = [(4, 2), (0, 0), (10, 4), (3, 1), (0, 0), (20, 6)]
+    run_against_reference(spec, backend, cache=cache, entries=ENTRIES, window=window, calls=MLA_CALLS)
 
 
 # ---------------------------------------------------------------------------------------------
 # batch behaviour
 
 
-def test_ragged_small_tiles_walk_many_tiles(cache):
+@pytest.mark.compiles(passes=False)
+@pytest.mark.parametrize("spec", [RaggedPrefillSpec(8, 2, 64, 64, "float32", q_tile=8, kv_tile=16)], ids=spec_id)
+def test_ragged_small_tiles_walk_many_tiles(spec, cache):
     """Tiles far smaller than the entries: many query and KV steps per entry, partial last tiles."""
-    spec = RaggedPrefillSpec(8, 2, 64, 64, "float32", q_tile=8, kv_tile=16)
-    _run_ragged(spec, "llvm-cpu", cache, rotary_modes=(1,))
+    run_against_reference(spec, cache=cache, entries=ENTRIES, calls=_calls((1,)))
 
 
+@pytest.mark.compiles(RaggedPrefillSpec(8, 2, 64, 64, "float32"), passes=False)
 def test_entry_results_do_not_depend_on_the_batch(cache):
     """An entry alone and inside a batch (any position) gives bitwise the same float32 result."""
     spec = RaggedPrefillSpec(8, 2, 64, 64, "float32")
@@ -180,6 +162,7 @@ def test_entry_results_do_not_depend_on_the_batch(cache):
     np.testing.assert_array_equal(alone[1], lse[q0:q1])
 
 
+@pytest.mark.compiles(RaggedPrefillSpec(4, 2, 64, 64, "float32"), passes=SHORT_ENTRIES)
 def test_nan_in_one_entry_stays_in_that_entry(cache):
     """NaN in one entry's keys and values never reaches another entry's output (KV rows past an
     entry's end are zeroed, not multiplied by a zero weight)."""

@@ -13,9 +13,7 @@ from linalg_prefill.runtime.error_model import merge_bound
 from linalg_prefill.runtime.examples import page_table
 from linalg_prefill.runtime.merge import merge_state, merge_states
 from linalg_prefill.runtime.reference import EMPTY_ROW_LSE
-
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 8192}
+from support import LLAMA3
 
 
 def _states(rng, rows=40, heads=3, d=16):
@@ -75,6 +73,8 @@ def test_merge_rejects_mismatched_states(bad, match):
         merge_state(**args)
 
 
+@pytest.mark.compiles(PagedPrefillSpec(8, 2, 64, "float32", page_size=16, rope_scaling=LLAMA3),
+                      RaggedPrefillSpec(8, 2, 64, 64, "float32", LLAMA3))
 def test_paged_prefix_plus_ragged_new_tokens_equals_full_attention(cache):
     """TVM's prefill: cached prefix through pages (causal=0) + new tokens through ragged (causal=1),
     merged, equals one causal attention over prefix ++ new tokens, RoPE on."""

@@ -19,26 +19,13 @@ import pytest
 from linalg_prefill.runtime.examples import page_table
 from linalg_prefill.runtime import reference as R
 from linalg_prefill.runtime import rope as rope_mod
+from support import LLAMA3_64, LLAMA4_64, YARN
 
 EMPTY = -5e4
 TOL = dict(rtol=1e-10, atol=1e-10)
 
-LLAMA3 = {
-    "rope_type": "llama3",
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 64,
-}
-LLAMA4 = dict(LLAMA3, rope_type="llama4")
+LLAMA3, LLAMA4 = LLAMA3_64, LLAMA4_64
 LONGROPE = {"rope_type": "longrope", "max_position_embeddings": 4096, "original_max_position_embeddings": 256}
-YARN = {
-    "rope_type": "yarn",
-    "factor": 4.0,
-    "beta_fast": 32,
-    "beta_slow": 1,
-    "original_max_position_embeddings": 4096,
-}
 ROPE_CASES = {
     "none": None,
     "empty": {},

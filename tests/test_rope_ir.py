@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 
@@ -13,15 +12,9 @@ from linalg_prefill.pipeline import Target, compile_ir
 from linalg_prefill.runtime.error_model import rotation_bound
 from linalg_prefill.runtime.module import LoadedKernel
 from linalg_prefill.runtime.rope import apply_rope as reference_rope, rope_pair_angles
+from support import LLAMA3, LLAMA4, LONGROPE, YARN
 
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 8192}
 LLAMA3_STEP = {**LLAMA3, "high_freq_factor": 1.0}
-LLAMA4 = {**LLAMA3, "rope_type": "llama4"}
-LONGROPE = {"rope_type": "longrope", "max_position_embeddings": 131072,
-            "original_max_position_embeddings": 4096}
-YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096,
-        "beta_fast": 32, "beta_slow": 1}
 YARN_ILTS = {**YARN, "inv_theta_log_scale": 0.05}
 YARN_FLAT = {**YARN, "beta_fast": 8, "beta_slow": 8}  # low == high: the ramp is a 0.001-wide step
 # transformers' yarn: bounds (10.47, 22.51) at theta 1e4 become (10, 23), (9.74, 20.94) at 2e4 (9, 21)

@@ -24,6 +24,8 @@ SPECS = [
     MlaPagedPrefillSpec(4, 64, 16, "float32", page_size=8, logits_soft_cap=CAP),
 ]
 ENTRIES = [(5, 3), (0, 7), (70, 150), (9, 0), (20, 40)]
+#: MLA's calls (no RoPE) take serving passes: built before the tests run (tests/conftest.py).
+pytestmark = pytest.mark.compiles(passes=ENTRIES)
 
 
 def _large_scores(spec, rng):

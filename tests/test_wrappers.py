@@ -26,9 +26,8 @@ from linalg_prefill.runtime import (
     SequencePrefillWrapper, open_artifacts,
 )
 from linalg_prefill.runtime.examples import indptr, page_table
+from support import LLAMA3
 
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 8192}
 RAGGED = RaggedPrefillSpec(4, 2, 64, 64, "float32", LLAMA3)
 PAGED = PagedPrefillSpec(4, 2, 64, "float32", page_size=8)
 SLIDING = PagedPrefillSpec(4, 2, 64, "float32", page_size=8, sliding_window=True)
@@ -39,6 +38,8 @@ MASKED = MaskedSequencePrefillSpec(4, 2, 64, "float32", mask_mode="causal_padded
 # (qo_len, kv_len): causal rows without a key, several pages and KV tiles, a square entry.
 ENTRIES = [(5, 3), (12, 40), (7, 7)]
 ROPE = {"rope_scale": 1.0, "rope_theta": 5e5}
+#: Built before the tests run (tests/conftest.py), with the serving passes ENTRIES take.
+pytestmark = pytest.mark.compiles(RAGGED, PAGED, SLIDING, MLA, SEQ, MASKED, passes=ENTRIES)
 
 
 def _natural(entries):
