@@ -49,13 +49,14 @@ def to_torch(array: np.ndarray):
 
 
 def returns_like_inputs(run):
-    """For a wrapper's ``run(self, *tensors, to_host=None)``: results placed as
-    :func:`results_to_host` decides and typed as :func:`like_inputs` makes them."""
+    """For a wrapper's ``run(self, *tensors, to_host=None, **options)``: results placed as
+    :func:`results_to_host` decides from the positional tensors and typed as :func:`like_inputs`
+    makes them; keyword ``options`` (``sinks``) pass through."""
 
     @functools.wraps(run)
-    def wrapped(self, *tensors, to_host: bool | None = None):
+    def wrapped(self, *tensors, to_host: bool | None = None, **options):
         host = results_to_host(tensors, to_host)
-        results = run(self, *tensors, to_host=host)
+        results = run(self, *tensors, to_host=host, **options)
         return like_inputs(tensors, results) if host else results
 
     return wrapped

@@ -12,6 +12,13 @@ stay on the device; runtime/interop.py), ``to_host=True``/``False`` overriding w
     for layer in layers:
         output, lse = wrapper.run(q[layer], k[layer], v[layer])
 
+The spec's options take their arguments as FlashInfer's wrappers do: a ``custom_mask`` spec
+(semantics §14) its flattened per-entry masks in ``plan(..., custom_mask=)`` (``mask_indptr``
+computed from the planned lengths unless given, as FlashInfer computes ``qk_indptr``); a
+``head_sinks`` spec (§13) its per-head logits ``sinks [h_q]`` float32 in ``run(..., sinks=)``
+(per layer, as gpt-oss has them; FlashInfer's ``run`` takes ``sinks`` too) or once in
+``plan(..., sinks=)`` when every layer shares them.
+
 Tensors may be numpy arrays, torch CPU tensors, or ``DeviceArray``s on the kernel's device
 (passed through without a copy). A wrapper may be shared by threads: each ``plan`` builds a new
 frozen :class:`Plan` and swaps it in with one assignment, and every ``run`` uses the plan that was
@@ -32,13 +39,13 @@ from ..mlir.specs import (
 )
 from ..mlir.abi import ordered
 from ..pipeline import target_for
-from .checks import NUMPY_DTYPES, check_int32, check_on_device, check_range, check_tensor
+from .checks import NUMPY_DTYPES, check_f32, check_int32, check_mask, check_on_device, check_range, check_tensor
 from .errors import InputError
 from .dense_checks import check_sequence
 from .kernels import Kernel, open_kernel
 from .kv_checks import (
-    INT32_MAX, check_choice, check_float, check_length_info, check_positions, check_rope_scalars,
-    check_indptr, natural_positions, paged_kv_lengths,
+    INT32_MAX, check_choice, check_custom_mask, check_float, check_length_info, check_positions,
+    check_rope_scalars, check_indptr, natural_positions, paged_kv_lengths,
 )
 from .interop import returns_like_inputs
 from .module import as_device_arrays
@@ -53,7 +60,8 @@ DEFAULT_ROPE_THETA = 1e4
 class Plan:
     """One batch, as ``plan`` checked it; read-only (a new plan replaces it, never mutates it).
 
-    ``arrays``: read-only copies of the checked host index arrays by ABI name (int32); ``device``: the same arrays on
+    ``arrays``: read-only copies of the checked host arrays by ABI name (int32 index arrays, the
+    int8 ``custom_mask``, float32 ``sinks`` when ``plan`` took them); ``device``: the same arrays on
     the kernel's device; ``scalars``: the runtime scalars by ABI name; ``qo_lens`` and
     ``kv_lens``: int64 [B] query rows and (logical) KV rows per entry (the masked wrapper: both
     are valid_lens); ``rows``: Lq, the query rows of a layer; ``kv_rows``: Lk (ragged) or the
@@ -84,9 +92,6 @@ class _Wrapper:
         if not isinstance(spec, self.spec_type):
             raise InputError(f"spec: {type(self).__name__} needs a {self.spec_type.__name__}, "
                              f"got {type(spec).__name__}")
-        if spec.head_sinks:
-            raise InputError("spec: head_sinks is not supported by the wrappers yet; call open_kernel(spec) with "
-                             "sinks as the last argument")
         if artifacts is not None and backend is not None and \
                 target_for(backend).backend != target_for(artifacts.backend).backend:
             raise ValueError(f"backend {backend!r} differs from the artifacts' {artifacts.backend!r}")
@@ -132,10 +137,26 @@ class _Wrapper:
                           kv_lens, rows, kv_rows)
         return self._plan
 
-    def _launch(self, plan: Plan | None, to_host: bool, **tensors) -> tuple:
+    def _plan_sinks(self, sinks) -> dict:
+        """``plan``'s ``sinks`` by ABI name: {} when not given (``run`` must then give them)."""
+        return {} if sinks is None else {"sinks": self._sinks(sinks)}
+
+    def _sinks(self, sinks):
+        """``sinks`` [h_q] float32 (finite), checked; only a ``head_sinks`` spec takes them."""
+        if not self.spec.head_sinks:
+            raise InputError(f"sinks: {self.spec.name} has no head_sinks; build the spec with head_sinks=True")
+        return check_f32("sinks", sinks, shape=(self.spec.h_q,))
+
+    def _launch(self, plan: Plan | None, to_host: bool, sinks=None, **tensors) -> tuple:
         """Runs the kernel on this layer's checked ``tensors`` and the plan's index arrays and
         scalars (put in the table's order, mlir/abi.py); a call with no query rows returns zeros
-        (output q's shape with d_v columns in the spec dtype, lse float32) without launching it."""
+        (output q's shape with d_v columns in the spec dtype, lse float32) without launching it.
+        ``sinks`` (run's) wins over the plan's; a ``head_sinks`` spec needs one of them."""
+        if sinks is not None:
+            tensors["sinks"] = self._sinks(sinks)
+        elif self.spec.head_sinks and (plan is None or "sinks" not in plan.device):
+            raise InputError(f"sinks: {self.spec.name} has head_sinks; pass sinks [h_q] float32 to run "
+                             "(or once to plan)")
         named = dict(plan.device, **plan.scalars, **tensors) if plan is not None else tensors
         args = ordered(self.spec, named)
         out_shape = (*tensors["q"].shape[:-1], self.spec.d_v)
@@ -157,9 +178,14 @@ class RaggedPrefillWrapper(_Wrapper):
     spec_type = RaggedPrefillSpec
 
     def plan(self, q_indptr, kv_indptr, *, causal=True, rope=None, q_rope_position=None,
-             k_rope_pos_offset=None, sm_scale=None) -> Plan:
+             k_rope_pos_offset=None, sm_scale=None, custom_mask=None, mask_indptr=None, sinks=None) -> Plan:
         """q_indptr, kv_indptr int32 [B+1]; ``rope`` None (no RoPE) or ``dict(rope_scale=,
-        rope_theta=)``; positions default as :func:`natural_positions`; ``sm_scale`` 1/sqrt(d_qk)."""
+        rope_theta=)``; positions default as :func:`natural_positions`; ``sm_scale`` 1/sqrt(d_qk).
+
+        With ``spec.custom_mask``: ``custom_mask`` bool or uint8 [sum of qo_len * kv_len] (each
+        entry's block row-major, concatenated; ``causal`` is then ignored, §14) and optionally
+        ``mask_indptr`` int32 [B+1] (default: the cumulative qo_len * kv_len). With
+        ``spec.head_sinks``: ``sinks`` [h_q] float32 for every layer unless ``run`` gives its own."""
         q_indptr = _indptr("q_indptr", q_indptr)
         batch = q_indptr.shape[0] - 1
         kv_indptr = _indptr("kv_indptr", kv_indptr, batch)
@@ -169,17 +195,19 @@ class RaggedPrefillWrapper(_Wrapper):
         if scalars["rotary_mode"] == 1:
             check_positions(q_pos, k_off, kv_lens)
         arrays = {"q_indptr": q_indptr, "kv_indptr": kv_indptr, "q_rope_position": q_pos,
-                  "k_rope_pos_offset": k_off}
+                  "k_rope_pos_offset": k_off, **_mask_arrays(self.spec, custom_mask, mask_indptr, qo_lens, kv_lens),
+                  **self._plan_sinks(sinks)}
         return self._new_plan(arrays, scalars, qo_lens, kv_lens, int(q_indptr[-1]), int(kv_indptr[-1]))
 
     @returns_like_inputs
-    def run(self, q, k, v, *, to_host: bool | None = None) -> tuple:
-        """One layer: q [Lq, h_q, d_qk], k [Lk, h_kv, d_qk], v [Lk, h_kv, d_v] in spec.dtype."""
+    def run(self, q, k, v, *, sinks=None, to_host: bool | None = None) -> tuple:
+        """One layer: q [Lq, h_q, d_qk], k [Lk, h_kv, d_qk], v [Lk, h_kv, d_v] in spec.dtype;
+        ``sinks`` [h_q] float32 this layer's (``head_sinks`` specs; default: the plan's)."""
         plan, spec, device = self._planned(), self.spec, self.kernel.device
         q = _rows("q", _tensor("q", q, spec.dtype, (None, spec.h_q, spec.d_qk), device), plan.rows, "q_indptr[-1]")
         k = _rows("k", _tensor("k", k, spec.dtype, (None, spec.h_kv, spec.d_qk), device), plan.kv_rows, "kv_indptr[-1]")
         v = _rows("v", _tensor("v", v, spec.dtype, (None, spec.h_kv, spec.d_v), device), plan.kv_rows, "kv_indptr[-1]")
-        return self._launch(plan, to_host, q=q, k=k, v=v)
+        return self._launch(plan, to_host, sinks, q=q, k=k, v=v)
 
 
 class PagedPrefillWrapper(_Wrapper):
@@ -189,27 +217,31 @@ class PagedPrefillWrapper(_Wrapper):
     spec_type = PagedPrefillSpec
 
     def plan(self, q_indptr, page_indptr, page_values, length_info, *, causal=False, rope=None,
-             q_rope_position=None, k_rope_pos_offset=None, sm_scale=None) -> Plan:
+             q_rope_position=None, k_rope_pos_offset=None, sm_scale=None, custom_mask=None, mask_indptr=None,
+             sinks=None) -> Plan:
         """q_indptr, page_indptr int32 [B+1], page_values [nnz], length_info = last_page_len [B]
         (or [3, B] last_page_len, sw_off, sink with a sliding window); the rest as
-        :meth:`RaggedPrefillWrapper.plan` (``sm_scale`` default 1/sqrt(d))."""
+        :meth:`RaggedPrefillWrapper.plan` (``sm_scale`` default 1/sqrt(d); a custom mask's columns
+        are the logical KV rows, after a sliding window's remap, §2)."""
         arrays, kv_lens, pages_needed = _page_table(self.spec, q_indptr, page_indptr, page_values, length_info)
         q_pos, k_off = natural_positions(arrays["q_indptr"], kv_lens, q_rope_position, k_rope_pos_offset)
         scalars = _rope_scalars(causal, rope, sm_scale, self.spec.d, "d")
         if scalars["rotary_mode"] == 1:
             check_positions(q_pos, k_off, kv_lens)
-        arrays.update(k_rope_pos_offset=k_off, q_rope_position=q_pos)
         qo_lens = np.diff(arrays["q_indptr"].astype(np.int64))
+        arrays.update(k_rope_pos_offset=k_off, q_rope_position=q_pos,
+                      **_mask_arrays(self.spec, custom_mask, mask_indptr, qo_lens, kv_lens), **self._plan_sinks(sinks))
         return self._new_plan(arrays, scalars, qo_lens, kv_lens, int(arrays["q_indptr"][-1]), pages_needed)
 
     @returns_like_inputs
-    def run(self, q, pages, *, to_host: bool | None = None) -> tuple:
-        """One layer: q [Lq, h_q, d], pages [P, 2, h_kv, page_size, d] in spec.dtype."""
+    def run(self, q, pages, *, sinks=None, to_host: bool | None = None) -> tuple:
+        """One layer: q [Lq, h_q, d], pages [P, 2, h_kv, page_size, d] in spec.dtype; ``sinks`` as
+        :meth:`RaggedPrefillWrapper.run`."""
         plan, spec, device = self._planned(), self.spec, self.kernel.device
         q = _rows("q", _tensor("q", q, spec.dtype, (None, spec.h_q, spec.d), device), plan.rows, "q_indptr[-1]")
         pages = _page_count(_tensor("pages", pages, spec.dtype, (None, 2, spec.h_kv, spec.page_size, spec.d), device),
                             plan.kv_rows)
-        return self._launch(plan, to_host, q=q, pages=pages)
+        return self._launch(plan, to_host, sinks, q=q, pages=pages)
 
 
 class MlaPagedPrefillWrapper(_Wrapper):
@@ -218,21 +250,23 @@ class MlaPagedPrefillWrapper(_Wrapper):
 
     spec_type = MlaPagedPrefillSpec
 
-    def plan(self, q_indptr, page_indptr, page_values, length_info, *, causal=False, sm_scale) -> Plan:
-        """As :meth:`PagedPrefillWrapper.plan` without RoPE; ``sm_scale`` is required (DeepSeek:
-        (qk_nope + qk_rope)^-0.5, not (d_latent + d_rope)^-0.5)."""
+    def plan(self, q_indptr, page_indptr, page_values, length_info, *, causal=False, sm_scale, sinks=None) -> Plan:
+        """As :meth:`PagedPrefillWrapper.plan` without RoPE or custom masks; ``sm_scale`` is
+        required (DeepSeek: (qk_nope + qk_rope)^-0.5, not (d_latent + d_rope)^-0.5)."""
         arrays, kv_lens, pages_needed = _page_table(self.spec, q_indptr, page_indptr, page_values, length_info)
         scalars = {"causal": check_choice("causal", _int(causal), (0, 1)), "sm_scale": check_float("sm_scale", sm_scale)}
+        arrays.update(self._plan_sinks(sinks))
         qo_lens = np.diff(arrays["q_indptr"].astype(np.int64))
         return self._new_plan(arrays, scalars, qo_lens, kv_lens, int(arrays["q_indptr"][-1]), pages_needed)
 
     @returns_like_inputs
-    def run(self, q, pages, *, to_host: bool | None = None) -> tuple:
-        """One layer: q [Lq, h_q, d_latent + d_rope], pages [P, page_size, d_latent + d_rope]."""
+    def run(self, q, pages, *, sinks=None, to_host: bool | None = None) -> tuple:
+        """One layer: q [Lq, h_q, d_latent + d_rope], pages [P, page_size, d_latent + d_rope];
+        ``sinks`` as :meth:`RaggedPrefillWrapper.run`."""
         plan, spec, device = self._planned(), self.spec, self.kernel.device
         q = _rows("q", _tensor("q", q, spec.dtype, (None, spec.h_q, spec.d_qk), device), plan.rows, "q_indptr[-1]")
         pages = _page_count(_tensor("pages", pages, spec.dtype, (None, spec.page_size, spec.d_qk), device), plan.kv_rows)
-        return self._launch(plan, to_host, q=q, pages=pages)
+        return self._launch(plan, to_host, sinks, q=q, pages=pages)
 
 
 # ----------------------------------------------------------------------------- dense wrappers
@@ -245,38 +279,62 @@ class SequencePrefillWrapper(_Wrapper):
     spec_type = SequencePrefillSpec
 
     @returns_like_inputs
-    def run(self, q, k, v, *, to_host: bool | None = None) -> tuple:
+    def run(self, q, k, v, *, sinks=None, to_host: bool | None = None) -> tuple:
+        """One layer: q [B, Lq, h_q, d], k/v [B, Lk, h_kv, d]; ``sinks`` [h_q] float32 with ``head_sinks``."""
         q, k, v = _dense(self.spec, q, k, v, self.kernel.device)
-        return self._launch(None, to_host, q=q, k=k, v=v)
+        return self._launch(None, to_host, sinks, q=q, k=k, v=v)
 
 
 class MaskedSequencePrefillWrapper(_Wrapper):
     """``batch_sequence_prefill_kv_masked`` (§7): as :class:`SequencePrefillWrapper` plus
-    valid_lens [B] int32, given once per batch to ``plan``."""
+    valid_lens [B] int32 (or, with ``mask_mode="custom"``, custom_mask [B, Lq, Lk], §14.2), given
+    once per batch to ``plan``."""
 
     spec_type = MaskedSequencePrefillSpec
 
-    def plan(self, valid_lens) -> Plan:
-        """valid_lens int32 [B], each in [0, min(Lq, Lk)] of every layer's q and k."""
+    def plan(self, valid_lens=None, *, custom_mask=None, sinks=None) -> Plan:
+        """valid_lens int32 [B], each in [0, min(Lq, Lk)] of every layer's q and k; with
+        ``mask_mode="custom"`` instead custom_mask bool or uint8 [B, Lq, Lk] (1: query row may see
+        key col); ``sinks`` as :meth:`RaggedPrefillWrapper.plan`."""
+        if self.spec.mask_mode == "custom":
+            if valid_lens is not None:
+                raise InputError("valid_lens: a mask_mode='custom' spec takes custom_mask [B, Lq, Lk], not valid_lens")
+            if custom_mask is None:
+                raise InputError("custom_mask: a mask_mode='custom' spec needs custom_mask [B, Lq, Lk] (bool or uint8)")
+            mask = check_mask("custom_mask", custom_mask, shape=(None, None, None))
+            batch, rows, cols = mask.shape
+            arrays = {"custom_mask": mask, **self._plan_sinks(sinks)}
+            return self._new_plan(arrays, {}, np.full(batch, rows, np.int64), np.full(batch, cols, np.int64), rows, cols)
+        if custom_mask is not None:
+            raise InputError(f"custom_mask: mask_mode {self.spec.mask_mode!r} takes valid_lens; build the spec "
+                             "with mask_mode='custom' for a custom mask")
+        if valid_lens is None:
+            raise InputError("valid_lens: required (int32 [B])")
         valid_lens = check_int32("valid_lens", valid_lens, shape=(None,))
         check_range("valid_lens", valid_lens, 0, INT32_MAX)
-        arrays = {"valid_lens": valid_lens}
+        arrays = {"valid_lens": valid_lens, **self._plan_sinks(sinks)}
         lens = valid_lens.astype(np.int64)
         return self._new_plan(arrays, {}, lens, lens.copy(), 0, 0)
 
     @returns_like_inputs
-    def run(self, q, k, v, *, to_host: bool | None = None) -> tuple:
-        """One layer: q [B, Lq, h_q, d], k/v [B, Lk, h_kv, d] with B and valid_lens as planned."""
+    def run(self, q, k, v, *, sinks=None, to_host: bool | None = None) -> tuple:
+        """One layer: q [B, Lq, h_q, d], k/v [B, Lk, h_kv, d] with B and valid_lens as planned
+        (a custom mask: B, Lq and Lk as its shape); ``sinks`` as :meth:`RaggedPrefillWrapper.run`."""
         plan = self._planned()
         q, k, v = _dense(self.spec, q, k, v, self.kernel.device)
-        batch = plan.arrays["valid_lens"].shape[0]
+        batch = plan.qo_lens.shape[0]
         if q.shape[0] != batch:
-            raise InputError(f"q: expected batch {batch} (length of the planned valid_lens), got {q.shape[0]}")
+            raise InputError(f"q: expected batch {batch} (as planned), got {q.shape[0]}")
+        if self.spec.mask_mode == "custom":
+            if (q.shape[1], k.shape[1]) != (plan.rows, plan.kv_rows):
+                raise InputError(f"q: Lq {q.shape[1]} and Lk {k.shape[1]} (k) differ from the planned custom_mask's "
+                                 f"[B, Lq, Lk] = [{batch}, {plan.rows}, {plan.kv_rows}]")
+            return self._launch(plan, to_host, sinks, q=q, k=k, v=v)
         limit, longest = min(q.shape[1], k.shape[1]), int(plan.kv_lens.max(initial=0))
         if longest > limit:
             raise InputError(f"valid_lens: planned lengths must lie in [0, min(Lq, Lk)] = [0, {limit}] "
                              f"for this layer's q and k, found {longest}")
-        return self._launch(plan, to_host, q=q, k=k, v=v)
+        return self._launch(plan, to_host, sinks, q=q, k=k, v=v)
 
 
 # ----------------------------------------------------------------------------- plan helpers
@@ -287,6 +345,25 @@ def _indptr(name: str, value, batch: int | None = None) -> np.ndarray:
     array = check_int32(name, value, shape=(None,))
     end = int(array[-1]) if array.size else 0
     return check_indptr(name, array, batch, end, "its last value")
+
+
+def _mask_arrays(spec, custom_mask, mask_indptr, qo_lens: np.ndarray, kv_lens: np.ndarray) -> dict:
+    """custom_mask (int8) and mask_indptr by ABI name, checked against the planned lengths (§14.4):
+    {} for a spec without ``custom_mask``, which takes neither. ``mask_indptr`` defaults to the
+    cumulative ``qo_lens * kv_lens`` (int64 [B])."""
+    if not spec.custom_mask:
+        if custom_mask is not None or mask_indptr is not None:
+            name = "custom_mask" if custom_mask is not None else "mask_indptr"
+            raise InputError(f"{name}: {spec.name} has no custom mask; build the spec with custom_mask=True")
+        return {}
+    if custom_mask is None:
+        raise InputError(f"custom_mask: {spec.name} has custom_mask; plan needs custom_mask "
+                         "[sum of qo_len * kv_len] (bool or uint8)")
+    if mask_indptr is None:
+        mask_indptr = np.concatenate([[0], np.cumsum(qo_lens * kv_lens)])
+    q_indptr = np.concatenate([[0], np.cumsum(qo_lens)])
+    custom_mask, mask_indptr = check_custom_mask(spec, (custom_mask, mask_indptr), q_indptr, lambda: kv_lens)
+    return {"custom_mask": custom_mask, "mask_indptr": mask_indptr}
 
 
 def _page_table(spec, q_indptr, page_indptr, page_values, length_info) -> tuple[dict, np.ndarray, int]:
