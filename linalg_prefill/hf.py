@@ -17,13 +17,18 @@ Which kernel runs (RoPE off: the model rotated q and k already):
 
 * no mask and no binding window: the dense kernel (``SequencePrefillSpec``, bottom-right causal
   when ``module.is_causal``), on ``q`` as it lies and K/V copied token-major;
-* otherwise the paged kernel's sliding-window variant over one paged copy of K/V, with the
-  query groups and key ranges of :mod:`linalg_prefill.runtime.key_ranges`: left and right
-  padding, chunked prefill, per-layer sliding windows and packed sequences are all ranges of
-  keys. A query that sees no key gives 0 (never NaN).
+* a mask (or a binding window) whose every query sees one contiguous range of keys: the paged
+  kernel's sliding-window variant over one paged copy of K/V, with the query groups and key
+  ranges of :mod:`linalg_prefill.runtime.key_ranges`: left and right padding, chunked prefill,
+  per-layer sliding windows and packed sequences are all ranges of keys;
+* a mask with holes (a query sees keys that are not one range: a speculative-decoding tree, a
+  per-pair boolean mask): the ragged kernel with ``custom_mask`` (semantics §14), one entry per
+  batch row whose mask block is that row's ``[S_q, S_kv]`` mask, over K/V copied token-major.
 
-Kernels are compiled once per distinct spec (head counts, head dim, dtype, soft cap, and the
-dense kernel's causality and scale) and cached in the process and on disk
+A query that sees no key gives 0 (never NaN).
+
+Kernels are compiled once per distinct spec (head counts, head dim, dtype, soft cap, sinks, the
+dense kernel's causality and scale, and which of the three runs) and cached in the process and on disk
 (``LINALG_PREFILL_CACHE_DIR``). GQA runs without expanding K/V. Needs torch and transformers:
 ``pip install 'linalg-prefill[hf]'``.
 """
@@ -43,7 +48,7 @@ import weakref
 
 import numpy as np
 
-from .mlir import PagedPrefillSpec, SequencePrefillSpec
+from .mlir import PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec
 from .runtime import InputError
 from .runtime.key_ranges import Entries, key_ranges, paged_arguments, plan_entries, rule_ranges
 from .torch_ops import DTYPES, kernel_for
@@ -120,10 +125,15 @@ def plan_call(module, query, key, value, attention_mask, *, dropout: float = 0.0
     scale = float(d ** -0.5 if scaling is None else scaling)
     cap = float(softcap or 0.0)
     window = int(sliding_window) if sliding_window else None
-    if attention_mask is None and (window is None or kv_len <= window):
-        return _dense_call(query, key, value, causal, scale, cap, sinks)
-    lo, hi = _ranges(attention_mask, batch, q_len, kv_len, causal, window)
-    return _paged_call(query, key, value, plan_entries(lo, hi), scale, cap, sinks)
+    if attention_mask is None:
+        if window is None or kv_len <= window:
+            return _dense_call(query, key, value, causal, scale, cap, sinks)
+        ranges = rule_ranges(batch, q_len, kv_len, causal=causal, window=window)
+        return _paged_call(query, key, value, plan_entries(*ranges), scale, cap, sinks)
+    allowed, ranges = _read_mask(attention_mask, batch, q_len, kv_len)
+    if ranges is None:
+        return _custom_mask_call(query, key, value, allowed, scale, cap, sinks)
+    return _paged_call(query, key, value, plan_entries(*ranges), scale, cap, sinks)
 
 
 def _sinks(s_aux, h_q: int) -> np.ndarray:
@@ -201,23 +211,39 @@ def _pages(key, value):
     return pages.view(batch * per_row, 2, h_kv, PAGE_SIZE, d), per_row
 
 
-_range_cache: dict[int, tuple] = {}
+def _custom_mask_call(query, key, value, allowed: np.ndarray, scale: float, cap: float, sinks) -> KernelCall:
+    """The ragged kernel with ``custom_mask``: batch row ``b`` is entry ``b`` (its S_q queries and
+    S_kv keys), whose mask block is ``allowed[b]`` (bool ``[B, S_q, S_kv]``, row-major as §14 wants)."""
+    batch, h_q, q_len, d = query.shape
+    h_kv, kv_len = key.shape[1], key.shape[2]
+    spec = RaggedPrefillSpec(h_q, h_kv, d, d, DTYPES[query.dtype], logits_soft_cap=cap, head_sinks=sinks is not None,
+                             custom_mask=True)
+    rows = np.arange(batch + 1, dtype=np.int64)
+    q_indptr, kv_indptr, mask_indptr = ((rows * n).astype(np.int32) for n in (q_len, kv_len, q_len * kv_len))
+    q = _token_major(query).view(batch * q_len, h_q, d)
+    k, v = (_token_major(t).view(batch * kv_len, h_kv, d) for t in (key, value))
+    args = (q, q_indptr, k, v, kv_indptr, np.zeros(batch * q_len, np.int32), np.zeros(batch, np.int32), 0, 0, 1.0,
+            1.0e4, scale, allowed.reshape(-1), mask_indptr, *_sinks_arg(sinks))
+    return KernelCall(spec, args, (batch, q_len, h_q, d))
 
 
-def _ranges(mask, batch: int, q_len: int, kv_len: int, causal: bool, window: int | None):
-    """``(lo, hi)`` int64 ``[B, S_q]`` of the call: from the mask (read once per mask tensor: every
-    layer of a type shares it), else from the causal and window rules."""
-    if mask is None:
-        return rule_ranges(batch, q_len, kv_len, causal=causal, window=window)
+_mask_cache: dict[int, tuple] = {}
+
+
+def _read_mask(mask, batch: int, q_len: int, kv_len: int) -> tuple:
+    """``(allowed, ranges)`` of a transformers mask, read once per mask tensor (every layer of a
+    type shares it): ``allowed`` bool ``[B, S_q, S_kv]``, ``ranges`` its ``(lo, hi)`` int64
+    ``[B, S_q]`` (:func:`key_ranges`), or None when a row has a hole."""
     key = id(mask)
-    cached = _range_cache.get(key)
+    cached = _mask_cache.get(key)
     if cached is not None and cached[0]() is mask and cached[1] == (mask._version, q_len, kv_len):
         return cached[2]
-    ranges = key_ranges(_boolean_mask(mask, batch, q_len, kv_len))
-    if len(_range_cache) >= 4:  # a mask per layer type is live in a forward; keep the newest few
-        _range_cache.pop(next(iter(_range_cache)))
-    _range_cache[key] = (weakref.ref(mask), (mask._version, q_len, kv_len), ranges)
-    return ranges
+    allowed = _boolean_mask(mask, batch, q_len, kv_len)
+    read = (allowed, key_ranges(allowed))
+    if len(_mask_cache) >= 4:  # a mask per layer type is live in a forward; keep the newest few
+        _mask_cache.pop(next(iter(_mask_cache)))
+    _mask_cache[key] = (weakref.ref(mask), (mask._version, q_len, kv_len), read)
+    return read
 
 
 def _boolean_mask(mask, batch: int, q_len: int, kv_len: int) -> np.ndarray:

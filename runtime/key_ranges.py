@@ -2,9 +2,9 @@
 
 A causal, padded, sliding-window or block-diagonal mask (what transformers builds for decoder
 models) gives each query row a range of keys ``[lo, hi)``. :func:`key_ranges` reads those ranges
-off a boolean mask (or derives them from the causal and window rules), :func:`plan_entries`
-groups consecutive queries into the paged kernel's entries, and :func:`paged_arguments` writes
-the entries' page table over a paged copy of the keys:
+off a boolean mask (None for a mask with holes) or :func:`rule_ranges` derives them from the
+causal and window rules, :func:`plan_entries` groups consecutive queries into the paged kernel's
+entries, and :func:`paged_arguments` writes the entries' page table over a paged copy of the keys:
 
 * queries ``s..e-1`` of one batch row share an entry when they share ``lo`` and ``hi`` grows by
   one per query (a causal staircase, bottom-right aligned: semantics §3), optionally after rows
@@ -24,7 +24,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import InputError
 
 
 @dataclass(frozen=True)
@@ -45,24 +44,19 @@ class Entries:
         return len(self.batch)
 
 
-def key_ranges(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def key_ranges(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     """``(lo, hi)`` int64 ``[B, S_q]``: the key range each query row of a boolean ``mask
-    [B, S_q, S_kv]`` allows (``hi == lo`` where it allows none).
-
-    Raises InputError naming ``attention_mask`` when a row allows keys that are not contiguous.
-    """
+    [B, S_q, S_kv]`` allows (``hi == lo`` where it allows none); None when a row allows keys that
+    are not one contiguous range (a mask with holes: a tree or a per-pair mask, which needs the
+    custom-mask kernels, semantics §14)."""
     batch, q_len, kv_len = mask.shape
     counts = mask.sum(axis=-1, dtype=np.int64)
     lo = np.argmax(mask, axis=-1).astype(np.int64)
     hi = kv_len - np.argmax(mask[..., ::-1], axis=-1).astype(np.int64)
     empty = counts == 0
     lo[empty], hi[empty] = 0, 0
-    holes = np.nonzero(~empty & (hi - lo != counts))
-    if len(holes[0]):
-        b, i = holes[0][0], holes[1][0]
-        raise InputError(f"attention_mask: query {i} of batch row {b} attends keys that are not one contiguous "
-                         f"range (keys {lo[b, i]}..{hi[b, i] - 1} with {hi[b, i] - lo[b, i] - counts[b, i]} "
-                         "masked inside); such masks need custom-mask kernels")
+    if np.any(~empty & (hi - lo != counts)):
+        return None
     return lo, hi
 
 

@@ -152,6 +152,62 @@ def test_model_loaded_with_the_implementation_and_set_later():
     _assert_close(got, _logits(model, "eager", ids))
 
 
+def _tree_and_packed(length: int = 24):
+    """A boolean ``[2, 1, S, S]`` mask and its ``position_ids [2, S]``: batch row 0 a 14-token
+    prompt then a speculative-decoding tree of 10 draft tokens (each sees the prompt, its ancestors
+    and itself: rows with holes), batch row 1 two packed sequences of 11 and 13 tokens
+    (block-diagonal causal)."""
+    parents = [-1, 0, 0, 1, 1, 2, 2, 3, -1, 8]
+    prompt = length - len(parents)
+    mask = torch.zeros(2, 1, length, length, dtype=torch.bool)
+    mask[0, 0] = torch.ones(length, length).tril().bool()
+    mask[0, 0, prompt:, prompt:] = False
+    depth = []
+    for i in range(len(parents)):
+        node, steps = i, 0
+        while node >= 0:
+            mask[0, 0, prompt + i, prompt + node] = True
+            node, steps = parents[node], steps + 1
+        depth.append(steps - 1)
+    positions = torch.zeros(2, length, dtype=torch.long)
+    positions[0, :prompt] = torch.arange(prompt)
+    positions[0, prompt:] = prompt + torch.tensor(depth)
+    for start, end in ((0, 11), (11, length)):
+        mask[1, 0, start:end, start:end] = torch.ones(end - start, end - start).tril().bool()
+        positions[1, start:end] = torch.arange(end - start)
+    return mask, positions
+
+
+def _additive(mask, dtype=torch.float32):
+    """The boolean mask as eager attention adds it: 0 where allowed, the dtype's minimum elsewhere."""
+    return torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, torch.finfo(dtype).min)
+
+
+@pytest.mark.parametrize("family", ["llama3", "gpt_oss"])
+def test_masks_with_holes_run_the_custom_mask_kernel(family):
+    """A tree mask (rows whose keys are not one range) and packed sequences as one boolean 4-D
+    attention_mask: the ragged custom-mask kernel (gpt-oss: with its sinks), logits as eager's
+    with the same mask; a mask of the packed sequences alone keeps the paged key-range path."""
+    model = tiny_model(family)
+    ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(5))
+    mask, positions = _tree_and_packed()
+    got = _logits(model, CHECKED, ids, attention_mask=mask, position_ids=positions)
+    _assert_close(got, _logits(model, "eager", ids, attention_mask=_additive(mask), position_ids=positions))
+    assert {symbol for symbol, *_ in calls} == {"batch_prefill_ragged_kv"}
+    assert hf.plan_call(_Module(), *_qkv(2, 24), mask).spec.custom_mask
+    calls.clear()
+    packed = mask[1:].expand(2, 1, 24, 24).clone()
+    got = _logits(model, CHECKED, ids, attention_mask=packed, position_ids=positions[1:].expand(2, 24))
+    _assert_close(got, _logits(model, "eager", ids, attention_mask=_additive(packed),
+                               position_ids=positions[1:].expand(2, 24)))
+    assert {symbol for symbol, *_ in calls} == {"batch_prefill_paged_kv_sliding_window"}
+
+
+def _qkv(batch: int, length: int) -> tuple:
+    """Zero query, key and value ``[B, heads, S, 16]`` of the tiny models' head counts."""
+    return torch.zeros(batch, 4, length, 16), torch.zeros(batch, 2, length, 16), torch.zeros(batch, 2, length, 16)
+
+
 class _Module:
     is_causal = True
 
@@ -166,10 +222,6 @@ def test_bad_calls_name_the_argument():
         hf.attention(_Module(), q, torch.zeros(1, 3, 3, 16), torch.zeros(1, 3, 3, 16), None)
     with pytest.raises(InputError, match="dtype"):
         hf.attention(_Module(), q.double(), k.double(), k.double(), None)
-    holes = torch.ones(1, 1, 3, 3, dtype=torch.bool)
-    holes[0, 0, 2, 1] = False
-    with pytest.raises(InputError, match="attention_mask: query 2 of batch row 0"):
-        hf.attention(_Module(), q, k, k, holes)
     with pytest.raises(InputError, match="attention_mask: an additive mask"):
         hf.attention(_Module(), q, k, k, torch.full((1, 1, 3, 3), 0.5))
 
