@@ -64,9 +64,10 @@ class Plan:
     int8 ``custom_mask``, float32 ``sinks`` when ``plan`` took them); ``device``: the same arrays on
     the kernel's device; ``scalars``: the runtime scalars by ABI name; ``qo_lens`` and
     ``kv_lens``: int64 [B] query rows and (logical) KV rows per entry (the masked wrapper: both
-    are valid_lens); ``rows``: Lq, the query rows of a layer; ``kv_rows``: Lk (ragged) or the
-    fewest pages a layer's cache may have (paged, MLA: the largest page id + 1). The dense
-    wrappers take their sizes from each layer's tensors (``rows`` and ``kv_rows`` are 0).
+    are valid_lens, or Lq and Lk of a custom mask); ``rows``: Lq, the query rows of a layer;
+    ``kv_rows``: Lk (ragged) or the fewest pages a layer's cache may have (paged, MLA: the largest
+    page id + 1). The dense wrappers take their sizes from each layer's tensors (``rows`` and
+    ``kv_rows`` are 0; a custom mask's plan: its Lq and Lk, which every layer must have).
     """
 
     arrays: Mapping
