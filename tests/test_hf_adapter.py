@@ -20,6 +20,7 @@ torch = pytest.importorskip("torch")  # CI installs the hf extra: these never sk
 transformers = pytest.importorskip("transformers")
 
 import linalg_prefill.hf as hf  # noqa: E402
+from linalg_prefill.mlir import PagedPrefillSpec, RaggedPrefillSpec  # noqa: E402
 from linalg_prefill.runtime import InputError  # noqa: E402
 from linalg_prefill.runtime.checks import as_array  # noqa: E402
 
@@ -183,6 +184,9 @@ def _additive(mask, dtype=torch.float32):
     return torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, torch.finfo(dtype).min)
 
 
+@pytest.mark.compiles(*(spec for sinks in (False, True) for spec in (
+    RaggedPrefillSpec(4, 2, 16, 16, "float32", head_sinks=sinks, custom_mask=True),
+    PagedPrefillSpec(4, 2, 16, "float32", page_size=hf.PAGE_SIZE, sliding_window=True, head_sinks=sinks))))
 @pytest.mark.parametrize("family", ["llama3", "gpt_oss"])
 def test_masks_with_holes_run_the_custom_mask_kernel(family):
     """A tree mask (rows whose keys are not one range) and packed sequences as one boolean 4-D

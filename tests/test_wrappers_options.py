@@ -22,6 +22,7 @@ RAGGED = RaggedPrefillSpec(h_q=4, h_kv=2, d_qk=32, d_v=32, dtype="float32", cust
 PAGED_WINDOW = PagedPrefillSpec(h_q=4, h_kv=2, d=32, dtype="float32", page_size=8, sliding_window=True,
                                 custom_mask=True)
 MASKED = MaskedSequencePrefillSpec(h_q=4, h_kv=2, d=32, dtype="bfloat16", mask_mode="custom", sm_scale=32 ** -0.5)
+pytestmark = pytest.mark.compiles(RAGGED, PAGED_WINDOW, MASKED)
 #: Queries are multiplied by this: peaked scores, so a key the mask should hide moves the output.
 PEAK = 3.0
 
