@@ -305,7 +305,8 @@ class MaskedSequencePrefillWrapper(_Wrapper):
             mask = check_mask("custom_mask", custom_mask, shape=(None, None, None))
             batch, rows, cols = mask.shape
             arrays = {"custom_mask": mask, **self._plan_sinks(sinks)}
-            return self._new_plan(arrays, {}, np.full(batch, rows, np.int64), np.full(batch, cols, np.int64), rows, cols)
+            qo_lens, kv_lens = np.full(batch, rows, np.int64), np.full(batch, cols, np.int64)
+            return self._new_plan(arrays, {}, qo_lens, kv_lens, rows, cols)
         if custom_mask is not None:
             raise InputError(f"custom_mask: mask_mode {self.spec.mask_mode!r} takes valid_lens; build the spec "
                              "with mask_mode='custom' for a custom mask")
