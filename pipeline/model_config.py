@@ -52,7 +52,7 @@ from pathlib import Path
 from ..mlir import (
     MaskedSequencePrefillSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec,
 )
-from ..mlir.specs import DTYPES, MASK_MODES, freeze_rope_scaling
+from ..mlir.specs import DTYPES, freeze_rope_scaling
 
 DEFAULT_PAGE_SIZE = 16
 DEFAULT_ROPE_THETA = 10000.0
@@ -70,6 +70,9 @@ class MlaConfig:
 
 #: The layer types the kernels run (Hugging Face ``layer_types`` values).
 LAYER_TYPES = ("full_attention", "sliding_attention")
+#: The masked-sequence kernels a model build makes: the seed's two padding modes. A custom mask
+#: (speculative-decoding trees, semantics §14) is per call; build it on request.
+MODEL_MASK_MODES = ("padded", "causal_padded_left")
 
 
 @dataclass(frozen=True)
@@ -625,7 +628,7 @@ def specs_for_model(cfg: ModelConfig) -> list:
                             head_sinks=sinks),
         *(MaskedSequencePrefillSpec(cfg.h_q, cfg.h_kv, d, cfg.dtype, mask_mode=mode, sm_scale=sm_scale,
                                     logits_soft_cap=cap, head_sinks=sinks)
-          for mode in MASK_MODES),
+          for mode in MODEL_MASK_MODES),
     ]
 
 
