@@ -82,8 +82,9 @@ _CHUNK_ROWS = 128
 
 
 def _f64(x: Any) -> np.ndarray:
-    """float64 copy of ``x`` (works for ml_dtypes.bfloat16 too)."""
-    return np.asarray(x).astype(np.float64)
+    """``x`` as float64 (works for ml_dtypes.bfloat16 too): ``x`` itself when it already is, so
+    callers must not write into the result."""
+    return np.asarray(x, dtype=np.float64)
 
 
 def _i64(x: Any, name: str) -> np.ndarray:
