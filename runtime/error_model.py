@@ -165,9 +165,11 @@ def _sink_error(named: dict) -> float:
 
 def _keys_seen(named: dict, reference: Reference) -> np.ndarray:
     """n_i, shaped like lse: the keys each query row sees (its lse with q = 0 and no sink is
-    log2 n_i; at least 1: rows without a key carry no bound)."""
+    log2 n_i; at least 1: rows without a key carry no bound). RoPE is off in that run: with q = 0
+    every score is 0 (NaN where a key is not finite) rotated or not, so the rotation is waste."""
     no_sink = {"sinks": np.full(np.shape(named["sinks"]), -np.inf)} if "sinks" in named else {}
-    _, lse = reference(dict(named, q=np.zeros_like(named["q"]), **no_sink))
+    no_rope = {"rotary_mode": 0} if "rotary_mode" in named else {}
+    _, lse = reference(dict(named, q=np.zeros_like(named["q"]), **no_sink, **no_rope))
     return np.maximum(np.rint(np.exp2(np.asarray(lse, np.float64))), 1.0)
 
 
