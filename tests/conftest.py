@@ -6,8 +6,8 @@ into the session's cache at once (``pipeline.artifacts.fill_cache``, one process
 test finds its kernels already built. A test declares what it compiles in either of two ways:
 
 * a parameter whose values are specs (``@pytest.mark.parametrize("spec", SPECS)``) of a test
-  that uses the ``cache`` fixture: each value, for the test's ``backend`` parameter if it has
-  one, else llvm-cpu (a test that reads the IR only and takes no ``cache`` declares nothing);
+  that uses the ``cache`` fixture: each value, for the test's ``backend`` (or ``target``) parameter
+  if it has one, else llvm-cpu (a test that reads the IR only and takes no ``cache`` declares nothing);
 * ``@pytest.mark.compiles(*specs, backends=(...))`` on the test (or ``pytestmark = ...`` for a
   whole module): those specs, for those backends (default as above); without specs, the mark
   names the backends of the test's spec parameters.
@@ -158,7 +158,8 @@ def compiled_by(item) -> list[tuple]:
     takes_cache = function is not None and "cache" in inspect.signature(function).parameters
     if _skipped(item) or not marks and not takes_cache:  # a test of the IR alone
         return []
-    default = [params["backend"]] if "backend" in params else ["llvm-cpu"]
+    backend = params.get("backend", params.get("target"))
+    default = ["llvm-cpu" if backend is None else backend]
     groups = [([value for value in params.values() if _is_spec(value)], default)]
     passes = next((mark.kwargs["passes"] for mark in marks if "passes" in mark.kwargs), False)  # the closest
     for mark in marks:

@@ -68,9 +68,14 @@ def test_a_new_backend_is_one_record(fake_backend, capsys):
     assert "backend fake-cpu  driver local-task, lowering linalg, arch x86-64-v3 (archs: any)" in shown
 
 
+#: tests/test_wrappers.py's SEQ: the llvm-cpu artifact is pre-built (the fake backend's is not).
+SHARED_SEQ = SequencePrefillSpec(4, 2, 64, "float32", causal=True, sm_scale=0.125)
+
+
+@pytest.mark.compiles(SHARED_SEQ)
 def test_a_new_backend_runs_against_the_reference_by_default(fake_backend, cache):
     """compare_backends' default backends come from the table: the new one runs next to llvm-cpu."""
-    spec = SequencePrefillSpec(2, 1, 64, "float32", causal=True, sm_scale=0.125)
+    spec = SHARED_SEQ
     report = compare_backends(spec, example_inputs(spec, np.random.default_rng(0), ((5, 5), (3, 3))), cache=cache)
     assert {"llvm-cpu", "fake-cpu"} <= set(report.ran) and report.ok, report.table()
     assert report.pairwise[0][2:] == (0.0, 0.0)  # same flags, same IR: the same artifact

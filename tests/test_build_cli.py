@@ -113,14 +113,33 @@ def test_bad_config_names_the_key(tmp_path, name, change, key):
         load_model_config(path)
 
 
-#: The module's builds share a cache of its own: one xdist worker runs them all.
-pytestmark = pytest.mark.xdist_group("build_cli")
+TINY_SPECS = specs_for_model(load_model_config(TINY))
+#: The CUDA build: a spec tests/test_cuda_compile.py compiles too (the session's pre-build).
+CUDA_SPEC = SequencePrefillSpec(4, 4, 64, "float16", causal=False, sm_scale=0.125)
+
+#: The module's builds share a cache of its own (one xdist worker runs them all), seeded from the
+#: session's pre-built cache with all but the first tiny spec, so the first build compiles one and
+#: reuses the others.
+pytestmark = [pytest.mark.xdist_group("build_cli"), pytest.mark.compiles(*TINY_SPECS),
+              pytest.mark.compiles(CUDA_SPEC, backends=("cuda",))]
+
+
+def _seed(cache: ArtifactCache, session_cache: ArtifactCache, specs, target: Target) -> None:
+    """Copies the session cache's entries of ``specs`` on ``target`` into ``cache``."""
+    for spec in specs:
+        for entry in session_cache.root.glob(f"{COMPILER_VERSION}/{target.tag}/{spec.name}-*"):
+            if entry.is_dir():
+                shutil.copytree(entry, cache.root / COMPILER_VERSION / target.tag / entry.name)
 
 
 @pytest.fixture(scope="module")
-def build_cache(tmp_path_factory) -> ArtifactCache:
-    """A cache of this module's own, so the first build really compiles."""
-    return ArtifactCache(tmp_path_factory.mktemp("build-cache"))
+def build_cache(tmp_path_factory, cache) -> ArtifactCache:
+    """A cache of this module's own holding the pre-built artifacts of every tiny spec but the
+    first (so the first build really compiles one) and of ``CUDA_SPEC``."""
+    own = ArtifactCache(tmp_path_factory.mktemp("build-cache"))
+    _seed(own, cache, TINY_SPECS[1:], Target("llvm-cpu"))
+    _seed(own, cache, [CUDA_SPEC], Target("cuda"))
+    return own
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +147,7 @@ def tiny_build(tmp_path_factory, build_cache):
     """configs/tiny.toml built for llvm-cpu: (specs, out dir, first report, second report, progress text)."""
     cfg = load_model_config(TINY)
     specs = specs_for_model(cfg)
+    assert specs == TINY_SPECS
     out = tmp_path_factory.mktemp("tiny-build")
     first = build_artifacts(specs, ["llvm-cpu"], out, jobs=2, cache=build_cache, progress=False, model=cfg)
     progress = io.StringIO()
@@ -135,9 +155,10 @@ def tiny_build(tmp_path_factory, build_cache):
     return specs, out, first, second, progress.getvalue()
 
 
-def test_build_writes_verified_manifest(tiny_build):
+def test_build_writes_verified_manifest(tiny_build, cache):
     specs, out, first, _, _ = tiny_build
-    assert (first.compiled, first.reused) == (len(specs), 0)
+    seeded = sum(any(cache.root.glob(f"{COMPILER_VERSION}/llvm-cpu-host/{spec.name}-*")) for spec in specs[1:])
+    assert (first.compiled, first.reused) == (len(specs) - seeded, seeded)  # seeded: pre-built (all but one)
     manifest = load_manifest(out)
     assert manifest["format"] == 1 and manifest["compiler_version"] == COMPILER_VERSION
     assert manifest["model"] == "tiny" and manifest["model_config"]["head_dim"] == 64
@@ -225,7 +246,7 @@ def test_manifest_from_another_compiler_raises(tiny_build, tmp_path, capsys):
 
 
 def test_cuda_artifact_builds_without_a_gpu(build_cache, tmp_path):
-    spec = SequencePrefillSpec(4, 2, 64, "float32", causal=True, sm_scale=0.125)
+    spec = CUDA_SPEC
     report = build_artifacts([spec], ["cuda"], tmp_path, jobs=1, cache=build_cache, progress=False)
     (entry,) = report.entries
     assert (entry["backend"], entry["target"]) == ("cuda", "cuda-sm_80")

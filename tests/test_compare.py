@@ -7,6 +7,7 @@ import shutil
 import numpy as np
 import pytest
 
+from linalg_prefill.mlir.decode import DecodeSpec
 from linalg_prefill.mlir import MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec
 from linalg_prefill.mlir.abi import argument_names
 from linalg_prefill.pipeline import Target
@@ -16,12 +17,16 @@ from linalg_prefill.runtime import compare_backends, cuda_available, example_inp
 from linalg_prefill.runtime.compare import BackendResult, ComparisonReport, error_bound, reference_for
 from linalg_prefill.runtime.variants import VARIANTS
 from linalg_prefill.runtime.reference import EMPTY_ROW_LSE
+from support import LLAMA3
 from test_wrappers import MASKED, MLA, PAGED, RAGGED, SEQ, SLIDING
 
+#: A bf16 spec with RoPE that tests/test_kv_cache_prefill.py compiles too.
+ROTATED = RaggedPrefillSpec(8, 2, 64, 64, "bfloat16", LLAMA3)
 SPECS = {"ragged": RAGGED, "paged": PAGED, "sliding_window": SLIDING, "mla": MLA, "sequence": SEQ, "masked": MASKED}
 
 
 @pytest.mark.parametrize("spec", SPECS.values(), ids=SPECS.keys())
+@pytest.mark.compiles(DecodeSpec(MLA))  # example_inputs' one-query entries take MLA's decode pass
 def test_llvm_cpu_matches_reference_and_cuda_is_skipped(spec, cache):
     report = compare_backends(spec, example_inputs(spec, np.random.default_rng(0)), cache=cache)
     cpu = report.result("llvm-cpu")
@@ -33,6 +38,7 @@ def test_llvm_cpu_matches_reference_and_cuda_is_skipped(spec, cache):
         assert "skipped: no cuda device here" in report.table()
 
 
+@pytest.mark.compiles(SEQ, backends=("llvm-cpu", Target("llvm-cpu", "x86-64-v3")))
 def test_pairwise_difference_of_two_cpu_targets(cache):
     args = example_inputs(SEQ, np.random.default_rng(1))
     report = compare_backends(SEQ, args, ("llvm-cpu", Target("llvm-cpu", "x86-64-v3")), cache=cache)
@@ -75,10 +81,11 @@ def test_report_out_of_bound():
     assert not ComparisonReport(SEQ, bound, (empty_rows_wrong,), ()).ok
 
 
+@pytest.mark.compiles(ROTATED, passes=True)
 def test_a_report_holds_the_calls_own_bound(cache):
     """A bf16 call that rotates q and k is allowed the rounding of the rotated values
     (runtime/error_model.py); the same call without RoPE is held much closer."""
-    rotated = RaggedPrefillSpec(4, 2, 32, 32, "bfloat16")
+    rotated = ROTATED
     args = example_inputs(rotated, np.random.default_rng(2))
     without_rope = example_inputs(rotated, np.random.default_rng(2), rotary_mode=0)
     with_rope, plain = (compare_backends(rotated, call, ("llvm-cpu",), cache=cache) for call in (args, without_rope))

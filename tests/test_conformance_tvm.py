@@ -30,6 +30,7 @@ _INSTALL = "apache-tvm is not installed (pip install -e '.[conformance]')"
 tvm = pytest.importorskip("tvm", reason=_INSTALL)
 _prefill = pytest.importorskip("tvm.relax.frontend.nn.llm._prefill_kernels", reason=_INSTALL)
 
+from linalg_prefill.mlir import PagedPrefillSpec  # noqa: E402
 from linalg_prefill.runtime import reference as R  # noqa: E402
 from linalg_prefill.runtime.examples import indptr, page_table  # noqa: E402
 
@@ -236,6 +237,10 @@ def test_ragged_d_qk_ne_d_v_rope():
 # ---------------------------------------------------------------------------------------------
 # Our compiled kernels against the seed's kernels directly (llvm-cpu, float32), same inputs.
 
+#: The seed's paged kernel's shape: 4 query heads on 1 KV head of dim 32, pages of 8, llama3 RoPE.
+PAGED_SPEC = PagedPrefillSpec(4, 1, 32, "float32", page_size=8, rope_scaling=ROPE["llama3"])
+
+
 def _compare_kernels(ours, seed, keep, spec, call):
     """Both kernels within the call's bound of the reference, so within twice it of each other."""
     from linalg_prefill.runtime.compare import reference_for
@@ -245,8 +250,8 @@ def _compare_kernels(ours, seed, keep, spec, call):
 
 
 @pytest.mark.parametrize("causal, rotary", [(0, 0), (1, 1), (0, 1)])
+@pytest.mark.compiles(PAGED_SPEC)
 def test_our_paged_kernel_matches_the_seed(causal, rotary, cache):
-    from linalg_prefill.mlir import PagedPrefillSpec
     from linalg_prefill.runtime import open_kernel
 
     rng = np.random.default_rng(40 + 2 * causal + rotary)
@@ -254,7 +259,7 @@ def test_our_paged_kernel_matches_the_seed(causal, rotary, cache):
     scalars = (causal, rotary, 0.5, 1e4, 32 ** -0.5)
     seed = _run(_paged_kernel(1, 4, 32, 8, False, "llama3"), inputs, (int(inputs[1][-1]), 4, 32),
                 (int(inputs[1][-1]), 4), scalars)
-    spec = PagedPrefillSpec(4, 1, 32, "float32", page_size=8, rope_scaling=ROPE["llama3"])
+    spec = PAGED_SPEC
     _compare_kernels(open_kernel(spec, cache=cache)(*inputs, *scalars), seed, _valid_rows(inputs[1], kv_lens, causal),
                      spec, (*inputs, *scalars))
 

@@ -94,10 +94,14 @@ def test_a_serving_pass_has_no_loop_in_its_host_program(spec, cache, tmp_path):
     assert loop_bodies(text), "the module initializer's loop: the check reads loops"
 
 
+STALLING = SequencePrefillSpec(8, 2, 64, "float16", causal=True, sm_scale=0.125)
+
+
+@pytest.mark.compiles(STALLING, backends=[Target("cuda", "sm_80", lowering="linalg")])
 def test_the_check_sees_the_linalg_lowerings_stalls(cache, tmp_path):
     """The CPU lowering compiled for CUDA allocates and waits inside its KV-step loop: the
     structure checks above would fail on it."""
-    spec = SequencePrefillSpec(8, 2, 64, "float16", causal=True, sm_scale=0.125)
+    spec = STALLING
     vmfb, path = _artifact(spec, cache, tmp_path, lowering="linalg")
     assert host_blocking_calls_in_loops(path, innermost=True)["hal.device.queue.alloca"] > 0
     assert host_blocking_calls_in_loops(path)["hal.fence.await"] > 0

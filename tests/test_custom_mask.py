@@ -101,6 +101,7 @@ def test_random_masks_match_the_reference(spec, backend, cache):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.compiles(dataclasses.replace(RAGGED, head_sinks=True))
 def test_a_custom_mask_with_head_sinks(backend, cache):
     """The two options together: the mask decides which keys a row sees, the sink (semantics
     §13) joins the denominator of the rows that see one."""
@@ -123,6 +124,7 @@ def test_a_short_entry_runs_its_mask_in_the_main_kernel(backend, cache):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.compiles(MASKED)
 def test_masked_sequence_custom_mask(backend, cache):
     kernel = open_kernel(MASKED, backend, cache=cache)
     rng = np.random.default_rng(3)

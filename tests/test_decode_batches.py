@@ -261,6 +261,7 @@ def test_a_pass_whose_scores_outweigh_the_cache_is_not_used():
 
 
 @pytest.mark.parametrize("causal", [1, 0])
+@pytest.mark.compiles(MANY_HEADS, passes=True)
 def test_entries_of_a_pass_that_is_not_used_run_one_query_at_a_time(causal, cache, monkeypatch):
     """Their queries become 1-query entries with the keys each row sees (bottom-right causal:
     none for a row past the keys), one launch of the 1-query pass per token (4 for entries of up
