@@ -15,6 +15,7 @@ from linalg_prefill.mlir import (
     build_module,
 )
 from linalg_prefill.mlir.abi import argument_names
+from linalg_prefill.mlir.decode import DecodeSpec
 from linalg_prefill.pipeline import Target
 from linalg_prefill.runtime import InputError, open_kernel, reference
 from linalg_prefill.runtime.compare import error_bound, reference_for
@@ -109,6 +110,8 @@ def test_bad_sinks_are_input_errors(bad, match, cache):
         kernel(*args[:-1])
 
 
+@pytest.mark.compiles(dataclasses.replace(SPECS["ragged"], head_sinks=False),  # and its 4-query pass
+                      DecodeSpec(dataclasses.replace(SPECS["ragged"], head_sinks=False), 4), passes=False)
 def test_apply_sinks_after_merging_a_split_kv(cache):
     """Keys split in two ragged calls without sinks, merged, then the sinks applied once: the
     ragged kernel with head_sinks over all the keys (within both their bounds) and the reference."""
@@ -209,6 +212,13 @@ def test_gpt_oss_config_sets_head_sinks(tmp_path):
     assert not llama.head_sinks and not any(spec.head_sinks for spec in specs_for_model(llama))
 
 
+#: The kernels the adapter opens for tests/hf_models.py's gpt-oss in the test below.
+GPT_OSS_PAGED = PagedPrefillSpec(4, 2, 16, "float32", page_size=16, sliding_window=True, head_sinks=True)
+GPT_OSS = (SequencePrefillSpec(4, 2, 16, "float32", causal=True, sm_scale=0.25, head_sinks=True), GPT_OSS_PAGED,
+           DecodeSpec(GPT_OSS_PAGED))
+
+
+@pytest.mark.compiles(*GPT_OSS, passes=False)
 def test_gpt_oss_through_the_adapter_matches_eager():
     """A tiny gpt-oss (peaked scores, sinks in [-2, 4)) through linalg_prefill.hf: its ``s_aux``
     reaches the kernels as ``sinks``; logits as eager's within 1e-4 of their scale, on one prompt

@@ -20,7 +20,8 @@ torch = pytest.importorskip("torch")  # CI installs the hf extra: these never sk
 transformers = pytest.importorskip("transformers")
 
 import linalg_prefill.hf as hf  # noqa: E402
-from linalg_prefill.mlir import PagedPrefillSpec, RaggedPrefillSpec  # noqa: E402
+from linalg_prefill.mlir import PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec  # noqa: E402
+from linalg_prefill.mlir.decode import DecodeSpec  # noqa: E402
 from linalg_prefill.runtime import InputError  # noqa: E402
 from linalg_prefill.runtime.checks import as_array  # noqa: E402
 
@@ -93,8 +94,22 @@ def test_the_test_models_attend_sharply():
             assert float((weights.max(-1).values > 0.5).float().mean()) > 0.5, family
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("family", FAMILIES)
+def _prefill_specs(family: str, dtype: str) -> list:
+    """The kernels the adapter opens for ``family``'s tiny model (tests/hf_models.py: 4 query heads
+    on 2 KV heads of dim 16) in a prefill and a left-padded batch: the dense one and the paged one
+    with a window (Gemma 2: soft cap 20, query_pre_attn_scalar 32, and the paged one's decode
+    pass); qwen2-yarn's are qwen2's (the model rotates q and k itself)."""
+    cap = {"logits_soft_cap": 20.0} if family == "gemma2" else {}
+    sm_scale = 32 ** -0.5 if family == "gemma2" else 16 ** -0.5
+    paged = PagedPrefillSpec(4, 2, 16, dtype, page_size=hf.PAGE_SIZE, sliding_window=True, **cap)
+    specs = [SequencePrefillSpec(4, 2, 16, dtype, causal=True, sm_scale=sm_scale, **cap), paged]
+    return specs + [DecodeSpec(paged)] if family == "gemma2" else specs
+
+
+@pytest.mark.parametrize("family, dtype", [
+    pytest.param(family, dtype, id=f"{family}-{dtype_id}", marks=pytest.mark.compiles(*_prefill_specs(family, name)))
+    for family in FAMILIES for dtype, name, dtype_id in ((torch.float32, "float32", "f32"),
+                                                         (torch.bfloat16, "bfloat16", "bf16"))])
 def test_prefill_and_left_padded_batch_match_eager(family, dtype):
     """One prompt of 37 tokens (the dense kernel; Gemma 2's window of 8 binds: the paged one on
     its sliding layer) and a left-padded batch of two (paged, padding rows give 0)."""
@@ -107,7 +122,14 @@ def test_prefill_and_left_padded_batch_match_eager(family, dtype):
     assert {symbol for symbol, *_ in calls} >= {"batch_prefill_paged_kv_sliding_window"}
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+def _generate_specs(family: str) -> list:
+    """``_prefill_specs`` in float32, with the decode pass of the paged one (the decode steps)."""
+    specs = _prefill_specs(family, "float32")
+    return [*specs, DecodeSpec(specs[1])]
+
+
+@pytest.mark.parametrize("family", [pytest.param(family, marks=pytest.mark.compiles(*_generate_specs(family)))
+                                    for family in FAMILIES])
 def test_greedy_generate_gives_eager_tokens(family):
     """Left-padded batch, 10 new tokens: a prefill, then decode steps (S_q = 1 against the cache)."""
     model = tiny_model(family)

@@ -4,12 +4,27 @@ import pathlib
 import re
 
 import numpy as np
+import pytest
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
 
 
+def _readme_specs() -> list:
+    """The specs the README's examples construct (calls without parentheses inside; ``llama3`` is
+    the README's dict, tests/support.py's LLAMA3), and the 4-query decode pass its MLA call takes."""
+    import linalg_prefill.mlir as specs
+    from linalg_prefill.mlir.decode import DecodeSpec
+    from support import LLAMA3
+
+    found = [eval(call, {**vars(specs), "llama3": LLAMA3})  # noqa: S307 - our own README
+             for block in BLOCKS for call in re.findall(r"\b\w+PrefillSpec\([^()]*\)", block)]
+    return found + [DecodeSpec(spec, 4) for spec in found if isinstance(spec, specs.MlaPagedPrefillSpec)]
+
+
+@pytest.mark.compiles(*_readme_specs())
 def test_readme_examples_run_and_agree_with_the_reference():
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    blocks = BLOCKS
     assert len(blocks) >= 5
     dense = {}
     exec(blocks[0], dense)  # noqa: S102 - our own README
