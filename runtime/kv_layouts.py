@@ -80,28 +80,26 @@ def indptr(lengths) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
 
 
-class DenseHost(HostLayout):
+class _KvTensors:
+    """The two hooks of a layout whose keys and values are the ``k`` and ``v`` arguments."""
+
+    def keys_and_values(self, named, d_v):
+        return named["k"], named["v"]
+
+    def with_absolute_values(self, named):
+        return dict(named, v=np.abs(named["v"]))
+
+
+class DenseHost(_KvTensors, HostLayout):
     """k, v [B, Lk, h_kv, d]."""
 
     name = "dense"
 
-    def keys_and_values(self, named, d_v):
-        return named["k"], named["v"]
 
-    def with_absolute_values(self, named):
-        return dict(named, v=np.abs(named["v"]))
-
-
-class RaggedHost(CacheHostLayout):
+class RaggedHost(_KvTensors, CacheHostLayout):
     """k [N, h_kv, d_qk], v [N, h_kv, d_v]; entry b's rows [kv_indptr[b], kv_indptr[b + 1])."""
 
     name = "ragged"
-
-    def keys_and_values(self, named, d_v):
-        return named["k"], named["v"]
-
-    def with_absolute_values(self, named):
-        return dict(named, v=np.abs(named["v"]))
 
     def example_arrays(self, spec, rng, kv_lens, window):
         return {"kv_indptr": indptr(kv_lens)}, {"Lk": int(kv_lens.sum())}
