@@ -60,7 +60,6 @@ DEFAULT_NAME = "linalg_prefill"
 PAGE_SIZE = 16
 
 
-
 def register(name: str = DEFAULT_NAME) -> str:
     """Registers :func:`attention` with transformers' ``AttentionInterface`` and
     :func:`attention_mask` with its ``AttentionMaskInterface`` under ``name``; returns ``name``
