@@ -155,6 +155,11 @@ def lt(a: ir.Value, b: ir.Value) -> ir.Value:
     return arith_d.cmpi(arith_d.CmpIPredicate.slt, a, b)
 
 
+def is_one(flag: ir.Value) -> ir.Value:
+    """``flag == 1`` for an i32 runtime flag (``causal``, ``rotary_mode``), as an i1."""
+    return arith_d.cmpi(arith_d.CmpIPredicate.eq, flag, arith_d.constant(i32(), 1))
+
+
 def logical_not(flag: ir.Value) -> ir.Value:
     """``!flag`` for an i1."""
     return arith_d.xori(flag, arith_d.constant(ir.IntegerType.get_signless(1), 1))

@@ -27,7 +27,7 @@ from typing import Callable, Union
 
 from .ir import (
     DYN, affine_map, arith_d, ceil_div, collapse, const_index, dim, empty, expand, extract_slice, f32,
-    generic, i32, ir, le, linalg_d, lt, one_of, scf_d, sizes_of, storage_tiles,
+    generic, ir, is_one, le, linalg_d, lt, one_of, scf_d, sizes_of, storage_tiles,
     tensor_type, tie_dims, widened,
 )
 from .abi import function_module
@@ -54,10 +54,6 @@ class RopeArgs:
     rotary_dim: int | None = None
 
 
-def _is_one(flag: ir.Value) -> ir.Value:
-    return arith_d.cmpi(arith_d.CmpIPredicate.eq, flag, arith_d.constant(i32(), 1))
-
-
 def rotated_if(rope: RopeArgs | None, x: ir.Value, positions: ir.Value) -> ir.Value:
     """``x`` [N, H, D] with RoPE applied when ``rotary_mode == 1`` (``positions``: [N] i32 or a
     scalar i32 first position)."""
@@ -74,7 +70,7 @@ def _then_rotated_if(rope: RopeArgs | None, build_x: Callable[[], ir.Value], pos
     """
     if rope is None:
         return then(build_x())
-    branch = scf_d.IfOp(_is_one(rope.rotary_mode), result_types, has_else=True)
+    branch = scf_d.IfOp(is_one(rope.rotary_mode), result_types, has_else=True)
     with ir.InsertionPoint(branch.then_block):
         scf_d.YieldOp(then(apply_rope(build_x(), positions, theta=rope.theta, scale=rope.scale,
                                       rope_scaling=rope.rope_scaling, rotary_dim=rope.rotary_dim)))

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping
 
 from .abi import argument_names
-from .ir import arith_d, ceil_div, const_index, dim, i32, index, ir, le, logical_not, lt, tensor_d
+from .ir import arith_d, ceil_div, const_index, dim, index, ir, is_one, le, logical_not, lt, tensor_d
 from .online_softmax import unmasked_kv_tiles
 from .specs import MaskedSequencePrefillSpec, SequencePrefillSpec
 
@@ -193,10 +193,6 @@ class CausalPaddedLeftRule(_ValidLength):
 
 # ---- KV-cache variants (semantics §3, §11) ----
 
-def _is_one(flag: ir.Value) -> ir.Value:
-    return arith_d.cmpi(arith_d.CmpIPredicate.eq, flag, arith_d.constant(i32(), 1))
-
-
 class KvCacheCausalRule(MaskRule):
     """Inside the entry's (logical) KV length and, when the call's ``causal`` flag (i32) is 1, on
     or left of the bottom-right diagonal. The serving passes know this rule."""
@@ -205,7 +201,7 @@ class KvCacheCausalRule(MaskRule):
     one_pass = True
 
     def call_values(self, args):
-        return {"causal": _is_one(args["causal"])}
+        return {"causal": is_one(args["causal"])}
 
     def valid(self, values, lengths, row, col):
         in_diagonal = le(col, arith_d.addi(row(), lengths.diagonal))
