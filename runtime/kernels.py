@@ -105,13 +105,17 @@ def open_kernel(
     *,
     driver: str | None = None,
     cache: ArtifactCache | None = None,
+    serving_passes: bool = True,
 ) -> Kernel:
     """Compiles ``spec`` for ``backend`` (cached on disk) and loads it on ``driver``.
 
     ``driver`` defaults to the backend's (``local-task`` for llvm-cpu, ``cuda`` for cuda).
+    ``serving_passes=False`` runs every entry in the variant's own kernel instead of handing the
+    short ones of a KV-cache call to the one-pass kernels (runtime/decode.py): no pass is compiled.
     """
     if variant(spec).check is None:
         raise InputError(f"spec: {type(spec).__name__} is a pass of a variant's kernel, not a variant")
     target = target_for(backend)
     vmfb = compile_spec(spec, target, cache=cache)
-    return Kernel(spec, target, LoadedKernel(vmfb, spec.symbol, driver or target.driver), cache=cache, decode_pass=True)
+    return Kernel(spec, target, LoadedKernel(vmfb, spec.symbol, driver or target.driver), cache=cache,
+                  decode_pass=serving_passes)

@@ -32,7 +32,14 @@ cache: each builds its share of the declared specs first, then takes what is lef
 lock compiles each artifact once), and each runs IREE's local-task driver on its share of the cores.
 
 The session's cache is also the environment's (``LINALG_PREFILL_CACHE_DIR``), so a test that opens
-a kernel without ``cache=`` uses the same artifacts.
+a kernel without ``cache=`` uses the same artifacts. ``LINALG_PREFILL_TEST_CACHE=DIR`` keeps it in
+DIR instead of pytest's temporary folder: a rerun compiles only what changed, and a test that runs
+pytest in a subprocess (tests/test_gpu_bundle.py) hands it its own cache.
+
+**Grids.** A numerics grid is a list of (spec, lowering) cases, usually ``support.pairwise`` over
+its factors (every pair of values of two factors in some spec, e.g. 9 compiles for heads x head dim
+x mask x dtype x lowering instead of 72); ``on_backends(cases)`` makes them pytest parameters, each
+spec on the host backend of its lowering and on every GPU backend (skipped without a device).
 """
 
 from __future__ import annotations
@@ -60,16 +67,20 @@ from linalg_prefill.runtime.examples import uniform as _uniform
 from linalg_prefill.runtime.variants import VARIANTS
 
 import support
-from support import NUMPY_DTYPE, TensorLike, assert_matches_reference  # noqa: F401 (imported from here too)
+from support import NUMPY_DTYPE, TensorLike, assert_matches_reference, spec_id  # noqa: F401 (imported from here too)
 
 __all__ = ["BACKENDS", "BACKENDS_WITHOUT_FUSED_CPU", "NUMPY_DTYPE", "TensorLike", "assert_matches_reference",
-           "uniform"]
+           "on_backends", "uniform"]
 
 #: Every numerics test runs on each backend of pipeline/targets.py: BACKENDS: llvm-cpu (its linalg
 #: lowering), then, for a backend on the host CPU, its other lowerings (the fused lowering CUDA
 #: uses compiled for llvm-cpu: same IR structure, so a wrong mask or index shows up without a
 #: GPU), and CUDA itself (marked ``device``) where a device exists.
 BACKENDS = []
+#: Per lowering, the backend that runs it on this machine (the fused lowering CUDA uses compiled
+#: for llvm-cpu), as a pytest parameter; and the GPU backends, skipped without a device.
+HOST_LOWERINGS: dict = {}
+DEVICE_BACKENDS = []
 #: The same without the host backends' other lowerings, for two kinds of test:
 #: - query/key head dims above 128: IREE 3.13's llvm-cpu code for online_attention tiles the head
 #:   dim of Q.K^T and treats each partial dot product as a score (measured: ragged d_qk 160, 192,
@@ -81,19 +92,35 @@ BACKENDS = []
 BACKENDS_WITHOUT_FUSED_CPU = []
 for _name, _record in TARGET_BACKENDS.items():
     if _record.on_host:
-        BACKENDS += [_name, *(pytest.param(Target(_name, lowering=lowering), id=f"{_name}-{lowering}")
-                              for lowering in LOWERINGS if lowering != _record.lowering)]
+        HOST_LOWERINGS[_record.lowering] = pytest.param(_name, id=_name)
+        HOST_LOWERINGS.update({lowering: pytest.param(Target(_name, lowering=lowering), id=f"{_name}-{lowering}")
+                               for lowering in LOWERINGS if lowering != _record.lowering})
+        BACKENDS += [_name, *(HOST_LOWERINGS[lowering] for lowering in LOWERINGS if lowering != _record.lowering)]
         BACKENDS_WITHOUT_FUSED_CPU.append(_name)
     else:
-        _param = pytest.param(_name, marks=[pytest.mark.device, pytest.mark.skipif(
+        _param = pytest.param(_name, id=_name, marks=[pytest.mark.device, pytest.mark.skipif(
             not backend_available(_name), reason=f"no {_record.driver} device")])
         BACKENDS.append(_param)
         BACKENDS_WITHOUT_FUSED_CPU.append(_param)
+        DEVICE_BACKENDS.append(_param)
+
+
+def on_backends(cases) -> list:
+    """``(spec, backend)`` pytest parameters for ``cases``, (spec, lowering) pairs (e.g. from
+    ``support.pairwise``): each spec on the host backend of its lowering, and every spec on each
+    GPU backend (skipped without a device)."""
+    hosts = [HOST_LOWERINGS[lowering] for _, lowering in cases]
+    params = [pytest.param(spec, host.values[0], id=f"{spec_id(spec)}-{host.id}") for (spec, _), host in zip(cases, hosts)]
+    for spec in dict.fromkeys(spec for spec, _ in cases):
+        params += [pytest.param(spec, device.values[0], id=f"{spec_id(spec)}-{device.id}", marks=device.marks)
+                   for device in DEVICE_BACKENDS]
+    return params
 
 
 #: What the pre-build found and did: the (spec, target) pairs, the fill's result, the artifacts
 #: compiled in this process outside it (``late``), and (xdist's controller) the workers' reports.
-_PREBUILD: dict = {"tasks": [], "result": None, "running": False, "late": [], "workers": [], "compile_ir": None}
+_PREBUILD: dict = {"tasks": [], "result": None, "running": False, "late": [], "workers": [], "compile_ir": None,
+                   "test": None}
 
 
 def pytest_addoption(parser):
@@ -120,10 +147,14 @@ def pytest_configure(config):
 
     def counted_compile_ir(ir_text, target, name="module"):
         if not _PREBUILD["running"]:
-            _PREBUILD["late"].append(f"{target.tag}/{name}")
+            _PREBUILD["late"].append(f"{target.tag}/{name} ({_PREBUILD['test']})")
         return real_compile_ir(ir_text, target, name)
 
     compiler.compile_ir = counted_compile_ir  # counts the compiles outside the pre-build
+
+
+def pytest_runtest_setup(item):
+    _PREBUILD["test"] = item.nodeid  # names the test in the list of late compiles
 
 
 def pytest_unconfigure(config):
@@ -160,7 +191,7 @@ def compiled_by(item) -> list[tuple]:
         return []
     backend = params.get("backend", params.get("target"))
     default = ["llvm-cpu" if backend is None else backend]
-    groups = [([value for value in params.values() if _is_spec(value)], default)]
+    groups = [([value for value in params.values() if _is_spec(value)] if takes_cache else [], default)]
     passes = next((mark.kwargs["passes"] for mark in marks if "passes" in mark.kwargs), False)  # the closest
     for mark in marks:
         if mark.args:
@@ -224,6 +255,8 @@ def pytest_terminal_summary(terminalreporter):
     if late:
         terminalreporter.write_line(f"compiled during the tests: {len(late)} artifacts no test declares "
                                     f"(tests/conftest.py), e.g. {', '.join(late[:3])}")
+        if terminalreporter.config.option.verbose > 0:
+            terminalreporter.write_line("\n".join(f"  late: {name}" for name in late))
 
 
 RECORD_DIR = os.environ.get("LINALG_PREFILL_RECORD_CASES")
@@ -276,10 +309,18 @@ def record_backend_cases(request, monkeypatch):
     monkeypatch.setattr(support, "_KERNELS", {})  # kernels opened in this test record under its name
 
 
+#: A folder for the session's artifact cache, kept after the run (a rerun compiles only what
+#: changed; a test that starts pytest in a subprocess passes its own cache on), instead of a fresh
+#: one under pytest's temporary folder.
+TEST_CACHE_VARIABLE = "LINALG_PREFILL_TEST_CACHE"
+
+
 @pytest.fixture(scope="session")
 def cache(request, tmp_path_factory) -> ArtifactCache:
     """One cache for the session (shared by xdist's workers): each spec compiles once however many
-    tests use it."""
+    tests use it. ``LINALG_PREFILL_TEST_CACHE=DIR`` keeps it in DIR."""
+    if os.environ.get(TEST_CACHE_VARIABLE):
+        return ArtifactCache(os.environ[TEST_CACHE_VARIABLE])
     root = tmp_path_factory.getbasetemp()
     return ArtifactCache((root.parent if xdist_worker(request.config) else root) / "artifacts")
 

@@ -1,4 +1,4 @@
-"""What the tests share: rope configs, dtypes, the fuzzed spec lists, the checks against the
+"""What the tests share: rope configs, dtypes, the fuzzed spec lists, pairwise grids, the checks against the
 float64 reference (``assert_matches_reference``, ``run_against_reference``) and the nesting of a
 module's loops (``structure``) for structural IR asserts.
 
@@ -8,6 +8,8 @@ tests/conftest.py re-exports the names other test files import from it (``NUMPY_
 
 from __future__ import annotations
 
+import itertools
+import random
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -77,6 +79,30 @@ THOROUGH_DENSE_SPECS = [
 ]
 
 
+def pairwise(**factors) -> list[dict]:
+    """Rows, each a value of every factor (``factors``: name -> values), in which every pair of
+    values of two different factors appears in some row (a covering array of strength 2): the
+    grids of the numerics tests, where each row is a compile. Greedy (each row the candidate that
+    covers the most pairs not yet covered), the smallest of 32 seeded candidate orders, so the
+    same rows every run. E.g. 3 x 3 x 2 x 2 values: 9 rows, against 36 in the full product."""
+    names = list(factors)
+
+    def pairs(row: tuple) -> set:  # with each value alone, so that one factor gives all its values
+        return {(x, row[x], y, row[y]) for x, y in itertools.combinations(range(len(names)), 2)} | \
+            {(x, row[x]) for x in range(len(names))}
+
+    product = list(itertools.product(*(range(len(factors[name])) for name in names)))
+    best = None
+    for seed in range(32):
+        candidates = product if seed == 0 else random.Random(seed).sample(product, len(product))
+        uncovered, rows = set().union(*map(pairs, product)), []
+        while uncovered:
+            rows.append(max(candidates, key=lambda candidate: len(pairs(candidate) & uncovered)))
+            uncovered -= pairs(rows[-1])
+        best = rows if best is None or len(rows) < len(best) else best
+    return [{name: factors[name][i] for name, i in zip(names, row)} for row in best]
+
+
 def spec_id(spec) -> str:
     """A short test id for a spec parameter: its artifact name without the entry point's."""
     return spec.name.removeprefix(spec.symbol + "_")
@@ -108,23 +134,25 @@ def with_arguments(spec, args: tuple, **given) -> tuple:
 _KERNELS: dict = {}
 
 
-def kernel_for(spec, backend="llvm-cpu", cache=None):
-    """``open_kernel(spec, backend, cache=cache)``, opened once per session (opening builds the
-    spec's IR again to find its artifact)."""
-    key = (spec, backend, cache.root if cache else None)
+def kernel_for(spec, backend="llvm-cpu", cache=None, serving_passes: bool = True):
+    """``open_kernel(spec, backend, cache=cache, serving_passes=serving_passes)``, opened once per
+    session (opening builds the spec's IR again to find its artifact)."""
+    key = (spec, backend, cache.root if cache else None, serving_passes)
     if key not in _KERNELS:
-        _KERNELS[key] = open_kernel(spec, backend, cache=cache)
+        _KERNELS[key] = open_kernel(spec, backend, cache=cache, serving_passes=serving_passes)
     return _KERNELS[key]
 
 
 def run_against_reference(spec, backend="llvm-cpu", *, cache=None, entries: Iterable | None = None,
-                          calls: Iterable[dict] = ({},), window=None, seed: int = 0) -> None:
+                          calls: Iterable[dict] = ({},), window=None, seed: int = 0,
+                          serving_passes: bool = True) -> None:
     """Opens ``spec`` on ``backend`` and checks one call per dict of ``calls`` (arguments by name
     replacing runtime/examples.py's defaults, e.g. ``dict(causal=0, rotary_mode=1)``) against the
     float64 reference. The tensors and index arrays are drawn once, by ``example_inputs(spec, rng,
     entries, window=window)``: ``entries`` (qo_len, kv_len) per batch entry; a dense spec takes B =
-    len(entries) of the first entry's lengths."""
-    kernel = kernel_for(spec, backend, cache)
+    len(entries) of the first entry's lengths. ``serving_passes=False``: every entry runs in the
+    variant's own kernel (``open_kernel``)."""
+    kernel = kernel_for(spec, backend, cache, serving_passes)
     rng = np.random.default_rng(seed)
     args = example_inputs(spec, rng, window=window) if entries is None else \
         example_inputs(spec, rng, list(entries), window=window)

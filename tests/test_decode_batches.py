@@ -233,6 +233,16 @@ def test_which_entries_take_the_pass(lowering):
     assert not pass_queries(spec, tuple(with_rope), passes).any()
 
 
+def test_a_kernel_opened_without_serving_passes_runs_every_entry_itself(cache, monkeypatch):
+    spec = CASES["paged-f32"][0]
+    kernel = open_kernel(spec, cache=cache, serving_passes=False)
+    args = _call(spec, np.random.default_rng(7), MIXED)
+    calls = _CountingPasses(kernel, monkeypatch)
+    got = kernel(*args)
+    assert (calls.decode, calls.rest) == (0, 0)  # no split: one launch of the variant's kernel
+    assert_matches_reference("without serving passes", got, spec, args)
+
+
 @pytest.mark.parametrize("backend", PASS_BACKENDS)
 def test_nan_in_unused_cache_rows_stays_out(backend, cache):
     """Slots past an entry's rows (and unused pages) hold NaN: the pass weighs them 0 without

@@ -17,26 +17,49 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
+
+from linalg_prefill.mlir import DecodeSpec, PagedPrefillSpec
+from linalg_prefill.pipeline.model_config import load_model_config, specs_for_model
+from linalg_prefill.runtime.decode import DECODE_PASSES
+from support import spec_id
+from test_sequence_prefill import DENSE_CASES
 
 ROOT = Path(__file__).resolve().parents[1]
-# Two recorded tests: dense (B=2, 300 x 300 included) and ragged with RoPE on and off.
+sys.path.insert(0, str(ROOT / "bench"))
+from gpu_bundle import bench_cases  # noqa: E402
+
+#: Two recorded tests: dense causal float32 on llvm-cpu (B=2, 300 x 300 included) and ragged with
+#: RoPE on and off.
+DENSE = next(spec for spec, lowering in DENSE_CASES if lowering == "linalg" and spec.dtype == "float32" and spec.causal)
 RECORDED_TESTS = [
-    "tests/test_sequence_prefill.py::test_sequence_prefill_float32[hq4_hkv4_d64_float32_causal1_sm0p125_qt256_kt256-llvm-cpu]",
-    "tests/test_kv_cache_prefill.py::test_ragged_half[hq8_hkv2_dqk64_dv64_bfloat16_rope-llama3-b14df0cb_qt64_kt128-llvm-cpu]",
+    f"tests/test_sequence_prefill.py::test_sequence_prefill[{spec_id(DENSE)}-llvm-cpu]",
+    "tests/test_kv_cache_prefill.py::test_ragged_half[hq8_hkv2_dqk64_dv64_bfloat16_rope-llama3-b14df0cb_qt64_kt128-"
+    "llvm-cpu]",
 ]
+#: What the bundle below compiles, built before the tests run (tests/conftest.py) into the
+#: session's cache, which the bundle's pytest and bench/gpu_bundle.py use too: the recorded
+#: tests' specs (they run in the session as well), tiny.toml's, the timed cases' and the serving
+#: passes of paged-f16.
+SERVED = PagedPrefillSpec(32, 8, 128, "float16", page_size=16)
+BUNDLE_SPECS = [*specs_for_model(load_model_config(ROOT / "configs" / "tiny.toml")),
+                *(spec for _, spec, _, _ in bench_cases([256])),
+                *(DecodeSpec(SERVED, queries) for queries in DECODE_PASSES["linalg"].usable(SERVED))]
 
 
 def _run(command, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run(command, capture_output=True, text=True, cwd=ROOT, **kwargs)
 
 
-def _runner(bundle: Path) -> subprocess.CompletedProcess:
-    return _run([sys.executable, str(bundle / "gpu_runner.py"), "--driver", "local-task", "--repeat", "1"])
+def _runner(bundle: Path, *options: str) -> subprocess.CompletedProcess:
+    return _run([sys.executable, str(bundle / "gpu_runner.py"), "--driver", "local-task", "--repeat", "1", *options])
 
 
-def test_recorded_calls_replay_from_a_bundle(tmp_path):
+@pytest.mark.compiles(*BUNDLE_SPECS)
+def test_recorded_calls_replay_from_a_bundle(tmp_path, cache):
     recorded, bundle = tmp_path / "recorded", tmp_path / "bundle"
-    env = dict(os.environ, LINALG_PREFILL_RECORD_CASES=str(recorded))
+    env = dict(os.environ, LINALG_PREFILL_RECORD_CASES=str(recorded), LINALG_PREFILL_TEST_CACHE=str(cache.root),
+               LINALG_PREFILL_CACHE_DIR=str(cache.root))
     tests = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *RECORDED_TESTS], env=env)
     assert tests.returncode == 0, tests.stdout[-2000:]
     calls = len(list(recorded.glob("*.pkl")))
@@ -58,13 +81,15 @@ def test_recorded_calls_replay_from_a_bundle(tmp_path):
     assert sum(1 for path in cases if path.name.startswith("serving-paged-f16-")) >= 2
     assert "bench-serving-32x1-vs-1024-float16:" in run.stdout
 
-    # A case whose reference disagrees with the kernel (causal flipped) must fail the run.
-    path = next(p for p in cases if "test_sequence_prefill_float32" in p.name and "-00005-" in p.name)
+    # A case whose reference disagrees with the kernel (causal flipped) must fail the run (of the
+    # dense test's cases alone).
+    dense = [p for p in cases if "test_sequence_prefill" in p.name]
+    path = next(p for p in dense if "-00005-" in p.name)
     with np.load(path) as data:
         arrays = dict(data)
     meta = json.loads(str(arrays.pop("meta")))
     meta["reference"][1]["causal"] = not meta["reference"][1]["causal"]
     np.savez_compressed(path, meta=json.dumps(meta), **arrays)
-    run = _runner(bundle)
+    run = _runner(bundle, "--only", "test_sequence_prefill")
     assert run.returncode == 1
-    assert "OUT OF BOUND" in run.stdout and f"{checked - 1} of {checked} checked" in run.stdout
+    assert "OUT OF BOUND" in run.stdout and f"{len(dense) - 1} of {len(dense)} checked" in run.stdout

@@ -82,6 +82,7 @@ CUDA_SPECS = [_variant("ragged", 64, "bfloat16"), _variant("paged", 72, "float16
               _variant("ragged", 256, "bfloat16")]
 
 
+@pytest.mark.compiles(backends=("cuda",))
 @pytest.mark.parametrize("spec", CUDA_SPECS, ids=lambda s: s.name)
 def test_head_dim_compiles_for_cuda_with_tensor_cores(spec, cache, tmp_path):
     path = tmp_path / "kernel.vmfb"

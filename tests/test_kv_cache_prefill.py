@@ -4,6 +4,10 @@ Every batch mixes entries that exercise the edge cases of semantics §3/§11.3: 
 ``qo_len > kv_len`` under the causal mask (rows with no valid key), an entry with no KV at all,
 an entry with no queries, single rows, and entries longer than one query tile (64 tokens) and one
 KV tile (128 columns). Page tables are shuffled, with unused pages and partial last pages.
+
+Every entry runs in the variant's own kernel (``serving_passes=False``): the one-pass kernels that
+short entries take by default are checked against the reference for every KV-cache variant by
+tests/test_decode_batches.py, test_fuzz.py and test_head_sinks.py.
 """
 
 from __future__ import annotations
@@ -11,10 +15,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import BACKENDS, BACKENDS_WITHOUT_FUSED_CPU
+from conftest import BACKENDS, BACKENDS_WITHOUT_FUSED_CPU, on_backends
 from linalg_prefill.mlir import MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec
 from linalg_prefill.mlir.specs import ROPE_FIELDS
 from linalg_prefill.mlir.abi import position
+from linalg_prefill.pipeline.targets import LOWERINGS
 from linalg_prefill.runtime import open_kernel
 from linalg_prefill.runtime.examples import example_inputs
 from support import LLAMA3, ROPE_TYPES, run_against_reference, spec_id
@@ -23,9 +28,6 @@ from support import LLAMA3, ROPE_TYPES, run_against_reference, spec_id
 ENTRIES = [(5, 3), (0, 7), (17, 40), (1, 1), (9, 0), (70, 150)]
 SHORT_ENTRIES = [(5, 3), (0, 7), (12, 30), (9, 0), (3, 20)]
 MLA_ENTRIES = [(5, 3), (0, 7), (20, 40), (9, 0), (33, 140)]
-#: The serving passes that calls of these entries take are built before the tests run
-#: (tests/conftest.py); calls with inline RoPE (rotary_mode 1) take none.
-pytestmark = pytest.mark.compiles(passes=ENTRIES + MLA_ENTRIES)
 
 
 def test_the_rope_examples_cover_every_rope_type():
@@ -35,6 +37,11 @@ def test_the_rope_examples_cover_every_rope_type():
 def _calls(rotary_modes=(0, 1), **scalars) -> list[dict]:
     """Both masks (causal 0 and 1) for each of ``rotary_modes``, with ``scalars`` by name."""
     return [dict(causal=causal, rotary_mode=rotary, **scalars) for causal in (0, 1) for rotary in rotary_modes]
+
+
+def _check(spec, backend="llvm-cpu", **kwargs):
+    """``run_against_reference`` with every entry in the variant's own kernel."""
+    run_against_reference(spec, backend, serving_passes=False, **kwargs)
 
 
 def _inputs(spec, rng, entries) -> tuple:
@@ -50,64 +57,75 @@ def _inputs(spec, rng, entries) -> tuple:
 @pytest.mark.parametrize("spec", [RaggedPrefillSpec(*heads, d, d, "float32") for heads in [(4, 4), (8, 2), (8, 1)]
                                   for d in (64, 128)], ids=spec_id)
 def test_ragged_float32(backend, spec, cache):
-    run_against_reference(spec, backend, cache=cache, entries=ENTRIES, calls=_calls())
+    _check(spec, backend, cache=cache, entries=ENTRIES, calls=_calls())
 
 
 @pytest.mark.parametrize("backend", BACKENDS_WITHOUT_FUSED_CPU)
 @pytest.mark.parametrize("spec", [RaggedPrefillSpec(4, 4, 192, 128, "float32")], ids=spec_id)
 def test_ragged_dqk_differs_from_dv(backend, spec, cache):
     """The MLA self-attention shape: d_qk = 192 (nope + rope), d_v = 128."""
-    run_against_reference(spec, backend, cache=cache, entries=ENTRIES, calls=_calls(rotary_modes=(0,)))
+    _check(spec, backend, cache=cache, entries=ENTRIES, calls=_calls(rotary_modes=(0,)))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("spec", [RaggedPrefillSpec(8, 2, 64, 64, dtype, LLAMA3) for dtype in ("float16", "bfloat16")],
                          ids=spec_id)
 def test_ragged_half(backend, spec, cache):
-    run_against_reference(spec, backend, cache=cache, entries=ENTRIES, calls=_calls())
+    _check(spec, backend, cache=cache, entries=ENTRIES, calls=_calls())
 
 
-@pytest.mark.compiles(passes=False)  # inline RoPE: no pass
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("spec", [RaggedPrefillSpec(4, 2, 64, 64, "float32", rope) for rope in ROPE_TYPES.values()],
-                         ids=spec_id)
+#: Every rope type, on the two lowerings in turn: the rotation is index maths both share
+#: (mlir/rope.py), so one lowering per type reaches each type's code.
+ROPE_CASES = [(RaggedPrefillSpec(4, 2, 64, 64, "float32", rope), LOWERINGS[i % 2])
+              for i, rope in enumerate(ROPE_TYPES.values())]
+
+
+@pytest.mark.parametrize("spec, backend", on_backends(ROPE_CASES))
 def test_ragged_rope_types(backend, spec, cache):
     """Every rope type with rope_scale != 1."""
-    run_against_reference(spec, backend, cache=cache, entries=SHORT_ENTRIES, calls=_calls((1,), rope_scale=0.5),
-                          seed=3)
+    _check(spec, backend, cache=cache, entries=SHORT_ENTRIES, calls=_calls((1,), rope_scale=0.5), seed=3)
 
 
 # ---------------------------------------------------------------------------------------------
 # paged
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("spec", [PagedPrefillSpec(8, 2, 64, "float32", page_size=page_size)
-                                  for page_size in (1, 8, 16, 32, 64)], ids=spec_id)
+#: Every page size on the linalg lowering; on the fused one, one key per page, the serving
+#: default (16) and the largest.
+PAGE_SIZE_CASES = [(PagedPrefillSpec(8, 2, 64, "float32", page_size=page_size), lowering)
+                   for lowering, page_sizes in (("linalg", (1, 8, 16, 32, 64)), ("fused", (1, 16, 64)))
+                   for page_size in page_sizes]
+
+
+@pytest.mark.parametrize("spec, backend", on_backends(PAGE_SIZE_CASES))
 def test_paged_page_sizes(backend, spec, cache):
-    run_against_reference(spec, backend, cache=cache, entries=ENTRIES, calls=_calls())
+    _check(spec, backend, cache=cache, entries=ENTRIES, calls=_calls())
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("spec", [PagedPrefillSpec(8, 1, 128, "float32", page_size=16)], ids=spec_id)
 def test_paged_d128_gqa8(backend, spec, cache):
-    run_against_reference(spec, backend, cache=cache, entries=ENTRIES, calls=_calls((0,)))
+    _check(spec, backend, cache=cache, entries=ENTRIES, calls=_calls((0,)))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("spec", [PagedPrefillSpec(8, 2, 64, dtype, page_size=8, sliding_window=True)
-                                  for dtype in ("float32", "float16", "bfloat16")], ids=spec_id)
+#: float32 on both lowerings, each 16-bit dtype on one.
+WINDOW_CASES = [(PagedPrefillSpec(8, 2, 64, dtype, page_size=8, sliding_window=True), lowering)
+                for dtype, lowering in (("float32", "linalg"), ("float32", "fused"), ("float16", "linalg"),
+                                        ("bfloat16", "fused"))]
+
+
+@pytest.mark.parametrize("spec, backend", on_backends(WINDOW_CASES))
 def test_paged_sliding_window_with_sinks(backend, spec, cache):
     """length_info [3, B]: window offsets and sinks remap logical rows (§2)."""
     window = [(4, 2), (0, 0), (10, 4), (3, 1), (0, 0), (20, 6)]
-    run_against_reference(spec, backend, cache=cache, entries=ENTRIES, window=window, calls=_calls((0,)))
+    _check(spec, backend, cache=cache, entries=ENTRIES, window=window, calls=_calls((0,)))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("spec", [PagedPrefillSpec(4, 4, 128, dtype, page_size=16) for dtype in ("float16", "bfloat16")],
                          ids=spec_id)
 def test_paged_half(backend, spec, cache):
-    run_against_reference(spec, backend, cache=cache, entries=ENTRIES, calls=_calls((0,)))
+    _check(spec, backend, cache=cache, entries=ENTRIES, calls=_calls((0,)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -123,7 +141,7 @@ MLA_CALLS = [dict(causal=causal, sm_scale=192 ** -0.5) for causal in (0, 1)]
                                   for dtype in ("float32", "float16", "bfloat16")], ids=spec_id)
 def test_mla_deepseek_sizes(backend, spec, cache):
     """d_latent 512 + d_rope 64, h_q = 16 (DeepSeek-V2-Lite)."""
-    run_against_reference(spec, backend, cache=cache, entries=MLA_ENTRIES,
+    _check(spec, backend, cache=cache, entries=MLA_ENTRIES,
                           calls=MLA_CALLS)
 
 
@@ -132,21 +150,20 @@ def test_mla_deepseek_sizes(backend, spec, cache):
                          ids=spec_id)
 def test_mla_sliding_window(backend, spec, cache):
     window = [(4, 2), (0, 0), (10, 4), (3, 1), (0, 0), (20, 6)]
-    run_against_reference(spec, backend, cache=cache, entries=ENTRIES, window=window, calls=MLA_CALLS)
+    _check(spec, backend, cache=cache, entries=ENTRIES, window=window, calls=MLA_CALLS)
 
 
 # ---------------------------------------------------------------------------------------------
 # batch behaviour
 
 
-@pytest.mark.compiles(passes=False)
 @pytest.mark.parametrize("spec", [RaggedPrefillSpec(8, 2, 64, 64, "float32", q_tile=8, kv_tile=16)], ids=spec_id)
 def test_ragged_small_tiles_walk_many_tiles(spec, cache):
     """Tiles far smaller than the entries: many query and KV steps per entry, partial last tiles."""
-    run_against_reference(spec, cache=cache, entries=ENTRIES, calls=_calls((1,)))
+    _check(spec, cache=cache, entries=ENTRIES, calls=_calls((1,)))
 
 
-@pytest.mark.compiles(RaggedPrefillSpec(8, 2, 64, 64, "float32"), passes=False)
+@pytest.mark.compiles(RaggedPrefillSpec(8, 2, 64, 64, "float32"))
 def test_entry_results_do_not_depend_on_the_batch(cache):
     """An entry alone and inside a batch (any position) gives bitwise the same float32 result."""
     spec = RaggedPrefillSpec(8, 2, 64, 64, "float32")

@@ -5,20 +5,22 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import BACKENDS, BACKENDS_WITHOUT_FUSED_CPU, assert_matches_reference, uniform
+from conftest import assert_matches_reference, on_backends, uniform
 from linalg_prefill.mlir import MaskedSequencePrefillSpec, SequencePrefillSpec
+from linalg_prefill.pipeline.targets import LOWERINGS
 from linalg_prefill.runtime import InputError, open_kernel
 from linalg_prefill.runtime.reference import EMPTY_ROW_LSE
-from support import run_against_reference, spec_id
+from support import pairwise, run_against_reference, spec_id
 
 #: (B, qo_len, kv_len); the float64 reference and error bound of the 300 x 300 call are most of a
 #: test's time: two entries of it keep a batch over several query and KV tiles.
 SHAPES = [(1, 1, 1), (3, 17, 17), (1, 64, 200), (2, 300, 300), (1, 129, 5), (3, 5, 129)]
-HEADS_AND_DIMS = [((4, 4), 64), ((8, 2), 128), ((6, 1), 64)]
-FP32_SPECS = [SequencePrefillSpec(*heads, d, "float32", causal=causal, sm_scale=d ** -0.5)
-              for heads, _ in HEADS_AND_DIMS for d in (64, 128) for causal in (False, True)]
-HALF_SPECS = [SequencePrefillSpec(*heads, d, dtype, causal=causal, sm_scale=d ** -0.5)
-              for heads, d in HEADS_AND_DIMS for dtype in ("float16", "bfloat16") for causal in (False, True)]
+#: Heads (GQA group 1, 4 and 6), head dim, dtype, mask and lowering, pairwise (support.pairwise):
+#: every pair of values of two of them is in some spec; each spec runs on a GPU too, where there is one.
+DENSE_CASES = [(SequencePrefillSpec(*row["heads"], row["d"], row["dtype"], causal=row["causal"],
+                                    sm_scale=row["d"] ** -0.5), row["lowering"])
+               for row in pairwise(heads=[(4, 4), (8, 2), (6, 1)], d=[64, 128], causal=[False, True],
+                                   dtype=["float32", "float16", "bfloat16"], lowering=list(LOWERINGS))]
 
 
 def _run_shapes(spec, backend, cache, shapes=SHAPES):
@@ -28,15 +30,8 @@ def _run_shapes(spec, backend, cache, shapes=SHAPES):
         run_against_reference(spec, backend, cache=cache, entries=[(qo_len, kv_len)] * batch)
 
 
-@pytest.mark.parametrize("backend", BACKENDS_WITHOUT_FUSED_CPU)
-@pytest.mark.parametrize("spec", FP32_SPECS, ids=spec_id)
-def test_sequence_prefill_float32(backend, spec, cache):
-    _run_shapes(spec, backend, cache)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("spec", HALF_SPECS, ids=spec_id)
-def test_sequence_prefill_half(backend, spec, cache):
+@pytest.mark.parametrize("spec, backend", on_backends(DENSE_CASES))
+def test_sequence_prefill(spec, backend, cache):
     _run_shapes(spec, backend, cache)
 
 
@@ -84,13 +79,13 @@ MASKED_VALID_LENS = {
 }
 
 
-MASKED_SPECS = [MaskedSequencePrefillSpec(*heads, d, dtype, mask_mode=mask_mode, sm_scale=d ** -0.5)
-                for heads, d in [((4, 4), 64), ((8, 2), 128)] for mask_mode in ("padded", "causal_padded_left")
-                for dtype in ("float32", "float16", "bfloat16")]
+MASKED_CASES = [(MaskedSequencePrefillSpec(*row["heads"], row["d"], row["dtype"], mask_mode=row["mask_mode"],
+                                           sm_scale=row["d"] ** -0.5), row["lowering"])
+                for row in pairwise(heads=[(4, 4), (8, 2)], d=[64, 128], mask_mode=["padded", "causal_padded_left"],
+                                    dtype=["float32", "float16", "bfloat16"], lowering=list(LOWERINGS))]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("spec", MASKED_SPECS, ids=spec_id)
+@pytest.mark.parametrize("spec, backend", on_backends(MASKED_CASES))
 def test_masked_sequence_prefill(backend, spec, cache):
     """Padding rows (and, left-padded causal, the rows above the diagonal) see no key: output 0,
     lse -5e4 (§11.3)."""
