@@ -1,7 +1,7 @@
 """The error bound (runtime/error_model.py) is tight enough to catch real bugs: kernels built with
 an off-by-one causal mask, a wrong page index, a wrong RoPE position or a missing ``sm_scale``
 (the IR builders patched, then compiled) exceed it on every call where the bug changes the result,
-in every dtype, on calls drawn like the fuzzer's (tests/test_fuzz.py); the unpatched kernel stays
+in float16 and bfloat16 (the loosest bounds), on calls drawn like the fuzzer's (tests/test_fuzz.py); the unpatched kernel stays
 within it on the same calls.
 """
 
@@ -20,7 +20,9 @@ from linalg_prefill.runtime.compare import error_bound, reference_for
 from linalg_prefill.runtime.examples import example_inputs
 from linalg_prefill.runtime.reference import EMPTY_ROW_LSE
 
-DTYPES = ("float32", "float16", "bfloat16")
+#: The mutated kernels' dtypes: the 16-bit ones, whose bounds are the loosest (a mutation outside
+#: them is caught where the tolerance is widest); each mutation is a compile per dtype.
+DTYPES = ("float16", "bfloat16")
 DRAWS = 16
 #: The fuzzer's query and KV lengths (tests/test_fuzz.py: kv_call).
 QUERY_LENS, KV_LENS = (0, 1, 2, 5, 9, 16, 17, 24), (0, 1, 3, 8, 16, 33, 40)
