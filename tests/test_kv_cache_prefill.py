@@ -54,9 +54,10 @@ def _inputs(spec, rng, entries) -> tuple:
 
 
 @pytest.mark.parametrize("backend", BACKENDS_WITHOUT_FUSED_CPU)
-@pytest.mark.parametrize("spec", [RaggedPrefillSpec(*heads, d, d, "float32") for heads in [(4, 4), (8, 2), (8, 1)]
-                                  for d in (64, 128)], ids=spec_id)
+@pytest.mark.parametrize("spec", [RaggedPrefillSpec(*heads, d, d, "float32") for heads, d in [((4, 4), 64), ((8, 2), 128),
+                                                                                         ((8, 1), 64)]], ids=spec_id)
 def test_ragged_float32(backend, spec, cache):
+    """GQA groups 1, 4 and 8 (tests/test_head_dims.py: the other head dims)."""
     _check(spec, backend, cache=cache, entries=ENTRIES, calls=_calls())
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import BACKENDS, assert_matches_reference
+from conftest import assert_matches_reference, on_backends
 from linalg_prefill.mlir import (
     MaskedSequencePrefillSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec, SpecError,
 )
@@ -16,12 +16,17 @@ from linalg_prefill.mlir.abi import argument_names
 from linalg_prefill.runtime.examples import example_inputs
 
 CAP = 5.0
-SPECS = [
-    SequencePrefillSpec(8, 2, 64, "float32", causal=True, sm_scale=1.0, logits_soft_cap=CAP),
-    MaskedSequencePrefillSpec(8, 2, 64, "float32", mask_mode="causal_padded_left", sm_scale=1.0, logits_soft_cap=CAP),
-    RaggedPrefillSpec(8, 2, 64, 64, "float32", logits_soft_cap=CAP),
-    PagedPrefillSpec(8, 2, 64, "float32", page_size=16, sliding_window=True, logits_soft_cap=CAP),
-    MlaPagedPrefillSpec(4, 64, 16, "float32", page_size=8, logits_soft_cap=CAP),
+#: Every variant, each lowering on two or three of them (the cap is one score transform per
+#: lowering, shared by its variants; tests/test_decode_batches.py runs a capped paged kernel and
+#: its passes on both).
+CASES = [
+    (SequencePrefillSpec(8, 2, 64, "float32", causal=True, sm_scale=1.0, logits_soft_cap=CAP), "linalg"),
+    (MaskedSequencePrefillSpec(8, 2, 64, "float32", mask_mode="causal_padded_left", sm_scale=1.0,
+                               logits_soft_cap=CAP), "fused"),
+    (RaggedPrefillSpec(8, 2, 64, 64, "float32", logits_soft_cap=CAP), "fused"),
+    (PagedPrefillSpec(8, 2, 64, "float32", page_size=16, sliding_window=True, logits_soft_cap=CAP), "linalg"),
+    *((MlaPagedPrefillSpec(4, 64, 16, "float32", page_size=8, logits_soft_cap=CAP), lowering)
+      for lowering in ("linalg", "fused")),
 ]
 ENTRIES = [(5, 3), (0, 7), (70, 150), (9, 0), (20, 40)]
 #: MLA's calls (no RoPE) take serving passes: built before the tests run (tests/conftest.py).
@@ -36,8 +41,7 @@ def _large_scores(spec, rng):
     return args
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+@pytest.mark.parametrize("spec, backend", on_backends(CASES))
 def test_soft_cap_matches_the_reference(spec, backend, cache):
     args = _large_scores(spec, np.random.default_rng(1))
     got = open_kernel(spec, backend, cache=cache)(*args)
