@@ -19,7 +19,10 @@ between ours and the peer's (``best_times``; the small prefill in bursts of 10 c
 
 GFLOP/s count the unmasked query-key pairs (4 * d * h_q per pair; the serving rows give KV GB/s
 in ``serving_batches.py``'s JSON fields instead). ``ratio`` is the peer's time over ours (above
-1: we are faster). Writes ``report.json`` and ``report.png`` (matplotlib: GFLOP/s against
+1: we are faster). ``of GEMM`` (dense rows): our GFLOP/s as a share of torch.matmul's on two
+2048 x 2048 matrices of the same dtype, timed in the same run (the contraction rate the machine
+reaches in that dtype); where torch's GEMM is slower than our attention (float16 on a CPU
+without AVX512-FP16: no fast half-precision matmul in torch) the column gives its GFLOP/s alone. Writes ``report.json`` and ``report.png`` (matplotlib: GFLOP/s against
 sequence length, one panel per dtype, and a panel of the serving ratios) into ``--out``. Needs the ``bench`` extra (torch,
 matplotlib).
 """
@@ -70,12 +73,28 @@ def row(section: str, name: str, dtype: str, length, ours_s: float, peer: str, p
                 ratio=None if peer_s is None else peer_s / ours_s)
 
 
+#: The same-dtype GEMM a dense row is measured against: torch.matmul of two N x N matrices.
+GEMM_N = 2048
+
+
+def gemm_gflops(dtype: str, repeat: int = 3) -> float:
+    """GFLOP/s of torch.matmul, ``GEMM_N``^3 in ``dtype``, in this process (torch's threads): the
+    machine's contraction rate in that dtype, which the dense rows are a share of."""
+    import torch
+
+    a, b = (torch.rand(GEMM_N, GEMM_N).to(getattr(torch, dtype)) for _ in range(2))
+    return 2.0 * GEMM_N ** 3 / best_time(lambda: torch.matmul(a, b), repeat) / 1e9
+
+
 def dense_rows(lengths, dtypes, rng) -> list[dict]:
+    """Each dtype's causal rows vs torch SDPA, each with ``gemm_gflops`` (the same-dtype GEMM,
+    timed in the same run) and ``of_gemm`` (our GFLOP/s over it)."""
     import torch.nn.functional as F
 
     rows = []
     for dtype in dtypes:
         kernel = open_kernel(SequencePrefillSpec(H_Q, H_KV, D, dtype, causal=True, sm_scale=D ** -0.5))
+        gemm = gemm_gflops(dtype)
         for length in lengths:
             q, k, v = (rng.uniform(-1, 1, (1, length, h, D)).astype(NUMPY_DTYPES[dtype]) for h in (H_Q, H_KV, H_KV))
             tq, tk, tv = (to_torch(x, dtype) for x in (q, k, v))
@@ -85,6 +104,7 @@ def dense_rows(lengths, dtypes, rng) -> list[dict]:
                                     repeat)
             rows.append(row("dense", "causal prefill", dtype, length, ours, "torch SDPA", peer,
                             pair_flops(causal_pairs(length, length))))
+            rows[-1].update(gemm_gflops=gemm, of_gemm=rows[-1]["ours_gflops"] / gemm)
             print(format_row(rows[-1]), flush=True)
     return rows
 
@@ -208,12 +228,14 @@ def format_row(r: dict) -> str:
     peer = "-" if r["peer_ms"] is None else f"{r['peer_ms']:.1f}"
     ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
     gflops = "-" if r["ours_gflops"] is None else f"{r['ours_gflops']:.1f}"
+    of_gemm = "-" if "of_gemm" not in r else f"{100 * r['of_gemm']:.0f}% of {r['gemm_gflops']:.0f}" \
+        if r["of_gemm"] <= 1 else f"GEMM {r['gemm_gflops']:.1f}"  # a GEMM slower than the attention: no share
     return (f"{r['section']:<6} {r['name']:<32} {r['dtype']:<9} {r['L']!s:>6} {r['ours_ms']:>10.1f} "
-            f"{gflops:>8} {r['peer']:<22} {peer:>10} {ratio:>6}")
+            f"{gflops:>8} {r['peer']:<22} {peer:>10} {ratio:>6} {of_gemm:>12}")
 
 
 HEADER = (f"{'what':<6} {'case':<32} {'dtype':<9} {'L':>6} {'ours ms':>10} {'GFLOP/s':>8} {'peer':<22} "
-          f"{'peer ms':>10} {'ratio':>6}")
+          f"{'peer ms':>10} {'ratio':>6} {'of GEMM':>12}")
 
 
 def draw(rows: list[dict], path: str) -> None:
@@ -239,6 +261,9 @@ def draw(rows: list[dict], path: str) -> None:
         lengths = [r["L"] for r in mine]
         ax.plot(lengths, [r["ours_gflops"] for r in mine], "o-", label="linalg-prefill (llvm-cpu)")
         ax.plot(lengths, [r["peer_gflops"] for r in mine], "s--", label="torch SDPA")
+        gemm = mine[0].get("gemm_gflops") if mine else None
+        if gemm and gemm >= max(r["ours_gflops"] for r in mine):
+            ax.axhline(gemm, color="gray", linestyle=":", label=f"torch.matmul {GEMM_N}^3, {dtype}")
         for r in rows:
             if r["dtype"] == dtype and r["section"] in ("fused", "seed"):
                 ax.plot([r["L"]], [r["peer_gflops"]], "x", markersize=9, label=f"{r['peer']} ({r['name']})")
