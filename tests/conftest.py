@@ -120,7 +120,7 @@ def on_backends(cases) -> list:
 #: What the pre-build found and did: the (spec, target) pairs, the fill's result, the artifacts
 #: compiled in this process outside it (``late``), and (xdist's controller) the workers' reports.
 _PREBUILD: dict = {"tasks": [], "result": None, "running": False, "late": [], "workers": [], "compile_ir": None,
-                   "test": None}
+                   "cached_build": None, "test": None, "opened": set()}
 
 
 def pytest_addoption(parser):
@@ -151,6 +151,14 @@ def pytest_configure(config):
         return real_compile_ir(ir_text, target, name)
 
     compiler.compile_ir = counted_compile_ir  # counts the compiles outside the pre-build
+    real_cached_build = _PREBUILD["cached_build"] = compiler.cached_build
+
+    def noted_cached_build(spec, target, cache):
+        if not _PREBUILD["running"]:
+            _PREBUILD["opened"].add(f"{target.tag}/{spec.name}")
+        return real_cached_build(spec, target, cache)
+
+    compiler.cached_build = noted_cached_build  # what the tests open (compile_spec), for the summary
 
 
 def pytest_runtest_setup(item):
@@ -159,6 +167,7 @@ def pytest_runtest_setup(item):
 
 def pytest_unconfigure(config):
     compiler.compile_ir = _PREBUILD["compile_ir"]
+    compiler.cached_build = _PREBUILD["cached_build"]
 
 
 def pytest_collection_modifyitems(config, items):
@@ -231,7 +240,7 @@ def pytest_sessionfinish(session):
         result = _PREBUILD["result"]
         session.config.workeroutput["prebuild"] = dict(
             compiled=result.compiled if result else None, seconds=result.seconds if result else 0.0,
-            late=_PREBUILD["late"])
+            late=_PREBUILD["late"], opened=sorted(_PREBUILD["opened"]), declared=_declared())
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -242,8 +251,14 @@ def pytest_testnodedown(node, error):
         _PREBUILD["workers"].append(report)
 
 
+def _declared() -> list[str]:
+    return [f"{target.tag}/{spec.name}" for spec, target in _PREBUILD["tasks"]]
+
+
 def pytest_terminal_summary(terminalreporter):
     result, late, workers = _PREBUILD["result"], list(_PREBUILD["late"]), _PREBUILD["workers"]
+    declared = set(_declared()).union(*(report.get("declared", ()) for report in workers))
+    unopened = sorted(declared - _PREBUILD["opened"].union(*(report.get("opened", ()) for report in workers)))
     if result is not None:
         terminalreporter.write_line(f"pre-built {result.compiled + result.reused} artifacts ({result.compiled} "
                                     f"compiled) in {result.seconds:.0f} s")
@@ -257,6 +272,9 @@ def pytest_terminal_summary(terminalreporter):
                                     f"(tests/conftest.py), e.g. {', '.join(late[:3])}")
         if terminalreporter.config.option.verbose > 0:
             terminalreporter.write_line("\n".join(f"  late: {name}" for name in late))
+    if unopened and terminalreporter.config.option.verbose > 0:  # declared, opened by no test in these processes
+        terminalreporter.write_line(f"pre-built, never opened here: {len(unopened)} (a subprocess may open them)")
+        terminalreporter.write_line("\n".join(f"  unopened: {name}" for name in unopened))
 
 
 RECORD_DIR = os.environ.get("LINALG_PREFILL_RECORD_CASES")
