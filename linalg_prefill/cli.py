@@ -43,6 +43,8 @@ def main(argv=None) -> int:
     build.add_argument("--dtype", choices=DTYPES, help="override the config's dtype")
     build.add_argument("--page-size", type=int, help="override the config's KV-cache page size (default 16)")
     build.add_argument("--jobs", type=int, help="parallel compiles (default: CPU count)")
+    build.add_argument("--variants", help="comma-separated entry points to build, e.g. batch_prefill_paged_kv "
+                                          "(default: every variant the model needs)")
     build.add_argument("--arch", action="append", default=[], metavar="BACKEND=ARCH",
                        help="a backend's arch, repeatable, e.g. cuda=sm_86 or llvm-cpu=x86-64-v3 (default: "
                             + ", ".join(f"{name}={record.default_arch}" for name, record in BACKENDS.items()) + ")")
@@ -164,6 +166,14 @@ def _build(args) -> int:
         print(f"linalg-prefill build: error: {err}", file=sys.stderr)
         return 2
     specs = specs_for_model(cfg)
+    if args.variants:
+        wanted, known = args.variants.split(","), list(dict.fromkeys(spec.symbol for spec in specs))
+        unknown = [name for name in wanted if name not in known]
+        if unknown:
+            print(f"linalg-prefill build: error: --variants: {', '.join(unknown)} not among {cfg.name}'s variants "
+                  f"({', '.join(known)})", file=sys.stderr)
+            return 2
+        specs = [spec for spec in specs if spec.symbol in wanted]
     print(f"{cfg.name}: {len(specs)} variants for {', '.join(t.tag for t in targets)}")
     try:
         report = build_artifacts(specs, targets, args.out, jobs=args.jobs, model=cfg)

@@ -416,3 +416,18 @@ def test_demo_reports_progress_on_stderr(monkeypatch, tmp_path, capsys):
     captured = capsys.readouterr()
     assert "[1/1] batch_sequence_prefill_kv (float32) for llvm-cpu" in captured.err
     assert "all within their error bounds" in captured.out
+
+
+@pytest.mark.compiles(TINY_SPECS[1])
+def test_build_variants_builds_only_those_and_names_the_known_ones(tmp_path, monkeypatch, capsys, cache):
+    monkeypatch.setenv("LINALG_PREFILL_CACHE_DIR", str(cache.root))
+    paged = TINY_SPECS[1]
+    assert paged.symbol == "batch_prefill_paged_kv"
+    out = tmp_path / "paged"
+    argv = ["build", "--model", str(TINY), "--backends", "llvm-cpu", "--out", str(out)]
+    assert main([*argv, "--variants", paged.symbol]) == 0
+    assert [entry["variant"] for entry in load_manifest(out)["artifacts"]] == [paged.name]
+    capsys.readouterr()
+    assert main([*argv, "--variants", "batch_prefill_paged_kv,batch_decode"]) == 2
+    err = capsys.readouterr().err
+    assert "--variants: batch_decode not among tiny's variants (batch_prefill_ragged_kv, batch_prefill_paged_kv," in err

@@ -113,8 +113,9 @@ def test_an_unknown_rocm_arch_names_the_accepted_ones(capsys, tmp_path):
 
 
 def test_cli_builds_lists_and_checks_rocm_artifacts(tmp_path, monkeypatch, capsys, cache):
-    """build --backends rocm writes rocm-gfx942/ with the arch in the manifest; list verifies it;
-    check reports that rocm did not run here (no HIP device); show-config says why."""
+    """build --backends rocm (the paged kernel) writes rocm-gfx942/ with the arch in the manifest;
+    list verifies it; check reports that rocm did not run here (no HIP device); show-config says
+    why."""
     monkeypatch.setenv("LINALG_PREFILL_CACHE_DIR", str(cache.root))
     monkeypatch.delenv("LINALG_PREFILL_CACHE", raising=False)
     from linalg_prefill.runtime import devices
@@ -123,7 +124,7 @@ def test_cli_builds_lists_and_checks_rocm_artifacts(tmp_path, monkeypatch, capsy
                         "HIP runtime library 'libamdhip64.so' not available")
     out = tmp_path / "tiny"
     argv = ["build", "--model", str(CONFIGS / "tiny.toml"), "--dtype", "float16", "--backends", "rocm",
-            "--arch", "rocm=gfx942", "--out", str(out)]
+            "--arch", "rocm=gfx942", "--variants", "batch_prefill_paged_kv", "--out", str(out)]
     assert main(argv) == 0
     manifest = json.loads((out / "manifest.json").read_text())
     assert {(entry["target"], entry["arch"]) for entry in manifest["artifacts"]} == {("rocm-gfx942", "gfx942")}
