@@ -109,8 +109,10 @@ def on_backends(cases) -> list:
     """``(spec, backend)`` pytest parameters for ``cases``, (spec, lowering) pairs (e.g. from
     ``support.pairwise``): each spec on the host backend of its lowering, and every spec on each
     GPU backend (skipped without a device)."""
-    hosts = [HOST_LOWERINGS[lowering] for _, lowering in cases]
-    params = [pytest.param(spec, host.values[0], id=f"{spec_id(spec)}-{host.id}") for (spec, _), host in zip(cases, hosts)]
+    params = []
+    for spec, lowering in cases:
+        host = HOST_LOWERINGS[lowering]
+        params.append(pytest.param(spec, host.values[0], id=f"{spec_id(spec)}-{host.id}"))
     for spec in dict.fromkeys(spec for spec, _ in cases):
         params += [pytest.param(spec, device.values[0], id=f"{spec_id(spec)}-{device.id}", marks=device.marks)
                    for device in DEVICE_BACKENDS]
