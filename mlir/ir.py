@@ -107,6 +107,11 @@ def widened(value: ir.Value) -> ir.Value:
     return arith_d.extf(f32(), value)
 
 
+def narrowed(elem: ir.Type, value: ir.Value) -> ir.Value:
+    """An f32 scalar rounded to the float type ``elem`` (unchanged when it has that type)."""
+    return value if value.type == elem else arith_d.truncf(elem, value)
+
+
 def const_index(value: int) -> ir.Value:
     return arith_d.constant(index(), value)
 
@@ -372,6 +377,15 @@ class HostReadable:
 
 def _op(name: str, operands: list, result: ir.Type, attributes: dict | None = None) -> ir.Value:
     return ir.Operation.create(name, results=[result], operands=operands, attributes=attributes or {}).result
+
+
+@_located
+def bitcast(tensor: ir.Value, shape: Sequence[int], elem: ir.Type) -> ir.Value:
+    """A static-shape tensor reinterpreted as ``shape`` x ``elem`` of the same bytes
+    (``flow.tensor.bitcast``: no copy, a dispatch boundary)."""
+    result = tensor_type(shape, elem)
+    return ir.Operation.create("flow.tensor.bitcast", results=[result], operands=[tensor],
+                               attributes={"operandSegmentSizes": ir.DenseI32ArrayAttr.get([1, 0, 0])}).result
 
 
 def tie_dims(tensor: ir.Value, sizes: Sequence[IndexLike]) -> ir.Value:

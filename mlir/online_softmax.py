@@ -28,6 +28,7 @@ from .ir import (
     affine_map, arith_d, collapse, const_f32, const_index, empty, expand, f32, fill, generic, ir, linalg_d,
     math_d, on_target_device, scf_d, sizes_of, widened,
 )
+from .score_tiles import ROW_TILES, RowTiles
 from .specs import EMPTY_ROW_LSE
 
 LOG2E = 1.0 / math.log(2.0)
@@ -82,46 +83,6 @@ class AttentionTile:
     lse: ir.Value
 
 
-#: Discardable attribute on the two contraction generics (scores and probs x values). The pipeline
-#: replaces it with a target-specific tiling where it has measured one (pipeline/tuning.py).
-CONTRACTION_MARKER = "linalg_prefill.contraction"
-
-
-def _contract(lhs: ir.Value, rhs: ir.Value, init: ir.Value, lhs_dims, rhs_dims, out_dims) -> ir.Value:
-    """``init + sum_k f32(lhs) * f32(rhs)`` over loops (b, h, m, x, k), k the reduction.
-
-    With a static unit B (every variant's tiles are [1, H, ...]) the generic is built without it,
-    as loops (h, m, x, k): IREE drops unit loops anyway, and rebuilding the op would discard the
-    tiling the pipeline attaches to it.
-    """
-    if all(ir.RankedTensorType(x.type).shape[0] == 1 for x in (lhs, rhs, init)):
-        squeeze = [[0, 1], [2], [3]]
-        shape = ir.RankedTensorType(init.type).shape
-        result = _contract_generic(collapse(lhs, squeeze), collapse(rhs, squeeze), collapse(init, squeeze),
-                                   *(tuple(d - 1 for d in dims[1:]) for dims in (lhs_dims, rhs_dims, out_dims)))
-        return expand(result, squeeze, [1, *shape[1:]])
-    return _contract_generic(lhs, rhs, init, lhs_dims, rhs_dims, out_dims)
-
-
-def _contract_generic(lhs: ir.Value, rhs: ir.Value, init: ir.Value, lhs_dims, rhs_dims, out_dims) -> ir.Value:
-    loops = len(out_dims) + 1
-    maps = [affine_map(loops, lhs_dims), affine_map(loops, rhs_dims), affine_map(loops, out_dims)]
-
-    def body(a, b, acc):
-        return [arith_d.addf(acc, arith_d.mulf(widened(a), widened(b)))]
-
-    result = generic([lhs, rhs], [init], maps, "p" * (loops - 1) + "r", body)[0]
-    result.owner.attributes[CONTRACTION_MARKER] = ir.UnitAttr.get()
-    return result
-
-
-def _scores(q_tile: ir.Value, keys: ir.Value, sizes: list) -> ir.Value:
-    """Raw dot products in f32: q_tile [B, H, M, d] x keys [B, H, d, N] -> [B, H, M, N]."""
-    zero = fill(const_f32(0.0), sizes, f32())
-    # loops (b, h, m, n, k)
-    return _contract(q_tile, keys, zero, (0, 1, 2, 4), (0, 1, 4, 3), (0, 1, 2, 3))
-
-
 def score_transform(sm_scale: Union[float, ir.Value], soft_cap: float) -> Callable[[ir.Value], ir.Value]:
     """The map from an f32 dot product ``q.k`` to the log2-domain score both lowerings use:
     ``sm_scale * log2(e) * q.k``, or with logits soft-capping (``soft_cap`` > 0, semantics §11)
@@ -136,69 +97,87 @@ def score_transform(sm_scale: Union[float, ir.Value], soft_cap: float) -> Callab
     return lambda s: arith_d.mulf(math_d.tanh(arith_d.mulf(s, inner)), outer)
 
 
-def _scale_and_mask(raw: ir.Value, mask: ScoreMask, kv_start: ir.Value, scale: Callable[[ir.Value], ir.Value]) -> ir.Value:
+def _scale_and_mask(raw: ir.Value, mask: ScoreMask, kv_start: ir.Value, scale: Callable[[ir.Value], ir.Value],
+                    layout: RowTiles) -> ir.Value:
     """scores = scale(raw) where the mask holds, else -inf."""
-    ident = affine_map(4, (0, 1, 2, 3))
+    rank = ir.RankedTensorType(raw.type).rank
+    if mask.operands and layout.packed:
+        raise ValueError("a mask with operands needs the row tiles (score_tiles.ROW_TILES)")
+    ident = affine_map(rank, range(rank))
     extra_vals = [t for t, _ in mask.operands]
-    extra_maps = [affine_map(4, dims) for _, dims in mask.operands]
+    extra_maps = [affine_map(rank, dims) for _, dims in mask.operands]
     out = empty(sizes_of(raw), f32())
     neg_inf = const_f32(float("-inf"))
 
     def body(s, *rest):
         extras = rest[:-1]
-        idx = ScoreIndices(*(linalg_d.IndexOp(i).result for i in range(4)), kv_start=kv_start)
+        loops = [linalg_d.IndexOp(i).result for i in range(rank)]
+        idx = ScoreIndices(*layout.score_position(loops, kv_start), kv_start=kv_start)
         valid = mask.predicate(idx, extras)
         return [arith_d.select(valid, scale(s), neg_inf)]
 
-    return generic([raw, *extra_vals], [out], [ident, *extra_maps, ident], "pppp", body)[0]
+    return generic([raw, *extra_vals], [out], [ident, *extra_maps, ident], "p" * rank, body)[0]
 
 
-def _reduce_rows(tile: ir.Value, init_value: float, combine, row_chunk: int | None) -> ir.Value:
-    """[B, H, M, N] -> [B, H, M] reduced over N with ``combine``, starting from ``init_value``.
+def _reduce_rows(tile: ir.Value, init_value: float, combine, row_chunk: int | None, row_dims=(0, 1, 2)) -> ir.Value:
+    """A tile reduced over every loop but ``row_dims`` (the row state's sizes) with ``combine``,
+    starting from ``init_value``; elements are widened to f32 first.
 
     The init is a fresh fill (not the running state): IREE distributes a reduction only when its
     output starts from a fill, so the running state is combined in a separate elementwise step.
-    A row wider than ``row_chunk`` (a multiple of it) is first reduced chunk by chunk,
+    A [B, H, M, N] row wider than ``row_chunk`` (a multiple of it) is first reduced chunk by chunk,
     [B, H, M, N / chunk, chunk] -> [B, H, M, N / chunk]; ``row_chunk=None`` reduces whole rows.
     """
-    sizes = sizes_of(tile)[:3]
-    width = ir.RankedTensorType(tile.type).shape[3]
-    if row_chunk is not None and width > row_chunk and width % row_chunk == 0:
-        chunks = width // row_chunk
-        split = expand(tile, [[0], [1], [2], [3, 4]], [*sizes, chunks, row_chunk])
-        init = fill(const_f32(init_value), [*sizes, chunks], f32())
-        maps = [affine_map(5, (0, 1, 2, 3, 4)), affine_map(5, (0, 1, 2, 3))]
-        tile = generic([split], [init], maps, "ppppr", lambda x, acc: [combine(x, acc)])[0]
+    shape = ir.RankedTensorType(tile.type).shape
+    if len(shape) == 4 and row_dims == (0, 1, 2):
+        sizes = sizes_of(tile)[:3]
+        width = shape[3]
+        if row_chunk is not None and width > row_chunk and width % row_chunk == 0:
+            chunks = width // row_chunk
+            split = expand(tile, [[0], [1], [2], [3, 4]], [*sizes, chunks, row_chunk])
+            init = fill(const_f32(init_value), [*sizes, chunks], f32())
+            maps = [affine_map(5, (0, 1, 2, 3, 4)), affine_map(5, (0, 1, 2, 3))]
+            tile = generic([split], [init], maps, "ppppr", lambda x, acc: [combine(x, acc)])[0]
+    rank = ir.RankedTensorType(tile.type).rank
+    sizes = [sizes_of(tile)[d] for d in row_dims]
     init = fill(const_f32(init_value), sizes, f32())
-    maps = [affine_map(4, (0, 1, 2, 3)), affine_map(4, (0, 1, 2))]
-    return generic([tile], [init], maps, "pppr", lambda x, acc: [combine(x, acc)])[0]
+    maps = [affine_map(rank, range(rank)), affine_map(rank, row_dims)]
+    iterators = "".join("p" if d in row_dims else "r" for d in range(rank))
+    return generic([tile], [init], maps, iterators, lambda x, acc: [combine(widened(x), acc)])[0]
 
 
-def _elementwise(inputs: Sequence[ir.Value], row_inputs: Sequence[ir.Value], body) -> ir.Value:
-    """f32 result shaped like ``inputs[0]``; ``row_inputs`` are [B, H, M] broadcast over the rest."""
+def _elementwise(inputs: Sequence[ir.Value], row_inputs: Sequence[ir.Value], body, row_dims=(0, 1, 2)) -> ir.Value:
+    """f32 result shaped like ``inputs[0]``; ``row_inputs`` are row state broadcast over the rest
+    (indexed by the loops ``row_dims``)."""
     like = inputs[0]
     rank = ir.RankedTensorType(like.type).rank
     ident = affine_map(rank, tuple(range(rank)))
-    row = affine_map(rank, (0, 1, 2))
+    row = affine_map(rank, row_dims)
     out = empty(sizes_of(like), f32())
     maps = [ident] * len(inputs) + [row] * len(row_inputs) + [ident]
     return generic([*inputs, *row_inputs], [out], maps, "p" * rank, lambda *a: [body(*a[:-1])])[0]
 
 
-def _step_state(prev_max, prev_sum, prev_acc, scores, values, row_chunk: int | None):
-    """One online-softmax update with the scores [B, H, M, N] and values [B, H, N, d_v] of a tile."""
-    tile_max = _reduce_rows(scores, NO_KEY_MAX, arith_d.maximumf, row_chunk)
+def _step_state(prev_max, prev_sum, prev_acc, scores, values, row_chunk: int | None, layout: RowTiles):
+    """One online-softmax update with the scores and values of a tile (shapes: score_tiles)."""
+    rows = layout.row_dims
+    tile_max = _reduce_rows(scores, NO_KEY_MAX, arith_d.maximumf, row_chunk, rows)
     new_max = _elementwise([prev_max, tile_max], [], arith_d.maximumf)
     alpha = _elementwise([prev_max, new_max], [], lambda old, new: math_d.exp2(arith_d.subf(old, new)))
-    probs = _elementwise([scores], [new_max], lambda s, m: math_d.exp2(arith_d.subf(s, m)))
-    tile_sum = _reduce_rows(probs, 0.0, arith_d.addf, row_chunk)
+    def weight(s, m):
+        return math_d.exp2(arith_d.subf(s, m))
+
+    def rows_elementwise(inputs, row_inputs, body):
+        return _elementwise(inputs, row_inputs, body, rows)
+
+    probs = layout.probs(scores, weight, new_max, rows_elementwise)
+    summed = layout.summed_weights(probs, scores, weight, new_max, rows_elementwise)
+    tile_sum = _reduce_rows(summed, 0.0, arith_d.addf, row_chunk, rows)
     new_sum = _elementwise([prev_sum, alpha, tile_sum], [],
                            lambda l, a, t: arith_d.addf(arith_d.mulf(l, a), t))
-    pv_sizes = sizes_of(prev_acc)
-    pv = _contract(probs, values, fill(const_f32(0.0), pv_sizes, f32()),
-                   (0, 1, 2, 4), (0, 1, 4, 3), (0, 1, 2, 3))  # loops (b, h, m, d, n)
+    pv = layout.probs_times_values(probs, values, sizes_of(prev_acc))
     new_acc = _elementwise([prev_acc, pv], [alpha],
-                           lambda acc, x, a: arith_d.addf(arith_d.mulf(acc, a), x))
+                           lambda acc, x, a: arith_d.addf(arith_d.mulf(acc, a), x), layout.acc_row_dims)
     return new_max, new_sum, new_acc
 
 
@@ -235,10 +214,12 @@ def sink_lse(row_max: ir.Value, row_sum: ir.Value, sink: ir.Value, zero: ir.Valu
     return arith_d.select(no_key, empty_lse, arith_d.addf(top, math_d.log2(total)))
 
 
-def _finalize(acc: ir.Value, row_max: ir.Value, row_sum: ir.Value, sinks: ir.Value | None) -> AttentionTile:
+def _finalize(acc: ir.Value, row_max: ir.Value, row_sum: ir.Value, sinks: ir.Value | None,
+              layout: RowTiles) -> AttentionTile:
     """output = acc / row_sum and lse = row_max + log2(row_sum), with the rows' sinks
     (``sinks`` [H, M] from :func:`row_sinks`, or None) in the denominator (:func:`sink_normalised`,
-    :func:`sink_lse`); rows with no key: 0 and -5e4.
+    :func:`sink_lse`); rows with no key: 0 and -5e4. Both as [1, H, M, d_v] and [1, H, M] f32
+    whatever the layout.
 
     A row has no valid key exactly when its sum is 0 (every weight was exp2(-inf) = 0). The test
     is ``sum == 0`` rather than ``sum > 0`` so that a NaN sum (NaN in that row's inputs) stays NaN
@@ -247,22 +228,23 @@ def _finalize(acc: ir.Value, row_max: ir.Value, row_sum: ir.Value, sinks: ir.Val
     zero = const_f32(0.0)
     empty_lse = const_f32(EMPTY_ROW_LSE)
     if sinks is not None:
-        rank = ir.RankedTensorType(acc.type).rank
-        ident, row, sink = (affine_map(rank, dims) for dims in (range(rank), (0, 1, 2), (1, 2)))
-        output = generic([acc, row_max, row_sum, sinks], [empty(sizes_of(acc), f32())], [ident, row, row, sink, ident],
-                         "p" * rank, lambda a, m, s, k, _out: [sink_normalised(a, m, s, k, zero)])[0]
+        sinks = layout.tile_rows(sinks)
+        sink_dims = tuple(range(3 - ir.RankedTensorType(sinks.type).rank, 3))  # of the row state's loops
+        output = layout.output_rows(acc, [(row_max, (0, 1, 2)), (row_sum, (0, 1, 2)), (sinks, sink_dims)],
+                                    lambda a, m, s, k: sink_normalised(a, m, s, k, zero))
         lse = generic([row_max, row_sum, sinks], [empty(sizes_of(row_max), f32())],
-                      [affine_map(3, range(3))] * 2 + [affine_map(3, (1, 2)), affine_map(3, range(3))], "ppp",
+                      [affine_map(3, range(3))] * 2 + [affine_map(3, sink_dims), affine_map(3, range(3))], "ppp",
                       lambda m, s, k, _out: [sink_lse(m, s, k, zero, empty_lse)])[0]
-        return AttentionTile(output=output, lse=lse)
+        return AttentionTile(output=output, lse=layout.rows_as_tile(lse))
 
     def no_key(s):
         return arith_d.cmpf(arith_d.CmpFPredicate.OEQ, s, zero)
 
-    output = _elementwise([acc], [row_sum], lambda a, s: arith_d.select(no_key(s), zero, arith_d.divf(a, s)))
+    output = layout.output_rows(acc, [(row_sum, (0, 1, 2))],
+                                lambda a, s: arith_d.select(no_key(s), zero, arith_d.divf(a, s)))
     lse = _elementwise([row_max, row_sum], [],
                        lambda m, s: arith_d.select(no_key(s), empty_lse, arith_d.addf(m, math_d.log2(s))))
-    return AttentionTile(output=output, lse=lse)
+    return AttentionTile(output=output, lse=layout.rows_as_tile(lse))
 
 
 def unmasked_kv_tiles(kv_len: ir.Value, first_row: ir.Value, diagonal: ir.Value, kv_tile: int,
@@ -293,6 +275,7 @@ def online_softmax(
     row_chunk: int | None,
     soft_cap: float = 0.0,
     sinks: ir.Value | None = None,
+    layout: RowTiles = ROW_TILES,
 ) -> AttentionTile:
     """Attention of one query tile over ``num_kv_tiles`` KV tiles of ``kv_tile`` columns.
 
@@ -307,16 +290,15 @@ def online_softmax(
 
     ``row_chunk`` is the widest row reduced in one op (see ``_reduce_rows``), or None.
     ``soft_cap`` > 0 caps the logits (see :func:`score_transform`). ``sinks``: the rows' sink
-    logits [H, M] in log2 units (:func:`row_sinks`), or None.
+    logits [H, M] in log2 units (:func:`row_sinks`), or None. ``layout``: how the step's tiles
+    are laid out and contracted (mlir/score_tiles.py); ``load_kv_tile`` returns its K/V tiles.
     """
-    q_shape = ir.RankedTensorType(q_tile.type).shape
-    batch = sizes_of(q_tile)[0]
-    heads, rows = q_shape[1], q_shape[2]
-    state_rows = [batch, heads, rows]
-    state_sizes = [state_rows, state_rows, [*state_rows, d_v]]
+    query = layout.query_operand(q_tile)
+    state_rows = layout.row_sizes(q_tile)
+    acc_sizes = layout.acc_sizes(state_rows, d_v)
+    state_sizes = [state_rows, state_rows, acc_sizes]
     init = [fill(const_f32(NO_KEY_MAX), state_rows, f32()), fill(const_f32(0.0), state_rows, f32()),
-            fill(const_f32(0.0), [*state_rows, d_v], f32())]
-    score_sizes = [*state_rows, kv_tile]
+            fill(const_f32(0.0), acc_sizes, f32())]
     scale = score_transform(sm_scale, soft_cap)
 
     phases = [(const_index(0), num_kv_tiles, mask)]
@@ -331,13 +313,13 @@ def online_softmax(
             tile_index = loop.induction_variable
             prev_max, prev_sum, prev_acc = loop.inner_iter_args
             tile = load_kv_tile(tile_index)
-            raw = _scores(q_tile, tile.keys, score_sizes)
+            raw = layout.scores(query, tile.keys, kv_tile)
             if phase_mask is None:
                 scores = _elementwise([raw], [], scale)
             else:
                 kv_start = arith_d.muli(tile_index, const_index(kv_tile))
-                scores = _scale_and_mask(raw, phase_mask, kv_start, scale)
-            scf_d.YieldOp(list(_step_state(prev_max, prev_sum, prev_acc, scores, tile.values, row_chunk)))
+                scores = _scale_and_mask(raw, phase_mask, kv_start, scale, layout)
+            scf_d.YieldOp(list(_step_state(prev_max, prev_sum, prev_acc, scores, tile.values, row_chunk, layout)))
         state = list(loop.results)
     row_max, row_sum, acc = state
-    return _finalize(acc, row_max, row_sum, sinks)
+    return _finalize(acc, row_max, row_sum, sinks, layout)

@@ -21,9 +21,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from .ir import IndexLike, arith_d, collapse, const_index, empty, extract_slice, f32, ir, on_target_device, scf_d, tie_dims
+from .ir import IndexLike, arith_d, const_index, empty, extract_slice, f32, ir, on_target_device, scf_d, tie_dims
 from .layout import fence_after, first_fence, waited, write_tile
 from .online_softmax import AttentionTile, KvTile
+from .score_tiles import ROW_TILES, RowTiles
 
 Carried = list  # [output, lse, fence] (fenced) or [output, lse]
 
@@ -83,16 +84,14 @@ class QueryTiles:
                 write_tile(result.lse, lse_acc, entry, first_token, self.group), fence_after(result.lse)]
 
 
-def kv_tile_loader(keys: ir.Value, values: ir.Value, entry: IndexLike, kv_tile: int) -> Callable[[ir.Value], KvTile]:
-    """The emitter's ``load_kv_tile`` over laid-out keys [B, h_kv, tiles, d_qk, kv_tile] and
-    values [B, h_kv, tiles * kv_tile, d_v] at batch index ``entry``."""
-    _, h_kv, _, d_qk, _ = ir.RankedTensorType(keys.type).shape
-    d_v = ir.RankedTensorType(values.type).shape[3]
+def kv_tile_loader(keys: ir.Value, values: ir.Value, entry: IndexLike, kv_tile: int,
+                   layout: RowTiles = ROW_TILES) -> Callable[[ir.Value], KvTile]:
+    """The emitter's ``load_kv_tile`` over keys and values stored as ``layout`` stores them
+    (score_tiles.py; row tiles: keys [B, h_kv, tiles, d_qk, kv_tile], values
+    [B, h_kv, tiles * kv_tile, d_v]) at batch index ``entry``."""
 
     def load(tile_index: ir.Value) -> KvTile:
-        start = arith_d.muli(tile_index, const_index(kv_tile))
-        tile_keys = extract_slice(keys, [entry, 0, tile_index, 0, 0], [1, h_kv, 1, d_qk, kv_tile])
-        return KvTile(keys=collapse(tile_keys, [[0], [1], [2, 3], [4]]),
-                      values=extract_slice(values, [entry, 0, start, 0], [1, h_kv, kv_tile, d_v]))
+        tile_keys, tile_values = layout.load(keys, values, entry, tile_index, kv_tile)
+        return KvTile(keys=tile_keys, values=tile_values)
 
     return load

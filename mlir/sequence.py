@@ -28,15 +28,17 @@ from .abi import argument_names, function_module
 from .layout import group_query_rows
 from .mask_rules import CallMask, Lengths, MaskRule, mask_rule
 from .online_softmax import ScoreIndices, ScoreMask, online_softmax, row_sinks
+from .score_tiles import ROW_TILES, RowTiles
 from .query_tiles import QueryTiles, kv_tile_loader
 from .specs import SMALL_Q_TILE, MaskedSequencePrefillSpec, SequencePrefillSpec
 
 SequenceSpec = Union[SequencePrefillSpec, MaskedSequencePrefillSpec]
 
 
-def _kv_tiles(x: ir.Value, num_tiles: ir.Value, kv_tile: int, keys: bool) -> ir.Value:
-    """[B, L, h_kv, d] -> f32 keys [B, h_kv, num_tiles, d, kv_tile] (each tile transposed, k-major)
-    or values [B, h_kv, num_tiles * kv_tile, d]; rows at or past L are zero.
+def _kv_tiles(x: ir.Value, num_tiles: ir.Value, kv_tile: int, keys: bool, layout: RowTiles) -> ir.Value:
+    """[B, L, h_kv, d] -> the stored keys or values of ``layout`` (score_tiles: row tiles f32 keys
+    [B, h_kv, num_tiles, d, kv_tile], each tile transposed, or values [B, h_kv, num_tiles * kv_tile, d];
+    packed tiles in the dtype); rows at or past L are zero.
 
     One generic that reads ``x`` itself (row clamped to L - 1, then zeroed) rather than a
     transpose of a zero-padded copy: the copy cost another K or V of memory and ran as a slow
@@ -45,15 +47,15 @@ def _kv_tiles(x: ir.Value, num_tiles: ir.Value, kv_tile: int, keys: bool) -> ir.
     the tuned tiling (pipeline/tuning.py). With L == 0 there is no row to read, so the tiles are
     then a zero fill (an ``scf.if``).
 
-    The tiles (and the query rows) are f32 whatever the input dtype: the contractions then run
+    The row tiles (and the query rows) are f32 whatever the input dtype: the contractions then run
     the tuned f32 code instead of widening f16/bf16 in their inner loop once per use (bf16 and
     f16 13-30% faster, docs/performance.md); it costs K and V once more in f32, O(L).
     """
     length = dim(x, 1)
     batch, h_kv, d = dim(x, 0), *ir.RankedTensorType(x.type).shape[2:]
-    elem = f32()
-    rows = arith_d.muli(num_tiles, const_index(kv_tile))
-    sizes = [batch, h_kv, num_tiles, d, kv_tile] if keys else [batch, h_kv, rows, d]
+    storage = layout.kv_storage(keys, batch, h_kv, num_tiles, d, kv_tile)
+    sizes = storage.sizes
+    elem = storage.elem
     zero = arith_d.constant(elem, 0.0)
     result_type = tensor_type([DYN if isinstance(s, ir.Value) else s for s in sizes], elem)
     branch = scf_d.IfOp(lt(const_index(0), length), [result_type], has_else=True)
@@ -61,13 +63,9 @@ def _kv_tiles(x: ir.Value, num_tiles: ir.Value, kv_tile: int, keys: bool) -> ir.
         last_row = arith_d.subi(length, const_index(1))
 
         def body(_out):
-            index = [linalg_d.IndexOp(i).result for i in range(len(sizes))]
-            if keys:  # loops (b, h, t, j, n): row t * kv_tile + n, dim j
-                b, h, t, j, n = index
-                row = arith_d.addi(arith_d.muli(t, const_index(kv_tile)), n)
-            else:  # loops (b, h, row, j)
-                b, h, row, j = index
-            value = widened(tensor_d.extract(x, [b, arith_d.minsi(row, last_row), h, j]))
+            b, h, row, j = storage.source([linalg_d.IndexOp(i).result for i in range(len(sizes))])
+            value = tensor_d.extract(x, [b, arith_d.minsi(row, last_row), h, j])
+            value = value if value.type == elem else widened(value)
             return [arith_d.select(lt(row, length), value, zero)]
 
         loops = len(sizes)
@@ -92,16 +90,18 @@ def _sequence_mask(mask, lengths: Lengths, first_token: ir.Value, group: int) ->
     return ScoreMask(predicate=predicate)
 
 
-def build_sequence_prefill(spec: SequenceSpec, *, row_chunk: int | None, rule: MaskRule | None = None) -> ir.Module:
+def build_sequence_prefill(spec: SequenceSpec, *, row_chunk: int | None, rule: MaskRule | None = None,
+                           score_tiles: RowTiles = ROW_TILES) -> ir.Module:
     """The verified module for a dense (or masked) sequence-prefill spec; symbol ``spec.symbol``.
     ``row_chunk``: the widest row the online softmax reduces in one op (None: whole rows);
     ``rule``: the mask (default: the spec's, mask_rules.mask_rule), whose operands are the
-    arguments after q, k, v."""
+    arguments after q, k, v; ``score_tiles``: the KV step's tile layout (score_tiles.py), kept for
+    the query tiles it divides."""
     rule = rule or mask_rule(spec)
 
     def emit(q, k, v, *extra, sinks=None):
         mask = rule.bind(dict(zip(_extra_names(spec), extra)))
-        return _emit_sized_body(spec, row_chunk, mask, q, k, v, sinks=sinks)
+        return _emit_sized_body(spec, (row_chunk, score_tiles), mask, q, k, v, sinks=sinks)
 
     return function_module(spec, emit)
 
@@ -111,18 +111,18 @@ def _extra_names(spec: SequenceSpec) -> tuple[str, ...]:
     return argument_names(spec)[3:]
 
 
-def _emit_sized_body(spec: SequenceSpec, row_chunk: int | None, mask: CallMask, q, k, v, *, sinks=None):
+def _emit_sized_body(spec: SequenceSpec, tuning: tuple, mask: CallMask, q, k, v, *, sinks=None):
     """The body with ``spec.q_tile``, or, for a call of at most SMALL_Q_TILE query tokens (a short
     chunk against a long prefix), with SMALL_Q_TILE-token tiles instead of one mostly padded tile."""
     if spec.q_tile <= SMALL_Q_TILE:
-        return _emit_body(spec, spec.q_tile, row_chunk, mask, q, k, v, sinks)
+        return _emit_body(spec, spec.q_tile, tuning, mask, q, k, v, sinks)
     sizes = [[*sizes_of(q)[:3], spec.d], sizes_of(q)[:3]]
 
     def tied(values):
         return [tie_dims(value, size) for value, size in zip(values, sizes)]
 
     def body(tile_tokens):
-        return lambda _unused: tied(_emit_body(spec, tile_tokens, row_chunk, mask, q, k, v, sinks))
+        return lambda _unused: tied(_emit_body(spec, tile_tokens, tuning, mask, q, k, v, sinks))
 
     is_short = le(dim(q, 1), const_index(SMALL_Q_TILE))
     placeholders = [empty(size, ir.RankedTensorType(t).element_type) for size, t in zip(sizes, (q.type, _lse_type(q)))]
@@ -133,12 +133,15 @@ def _lse_type(q: ir.Value) -> ir.Type:
     return tensor_type([DYN, DYN, ir.RankedTensorType(q.type).shape[2]], f32())
 
 
-def _emit_body(spec: SequenceSpec, tile_tokens: int, row_chunk: int | None, mask: CallMask, q, k, v, sinks=None):
+def _emit_body(spec: SequenceSpec, tile_tokens: int, tuning: tuple, mask: CallMask, q, k, v, sinks=None):
     """Batch entries one at a time (an ``scf.for`` over B), so every dispatch inside works on
     static [1, h_kv, ...] tiles (1.2x faster than a dynamic batch dim, docs/performance.md).
-    Query tiles have ``tile_tokens`` tokens; ``mask`` is the rule bound to the call; ``sinks``
-    [h_q] f32 or None (semantics §13)."""
+    Query tiles have ``tile_tokens`` tokens; ``tuning`` is (row_chunk, score tiles); ``mask`` is
+    the rule bound to the call; ``sinks`` [h_q] f32 or None (semantics §13)."""
     group, h_kv, d = spec.group_size, spec.h_kv, spec.d
+    row_chunk, layout = tuning
+    if not layout.fits(tile_tokens * group, spec.kv_tile, d, d):
+        layout = ROW_TILES
     dt = element_type(spec.dtype)
     batch = dim(q, 0)
     q_len, kv_len = dim(q, 1), dim(k, 1)
@@ -148,15 +151,15 @@ def _emit_body(spec: SequenceSpec, tile_tokens: int, row_chunk: int | None, mask
     padded_tokens = arith_d.muli(num_q_tiles, const_index(tile_tokens))
     q_rows = group_query_rows(q, h_kv, group, padded_tokens)
     stored_tiles = storage_tiles(lengths.kv_len, spec.kv_tile)
-    keys = _kv_tiles(k, stored_tiles, spec.kv_tile, keys=True)
-    values = _kv_tiles(v, stored_tiles, spec.kv_tile, keys=False)
+    keys = _kv_tiles(k, stored_tiles, spec.kv_tile, True, layout)
+    values = _kv_tiles(v, stored_tiles, spec.kv_tile, False, layout)
 
     driver = QueryTiles([batch, padded_tokens, spec.h_q, d], [batch, padded_tokens, spec.h_q], group, h_kv)
     tile_sinks = None if sinks is None else row_sinks(sinks, h_kv, group, tile_tokens)
 
     def entry(b, carried):
         entry_mask = mask.entry(b)
-        load_kv_tile = kv_tile_loader(keys, values, b, spec.kv_tile)
+        load_kv_tile = kv_tile_loader(keys, values, b, spec.kv_tile, layout)
 
         def attend(first_token, tile):
             def softmax(q_tile):
@@ -175,6 +178,7 @@ def _emit_body(spec: SequenceSpec, tile_tokens: int, row_chunk: int | None, mask
                     row_chunk=row_chunk,
                     soft_cap=spec.logits_soft_cap,
                     sinks=tile_sinks,
+                    layout=layout,
                 )
 
             return driver.attend(q_rows, b, first_token, tile_tokens, tile, softmax)

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from . import tuning, vm_structure
+from . import cpu_tiles, tuning, vm_structure
 
 LOWERINGS = ("linalg", "fused")
 
@@ -34,7 +34,8 @@ class Backend:
     ``driver``: the IREE runtime driver of its artifacts. ``flags(arch)``: the iree-compile
     flags. ``lowering``: the kernels' default lowering (``Target(..., lowering=)`` overrides it).
     ``row_chunk``: the widest row the linalg lowering's online softmax reduces in one op
-    (``build_module(row_chunk=)``; None: whole rows).
+    (``build_module(row_chunk=)``; None: whole rows). ``score_tiles(arch, dtype)``: the layout
+    of its KV-step tiles in the linalg lowering (mlir/score_tiles.py, pipeline/cpu_tiles.py).
     ``tune_contraction(op)`` and ``tune_attention(op, loops)``: the attributes a marked
     contraction or online_attention op gets (pipeline/tuning.py), None for the compiler's own
     choice. ``structure_checks``: ``check(spec, vmfb_path) -> problem or None`` each artifact
@@ -48,6 +49,7 @@ class Backend:
     flags: Callable[[str], list[str]]
     lowering: str
     row_chunk: int | None
+    score_tiles: Callable[[str, str], object]
     tune_contraction: Callable
     tune_attention: Callable
     structure_checks: tuple[Callable, ...]
@@ -76,7 +78,7 @@ def check_backend(key: str, record: Backend) -> None:
         raise bad("lowering", f"must be one of {LOWERINGS}, got {record.lowering!r}")
     if record.row_chunk is not None and (not isinstance(record.row_chunk, int) or record.row_chunk < 1):
         raise bad("row_chunk", "must be None or a positive int")
-    for name in ("flags", "tune_contraction", "tune_attention"):
+    for name in ("flags", "score_tiles", "tune_contraction", "tune_attention"):
         if not callable(getattr(record, name)):
             raise bad(name, "must be callable")
     if not isinstance(record.structure_checks, tuple) or not all(map(callable, record.structure_checks)):
@@ -86,8 +88,10 @@ def check_backend(key: str, record: Backend) -> None:
 
 
 def _cpu_flags(arch: str) -> list[str]:
+    # O3 turns named contractions into generics; the packed tiles' batch_mmt4d must stay one to
+    # get IREE's mmt4d code (14x slower as a generic: docs/performance.md, packed tiles)
     return ["--iree-hal-target-device=local", "--iree-hal-local-target-device-backends=llvm-cpu",
-            f"--iree-llvmcpu-target-cpu={arch}", "--iree-opt-level=O3"]
+            f"--iree-llvmcpu-target-cpu={arch}", "--iree-opt-level=O3", "--iree-opt-generalize-matmul=false"]
 
 
 def _cuda_flags(arch: str) -> list[str]:
@@ -109,7 +113,7 @@ BACKENDS: dict[str, Backend] = {
     # (docs/performance.md, row reductions); the measured contraction tiling.
     "llvm-cpu": Backend(
         name="llvm-cpu", driver="local-task", default_arch="host", archs=None, arch_note="",
-        flags=_cpu_flags, lowering="linalg", row_chunk=None,
+        flags=_cpu_flags, lowering="linalg", row_chunk=None, score_tiles=cpu_tiles.cpu_score_tiles,
         tune_contraction=tuning.cpu_contraction_config, tune_attention=_keep_default, structure_checks=()),
     # The KV loop inside one online_attention dispatch per query band, f16/bf16 operands on the
     # tensor cores (mlir/fused_kernels.py, docs/cuda.md). IREE 3.13 fails to distribute a
@@ -119,14 +123,14 @@ BACKENDS: dict[str, Backend] = {
         name="cuda", driver="cuda", default_arch="sm_80", archs=("sm_80", "sm_86", "sm_89", "sm_120"),
         arch_note=("IREE 3.13 has no sm_90 or sm_100 target; Hopper (H100, H200) and newer run sm_80 PTX "
                    "through the driver JIT, so use sm_80"),
-        flags=_cuda_flags, lowering="fused", row_chunk=128,
+        flags=_cuda_flags, lowering="fused", row_chunk=128, score_tiles=cpu_tiles.row_tiles,
         tune_contraction=_keep_default, tune_attention=tuning.cuda_attention_config,
         structure_checks=(vm_structure.missing_tensor_cores, vm_structure.host_stalls_in_loops)),
     # The fused lowering on AMD Instinct (gfx942: MI300; docs/rocm.md), f16/bf16 on MFMA; waves
     # of 64, so CUDA's configuration does not apply (rocm_attention_config).
     "rocm": Backend(
         name="rocm", driver="hip", default_arch="gfx942", archs=("gfx942", "gfx950", "gfx90a"),
-        arch_note="", flags=_rocm_flags, lowering="fused", row_chunk=128,
+        arch_note="", flags=_rocm_flags, lowering="fused", row_chunk=128, score_tiles=cpu_tiles.row_tiles,
         tune_contraction=_keep_default, tune_attention=tuning.rocm_attention_config,
         structure_checks=(vm_structure.missing_mfma, vm_structure.host_stalls_in_loops)),
 }

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from ..mlir import build_fused_module, build_module
 from ..mlir.attention_op import ATTENTION_MARKER, TILE
 from ..mlir.ir import ir
-from ..mlir.online_softmax import CONTRACTION_MARKER
+from ..mlir.score_tiles import CONTRACTION_MARKER
 
 if TYPE_CHECKING:
     from .targets import Target
@@ -224,7 +224,8 @@ def tuned_module(spec, target: Target) -> ir.Module:
     if target.lowering == "fused":
         module = build_fused_module(spec)
     else:
-        module = build_module(spec, row_chunk=target.record.row_chunk)
+        module = build_module(spec, row_chunk=target.record.row_chunk,
+                              score_tiles=target.record.score_tiles(target.arch, spec.dtype))
     return apply_tuning(module, target)
 
 

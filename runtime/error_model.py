@@ -29,7 +29,7 @@ weights move by a factor within exp(+-2 delta_i). Then
 where A_id = sum_j p_ij |v_jd| (the reference with |v|; max |v| for MLA, whose values are part
 of its keys), n_i comes from the reference with q = 0 (its lse is log2 n_i), gamma_n =
 n u32 / (1 - n u32) (the f32 sums over n keys), u_P = u for f16/bf16 (the fused lowering feeds
-the softmax weights to the tensor cores in the dtype) and the last output term is the result's
+the softmax weights to the tensor cores in the dtype, the llvm-cpu packed bf16 tiles to a bf16 mmt4d) and the last output term is the result's
 rounding to the dtype. Rows without a visible key are exact (output 0, lse -5e4, §11.3) and
 carry no bound.
 

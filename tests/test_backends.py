@@ -61,7 +61,7 @@ def test_a_new_backend_is_one_record(fake_backend, capsys):
                  RaggedPrefillSpec(4, 2, 192, 128, "bfloat16")):
         for lowering in ("linalg", "fused"):
             assert tuned_ir(spec, Target("fake-cpu", lowering=lowering)) == \
-                tuned_ir(spec, Target("llvm-cpu", lowering=lowering))
+                tuned_ir(spec, Target("llvm-cpu", "x86-64-v3", lowering=lowering))
     assert backend_list("llvm-cpu,fake-cpu") == ["llvm-cpu", "fake-cpu"]
     assert main(["show-config"]) == 0
     shown = capsys.readouterr().out

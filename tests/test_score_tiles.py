@@ -1,0 +1,68 @@
+"""The KV-step tile layouts of the linalg lowering (mlir/score_tiles.py), chosen per CPU and dtype
+in pipeline/cpu_tiles.py: which one each CPU gets, what the IR then holds, and the row tiles'
+numerics on a CPU that gets them (the host's own layout runs in every dense test)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from linalg_prefill.mlir import MaskedSequencePrefillSpec, PagedPrefillSpec, SequencePrefillSpec
+from linalg_prefill.mlir.score_tiles import ROW_TILES, PackedTiles
+from linalg_prefill.pipeline import Target
+from linalg_prefill.pipeline.cpu_tiles import cpu_features, cpu_score_tiles, host_cpu_features
+from linalg_prefill.pipeline.tuning import tuned_ir
+from support import run_against_reference, spec_id
+
+AVX512_BF16, AVX2 = "znver4", "znver3"
+
+
+@pytest.mark.parametrize("arch, dtype, want", [
+    (AVX512_BF16, "bfloat16", PackedTiles(dtype="bfloat16", m0=16, n0=16, k0=2)),
+    (AVX512_BF16, "float32", PackedTiles(dtype="float32", m0=16, n0=16, k0=1)),
+    (AVX512_BF16, "float16", PackedTiles(dtype="float32", m0=16, n0=16, k0=1)),
+    (AVX2, "bfloat16", ROW_TILES), (AVX2, "float32", ROW_TILES), (AVX2, "float16", ROW_TILES),
+    ("a-cpu-llvm-does-not-name", "bfloat16", ROW_TILES),
+])
+def test_each_cpu_gets_the_layout_measured_fastest_on_it(arch, dtype, want):
+    assert cpu_score_tiles(arch, dtype) == want
+
+
+def test_the_host_is_read_from_proc_cpuinfo():
+    assert cpu_features("host") == host_cpu_features()
+    with open("/proc/cpuinfo") as info:
+        flags = next(line for line in info if line.startswith("flags")).split(":", 1)[1].split()
+    assert host_cpu_features() == frozenset(flags)
+
+
+DENSE_BF16 = SequencePrefillSpec(8, 2, 64, "bfloat16", causal=True, sm_scale=0.125)
+
+
+def test_packed_tiles_contract_bf16_operands_with_mmt4d():
+    packed = tuned_ir(DENSE_BF16, Target("llvm-cpu", AVX512_BF16))
+    # queries [h_kv, rows / 16, d / 2, 16, 2], keys [h_kv, 256 / 16, d / 2, 16, 2] -> f32 scores
+    assert "linalg.batch_mmt4d ins(%" in packed
+    assert "tensor<2x64x32x16x2xbf16>, tensor<2x16x32x16x2xbf16>) outs(" in packed
+    assert "flow.tensor.bitcast" in packed  # the weights' transpose as 32-bit words
+    assert "linalg.batch_mmt4d" not in tuned_ir(DENSE_BF16, Target("llvm-cpu", AVX2))
+
+
+def test_a_shape_the_tiles_do_not_divide_and_the_kv_cache_variants_keep_the_row_tiles():
+    odd_head_dim = SequencePrefillSpec(4, 4, 72, "bfloat16", causal=True, sm_scale=0.125)
+    assert "linalg.batch_mmt4d" not in tuned_ir(odd_head_dim, Target("llvm-cpu", AVX512_BF16))
+    assert "linalg.batch_mmt4d" not in tuned_ir(PagedPrefillSpec(8, 2, 64, "bfloat16"), Target("llvm-cpu", AVX512_BF16))
+
+
+#: The dense row tiles, as an AVX2 CPU runs them (this machine runs znver3 code too).
+ROW_TILE_SPECS = [SequencePrefillSpec(8, 2, 64, "float32", causal=True, sm_scale=0.125),
+                  SequencePrefillSpec(4, 4, 128, "bfloat16", causal=False, sm_scale=128 ** -0.5),
+                  MaskedSequencePrefillSpec(4, 2, 64, "float16", mask_mode="causal_padded_left", sm_scale=0.125)]
+
+
+@pytest.mark.parametrize("backend", [pytest.param(Target("llvm-cpu", AVX2), id="llvm-cpu-znver3")])
+@pytest.mark.parametrize("spec", ROW_TILE_SPECS, ids=spec_id)
+def test_the_row_tiles_match_the_reference(spec, backend, cache):
+    for batch, qo_len, kv_len in [(2, 300, 300), (1, 129, 5), (3, 17, 40)]:
+        calls = [dict(valid_lens=np.array([min(qo_len, kv_len) // 2 + i for i in range(batch)], np.int32))] \
+            if isinstance(spec, MaskedSequencePrefillSpec) else [{}]
+        run_against_reference(spec, backend, cache=cache, entries=[(qo_len, kv_len)] * batch, calls=calls)
