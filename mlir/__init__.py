@@ -21,8 +21,6 @@ _BUILDERS = {
     MlaPagedPrefillSpec: build_mla_prefill,
 }
 SPEC_TYPES = tuple(_BUILDERS)
-#: The variants whose builder takes packed score tiles (score_tiles.PackedTiles).
-_PACKED_TILE_BUILDERS = (SequencePrefillSpec, MaskedSequencePrefillSpec)
 #: Passes a variant's kernel hands work to (not variants of their own: no seed function, no CLI name).
 _PASS_BUILDERS = {DecodeSpec: build_decode}
 _FUSED_BUILDERS = {
@@ -38,17 +36,14 @@ _FUSED_BUILDERS = {
 def build_module(spec, *, row_chunk: int | None = None, score_tiles: RowTiles = ROW_TILES):
     """The verified MLIR module for any variant spec. ``row_chunk`` is the widest row the online
     softmax reduces in one op (None: whole rows); ``score_tiles`` the KV step's tile layout
-    (mlir/score_tiles.py), which the variants in ``_PACKED_TILE_BUILDERS`` take (the others keep the
-    row tiles); pipeline/tuning.py picks both per target."""
+    (mlir/score_tiles.py); pipeline/tuning.py picks both per target."""
     if type(spec) in _PASS_BUILDERS:
         return _PASS_BUILDERS[type(spec)](spec)
     try:
         builder = _BUILDERS[type(spec)]
     except KeyError:
         raise TypeError(f"no IR builder for {type(spec).__name__}") from None
-    if type(spec) in _PACKED_TILE_BUILDERS:
-        return builder(spec, row_chunk=row_chunk, score_tiles=score_tiles)
-    return builder(spec, row_chunk=row_chunk)
+    return builder(spec, row_chunk=row_chunk, score_tiles=score_tiles)
 
 
 def build_fused_module(spec):

@@ -26,9 +26,8 @@ from dataclasses import dataclass
 from typing import Callable, Union
 
 from .ir import (
-    DYN, affine_map, arith_d, ceil_div, collapse, const_index, dim, empty, expand, extract_slice, f32,
-    generic, ir, is_one, le, linalg_d, lt, one_of, scf_d, sizes_of, storage_tiles,
-    tensor_type, tie_dims, widened,
+    DYN, arith_d, ceil_div, collapse, const_index, dim, expand, extract_slice, ir, is_one, le, lt, one_of,
+    scf_d, sizes_of, storage_tiles, tensor_type, tie_dims,
 )
 from .abi import function_module
 from .kv_layouts import EntryKv
@@ -37,6 +36,7 @@ from .mask_rules import CallMask, Lengths, MaskRule, mask_rule, rule_arguments
 from .online_softmax import ScoreIndices, ScoreMask, online_softmax, row_sinks
 from .paging import index_at
 from .query_tiles import QueryTiles, kv_tile_loader
+from .score_tiles import ROW_TILES, RowTiles
 from .rope import apply_rope
 from .specs import SMALL_Q_TILE, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec
 
@@ -79,35 +79,13 @@ def _then_rotated_if(rope: RopeArgs | None, build_x: Callable[[], ir.Value], pos
     return [tie_dims(result, size) for result, size in zip(branch.results, sizes)]
 
 
-def _kv_tiles(x: ir.Value, kv_len: ir.Value, num_tiles: ir.Value, kv_tile: int, keys: bool) -> ir.Value:
-    """Token-major [T * kv_tile, h, d] -> keys [1, h, T, d, kv_tile] or values [1, h, T * kv_tile, d],
-    widened to f32 (see sequence.py: ``_kv_tiles``).
-
-    Rows at or past ``kv_len`` become 0, so nothing another entry (or NaN padding) left there can
-    reach this entry's result: a masked key weighs 0, and 0 * NaN would still be NaN.
-    """
-    h, d = ir.RankedTensorType(x.type).shape[1:]
-    tiled = expand(x, [[0, 1], [2], [3]], [num_tiles, kv_tile, h, d])
-    elem = f32()
-    zero = arith_d.constant(elem, 0.0)
-    if keys:  # loops (h, t, j, n)
-        out = empty([h, num_tiles, d, kv_tile], elem)
-        source_map, col_dim = affine_map(4, (1, 3, 0, 2)), 3
-    else:  # loops (h, t, n, j)
-        out = empty([h, num_tiles, kv_tile, d], elem)
-        source_map, col_dim = affine_map(4, (1, 2, 0, 3)), 2
-
-    def body(value, _out):
-        tile = linalg_d.IndexOp(1).result
-        col = arith_d.addi(arith_d.muli(tile, const_index(kv_tile)), linalg_d.IndexOp(col_dim).result)
-        value = widened(value)
-        return [arith_d.select(lt(col, kv_len), value, zero)]
-
-    result = generic([tiled], [out], [source_map, affine_map(4, range(4))], "pppp", body)[0]
-    if keys:
-        return expand(result, [[0, 1], [2], [3], [4]], [1, h, num_tiles, d, kv_tile])
-    return expand(collapse(result, [[0], [1, 2], [3]]), [[0, 1], [2], [3]],
-                  [1, h, arith_d.muli(num_tiles, const_index(kv_tile)), d])
+def _kv_tiles(x: ir.Value, kv_len: ir.Value, num_tiles: ir.Value, kv_tile: int, keys: bool, layout: RowTiles) -> ir.Value:
+    """Token-major [T * kv_tile, h, d] -> the entry's stored keys or values in ``layout``
+    (score_tiles.py: row tiles f32 keys [1, h, T, d, kv_tile] or values [1, h, T * kv_tile, d];
+    packed tiles in the operand type), rows at or past ``kv_len`` zero, so nothing another entry
+    (or NaN padding) left there can reach this entry's result: a masked key weighs 0, and 0 * NaN
+    would still be NaN."""
+    return layout.token_major_tiles(x, kv_len, num_tiles, kv_tile, keys)
 
 
 def _query_padding(spec: KvCacheSpec, total_q: ir.Value) -> ir.Value:
@@ -121,26 +99,27 @@ def _query_padding(spec: KvCacheSpec, total_q: ir.Value) -> ir.Value:
                           const_index(spec.q_tile))
 
 
-def _laid_out_kv(spec: KvCacheSpec, kv: EntryKv, rope: RopeArgs | None, d_qk: int, d_v: int):
-    """The entry's keys [1, h_kv, tiles, d_qk, kv_tile] (rotated when its call rotates) and values
-    [1, h_kv, tiles * kv_tile, d_v], f32 (kv_tile_loader reads them)."""
+def _laid_out_kv(spec: KvCacheSpec, kv: EntryKv, rope: RopeArgs | None, d_qk: int, d_v: int, layout: RowTiles):
+    """The entry's keys (rotated when its call rotates) and values as ``layout`` stores them
+    (row tiles: f32 keys [1, h_kv, tiles, d_qk, kv_tile] and values [1, h_kv, tiles * kv_tile,
+    d_v]), which kv_tile_loader reads."""
     h_kv = spec.h_kv
     stored_tiles = storage_tiles(kv.kv_len, spec.kv_tile)
 
     def kv_tiles(rotated_keys):
-        return [_kv_tiles(rotated_keys, kv.kv_len, stored_tiles, spec.kv_tile, keys=True),
-                _kv_tiles(kv.load_values(), kv.kv_len, stored_tiles, spec.kv_tile, keys=False)]
+        return [_kv_tiles(rotated_keys, kv.kv_len, stored_tiles, spec.kv_tile, True, layout),
+                _kv_tiles(kv.load_values(), kv.kv_len, stored_tiles, spec.kv_tile, False, layout)]
 
-    stored_rows = arith_d.muli(stored_tiles, const_index(spec.kv_tile))
+    storage = [layout.kv_storage(keys, 1, h_kv, stored_tiles, d, spec.kv_tile) for keys, d in ((True, d_qk), (False, d_v))]
     return _then_rotated_if(
         rope, kv.load_keys, kv.rope_offset, kv_tiles,
-        [tensor_type([1, h_kv, DYN, d_qk, spec.kv_tile], f32()), tensor_type([1, h_kv, DYN, d_v], f32())],
-        [[1, h_kv, stored_tiles, d_qk, spec.kv_tile], [1, h_kv, stored_rows, d_v]])
+        [tensor_type([DYN if isinstance(x, ir.Value) else x for x in s.sizes], s.elem) for s in storage],
+        [s.sizes for s in storage])
 
 
 def _tile_softmax(spec: KvCacheSpec, mask: CallMask, entry_mask, lengths: Lengths, load_kv_tile,
                   num_kv_tiles: ir.Value, first_local: ir.Value, tile_tokens: int, *, d_v: int,
-                  sm_scale: ir.Value, row_chunk: int | None, sinks: ir.Value | None):
+                  sm_scale: ir.Value, row_chunk: int | None, sinks: ir.Value | None, layout: RowTiles):
     """The online softmax of one query tile (tokens [first_local, first_local + tile_tokens) of
     the entry) over the KV tiles it can see, masked by the rule (``mask`` bound to the call,
     ``entry_mask`` to the entry); ``sinks``: the tile rows' sinks (online_softmax.row_sinks) or
@@ -165,6 +144,7 @@ def _tile_softmax(spec: KvCacheSpec, mask: CallMask, entry_mask, lengths: Length
             row_chunk=row_chunk,
             soft_cap=spec.logits_soft_cap,
             sinks=sinks,
+            layout=layout,
         )
 
     return softmax
@@ -183,14 +163,18 @@ def _attend_entries(
     rope: RopeArgs | None,
     row_chunk: int | None,
     sinks: ir.Value | None = None,
+    layout: RowTiles = ROW_TILES,
 ) -> list[ir.Value]:
     """Output [Lq, h_q, d_v] (dtype) and lse [Lq, h_q] (f32) for q [Lq, h_q, d_qk] (already rotated).
     ``mask_args``: the arguments ``rule`` reads, by name (mask_rules.rule_arguments);
     ``row_chunk``: the widest row the online softmax reduces in one op (None: whole rows);
-    ``sinks``: [h_q] f32 sink logits (semantics §13) or None."""
+    ``sinks``: [h_q] f32 sink logits (semantics §13) or None; ``layout``: the KV step's tiles
+    (score_tiles.py), kept when every query tile size of the spec divides into them."""
     group, h_kv = spec.group_size, spec.h_kv
     q_shape = ir.RankedTensorType(q.type)
     d_qk, dt = q_shape.shape[2], q_shape.element_type
+    if not all(layout.fits(tokens * group, spec.kv_tile, d_qk, d_v) for tokens in {spec.q_tile, SMALL_Q_TILE}):
+        layout = ROW_TILES
     total_q = dim(q, 0)
     padded_tokens = arith_d.addi(total_q, _query_padding(spec, total_q))
     q4 = expand(q, [[0, 1], [2], [3]], [1, total_q, spec.h_q, d_qk])
@@ -210,15 +194,15 @@ def _attend_entries(
         kv = load_entry(b)
         entry_mask = mask.entry(b)
         num_kv_tiles = ceil_div(kv.kv_len, spec.kv_tile)
-        keys, values = _laid_out_kv(spec, kv, rope, d_qk, d_v)
+        keys, values = _laid_out_kv(spec, kv, rope, d_qk, d_v, layout)
         lengths = Lengths(qo_len, kv.kv_len, arith_d.subi(kv.kv_len, qo_len))
-        load_kv_tile = kv_tile_loader(keys, values, 0, spec.kv_tile)
+        load_kv_tile = kv_tile_loader(keys, values, 0, spec.kv_tile, layout)
 
         def attend(first_local, tile_tokens: int, tile):
             """Queries [first_local, first_local + tile_tokens) of the entry against its KV."""
             softmax = _tile_softmax(spec, mask, entry_mask, lengths, load_kv_tile, num_kv_tiles, first_local,
                                     tile_tokens, d_v=d_v, sm_scale=sm_scale, row_chunk=row_chunk,
-                                    sinks=tile_sinks[tile_tokens])
+                                    sinks=tile_sinks[tile_tokens], layout=layout)
             return driver.attend(q_rows, 0, arith_d.addi(q_start, first_local), tile_tokens, tile, softmax)
 
         def all_tiles(tiles_carried):
@@ -239,7 +223,8 @@ def _attend_entries(
     return [collapse(output, [[0, 1], [2], [3]]), collapse(lse, [[0, 1], [2]])]
 
 
-def build_ragged_prefill(spec: RaggedPrefillSpec, *, row_chunk: int | None, rule: MaskRule | None = None) -> ir.Module:
+def build_ragged_prefill(spec: RaggedPrefillSpec, *, row_chunk: int | None, rule: MaskRule | None = None,
+        score_tiles: RowTiles = ROW_TILES) -> ir.Module:
     """``batch_prefill_ragged_kv(q, q_indptr, k, v, kv_indptr, q_rope_position, k_rope_pos_offset,
     causal, rotary_mode, rope_scale, rope_theta, sm_scale[, custom_mask, mask_indptr][, sinks]) ->
     (output, lse)``; ``rule``: the mask (default: the spec's, mask_rules.mask_rule)."""
@@ -253,13 +238,14 @@ def build_ragged_prefill(spec: RaggedPrefillSpec, *, row_chunk: int | None, rule
             load_entry=spec.layout.entry_loader(spec, k=k, v=v, kv_indptr=kv_indptr,
                                                 k_rope_pos_offset=k_rope_pos_offset),
             mask_args=rule_arguments(spec, causal, extra), rule=rule, sm_scale=sm_scale, rope=rope,
-            row_chunk=row_chunk, sinks=sinks,
+            row_chunk=row_chunk, sinks=sinks, layout=score_tiles,
         )
 
     return function_module(spec, emit)
 
 
-def build_paged_prefill(spec: PagedPrefillSpec, *, row_chunk: int | None, rule: MaskRule | None = None) -> ir.Module:
+def build_paged_prefill(spec: PagedPrefillSpec, *, row_chunk: int | None, rule: MaskRule | None = None,
+        score_tiles: RowTiles = ROW_TILES) -> ir.Module:
     """``batch_prefill_paged_kv[_sliding_window](q, q_indptr, pages, page_indptr, page_values,
     length_info, k_rope_pos_offset, q_rope_position, causal, rotary_mode, rope_scale, rope_theta,
     sm_scale[, custom_mask, mask_indptr][, sinks]) -> (output, lse)``; ``rule`` as for the ragged
@@ -274,13 +260,14 @@ def build_paged_prefill(spec: PagedPrefillSpec, *, row_chunk: int | None, rule: 
             load_entry=spec.layout.entry_loader(spec, pages=pages, page_indptr=page_indptr, page_values=page_values,
                                                 length_info=length_info, k_rope_pos_offset=k_rope_pos_offset),
             mask_args=rule_arguments(spec, causal, extra), rule=rule, sm_scale=sm_scale, rope=rope,
-            row_chunk=row_chunk, sinks=sinks,
+            row_chunk=row_chunk, sinks=sinks, layout=score_tiles,
         )
 
     return function_module(spec, emit)
 
 
-def build_mla_prefill(spec: MlaPagedPrefillSpec, *, row_chunk: int | None, rule: MaskRule | None = None) -> ir.Module:
+def build_mla_prefill(spec: MlaPagedPrefillSpec, *, row_chunk: int | None, rule: MaskRule | None = None,
+        score_tiles: RowTiles = ROW_TILES) -> ir.Module:
     """``batch_prefill_paged_kv_mla[_sliding_window](q, q_indptr, pages, page_indptr, page_values,
     length_info, causal, sm_scale[, sinks]) -> (output [Lq, h_q, d_latent], lse)``; ``rule`` as for
     the ragged kernel."""
@@ -292,7 +279,7 @@ def build_mla_prefill(spec: MlaPagedPrefillSpec, *, row_chunk: int | None, rule:
             load_entry=spec.layout.entry_loader(spec, pages=pages, page_indptr=page_indptr, page_values=page_values,
                                                 length_info=length_info),
             mask_args=rule_arguments(spec, causal, extra), rule=rule, sm_scale=sm_scale, rope=None,
-            row_chunk=row_chunk, sinks=sinks,
+            row_chunk=row_chunk, sinks=sinks, layout=score_tiles,
         )
 
     return function_module(spec, emit)

@@ -78,6 +78,26 @@ class KvStorage:
     elem: ir.Type
 
 
+def _zeroed_past(x: ir.Value, split: list, sizes: list, loops_of_source: tuple, column: Callable,
+                 kv_len: ir.Value, elem: ir.Type) -> ir.Value:
+    """One generic over ``sizes`` reading token-major ``x`` [T * kv_tile, h, d] expanded to ``split``
+    (``[[source dims of x dim 0], [..1], [..2]]`` sizes flattened in order) at the loops
+    ``loops_of_source`` (one per split dim), converted to ``elem``, zero where
+    ``column(loop indices)`` (the entry-local KV row) is at or past ``kv_len``."""
+    groups, split_sizes = split
+    tiled = expand(x, groups, split_sizes)
+    zero = arith_d.constant(elem, 0.0)
+    rank = len(sizes)
+
+    def body(value, _out):
+        col = column([linalg_d.IndexOp(i).result for i in range(rank)])
+        value = value if value.type == elem else (widened(value) if elem == f32() else narrowed(elem, widened(value)))
+        return [arith_d.select(arith_d.cmpi(arith_d.CmpIPredicate.slt, col, kv_len), value, zero)]
+
+    source = ir.AffineMap.get(rank, 0, [ir.AffineDimExpr.get(d) for d in loops_of_source])
+    return generic([tiled], [empty(sizes, elem)], [source, affine_map(rank, range(rank))], "p" * rank, body)[0]
+
+
 class RowTiles:
     """f32 rows and tuned generic contractions (module docstring)."""
 
@@ -137,6 +157,23 @@ class RowTiles:
     def tile_rows(self, per_row: ir.Value) -> ir.Value:
         """[H, M] per-row values (e.g. sinks) -> indexable by the row state's dims minus the first."""
         return per_row
+
+    def token_major_tiles(self, x: ir.Value, kv_len: ir.Value, tiles: ir.Value, kv_tile: int, keys: bool) -> ir.Value:
+        """Token-major K or V [tiles * kv_tile, h, d] of one entry -> its stored keys [1, h, tiles, d,
+        kv_tile] or values [1, h, tiles * kv_tile, d] (as :meth:`kv_storage` with B = 1), f32, rows
+        at or past ``kv_len`` zero."""
+        h, d = ir.RankedTensorType(x.type).shape[1:]
+        split = [[[0, 1], [2], [3]], [tiles, kv_tile, h, d]]
+
+        def column(loops):  # tile t, row n within it
+            return arith_d.addi(arith_d.muli(loops[1], const_index(kv_tile)), loops[3 if keys else 2])
+
+        if keys:  # loops (h, t, j, n)
+            result = _zeroed_past(x, split, [h, tiles, d, kv_tile], (1, 3, 0, 2), column, kv_len, f32())
+            return expand(result, [[0, 1], [2], [3], [4]], [1, h, tiles, d, kv_tile])
+        result = _zeroed_past(x, split, [h, tiles, kv_tile, d], (1, 2, 0, 3), column, kv_len, f32())  # (h, t, n, j)
+        return expand(collapse(result, [[0], [1, 2], [3]]), [[0, 1], [2], [3]],
+                      [1, h, arith_d.muli(tiles, const_index(kv_tile)), d])
 
     def kv_storage(self, keys: bool, batch: IndexLike, h_kv: int, tiles: IndexLike, d: int, kv_tile: int) -> KvStorage:
         """keys [B, h_kv, tiles, d, kv_tile] (each tile transposed) or values [B, h_kv, tiles * kv_tile, d]."""
@@ -265,6 +302,28 @@ class PackedTiles(RowTiles):
     def tile_rows(self, per_row: ir.Value) -> ir.Value:
         heads, rows = ir.RankedTensorType(per_row.type).shape
         return expand(per_row, [[0], [1, 2]], [heads, rows // self.m0, self.m0])
+
+    def token_major_tiles(self, x: ir.Value, kv_len: ir.Value, tiles: ir.Value, kv_tile: int, keys: bool) -> ir.Value:
+        """Token-major K or V [tiles * kv_tile, h, d] of one entry -> its stored tiles (as
+        :meth:`kv_storage` with B = 1) in the operand type, rows at or past ``kv_len`` zero."""
+        h, d = ir.RankedTensorType(x.type).shape[1:]
+        elem = self._elem()
+        if keys:  # loops (h, t, n1, k1, n0, k0) read x as [t, n1, n0, h, k1, k0]
+            split = [[[0, 1, 2], [3], [4, 5]], [tiles, kv_tile // self.n0, self.n0, h, d // self.k0, self.k0]]
+            sizes = [h, tiles, kv_tile // self.n0, d // self.k0, self.n0, self.k0]
+            source, within = (1, 2, 4, 0, 3, 5), (2, self.n0, 4)
+        else:  # loops (h, t, d1, k1, d0, k0) read x as [t, k1, k0, h, d1, d0]
+            split = [[[0, 1, 2], [3], [4, 5]], [tiles, kv_tile // self.k0, self.k0, h, d // self.n0, self.n0]]
+            sizes = [h, tiles, d // self.n0, kv_tile // self.k0, self.n0, self.k0]
+            source, within = (1, 3, 5, 0, 2, 4), (3, self.k0, 5)
+
+        def column(loops):
+            outer, size, inner = within
+            row = arith_d.addi(arith_d.muli(loops[outer], const_index(size)), loops[inner])
+            return arith_d.addi(arith_d.muli(loops[1], const_index(kv_tile)), row)
+
+        result = _zeroed_past(x, split, sizes, source, column, kv_len, elem)
+        return expand(result, [[0, 1], [2], [3], [4], [5], [6]], [1, *sizes])
 
     def kv_storage(self, keys: bool, batch: IndexLike, h_kv: int, tiles: IndexLike, d: int, kv_tile: int) -> KvStorage:
         """keys [B, h_kv, tiles, N/n0, d/k0, n0, k0] or values [B, h_kv, tiles, d/n0, N/k0, n0, k0]."""

@@ -47,10 +47,13 @@ def test_packed_tiles_contract_bf16_operands_with_mmt4d():
     assert "linalg.batch_mmt4d" not in tuned_ir(DENSE_BF16, Target("llvm-cpu", AVX2))
 
 
-def test_a_shape_the_tiles_do_not_divide_and_the_kv_cache_variants_keep_the_row_tiles():
-    odd_head_dim = SequencePrefillSpec(4, 4, 72, "bfloat16", causal=True, sm_scale=0.125)
-    assert "linalg.batch_mmt4d" not in tuned_ir(odd_head_dim, Target("llvm-cpu", AVX512_BF16))
-    assert "linalg.batch_mmt4d" not in tuned_ir(PagedPrefillSpec(8, 2, 64, "bfloat16"), Target("llvm-cpu", AVX512_BF16))
+def test_the_kv_cache_variants_pack_too_and_a_shape_the_tiles_do_not_divide_keeps_the_row_tiles():
+    target = Target("llvm-cpu", AVX512_BF16)
+    paged = tuned_ir(PagedPrefillSpec(8, 2, 64, "bfloat16"), target)
+    assert "linalg.batch_mmt4d" in paged and "x16x2xbf16>" in paged
+    for spec in (SequencePrefillSpec(4, 4, 72, "bfloat16", causal=True, sm_scale=0.125),  # 72 % 16
+                 PagedPrefillSpec(4, 4, 64, "float32", q_tile=8)):  # an 8-row query tile
+        assert "linalg.batch_mmt4d" not in tuned_ir(spec, target)
 
 
 #: The dense row tiles, as an AVX2 CPU runs them (this machine runs znver3 code too).
