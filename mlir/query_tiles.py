@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from .ir import IndexLike, arith_d, const_index, empty, extract_slice, f32, ir, on_target_device, scf_d, tie_dims
+from .ir import IndexLike, arith_d, const_index, empty, f32, ir, on_target_device, scf_d, tie_dims
 from .layout import fence_after, first_fence, waited, write_tile
 from .online_softmax import AttentionTile, KvTile
 from .score_tiles import ROW_TILES, RowTiles
@@ -32,14 +32,16 @@ Carried = list  # [output, lse, fence] (fenced) or [output, lse]
 @dataclass(frozen=True)
 class QueryTiles:
     """The carried output and lse sizes ([B, L_pad, h_q, d_v], [B, L_pad, h_q]), the GQA group
-    and KV heads the query rows are folded with (layout.group_query_rows), and whether the loops
-    carry a fence (the linalg lowering's tiles wait for the previous one)."""
+    and KV heads the query rows are folded with (layout.group_query_rows), whether the loops
+    carry a fence (the linalg lowering's tiles wait for the previous one), and the tile layout
+    whose query rows :meth:`attend` slices (score_tiles.py: f32 rows, or rows packed per call)."""
 
     out_sizes: Sequence[IndexLike]
     lse_sizes: Sequence[IndexLike]
     group: int
     h_kv: int
     fenced: bool = True
+    layout: RowTiles = ROW_TILES
 
     def tied(self, carried: Carried) -> Carried:
         """The carried values with their dynamic sizes tied (IREE then updates them in place)."""
@@ -72,13 +74,12 @@ class QueryTiles:
     def attend(self, q_rows: ir.Value, entry: IndexLike, first_token: ir.Value, tile_tokens: int, carried: Carried,
                softmax: Callable[[ir.Value], AttentionTile]) -> Carried:
         """One query tile of the linalg lowering (fenced): rows of tokens [first_token, first_token + tile_tokens) of ``q_rows``
-        [B, h_kv, L_pad * G, d_qk] at batch index ``entry``, attended by ``softmax(q_tile)`` (the
+        ([B, h_kv, L_pad * G, d_qk], or as ``layout.query_rows`` packs them) at batch index ``entry``, attended by ``softmax(q_tile)`` (the
         family's mask and KV) and written into the carried output and lse at ``first_token``.
         The tile waits for the previous one (layout.waited) before it reads its rows."""
         out_acc, lse_acc, fence = carried
         first_row = arith_d.addi(arith_d.muli(first_token, const_index(self.group)), waited(fence))
-        d_qk = ir.RankedTensorType(q_rows.type).shape[3]
-        q_tile = extract_slice(q_rows, [entry, 0, first_row, 0], [1, self.h_kv, tile_tokens * self.group, d_qk])
+        q_tile = self.layout.query_tile(q_rows, entry, first_row, tile_tokens * self.group)
         result = softmax(q_tile)
         return [write_tile(result.output, out_acc, entry, first_token, self.group),
                 write_tile(result.lse, lse_acc, entry, first_token, self.group), fence_after(result.lse)]

@@ -1,23 +1,24 @@
 """How the llvm-cpu online softmax lays out a KV step's tiles and contracts them: two layouts,
-chosen per target and dtype in one place (pipeline/targets.py, the backend record's
-``score_tiles``), shared by every variant of the linalg lowering.
+chosen per CPU and dtype in one place (pipeline/cpu_tiles.py, the ``score_tiles`` hook of the
+backend record), shared by every variant of the linalg lowering.
 
-:data:`ROW_TILES` (every dtype today, and every CPU without a packed tile for the dtype): f32 rows,
-the contractions ``linalg.generic``s the pipeline tunes (pipeline/tuning.py)::
+:data:`ROW_TILES` (CPUs without AVX-512, shapes the packed tiles do not divide, the GPU backends'
+linalg lowering): f32 rows, the contractions ``linalg.generic``s the pipeline tunes
+(pipeline/tuning.py)::
 
     query tile  [B, H, M, d_qk]  f32          keys   [B, H, d_qk, N] f32 (one KV tile, transposed)
     scores      [B, H, M, N]     f32          values [B, H, N, d_v]  f32
     probs       [B, H, M, N]     f32          acc    [B, H, M, d_v]  f32       row state [B, H, M]
 
-:class:`PackedTiles` (bf16 on CPUs with avx512_bf16): the operands in the input dtype, in the
-tile layout of ``linalg.batch_mmt4d`` (IREE's mmt4d ukernel: bf16 x bf16 -> f32 in m0 x n0 x k0
-tiles), with the KV heads as the batch and B a static 1 (every variant's tiles are [1, H, ...])::
+:class:`PackedTiles` (AVX-512: bf16 operands with avx512_bf16, else f32 ones): the operands in the
+tile layout of ``linalg.batch_mmt4d`` (m0 x n0 x k0 tiles, f32 sums), the KV heads as the batch
+and B a static 1 (every variant's tiles are [1, H, ...])::
 
-    query tile  [H, M/m0, d_qk/k0, m0, k0]    dtype   packed once per query tile
-    keys        [H, N/n0, d_qk/k0, n0, k0]    dtype   packed once per call (pack_kv)
-    values      [H, d_v/n0, N/k0, n0, k0]     dtype   packed once per call
+    query tile  [H, M/m0, d_qk/k0, m0, k0]    operand type   packed once per query tile
+    keys        [H, N/n0, d_qk/k0, n0, k0]    operand type   packed once per call (dense) or entry
+    values      [H, d_v/n0, N/k0, n0, k0]     operand type   the same
     scores      [H, M/m0, N/n0, m0, n0]       f32
-    probs       [H, M/m0, N/k0, m0, k0]       dtype   the P.V operand (the error model's u_P)
+    probs       [H, M/m0, N/k0, m0, k0]       operand type   the P.V operand (bf16: the error model's u_P)
     acc         [H, M/m0, d_v/n0, m0, n0]     f32                         row state [H, M/m0, m0]
 
 A layout gives the online softmax (mlir/online_softmax.py) its contractions, the loops of each
@@ -32,8 +33,9 @@ from typing import Callable, Sequence
 
 from .ir import (
     IndexLike, affine_map, arith_d, bitcast, collapse, const_f32, const_index, element_type, empty, expand,
-    extract_slice, f32, fill, generic, ir, linalg_d, narrowed, sizes_of, widened,
+    extract_slice, f32, fill, generic, ir, linalg_d, narrowed, sizes_of, tensor_d, widened,
 )
+from .layout import group_query_rows
 
 #: Discardable attribute on the two contraction generics of :data:`ROW_TILES` (scores and probs x
 #: values). The pipeline replaces it with a target-specific tiling where it has measured one
@@ -78,6 +80,14 @@ class KvStorage:
     elem: ir.Type
 
 
+def converted(elem: ir.Type, value: ir.Value) -> ir.Value:
+    """A float scalar as ``elem``: widened to f32 and rounded to ``elem`` where it differs."""
+    if value.type == elem:
+        return value
+    wide = widened(value)
+    return wide if elem == f32() else narrowed(elem, wide)
+
+
 def _zeroed_past(x: ir.Value, split: list, sizes: list, loops_of_source: tuple, column: Callable,
                  kv_len: ir.Value, elem: ir.Type) -> ir.Value:
     """One generic over ``sizes`` reading token-major ``x`` [T * kv_tile, h, d] expanded to ``split``
@@ -91,7 +101,7 @@ def _zeroed_past(x: ir.Value, split: list, sizes: list, loops_of_source: tuple, 
 
     def body(value, _out):
         col = column([linalg_d.IndexOp(i).result for i in range(rank)])
-        value = value if value.type == elem else (widened(value) if elem == f32() else narrowed(elem, widened(value)))
+        value = converted(elem, value)
         return [arith_d.select(arith_d.cmpi(arith_d.CmpIPredicate.slt, col, kv_len), value, zero)]
 
     source = ir.AffineMap.get(rank, 0, [ir.AffineDimExpr.get(d) for d in loops_of_source])
@@ -108,6 +118,16 @@ class RowTiles:
     def fits(self, rows: int, kv_tile: int, d_qk: int, d_v: int) -> bool:
         """Whether query tiles of ``rows`` rows, KV tiles and head dims fit the layout (any do)."""
         return True
+
+    def query_rows(self, q: ir.Value, h_kv: int, group: int, padded_len: ir.Value) -> ir.Value:
+        """q [B, Lq, h_q, d] -> the call's query rows, f32 [B, h_kv, padded_len * G, d] in grouped
+        rows (layout.group_query_rows), rows of tokens at or past Lq zero."""
+        return group_query_rows(q, h_kv, group, padded_len)
+
+    def query_tile(self, q_rows: ir.Value, entry: IndexLike, first_row: ir.Value, rows: int) -> ir.Value:
+        """Rows [first_row, first_row + rows) of the query rows at batch index ``entry``: [1, H, rows, d]."""
+        _, h_kv, _, d = ir.RankedTensorType(q_rows.type).shape
+        return extract_slice(q_rows, [entry, 0, first_row, 0], [1, h_kv, rows, d])
 
     def query_operand(self, q_tile: ir.Value) -> ir.Value:
         """The query tile [B, H, M, d_qk] as the scores contraction reads it."""
@@ -200,8 +220,8 @@ ROW_TILES = RowTiles()
 
 @dataclass(frozen=True)
 class PackedTiles(RowTiles):
-    """Operands in ``dtype`` packed in m0 x n0 x k0 tiles, contracted by ``linalg.batch_mmt4d``
-    (module docstring). ``m0``, ``n0``, ``k0``: IREE's mmt4d ukernel tile for the CPU and dtype."""
+    """Operands of type ``dtype`` packed in m0 x n0 x k0 tiles, contracted by ``linalg.batch_mmt4d``
+    (module docstring). ``m0``, ``n0``, ``k0``: IREE's mmt4d tile for the CPU and operand type."""
 
     dtype: str = "bfloat16"
     m0: int = 16
@@ -220,8 +240,43 @@ class PackedTiles(RowTiles):
     def _elem(self) -> ir.Type:
         return element_type(self.dtype)
 
+    def query_rows(self, q: ir.Value, h_kv: int, group: int, padded_len: ir.Value) -> ir.Value:
+        """q [B, Lq, h_q, d] -> the call's query rows packed once, [B, h_kv, padded_len * G / m0,
+        d / k0, m0, k0] in the operand type (grouped rows as layout.group_query_rows orders them),
+        when G divides m0: one generic over q zero-padded to ``padded_len`` tokens, whose loops
+        (b, h, m1, k1, t, g, k) read q [B, M1, m0 / G, h_kv, G, d / k0, k0] as a plain transpose.
+        Other groups keep the f32 rows, packed tile by tile (:meth:`query_operand`)."""
+        if self.m0 % group:
+            return group_query_rows(q, h_kv, group, padded_len)
+        batch, length, _, d = sizes_of(q)
+        elem = self._elem()
+        dynamic = ir.ShapedType.get_dynamic_size()
+        pad = tensor_d.PadOp(q.type, q, [], [arith_d.subi(padded_len, length)], [0] * 4, [0, dynamic, 0, 0])
+        with ir.InsertionPoint(pad.region.blocks.append(*[ir.IndexType.get()] * 4)):
+            tensor_d.YieldOp(arith_d.constant(ir.RankedTensorType(q.type).element_type, 0.0))
+        tokens_per_tile = self.m0 // group
+        m1 = arith_d.divui(padded_len, const_index(tokens_per_tile))
+        split = expand(pad.result, [[0], [1, 2], [3, 4], [5, 6]],
+                       [batch, m1, tokens_per_tile, h_kv, group, d // self.k0, self.k0])
+        sizes = [batch, h_kv, m1, d // self.k0, tokens_per_tile, group, self.k0]
+        packed = generic([split], [empty(sizes, elem)], [affine_map(7, (0, 2, 4, 1, 5, 3, 6)), affine_map(7, range(7))],
+                         "p" * 7, lambda x, _out: [converted(elem, x)])[0]
+        return collapse(packed, [[0], [1], [2], [3], [4, 5], [6]])
+
+    def query_tile(self, q_rows: ir.Value, entry: IndexLike, first_row: ir.Value, rows: int) -> ir.Value:
+        """Packed rows: [1, H, rows / m0, d / k0, m0, k0] (``first_row`` a multiple of m0); f32 rows as
+        the row tiles slice them."""
+        shape = ir.RankedTensorType(q_rows.type).shape
+        if len(shape) == 4:
+            return super().query_tile(q_rows, entry, first_row, rows)
+        first = arith_d.divui(first_row, const_index(self.m0))
+        return extract_slice(q_rows, [entry, 0, first, 0, 0, 0], [1, shape[1], rows // self.m0, *shape[3:]])
+
     def query_operand(self, q_tile: ir.Value) -> ir.Value:
-        """[1, H, M, d] (f32 widened from dtype: the narrowing is exact) -> [H, M/m0, d/k0, m0, k0]."""
+        """A query tile -> [H, M/m0, d/k0, m0, k0]: packed rows as they are; f32 rows [1, H, M, d]
+        packed here, in the operand type (bf16 rows were widened from bf16: the narrowing is exact)."""
+        if ir.RankedTensorType(q_tile.type).rank == 6:
+            return collapse(q_tile, [[0, 1], [2], [3], [4], [5]])
         _, heads, rows, d = ir.RankedTensorType(q_tile.type).shape
         split = expand(collapse(q_tile, [[0, 1], [2], [3]]), [[0], [1, 2], [3, 4]],
                        [heads, rows // self.m0, self.m0, d // self.k0, self.k0])
@@ -239,7 +294,10 @@ class PackedTiles(RowTiles):
                        "p" * rank, lambda x, _out: [narrowed(elem, x)])[0]
 
     def row_sizes(self, q_tile: ir.Value) -> list:
-        _, heads, rows, _ = ir.RankedTensorType(q_tile.type).shape
+        shape = ir.RankedTensorType(q_tile.type).shape
+        if len(shape) == 6:
+            return [shape[1], shape[2], self.m0]
+        _, heads, rows, _ = shape
         return [heads, rows // self.m0, self.m0]
 
     def scores(self, query: ir.Value, keys: ir.Value, kv_tile: int) -> ir.Value:

@@ -25,7 +25,6 @@ from .ir import (
     tensor_d, tensor_type, tie_dims, widened,
 )
 from .abi import argument_names, function_module
-from .layout import group_query_rows
 from .mask_rules import CallMask, Lengths, MaskRule, mask_rule
 from .online_softmax import ScoreIndices, ScoreMask, online_softmax, row_sinks
 from .score_tiles import ROW_TILES, RowTiles
@@ -149,12 +148,13 @@ def _emit_body(spec: SequenceSpec, tile_tokens: int, tuning: tuple, mask: CallMa
     num_q_tiles = ceil_div(lengths.q_len, tile_tokens)
     num_kv_tiles = ceil_div(lengths.kv_len, spec.kv_tile)
     padded_tokens = arith_d.muli(num_q_tiles, const_index(tile_tokens))
-    q_rows = group_query_rows(q, h_kv, group, padded_tokens)
+    q_rows = layout.query_rows(q, h_kv, group, padded_tokens)
     stored_tiles = storage_tiles(lengths.kv_len, spec.kv_tile)
     keys = _kv_tiles(k, stored_tiles, spec.kv_tile, True, layout)
     values = _kv_tiles(v, stored_tiles, spec.kv_tile, False, layout)
 
-    driver = QueryTiles([batch, padded_tokens, spec.h_q, d], [batch, padded_tokens, spec.h_q], group, h_kv)
+    driver = QueryTiles([batch, padded_tokens, spec.h_q, d], [batch, padded_tokens, spec.h_q], group, h_kv,
+                        layout=layout)
     tile_sinks = None if sinks is None else row_sinks(sinks, h_kv, group, tile_tokens)
 
     def entry(b, carried):
