@@ -285,8 +285,10 @@ def _show_config() -> int:
     import iree.runtime as rt
     from iree.runtime.version import VERSION as RUNTIME_VERSION
 
+    from .mlir.specs import DTYPES
     from .runtime.devices import device_problem
     from .pipeline.compiler import COMPILER_VERSION
+    from .pipeline.cpu_tiles import cpu_score_tiles
 
     cache = default_cache()
     print(f"IREE compiler     {COMPILER_VERSION}")
@@ -296,6 +298,8 @@ def _show_config() -> int:
         archs = "any" if record.archs is None else ", ".join(record.archs)
         print(f"backend {name:<9} driver {record.driver}, lowering {record.lowering}, "
               f"arch {record.default_arch} (archs: {archs})")
+    for dtype in DTYPES:
+        print(f"llvm-cpu host {dtype:<9} {cpu_score_tiles('host', dtype).describe()}")
     for driver in dict.fromkeys(record.driver for record in BACKENDS.values()):
         reason = device_problem(driver)
         print(f"device {driver:<10} {'usable' if reason is None else 'not usable: ' + reason}")

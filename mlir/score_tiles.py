@@ -119,6 +119,10 @@ class RowTiles:
         """Whether query tiles of ``rows`` rows, KV tiles and head dims fit the layout (any do)."""
         return True
 
+    def describe(self) -> str:
+        """One line for ``linalg-prefill show-config``."""
+        return "row tiles (f32 generic contractions)"
+
     def query_rows(self, q: ir.Value, h_kv: int, group: int, padded_len: ir.Value) -> ir.Value:
         """q [B, Lq, h_q, d] -> the call's query rows, f32 [B, h_kv, padded_len * G, d] in grouped
         rows (layout.group_query_rows), rows of tokens at or past Lq zero."""
@@ -239,6 +243,9 @@ class PackedTiles(RowTiles):
 
     def _elem(self) -> ir.Type:
         return element_type(self.dtype)
+
+    def describe(self) -> str:
+        return f"packed {self.m0}x{self.n0}x{self.k0} {self.dtype} tiles (batch_mmt4d)"
 
     def query_rows(self, q: ir.Value, h_kv: int, group: int, padded_len: ir.Value) -> ir.Value:
         """q [B, Lq, h_q, d] -> the call's query rows packed once, [B, h_kv, padded_len * G / m0,

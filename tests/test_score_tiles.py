@@ -69,3 +69,14 @@ def test_the_row_tiles_match_the_reference(spec, backend, cache):
         calls = [dict(valid_lens=np.array([min(qo_len, kv_len) // 2 + i for i in range(batch)], np.int32))] \
             if isinstance(spec, MaskedSequencePrefillSpec) else [{}]
         run_against_reference(spec, backend, cache=cache, entries=[(qo_len, kv_len)] * batch, calls=calls)
+
+
+def test_show_config_names_the_host_tiles_of_each_dtype(capsys):
+    from linalg_prefill.cli import main
+    from linalg_prefill.mlir.specs import DTYPES
+
+    assert main(["show-config"]) == 0
+    shown = capsys.readouterr().out
+    for dtype in DTYPES:
+        assert f"llvm-cpu host {dtype:<9} {cpu_score_tiles('host', dtype).describe()}" in shown
+    assert "row tiles" in ROW_TILES.describe() and "16x16x2 bfloat16" in cpu_score_tiles(AVX512_BF16, "bfloat16").describe()
