@@ -19,6 +19,7 @@ from ..mlir.score_tiles import ROW_TILES, RowTiles, packed_tiles_for
 NAMED_CPU_FEATURES = {
     **{name: frozenset({"avx2", "avx512f", "avx512_bf16"})
        for name in ("znver4", "znver5", "cooperlake", "sapphirerapids", "emeraldrapids", "graniterapids")},
+    **{name: frozenset({"avx2", "avx512f"}) for name in ("skylake-avx512", "cascadelake", "icelake-server")},
     **{name: frozenset({"avx2"}) for name in ("znver2", "znver3", "haswell", "skylake", "alderlake", "x86-64-v3")},
 }
 

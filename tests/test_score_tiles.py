@@ -14,13 +14,14 @@ from linalg_prefill.pipeline.cpu_tiles import cpu_features, cpu_score_tiles, hos
 from linalg_prefill.pipeline.tuning import tuned_ir
 from support import run_against_reference, spec_id
 
-AVX512_BF16, AVX2 = "znver4", "znver3"
+AVX512_BF16, AVX512, AVX2 = "znver4", "skylake-avx512", "znver3"
 
 
 @pytest.mark.parametrize("arch, dtype, want", [
     (AVX512_BF16, "bfloat16", PackedTiles(dtype="bfloat16", m0=16, n0=16, k0=2)),
     (AVX512_BF16, "float32", PackedTiles(dtype="float32", m0=16, n0=16, k0=1)),
     (AVX512_BF16, "float16", PackedTiles(dtype="float32", m0=16, n0=16, k0=1)),
+    (AVX512, "bfloat16", PackedTiles(dtype="float32", m0=16, n0=16, k0=1)),
     (AVX2, "bfloat16", ROW_TILES), (AVX2, "float32", ROW_TILES), (AVX2, "float16", ROW_TILES),
     ("a-cpu-llvm-does-not-name", "bfloat16", ROW_TILES),
 ])
@@ -80,3 +81,18 @@ def test_show_config_names_the_host_tiles_of_each_dtype(capsys):
     for dtype in DTYPES:
         assert f"llvm-cpu host {dtype:<9} {cpu_score_tiles('host', dtype).describe()}" in shown
     assert "row tiles" in ROW_TILES.describe() and "16x16x2 bfloat16" in cpu_score_tiles(AVX512_BF16, "bfloat16").describe()
+
+
+#: bf16 on an AVX-512 CPU without avx512_bf16: widened to f32 operands in the packed tiles (this
+#: machine runs skylake-avx512 code too).
+WIDENED_BF16 = [SequencePrefillSpec(8, 2, 64, "bfloat16", causal=True, sm_scale=0.125),
+                PagedPrefillSpec(8, 2, 64, "bfloat16", page_size=16)]
+
+
+@pytest.mark.skipif("avx512f" not in host_cpu_features(), reason="the host CPU cannot run AVX-512 code")
+@pytest.mark.parametrize("backend", [pytest.param(Target("llvm-cpu", AVX512), id="llvm-cpu-skylake-avx512")])
+@pytest.mark.parametrize("spec", WIDENED_BF16, ids=spec_id)
+def test_bf16_widened_to_f32_packed_tiles_matches_the_reference(spec, backend, cache):
+    assert "linalg.batch_mmt4d" in tuned_ir(spec, backend) and "x16x2xbf16" not in tuned_ir(spec, backend)
+    entries = [(300, 300)] * 2 if spec.kv_layout == "dense" else [(100, 300), (1, 40), (37, 37)]
+    run_against_reference(spec, backend, cache=cache, entries=entries, serving_passes=False)
