@@ -2,8 +2,10 @@
 
 A variant hands over a tile of queries, a KV-tile loader and a mask predicate; the emitter builds
 an ``scf.for`` over KV tiles that carries the running max, running sum and accumulator (log2
-domain, float32), then normalises. Shapes (B = batch or work items, H = KV heads, M = query rows
-of the tile with the GQA group folded in, N = KV columns of one tile):
+domain, float32), then normalises. How the tiles are laid out and contracted is a layout object
+(mlir/score_tiles.py, chosen per CPU and dtype); the row tiles' shapes (B = batch or work items,
+H = KV heads, M = query rows of the tile with the GQA group folded in, N = KV columns of one tile),
+the packed tiles' in score_tiles.py:
 
     q_tile      [B, H, M, d_qk]   dtype or f32 (the dense and KV-cache variants widen to f32 first)
     keys        [B, H, d_qk, N]   same    (from the loader, one KV tile, transposed)
