@@ -79,15 +79,6 @@ def _then_rotated_if(rope: RopeArgs | None, build_x: Callable[[], ir.Value], pos
     return [tie_dims(result, size) for result, size in zip(branch.results, sizes)]
 
 
-def _kv_tiles(x: ir.Value, kv_len: ir.Value, num_tiles: ir.Value, kv_tile: int, keys: bool, layout: RowTiles) -> ir.Value:
-    """Token-major [T * kv_tile, h, d] -> the entry's stored keys or values in ``layout``
-    (score_tiles.py: row tiles f32 keys [1, h, T, d, kv_tile] or values [1, h, T * kv_tile, d];
-    packed tiles in the operand type), rows at or past ``kv_len`` zero, so nothing another entry
-    (or NaN padding) left there can reach this entry's result: a masked key weighs 0, and 0 * NaN
-    would still be NaN."""
-    return layout.token_major_tiles(x, kv_len, num_tiles, kv_tile, keys)
-
-
 def _query_padding(spec: KvCacheSpec, total_q: ir.Value) -> ir.Value:
     """Rows the queries (and outputs) are padded by: one query tile, so that a tile starting
     near the end never reads out of bounds; only SMALL_Q_TILE when the whole call has at most
@@ -106,9 +97,9 @@ def _laid_out_kv(spec: KvCacheSpec, kv: EntryKv, rope: RopeArgs | None, d_qk: in
     h_kv = spec.h_kv
     stored_tiles = storage_tiles(kv.kv_len, spec.kv_tile)
 
-    def kv_tiles(rotated_keys):
-        return [_kv_tiles(rotated_keys, kv.kv_len, stored_tiles, spec.kv_tile, True, layout),
-                _kv_tiles(kv.load_values(), kv.kv_len, stored_tiles, spec.kv_tile, False, layout)]
+    def kv_tiles(rotated_keys):  # rows past the entry zeroed (score_tiles: token_major_tiles)
+        return [layout.token_major_tiles(rotated_keys, kv.kv_len, stored_tiles, spec.kv_tile, True),
+                layout.token_major_tiles(kv.load_values(), kv.kv_len, stored_tiles, spec.kv_tile, False)]
 
     storage = [layout.kv_storage(keys, 1, h_kv, stored_tiles, d, spec.kv_tile) for keys, d in ((True, d_qk), (False, d_v))]
     return _then_rotated_if(
@@ -224,7 +215,7 @@ def _attend_entries(
 
 
 def build_ragged_prefill(spec: RaggedPrefillSpec, *, row_chunk: int | None, rule: MaskRule | None = None,
-        score_tiles: RowTiles = ROW_TILES) -> ir.Module:
+                         score_tiles: RowTiles = ROW_TILES) -> ir.Module:
     """``batch_prefill_ragged_kv(q, q_indptr, k, v, kv_indptr, q_rope_position, k_rope_pos_offset,
     causal, rotary_mode, rope_scale, rope_theta, sm_scale[, custom_mask, mask_indptr][, sinks]) ->
     (output, lse)``; ``rule``: the mask (default: the spec's, mask_rules.mask_rule)."""
@@ -245,7 +236,7 @@ def build_ragged_prefill(spec: RaggedPrefillSpec, *, row_chunk: int | None, rule
 
 
 def build_paged_prefill(spec: PagedPrefillSpec, *, row_chunk: int | None, rule: MaskRule | None = None,
-        score_tiles: RowTiles = ROW_TILES) -> ir.Module:
+                        score_tiles: RowTiles = ROW_TILES) -> ir.Module:
     """``batch_prefill_paged_kv[_sliding_window](q, q_indptr, pages, page_indptr, page_values,
     length_info, k_rope_pos_offset, q_rope_position, causal, rotary_mode, rope_scale, rope_theta,
     sm_scale[, custom_mask, mask_indptr][, sinks]) -> (output, lse)``; ``rule`` as for the ragged
@@ -267,7 +258,7 @@ def build_paged_prefill(spec: PagedPrefillSpec, *, row_chunk: int | None, rule: 
 
 
 def build_mla_prefill(spec: MlaPagedPrefillSpec, *, row_chunk: int | None, rule: MaskRule | None = None,
-        score_tiles: RowTiles = ROW_TILES) -> ir.Module:
+                      score_tiles: RowTiles = ROW_TILES) -> ir.Module:
     """``batch_prefill_paged_kv_mla[_sliding_window](q, q_indptr, pages, page_indptr, page_values,
     length_info, causal, sm_scale[, sinks]) -> (output [Lq, h_q, d_latent], lse)``; ``rule`` as for
     the ragged kernel."""

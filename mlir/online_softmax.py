@@ -28,7 +28,7 @@ from typing import Callable, Sequence, Union
 
 from .ir import (
     affine_map, arith_d, collapse, const_f32, const_index, empty, expand, f32, fill, generic, ir, linalg_d,
-    math_d, on_target_device, scf_d, sizes_of, widened,
+    math_d, on_target_device, scf_d, sizes_of,
 )
 from .score_tiles import ROW_TILES, RowTiles
 from .specs import EMPTY_ROW_LSE
@@ -122,8 +122,8 @@ def _scale_and_mask(raw: ir.Value, mask: ScoreMask, kv_start: ir.Value, scale: C
 
 
 def _reduce_rows(tile: ir.Value, init_value: float, combine, row_chunk: int | None, row_dims=(0, 1, 2)) -> ir.Value:
-    """A tile reduced over every loop but ``row_dims`` (the row state's sizes) with ``combine``,
-    starting from ``init_value``; elements are widened to f32 first.
+    """An f32 tile reduced over every loop but ``row_dims`` (the row state's sizes) with
+    ``combine``, starting from ``init_value``.
 
     The init is a fresh fill (not the running state): IREE distributes a reduction only when its
     output starts from a fill, so the running state is combined in a separate elementwise step.
@@ -145,7 +145,7 @@ def _reduce_rows(tile: ir.Value, init_value: float, combine, row_chunk: int | No
     init = fill(const_f32(init_value), sizes, f32())
     maps = [affine_map(rank, range(rank)), affine_map(rank, row_dims)]
     iterators = "".join("p" if d in row_dims else "r" for d in range(rank))
-    return generic([tile], [init], maps, iterators, lambda x, acc: [combine(widened(x), acc)])[0]
+    return generic([tile], [init], maps, iterators, lambda x, acc: [combine(x, acc)])[0]
 
 
 def _elementwise(inputs: Sequence[ir.Value], row_inputs: Sequence[ir.Value], body, row_dims=(0, 1, 2)) -> ir.Value:

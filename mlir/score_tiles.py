@@ -88,14 +88,13 @@ def converted(elem: ir.Type, value: ir.Value) -> ir.Value:
     return wide if elem == f32() else narrowed(elem, wide)
 
 
-def _zeroed_past(x: ir.Value, split: list, sizes: list, loops_of_source: tuple, column: Callable,
-                 kv_len: ir.Value, elem: ir.Type) -> ir.Value:
-    """One generic over ``sizes`` reading token-major ``x`` [T * kv_tile, h, d] expanded to ``split``
-    (``[[source dims of x dim 0], [..1], [..2]]`` sizes flattened in order) at the loops
-    ``loops_of_source`` (one per split dim), converted to ``elem``, zero where
-    ``column(loop indices)`` (the entry-local KV row) is at or past ``kv_len``."""
-    groups, split_sizes = split
-    tiled = expand(x, groups, split_sizes)
+def _zeroed_past(tiled: ir.Value, sizes: list, loops_of_source: tuple, column: Callable, kv_len: ir.Value,
+                 elem: ir.Type) -> ir.Value:
+    """One generic over ``sizes`` reading ``tiled`` (an entry's token-major K or V, expanded) at the
+    loops ``loops_of_source`` (one per dim of ``tiled``), converted to ``elem``, zero where
+    ``column(loop indices)`` (the entry-local KV row) is at or past ``kv_len``: nothing another
+    entry (or NaN padding) left there can reach this entry's result (a masked key weighs 0, and
+    0 * NaN would still be NaN)."""
     zero = arith_d.constant(elem, 0.0)
     rank = len(sizes)
 
@@ -187,15 +186,15 @@ class RowTiles:
         kv_tile] or values [1, h, tiles * kv_tile, d] (as :meth:`kv_storage` with B = 1), f32, rows
         at or past ``kv_len`` zero."""
         h, d = ir.RankedTensorType(x.type).shape[1:]
-        split = [[[0, 1], [2], [3]], [tiles, kv_tile, h, d]]
+        tiled = expand(x, [[0, 1], [2], [3]], [tiles, kv_tile, h, d])
 
         def column(loops):  # tile t, row n within it
             return arith_d.addi(arith_d.muli(loops[1], const_index(kv_tile)), loops[3 if keys else 2])
 
         if keys:  # loops (h, t, j, n)
-            result = _zeroed_past(x, split, [h, tiles, d, kv_tile], (1, 3, 0, 2), column, kv_len, f32())
+            result = _zeroed_past(tiled, [h, tiles, d, kv_tile], (1, 3, 0, 2), column, kv_len, f32())
             return expand(result, [[0, 1], [2], [3], [4]], [1, h, tiles, d, kv_tile])
-        result = _zeroed_past(x, split, [h, tiles, kv_tile, d], (1, 2, 0, 3), column, kv_len, f32())  # (h, t, n, j)
+        result = _zeroed_past(tiled, [h, tiles, kv_tile, d], (1, 2, 0, 3), column, kv_len, f32())  # (h, t, n, j)
         return expand(collapse(result, [[0], [1, 2], [3]]), [[0, 1], [2], [3]],
                       [1, h, arith_d.muli(tiles, const_index(kv_tile)), d])
 
@@ -369,26 +368,19 @@ class PackedTiles(RowTiles):
         return expand(per_row, [[0], [1, 2]], [heads, rows // self.m0, self.m0])
 
     def token_major_tiles(self, x: ir.Value, kv_len: ir.Value, tiles: ir.Value, kv_tile: int, keys: bool) -> ir.Value:
-        """Token-major K or V [tiles * kv_tile, h, d] of one entry -> its stored tiles (as
-        :meth:`kv_storage` with B = 1) in the operand type, rows at or past ``kv_len`` zero."""
+        """Token-major K or V [tiles * kv_tile, h, d] of one entry -> its stored tiles (:meth:`kv_storage`
+        with B = 1, whose ``source`` gives each element's row) in the operand type, rows at or past
+        ``kv_len`` zero."""
         h, d = ir.RankedTensorType(x.type).shape[1:]
-        elem = self._elem()
+        storage = self.kv_storage(keys, 1, h, tiles, d, kv_tile)
         if keys:  # loops (h, t, n1, k1, n0, k0) read x as [t, n1, n0, h, k1, k0]
-            split = [[[0, 1, 2], [3], [4, 5]], [tiles, kv_tile // self.n0, self.n0, h, d // self.k0, self.k0]]
-            sizes = [h, tiles, kv_tile // self.n0, d // self.k0, self.n0, self.k0]
-            source, within = (1, 2, 4, 0, 3, 5), (2, self.n0, 4)
+            split, source = [tiles, kv_tile // self.n0, self.n0, h, d // self.k0, self.k0], (1, 2, 4, 0, 3, 5)
         else:  # loops (h, t, d1, k1, d0, k0) read x as [t, k1, k0, h, d1, d0]
-            split = [[[0, 1, 2], [3], [4, 5]], [tiles, kv_tile // self.k0, self.k0, h, d // self.n0, self.n0]]
-            sizes = [h, tiles, d // self.n0, kv_tile // self.k0, self.n0, self.k0]
-            source, within = (1, 3, 5, 0, 2, 4), (3, self.k0, 5)
-
-        def column(loops):
-            outer, size, inner = within
-            row = arith_d.addi(arith_d.muli(loops[outer], const_index(size)), loops[inner])
-            return arith_d.addi(arith_d.muli(loops[1], const_index(kv_tile)), row)
-
-        result = _zeroed_past(x, split, sizes, source, column, kv_len, elem)
-        return expand(result, [[0, 1], [2], [3], [4], [5], [6]], [1, *sizes])
+            split, source = [tiles, kv_tile // self.k0, self.k0, h, d // self.n0, self.n0], (1, 3, 5, 0, 2, 4)
+        zero_entry = const_index(0)
+        result = _zeroed_past(expand(x, [[0, 1, 2], [3], [4, 5]], split), storage.sizes[1:], source,
+                              lambda loops: storage.source([zero_entry, *loops])[2], kv_len, storage.elem)
+        return expand(result, [[0, 1], [2], [3], [4], [5], [6]], storage.sizes)
 
     def kv_storage(self, keys: bool, batch: IndexLike, h_kv: int, tiles: IndexLike, d: int, kv_tile: int) -> KvStorage:
         """keys [B, h_kv, tiles, N/n0, d/k0, n0, k0] or values [B, h_kv, tiles, d/n0, N/k0, n0, k0]."""

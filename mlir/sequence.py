@@ -100,7 +100,7 @@ def build_sequence_prefill(spec: SequenceSpec, *, row_chunk: int | None, rule: M
 
     def emit(q, k, v, *extra, sinks=None):
         mask = rule.bind(dict(zip(_extra_names(spec), extra)))
-        return _emit_sized_body(spec, (row_chunk, score_tiles), mask, q, k, v, sinks=sinks)
+        return _emit_sized_body(spec, row_chunk, score_tiles, mask, q, k, v, sinks=sinks)
 
     return function_module(spec, emit)
 
@@ -110,18 +110,19 @@ def _extra_names(spec: SequenceSpec) -> tuple[str, ...]:
     return argument_names(spec)[3:]
 
 
-def _emit_sized_body(spec: SequenceSpec, tuning: tuple, mask: CallMask, q, k, v, *, sinks=None):
+def _emit_sized_body(spec: SequenceSpec, row_chunk: int | None, layout: RowTiles, mask: CallMask, q, k, v, *,
+                     sinks=None):
     """The body with ``spec.q_tile``, or, for a call of at most SMALL_Q_TILE query tokens (a short
     chunk against a long prefix), with SMALL_Q_TILE-token tiles instead of one mostly padded tile."""
     if spec.q_tile <= SMALL_Q_TILE:
-        return _emit_body(spec, spec.q_tile, tuning, mask, q, k, v, sinks)
+        return _emit_body(spec, spec.q_tile, row_chunk, layout, mask, q, k, v, sinks)
     sizes = [[*sizes_of(q)[:3], spec.d], sizes_of(q)[:3]]
 
     def tied(values):
         return [tie_dims(value, size) for value, size in zip(values, sizes)]
 
     def body(tile_tokens):
-        return lambda _unused: tied(_emit_body(spec, tile_tokens, tuning, mask, q, k, v, sinks))
+        return lambda _unused: tied(_emit_body(spec, tile_tokens, row_chunk, layout, mask, q, k, v, sinks))
 
     is_short = le(dim(q, 1), const_index(SMALL_Q_TILE))
     placeholders = [empty(size, ir.RankedTensorType(t).element_type) for size, t in zip(sizes, (q.type, _lse_type(q)))]
@@ -132,13 +133,14 @@ def _lse_type(q: ir.Value) -> ir.Type:
     return tensor_type([DYN, DYN, ir.RankedTensorType(q.type).shape[2]], f32())
 
 
-def _emit_body(spec: SequenceSpec, tile_tokens: int, tuning: tuple, mask: CallMask, q, k, v, sinks=None):
+def _emit_body(spec: SequenceSpec, tile_tokens: int, row_chunk: int | None, layout: RowTiles, mask: CallMask, q, k, v,
+               sinks=None):
     """Batch entries one at a time (an ``scf.for`` over B), so every dispatch inside works on
     static [1, h_kv, ...] tiles (1.2x faster than a dynamic batch dim, docs/performance.md).
-    Query tiles have ``tile_tokens`` tokens; ``tuning`` is (row_chunk, score tiles); ``mask`` is
-    the rule bound to the call; ``sinks`` [h_q] f32 or None (semantics §13)."""
+    Query tiles have ``tile_tokens`` tokens; ``layout`` the KV step's tiles (the row tiles where
+    these query tiles do not divide into it); ``mask`` is the rule bound to the call; ``sinks``
+    [h_q] f32 or None (semantics §13)."""
     group, h_kv, d = spec.group_size, spec.h_kv, spec.d
-    row_chunk, layout = tuning
     if not layout.fits(tile_tokens * group, spec.kv_tile, d, d):
         layout = ROW_TILES
     dt = element_type(spec.dtype)
