@@ -1,7 +1,7 @@
 """The dense causal kernel built with extra iree-compile flags against the default build, in one
 process, calls alternating (``best_times``): does a flag change the code, and how fast is it.
 
-    .venv/bin/python bench/compile_flags.py --flags "--iree-opt-data-tiling --iree-llvmcpu-enable-ukernels=all"
+    .venv/bin/python bench/compile_flags.py --flags="--iree-opt-data-tiling --iree-llvmcpu-enable-ukernels=all"
         [--lengths 2048] [--dtypes float32,bfloat16] [--threads 2]
 
 Prints per dtype and length each build's time, GFLOP/s (the causal half, 4 * d * h_q per pair) and
@@ -19,8 +19,7 @@ from linalg_prefill.mlir import SequencePrefillSpec
 from linalg_prefill.pipeline import Target
 from linalg_prefill.runtime import open_kernel
 from linalg_prefill.runtime.checks import NUMPY_DTYPES
-
-H_Q, H_KV, D = 32, 8, 128
+from report import D, H_KV, H_Q, causal_pairs, pair_flops  # bench/report.py: the dense rows' shapes
 
 
 def main() -> None:
@@ -43,7 +42,7 @@ def main() -> None:
             q, k, v = (rng.uniform(-1, 1, (1, length, h, D)).astype(NUMPY_DTYPES[dtype]) for h in (H_Q, H_KV, H_KV))
             times = best_times([lambda kernel=kernel: kernel(q, k, v) for kernel in kernels.values()], args.repeat)
             want = kernels["default"](q, k, v)[0].astype(np.float32)
-            flops = 4.0 * D * H_Q * length * (length + 1) / 2
+            flops = pair_flops(causal_pairs(length, length))
             for (name, kernel), seconds in zip(kernels.items(), times):
                 diff = np.abs(kernel(q, k, v)[0].astype(np.float32) - want).max()
                 print(f"{dtype:<9} L={length:<6} {name:<8} {seconds * 1e3:9.1f} ms {flops / seconds / 1e9:7.1f} GFLOP/s"

@@ -24,8 +24,7 @@ from linalg_prefill.pipeline.cpu_tiles import cpu_score_tiles
 from linalg_prefill.runtime import open_kernel
 from linalg_prefill.runtime.checks import NUMPY_DTYPES
 from linalg_prefill.runtime.examples import example_inputs
-
-H_Q, H_KV, D = 32, 8, 128
+from report import D, H_KV, H_Q, causal_pairs, pair_flops  # bench/report.py: the dense rows' shapes
 #: A prefill batch: two long prompts, a chunk against a long prefix, a short one.
 PAGED_ENTRIES = [(1024, 1024), (512, 512), (96, 2048), (37, 37)]
 
@@ -41,7 +40,7 @@ def kernels(spec, arch: str) -> tuple:
         targets.BACKENDS["llvm-cpu"] = cpu
 
 
-def report(label: str, layout, flops: float, own, rows, args: tuple, repeat: int) -> None:
+def print_pair(label: str, layout, flops: float, own, rows, args: tuple, repeat: int) -> None:
     row_s, own_s = best_times([lambda: rows(*args), lambda: own(*args)], repeat)
     diff = np.abs(own(*args)[0].astype(np.float32) - rows(*args)[0].astype(np.float32)).max()
     print(f"{label:<24} rows {row_s * 1e3:8.1f} ms {flops / row_s / 1e9:6.1f} GFLOP/s   "
@@ -70,14 +69,14 @@ def main() -> None:
         for length in lengths:
             rng = np.random.default_rng(0)
             q, k, v = (rng.uniform(-1, 1, (1, length, h, D)).astype(NUMPY_DTYPES[dtype]) for h in (H_Q, H_KV, H_KV))
-            report(f"{dtype} dense L={length}", layout, 4.0 * D * H_Q * length * (length + 1) / 2, own, rows,
+            print_pair(f"{dtype} dense L={length}", layout, pair_flops(causal_pairs(length, length)), own, rows,
                    (q, k, v), args.repeat)
         if args.paged:
             spec = PagedPrefillSpec(H_Q, H_KV, D, dtype, page_size=16)
             own, rows = kernels(spec, args.arch)
             call = example_inputs(spec, np.random.default_rng(0), PAGED_ENTRIES)
-            pairs = sum(q_len * (kv_len - q_len) + q_len * (q_len + 1) // 2 for q_len, kv_len in PAGED_ENTRIES)
-            report(f"{dtype} paged batch", layout, 4.0 * D * H_Q * pairs, own, rows, call, args.repeat)
+            pairs = sum(causal_pairs(q_len, kv_len) for q_len, kv_len in PAGED_ENTRIES)
+            print_pair(f"{dtype} paged batch", layout, pair_flops(pairs), own, rows, call, args.repeat)
 
 
 if __name__ == "__main__":
