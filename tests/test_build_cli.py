@@ -403,15 +403,20 @@ def _exit_code(argv) -> int:
         return done.code
 
 
-def test_demo_reports_progress_on_stderr(monkeypatch, tmp_path, capsys):
+DEMO_SPEC = SequencePrefillSpec(4, 2, 64, "float32", causal=True, sm_scale=0.125)
+
+
+@pytest.mark.compiles(DEMO_SPEC)
+def test_demo_reports_progress_on_stderr(monkeypatch, cache, capsys):
+    """The progress line comes before each build, compiled or cached (here pre-built)."""
     from linalg_prefill import demo
     from linalg_prefill.runtime import reference
 
-    spec = SequencePrefillSpec(4, 2, 64, "float32", causal=True, sm_scale=0.125)
+    spec = DEMO_SPEC
     q, k, v = (np.random.default_rng(0).uniform(-1, 1, (1, 9, h, 64)).astype(np.float32) for h in (4, 2, 2))
     want = reference.batch_sequence_prefill_kv(q, k, v, causal=True, sm_scale=0.125)
     monkeypatch.setattr(demo, "_demo_cases", lambda: iter([(spec, (q, k, v), want)]))
-    monkeypatch.setenv("LINALG_PREFILL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("LINALG_PREFILL_CACHE_DIR", str(cache.root))
     assert demo.run_demo(("llvm-cpu",)) == 0
     captured = capsys.readouterr()
     assert "[1/1] batch_sequence_prefill_kv (float32) for llvm-cpu" in captured.err
