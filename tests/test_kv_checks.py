@@ -39,14 +39,15 @@ Q_INDPTR = [0, 3, 4, 6]  # entry 1 has a query row but no KV
 
 
 def make_spec(variant: str, dtype: str = "float32", **fields):
-    """The spec of a variant with the test's small sizes; ``fields`` override them."""
+    """The spec of a variant with the test's small sizes; ``fields`` override them. In float32
+    the ragged, paged and MLA specs are tests/test_fuzz.py's (one compile each per session)."""
     if variant == "ragged":
-        kw = dict(h_q=4, h_kv=2, d_qk=16, d_v=8, dtype=dtype)
+        kw = dict(h_q=4, h_kv=2, d_qk=32, d_v=16, dtype=dtype)
         return RaggedPrefillSpec(**{**kw, **fields})
     if variant.startswith("paged"):
-        kw = dict(h_q=4, h_kv=2, d=16, dtype=dtype, page_size=PAGE_SIZE)
+        kw = dict(h_q=4, h_kv=2, d=32, dtype=dtype, page_size=PAGE_SIZE)
         return PagedPrefillSpec(**{**kw, **fields}, sliding_window=variant.endswith("_sw"))
-    kw = dict(h_q=4, d_latent=16, d_rope=8, dtype=dtype, page_size=PAGE_SIZE)
+    kw = dict(h_q=4, d_latent=32, d_rope=16, dtype=dtype, page_size=PAGE_SIZE)
     return MlaPagedPrefillSpec(**{**kw, **fields}, sliding_window=variant.endswith("_sw"))
 
 
@@ -263,15 +264,15 @@ def test_random_accepted_calls_are_accepted_by_reference(variant):
         if variant == "ragged":
             kv_indptr = np.concatenate([[0], np.cumsum(rng.integers(0, 5, size=batch))]).astype(I32)
             lk = int(kv_indptr[-1])
-            args.update(kv_indptr=kv_indptr, k=rand(rng, (lk, 2, 16), spec.dtype),
-                        v=rand(rng, (lk, 2, 8), spec.dtype))
+            args.update(kv_indptr=kv_indptr, k=rand(rng, (lk, spec.h_kv, spec.d_qk), spec.dtype),
+                        v=rand(rng, (lk, spec.h_kv, spec.d_v), spec.dtype))
             kv_len = np.diff(kv_indptr)
         else:
             page_indptr, page_values, length_info = random_page_table(rng, batch, spec.sliding_window)
             args.update(page_indptr=page_indptr, page_values=page_values, length_info=length_info)
             kv_len = paged_kv_lengths(page_indptr, length_info, PAGE_SIZE, spec.sliding_window)
         if "rotary_mode" in args:
-            top = INT32_MAX - kv_len if rng.integers(0, 2) else np.full(batch, 50)
+            top = INT32_MAX - kv_len.astype(np.int64) if rng.integers(0, 2) else np.full(batch, 50)  # int32 + 1 wraps
             args.update(k_rope_pos_offset=rng.integers(0, top + 1).astype(I32),
                         q_rope_position=rng.integers(0, INT32_MAX, size=lq).astype(I32))
         normalised = dict(zip(args, check(variant, spec, args)))
@@ -384,7 +385,7 @@ MALFORMED = [
     _case("paged_sw", "length_info", _set("length_info", (2, 0), -1), "sink-negative"),
     _case("paged_sw", "length_info", _set("length_info", (2, 2), 13), "sink-beyond"),
     # ---- MLA
-    _case("mla", "q", _put(q=lambda a: a["q"][..., :16]), "q-d_latent-only"),
+    _case("mla", "q", _put(q=lambda a: a["q"][..., :32]), "q-d_latent-only"),
     _case("mla", "q", _put(q=lambda a: a["q"].astype(np.float64)), "q-float64"),
     _case("mla", "pages", _put(pages=lambda a: a["pages"][:, None]), "pages-rank4"),
     _case("mla", "pages", _put(pages=lambda a: a["pages"][:, :2]), "pages-page_size"),
