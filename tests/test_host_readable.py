@@ -12,15 +12,18 @@ from linalg_prefill.pipeline import Target
 from linalg_prefill.runtime import open_kernel
 from linalg_prefill.runtime.examples import example_inputs
 from linalg_prefill.runtime.module import as_device_arrays, host_readable
+from support import LLAMA3
 
 ENTRIES = [(5, 3), (0, 7), (70, 150), (9, 0), (1, 1)]
 
 
 FUSED = Target("llvm-cpu", lowering="fused")
 RAGGED = RaggedPrefillSpec(8, 2, 64, 64, "float32")
-PAGED = PagedPrefillSpec(4, 2, 32, "float16", page_size=8, sliding_window=True)
-pytestmark = [pytest.mark.compiles(RAGGED, backends=["llvm-cpu", FUSED]),  # tests/conftest.py
-              pytest.mark.compiles(PAGED, backends=[FUSED])]
+#: Fused-lowering kernels tests/test_kv_cache_prefill.py runs too (one compile each per session).
+FUSED_RAGGED = RaggedPrefillSpec(8, 2, 64, 64, "float16", LLAMA3)
+PAGED = PagedPrefillSpec(8, 2, 64, "bfloat16", page_size=8, sliding_window=True)
+pytestmark = [pytest.mark.compiles(RAGGED),  # tests/conftest.py
+              pytest.mark.compiles(FUSED_RAGGED, PAGED, backends=[FUSED])]
 
 
 def _run_with_host_local_indices(spec, cache):
@@ -36,7 +39,7 @@ def _run_with_host_local_indices(spec, cache):
 
 
 def test_ragged_reads_host_local_index_arrays(cache):
-    _run_with_host_local_indices(RAGGED, cache)
+    _run_with_host_local_indices(FUSED_RAGGED, cache)
 
 
 def test_paged_sliding_window_reads_host_local_index_arrays(cache):

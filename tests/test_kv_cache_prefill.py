@@ -92,10 +92,12 @@ def test_ragged_rope_types(backend, spec, cache):
 
 
 #: Every page size on the linalg lowering; on the fused one, one key per page, the serving
-#: default (16) and the largest.
-PAGE_SIZE_CASES = [(PagedPrefillSpec(8, 2, 64, "float32", page_size=page_size), lowering)
-                   for lowering, page_sizes in (("linalg", (1, 8, 16, 32, 64)), ("fused", (1, 16, 64)))
-                   for page_size in page_sizes]
+#: default (16) and the largest. Page size 8 runs tests/test_wrappers.py's kernel (GQA group 2).
+PAGE_SIZE_CASES = [
+    (PagedPrefillSpec(4, 2, 64, "float32", page_size=8), "linalg"),
+    *((PagedPrefillSpec(8, 2, 64, "float32", page_size=page_size), lowering)
+      for lowering, page_sizes in (("linalg", (1, 16, 32, 64)), ("fused", (1, 16, 64))) for page_size in page_sizes),
+]
 
 
 @pytest.mark.parametrize("spec, backend", on_backends(PAGE_SIZE_CASES))
@@ -109,10 +111,13 @@ def test_paged_d128_gqa8(backend, spec, cache):
     _check(spec, backend, cache=cache, entries=ENTRIES, calls=_calls((0,)))
 
 
-#: float32 on both lowerings, each 16-bit dtype on one.
-WINDOW_CASES = [(PagedPrefillSpec(8, 2, 64, dtype, page_size=8, sliding_window=True), lowering)
-                for dtype, lowering in (("float32", "linalg"), ("float32", "fused"), ("float16", "linalg"),
-                                        ("bfloat16", "fused"))]
+#: float32 on both lowerings (on linalg tests/test_wrappers.py's kernel, GQA group 2), each 16-bit
+#: dtype on one.
+WINDOW_CASES = [
+    (PagedPrefillSpec(4, 2, 64, "float32", page_size=8, sliding_window=True), "linalg"),
+    *((PagedPrefillSpec(8, 2, 64, dtype, page_size=8, sliding_window=True), lowering)
+      for dtype, lowering in (("float32", "fused"), ("float16", "linalg"), ("bfloat16", "fused"))),
+]
 
 
 @pytest.mark.parametrize("spec, backend", on_backends(WINDOW_CASES))

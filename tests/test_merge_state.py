@@ -73,12 +73,12 @@ def test_merge_rejects_mismatched_states(bad, match):
         merge_state(**args)
 
 
-@pytest.mark.compiles(PagedPrefillSpec(8, 2, 64, "float32", page_size=16, rope_scaling=LLAMA3),
-                      RaggedPrefillSpec(8, 2, 64, 64, "float32", LLAMA3))
+@pytest.mark.compiles(PagedPrefillSpec(4, 2, 64, "float32", page_size=16, rope_scaling=LLAMA3),
+                      RaggedPrefillSpec(4, 2, 64, 64, "float32", LLAMA3))  # test_wrappers.py's ragged kernel
 def test_paged_prefix_plus_ragged_new_tokens_equals_full_attention(cache):
     """TVM's prefill: cached prefix through pages (causal=0) + new tokens through ragged (causal=1),
     merged, equals one causal attention over prefix ++ new tokens, RoPE on."""
-    h_q, h_kv, d, page_size = 8, 2, 64, 16
+    h_q, h_kv, d, page_size = 4, 2, 64, 16
     paged = open_kernel(PagedPrefillSpec(h_q, h_kv, d, "float32", page_size=page_size, rope_scaling=LLAMA3), cache=cache)
     ragged = open_kernel(RaggedPrefillSpec(h_q, h_kv, d, d, "float32", LLAMA3), cache=cache)
     rng = np.random.default_rng(4)
