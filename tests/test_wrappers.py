@@ -1,7 +1,7 @@
 """Plan/run wrappers (runtime.wrappers) and artifact sets (runtime.artifact_set) on llvm-cpu.
 
-Small shapes only (h_q=4, h_kv=2, d=64, float32); every spec compiles once per session through
-the shared ``cache`` fixture.
+Small shapes only (h_q=4, h_kv=2, d=64, float32; MLA h_q=8, 64 + 16); every spec compiles once per
+session through the shared ``cache`` fixture, and other tests run the same kernels.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from support import LLAMA3
 RAGGED = RaggedPrefillSpec(4, 2, 64, 64, "float32", LLAMA3)
 PAGED = PagedPrefillSpec(4, 2, 64, "float32", page_size=8)
 SLIDING = PagedPrefillSpec(4, 2, 64, "float32", page_size=8, sliding_window=True)
-MLA = MlaPagedPrefillSpec(4, 64, 16, "float32", page_size=8)
+MLA = MlaPagedPrefillSpec(8, 64, 16, "float32", page_size=16)  # tests/test_decode_batches.py's
 SEQ = SequencePrefillSpec(4, 2, 64, "float32", causal=True, sm_scale=0.125)
 MASKED = MaskedSequencePrefillSpec(4, 2, 64, "float32", mask_mode="causal_padded_left", sm_scale=0.125)
 
@@ -116,9 +116,9 @@ def test_paged_matches_reference(spec, cache):
 
 def test_mla_matches_reference(cache):
     rng = np.random.default_rng(2)
-    pages, page_indptr, page_values, last = _pages(rng, [e[1] for e in ENTRIES], 8, (8, 80))
+    pages, page_indptr, page_values, last = _pages(rng, [e[1] for e in ENTRIES], 16, (16, 80))
     q_indptr = indptr([e[0] for e in ENTRIES])
-    q = uniform(rng, (q_indptr[-1], 4, 80), "float32")
+    q = uniform(rng, (q_indptr[-1], 8, 80), "float32")
     wrapper = MlaPagedPrefillWrapper(MLA, cache=cache)
     wrapper.plan(q_indptr, page_indptr, page_values, last, causal=True, sm_scale=48 ** -0.5)
     _check("mla", wrapper.run(q, pages), MLA, (q, q_indptr, pages, page_indptr, page_values, last, 1, 48 ** -0.5))
