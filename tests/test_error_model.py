@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from linalg_prefill.mlir import (
-    PagedPrefillSpec, decode, fused_decode, fused_kernels, kv_cache, kv_layouts, mask_rules, online_softmax,
+    PagedPrefillSpec, decode, kv_layouts, mask_rules, online_softmax,
 )
 from linalg_prefill.mlir import rope as rope_builder
 from linalg_prefill.mlir.ir import arith_d, const_index

@@ -45,6 +45,8 @@ def test_small_tiles_walk_many_tiles(spec, cache):
     """Tiles much smaller than the lengths: many query and KV steps, partial last tiles (GQA
     group 4 without the mask, MHA with it)."""
     _run_shapes(spec, "llvm-cpu", cache, shapes=[(2, 45, 45), (1, 37, 100), (2, 100, 37)])
+
+
 PLAIN = SequencePrefillSpec(4, 4, 64, "float32", causal=False, sm_scale=0.125)
 PADDED = MaskedSequencePrefillSpec(4, 2, 64, "float32", mask_mode="padded", sm_scale=0.125)
 CAUSAL = SequencePrefillSpec(4, 4, 64, "float32", causal=True, sm_scale=0.125)
