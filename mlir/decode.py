@@ -31,10 +31,8 @@ from dataclasses import dataclass
 from typing import Callable, Union
 
 from .ir import (
-    DYN, affine_map, arith_d, collapse, const_f32, const_index, dim, element_type, empty, expand, extract_slice, f32,
-    fill, func_d, generic, i32, index, insert_slice, ir, linalg_d, lt, math_d, module_context, own_dispatch, sizes_of,
-    tensor_d,
-    tensor_type, widened,
+    affine_map, arith_d, collapse, const_f32, const_index, dim, element_type, empty, expand, f32, fill, func_d,
+    generic, i32, index, insert_slice, ir, linalg_d, lt, math_d, module_context, sizes_of, tensor_d, widened,
 )
 from .abi import ARGUMENTS, Arg, argument_types, kv_sources, result_types, split_sinks
 from .kv_layouts import cache_layout
@@ -58,15 +56,17 @@ MAX_CHUNK_COLUMNS = 512
 #: f32 tensors of one score per (key, query row) the pass materialises: the raw scores, the
 #: masked and scaled scores, the probabilities.
 SCORE_TENSORS = 3
-#: Head-dim vector width of the two contractions (loads along d are contiguous), the fastest
-#: measured (docs/performance.md, decode passes).
-SCORE_VECTOR = 16
+#: The scores contraction reduces each key row's head dim in vectors of up to SCORE_VECTOR lanes
+#: (loads along d are contiguous; one horizontal sum per (key, row)): 128 against 16 took the
+#: 32 x 1 vs 1024 f32 scores from 18.8 to 6.6 ms (docs/performance.md, decode passes).
+SCORE_VECTOR = 128
+#: The chunk merge reads each chunk's products in head-dim vectors of this width.
 VALUE_VECTOR = 32
-#: Paged and ragged passes with at least this many query rows per KV head vectorise the scores
-#: along the rows instead (ROW_VECTOR rows a vector, one key element broadcast to all of them):
-#: 20-25% faster there, slower for MLA's wide rows (docs/performance.md, decode passes).
-ROWS_VECTORISED_FROM = 16
+#: The probs x values contraction vectorises along the query rows (up to ROW_VECTOR a vector):
+#: each value element is one broadcast load, and PV_COLUMNS head-dim columns per key give as
+#: many independent accumulators (docs/performance.md, decode passes).
 ROW_VECTOR = 16
+PV_COLUMNS = 8
 
 
 @dataclass(frozen=True)
@@ -117,11 +117,6 @@ class DecodeSpec:
         while products > CHUNK_PRODUCTS_SHARE * columns * self.kv_bytes_per_key and columns < MAX_CHUNK_COLUMNS:
             columns *= 2
         return columns
-
-    @property
-    def rows_vectorised(self) -> bool:
-        """Whether the scores contraction vectorises along the query rows (ROWS_VECTORISED_FROM)."""
-        return self.rows >= ROWS_VECTORISED_FROM and cache_layout(self.base).vectorise_rows
 
     @property
     def kv_bytes_per_key(self) -> int:
@@ -259,21 +254,12 @@ def _decode(spec: DecodeSpec, rule: MaskRule, q, cache: KvCache, table, geometry
         key = cache.element(0, i, c, p, s, hh, k)
         return [arith_d.addf(acc, kept(table_value, arith_d.mulf(widened(q_value), key)))]
 
-    if spec.rows_vectorised:  # q as [n, h, d_qk, R]: a key element broadcast over R query rows
-        transposed = [entries, h, spec.d_qk, group]  # its own dispatch: fused, q is read strided
-        q_operand = own_dispatch(lambda: generic(
-            [q], [empty(transposed, element_type(spec.dtype))], [affine_map(4, (0, 1, 3, 2)), affine_map(4, range(4))],
-            "pppp", lambda x, _out: [x])[0], tensor_type([DYN, h, spec.d_qk, group], element_type(spec.dtype)), transposed)
-        q_map, vectors = affine_map(7, (0, 2, 6, 5)), dict(
-            vector_common_parallel=[1, 1, 1, 1, 1, _width(ROW_VECTOR, group), 0], vector_reduction=[0] * 6 + [1])
-    else:  # a key row's contiguous head-dim vector dotted with one query row at a time
-        q_operand, q_map = q, affine_map(7, (0, 2, 5, 6))
-        vectors = dict(vector_common_parallel=[1, 1, 1, 1, 1, 1, 0],
-                       vector_reduction=[0, 0, 0, 0, 0, 0, _width(SCORE_VECTOR, spec.d_qk)])
-    raw = generic([q_operand, table3], [fill(const_f32(0.0), score_sizes, f32())],
-                  [q_map, affine_map(7, (0, 1, 3)), affine_map(7, range(6))], "ppppppr", score_body)[0]
+    raw = generic([q, table3], [fill(const_f32(0.0), score_sizes, f32())],
+                  [affine_map(7, (0, 2, 5, 6)), affine_map(7, (0, 1, 3)), affine_map(7, range(6))], "ppppppr", score_body)[0]
+    # a key row's contiguous head-dim vector dotted with one query row at a time
     raw.owner.attributes["compilation_info"] = _compilation_info(
-        distribution=[1, 1, 1, per_chunk, block, group, 0], **vectors)
+        distribution=[1, 1, 1, per_chunk, block, group, 0], vector_common_parallel=[1, 1, 1, 1, 1, 1, 0],
+        vector_reduction=[0, 0, 0, 0, 0, 0, _width(SCORE_VECTOR, spec.d_qk)])
 
     scale = score_transform(sm_scale, base.logits_soft_cap)
     every = affine_map(6, range(6))
@@ -300,70 +286,63 @@ def _decode(spec: DecodeSpec, rule: MaskRule, q, cache: KvCache, table, geometry
     row_sizes = [entries, chunks, h, group]
     chunk_max = generic([scores], [fill(const_f32(NO_KEY_MAX), row_sizes, f32())], [every, rows],
                         "pppprr", lambda x, acc: [arith_d.maximumf(x, acc)])[0]
-    probs = generic([scores, chunk_max], [empty(row_major, f32())], [every, rows, every], "pppppp",
-                    lambda x, m, _out: [math_d.exp2(arith_d.subf(x, m))])[0]
-    chunk_sum = generic([probs], [fill(const_f32(0.0), row_sizes, f32())], [every, rows],
+    # The probabilities by key, [n, c, h, p, s, g]: probs x values reads a key's rows as one vector.
+    by_key = affine_map(6, (0, 1, 2, 4, 5, 3))
+    probs = generic([scores, chunk_max], [empty([entries, chunks, h, per_chunk, block, group], f32())],
+                    [every, rows, by_key], "pppppp", lambda x, m, _out: [math_d.exp2(arith_d.subf(x, m))])[0]
+    chunk_sum = generic([probs], [fill(const_f32(0.0), row_sizes, f32())], [by_key, rows],
                         "pppprr", lambda x, acc: [arith_d.addf(x, acc)])[0]
 
     weighted = _probs_times_values(spec, cache, probs, table3, lengths, kept)
     return _merge_chunks(spec, chunk_max, chunk_sum, weighted, sinks)
 
 
-def _heads_per_load(group: int) -> int:
-    """U: query rows that share one load of a value row (the largest divisor of R up to 8)."""
-    return max(u for u in range(1, min(group, 8) + 1) if group % u == 0)
+def _columns_per_load(d_v: int) -> int:
+    """J: head-dim columns per key of one probs x values step (the largest divisor of d_v up to
+    PV_COLUMNS), each its own accumulator."""
+    return max(j for j in range(1, min(d_v, PV_COLUMNS) + 1) if d_v % j == 0)
 
 
 def _probs_times_values(spec: DecodeSpec, cache: KvCache, probs, table3, lengths, kept) -> ir.Value:
-    """weighted [n, c, h, R, d_v] = probs [n, c, h, R, p, s] x values, per chunk.
+    """weighted [n, c, h, R, d_v] = probs [n, c, h, p, s, R] x values, per chunk.
 
-    One generic with U outputs (query rows go * U + u, loops (i, c, h, go, p, s, d)): each value
-    vector read from the cache feeds U rows, instead of being read again for every row (2-3x
-    faster, docs/performance.md).
+    Vectorised along the query rows: each value element is one broadcast load from the cache,
+    multiplied into a vector of up to ROW_VECTOR rows' probabilities. Head-dim columns go in J
+    outputs (column dd * J + j in output j; loops (i, c, h, dd, r, p, s)), so that a key's step
+    updates J independent accumulators. Along the head dim instead, IREE 3.13 reads the value rows
+    as gathers: its vectoriser takes a page-table read as a contiguous load only along the
+    innermost loop, and it moves the key loops (reductions) innermost.
     """
     base = spec.base
     h, group, d_v = base.h_kv, spec.rows, spec.d_v
-    per_chunk, block = spec.blocks_per_chunk, spec.block
-    unroll = _heads_per_load(group)
-    outer = group // unroll
     entries, chunks = sizes_of(probs)[:2]
-    split = expand(probs, [[0], [1], [2], [3, 4], [5], [6]], [entries, chunks, h, outer, unroll, per_chunk, block])
-    per_head = [collapse(extract_slice(split, [0, 0, 0, 0, u, 0, 0], [entries, chunks, h, outer, 1, per_chunk, block]),
-                         [[0], [1], [2], [3, 4], [5], [6]]) for u in range(unroll)]
-    # Loops (i, c, h, go, p, s, d), without go when it has one trip: IREE folds unit loops away
-    # and drops the tiling of the op it rebuilds.
-    with_outer = outer > 1
-    loops = 7 if with_outer else 6
-    p_, s_, d_ = loops - 3, loops - 2, loops - 1
-    if not with_outer:
-        per_head = [collapse(x, [[0], [1], [2, 3], [4], [5]]) for x in per_head]
+    columns = _columns_per_load(d_v)
+    outer = d_v // columns
 
-    def body(*args):
-        probs_u, (table_value, kv_len), accs = args[:unroll], args[unroll:unroll + 2], args[unroll + 2:]
-        i, c, hh, p, s, col = (_index(x) for x in (0, 1, 2, p_, s_, d_))
-        value = cache.element(1, i, c, p, s, hh, col)
+    def body(prob, table_value, kv_len, *accs):
+        i, c, hh, dd, p, s = (_index(x) for x in (0, 1, 2, 3, 5, 6))
         # rows past kv_len weigh 0, but 0 * NaN is NaN: a cache's unused rows may hold anything
         keep = lt(_logical_column(spec, c, p, s), arith_d.index_cast(index(), kv_len))
-        return [arith_d.addf(acc, kept(table_value, arith_d.select(keep, arith_d.mulf(prob, value), const_f32(0.0))))
-                for prob, acc in zip(probs_u, accs)]
+        updated = []
+        for j, acc in enumerate(accs):
+            value = cache.element(1, i, c, p, s, hh, arith_d.addi(arith_d.muli(dd, const_index(columns)), const_index(j)))
+            updated.append(arith_d.addf(acc, kept(table_value, arith_d.select(keep, arith_d.mulf(prob, value),
+                                                                               const_f32(0.0)))))
+        return updated
 
-    outer_dims = (3,) if with_outer else ()
-    out_sizes = [entries, chunks, h, *([outer] if with_outer else []), d_v]
+    out_sizes = [entries, chunks, h, group, outer]
     results = generic(
-        [*per_head, table3, lengths], [fill(const_f32(0.0), out_sizes, f32()) for _ in range(unroll)],
-        [affine_map(loops, (0, 1, 2, *outer_dims, p_, s_))] * unroll + [affine_map(loops, (0, 1, p_)), affine_map(loops, (0,))]
-        + [affine_map(loops, (0, 1, 2, *outer_dims, d_))] * unroll, "ppp" + "p" * with_outer + "rrp", body)
-    # IREE moves the reduction loops innermost before it reads the tiling: (i, c, h, [go], d, p, s)
-    outer_tile = [outer] if with_outer else []
+        [probs, table3, lengths], [fill(const_f32(0.0), out_sizes, f32()) for _ in range(columns)],
+        [affine_map(7, (0, 1, 2, 5, 6, 4)), affine_map(7, (0, 1, 5)), affine_map(7, (0,))]
+        + [affine_map(7, (0, 1, 2, 4, 3))] * columns, "pppppr" + "r", body)
     results[0].owner.attributes["compilation_info"] = _compilation_info(
-        distribution=[1, 1, 1, *outer_tile, d_v, 0, 0], vector_common_parallel=[1, 1, 1, *[1] * with_outer, _width(VALUE_VECTOR, d_v), 0, 0],
-        vector_reduction=[0, 0, 0, *[0] * with_outer, 0, 1, 1])
-    results = [expand(r, [[0], [1], [2], [3, 4]], [entries, chunks, h, 1, d_v]) if not with_outer else r for r in results]
-    stacked = empty([entries, chunks, h, outer, unroll, d_v], f32())
-    for u, result in enumerate(results):
-        stacked = insert_slice(expand(result, [[0], [1], [2], [3, 4], [5]], [entries, chunks, h, outer, 1, d_v]),
-                               stacked, [0, 0, 0, 0, u, 0], [entries, chunks, h, outer, 1, d_v])
-    return collapse(stacked, [[0], [1], [2], [3, 4], [5]])
+        distribution=[1, 1, 1, outer, group, 0, 0], vector_common_parallel=[1, 1, 1, 1, _width(ROW_VECTOR, group), 0, 0],
+        vector_reduction=[0, 0, 0, 0, 0, 1, 1])
+    stacked = empty([entries, chunks, h, group, outer, columns], f32())
+    for j, result in enumerate(results):
+        stacked = insert_slice(expand(result, [[0], [1], [2], [3], [4, 5]], [entries, chunks, h, group, outer, 1]),
+                               stacked, [0, 0, 0, 0, 0, j], [entries, chunks, h, group, outer, 1])
+    return collapse(stacked, [[0], [1], [2], [3], [4, 5]])
 
 
 def _column(geometry: ir.Value, column: int) -> ir.Value:

@@ -174,15 +174,35 @@ def test_decode_module_has_no_loop(queries):
     assert names.count("linalg.generic") >= 5
 
 
-@pytest.mark.parametrize("base, queries, by_rows", [
-    (PagedPrefillSpec(8, 2, 64, "float32"), 1, False), (PagedPrefillSpec(8, 2, 64, "float32"), 4, True),
-    (RaggedPrefillSpec(64, 4, 64, 32, "float16"), 1, True), (MlaPagedPrefillSpec(16, 64, 16, "float32"), 4, False)])
-def test_scores_vectorise_along_the_query_rows_of_paged_and_ragged_passes_with_16_or_more(base, queries, by_rows):
-    """Such passes transpose q to [n, h, d_qk, R] in a dispatch of its own (fused into the
-    contraction, q would be read one strided element at a time)."""
-    spec = DecodeSpec(base, queries)
-    assert spec.rows_vectorised == by_rows
-    assert _op_names(build_module(spec)).count("flow.dispatch.region") == int(by_rows)
+def _tiled_generics(module) -> list:
+    """(number of results, compilation_info text) of each generic the builder tiled itself."""
+    found = []
+
+    def visit(op):
+        if op.name == "linalg.generic" and "compilation_info" in op.attributes:
+            found.append((len(op.results), str(op.attributes["compilation_info"])))
+        return 0
+
+    module.operation.walk(visit)
+    return found
+
+
+@pytest.mark.parametrize("base, queries, head_dim_vector, row_vector, columns", [
+    (PagedPrefillSpec(8, 2, 64, "float32"), 1, 64, 4, 8), (PagedPrefillSpec(8, 2, 64, "float32"), 4, 64, 16, 8),
+    (RaggedPrefillSpec(64, 4, 64, 24, "float16"), 1, 64, 16, 8), (MlaPagedPrefillSpec(16, 64, 16, "float32"), 4, 16, 16, 8),
+    (PagedPrefillSpec(6, 6, 80, "float32"), 1, 16, 1, 8), (PagedPrefillSpec(8, 1, 36, "bfloat16"), 1, 4, 8, 6)])
+def test_scores_vectorise_along_the_head_dim_and_values_along_the_query_rows(base, queries, head_dim_vector,
+                                                                          row_vector, columns):
+    """The scores reduce each key row's head dim in one vector of up to 128 lanes (one horizontal
+    sum per key and row); probs x values broadcasts each value element into a vector of up to 16
+    query rows, with J head-dim columns a key in J outputs (docs/performance.md, decode passes)."""
+    tiled = _tiled_generics(build_module(DecodeSpec(base, queries)))
+    scores = [info for results, info in tiled if "vector_reduction = [0, 0, 0, 0, 0, 0," in info]
+    assert len(scores) == 1 and f"vector_reduction = [0, 0, 0, 0, 0, 0, {head_dim_vector}]" in scores[0]
+    values = [(results, info) for results, info in tiled if "vector_reduction = [0, 0, 0, 0, 0, 1, 1]" in info]
+    assert len(values) == 1
+    assert values[0][0] == columns
+    assert f"vector_common_parallel = [1, 1, 1, 1, {row_vector}, 0, 0]" in values[0][1]
 
 
 @pytest.mark.parametrize("queries", [1, 4, 16])
