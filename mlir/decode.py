@@ -32,7 +32,7 @@ from typing import Callable, Union
 
 from .ir import (
     affine_map, arith_d, collapse, const_f32, const_index, dim, element_type, empty, expand, f32, fill, func_d,
-    generic, i32, index, insert_slice, ir, linalg_d, lt, math_d, module_context, sizes_of, tensor_d, widened,
+    generic, i32, index, ir, linalg_d, lt, math_d, module_context, sizes_of, tensor_d, widened,
 )
 from .abi import ARGUMENTS, Arg, argument_types, kv_sources, result_types, split_sinks
 from .kv_layouts import cache_layout
@@ -338,10 +338,16 @@ def _probs_times_values(spec: DecodeSpec, cache: KvCache, probs, table3, lengths
     results[0].owner.attributes["compilation_info"] = _compilation_info(
         distribution=[1, 1, 1, outer, group, 0, 0], vector_common_parallel=[1, 1, 1, 1, _width(ROW_VECTOR, group), 0, 0],
         vector_reduction=[0, 0, 0, 0, 0, 1, 1])
-    stacked = empty([entries, chunks, h, group, outer, columns], f32())
-    for j, result in enumerate(results):
-        stacked = insert_slice(expand(result, [[0], [1], [2], [3], [4, 5]], [entries, chunks, h, group, outer, 1]),
-                               stacked, [0, 0, 0, 0, 0, j], [entries, chunks, h, group, outer, 1])
+    # The J outputs interleaved by one elementwise op (as J inserted slices, J strided copies).
+    def interleaved(*args):
+        j = _index(5)
+        value = args[0]
+        for column in range(1, columns):
+            value = arith_d.select(arith_d.cmpi(arith_d.CmpIPredicate.eq, j, const_index(column)), args[column], value)
+        return [value]
+
+    stacked = generic(results, [empty([entries, chunks, h, group, outer, columns], f32())],
+                      [affine_map(6, range(5))] * columns + [affine_map(6, range(6))], "pppppp", interleaved)[0]
     return collapse(stacked, [[0], [1], [2], [3], [4, 5]])
 
 
