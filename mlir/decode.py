@@ -44,7 +44,7 @@ KvCacheSpec = Union[RaggedPrefillSpec, PagedPrefillSpec, MlaPagedPrefillSpec]
 
 #: Columns of one pass's chunks, by its query count: the fastest measured for each
 #: (docs/performance.md, decode passes).
-CHUNK_COLUMNS = {1: 128, 4: 256}
+CHUNK_COLUMNS = {1: 128, 4: 128}
 #: Each chunk keeps its f32 products (R x h_kv x d_v per entry) until the merge: chunks widen
 #: (doubling) until those are at most this fraction of the K/V bytes a chunk reads. Only many
 #: heads over a narrow cache row reach it: DeepSeek-V3's MLA (h_q 128, d_v 512, 576-wide bf16

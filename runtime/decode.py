@@ -148,6 +148,58 @@ class DecodeCall:
     real: np.ndarray
 
 
+@dataclass(frozen=True)
+class PassCall:
+    """The part of a pass call the index arrays fix: the pass, its ``table`` [n, W] and
+    ``geometry`` [n, 4] (:func:`block_table`), and ``rows``/``real`` as in :class:`DecodeCall`."""
+
+    spec: DecodeSpec
+    table: np.ndarray
+    geometry: np.ndarray
+    rows: np.ndarray
+    real: np.ndarray
+
+    def call(self, named: dict, q: np.ndarray) -> DecodeCall:
+        """The call for one layer: ``named`` its arguments by ABI name, ``q`` its queries on the host."""
+        spec = self.spec.base
+        n, queries = self.rows.shape
+        q_pass = np.zeros((n, queries, *q.shape[1:]), q.dtype)
+        q_pass[self.real] = q[self.rows[self.real]]
+        q_pass = q_pass.reshape(n, queries, spec.h_kv, spec.group_size, -1).transpose(0, 2, 1, 3, 4)
+        args = (np.ascontiguousarray(q_pass.reshape(n, spec.h_kv, queries * spec.group_size, -1)),
+                *(named[arg.name] for arg in kv_sources(spec)), self.table, self.geometry, int(named["causal"]),
+                float(named["sm_scale"]), *((named["sinks"],) if spec.head_sinks else ()))
+        return DecodeCall(self.spec, args, self.rows, self.real)
+
+
+@dataclass(frozen=True)
+class DecodeSchedule:
+    """What a KV-cache call's index arrays decide, computed once per plan (a wrapper's ``plan``)
+    and reused by every layer: ``passes`` [B] (:func:`pass_queries`), the pass calls, and for
+    the other entries their query rows ``rest_rows`` [Lq] (bool) and the index arguments of
+    their call (``rest_index``, by ABI name; None when every entry takes a pass)."""
+
+    passes: np.ndarray
+    calls: tuple[PassCall, ...]
+    rest_rows: np.ndarray
+    rest_index: dict | None
+
+
+def decode_schedule(spec, args: tuple, decode_passes: DecodePasses) -> DecodeSchedule | None:
+    """The schedule of a KV-cache call (``args`` checked, in the seed's order), or None when no
+    entry takes a pass."""
+    passes = pass_queries(spec, args, decode_passes)
+    if not passes.any():
+        return None
+    named = _named(spec, args)
+    qo_lens = np.diff(on_host(named["q_indptr"]).astype(np.int64))
+    in_pass = passes > 0
+    rest_rows = np.repeat(~in_pass, qo_lens)  # [Lq]: rows of the other entries
+    rest_index = host_layout(spec).rest_arguments(spec, _index_arrays(spec, args), in_pass, qo_lens) \
+        if rest_rows.any() else None
+    return DecodeSchedule(passes, tuple(_pass_calls(spec, args, passes, decode_passes)), rest_rows, rest_index)
+
+
 def decode_calls(spec, args: tuple, passes: np.ndarray, decode_passes: DecodePasses) -> list[DecodeCall]:
     """The pass calls of a KV-cache call whose one-pass entries are ``passes`` (from
     :func:`pass_queries`): one per query count, or one per (query count, KV bucket) when
@@ -156,6 +208,12 @@ def decode_calls(spec, args: tuple, passes: np.ndarray, decode_passes: DecodePas
     per entry. ``args`` are checked, in the seed's order."""
     named = _named(spec, args)
     q = np.asarray(on_host(named["q"]))
+    return [call.call(named, q) for call in _pass_calls(spec, args, passes, decode_passes)]
+
+
+def _pass_calls(spec, args: tuple, passes: np.ndarray, decode_passes: DecodePasses) -> list[PassCall]:
+    """:func:`decode_calls`' calls without their per-layer tensors."""
+    named = _named(spec, args)
     q_indptr = on_host(named["q_indptr"]).astype(np.int64)
     qo_lens = np.diff(q_indptr)
     kv_lens = kv_lengths(spec, args)
@@ -169,50 +227,39 @@ def decode_calls(spec, args: tuple, passes: np.ndarray, decode_passes: DecodePas
                 token = np.arange(queries)
                 rows = q_indptr[entries][:, None] + token  # [n, queries]: the entries' query rows
                 real = token < qo_lens[entries][:, None]   # the rest are padding
-                calls.append(_decode_call(pass_spec, args, q, entries, kv_lens, kv_lens[entries], qo_lens[entries],
-                                          rows, real, multiple))
+                calls.append(_pass_call(pass_spec, args, entries, kv_lens, kv_lens[entries], qo_lens[entries],
+                                        rows, real, multiple))
                 continue
             batch_entries, token, visible = _one_query_rows(entries, kv_lens, qo_lens, causal)
             for t in np.unique(token):
                 at = token == t
                 rows = (q_indptr[batch_entries[at]] + t)[:, None]
-                calls.append(_decode_call(pass_spec, args, q, batch_entries[at], kv_lens, visible[at],
-                                          np.ones(int(at.sum()), np.int64), rows, np.ones(rows.shape, bool), multiple))
+                calls.append(_pass_call(pass_spec, args, batch_entries[at], kv_lens, visible[at],
+                                        np.ones(int(at.sum()), np.int64), rows, np.ones(rows.shape, bool), multiple))
     return calls
 
 
-def _decode_call(pass_spec: DecodeSpec, args: tuple, q: np.ndarray, entries: np.ndarray, kv_lens: np.ndarray,
-                 visible: np.ndarray, qo_lens: np.ndarray, rows: np.ndarray, real: np.ndarray,
-                 multiple: int) -> DecodeCall:
+def _pass_call(pass_spec: DecodeSpec, args: tuple, entries: np.ndarray, kv_lens: np.ndarray, visible: np.ndarray,
+               qo_lens: np.ndarray, rows: np.ndarray, real: np.ndarray, multiple: int) -> PassCall:
     """One pass call over batch entries ``entries`` [n] (``visible`` keys and ``qo_lens``
-    queries each, ``kv_lens`` [B] the batch's) whose query rows of ``q`` (the call's, on the
-    host) are ``rows`` [n, queries] (``real`` marks those that exist)."""
-    spec = pass_spec.base
-    named = _named(spec, args)
-    n, queries = rows.shape
+    queries each, ``kv_lens`` [B] the batch's) whose query rows are ``rows`` [n, queries]
+    (``real`` marks those that exist)."""
     table, geometry = block_table(pass_spec, args, entries, kv_lens[entries], visible, qo_lens, multiple)
-    q_pass = np.zeros((n, queries, *q.shape[1:]), q.dtype)
-    q_pass[real] = q[rows[real]]
-    q_pass = q_pass.reshape(n, queries, spec.h_kv, spec.group_size, -1).transpose(0, 2, 1, 3, 4)
-    call_args = (np.ascontiguousarray(q_pass.reshape(n, spec.h_kv, queries * spec.group_size, -1)),
-                 *(named[arg.name] for arg in kv_sources(spec)), table, geometry, int(named["causal"]),
-                 float(named["sm_scale"]), *((named["sinks"],) if spec.head_sinks else ()))
-    return DecodeCall(pass_spec, call_args, rows, real)
+    return PassCall(pass_spec, table, geometry, rows, real)
 
 
-def split_decode(spec, args: tuple, passes: np.ndarray, decode_passes: DecodePasses, run_decode: Callable,
-                 run_rest: Callable, device_results: Callable, to_host: bool):
-    """(output, lse) of a KV-cache call whose one-pass entries (``passes``, from
-    :func:`pass_queries`) go through ``run_decode(queries, *args)`` (:func:`decode_calls`) and the
-    rest through ``run_rest(*args)`` (both return numpy results); ``device_results`` uploads them
-    when ``to_host`` is False. ``args`` are checked, in the seed's order."""
+def split_decode(spec, args: tuple, schedule: DecodeSchedule, run_decode: Callable, run_rest: Callable,
+                 device_results: Callable, to_host: bool):
+    """(output, lse) of a KV-cache call whose entries ``schedule`` (:func:`decode_schedule`)
+    splits: its pass calls go through ``run_decode(queries, *args)`` and the rest through
+    ``run_rest(*args)`` (both return numpy results); ``device_results`` uploads them when
+    ``to_host`` is False. ``args`` are checked, in the seed's order."""
     named = _named(spec, args)
-    q_indptr = on_host(named["q_indptr"]).astype(np.int64)
     q = np.asarray(on_host(named["q"]))
-    qo_lens = np.diff(q_indptr)
     h_kv, group = spec.h_kv, spec.group_size
     output = lse = None
-    for call in decode_calls(spec, args, passes, decode_passes):
+    for scheduled in schedule.calls:
+        call = scheduled.call(named, q)
         n, queries = call.rows.shape
         out_pass, lse_pass = run_decode(queries, *call.args)
         if output is None:
@@ -222,10 +269,10 @@ def split_decode(spec, args: tuple, passes: np.ndarray, decode_passes: DecodePas
         lse_pass = lse_pass.reshape(n, h_kv, queries, group).transpose(0, 2, 1, 3)
         output[call.rows[call.real]] = out_pass.reshape(n, queries, spec.h_q, -1)[call.real]
         lse[call.rows[call.real]] = lse_pass.reshape(n, queries, spec.h_q)[call.real]
-    in_pass = passes > 0
-    rest_rows = np.repeat(~in_pass, qo_lens)  # [Lq]: rows of the other entries
-    if rest_rows.any():
-        output[rest_rows], lse[rest_rows] = run_rest(*_rest_call(spec, args, in_pass, qo_lens, q[rest_rows], rest_rows))
+    if schedule.rest_index is not None:
+        rest_rows = schedule.rest_rows
+        output[rest_rows], lse[rest_rows] = run_rest(*_rest_call(spec, args, schedule.rest_index, q[rest_rows],
+                                                                 rest_rows))
     return (output, lse) if to_host else device_results([output, lse])
 
 
@@ -240,18 +287,17 @@ def _calls_of(entries: np.ndarray, kv_lens: np.ndarray, bucketed: bool) -> list[
     return [entries[buckets == width] for width in np.unique(buckets)]
 
 
-def _rest_call(spec, args: tuple, decode: np.ndarray, qo_lens: np.ndarray, q_rest: np.ndarray,
-               rest_rows: np.ndarray) -> list:
-    """The variant's arguments for the entries that are not decode entries (queries ``q_rest``):
-    the layout decides which entries the call keeps and cuts its index arrays to them
-    (runtime/kv_layouts.py, ``rest_arguments``: the page tables keep only those entries, the
-    ragged cache every entry, the decode entries with no queries). (Skipping query-less entries
-    inside the kernel, an ``scf.if`` around the entry's work, made about one call in two return
-    wrong rows for other entries in IREE 3.13.)
+def _rest_call(spec, args: tuple, rest_index: dict, q_rest: np.ndarray, rest_rows: np.ndarray) -> list:
+    """The variant's arguments for the entries that are not decode entries (queries ``q_rest``,
+    index arguments ``rest_index``): the layout decides which entries the call keeps and cuts its
+    index arrays to them (runtime/kv_layouts.py, ``rest_arguments``: the page tables keep only
+    those entries, the ragged cache every entry, the decode entries with no queries). (Skipping
+    query-less entries inside the kernel, an ``scf.if`` around the entry's work, made about one
+    call in two return wrong rows for other entries in IREE 3.13.)
     """
     named = _named(spec, args)
     rest = dict(named, q=np.ascontiguousarray(q_rest))
     if "q_rope_position" in named:
         rest["q_rope_position"] = np.ascontiguousarray(on_host(named["q_rope_position"])[rest_rows])
-    rest.update(host_layout(spec).rest_arguments(spec, _index_arrays(spec, args), decode, qo_lens))
+    rest.update(rest_index)
     return list(rest.values())

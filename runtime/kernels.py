@@ -17,7 +17,7 @@ from ..mlir.decode import DecodeSpec
 from ..mlir.mask_rules import mask_rule
 from ..pipeline import ArtifactCache, Target, compile_spec, target_for
 from .checks import NUMPY_DTYPES, check_on_device
-from .decode import DECODE_PASSES, pass_queries, split_decode
+from .decode import DECODE_PASSES, decode_schedule, split_decode
 from .errors import InputError
 from .interop import like_inputs, results_to_host
 from .module import LoadedKernel, as_device_arrays
@@ -47,6 +47,7 @@ class Kernel:
         self._decode_passes = DECODE_PASSES[target.lowering]
         self._cache = cache
         self._decode_kernels: dict[int, LoadedKernel] = {}
+        self._schedule: tuple = (None, None)  # (plan, its DecodeSchedule) of the last planned call
 
     @property
     def device(self):
@@ -66,14 +67,27 @@ class Kernel:
             results = self.launch(*arrays, to_host=host)
         return like_inputs(args, results) if host else results
 
-    def launch(self, *checked_args: Any, to_host: bool = True):
+    def launch(self, *checked_args: Any, to_host: bool = True, plan: Any = None):
         """Runs the kernel on arguments already checked (e.g. by a wrapper's plan): numpy arrays,
-        IREE device arrays (used in place) and Python scalars, in the seed's order. No checks."""
-        passes = pass_queries(self.spec, checked_args, self._decode_passes) if self._decode_pass else None
-        if passes is not None and passes.any():
-            return split_decode(self.spec, checked_args, passes, self._decode_passes, self._run_decode, self._run_rest,
+        IREE device arrays (used in place) and Python scalars, in the seed's order. No checks.
+        ``plan``: an immutable object that stands for the call's index arrays and scalars (a
+        wrapper's Plan): the host schedule of its serving passes is then worked out once per plan
+        instead of on every call."""
+        schedule = self._decode_schedule(checked_args, plan) if self._decode_pass else None
+        if schedule is not None:
+            return split_decode(self.spec, checked_args, schedule, self._run_decode, self._run_rest,
                                 lambda results: tuple(as_device_arrays(self.device, results)), to_host)
         return self._loaded(*checked_args, to_host=to_host)
+
+    def _decode_schedule(self, checked_args: tuple, plan: Any):
+        """The call's DecodeSchedule (runtime/decode.py), or None: kept for ``plan`` when given."""
+        planned, schedule = self._schedule
+        if plan is not None and planned is plan:
+            return schedule
+        schedule = decode_schedule(self.spec, checked_args, self._decode_passes)
+        if plan is not None:
+            self._schedule = (plan, schedule)
+        return schedule
 
     def _run_decode(self, queries: int, *args):
         """The one-pass kernel for entries of up to ``queries`` queries (runtime/decode.py)."""

@@ -164,7 +164,7 @@ class _Wrapper:
         if np.prod(out_shape[:-2]):
             # Not Kernel.__call__: its host checks would download the device arrays (the plan's
             # index arrays included); plan() and run() check the same conditions without that.
-            return self.kernel.launch(*args, to_host=to_host)
+            return self.kernel.launch(*args, to_host=to_host, plan=plan)
         zeros = (np.zeros(out_shape, NUMPY_DTYPES[self.spec.dtype]), np.zeros(out_shape[:-1], np.float32))
         return zeros if to_host else tuple(as_device_arrays(self.kernel.device, zeros))
 

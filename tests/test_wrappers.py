@@ -114,6 +114,39 @@ def test_paged_matches_reference(spec, cache):
     _check("paged", wrapper.run(q, pages), spec, call)
 
 
+#: Entries of 1 and 3 queries take the serving passes (RoPE off), the 12-query one the kernel.
+SHORT = [(1, 20), (3, 40), (12, 40)]
+
+
+@pytest.mark.compiles(PAGED, passes=SHORT)
+def test_serving_schedule_is_worked_out_once_per_plan(cache, monkeypatch):
+    """run() reuses the plan's host schedule of its serving passes (runtime/decode.py) on every
+    layer, and a new plan replaces it; every layer still matches the reference."""
+    import linalg_prefill.runtime.kernels as kernels
+
+    schedules = []
+
+    def counted(*args):
+        schedules.append(kernels_decode_schedule(*args))
+        return schedules[-1]
+
+    kernels_decode_schedule = kernels.decode_schedule
+    monkeypatch.setattr(kernels, "decode_schedule", counted)
+    rng = np.random.default_rng(6)
+    pages, page_indptr, page_values, length_info = _pages(rng, [e[1] for e in SHORT], 8, (2, 2, 8, 64))
+    q_indptr = indptr([e[0] for e in SHORT])
+    wrapper = PagedPrefillWrapper(PAGED, cache=cache)
+    for plan_number in (1, 2):
+        wrapper.plan(q_indptr, page_indptr, page_values, length_info, causal=True)
+        for layer in range(2):
+            q = uniform(rng, (q_indptr[-1], 4, 64), "float32")
+            call = (q, q_indptr, pages, page_indptr, page_values, length_info, np.zeros(3, np.int32),
+                    np.zeros(q_indptr[-1], np.int32), 1, 0, 1.0, 1e4, 64 ** -0.5)
+            _check(f"plan {plan_number} layer {layer}", wrapper.run(q, pages), PAGED, call)
+        assert len(schedules) == plan_number
+    assert schedules[0].passes.tolist() == [1, 4, 0]
+
+
 def test_mla_matches_reference(cache):
     rng = np.random.default_rng(2)
     pages, page_indptr, page_values, last = _pages(rng, [e[1] for e in ENTRIES], 16, (16, 80))
