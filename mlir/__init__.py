@@ -3,7 +3,7 @@
 from .fused_kernels import (
     build_fused_mla_prefill, build_fused_paged_prefill, build_fused_ragged_prefill, build_fused_sequence_prefill,
 )
-from .decode import DecodeSpec, build_decode
+from .decode import NARROW_PASS_VECTORS, DecodeSpec, PassVectors, build_decode
 from .fused_decode import build_fused_decode
 from .kv_cache import build_mla_prefill, build_paged_prefill, build_ragged_prefill
 from .score_tiles import ROW_TILES, RowTiles
@@ -33,12 +33,14 @@ _FUSED_BUILDERS = {
 }
 
 
-def build_module(spec, *, row_chunk: int | None = None, score_tiles: RowTiles = ROW_TILES):
+def build_module(spec, *, row_chunk: int | None = None, score_tiles: RowTiles = ROW_TILES,
+                 pass_vectors: PassVectors = NARROW_PASS_VECTORS):
     """The verified MLIR module for any variant spec. ``row_chunk`` is the widest row the online
     softmax reduces in one op (None: whole rows); ``score_tiles`` the KV step's tile layout
-    (mlir/score_tiles.py); pipeline/tuning.py picks both per target."""
+    (mlir/score_tiles.py), ``pass_vectors`` a serving pass's (mlir/decode.py); pipeline/tuning.py
+    picks them per target."""
     if type(spec) in _PASS_BUILDERS:
-        return _PASS_BUILDERS[type(spec)](spec)
+        return _PASS_BUILDERS[type(spec)](spec, vectors=pass_vectors)
     try:
         builder = _BUILDERS[type(spec)]
     except KeyError:

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from typing import Callable, Union
 
 from .ir import (
-    affine_map, arith_d, collapse, const_f32, const_index, dim, element_type, empty, expand, f32, fill, func_d,
-    generic, i32, index, ir, linalg_d, lt, math_d, module_context, sizes_of, tensor_d, widened,
+    DYN, affine_map, arith_d, collapse, const_f32, const_index, dim, element_type, empty, expand, f32, fill, func_d,
+    generic, i32, index, ir, linalg_d, lt, math_d, module_context, own_dispatch, sizes_of, tensor_d, tensor_type, widened,
 )
 from .abi import ARGUMENTS, Arg, argument_types, kv_sources, result_types, split_sinks
 from .kv_layouts import cache_layout
@@ -41,6 +41,31 @@ from .online_softmax import NO_KEY_MAX, row_sinks, score_transform, sink_lse, si
 from .specs import EMPTY_ROW_LSE, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec
 
 KvCacheSpec = Union[RaggedPrefillSpec, PagedPrefillSpec, MlaPagedPrefillSpec]
+
+
+@dataclass(frozen=True)
+class PassVectors:
+    """How a serving pass's scores contraction vectorises on a CPU (pipeline/cpu_tiles.py picks
+    one per CPU): ``head_dim``, the widest head-dim vector of a (key, row) dot (one horizontal
+    sum per vector); ``rows_from``: passes with at least this many query rows per KV head (and a
+    layout with ``vectorise_rows``) broadcast each key element to ROW_VECTOR rows instead (None:
+    never)."""
+
+    head_dim: int
+    rows_from: int | None
+
+    def by_rows(self, spec: "DecodeSpec") -> bool:
+        """Whether ``spec``'s scores vectorise along its query rows."""
+        return self.rows_from is not None and spec.rows >= self.rows_from and cache_layout(spec.base).vectorise_rows
+
+
+#: AVX-512: 128-lane head-dim dots for every pass (16 lanes had reduced each 16-lane product to
+#: a scalar and chained the sums: the 32 x 1 vs 1024 f32 scores 18.8 -> 6.6 ms; the rows form of
+#: the 4-query pass, one latency-bound accumulator per key, 40.7 -> 26.5 ms for the pass).
+WIDE_PASS_VECTORS = PassVectors(head_dim=128, rows_from=None)
+#: Other CPUs (AVX2): 16-lane dots, rows from 16 (built for znver3 and run on the AVX-512 VM,
+#: 128 lanes took the 1-query scores 11.4 -> 22.5 ms and the 4-query ones 21.3 -> 78.6).
+NARROW_PASS_VECTORS = PassVectors(head_dim=16, rows_from=16)
 
 #: Columns of one pass's chunks, by its query count: the fastest measured for each
 #: (docs/performance.md, decode passes).
@@ -56,10 +81,6 @@ MAX_CHUNK_COLUMNS = 512
 #: f32 tensors of one score per (key, query row) the pass materialises: the raw scores, the
 #: masked and scaled scores, the probabilities.
 SCORE_TENSORS = 3
-#: The scores contraction reduces each key row's head dim in vectors of up to SCORE_VECTOR lanes
-#: (loads along d are contiguous; one horizontal sum per (key, row)): 128 against 16 took the
-#: 32 x 1 vs 1024 f32 scores from 18.8 to 6.6 ms (docs/performance.md, decode passes).
-SCORE_VECTOR = 128
 #: The chunk merge reads each chunk's products in head-dim vectors of this width.
 VALUE_VECTOR = 32
 #: The probs x values contraction vectorises along the query rows (up to ROW_VECTOR a vector):
@@ -214,12 +235,14 @@ def decode_module(spec: DecodeSpec, emit: Callable[..., list]) -> ir.Module:
         return module
 
 
-def build_decode(spec: DecodeSpec, rule: MaskRule | None = None) -> ir.Module:
+def build_decode(spec: DecodeSpec, rule: MaskRule | None = None, vectors: PassVectors = NARROW_PASS_VECTORS
+                 ) -> ir.Module:
     """``decode_entries(q, *kv, table, geometry, causal, sm_scale) -> (output, lse)``; ``kv`` is
     ``pages`` (paged [P, 2, h_kv, page, d], MLA [P, page, d_qk]) or ``k, v`` (ragged). ``rule``:
-    the mask (default: the base spec's), a ``one_pass`` rule reading at most ``causal``."""
+    the mask (default: the base spec's), a ``one_pass`` rule reading at most ``causal``;
+    ``vectors``: the CPU's (pipeline/cpu_tiles.py)."""
     rule = pass_rule(spec, rule)
-    return decode_module(spec, lambda *args: _decode(spec, rule, *args))
+    return decode_module(spec, lambda *args: _decode(spec, rule, vectors, *args))
 
 
 def pass_rule(spec: DecodeSpec, rule: MaskRule | None) -> MaskRule:
@@ -230,8 +253,8 @@ def pass_rule(spec: DecodeSpec, rule: MaskRule | None) -> MaskRule:
     return rule
 
 
-def _decode(spec: DecodeSpec, rule: MaskRule, q, cache: KvCache, table, geometry, causal, sm_scale,
-            sinks) -> list[ir.Value]:
+def _decode(spec: DecodeSpec, rule: MaskRule, vectors: PassVectors, q, cache: KvCache, table, geometry, causal,
+            sm_scale, sinks) -> list[ir.Value]:
     base = spec.base
     h, group = base.h_kv, spec.rows
     per_chunk, block = spec.blocks_per_chunk, spec.block
@@ -254,12 +277,21 @@ def _decode(spec: DecodeSpec, rule: MaskRule, q, cache: KvCache, table, geometry
         key = cache.element(0, i, c, p, s, hh, k)
         return [arith_d.addf(acc, kept(table_value, arith_d.mulf(widened(q_value), key)))]
 
-    raw = generic([q, table3], [fill(const_f32(0.0), score_sizes, f32())],
-                  [affine_map(7, (0, 2, 5, 6)), affine_map(7, (0, 1, 3)), affine_map(7, range(6))], "ppppppr", score_body)[0]
-    # a key row's contiguous head-dim vector dotted with one query row at a time
+    if vectors.by_rows(spec):  # q as [n, h, d_qk, R]: a key element broadcast over R query rows
+        transposed = [entries, h, spec.d_qk, group]  # its own dispatch: fused, q is read strided
+        q_operand = own_dispatch(lambda: generic(
+            [q], [empty(transposed, element_type(spec.dtype))], [affine_map(4, (0, 1, 3, 2)), affine_map(4, range(4))],
+            "pppp", lambda x, _out: [x])[0], tensor_type([DYN, h, spec.d_qk, group], element_type(spec.dtype)), transposed)
+        q_map, tiles = affine_map(7, (0, 2, 6, 5)), dict(
+            vector_common_parallel=[1, 1, 1, 1, 1, _width(ROW_VECTOR, group), 0], vector_reduction=[0] * 6 + [1])
+    else:  # a key row's contiguous head-dim vector dotted with one query row at a time
+        q_operand, q_map = q, affine_map(7, (0, 2, 5, 6))
+        tiles = dict(vector_common_parallel=[1, 1, 1, 1, 1, 1, 0],
+                     vector_reduction=[0, 0, 0, 0, 0, 0, _width(vectors.head_dim, spec.d_qk)])
+    raw = generic([q_operand, table3], [fill(const_f32(0.0), score_sizes, f32())],
+                  [q_map, affine_map(7, (0, 1, 3)), affine_map(7, range(6))], "ppppppr", score_body)[0]
     raw.owner.attributes["compilation_info"] = _compilation_info(
-        distribution=[1, 1, 1, per_chunk, block, group, 0], vector_common_parallel=[1, 1, 1, 1, 1, 1, 0],
-        vector_reduction=[0, 0, 0, 0, 0, 0, _width(SCORE_VECTOR, spec.d_qk)])
+        distribution=[1, 1, 1, per_chunk, block, group, 0], **tiles)
 
     scale = score_transform(sm_scale, base.logits_soft_cap)
     every = affine_map(6, range(6))

@@ -12,7 +12,7 @@ reference) is ``runtime/kv_layouts.py``, one class per layout under the same ``n
 A KV-cache layout (:class:`CacheLayout`) reads its rows for each lowering: the linalg entry
 loader (``entry_loader``, kv_cache.py), the fused lowering's batch-wide source (``batch_kv``,
 fused_kernels.py) and the serving passes' element read (``element``, decode.py and
-fused_decode.py), plus the passes' ``block`` and ``kv_bytes_per_key``.
+fused_decode.py), plus the passes' ``block``, ``kv_bytes_per_key`` and ``vectorise_rows``.
 Each hook takes the call's arguments it reads by their ABI name (mlir/abi.py). A new layout
 is a subclass defining every abstract hook, registered in :data:`LAYOUTS` under its name
 (tests/test_kv_layouts.py checks both halves).
@@ -112,9 +112,12 @@ class DenseLayout(KvLayout):
 class CacheLayout(KvLayout, ABC):
     """A KV-cache layout: how each lowering reads an entry's rows."""
 
-    required = ("name", "host_readable")
+    required = ("name", "host_readable", "vectorise_rows")
     #: The layout's index arguments the fused kernels read on the host (ir.HostReadable).
     host_readable: tuple[str, ...]
+    #: Whether a serving pass with many query rows may vectorise its scores along them, where the
+    #: CPU's pass vectors do (decode.PassVectors.rows_from).
+    vectorise_rows: bool
 
     @abstractmethod
     def entry_loader(self, spec, **arguments) -> Callable[[ir.Value], EntryKv]:
@@ -184,6 +187,7 @@ class RaggedLayout(CacheLayout):
 
     name = "ragged"
     host_readable = ("kv_indptr",)
+    vectorise_rows = True
 
     def entry_loader(self, spec, *, k, v, kv_indptr, k_rope_pos_offset):
         k_rows, v_rows = _with_a_row(k), _with_a_row(v)
@@ -306,6 +310,7 @@ class PagedLayout(_PageTableLayout):
     """Entry b's K and V rows gathered from pages [P, 2, h_kv, page_size, d]."""
 
     name = "paged"
+    vectorise_rows = True
 
     def entry_loader(self, spec, *, pages, page_indptr, page_values, length_info, k_rope_pos_offset):
         elem = element_type(spec.dtype)
@@ -347,6 +352,8 @@ class LatentLayout(_PageTableLayout):
     their first d_latent columns (one shared KV head)."""
 
     name = "latent"
+    #: Slower for MLA's wide rows (docs/performance.md, decode passes).
+    vectorise_rows = False
 
     def entry_loader(self, spec, *, pages, page_indptr, page_values, length_info):
         elem = element_type(spec.dtype)

@@ -1,5 +1,6 @@
-"""Which KV-step tile layout (mlir/score_tiles.py) the linalg lowering gets on a CPU: the one
-place that reads the CPU's features (the ``score_tiles`` hook of ``BACKENDS["llvm-cpu"]``).
+"""Which KV-step tile layout (mlir/score_tiles.py) and serving-pass vectors (mlir/decode.py) the
+linalg lowering gets on a CPU: the one place that reads the CPU's features (the ``score_tiles``
+and ``pass_vectors`` hooks of ``BACKENDS["llvm-cpu"]``).
 
     cpu_score_tiles("host", "bfloat16")    # PackedTiles(bf16, 16x16x2) on a CPU with avx512_bf16
     cpu_score_tiles("znver3", "bfloat16")  # ROW_TILES: no avx512_bf16
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import functools
 
+from ..mlir.decode import NARROW_PASS_VECTORS, WIDE_PASS_VECTORS, PassVectors
 from ..mlir.score_tiles import ROW_TILES, RowTiles, packed_tiles_for
 
 #: Features (as /proc/cpuinfo spells them) of the named LLVM CPUs the packed tiles need.
@@ -50,3 +52,13 @@ def cpu_score_tiles(arch: str, dtype: str) -> RowTiles:
 def row_tiles(arch: str, dtype: str) -> RowTiles:
     """The row tiles whatever the arch (GPU backends' linalg lowering)."""
     return ROW_TILES
+
+
+def cpu_pass_vectors(arch: str) -> PassVectors:
+    """The serving passes' vectors on CPU ``arch``: the wide ones with AVX-512."""
+    return WIDE_PASS_VECTORS if "avx512f" in cpu_features(arch) else NARROW_PASS_VECTORS
+
+
+def narrow_pass_vectors(arch: str) -> PassVectors:
+    """The narrow vectors whatever the arch (GPU backends' linalg lowering)."""
+    return NARROW_PASS_VECTORS

@@ -35,7 +35,8 @@ class Backend:
     flags. ``lowering``: the kernels' default lowering (``Target(..., lowering=)`` overrides it).
     ``row_chunk``: the widest row the linalg lowering's online softmax reduces in one op
     (``build_module(row_chunk=)``; None: whole rows). ``score_tiles(arch, dtype)``: the layout
-    of its KV-step tiles in the linalg lowering (mlir/score_tiles.py, pipeline/cpu_tiles.py).
+    of its KV-step tiles in the linalg lowering (mlir/score_tiles.py, pipeline/cpu_tiles.py),
+    ``pass_vectors(arch)`` its serving passes' vectors there (mlir/decode.py).
     ``tune_contraction(op)`` and ``tune_attention(op, loops)``: the attributes a marked
     contraction or online_attention op gets (pipeline/tuning.py), None for the compiler's own
     choice. ``structure_checks``: ``check(spec, vmfb_path) -> problem or None`` each artifact
@@ -50,6 +51,7 @@ class Backend:
     lowering: str
     row_chunk: int | None
     score_tiles: Callable[[str, str], object]
+    pass_vectors: Callable[[str], object]
     tune_contraction: Callable
     tune_attention: Callable
     structure_checks: tuple[Callable, ...]
@@ -114,6 +116,7 @@ BACKENDS: dict[str, Backend] = {
     "llvm-cpu": Backend(
         name="llvm-cpu", driver="local-task", default_arch="host", archs=None, arch_note="",
         flags=_cpu_flags, lowering="linalg", row_chunk=None, score_tiles=cpu_tiles.cpu_score_tiles,
+        pass_vectors=cpu_tiles.cpu_pass_vectors,
         tune_contraction=tuning.cpu_contraction_config, tune_attention=_keep_default, structure_checks=()),
     # The KV loop inside one online_attention dispatch per query band, f16/bf16 operands on the
     # tensor cores (mlir/fused_kernels.py, docs/cuda.md). IREE 3.13 fails to distribute a
@@ -124,6 +127,7 @@ BACKENDS: dict[str, Backend] = {
         arch_note=("IREE 3.13 has no sm_90 or sm_100 target; Hopper (H100, H200) and newer run sm_80 PTX "
                    "through the driver JIT, so use sm_80"),
         flags=_cuda_flags, lowering="fused", row_chunk=128, score_tiles=cpu_tiles.row_tiles,
+        pass_vectors=cpu_tiles.narrow_pass_vectors,
         tune_contraction=_keep_default, tune_attention=tuning.cuda_attention_config,
         structure_checks=(vm_structure.missing_tensor_cores, vm_structure.host_stalls_in_loops)),
     # The fused lowering on AMD Instinct (gfx942: MI300; docs/rocm.md), f16/bf16 on MFMA; waves
@@ -131,6 +135,7 @@ BACKENDS: dict[str, Backend] = {
     "rocm": Backend(
         name="rocm", driver="hip", default_arch="gfx942", archs=("gfx942", "gfx950", "gfx90a"),
         arch_note="", flags=_rocm_flags, lowering="fused", row_chunk=128, score_tiles=cpu_tiles.row_tiles,
+        pass_vectors=cpu_tiles.narrow_pass_vectors,
         tune_contraction=_keep_default, tune_attention=tuning.rocm_attention_config,
         structure_checks=(vm_structure.missing_mfma, vm_structure.host_stalls_in_loops)),
 }

@@ -225,7 +225,8 @@ def tuned_module(spec, target: Target) -> ir.Module:
         module = build_fused_module(spec)
     else:
         module = build_module(spec, row_chunk=target.record.row_chunk,
-                              score_tiles=target.record.score_tiles(target.arch, spec.dtype))
+                              score_tiles=target.record.score_tiles(target.arch, spec.dtype),
+                              pass_vectors=target.record.pass_vectors(target.arch))
     return apply_tuning(module, target)
 
 

@@ -21,6 +21,7 @@ from linalg_prefill.mlir import (
 from linalg_prefill.pipeline import Target
 from linalg_prefill.runtime import open_kernel, reference
 from linalg_prefill.mlir.abi import argument_names
+from linalg_prefill.mlir.decode import NARROW_PASS_VECTORS, WIDE_PASS_VECTORS
 from linalg_prefill.runtime.compare import reference_call
 from linalg_prefill.runtime.examples import example_inputs
 from linalg_prefill.runtime.decode import DECODE_PASSES, bucket_tiles, decode_calls, pass_queries
@@ -191,18 +192,33 @@ def _tiled_generics(module) -> list:
     (PagedPrefillSpec(8, 2, 64, "float32"), 1, 64, 4, 8), (PagedPrefillSpec(8, 2, 64, "float32"), 4, 64, 16, 8),
     (RaggedPrefillSpec(64, 4, 64, 24, "float16"), 1, 64, 16, 8), (MlaPagedPrefillSpec(16, 64, 16, "float32"), 4, 16, 16, 8),
     (PagedPrefillSpec(6, 6, 80, "float32"), 1, 16, 1, 8), (PagedPrefillSpec(8, 1, 36, "bfloat16"), 1, 4, 8, 6)])
-def test_scores_vectorise_along_the_head_dim_and_values_along_the_query_rows(base, queries, head_dim_vector,
-                                                                          row_vector, columns):
-    """The scores reduce each key row's head dim in one vector of up to 128 lanes (one horizontal
-    sum per key and row); probs x values broadcasts each value element into a vector of up to 16
-    query rows, with J head-dim columns a key in J outputs (docs/performance.md, decode passes)."""
-    tiled = _tiled_generics(build_module(DecodeSpec(base, queries)))
+def test_wide_vectors_dot_the_head_dim_and_broadcast_values_over_the_query_rows(base, queries, head_dim_vector,
+                                                                               row_vector, columns):
+    """AVX-512's pass vectors: the scores reduce each key row's head dim in one vector of up to
+    128 lanes; probs x values broadcasts each value element into a vector of up to 16 query rows,
+    with J head-dim columns a key in J outputs (docs/performance.md, decode passes)."""
+    tiled = _tiled_generics(build_module(DecodeSpec(base, queries), pass_vectors=WIDE_PASS_VECTORS))
     scores = [info for results, info in tiled if "vector_reduction = [0, 0, 0, 0, 0, 0," in info]
     assert len(scores) == 1 and f"vector_reduction = [0, 0, 0, 0, 0, 0, {head_dim_vector}]" in scores[0]
     values = [(results, info) for results, info in tiled if "vector_reduction = [0, 0, 0, 0, 0, 1, 1]" in info]
     assert len(values) == 1
     assert values[0][0] == columns
     assert f"vector_common_parallel = [1, 1, 1, 1, {row_vector}, 0, 0]" in values[0][1]
+
+
+@pytest.mark.parametrize("base, queries, by_rows", [
+    (PagedPrefillSpec(8, 2, 64, "float32"), 1, False), (PagedPrefillSpec(8, 2, 64, "float32"), 4, True),
+    (RaggedPrefillSpec(64, 4, 64, 32, "float16"), 1, True), (MlaPagedPrefillSpec(16, 64, 16, "float32"), 4, False)])
+def test_narrow_vectors_take_the_scores_of_paged_and_ragged_passes_with_16_rows_along_them(base, queries, by_rows):
+    """Other CPUs' (AVX2) pass vectors: such passes transpose q to [n, h, d_qk, R] in a dispatch
+    of its own (fused into the contraction, q would be read one strided element at a time) and
+    broadcast each key element over 16 rows; the others dot 16-lane head-dim vectors."""
+    spec = DecodeSpec(base, queries)
+    assert NARROW_PASS_VECTORS.by_rows(spec) == by_rows and not WIDE_PASS_VECTORS.by_rows(spec)
+    module = build_module(spec, pass_vectors=NARROW_PASS_VECTORS)
+    assert _op_names(module).count("flow.dispatch.region") == int(by_rows)
+    scores = [info for _, info in _tiled_generics(module) if "vector_reduction = [0, 0, 0, 0, 0, 0," in info]
+    assert f"vector_reduction = [0, 0, 0, 0, 0, 0, {1 if by_rows else 16}]" in scores[0]
 
 
 @pytest.mark.parametrize("queries", [1, 4, 16])

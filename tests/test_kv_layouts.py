@@ -63,7 +63,7 @@ def test_the_hooks_a_new_layout_must_define():
     """What a new KV-cache layout defines, and that leaving out any one of them is caught when
     the layout is created (the registries create theirs at import)."""
     assert _hooks(CacheLayout) == {"entry_loader", "batch_kv", "element", "block", "kv_bytes_per_key"}
-    assert CacheLayout.required == ("name", "host_readable")
+    assert CacheLayout.required == ("name", "host_readable", "vectorise_rows")
     assert _hooks(CacheHostLayout) == {"keys_and_values", "with_absolute_values", "example_arrays", "kv_lengths",
                                        "table_rows", "rest_arguments", "pass_entry_kv"}
     for hook in _hooks(CacheLayout):
@@ -71,9 +71,12 @@ def test_the_hooks_a_new_layout_must_define():
         with pytest.raises(TypeError, match=hook):
             incomplete()
     hooks = {hook: RaggedLayout.__dict__[hook] for hook in _hooks(CacheLayout)}
-    missing = type("Missing", (CacheLayout,), {"name": "missing", **hooks})
-    with pytest.raises(TypeError, match="host_readable"):
-        missing()
+    for attribute in ("host_readable", "vectorise_rows"):
+        others = {other: getattr(RaggedLayout, other) for other in ("host_readable", "vectorise_rows")
+                  if other != attribute}
+        missing = type("Missing", (CacheLayout,), {"name": "missing", **hooks, **others})
+        with pytest.raises(TypeError, match=attribute):
+            missing()
     for hook in _hooks(CacheHostLayout):
         abstract = CacheHostLayout.__dict__.get(hook, HostLayout.__dict__.get(hook))
         incomplete = type("Incomplete", (RaggedHost,), {"name": "incomplete", hook: abstract})

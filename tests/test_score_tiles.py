@@ -10,7 +10,8 @@ import pytest
 from linalg_prefill.mlir import MaskedSequencePrefillSpec, PagedPrefillSpec, SequencePrefillSpec
 from linalg_prefill.mlir.score_tiles import ROW_TILES, PackedTiles
 from linalg_prefill.pipeline import Target
-from linalg_prefill.pipeline.cpu_tiles import cpu_features, cpu_score_tiles, host_cpu_features
+from linalg_prefill.mlir.decode import NARROW_PASS_VECTORS, WIDE_PASS_VECTORS, DecodeSpec
+from linalg_prefill.pipeline.cpu_tiles import cpu_features, cpu_pass_vectors, cpu_score_tiles, host_cpu_features
 from linalg_prefill.pipeline.tuning import tuned_ir
 from support import run_against_reference, spec_id
 
@@ -27,6 +28,15 @@ AVX512_BF16, AVX512, AVX2 = "znver4", "skylake-avx512", "znver3"
 ])
 def test_each_cpu_gets_the_layout_measured_fastest_on_it(arch, dtype, want):
     assert cpu_score_tiles(arch, dtype) == want
+
+
+@pytest.mark.parametrize("arch, want", [(AVX512_BF16, WIDE_PASS_VECTORS), (AVX512, WIDE_PASS_VECTORS),
+                                        (AVX2, NARROW_PASS_VECTORS), ("a-cpu-llvm-does-not-name", NARROW_PASS_VECTORS)])
+def test_each_cpu_gets_the_serving_pass_vectors_measured_fastest_on_it(arch, want):
+    """And the pass's IR for that CPU carries them (the scores' head-dim vector of a 1-query pass)."""
+    assert cpu_pass_vectors(arch) == want
+    ir_text = tuned_ir(DecodeSpec(PagedPrefillSpec(8, 2, 128, "float32")), Target("llvm-cpu", arch))
+    assert f"vector_reduction = [0, 0, 0, 0, 0, 0, {want.head_dim}]" in ir_text
 
 
 def test_the_host_is_read_from_proc_cpuinfo():
