@@ -67,9 +67,9 @@ WIDE_PASS_VECTORS = PassVectors(head_dim=128, rows_from=None)
 #: 128 lanes took the 1-query scores 11.4 -> 22.5 ms and the 4-query ones 21.3 -> 78.6).
 NARROW_PASS_VECTORS = PassVectors(head_dim=16, rows_from=16)
 
-#: Columns of one pass's chunks, by its query count: the fastest measured for each
+#: Columns of one pass's chunks, the fastest measured for the 1-, 4- and 16-query passes
 #: (docs/performance.md, decode passes).
-CHUNK_COLUMNS = {1: 128, 4: 128}
+CHUNK_COLUMNS = 128
 #: Each chunk keeps its f32 products (R x h_kv x d_v per entry) until the merge: chunks widen
 #: (doubling) until those are at most this fraction of the K/V bytes a chunk reads. Only many
 #: heads over a narrow cache row reach it: DeepSeek-V3's MLA (h_q 128, d_v 512, 576-wide bf16
@@ -131,10 +131,10 @@ class DecodeSpec:
 
     @property
     def chunk_columns(self) -> int:
-        """CHUNK_COLUMNS of the query count (256 past 4), doubled while a chunk's products outweigh
-        CHUNK_PRODUCTS_SHARE of its K/V (up to MAX_CHUNK_COLUMNS)."""
+        """CHUNK_COLUMNS, doubled while a chunk's products outweigh CHUNK_PRODUCTS_SHARE of its K/V
+        (up to MAX_CHUNK_COLUMNS)."""
         products = self.rows * self.base.h_kv * self.d_v * 4
-        columns = CHUNK_COLUMNS.get(self.queries, 256)
+        columns = CHUNK_COLUMNS
         while products > CHUNK_PRODUCTS_SHARE * columns * self.kv_bytes_per_key and columns < MAX_CHUNK_COLUMNS:
             columns *= 2
         return columns

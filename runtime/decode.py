@@ -1,7 +1,7 @@
 """Planning a KV-cache call on the host: its short entries run in one pass (mlir/decode.py,
 mlir/fused_decode.py).
 
-An entry with few queries (1 to 4, or 16 for the fused lowering: ``DECODE_PASSES``) and at
+An entry with few queries (1 to 16: ``DECODE_PASSES``) and at
 least one KV row is a *pass entry* when the call's keys need no inline RoPE
 (``rotary_mode == 0``; MLA never rotates). :func:`split_decode` turns such a call into
 
@@ -38,11 +38,13 @@ class DecodePasses:
     a call's entries are grouped by KV length (``bucketed``: the fused pass pads every entry to
     the call's longest, the linalg pass reads the page table in place), and ``scratch_bound``,
     the most scratch per key a pass may take in K/V bytes per key (``None``: no bound, its
-    scores stay in tiles)."""
+    scores stay in tiles). An entry whose own pass is not usable runs one query at a time in the
+    1-query pass when it has at most ``split_up_to`` queries, else in the variant's kernel."""
 
     queries: tuple[int, ...]
     bucketed: bool
     scratch_bound: float | None = None
+    split_up_to: int = 4
 
     def usable(self, spec) -> tuple[int, ...]:
         """The query counts of the passes that keep ``spec``'s scratch within the bound."""
@@ -52,14 +54,22 @@ class DecodePasses:
         return tuple(queries for queries in self.queries
                      if self.scratch_bound is None or within(DecodeSpec(spec, queries)))
 
+    def taken(self, queries: int, usable: tuple[int, ...]) -> int:
+        """The pass (its query count) an entry whose own pass is ``queries`` takes, or 0 (the
+        variant's kernel)."""
+        if queries in usable:
+            return queries
+        return min(usable) if usable and min(usable) == 1 and queries <= self.split_up_to else 0
 
-#: Per lowering (pipeline/targets.py). llvm-cpu's linalg pass: 1 and 2-4 queries (a 16-query
-#: pass measured 3x slower than the entry loop there, docs/serving.md); it materialises every
-#: score, so a pass whose scores outweigh the keys' K/V (many query heads over one latent row:
-#: DeepSeek-V3's MLA with 4 queries) is not used, and its entries run one query at a time in
-#: the 1-query pass. The fused pass (CUDA) puts R = queries x G rows of an entry on 16-row
-#: tensor-core tiles, so 5-16 queries fit too.
-DECODE_PASSES = {"linalg": DecodePasses((1, 4), bucketed=False, scratch_bound=2.0),
+
+#: Per lowering (pipeline/targets.py). llvm-cpu's linalg pass: 1, 2-4 and 5-16 queries (the
+#: 16-query pass against the entry loop: 32 x 16 vs 1024 96-102 against 132 ms, 128 x 16 vs 128
+#: 55-60 against 175, docs/serving.md); it materialises every score, so a pass whose scores
+#: outweigh the keys' K/V (many query heads over one latent row: DeepSeek-V3's MLA with 4
+#: queries) is not used: entries of up to 4 queries then run one query at a time in the 1-query
+#: pass (measured faster for V3 than its 4-query pass), longer ones in the variant's kernel. The
+#: fused pass (CUDA) puts R = queries x G rows of an entry on 16-row tensor-core tiles.
+DECODE_PASSES = {"linalg": DecodePasses((1, 4, 16), bucketed=False, scratch_bound=2.0),
                  "fused": DecodePasses((1, 4, 16), bucketed=True)}
 #: Bucket widths of the fused pass, in KV tiles: 1, 2, 3, 4, 6, 8, 12, ... (powers of two and
 #: 1.5 times them): an entry is padded by less than 1.5x its tiles, and a call of entries up to
@@ -91,7 +101,8 @@ def kv_lengths(spec, args: tuple) -> np.ndarray:
 def pass_queries(spec, args: tuple, passes: DecodePasses = DECODE_PASSES["linalg"]) -> np.ndarray:
     """int [B]: the query count of the pass each entry takes (the smallest of the usable
     ``passes.queries`` that holds its queries; 1 for an entry with more queries that runs one
-    query at a time because its own pass is not usable), or 0 for the variant's own kernel."""
+    query at a time because its own pass is not usable: DecodePasses.taken), or 0 for the
+    variant's own kernel."""
     named = _named(spec, args)
     qo_lens = np.diff(on_host(named["q_indptr"]).astype(np.int64))
     chosen = np.zeros(len(qo_lens), np.int64)
@@ -100,7 +111,7 @@ def pass_queries(spec, args: tuple, passes: DecodePasses = DECODE_PASSES["linalg
         return chosen
     eligible = (kv_lengths(spec, args) >= 1) & (qo_lens >= 1)
     for queries in sorted(passes.queries, reverse=True):
-        chosen[eligible & (qo_lens <= queries)] = queries if queries in usable else min(usable)
+        chosen[eligible & (qo_lens <= queries)] = passes.taken(queries, usable)
     return chosen
 
 

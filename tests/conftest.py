@@ -226,10 +226,10 @@ def _passes(spec, target: Target, entries) -> list[int]:
     usable = DECODE_PASSES[target.lowering].usable(spec)
     if entries is True or not usable:
         return list(usable)
-    queries = DECODE_PASSES[target.lowering].queries
-    taken = {next((count for count in sorted(queries) if qo_len <= count), None) for qo_len, kv_len in entries
-             if qo_len >= 1 and kv_len >= 1}
-    return sorted({count if count in usable else min(usable) for count in taken if count is not None})
+    passes = DECODE_PASSES[target.lowering]
+    own = {next((count for count in sorted(passes.queries) if qo_len <= count), None) for qo_len, kv_len in entries
+           if qo_len >= 1 and kv_len >= 1}
+    return sorted({passes.taken(count, usable) for count in own if count is not None} - {0})
 
 
 def pytest_collection_finish(session):
