@@ -114,8 +114,8 @@ def test_paged_matches_reference(spec, cache):
     _check("paged", wrapper.run(q, pages), spec, call)
 
 
-#: Entries of 1 and 3 queries take the serving passes (RoPE off), the 12-query one the kernel.
-SHORT = [(1, 20), (3, 40), (12, 40)]
+#: Entries of 1 and 3 queries take the serving passes (RoPE off), the 17-query one the kernel.
+SHORT = [(1, 20), (3, 40), (17, 40)]
 
 
 @pytest.mark.compiles(PAGED, passes=SHORT)
