@@ -136,6 +136,17 @@ def padded_torch_bytes(batch: int, new: int, kv_lens: np.ndarray) -> int:
     return 4 * batch * longest * (2 * H_KV * D + 2 * H_Q * new) + batch * new * longest
 
 
+#: Calls shorter than this run in bursts filling it (at most 10 calls): right after torch's call its
+#: worker threads still spin and slow the next call (32 x 1 vs 1024: ours 17 ms alone or in bursts,
+#: 25-31 ms one call at a time after torch's), so each contender is timed after its own calls.
+BURST_SECONDS = 0.2
+
+
+def burst_for(first_call_s: float) -> int:
+    """Calls per burst (``best_times``) for a row whose first call took ``first_call_s``."""
+    return max(1, min(10, round(BURST_SECONDS / max(first_call_s, 1e-6))))
+
+
 def measure_row(wrapper: PagedPrefillWrapper, batch: int, new: int, cached: str, dtype: str, repeat: int,
                 rng: np.random.Generator) -> dict:
     step = serving_step(batch, new, cached_lengths(batch, cached, rng), dtype, rng)
@@ -145,9 +156,10 @@ def measure_row(wrapper: PagedPrefillWrapper, batch: int, new: int, cached: str,
     pages = as_device_arrays(wrapper.kernel.device, [step["pages"]])[0]  # the cache lives on the device
     ours = lambda: wrapper.run(step["q"], pages)  # noqa: E731
     peer = torch_call(step, new, dtype)
+    ours_out = ours()[0]  # the first call may compile a serving pass
     start = time.perf_counter()
-    ours_out = ours()[0]
-    burst = 10 if time.perf_counter() - start < 0.02 else 1  # see best_times: short calls in bursts
+    ours()
+    burst = burst_for(time.perf_counter() - start)
     peer_out = peer().float().numpy().transpose(0, 2, 1, 3).reshape(batch * new, H_Q, D)
     ours_s, peer_s = best_times([ours, peer], repeat, burst)
     kv_bytes = int(step["kv_lens"].sum()) * 2 * H_KV * D * step["pages"].itemsize
