@@ -30,7 +30,7 @@ from linalg_prefill.pipeline import Target, compile_spec  # noqa: E402
 from linalg_prefill.runtime.decode import DECODE_PASSES, decode_calls, kv_lengths, pass_queries  # noqa: E402
 
 GQA = PagedPrefillSpec(32, 8, 128, "float32", page_size=16)
-#: (label, spec, sequences, new tokens, cached tokens per sequence or "mixed")
+GQA_BF16 = PagedPrefillSpec(32, 8, 128, "bfloat16", page_size=16)
 V2_LITE = MlaPagedPrefillSpec(16, 512, 64, "bfloat16", page_size=64)
 V3 = MlaPagedPrefillSpec(128, 512, 64, "bfloat16", page_size=64)
 #: (label, spec, sequences, new tokens, cached tokens per sequence or "mixed"). The MLA steps
@@ -40,6 +40,8 @@ CONFIGS = [
     ("GQA f32 h 32/8 d 128", GQA, 32, 4, 1024),
     ("GQA f32 h 32/8 d 128", GQA, 128, 1, 128),
     ("GQA f32 h 32/8 d 128", GQA, 32, 1, "mixed"),
+    ("GQA f32 h 32/8 d 128", GQA, 32, 16, 1024),
+    ("GQA bf16 h 32/8 d 128", GQA_BF16, 32, 16, 1024),
     ("MLA bf16 h 16, 512+64 (DeepSeek-V2-Lite)", V2_LITE, 64, 1, 1024),
     ("MLA bf16 h 16, 512+64 (DeepSeek-V2-Lite)", V2_LITE, 64, 4, 1024),
     ("MLA bf16 h 128, 512+64 (DeepSeek-V3)", V3, 64, 1, 1024),
