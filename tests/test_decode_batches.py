@@ -5,7 +5,7 @@ pass CUDA runs (mlir/fused_decode.py, checked here on llvm-cpu and on CUDA when 
 Layer (a): the decode modules have no loop, so their dispatches do not grow with the batch (the
 CUDA artifacts' structure: tests/test_cuda_compile.py). Layer (b): the passes against the float64
 reference for every KV-cache variant, in batches that mix decode entries (KV shorter and longer
-than one 256-column chunk) with prefill entries; an entry's result bitwise the same alone, among
+than one 128-column chunk) with prefill entries; an entry's result bitwise the same alone, among
 decode entries and in a mixed batch; which entries take the pass; NaN in a cache's unused rows.
 """
 
