@@ -158,7 +158,65 @@ class DecodeSpec:
         return self.blocks_per_chunk * self.block
 
     def fields(self) -> dict:
-        return {"base": self.base.name, "queries": self.queries}
+        """Plain values :meth:`from_fields` rebuilds the pass from (an artifact manifest's)."""
+        return {"base_type": type(self.base).__name__, "base": self.base.fields(), "queries": self.queries}
+
+    @classmethod
+    def from_fields(cls, fields: dict) -> "DecodeSpec":
+        base_types = {t.__name__: t for t in (RaggedPrefillSpec, PagedPrefillSpec, MlaPagedPrefillSpec)}
+        if fields.get("base_type") not in base_types:
+            raise ValueError(f"not a KV-cache spec type: {fields.get('base_type')!r}")
+        return cls(base_types[fields["base_type"]](**fields["base"]), fields["queries"])
+
+
+@dataclass(frozen=True)
+class DecodePasses:
+    """The one-pass kernels a lowering has: ``queries``, the query counts of its passes (each
+    its own artifact; an entry takes the smallest that holds its queries, padded to it), whether
+    a call's entries are grouped by KV length (``bucketed``: the fused pass pads every entry to
+    the call's longest, the linalg pass reads the page table in place), and ``scratch_bound``,
+    the most scratch per key a pass may take in K/V bytes per key (``None``: no bound, its
+    scores stay in tiles). An entry whose own pass is not usable runs one query at a time in the
+    1-query pass when it has at most ``split_up_to`` queries, else in the variant's kernel."""
+
+    queries: tuple[int, ...]
+    bucketed: bool
+    scratch_bound: float | None = None
+    split_up_to: int = 4
+
+    def usable(self, spec) -> tuple[int, ...]:
+        """The query counts of the passes that keep ``spec``'s scratch within the bound."""
+        def within(pass_spec: DecodeSpec) -> bool:
+            return pass_spec.scratch_per_key <= self.scratch_bound * pass_spec.kv_bytes_per_key
+
+        return tuple(queries for queries in self.queries
+                     if self.scratch_bound is None or within(DecodeSpec(spec, queries)))
+
+    def taken(self, queries: int, usable: tuple[int, ...]) -> int:
+        """The pass (its query count) an entry whose own pass is ``queries`` takes, or 0 (the
+        variant's kernel)."""
+        if queries in usable:
+            return queries
+        return min(usable) if usable and min(usable) == 1 and queries <= self.split_up_to else 0
+
+
+#: Per lowering (pipeline/targets.py; runtime/decode.py plans the calls). llvm-cpu's linalg pass: 1, 2-4 and 5-16 queries (the
+#: 16-query pass against the entry loop: 32 x 16 vs 1024 96-102 against 132 ms, 128 x 16 vs 128
+#: 55-60 against 175, docs/serving.md); it materialises every score, so a pass whose scores
+#: outweigh the keys' K/V (many query heads over one latent row: DeepSeek-V3's MLA with 4
+#: queries) is not used: entries of up to 4 queries then run one query at a time in the 1-query
+#: pass (measured faster for V3 than its 4-query pass), longer ones in the variant's kernel. The
+#: fused pass (CUDA) puts R = queries x G rows of an entry on 16-row tensor-core tiles.
+DECODE_PASSES = {"linalg": DecodePasses((1, 4, 16), bucketed=False, scratch_bound=2.0),
+                 "fused": DecodePasses((1, 4, 16), bucketed=True)}
+
+def serving_passes(spec, lowering: str) -> list[DecodeSpec]:
+    """The passes a KV-cache kernel of ``spec`` hands its short entries to on ``lowering`` (the
+    usable ones, runtime/decode.py); none for a dense variant, a pass, or a mask rule that does
+    not run in one pass (a custom mask)."""
+    if isinstance(spec, DecodeSpec) or spec.kv_layout == "dense" or not mask_rule(spec).one_pass:
+        return []
+    return [DecodeSpec(spec, queries) for queries in DECODE_PASSES[lowering].usable(spec)]
 
 
 def _width(vector: int, size: int) -> int:

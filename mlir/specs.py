@@ -109,6 +109,11 @@ class _SpecBase:
         """G = h_q // h_kv query heads per KV head (h_q for MLA, whose h_kv is 1)."""
         return self.h_q // self.h_kv
 
+    @classmethod
+    def from_fields(cls, fields: dict):
+        """The spec :meth:`fields` came from (an artifact manifest's)."""
+        return cls(**fields)
+
     def fields(self) -> dict:
         """The spec's fields as plain values (``rope_scaling`` back as a dict)."""
         fields = dataclasses.asdict(self)

@@ -5,7 +5,9 @@
     output, lse = kernel(*args)
 
 A spec the folder lacks is compiled into the artifact cache (as :func:`open_kernel` does), or,
-with ``aot_only=True``, raises :class:`ArtifactError` saying how to build it.
+with ``aot_only=True``, raises :class:`ArtifactError` saying how to build it. A KV-cache kernel
+takes its serving passes (mlir/decode.py) from the folder too (``build_artifacts`` builds them);
+with ``aot_only=True`` and a pass missing, it runs every entry itself.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import threading
 from pathlib import Path
 
 from ..mlir import specs as spec_types
+from ..mlir.decode import DecodeSpec, serving_passes
 from ..pipeline import ArtifactCache, Target, target_for
 from ..pipeline.artifacts import ArtifactError, load_manifest, verify_artifact
 from .kernels import Kernel, open_kernel
@@ -24,10 +27,10 @@ __all__ = ["ArtifactSet", "open_artifacts", "spec_from_entry"]
 
 def spec_from_entry(entry: dict):
     """The spec a manifest entry was built from (``spec_type`` and ``spec`` fields)."""
-    spec_type = getattr(spec_types, entry["spec_type"], None)
+    spec_type = DecodeSpec if entry["spec_type"] == DecodeSpec.__name__ else getattr(spec_types, entry["spec_type"], None)
     if not isinstance(spec_type, type):
         raise ArtifactError(f"{entry['variant']}: unknown spec type {entry['spec_type']!r}")
-    return spec_type(**entry["spec"])
+    return spec_type.from_fields(entry["spec"])
 
 
 class ArtifactSet:
@@ -48,8 +51,9 @@ class ArtifactSet:
         self._lock = threading.Lock()
 
     def specs(self) -> list:
-        """The specs this folder has artifacts for on this backend, in manifest order."""
-        return [spec_from_entry(entry) for entry in self.entries.values()]
+        """The variant specs this folder has artifacts for on this backend, in manifest order
+        (their serving passes' artifacts are not listed)."""
+        return [spec for spec in map(spec_from_entry, self.entries.values()) if not isinstance(spec, DecodeSpec)]
 
     def kernel(self, spec) -> Kernel:
         """The loaded kernel for ``spec``: the folder's artifact, else compiled (JIT) unless aot_only."""
@@ -64,7 +68,10 @@ class ArtifactSet:
         if entry is not None:
             vmfb = verify_artifact(entry, self.root).read_bytes()
             target = _entry_target(entry)
-            return Kernel(spec, target, LoadedKernel(vmfb, spec.symbol, target.driver))
+            passes = serving_passes(spec, target.lowering)
+            with_passes = not self.aot_only or all(p.name in self.entries for p in passes)
+            return Kernel(spec, target, LoadedKernel(vmfb, spec.symbol, target.driver), cache=self._cache,
+                          decode_pass=with_passes, pass_loader=self._pass_kernel)
         if self.aot_only:
             backend = target_for(self.backend).backend
             raise ArtifactError(
@@ -73,6 +80,13 @@ class ArtifactSet:
                 f"that needs this variant) or pipeline.artifacts.build_artifacts([spec], [{backend!r}], "
                 f"{str(self.root)!r}), or open the folder with aot_only=False to compile it on first use")
         return open_kernel(spec, self.backend, cache=self._cache)
+
+    def _pass_kernel(self, pass_spec: DecodeSpec, target: Target) -> LoadedKernel | None:
+        """The folder's artifact of a serving pass, or None (the kernel then compiles it)."""
+        entry = self.entries.get(pass_spec.name)
+        if entry is None:
+            return None
+        return LoadedKernel(verify_artifact(entry, self.root).read_bytes(), pass_spec.symbol, target.driver)
 
     def __repr__(self) -> str:
         return f"ArtifactSet({self.root}, {target_for(self.backend).tag}, {len(self.entries)} artifacts)"

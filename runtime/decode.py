@@ -26,51 +26,11 @@ import numpy as np
 
 from ..mlir.abi import argument_names, arguments, kv_sources
 from ..mlir.attention_op import TILE
-from ..mlir.decode import DecodeSpec
+from ..mlir.decode import DECODE_PASSES, DecodePasses, DecodeSpec
 from .checks import on_host
 from .kv_layouts import host_layout
 
 
-@dataclass(frozen=True)
-class DecodePasses:
-    """The one-pass kernels a lowering has: ``queries``, the query counts of its passes (each
-    its own artifact; an entry takes the smallest that holds its queries, padded to it), whether
-    a call's entries are grouped by KV length (``bucketed``: the fused pass pads every entry to
-    the call's longest, the linalg pass reads the page table in place), and ``scratch_bound``,
-    the most scratch per key a pass may take in K/V bytes per key (``None``: no bound, its
-    scores stay in tiles). An entry whose own pass is not usable runs one query at a time in the
-    1-query pass when it has at most ``split_up_to`` queries, else in the variant's kernel."""
-
-    queries: tuple[int, ...]
-    bucketed: bool
-    scratch_bound: float | None = None
-    split_up_to: int = 4
-
-    def usable(self, spec) -> tuple[int, ...]:
-        """The query counts of the passes that keep ``spec``'s scratch within the bound."""
-        def within(pass_spec: DecodeSpec) -> bool:
-            return pass_spec.scratch_per_key <= self.scratch_bound * pass_spec.kv_bytes_per_key
-
-        return tuple(queries for queries in self.queries
-                     if self.scratch_bound is None or within(DecodeSpec(spec, queries)))
-
-    def taken(self, queries: int, usable: tuple[int, ...]) -> int:
-        """The pass (its query count) an entry whose own pass is ``queries`` takes, or 0 (the
-        variant's kernel)."""
-        if queries in usable:
-            return queries
-        return min(usable) if usable and min(usable) == 1 and queries <= self.split_up_to else 0
-
-
-#: Per lowering (pipeline/targets.py). llvm-cpu's linalg pass: 1, 2-4 and 5-16 queries (the
-#: 16-query pass against the entry loop: 32 x 16 vs 1024 96-102 against 132 ms, 128 x 16 vs 128
-#: 55-60 against 175, docs/serving.md); it materialises every score, so a pass whose scores
-#: outweigh the keys' K/V (many query heads over one latent row: DeepSeek-V3's MLA with 4
-#: queries) is not used: entries of up to 4 queries then run one query at a time in the 1-query
-#: pass (measured faster for V3 than its 4-query pass), longer ones in the variant's kernel. The
-#: fused pass (CUDA) puts R = queries x G rows of an entry on 16-row tensor-core tiles.
-DECODE_PASSES = {"linalg": DecodePasses((1, 4, 16), bucketed=False, scratch_bound=2.0),
-                 "fused": DecodePasses((1, 4, 16), bucketed=True)}
 #: Bucket widths of the fused pass, in KV tiles: 1, 2, 3, 4, 6, 8, 12, ... (powers of two and
 #: 1.5 times them): an entry is padded by less than 1.5x its tiles, and a call of entries up to
 #: L keys takes at most 2 log2(L / TILE) + 1 calls, whatever the batch size.

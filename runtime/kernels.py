@@ -35,7 +35,7 @@ class Kernel:
     """
 
     def __init__(self, spec, target: Target, loaded: LoadedKernel, *, cache: ArtifactCache | None = None,
-                 decode_pass: bool = False):
+                 decode_pass: bool = False, pass_loader=None):
         self.spec = spec
         self.target = target
         self._loaded = loaded
@@ -47,6 +47,9 @@ class Kernel:
         self._decode_passes = DECODE_PASSES[target.lowering]
         self._cache = cache
         self._decode_kernels: dict[int, LoadedKernel] = {}
+        # ``pass_loader(pass_spec, target)``: a pass's LoadedKernel from elsewhere (an artifact
+        # folder), or None to compile it through ``cache``.
+        self._pass_loader = pass_loader
         self._schedule: tuple = (None, None)  # (plan, its DecodeSchedule) of the last planned call
 
     @property
@@ -93,8 +96,11 @@ class Kernel:
         """The one-pass kernel for entries of up to ``queries`` queries (runtime/decode.py)."""
         if queries not in self._decode_kernels:
             pass_spec = DecodeSpec(self.spec, queries)
-            vmfb = compile_spec(pass_spec, self.target, cache=self._cache)
-            self._decode_kernels[queries] = LoadedKernel(vmfb, pass_spec.symbol, self._loaded.driver)
+            loaded = self._pass_loader(pass_spec, self.target) if self._pass_loader is not None else None
+            if loaded is None:
+                vmfb = compile_spec(pass_spec, self.target, cache=self._cache)
+                loaded = LoadedKernel(vmfb, pass_spec.symbol, self._loaded.driver)
+            self._decode_kernels[queries] = loaded
         return self._decode_kernels[queries](*args, to_host=True)
 
     def _run_rest(self, *args):

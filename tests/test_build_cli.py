@@ -22,7 +22,9 @@ from linalg_prefill.pipeline.artifacts import (
 )
 from linalg_prefill.bench import attention_flops
 from linalg_prefill.cli import main
+from linalg_prefill.mlir.decode import serving_passes
 from linalg_prefill.pipeline.model_config import load_model_config, specs_for_model
+from linalg_prefill.runtime.artifact_set import spec_from_entry
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 TINY = CONFIGS / "tiny.toml"
@@ -114,13 +116,15 @@ def test_bad_config_names_the_key(tmp_path, name, change, key):
 
 
 TINY_SPECS = specs_for_model(load_model_config(TINY))
+#: The serving passes a build adds for the tiny KV-cache variants (mlir/decode.py).
+TINY_PASSES = [pass_spec for spec in TINY_SPECS for pass_spec in serving_passes(spec, "linalg")]
 #: The CUDA build: a spec tests/test_cuda_compile.py compiles too (the session's pre-build).
 CUDA_SPEC = SequencePrefillSpec(4, 4, 64, "float16", causal=False, sm_scale=0.125)
 
 #: The module's builds share a cache of its own (one xdist worker runs them all), seeded from the
 #: session's pre-built cache with all but the first tiny spec, so the first build compiles one and
 #: reuses the others.
-pytestmark = [pytest.mark.xdist_group("build_cli"), pytest.mark.compiles(*TINY_SPECS),
+pytestmark = [pytest.mark.xdist_group("build_cli"), pytest.mark.compiles(*TINY_SPECS, *TINY_PASSES),
               pytest.mark.compiles(CUDA_SPEC, backends=("cuda",))]
 
 
@@ -137,7 +141,7 @@ def build_cache(tmp_path_factory, cache) -> ArtifactCache:
     """A cache of this module's own holding the pre-built artifacts of every tiny spec but the
     first (so the first build really compiles one) and of ``CUDA_SPEC``."""
     own = ArtifactCache(tmp_path_factory.mktemp("build-cache"))
-    _seed(own, cache, TINY_SPECS[1:], Target("llvm-cpu"))
+    _seed(own, cache, [*TINY_SPECS[1:], *TINY_PASSES], Target("llvm-cpu"))
     _seed(own, cache, [CUDA_SPEC], Target("cuda"))
     return own
 
@@ -157,14 +161,17 @@ def tiny_build(tmp_path_factory, build_cache):
 
 def test_build_writes_verified_manifest(tiny_build, cache):
     specs, out, first, _, _ = tiny_build
-    seeded = sum(any(cache.root.glob(f"{COMPILER_VERSION}/llvm-cpu-host/{spec.name}-*")) for spec in specs[1:])
-    assert (first.compiled, first.reused) == (len(specs) - seeded, seeded)  # seeded: pre-built (all but one)
+    built = [*specs, *TINY_PASSES]  # the variants, then each KV-cache variant's serving passes
+    seeded = sum(any(cache.root.glob(f"{COMPILER_VERSION}/llvm-cpu-host/{spec.name}-*")) for spec in built[1:])
+    assert (first.compiled, first.reused) == (len(built) - seeded, seeded)  # seeded: pre-built (all but one)
     manifest = load_manifest(out)
     assert manifest["format"] == 1 and manifest["compiler_version"] == COMPILER_VERSION
     assert manifest["model"] == "tiny" and manifest["model_config"]["head_dim"] == 64
     entries = manifest["artifacts"]
-    assert [e["variant"] for e in entries] == [s.name for s in specs]
-    for spec, entry in zip(specs, entries):
+    assert [e["variant"] for e in entries] == [s.name for s in built]
+    assert [e.get("pass_of") for e in entries] == [None] * len(specs) + [p.base.name for p in TINY_PASSES]
+    assert TINY_PASSES and all(spec_from_entry(e) == spec for spec, e in zip(built, entries))
+    for spec, entry in zip(built, entries):
         assert entry["symbol"] == spec.symbol and entry["spec_type"] == type(spec).__name__
         assert entry["spec"] == spec.fields()
         assert (entry["backend"], entry["target"]) == ("llvm-cpu", "llvm-cpu-host")
@@ -176,9 +183,9 @@ def test_build_writes_verified_manifest(tiny_build, cache):
 
 def test_second_build_compiles_nothing(tiny_build):
     specs, out, first, second, progress = tiny_build
-    assert (second.compiled, second.reused) == (0, len(specs))
+    assert (second.compiled, second.reused) == (0, len(specs) + len(TINY_PASSES))
     assert "0 compiled" in second.summary()
-    assert progress.count("cached") == len(specs) and "compiled" not in progress
+    assert progress.count("cached") == len(specs) + len(TINY_PASSES) and "compiled" not in progress
     assert second.entries == first.entries
 
 
@@ -268,11 +275,12 @@ def test_cli_build_list_show_config(tiny_build, build_cache, tmp_path, monkeypat
     out = tmp_path / "out"
     assert main(["build", "--model", str(TINY), "--backends", "llvm-cpu", "--out", str(out), "--jobs", "2"]) == 0
     captured = capsys.readouterr()
-    assert "5 artifacts: 0 compiled, 5 reused" in captured.out
-    assert captured.err.count("cached") == 5
+    artifacts = len(TINY_SPECS) + len(TINY_PASSES)
+    assert f"{artifacts} artifacts: 0 compiled, {artifacts} reused" in captured.out
+    assert captured.err.count("cached") == artifacts
     assert main(["list", str(out)]) == 0
     listing = capsys.readouterr().out
-    assert listing.count(" ok") == 5 and "BAD" not in listing
+    assert listing.count(" ok") == artifacts and "BAD" not in listing
     assert main(["show-config"]) == 0
     shown = capsys.readouterr().out
     assert f"IREE compiler     {COMPILER_VERSION}" in shown
@@ -431,8 +439,36 @@ def test_build_variants_builds_only_those_and_names_the_known_ones(tmp_path, mon
     out = tmp_path / "paged"
     argv = ["build", "--model", str(TINY), "--backends", "llvm-cpu", "--out", str(out)]
     assert main([*argv, "--variants", paged.symbol]) == 0
-    assert [entry["variant"] for entry in load_manifest(out)["artifacts"]] == [paged.name]
+    assert [entry["variant"] for entry in load_manifest(out)["artifacts"]] == \
+        [paged.name, *(p.name for p in serving_passes(paged, "linalg"))]
     capsys.readouterr()
     assert main([*argv, "--variants", "batch_prefill_paged_kv,batch_decode"]) == 2
     err = capsys.readouterr().err
     assert "--variants: batch_decode not among tiny's variants (batch_prefill_ragged_kv, batch_prefill_paged_kv," in err
+
+
+def test_an_aot_kernel_takes_its_serving_passes_from_the_folder(tiny_build, tmp_path, monkeypatch):
+    """A KV-cache kernel from a build folder runs its short entries in the folder's serving
+    passes, compiling nothing; from a folder without them (aot_only), every entry runs in the
+    kernel itself. Both match the reference."""
+    import linalg_prefill.runtime.kernels as kernels
+    from conftest import assert_matches_reference
+    from linalg_prefill.runtime import open_artifacts
+    from linalg_prefill.runtime.examples import example_inputs
+
+    _, out, *_ = tiny_build
+    paged = TINY_SPECS[1]
+    monkeypatch.setattr(kernels, "compile_spec", lambda *args, **kwargs: pytest.fail("compiled a serving pass"))
+    args = example_inputs(paged, np.random.default_rng(3), [(1, 40), (3, 17), (9, 30), (20, 50)], rotary_mode=0)
+    without = tmp_path / "without-passes"
+    shutil.copytree(out, without)
+    manifest = load_manifest(without)
+    manifest["artifacts"] = [entry for entry in manifest["artifacts"] if "pass_of" not in entry]
+    (without / "manifest.json").write_text(json.dumps(manifest))
+    for folder, want in ((out, [p.queries for p in serving_passes(paged, "linalg")]), (without, [])):
+        kernel = open_artifacts(folder, "llvm-cpu", aot_only=True).kernel(paged)
+        ran = []
+        run_decode = kernel._run_decode
+        monkeypatch.setattr(kernel, "_run_decode", lambda queries, *call: ran.append(queries) or run_decode(queries, *call))
+        assert_matches_reference(f"{folder.name}", kernel(*args), paged, args)
+        assert sorted(set(ran)) == want
