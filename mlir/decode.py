@@ -28,7 +28,7 @@ entries of the call (tests/test_decode_batches.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Union
+from typing import Callable, Union, get_args
 
 from .ir import (
     DYN, affine_map, arith_d, collapse, const_f32, const_index, dim, element_type, empty, expand, f32, fill, func_d,
@@ -163,7 +163,7 @@ class DecodeSpec:
 
     @classmethod
     def from_fields(cls, fields: dict) -> "DecodeSpec":
-        base_types = {t.__name__: t for t in (RaggedPrefillSpec, PagedPrefillSpec, MlaPagedPrefillSpec)}
+        base_types = {t.__name__: t for t in get_args(KvCacheSpec)}
         if fields.get("base_type") not in base_types:
             raise ValueError(f"not a KV-cache spec type: {fields.get('base_type')!r}")
         return cls(base_types[fields["base_type"]](**fields["base"]), fields["queries"])
@@ -200,15 +200,17 @@ class DecodePasses:
         return min(usable) if usable and min(usable) == 1 and queries <= self.split_up_to else 0
 
 
-#: Per lowering (pipeline/targets.py; runtime/decode.py plans the calls). llvm-cpu's linalg pass: 1, 2-4 and 5-16 queries (the
-#: 16-query pass against the entry loop: 32 x 16 vs 1024 96-102 against 132 ms, 128 x 16 vs 128
-#: 55-60 against 175, docs/serving.md); it materialises every score, so a pass whose scores
-#: outweigh the keys' K/V (many query heads over one latent row: DeepSeek-V3's MLA with 4
-#: queries) is not used: entries of up to 4 queries then run one query at a time in the 1-query
-#: pass (measured faster for V3 than its 4-query pass), longer ones in the variant's kernel. The
-#: fused pass (CUDA) puts R = queries x G rows of an entry on 16-row tensor-core tiles.
+#: Per lowering (pipeline/targets.py; runtime/decode.py plans the calls). llvm-cpu's linalg
+#: pass: 1, 2-4 and 5-16 queries (the 16-query pass against the entry loop: 32 x 16 vs 1024
+#: 96-102 against 132 ms, 128 x 16 vs 128 55-60 against 175, docs/serving.md); it materialises
+#: every score, so a pass whose scores outweigh the keys' K/V (many query heads over one latent
+#: row: DeepSeek-V3's MLA with 4 queries) is not used: entries of up to 4 queries then run one
+#: query at a time in the 1-query pass (measured faster for V3 than its 4-query pass), longer
+#: ones in the variant's kernel. The fused pass (CUDA) puts R = queries x G rows of an entry on
+#: 16-row tensor-core tiles.
 DECODE_PASSES = {"linalg": DecodePasses((1, 4, 16), bucketed=False, scratch_bound=2.0),
                  "fused": DecodePasses((1, 4, 16), bucketed=True)}
+
 
 def serving_passes(spec, lowering: str) -> list[DecodeSpec]:
     """The passes a KV-cache kernel of ``spec`` hands its short entries to on ``lowering`` (the

@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from ..mlir import specs as spec_types
+from ..mlir import SPEC_TYPES
 from ..mlir.decode import DecodeSpec, serving_passes
 from ..pipeline import ArtifactCache, Target, target_for
 from ..pipeline.artifacts import ArtifactError, load_manifest, verify_artifact
@@ -25,10 +25,14 @@ from .module import LoadedKernel
 __all__ = ["ArtifactSet", "open_artifacts", "spec_from_entry"]
 
 
+#: What a manifest entry may hold: a variant or a variant's serving pass (build_artifacts).
+_ENTRY_SPEC_TYPES = {spec_type.__name__: spec_type for spec_type in (*SPEC_TYPES, DecodeSpec)}
+
+
 def spec_from_entry(entry: dict):
     """The spec a manifest entry was built from (``spec_type`` and ``spec`` fields)."""
-    spec_type = DecodeSpec if entry["spec_type"] == DecodeSpec.__name__ else getattr(spec_types, entry["spec_type"], None)
-    if not isinstance(spec_type, type):
+    spec_type = _ENTRY_SPEC_TYPES.get(entry["spec_type"])
+    if spec_type is None:
         raise ArtifactError(f"{entry['variant']}: unknown spec type {entry['spec_type']!r}")
     return spec_type.from_fields(entry["spec"])
 
