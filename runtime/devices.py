@@ -3,7 +3,10 @@ pipeline/targets.py: BACKENDS)."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import functools
+import os
 
 import iree.runtime as rt
 
@@ -19,6 +22,16 @@ DEFAULT_CPU_DRIVER = "local-task"
 #: unbounded form keeps every size a process ever allocated, which varying shapes would grow.
 CPU_ALLOCATORS = ["caching:device_local=*;512mib;64"]
 
+#: Host blocks up to this size come from the C heap instead of fresh mmap'ed pages, and freed
+#: ones stay in it up to this size (glibc's M_MMAP_THRESHOLD, 32 MiB at most by default, and
+#: M_TRIM_THRESHOLD). IREE 3.13's local-task device takes a call's transients (a serving pass's
+#: scores) past the caching allocator, straight from malloc: every call mapped them (or grew the
+#: heap) anew and faulted each page in on first touch (the 32 x 16 vs 1024 f32 pass 100 -> 64 ms,
+#: docs/performance.md). Process-wide, set when the first CPU device is created;
+#: LINALG_PREFILL_KEEP_HOST_MEMORY=0 leaves malloc as it is.
+HOST_MEMORY_KEPT = 1 << 30
+_MALLOPT = {"M_TRIM_THRESHOLD": -1, "M_MMAP_THRESHOLD": -3}  # glibc's parameter numbers
+
 
 @functools.cache
 def get_device(driver: str) -> rt.HalDevice:
@@ -26,10 +39,23 @@ def get_device(driver: str) -> rt.HalDevice:
     try:
         with root_logger_left_alone():
             if driver.startswith("local-"):
+                keep_host_memory()
                 return rt.get_driver(driver).create_default_device(allocators=CPU_ALLOCATORS)
             return rt.get_device(driver)
     except (RuntimeError, ValueError) as err:
         raise RuntimeError(f"cannot create IREE device {driver!r}: {err}") from None
+
+
+def keep_host_memory() -> bool:
+    """Raise glibc's mmap and trim thresholds to HOST_MEMORY_KEPT (see there); False where that
+    is switched off or the C library has no ``mallopt`` (not glibc)."""
+    if os.environ.get("LINALG_PREFILL_KEEP_HOST_MEMORY", "1") == "0":
+        return False
+    try:
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    return all(mallopt(parameter, HOST_MEMORY_KEPT) == 1 for parameter in _MALLOPT.values())
 
 
 def device_available(driver: str) -> bool:
