@@ -177,12 +177,15 @@ class DecodePasses:
     the call's longest, the linalg pass reads the page table in place), and ``scratch_bound``,
     the most scratch per key a pass may take in K/V bytes per key (``None``: no bound, its
     scores stay in tiles). An entry whose own pass is not usable runs one query at a time in the
-    1-query pass when it has at most ``split_up_to`` queries, else in the variant's kernel."""
+    1-query pass when it has at most ``split_up_to`` queries, else in the variant's kernel.
+    ``call_scratch``: the most scratch bytes one call of a pass takes; a pass's entries, in
+    order of KV length, are cut into calls within it (None: one call)."""
 
     queries: tuple[int, ...]
     bucketed: bool
     scratch_bound: float | None = None
     split_up_to: int = 4
+    call_scratch: int | None = None
 
     def usable(self, spec) -> tuple[int, ...]:
         """The query counts of the passes that keep ``spec``'s scratch within the bound."""
@@ -207,8 +210,11 @@ class DecodePasses:
 #: row: DeepSeek-V3's MLA with 4 queries) is not used: entries of up to 4 queries then run one
 #: query at a time in the 1-query pass (measured faster for V3 than its 4-query pass), longer
 #: ones in the variant's kernel. The fused pass (CUDA) puts R = queries x G rows of an entry on
-#: 16-row tensor-core tiles.
-DECODE_PASSES = {"linalg": DecodePasses((1, 4, 16), bucketed=False, scratch_bound=2.0),
+#: 16-row tensor-core tiles. A linalg pass call takes at most 256 MiB of scratch, which the host
+#: allocator then keeps from call to call (runtime/devices.py: HOST_MEMORY_KEPT), and its entries
+#: have similar KV lengths (a call pads each to its longest): 128 x 16 vs 4096 cached 1444 -> ? ms,
+#: vs mixed lengths 1777 -> ? ms (docs/serving.md).
+DECODE_PASSES = {"linalg": DecodePasses((1, 4, 16), bucketed=False, scratch_bound=2.0, call_scratch=256 << 20),
                  "fused": DecodePasses((1, 4, 16), bucketed=True)}
 
 

@@ -193,7 +193,7 @@ def _pass_calls(spec, args: tuple, passes: np.ndarray, decode_passes: DecodePass
     for queries in decode_passes.queries:
         pass_spec = DecodeSpec(spec, queries)
         multiple = max(1, TILE // pass_spec.block) if decode_passes.bucketed else pass_spec.blocks_per_chunk
-        for entries in _calls_of(np.flatnonzero(passes == queries), kv_lens, decode_passes.bucketed):
+        for entries in _calls_of(pass_spec, np.flatnonzero(passes == queries), kv_lens, decode_passes):
             if queries > 1:
                 token = np.arange(queries)
                 rows = q_indptr[entries][:, None] + token  # [n, queries]: the entries' query rows
@@ -247,15 +247,28 @@ def split_decode(spec, args: tuple, schedule: DecodeSchedule, run_decode: Callab
     return (output, lse) if to_host else device_results([output, lse])
 
 
-def _calls_of(entries: np.ndarray, kv_lens: np.ndarray, bucketed: bool) -> list[np.ndarray]:
-    """The entries of each call of a pass: all of them, or one call per KV-length bucket
-    (:func:`bucket_tiles`); none when ``entries`` is empty."""
+def _calls_of(pass_spec: DecodeSpec, entries: np.ndarray, kv_lens: np.ndarray, passes: DecodePasses
+              ) -> list[np.ndarray]:
+    """The entries of each call of a pass: one call per KV-length bucket (:func:`bucket_tiles`)
+    when ``passes.bucketed``; else in order of KV length, cut so that each call's scratch (its
+    entries padded to its longest) stays within ``passes.call_scratch``; none when ``entries``
+    is empty."""
     if not len(entries):
         return []
-    if not bucketed:
+    if passes.bucketed:
+        buckets = bucket_tiles(-(-kv_lens[entries] // TILE))
+        return [entries[buckets == width] for width in np.unique(buckets)]
+    if passes.call_scratch is None:
         return [entries]
-    buckets = bucket_tiles(-(-kv_lens[entries] // TILE))
-    return [entries[buckets == width] for width in np.unique(buckets)]
+    ordered = entries[np.argsort(kv_lens[entries], kind="stable")]
+    columns = -(-kv_lens[ordered] // pass_spec.chunk) * pass_spec.chunk  # ascending
+    # rows of ordered[start:i + 1] padded to ordered[i]'s columns, in bytes
+    calls, start = [], 0
+    for i in range(len(ordered)):
+        if i > start and (i + 1 - start) * columns[i] * pass_spec.scratch_per_key > passes.call_scratch:
+            calls.append(ordered[start:i])
+            start = i
+    return calls + [ordered[start:]]
 
 
 def _rest_call(spec, args: tuple, rest_index: dict, q_rest: np.ndarray, rest_rows: np.ndarray) -> list:

@@ -11,6 +11,8 @@ decode entries and in a mixed batch; which entries take the pass; NaN in a cache
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -166,6 +168,22 @@ def test_pass_entry_is_bitwise_the_same_alone_among_short_entries_and_in_a_mixed
     for name in ("short", "mixed"):
         np.testing.assert_array_equal(results[name][0], results["alone"][0], err_msg=name)
         np.testing.assert_array_equal(results[name][1], results["alone"][1], err_msg=name)
+
+
+def test_pass_entries_cut_into_calls_by_scratch_give_the_same_rows(cache, monkeypatch):
+    """A linalg pass's entries in calls of their own (``call_scratch`` of one byte): one call
+    per pass entry (MIXED: five 1-query, three 2-4 query entries and (5, 20)), each row bitwise
+    what the single calls give."""
+    spec = PagedPrefillSpec(8, 2, 64, "float32", page_size=16)
+    kernel = open_kernel(spec, "llvm-cpu", cache=cache)
+    args = _call(spec, np.random.default_rng(3), MIXED)
+    whole = kernel(*args)
+    monkeypatch.setattr(kernel, "_decode_passes", dataclasses.replace(kernel._decode_passes, call_scratch=1))
+    calls = _CountingPasses(kernel, monkeypatch)
+    cut = kernel(*args)
+    assert (calls.decode, calls.rest) == (9, 1)
+    np.testing.assert_array_equal(cut[0], whole[0])
+    np.testing.assert_array_equal(cut[1], whole[1])
 
 
 def _op_names(module) -> list[str]:
