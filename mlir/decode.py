@@ -212,8 +212,8 @@ class DecodePasses:
 #: ones in the variant's kernel. The fused pass (CUDA) puts R = queries x G rows of an entry on
 #: 16-row tensor-core tiles. A linalg pass call takes at most 256 MiB of scratch, which the host
 #: allocator then keeps from call to call (runtime/devices.py: HOST_MEMORY_KEPT), and its entries
-#: have similar KV lengths (a call pads each to its longest): 128 x 16 vs 4096 cached 1444 -> ? ms,
-#: vs mixed lengths 1777 -> ? ms (docs/serving.md).
+#: have similar KV lengths (a call pads each to its longest): 128 x 16 vs 4096 cached 1444 -> 895-911
+#: ms, vs mixed lengths 1777 -> 513 ms (docs/serving.md).
 DECODE_PASSES = {"linalg": DecodePasses((1, 4, 16), bucketed=False, scratch_bound=2.0, call_scratch=256 << 20),
                  "fused": DecodePasses((1, 4, 16), bucketed=True)}
 
