@@ -219,6 +219,7 @@ def _torch_serving_seconds(torch, dtype, group: int, args, repeat: int, device: 
     q, pages, table, geometry = args[0], args[1], args[2], args[3]
     n, h_kv, rows, d = q.shape
     queries = rows // group
+    table = table.reshape(n, -1)  # [n, c, P] chunks of blocks
     width = table.shape[1] * pages.shape[3]
     kv = [pages[np.maximum(table, 0), i].transpose(0, 2, 1, 3, 4).reshape(n, h_kv, width, d) for i in (0, 1)]
     k, v = (torch.tensor(x.astype("float32")).to(device, dtype) for x in kv)

@@ -7,11 +7,12 @@ lowering). Shapes (n entries, h = h_kv, G the GQA group, R = queries x G rows pe
 t * G + g holding token t and head g, C = chunk columns, W = table width, a multiple of C / block):
 
     q         [n, h, R, d_qk]          the entries' query rows, zero past an entry's queries
-    table     [n, W] i32               per KV block of ``block`` logical rows: a page id (paged,
-                                       MLA) or the block's first row in k/v (ragged)
+    table     [n, c, P] i32            per KV block of ``block`` logical rows: a page id (paged,
+                                       MLA) or the block's first row in k/v (ragged); c chunks
+                                       of P blocks (C = P x block columns), P chosen per call
     geometry  [n, 4] i32               kv_len, sink tokens, window_offset (semantics §2; 0, 0 without
                                        sliding window), qo_len
-    scores    [n, W*block/C, h, C/block, block, R] f32   one pass per chunk of C columns
+    scores    [n, c, h, P, block, R] f32   one pass per chunk of C columns
     output    [n, h, R, d_v] (dtype), lse [n, h, R] f32 (base 2); rows past qo_len are padding
 
 Every chunk is reduced on its own (max, sum, probs x values), then the chunks merge by their
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 from typing import Callable, Union, get_args
 
 from .ir import (
-    DYN, affine_map, arith_d, collapse, const_f32, const_index, dim, element_type, empty, expand, f32, fill, func_d,
+    DYN, affine_map, arith_d, collapse, const_f32, const_index, dim, element_type, empty, f32, fill, func_d,
     generic, i32, index, ir, linalg_d, lt, math_d, module_context, own_dispatch, sizes_of, tensor_d, tensor_type, widened,
 )
 from .abi import ARGUMENTS, Arg, argument_types, kv_sources, result_types, split_sinks
@@ -67,16 +68,17 @@ WIDE_PASS_VECTORS = PassVectors(head_dim=128, rows_from=None)
 #: 128 lanes took the 1-query scores 11.4 -> 22.5 ms and the 4-query ones 21.3 -> 78.6).
 NARROW_PASS_VECTORS = PassVectors(head_dim=16, rows_from=16)
 
-#: Columns of one pass's chunks, the fastest measured for the 1-, 4- and 16-query passes
-#: (docs/performance.md, decode passes).
+#: Columns of the chunks a pass aims at (T = CHUNK_COLUMNS / block blocks; an entry's chunks
+#: hold T to 2T - 1 blocks, fewer for an entry shorter than T): 128 was the fastest fixed chunk
+#: for the 1-, 4- and 16-query passes (docs/performance.md, decode passes).
 CHUNK_COLUMNS = 128
 #: Each chunk keeps its f32 products (R x h_kv x d_v per entry) until the merge: chunks widen
 #: (doubling) until those are at most this fraction of the K/V bytes a chunk reads. Only many
 #: heads over a narrow cache row reach it: DeepSeek-V3's MLA (h_q 128, d_v 512, 576-wide bf16
 #: latent rows) gets 512 columns.
 CHUNK_PRODUCTS_SHARE = 0.25
-#: IREE 3.13: the chunk-sum dispatch keeps 16 rows of a chunk's probabilities on the stack on
-#: AVX-512 (64 bytes a column), and llvm-cpu's limit is 32 KB.
+#: The widest chunk a pass aims at (its entries' chunks hold up to twice as many columns, less a
+#: block: DecodeSpec.chunk_blocks).
 MAX_CHUNK_COLUMNS = 512
 #: f32 tensors of one score per (key, query row) the pass materialises: the raw scores, the
 #: masked and scaled scores, the probabilities.
@@ -127,7 +129,20 @@ class DecodeSpec:
 
     @property
     def blocks_per_chunk(self) -> int:
+        """T: the blocks of a chunk the pass aims at (an entry's chunks hold T to 2T of them:
+        :meth:`chunk_blocks`)."""
         return max(1, self.chunk_columns // self.block)
+
+    def chunk_blocks(self, blocks: int) -> int:
+        """P, the blocks per chunk of an entry of ``blocks`` table blocks: its blocks in
+        ceil(blocks / (2T - 1)) chunks of equal size (rounded up), so a chunk holds less than 2T
+        blocks and an entry is padded by less than a block per chunk (a short entry is one chunk
+        of its own size). Its own lengths decide it, so an entry's result does not depend on its
+        call. (P = 2T = 16 ran the mask's transposing write 4x slower than 13 or 8: 37 against
+        9.6 and 11.7 ms in the 32 x 16 vs 1040 f32 pass.)"""
+        blocks = max(int(blocks), 1)
+        chunks = -(-blocks // (2 * self.blocks_per_chunk - 1))
+        return -(-blocks // chunks)
 
     @property
     def chunk_columns(self) -> int:
@@ -152,10 +167,6 @@ class DecodeSpec:
         scores = SCORE_TENSORS * self.rows * base.h_kv * 4
         return scores + self.rows * base.h_kv * self.d_v * 4 / self.chunk_columns
 
-    @property
-    def chunk(self) -> int:
-        """C: columns of one pass (a whole number of blocks)."""
-        return self.blocks_per_chunk * self.block
 
     def fields(self) -> dict:
         """Plain values :meth:`from_fields` rebuilds the pass from (an artifact manifest's)."""
@@ -179,13 +190,16 @@ class DecodePasses:
     scores stay in tiles). An entry whose own pass is not usable runs one query at a time in the
     1-query pass when it has at most ``split_up_to`` queries, else in the variant's kernel.
     ``call_scratch``: the most scratch bytes one call of a pass takes; a pass's entries, in
-    order of KV length, are cut into calls within it (None: one call)."""
+    order of KV length, are cut into calls within it (None: no bound). An entry with more
+    queries than the largest pass and at most ``pieces_up_to`` keys runs in that pass, in
+    pieces of its queries (0: none does)."""
 
     queries: tuple[int, ...]
     bucketed: bool
     scratch_bound: float | None = None
     split_up_to: int = 4
     call_scratch: int | None = None
+    pieces_up_to: int = 0
 
     def usable(self, spec) -> tuple[int, ...]:
         """The query counts of the passes that keep ``spec``'s scratch within the bound."""
@@ -213,8 +227,11 @@ class DecodePasses:
 #: 16-row tensor-core tiles. A linalg pass call takes at most 256 MiB of scratch, which the host
 #: allocator then keeps from call to call (runtime/devices.py: HOST_MEMORY_KEPT), and its entries
 #: have similar KV lengths (a call pads each to its longest): 128 x 16 vs 4096 cached 1444 -> 895-911
-#: ms, vs mixed lengths 1777 -> 513 ms (docs/serving.md).
-DECODE_PASSES = {"linalg": DecodePasses((1, 4, 16), bucketed=False, scratch_bound=2.0, call_scratch=256 << 20),
+#: ms, vs mixed lengths 1777 -> 513 ms (docs/serving.md). Entries of 17 or more queries over at
+#: most 256 keys run in 16-query pieces: 64 x 64 vs 128 cached 0.46-0.51 -> 0.69-0.72 of torch's
+#: speed; over 512 keys the variant's kernel was faster (0.76-0.99 against 0.71-0.74).
+DECODE_PASSES = {"linalg": DecodePasses((1, 4, 16), bucketed=False, scratch_bound=2.0, call_scratch=256 << 20,
+                                       pieces_up_to=256),
                  "fused": DecodePasses((1, 4, 16), bucketed=True)}
 
 
@@ -245,22 +262,21 @@ def _index(i: int) -> ir.Value:
     return linalg_d.IndexOp(i).result
 
 
-def _logical_block(spec: DecodeSpec, chunk: ir.Value, block: ir.Value) -> ir.Value:
-    """The entry's block index of (chunk, block)."""
-    return arith_d.addi(arith_d.muli(chunk, const_index(spec.blocks_per_chunk)), block)
-
-
-def _logical_column(spec: DecodeSpec, chunk: ir.Value, block: ir.Value, slot: ir.Value) -> ir.Value:
-    """The entry's KV column (logical row) of (chunk, block, slot)."""
-    return arith_d.addi(arith_d.muli(_logical_block(spec, chunk, block), const_index(spec.block)), slot)
-
-
 class KvCache:
     """Where logical row ``r`` of entry ``i`` lives, and its K or V element: the layout's
-    (kv_layouts.py, ``element``)."""
+    (kv_layouts.py, ``element``). ``table`` is the pass's [n, c, P] table as [n, c x P]."""
 
-    def __init__(self, spec: DecodeSpec, sources: list, table: ir.Value, geometry: ir.Value):
-        self.spec, self.sources, self.table, self.geometry = spec, sources, table, geometry
+    def __init__(self, spec: DecodeSpec, sources: list, table: ir.Value, chunk_blocks: ir.Value, geometry: ir.Value):
+        self.spec, self.sources, self.table, self.chunk_blocks, self.geometry = (spec, sources, table, chunk_blocks,
+                                                                                 geometry)
+
+    def logical_block(self, chunk: ir.Value, block: ir.Value) -> ir.Value:
+        """The entry's block index of (chunk, block)."""
+        return arith_d.addi(arith_d.muli(chunk, self.chunk_blocks), block)
+
+    def logical_column(self, chunk: ir.Value, block: ir.Value, slot: ir.Value) -> ir.Value:
+        """The entry's KV column (logical row) of (chunk, block, slot)."""
+        return arith_d.addi(arith_d.muli(self.logical_block(chunk, block), const_index(self.spec.block)), slot)
 
     def element(self, which: int, entry, chunk, block, slot, head, col, *, widen: bool = True) -> ir.Value:
         """K (0) or V (1) element ``col`` of head ``head`` at column (chunk, block, slot), f32
@@ -270,15 +286,15 @@ class KvCache:
 
     def _element(self, which: int, entry, chunk, block, slot, head, col) -> ir.Value:
         spec = self.spec
-        return cache_layout(spec.base).element(spec, self, which, entry, _logical_block(spec, chunk, block),
-                                               lambda: _logical_column(spec, chunk, block, slot), slot, head, col)
+        return cache_layout(spec.base).element(spec, self, which, entry, self.logical_block(chunk, block),
+                                               lambda: self.logical_column(chunk, block, slot), slot, head, col)
 
 
 def _pass_arguments(spec: DecodeSpec) -> tuple[Arg, ...]:
     """``decode_entries``'s arguments (module docstring): its variant's KV sources between the
     queries of n pass entries and their table and geometry."""
     return (Arg("q", "tensor", ("n", "h_kv", "rows", "d_qk")), *kv_sources(spec.base),
-            Arg("table", "index", ("n", "W")), Arg("geometry", "index", ("n", 4)), Arg("causal", "int"),
+            Arg("table", "index", ("n", "chunks", "P")), Arg("geometry", "index", ("n", 4)), Arg("causal", "int"),
             Arg("sm_scale", "float"))
 
 
@@ -288,14 +304,14 @@ ARGUMENTS[DecodeSpec] = _pass_arguments
 def decode_module(spec: DecodeSpec, emit: Callable[..., list]) -> ir.Module:
     """A verified module with one function ``decode_entries`` (module docstring);
     ``emit(q, cache, table, geometry, causal, sm_scale, sinks)`` builds its body (cache: KvCache;
-    sinks: [h_q] f32, the last argument of a spec with ``head_sinks``, or None)."""
+    table: [n, c, P]; sinks: [h_q] f32, the last argument of a spec with ``head_sinks``, or None)."""
     with module_context() as module:
         with ir.InsertionPoint(module.body):
             fn = func_d.FuncOp(spec.symbol, (argument_types(spec), result_types(spec)))
             with ir.InsertionPoint(fn.add_entry_block()):
                 args, named = split_sinks(spec, list(fn.arguments))
                 q, *sources, table, geometry, causal, sm_scale = args
-                cache = KvCache(spec, sources, table, geometry)
+                cache = KvCache(spec, sources, collapse(table, [[0], [1, 2]]), dim(table, 2), geometry)
                 func_d.ReturnOp(emit(q, cache, table, geometry, causal, sm_scale, named.get("sinks")))
         module.operation.verify()
         return module
@@ -323,13 +339,12 @@ def _decode(spec: DecodeSpec, rule: MaskRule, vectors: PassVectors, q, cache: Kv
             sm_scale, sinks) -> list[ir.Value]:
     base = spec.base
     h, group = base.h_kv, spec.rows
-    per_chunk, block = spec.blocks_per_chunk, spec.block
-    entries = dim(q, 0)
-    chunks = arith_d.divui(dim(table, 1), const_index(per_chunk))
+    block = spec.block
+    entries, chunks, per_chunk = (dim(table, axis) for axis in range(3))
     # The table as an operand indexed by (entry, chunk, block), used by the bodies: a block marked
     # -1 lies past every column of its entry and adds nothing. Without such an operand IREE
     # collapses (block, slot) into one dim, vectorises it, and every load becomes a gather.
-    table3 = expand(table, [[0], [1, 2]], [entries, chunks, per_chunk])
+    table3 = table
     no_page = arith_d.constant(i32(), -1)
 
     def kept(table_value, value):
@@ -337,6 +352,7 @@ def _decode(spec: DecodeSpec, rule: MaskRule, vectors: PassVectors, q, cache: Kv
 
     # scores [n, c, h, p, s, g]: loops (i, c, h, p, s, g, k)
     score_sizes = [entries, chunks, h, per_chunk, block, group]
+    row_major = [entries, chunks, h, group, per_chunk, block]
 
     def score_body(q_value, table_value, acc):
         i, c, hh, p, s, k = (_index(x) for x in (0, 1, 2, 3, 4, 6))
@@ -357,16 +373,16 @@ def _decode(spec: DecodeSpec, rule: MaskRule, vectors: PassVectors, q, cache: Kv
     raw = generic([q_operand, table3], [fill(const_f32(0.0), score_sizes, f32())],
                   [q_map, affine_map(7, (0, 1, 3)), affine_map(7, range(6))], "ppppppr", score_body)[0]
     raw.owner.attributes["compilation_info"] = _compilation_info(
-        distribution=[1, 1, 1, per_chunk, block, group, 0], **tiles)
+        distribution=[1, 1, 1, 1, block, group, 0], **tiles)
 
     scale = score_transform(sm_scale, base.logits_soft_cap)
     every = affine_map(6, range(6))
 
     mask = rule.bind({"causal": causal}).per_call()
 
-    def mask_body(x, kv_len, qo_len, _out):
-        c, p, s, row = (_index(x_) for x_ in (1, 3, 4, 5))
-        col = _logical_column(spec, c, p, s)
+    def mask_body(x, kv_len, qo_len, _out):  # loops (i, c, h, g, p, s)
+        c, row, p, s = (_index(x_) for x_ in (1, 3, 4, 5))
+        col = cache.logical_column(c, p, s)
         kv_len, qo_len = (arith_d.index_cast(index(), v) for v in (kv_len, qo_len))
         token = arith_d.divui(row, const_index(base.group_size))
         valid = mask.valid(Lengths(qo_len, kv_len, arith_d.subi(kv_len, qo_len)), lambda: token, col)
@@ -375,11 +391,12 @@ def _decode(spec: DecodeSpec, rule: MaskRule, vectors: PassVectors, q, cache: Kv
     lengths, query_lengths = _column(geometry, 0), _column(geometry, 3)
     # The masked scores row-major, [n, c, h, g, p, s]: the chunk's max, exp2 and sum then read each
     # row's columns contiguously (with g innermost they read with a stride of g: 9.0 ms of the
-    # 32 x 1 vs 1024 f32 pass's 50.6, docs/serving.md).
-    row_major = [entries, chunks, h, group, per_chunk, block]
-    scores = generic([raw, lengths, query_lengths], [empty(row_major, f32())],
-                     [every, affine_map(6, (0,)), affine_map(6, (0,)), affine_map(6, (0, 1, 2, 5, 3, 4))], "pppppp",
-                     mask_body)[0]
+    # 32 x 1 vs 1024 f32 pass's 50.6, docs/serving.md). In a dispatch of its own: fused with the
+    # max and exp2, IREE 3.13 keeps a chunk's masked row on the stack, which a dynamic P cannot bound.
+    scores = own_dispatch(lambda: generic(
+        [raw, lengths, query_lengths], [empty(row_major, f32())],
+        [affine_map(6, (0, 1, 2, 4, 5, 3)), affine_map(6, (0,)), affine_map(6, (0,)), every], "pppppp",
+        mask_body)[0], tensor_type([DYN, DYN, h, group, DYN, block], f32()), row_major)
     rows = affine_map(6, (0, 1, 2, 3))  # loops (i, c, h, g, p, s)
     row_sizes = [entries, chunks, h, group]
     chunk_max = generic([scores], [fill(const_f32(NO_KEY_MAX), row_sizes, f32())], [every, rows],
@@ -420,7 +437,7 @@ def _probs_times_values(spec: DecodeSpec, cache: KvCache, probs, table3, lengths
     def body(prob, table_value, kv_len, *accs):
         i, c, hh, dd, p, s = (_index(x) for x in (0, 1, 2, 3, 5, 6))
         # rows past kv_len weigh 0, but 0 * NaN is NaN: a cache's unused rows may hold anything
-        keep = lt(_logical_column(spec, c, p, s), arith_d.index_cast(index(), kv_len))
+        keep = lt(cache.logical_column(c, p, s), arith_d.index_cast(index(), kv_len))
         updated = []
         for j, acc in enumerate(accs):
             value = cache.element(1, i, c, p, s, hh, arith_d.addi(arith_d.muli(dd, const_index(columns)), const_index(j)))

@@ -41,6 +41,8 @@ def bucket_tiles(tiles: np.ndarray) -> np.ndarray:
     return np.where(tiles <= power, power, np.where(tiles * 2 <= power * 3, power * 3 // 2, power * 2))
 #: Padding of the per-entry block table: a block past every column of its entry.
 NO_BLOCK = -1
+#: A linalg pass call pads its entries' chunks (to its longest) by less than this factor.
+MAX_CHUNK_PADDING = 1.5
 
 
 def _named(spec, args: tuple) -> dict:
@@ -61,15 +63,20 @@ def kv_lengths(spec, args: tuple) -> np.ndarray:
 def pass_queries(spec, args: tuple, passes: DecodePasses = DECODE_PASSES["linalg"]) -> np.ndarray:
     """int [B]: the query count of the pass each entry takes (the smallest of the usable
     ``passes.queries`` that holds its queries; 1 for an entry with more queries that runs one
-    query at a time because its own pass is not usable: DecodePasses.taken), or 0 for the
-    variant's own kernel."""
+    query at a time because its own pass is not usable: DecodePasses.taken; the largest for
+    an entry with more queries than it and at most ``passes.pieces_up_to`` keys, in pieces), or
+    0 for the variant's own kernel."""
     named = _named(spec, args)
     qo_lens = np.diff(on_host(named["q_indptr"]).astype(np.int64))
     chosen = np.zeros(len(qo_lens), np.int64)
     usable = passes.usable(spec)
     if not usable or int(named.get("rotary_mode", 0)) != 0:
         return chosen
-    eligible = (kv_lengths(spec, args) >= 1) & (qo_lens >= 1)
+    kv_lens = kv_lengths(spec, args)
+    eligible = (kv_lens >= 1) & (qo_lens >= 1)
+    largest = max(passes.queries)
+    if largest in usable:  # long entries over short caches: in pieces of the largest pass
+        chosen[eligible & (qo_lens > largest) & (kv_lens <= passes.pieces_up_to)] = largest
     for queries in sorted(passes.queries, reverse=True):
         chosen[eligible & (qo_lens <= queries)] = passes.taken(queries, usable)
     return chosen
@@ -77,10 +84,10 @@ def pass_queries(spec, args: tuple, passes: DecodePasses = DECODE_PASSES["linalg
 
 def block_table(spec: DecodeSpec, args: tuple, entries: np.ndarray, kv_lens: np.ndarray, visible: np.ndarray,
                 qo_lens: np.ndarray, width_multiple: int) -> tuple[np.ndarray, np.ndarray]:
-    """The decode kernel's ``table`` [n, W] and ``geometry`` [n, 4] (kv_len, sink,
+    """The decode kernel's ``table`` [n, W / P, P] and ``geometry`` [n, 4] (kv_len, sink,
     window_offset, qo_len) for pass entries that read batch entries ``entries`` (indices into
     the batch, int [n]) with ``kv_lens`` keys, of which the first ``visible`` count, and
-    ``qo_lens`` queries (int [n] each); W is a multiple of ``width_multiple``."""
+    ``qo_lens`` queries (int [n] each); P = ``width_multiple`` blocks a chunk."""
     base = spec.base
     first_blocks, blocks, sink, offset = host_layout(base).table_rows(base, _index_arrays(base, args), entries,
                                                                       kv_lens, spec.block)
@@ -90,7 +97,23 @@ def block_table(spec: DecodeSpec, args: tuple, entries: np.ndarray, kv_lens: np.
         table[row, :len(ids)] = ids
         table[row, len(ids):count] = ids[-1]
     geometry = np.stack([visible, sink, offset, qo_lens], axis=1).astype(np.int32)
-    return table, geometry
+    return table.reshape(len(entries), width // width_multiple, width_multiple), geometry
+
+
+def _pieces(entries: np.ndarray, kv_lens: np.ndarray, qo_lens: np.ndarray, causal: bool, size: int):
+    """Entries as pass entries of at most ``size`` queries each (one for an entry of up to
+    ``size`` queries, ceil(q / size) for a longer one): (batch entry, first token, queries,
+    visible keys) of each, int [m]. A piece of tokens [f, f + n) sees the first kv_len - qo_len
+    + f + n keys (bottom-right causal; none below 1) or all of them, so the pass's causal mask
+    over its n queries is the entry's own."""
+    pieces = -(-qo_lens[entries] // size)
+    batch_entry = np.repeat(entries, pieces)
+    first = (np.arange(pieces.sum()) - np.repeat(np.cumsum(pieces) - pieces, pieces)) * size
+    counts = np.minimum(qo_lens[batch_entry] - first, size)
+    visible = kv_lens[batch_entry]
+    if causal:
+        visible = np.maximum(visible - qo_lens[batch_entry] + first + counts, 0)
+    return batch_entry, first, counts, visible
 
 
 def _one_query_rows(entries: np.ndarray, kv_lens: np.ndarray, qo_lens: np.ndarray, causal: bool):
@@ -121,7 +144,7 @@ class DecodeCall:
 
 @dataclass(frozen=True)
 class PassCall:
-    """The part of a pass call the index arrays fix: the pass, its ``table`` [n, W] and
+    """The part of a pass call the index arrays fix: the pass, its ``table`` [n, c, P] and
     ``geometry`` [n, 4] (:func:`block_table`), and ``rows``/``real`` as in :class:`DecodeCall`."""
 
     spec: DecodeSpec
@@ -192,14 +215,16 @@ def _pass_calls(spec, args: tuple, passes: np.ndarray, decode_passes: DecodePass
     calls = []
     for queries in decode_passes.queries:
         pass_spec = DecodeSpec(spec, queries)
-        multiple = max(1, TILE // pass_spec.block) if decode_passes.bucketed else pass_spec.blocks_per_chunk
-        for entries in _calls_of(pass_spec, np.flatnonzero(passes == queries), kv_lens, decode_passes):
+        pieces = -(-qo_lens // queries)  # pass entries per batch entry
+        for entries, multiple in _calls_of(pass_spec, np.flatnonzero(passes == queries), kv_lens, pieces,
+                                           decode_passes):
             if queries > 1:
+                batch_entries, first, counts, visible = _pieces(entries, kv_lens, qo_lens, causal, queries)
                 token = np.arange(queries)
-                rows = q_indptr[entries][:, None] + token  # [n, queries]: the entries' query rows
-                real = token < qo_lens[entries][:, None]   # the rest are padding
-                calls.append(_pass_call(pass_spec, args, entries, kv_lens, kv_lens[entries], qo_lens[entries],
-                                        rows, real, multiple))
+                rows = (q_indptr[batch_entries] + first)[:, None] + token  # [n, queries]: the query rows
+                real = token < counts[:, None]  # the rest are padding
+                calls.append(_pass_call(pass_spec, args, batch_entries, kv_lens, visible, counts, rows, real,
+                                        multiple))
                 continue
             batch_entries, token, visible = _one_query_rows(entries, kv_lens, qo_lens, causal)
             for t in np.unique(token):
@@ -247,25 +272,43 @@ def split_decode(spec, args: tuple, schedule: DecodeSchedule, run_decode: Callab
     return (output, lse) if to_host else device_results([output, lse])
 
 
-def _calls_of(pass_spec: DecodeSpec, entries: np.ndarray, kv_lens: np.ndarray, passes: DecodePasses
-              ) -> list[np.ndarray]:
-    """The entries of each call of a pass: one call per KV-length bucket (:func:`bucket_tiles`)
-    when ``passes.bucketed``; else in order of KV length, cut so that each call's scratch (its
-    entries padded to its longest) stays within ``passes.call_scratch``; none when ``entries``
-    is empty."""
+def _calls_of(pass_spec: DecodeSpec, entries: np.ndarray, kv_lens: np.ndarray, pieces: np.ndarray,
+              passes: DecodePasses) -> list[tuple[np.ndarray, int]]:
+    """The entries of each call of a pass and the call's table blocks per chunk P. Bucketed (the
+    fused pass): one call per KV-length bucket (:func:`bucket_tiles`), P a KV tile. Else one call
+    per P (``DecodeSpec.chunk_blocks`` of each entry), in order of KV length, cut so that each
+    call's scratch (its entries padded to its longest, ``pieces`` [B] pass entries each) stays
+    within ``passes.call_scratch``.
+    None when ``entries`` is empty."""
     if not len(entries):
         return []
     if passes.bucketed:
         buckets = bucket_tiles(-(-kv_lens[entries] // TILE))
-        return [entries[buckets == width] for width in np.unique(buckets)]
-    if passes.call_scratch is None:
-        return [entries]
+        return [(entries[buckets == width], max(1, TILE // pass_spec.block)) for width in np.unique(buckets)]
+    blocks = -(-kv_lens[entries] // pass_spec.block)
+    chunk_blocks = np.array([pass_spec.chunk_blocks(b) for b in blocks], np.int64)
+    calls = []
+    for per_chunk in np.unique(chunk_blocks):
+        chosen = entries[chunk_blocks == per_chunk]
+        calls += [(cut, int(per_chunk))
+                  for cut in _within_scratch(pass_spec, chosen, kv_lens, pieces, int(per_chunk), passes)]
+    return calls
+
+
+def _within_scratch(pass_spec: DecodeSpec, entries: np.ndarray, kv_lens: np.ndarray, pieces: np.ndarray,
+                    per_chunk: int, passes: DecodePasses) -> list[np.ndarray]:
+    """``entries`` (calls of P = ``per_chunk``) in order of KV length, cut into calls that pad
+    an entry's chunks by less than MAX_CHUNK_PADDING and take at most ``passes.call_scratch``
+    bytes of scratch (no bound when None)."""
     ordered = entries[np.argsort(kv_lens[entries], kind="stable")]
-    columns = -(-kv_lens[ordered] // pass_spec.chunk) * pass_spec.chunk  # ascending
-    # rows of ordered[start:i + 1] padded to ordered[i]'s columns, in bytes
+    chunks = -(-kv_lens[ordered] // (per_chunk * pass_spec.block))  # ascending
+    scratch = per_chunk * pass_spec.block * pass_spec.scratch_per_key  # bytes per chunk of an entry
+    bound = np.inf if passes.call_scratch is None else passes.call_scratch
+    pass_entries = np.cumsum(pieces[ordered])
     calls, start = [], 0
-    for i in range(len(ordered)):
-        if i > start and (i + 1 - start) * columns[i] * pass_spec.scratch_per_key > passes.call_scratch:
+    for i in range(len(ordered)):  # ordered[start:i + 1] padded to ordered[i]'s chunks
+        held = pass_entries[i] - (pass_entries[start - 1] if start else 0)
+        if i > start and (chunks[i] > MAX_CHUNK_PADDING * chunks[start] or held * chunks[i] * scratch > bound):
             calls.append(ordered[start:i])
             start = i
     return calls + [ordered[start:]]

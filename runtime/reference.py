@@ -683,8 +683,8 @@ def decode_entries(q: np.ndarray, *kv_and_plan: Any, kv_layout: str, group_size:
     ``q [n, h_kv, R, d_qk]`` (row ``t * G + g``: token t, query head ``h * G + g``, G =
     ``group_size``), then the KV sources of ``kv_layout`` (``"paged"``: pages [P, 2, h_kv, block,
     d]; ``"latent"``: MLA's pages [P, block, d_qk] whose first ``d_v`` columns are the values;
-    ``"ragged"``: k [N, h_kv, d_qk], v [N, h_kv, d_v]), ``table [n, W]`` (a page id, or for ragged the first row of a block of
-    ``block`` rows), ``geometry [n, 4]`` (kv_len, sink, window_offset, qo_len), ``causal``,
+    ``"ragged"``: k [N, h_kv, d_qk], v [N, h_kv, d_v]), ``table [n, c, P]`` (c chunks of P blocks: a
+    page id, or for ragged the first row of a block of ``block`` rows), ``geometry [n, 4]`` (kv_len, sink, window_offset, qo_len), ``causal``,
     ``sm_scale``. Logical KV row c of entry i is physical row ``c`` (``c - sink + window_offset``
     past the sink with ``sliding_window``), found through the table; token t sees c when
     ``c < kv_len`` and, if causal, ``c <= kv_len - qo_len + t`` (every token, the padding ones
@@ -695,6 +695,7 @@ def decode_entries(q: np.ndarray, *kv_and_plan: Any, kv_layout: str, group_size:
     sinks = kv_and_plan[-1] if head_sinks else None
     *sources, table, geometry, causal, sm_scale = kv_and_plan[:len(kv_and_plan) - int(head_sinks)]
     n, h_kv, rows, d_qk = q.shape
+    table = np.asarray(table).reshape(n, -1)
     group = group_size
     queries = rows // group
     out = np.zeros((n, h_kv, rows, d_v))

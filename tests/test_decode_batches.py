@@ -26,7 +26,7 @@ from linalg_prefill.mlir.abi import argument_names
 from linalg_prefill.mlir.decode import NARROW_PASS_VECTORS, WIDE_PASS_VECTORS
 from linalg_prefill.runtime.compare import reference_call
 from linalg_prefill.runtime.examples import example_inputs
-from linalg_prefill.runtime.decode import DECODE_PASSES, bucket_tiles, decode_calls, pass_queries
+from linalg_prefill.runtime.decode import DECODE_PASSES, bucket_tiles, decode_calls, kv_lengths, pass_queries
 
 # (qo_len, kv_len): single-query entries with 1 to 700 keys, 2-4 query entries (one with more
 # queries than keys: rows without a key under the causal mask), prefill entries, an entry with
@@ -92,16 +92,28 @@ CASES = {
 pytestmark = pytest.mark.compiles(*(spec for spec, _ in CASES.values()), passes=MIXED)
 
 
-def _mixed_pass_calls(spec, backend) -> int:
+def _mixed_pass_calls(spec, backend, args) -> int:
     """Calls of the passes on MIXED (the variant's own kernel takes the rest in one call). linalg:
-    the 1-, 4- and 16-query passes, without the 16-query one where its scores would pass the
-    scratch bound (d 64 in 16-bit: then (5, 20) joins the rest). fused: one call per (query
-    count, KV bucket): 1 query vs 37 / 300 / 1 / 700 / 256 keys is 1 / 5 / 1 / 11 / 4 tiles in
-    buckets 1, 6, 12 and 4 (4 calls); 2-4 queries vs 260 / 2 / 9 keys in buckets 6 and 1 (2
-    calls); 5 queries, the 16-query pass (1)."""
+    one call per (pass, blocks per chunk) among its entries, the passes the 1-, 4- and 16-query
+    ones (without the 16-query one where its scores would pass the scratch bound, d 64 in
+    16-bit: then (5, 20) and (17, 40) join the rest; else (17, 40) runs in two pieces). fused: one call per (query count, KV bucket): 1 query
+    vs 37 / 300 / 1 / 700 / 256 keys is 1 / 5 / 1 / 11 / 4 tiles in buckets 1, 6, 12 and 4 (4
+    calls); 2-4 queries vs 260 / 2 / 9 keys in buckets 6 and 1 (2 calls); 5 queries, the
+    16-query pass (1)."""
     if _lowering(backend) == "fused":
         return 7
-    return 3 if 16 in DECODE_PASSES["linalg"].usable(spec) else 2
+    passes = DECODE_PASSES["linalg"]
+    usable = passes.usable(spec)
+    calls = set()
+    largest = max(passes.queries)
+    for (qo_len, _), kv_len in zip(MIXED, kv_lengths(spec, args)):
+        in_pieces = largest in usable and kv_len <= passes.pieces_up_to  # (17, 40)
+        own = min((queries for queries in passes.queries if queries >= qo_len), default=largest if in_pieces else 0)
+        taken = passes.taken(own, usable) if qo_len >= 1 and kv_len >= 1 and own else 0
+        if taken:
+            pass_spec = DecodeSpec(spec, taken)
+            calls.add((taken, pass_spec.chunk_blocks(-(-kv_len // pass_spec.block))))
+    return len(calls)
 
 
 #: The lowerings' passes: llvm-cpu's own, the fused (CUDA's) on llvm-cpu, and CUDA with a GPU.
@@ -121,7 +133,7 @@ def test_decode_pass_matches_the_reference(case, backend, cache, monkeypatch):
     args = _call(spec, rng, MIXED, window)
     calls = _CountingPasses(kernel, monkeypatch)
     got = kernel(*args)
-    assert (calls.decode, calls.rest) == (_mixed_pass_calls(spec, backend), 1)
+    assert (calls.decode, calls.rest) == (_mixed_pass_calls(spec, backend, args), 1)
     assert_matches_reference(case, got, spec, args)
 
 
@@ -136,7 +148,7 @@ def test_each_pass_call_matches_the_reference_of_its_own_arguments(case, backend
     args = _call(spec, rng, MIXED, window)
     passes = DECODE_PASSES[_lowering(backend)]
     calls = decode_calls(spec, args, pass_queries(spec, args, passes), passes)
-    assert len(calls) == _mixed_pass_calls(spec, backend)
+    assert len(calls) == _mixed_pass_calls(spec, backend, args)
     for call in calls:
         name, kwargs = reference_call(call.spec)
         want = getattr(reference, name)(*call.args, **kwargs)
@@ -172,8 +184,8 @@ def test_pass_entry_is_bitwise_the_same_alone_among_short_entries_and_in_a_mixed
 
 def test_pass_entries_cut_into_calls_by_scratch_give_the_same_rows(cache, monkeypatch):
     """A linalg pass's entries in calls of their own (``call_scratch`` of one byte): one call
-    per pass entry (MIXED: five 1-query, three 2-4 query entries and (5, 20)), each row bitwise
-    what the single calls give."""
+    per batch entry (MIXED: five 1-query, three 2-4 query entries, (5, 20) and (17, 40) in two
+    pieces), each row bitwise what the single calls give."""
     spec = PagedPrefillSpec(8, 2, 64, "float32", page_size=16)
     kernel = open_kernel(spec, "llvm-cpu", cache=cache)
     args = _call(spec, np.random.default_rng(3), MIXED)
@@ -181,9 +193,27 @@ def test_pass_entries_cut_into_calls_by_scratch_give_the_same_rows(cache, monkey
     monkeypatch.setattr(kernel, "_decode_passes", dataclasses.replace(kernel._decode_passes, call_scratch=1))
     calls = _CountingPasses(kernel, monkeypatch)
     cut = kernel(*args)
-    assert (calls.decode, calls.rest) == (9, 1)
+    assert (calls.decode, calls.rest) == (10, 1)
     np.testing.assert_array_equal(cut[0], whole[0])
     np.testing.assert_array_equal(cut[1], whole[1])
+
+
+#: Entries of more queries than the 16-query pass: up to 256 keys in pieces of 16 queries (the
+#: first two pieces of (40, 10) see no key under the causal mask), more in the variant's kernel.
+LONG = [(40, 10), (64, 200), (17, 30), (20, 257), (5, 20), (33, 256)]
+
+
+@pytest.mark.parametrize("causal", [1, 0])
+def test_long_entries_over_short_caches_run_in_pieces_of_the_largest_pass(causal, cache, monkeypatch):
+    spec = PagedPrefillSpec(8, 2, 64, "float32", page_size=16)
+    kernel = open_kernel(spec, "llvm-cpu", cache=cache)
+    args = list(_call(spec, np.random.default_rng(10), LONG))
+    args[argument_names(spec).index("causal")] = causal
+    assert pass_queries(spec, args).tolist() == [16, 16, 16, 0, 16, 16]
+    calls = _CountingPasses(kernel, monkeypatch)
+    got = kernel(*args)
+    assert calls.rest == 1
+    assert_matches_reference(f"pieces, causal {causal}", got, spec, args)
 
 
 def _op_names(module) -> list[str]:
@@ -237,11 +267,12 @@ def test_wide_vectors_dot_the_head_dim_and_broadcast_values_over_the_query_rows(
 def test_narrow_vectors_take_the_scores_of_paged_and_ragged_passes_with_16_rows_along_them(base, queries, by_rows):
     """Other CPUs' (AVX2) pass vectors: such passes transpose q to [n, h, d_qk, R] in a dispatch
     of its own (fused into the contraction, q would be read one strided element at a time) and
-    broadcast each key element over 16 rows; the others dot 16-lane head-dim vectors."""
+    broadcast each key element over 16 rows; the others dot 16-lane head-dim vectors. (Every
+    pass masks its scores in a dispatch of its own.)"""
     spec = DecodeSpec(base, queries)
     assert NARROW_PASS_VECTORS.by_rows(spec) == by_rows and not WIDE_PASS_VECTORS.by_rows(spec)
     module = build_module(spec, pass_vectors=NARROW_PASS_VECTORS)
-    assert _op_names(module).count("flow.dispatch.region") == int(by_rows)
+    assert _op_names(module).count("flow.dispatch.region") == 1 + int(by_rows)
     scores = [info for _, info in _tiled_generics(module) if "vector_reduction = [0, 0, 0, 0, 0, 0," in info]
     assert f"vector_reduction = [0, 0, 0, 0, 0, 0, {1 if by_rows else 16}]" in scores[0]
 
@@ -257,8 +288,9 @@ def test_fused_decode_module_is_one_attention_op_without_a_loop(queries):
 @pytest.mark.parametrize("backend", PASS_BACKENDS)
 @pytest.mark.parametrize("entries", [8, 64])
 def test_a_batch_of_decode_entries_takes_a_fixed_number_of_launches(entries, backend, cache, monkeypatch):
-    """One launch (linalg), or one per KV bucket (fused): 1 to 600 keys fall in at most the 7
-    buckets of 1-12 tiles, for 8 entries as for 64."""
+    """Launches bounded whatever the batch: linalg, at least one per chunk size P (blocks per
+    chunk, under 2T) and at most one per (P, chunk count) (1 to 600 keys: at most 5 chunks);
+    fused, one per KV bucket (1 to 600 keys fall in at most the 7 buckets of 1-12 tiles)."""
     spec = PagedPrefillSpec(8, 2, 64, "float32", page_size=16)
     kernel = open_kernel(spec, backend, cache=cache)
     rng = np.random.default_rng(3)
@@ -266,8 +298,13 @@ def test_a_batch_of_decode_entries_takes_a_fixed_number_of_launches(entries, bac
     args = _call(spec, rng, [(1, int(n)) for n in kv_lens])  # the 1-query pass
     calls = _CountingPasses(kernel, monkeypatch)
     got = kernel(*args)
-    fused = _lowering(backend) == "fused"
-    assert calls.decode == (len(np.unique(bucket_tiles(-(-kv_lens // 64)))) if fused else 1) <= 7
+    if _lowering(backend) == "fused":
+        assert calls.decode == len(np.unique(bucket_tiles(-(-kv_lens // 64)))) <= 7
+    else:
+        pass_spec = DecodeSpec(spec, 1)
+        sizes = {(chunk_blocks := pass_spec.chunk_blocks(blocks), -(-blocks // chunk_blocks))
+                 for blocks in -(-kv_lens // 16)}
+        assert len({size for size, _ in sizes}) <= calls.decode <= len(sizes)
     assert calls.rest == 0
     assert_matches_reference("decode batch", got, spec, args)
 
@@ -285,10 +322,12 @@ def test_which_entries_take_the_pass(lowering):
     spec = PagedPrefillSpec(8, 2, 64, "float32", page_size=16)
     passes = DECODE_PASSES[lowering]
     args = _call(spec, np.random.default_rng(4), MIXED)
-    expected = [min(q for q in passes.queries if q >= qo) if 1 <= qo <= max(passes.queries) and kv > 0 else 0
-                for qo, kv in MIXED]
+    largest = max(passes.queries)
+    expected = [min(q for q in passes.queries if q >= qo) if 1 <= qo <= largest and kv > 0 else
+                largest if qo > largest and kv <= passes.pieces_up_to else 0 for qo, kv in MIXED]
     assert pass_queries(spec, args, passes).tolist() == expected
-    assert expected.count(0) == 3  # (5, 20) takes the 16-query pass
+    # (5, 20) takes the 16-query pass; (17, 40) too, in pieces, where pieces_up_to allows (linalg)
+    assert expected.count(0) == (2 if lowering == "linalg" else 3)
     with_rope = list(args)
     with_rope[9] = 1  # rotary_mode: keys need inline RoPE, which the pass does not do
     assert not pass_queries(spec, tuple(with_rope), passes).any()
@@ -335,13 +374,16 @@ def test_a_pass_whose_scores_outweigh_the_cache_is_not_used():
 @pytest.mark.compiles(MANY_HEADS, passes=True)
 def test_entries_of_a_pass_that_is_not_used_run_one_query_at_a_time(causal, cache, monkeypatch):
     """Their queries become 1-query entries with the keys each row sees (bottom-right causal:
-    none for a row past the keys), one launch of the 1-query pass per token (4 for entries of up
-    to 4 queries, whatever the batch); entries shorter than, equal to and longer than one chunk."""
+    none for a row past the keys), one launch of the 1-query pass per token and chunk size
+    (whatever the batch); entries shorter than, equal to and longer than one chunk."""
     kernel = open_kernel(MANY_HEADS, "llvm-cpu", cache=cache)
     entries = [(1, 700), (3, 260), (4, 2), (2, 9), (1, 5), (17, 40), (4, 256)]
     args = list(_call(MANY_HEADS, np.random.default_rng(9), entries))
     args[6] = causal
     calls = _CountingPasses(kernel, monkeypatch)
     got = kernel(*args)
-    assert (calls.decode, calls.rest) == (4, 1)
+    pass_spec = DecodeSpec(MANY_HEADS, 1)
+    launches = {(token, pass_spec.chunk_blocks(-(-kv_len // pass_spec.block)))
+                for qo_len, kv_len in entries if qo_len <= 4 for token in range(qo_len)}
+    assert (calls.decode, calls.rest) == (len(launches), 1)
     assert_matches_reference(f"MLA h64 one query at a time, causal {causal}", got, MANY_HEADS, args)

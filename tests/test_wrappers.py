@@ -116,7 +116,7 @@ def test_paged_matches_reference(spec, cache):
 
 
 #: Entries of 1 and 3 queries take the serving passes (RoPE off), the 17-query one the kernel.
-SHORT = [(1, 20), (3, 40), (17, 40)]
+SHORT = [(1, 20), (3, 40), (17, 600)]
 
 
 @pytest.mark.compiles(PAGED, passes=SHORT)
