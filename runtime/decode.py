@@ -275,11 +275,10 @@ def split_decode(spec, args: tuple, schedule: DecodeSchedule, run_decode: Callab
 def _calls_of(pass_spec: DecodeSpec, entries: np.ndarray, kv_lens: np.ndarray, pieces: np.ndarray,
               passes: DecodePasses) -> list[tuple[np.ndarray, int]]:
     """The entries of each call of a pass and the call's table blocks per chunk P. Bucketed (the
-    fused pass): one call per KV-length bucket (:func:`bucket_tiles`), P a KV tile. Else one call
-    per P (``DecodeSpec.chunk_blocks`` of each entry), in order of KV length, cut so that each
-    call's scratch (its entries padded to its longest, ``pieces`` [B] pass entries each) stays
-    within ``passes.call_scratch``.
-    None when ``entries`` is empty."""
+    fused pass): one call per KV-length bucket (:func:`bucket_tiles`), P a KV tile. Else the
+    entries of each P (``DecodeSpec.chunk_blocks`` of each entry) in calls cut by
+    :func:`_within_scratch` (``pieces`` [B]: pass entries per batch entry). None when
+    ``entries`` is empty."""
     if not len(entries):
         return []
     if passes.bucketed:
