@@ -157,10 +157,11 @@ class PassCall:
         """The call for one layer: ``named`` its arguments by ABI name, ``q`` its queries on the host."""
         spec = self.spec.base
         n, queries = self.rows.shape
-        q_pass = np.zeros((n, queries, *q.shape[1:]), q.dtype)
-        q_pass[self.real] = q[self.rows[self.real]]
-        q_pass = q_pass.reshape(n, queries, spec.h_kv, spec.group_size, -1).transpose(0, 2, 1, 3, 4)
-        args = (np.ascontiguousarray(q_pass.reshape(n, spec.h_kv, queries * spec.group_size, -1)),
+        h_kv, group = spec.h_kv, spec.group_size
+        # [n, h_kv, queries, G, d] written once through its [n, queries, h_kv, G, d] view
+        q_pass = np.zeros((n, h_kv, queries, group, q.shape[-1]), q.dtype)
+        q_pass.transpose(0, 2, 1, 3, 4)[self.real] = q[self.rows[self.real]].reshape(-1, h_kv, group, q.shape[-1])
+        args = (q_pass.reshape(n, h_kv, queries * group, -1),
                 *(named[arg.name] for arg in kv_sources(spec)), self.table, self.geometry, int(named["causal"]),
                 float(named["sm_scale"]), *((named["sinks"],) if spec.head_sinks else ()))
         return DecodeCall(self.spec, args, self.rows, self.real)
@@ -261,10 +262,11 @@ def split_decode(spec, args: tuple, schedule: DecodeSchedule, run_decode: Callab
         if output is None:
             output = np.empty((q.shape[0], spec.h_q, out_pass.shape[-1]), out_pass.dtype)
             lse = np.empty((q.shape[0], spec.h_q), np.float32)
-        out_pass = out_pass.reshape(n, h_kv, queries, group, -1).transpose(0, 2, 1, 3, 4)
-        lse_pass = lse_pass.reshape(n, h_kv, queries, group).transpose(0, 2, 1, 3)
-        output[call.rows[call.real]] = out_pass.reshape(n, queries, spec.h_q, -1)[call.real]
-        lse[call.rows[call.real]] = lse_pass.reshape(n, queries, spec.h_q)[call.real]
+        # each real row's [h_kv, G, d] block picked once from the [n, queries, h_kv, G, d] view
+        out_rows = out_pass.reshape(n, h_kv, queries, group, -1).transpose(0, 2, 1, 3, 4)[call.real]
+        lse_rows = lse_pass.reshape(n, h_kv, queries, group).transpose(0, 2, 1, 3)[call.real]
+        output[call.rows[call.real]] = out_rows.reshape(len(out_rows), spec.h_q, -1)
+        lse[call.rows[call.real]] = lse_rows.reshape(len(lse_rows), spec.h_q)
     if schedule.rest_index is not None:
         rest_rows = schedule.rest_rows
         output[rest_rows], lse[rest_rows] = run_rest(*_rest_call(spec, args, schedule.rest_index, q[rest_rows],
