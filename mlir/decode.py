@@ -4,12 +4,12 @@ A serving step is often many sequences with one (decode) or a few (speculative v
 tokens each. Walked one entry at a time (kv_cache.py), each costs its own gather, layout and
 KV-tile dispatches; here all of them run in a fixed sequence of dispatches (llvm-cpu, the linalg
 lowering). Shapes (n entries, h = h_kv, G the GQA group, R = queries x G rows per KV head with row
-t * G + g holding token t and head g, C = chunk columns, W = table width, a multiple of C / block):
+t * G + g holding token t and head g, c chunks of P blocks, C = P x block columns a chunk):
 
     q         [n, h, R, d_qk]          the entries' query rows, zero past an entry's queries
     table     [n, c, P] i32            per KV block of ``block`` logical rows: a page id (paged,
-                                       MLA) or the block's first row in k/v (ragged); c chunks
-                                       of P blocks (C = P x block columns), P chosen per call
+                                       MLA) or the block's first row in k/v (ragged); P chosen
+                                       per call (DecodeSpec.chunk_blocks)
     geometry  [n, 4] i32               kv_len, sink tokens, window_offset (semantics §2; 0, 0 without
                                        sliding window), qo_len
     scores    [n, c, h, P, block, R] f32   one pass per chunk of C columns
@@ -129,8 +129,8 @@ class DecodeSpec:
 
     @property
     def blocks_per_chunk(self) -> int:
-        """T: the blocks of a chunk the pass aims at (an entry's chunks hold T to 2T of them:
-        :meth:`chunk_blocks`)."""
+        """T: the blocks of a chunk the pass aims at (an entry's chunks hold T to 2T - 1 of them,
+        fewer for an entry shorter than T: :meth:`chunk_blocks`)."""
         return max(1, self.chunk_columns // self.block)
 
     def chunk_blocks(self, blocks: int) -> int:
@@ -166,7 +166,6 @@ class DecodeSpec:
         base = self.base
         scores = SCORE_TENSORS * self.rows * base.h_kv * 4
         return scores + self.rows * base.h_kv * self.d_v * 4 / self.chunk_columns
-
 
     def fields(self) -> dict:
         """Plain values :meth:`from_fields` rebuilds the pass from (an artifact manifest's)."""
@@ -344,7 +343,6 @@ def _decode(spec: DecodeSpec, rule: MaskRule, vectors: PassVectors, q, cache: Kv
     # The table as an operand indexed by (entry, chunk, block), used by the bodies: a block marked
     # -1 lies past every column of its entry and adds nothing. Without such an operand IREE
     # collapses (block, slot) into one dim, vectorises it, and every load becomes a gather.
-    table3 = table
     no_page = arith_d.constant(i32(), -1)
 
     def kept(table_value, value):
@@ -370,7 +368,7 @@ def _decode(spec: DecodeSpec, rule: MaskRule, vectors: PassVectors, q, cache: Kv
         q_operand, q_map = q, affine_map(7, (0, 2, 5, 6))
         tiles = dict(vector_common_parallel=[1, 1, 1, 1, 1, 1, 0],
                      vector_reduction=[0, 0, 0, 0, 0, 0, _width(vectors.head_dim, spec.d_qk)])
-    raw = generic([q_operand, table3], [fill(const_f32(0.0), score_sizes, f32())],
+    raw = generic([q_operand, table], [fill(const_f32(0.0), score_sizes, f32())],
                   [q_map, affine_map(7, (0, 1, 3)), affine_map(7, range(6))], "ppppppr", score_body)[0]
     raw.owner.attributes["compilation_info"] = _compilation_info(
         distribution=[1, 1, 1, 1, block, group, 0], **tiles)
@@ -408,7 +406,7 @@ def _decode(spec: DecodeSpec, rule: MaskRule, vectors: PassVectors, q, cache: Kv
     chunk_sum = generic([probs], [fill(const_f32(0.0), row_sizes, f32())], [by_key, rows],
                         "pppprr", lambda x, acc: [arith_d.addf(x, acc)])[0]
 
-    weighted = _probs_times_values(spec, cache, probs, table3, lengths, kept)
+    weighted = _probs_times_values(spec, cache, probs, table, lengths, kept)
     return _merge_chunks(spec, chunk_max, chunk_sum, weighted, sinks)
 
 
@@ -418,7 +416,7 @@ def _columns_per_load(d_v: int) -> int:
     return max(j for j in range(1, min(d_v, PV_COLUMNS) + 1) if d_v % j == 0)
 
 
-def _probs_times_values(spec: DecodeSpec, cache: KvCache, probs, table3, lengths, kept) -> ir.Value:
+def _probs_times_values(spec: DecodeSpec, cache: KvCache, probs, table, lengths, kept) -> ir.Value:
     """weighted [n, c, h, R, d_v] = probs [n, c, h, p, s, R] x values, per chunk.
 
     Vectorised along the query rows: each value element is one broadcast load from the cache,
@@ -447,7 +445,7 @@ def _probs_times_values(spec: DecodeSpec, cache: KvCache, probs, table3, lengths
 
     out_sizes = [entries, chunks, h, group, outer]
     results = generic(
-        [probs, table3, lengths], [fill(const_f32(0.0), out_sizes, f32()) for _ in range(columns)],
+        [probs, table, lengths], [fill(const_f32(0.0), out_sizes, f32()) for _ in range(columns)],
         [affine_map(7, (0, 1, 2, 5, 6, 4)), affine_map(7, (0, 1, 5)), affine_map(7, (0,))]
         + [affine_map(7, (0, 1, 2, 4, 3))] * columns, "pppppr" + "r", body)
     results[0].owner.attributes["compilation_info"] = _compilation_info(
