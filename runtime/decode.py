@@ -116,20 +116,6 @@ def _pieces(entries: np.ndarray, kv_lens: np.ndarray, qo_lens: np.ndarray, causa
     return batch_entry, first, counts, visible
 
 
-def _one_query_rows(entries: np.ndarray, kv_lens: np.ndarray, qo_lens: np.ndarray, causal: bool):
-    """An entry of q queries as q one-query pass entries: (batch entry, token, visible keys) of
-    each, int [m]. Row t sees the first kv_len - qo_len + t + 1 keys (bottom-right causal;
-    none when that is below 1) or all of them, so the 1-query pass gives it the entry's own
-    mask."""
-    counts = qo_lens[entries]
-    batch_entry = np.repeat(entries, counts)
-    token = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
-    visible = kv_lens[batch_entry]
-    if causal:
-        visible = np.maximum(visible - qo_lens[batch_entry] + token + 1, 0)
-    return batch_entry, token, visible
-
-
 @dataclass(frozen=True)
 class DecodeCall:
     """One call of a pass: ``args`` in decode_entries' order (q [n, h_kv, R, d_qk], the KV
@@ -216,33 +202,18 @@ def _pass_calls(spec, args: tuple, passes: np.ndarray, decode_passes: DecodePass
     calls = []
     for queries in decode_passes.queries:
         pass_spec = DecodeSpec(spec, queries)
-        pieces = -(-qo_lens // queries)  # pass entries per batch entry
-        for entries, multiple in _calls_of(pass_spec, np.flatnonzero(passes == queries), kv_lens, pieces,
-                                           decode_passes):
-            if queries > 1:
-                batch_entries, first, counts, visible = _pieces(entries, kv_lens, qo_lens, causal, queries)
-                token = np.arange(queries)
-                rows = (q_indptr[batch_entries] + first)[:, None] + token  # [n, queries]: the query rows
-                real = token < counts[:, None]  # the rest are padding
-                calls.append(_pass_call(pass_spec, args, batch_entries, kv_lens, visible, counts, rows, real,
-                                        multiple))
-                continue
-            batch_entries, token, visible = _one_query_rows(entries, kv_lens, qo_lens, causal)
-            for t in np.unique(token):
-                at = token == t
-                rows = (q_indptr[batch_entries[at]] + t)[:, None]
-                calls.append(_pass_call(pass_spec, args, batch_entries[at], kv_lens, visible[at],
-                                        np.ones(int(at.sum()), np.int64), rows, np.ones(rows.shape, bool), multiple))
+        entries, first, counts, visible = _pieces(np.flatnonzero(passes == queries), kv_lens, qo_lens, causal, queries)
+        # a piece's table holds the keys it sees (with a sliding window all of its entry's: the
+        # logical rows it sees are not a prefix of its table)
+        table_lens = kv_lens[entries] if getattr(spec, "sliding_window", False) else np.maximum(visible, 1)
+        for chosen, multiple in _calls_of(pass_spec, table_lens, decode_passes):
+            token = np.arange(queries)
+            rows = (q_indptr[entries[chosen]] + first[chosen])[:, None] + token  # [n, queries]: the query rows
+            real = token < counts[chosen][:, None]  # the rest are padding
+            table, geometry = block_table(pass_spec, args, entries[chosen], table_lens[chosen], visible[chosen],
+                                          counts[chosen], multiple)
+            calls.append(PassCall(pass_spec, table, geometry, rows, real))
     return calls
-
-
-def _pass_call(pass_spec: DecodeSpec, args: tuple, entries: np.ndarray, kv_lens: np.ndarray, visible: np.ndarray,
-               qo_lens: np.ndarray, rows: np.ndarray, real: np.ndarray, multiple: int) -> PassCall:
-    """One pass call over batch entries ``entries`` [n] (``visible`` keys and ``qo_lens``
-    queries each, ``kv_lens`` [B] the batch's) whose query rows are ``rows`` [n, queries]
-    (``real`` marks those that exist)."""
-    table, geometry = block_table(pass_spec, args, entries, kv_lens[entries], visible, qo_lens, multiple)
-    return PassCall(pass_spec, table, geometry, rows, real)
 
 
 def split_decode(spec, args: tuple, schedule: DecodeSchedule, run_decode: Callable, run_rest: Callable,
@@ -274,42 +245,35 @@ def split_decode(spec, args: tuple, schedule: DecodeSchedule, run_decode: Callab
     return (output, lse) if to_host else device_results([output, lse])
 
 
-def _calls_of(pass_spec: DecodeSpec, entries: np.ndarray, kv_lens: np.ndarray, pieces: np.ndarray,
-              passes: DecodePasses) -> list[tuple[np.ndarray, int]]:
-    """The entries of each call of a pass and the call's table blocks per chunk P. Bucketed (the
-    fused pass): one call per KV-length bucket (:func:`bucket_tiles`), P a KV tile. Else the
-    entries of each P (``DecodeSpec.chunk_blocks`` of each entry) in calls cut by
-    :func:`_within_scratch` (``pieces`` [B]: pass entries per batch entry). None when
-    ``entries`` is empty."""
-    if not len(entries):
+def _calls_of(pass_spec: DecodeSpec, lengths: np.ndarray, passes: DecodePasses) -> list[tuple[np.ndarray, int]]:
+    """The pass entries (indices into ``lengths`` [m], each one's table length in keys) of each
+    call of a pass, and the call's table blocks per chunk P. Bucketed (the fused pass): one call
+    per KV-length bucket (:func:`bucket_tiles`), P a KV tile. Else the entries of each P
+    (``DecodeSpec.chunk_blocks`` of each entry) in calls cut by :func:`_within_scratch`. None
+    when there are no entries."""
+    if not len(lengths):
         return []
+    entries = np.arange(len(lengths))
     if passes.bucketed:
-        buckets = bucket_tiles(-(-kv_lens[entries] // TILE))
+        buckets = bucket_tiles(-(-lengths // TILE))
         return [(entries[buckets == width], max(1, TILE // pass_spec.block)) for width in np.unique(buckets)]
-    blocks = -(-kv_lens[entries] // pass_spec.block)
-    chunk_blocks = np.array([pass_spec.chunk_blocks(b) for b in blocks], np.int64)
-    calls = []
-    for per_chunk in np.unique(chunk_blocks):
-        chosen = entries[chunk_blocks == per_chunk]
-        calls += [(cut, int(per_chunk))
-                  for cut in _within_scratch(pass_spec, chosen, kv_lens, pieces, int(per_chunk), passes)]
-    return calls
+    chunk_blocks = np.array([pass_spec.chunk_blocks(b) for b in -(-lengths // pass_spec.block)], np.int64)
+    return [(cut, int(per_chunk)) for per_chunk in np.unique(chunk_blocks)
+            for cut in _within_scratch(pass_spec, entries[chunk_blocks == per_chunk], lengths, int(per_chunk), passes)]
 
 
-def _within_scratch(pass_spec: DecodeSpec, entries: np.ndarray, kv_lens: np.ndarray, pieces: np.ndarray,
-                    per_chunk: int, passes: DecodePasses) -> list[np.ndarray]:
-    """``entries`` (calls of P = ``per_chunk``) in order of KV length, cut into calls that pad
-    an entry's chunks by less than MAX_CHUNK_PADDING and take at most ``passes.call_scratch``
-    bytes of scratch (no bound when None)."""
-    ordered = entries[np.argsort(kv_lens[entries], kind="stable")]
-    chunks = -(-kv_lens[ordered] // (per_chunk * pass_spec.block))  # ascending
+def _within_scratch(pass_spec: DecodeSpec, entries: np.ndarray, lengths: np.ndarray, per_chunk: int,
+                    passes: DecodePasses) -> list[np.ndarray]:
+    """``entries`` (pass entries of P = ``per_chunk``) in order of table length, cut into calls
+    that pad an entry's chunks by less than MAX_CHUNK_PADDING and take at most
+    ``passes.call_scratch`` bytes of scratch (no bound when None)."""
+    ordered = entries[np.argsort(lengths[entries], kind="stable")]
+    chunks = -(-lengths[ordered] // (per_chunk * pass_spec.block))  # ascending
     scratch = per_chunk * pass_spec.block * pass_spec.scratch_per_key  # bytes per chunk of an entry
     bound = np.inf if passes.call_scratch is None else passes.call_scratch
-    pass_entries = np.cumsum(pieces[ordered])
     calls, start = [], 0
     for i in range(len(ordered)):  # ordered[start:i + 1] padded to ordered[i]'s chunks
-        held = pass_entries[i] - (pass_entries[start - 1] if start else 0)
-        if i > start and (chunks[i] > MAX_CHUNK_PADDING * chunks[start] or held * chunks[i] * scratch > bound):
+        if i > start and (chunks[i] > MAX_CHUNK_PADDING * chunks[start] or (i + 1 - start) * chunks[i] * scratch > bound):
             calls.append(ordered[start:i])
             start = i
     return calls + [ordered[start:]]

@@ -58,8 +58,9 @@ class CacheHostLayout(HostLayout):
     @abstractmethod
     def table_rows(self, spec, named: dict, entries: np.ndarray, kv_lens: np.ndarray, block: int) -> tuple:
         """(ids, blocks, sink, window_offset) of the serving-pass table rows of batch entries
-        ``entries`` (int [n], ``kv_lens`` keys each): ``ids[i]`` the table entries the layout
-        stores for entry i (a page id, or the first row of a ``block``-row block), ``blocks``
+        ``entries`` (int [n]) reading their first ``kv_lens`` keys (all of them with a sliding
+        window): ``ids[i]`` the table entries the layout stores for those keys of entry i (a page
+        id, or the first row of a ``block``-row block), ``blocks``
         int [n] how many table entries each reads (the last id repeats up to it), and the
         sliding window's sink tokens and offset per entry (0 without one)."""
 
@@ -197,10 +198,13 @@ class _PageTableHost(CacheHostLayout, ABC):
 
     def table_rows(self, spec, named, entries, kv_lens, block):
         page_indptr, page_values = named["page_indptr"].astype(np.int64), named["page_values"]
+        needed = -(-kv_lens // block)
         ids = [page_values[page_indptr[b]:page_indptr[b + 1]] for b in entries]
+        if not spec.sliding_window:  # the first kv_len keys: a prefix of the pages
+            ids = [pages[:count] for pages, count in zip(ids, needed)]
         # Logical blocks past an entry's pages (sink > window offset) still read through the
         # table's last page: pad with it, so only blocks past every column are NO_BLOCK.
-        blocks = np.maximum([len(p) for p in ids], -(-kv_lens // block))
+        blocks = np.maximum([len(p) for p in ids], needed)
         info = named["length_info"]
         sink, offset = ((info[2][entries], info[1][entries]) if spec.sliding_window
                         else (np.zeros_like(kv_lens), np.zeros_like(kv_lens)))

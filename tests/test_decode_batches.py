@@ -184,8 +184,8 @@ def test_pass_entry_is_bitwise_the_same_alone_among_short_entries_and_in_a_mixed
 
 def test_pass_entries_cut_into_calls_by_scratch_give_the_same_rows(cache, monkeypatch):
     """A linalg pass's entries in calls of their own (``call_scratch`` of one byte): one call
-    per batch entry (MIXED: five 1-query, three 2-4 query entries, (5, 20) and (17, 40) in two
-    pieces), each row bitwise what the single calls give."""
+    per pass entry (MIXED: five 1-query, three 2-4 query entries, (5, 20) and the two pieces of
+    (17, 40)), each row bitwise what the single calls give."""
     spec = PagedPrefillSpec(8, 2, 64, "float32", page_size=16)
     kernel = open_kernel(spec, "llvm-cpu", cache=cache)
     args = _call(spec, np.random.default_rng(3), MIXED)
@@ -193,7 +193,7 @@ def test_pass_entries_cut_into_calls_by_scratch_give_the_same_rows(cache, monkey
     monkeypatch.setattr(kernel, "_decode_passes", dataclasses.replace(kernel._decode_passes, call_scratch=1))
     calls = _CountingPasses(kernel, monkeypatch)
     cut = kernel(*args)
-    assert (calls.decode, calls.rest) == (10, 1)
+    assert (calls.decode, calls.rest) == (11, 1)
     np.testing.assert_array_equal(cut[0], whole[0])
     np.testing.assert_array_equal(cut[1], whole[1])
 
@@ -210,6 +210,10 @@ def test_long_entries_over_short_caches_run_in_pieces_of_the_largest_pass(causal
     args = list(_call(spec, np.random.default_rng(10), LONG))
     args[argument_names(spec).index("causal")] = causal
     assert pass_queries(spec, args).tolist() == [16, 16, 16, 0, 16, 16]
+    for call in decode_calls(spec, args, pass_queries(spec, args), DECODE_PASSES["linalg"]):
+        table, geometry = call.args[2], call.args[3]  # a piece's table holds the keys it sees
+        used = (table.reshape(len(table), -1) != -1).sum(axis=1)
+        assert used.tolist() == (-(-np.maximum(geometry[:, 0], 1) // 16)).tolist()
     calls = _CountingPasses(kernel, monkeypatch)
     got = kernel(*args)
     assert calls.rest == 1
@@ -374,8 +378,9 @@ def test_a_pass_whose_scores_outweigh_the_cache_is_not_used():
 @pytest.mark.compiles(MANY_HEADS, passes=True)
 def test_entries_of_a_pass_that_is_not_used_run_one_query_at_a_time(causal, cache, monkeypatch):
     """Their queries become 1-query entries with the keys each row sees (bottom-right causal:
-    none for a row past the keys), one launch of the 1-query pass per token and chunk size
-    (whatever the batch); entries shorter than, equal to and longer than one chunk."""
+    none for a row past the keys), their tables holding those keys: one launch of the 1-query
+    pass per chunk size (no two entries here share one with chunk counts 1.5x apart); entries
+    shorter than, equal to and longer than one chunk."""
     kernel = open_kernel(MANY_HEADS, "llvm-cpu", cache=cache)
     entries = [(1, 700), (3, 260), (4, 2), (2, 9), (1, 5), (17, 40), (4, 256)]
     args = list(_call(MANY_HEADS, np.random.default_rng(9), entries))
@@ -383,7 +388,8 @@ def test_entries_of_a_pass_that_is_not_used_run_one_query_at_a_time(causal, cach
     calls = _CountingPasses(kernel, monkeypatch)
     got = kernel(*args)
     pass_spec = DecodeSpec(MANY_HEADS, 1)
-    launches = {(token, pass_spec.chunk_blocks(-(-kv_len // pass_spec.block)))
-                for qo_len, kv_len in entries if qo_len <= 4 for token in range(qo_len)}
+    seen = [max(kv_len - qo_len + token + 1 if causal else kv_len, 1)
+            for qo_len, kv_len in entries if qo_len <= 4 for token in range(qo_len)]
+    launches = {pass_spec.chunk_blocks(-(-keys // pass_spec.block)) for keys in seen}
     assert (calls.decode, calls.rest) == (len(launches), 1)
     assert_matches_reference(f"MLA h64 one query at a time, causal {causal}", got, MANY_HEADS, args)
