@@ -5,11 +5,13 @@ An entry with few queries (1 to 16: ``DECODE_PASSES``) and at
 least one KV row is a *pass entry* when the call's keys need no inline RoPE
 (``rotary_mode == 0``; MLA never rotates). :func:`split_decode` turns such a call into
 
-* for each query count of the lowering's passes, one call over every entry with that many
-  queries or fewer (padded to it), or, in the fused lowering (CUDA), one call per KV-length
-  bucket (:func:`bucket_tiles`, padding under 1.5x): a fixed number of dispatches each, whatever
-  the batch size (a pass whose scratch would pass its bound, ``DecodePasses.usable``, hands its
-  entries to the 1-query pass, one call per token), and
+* for each query count of the lowering's passes, its pass entries (every entry with that many
+  queries or fewer, padded to it; a longer entry in pieces of that many: :func:`_pieces`) in
+  calls of one chunk size and similar lengths (linalg, :func:`_calls_of`), or, in the fused
+  lowering (CUDA), one call per KV-length bucket (:func:`bucket_tiles`, padding under 1.5x): a
+  fixed number of dispatches each, a bounded number of calls whatever the batch size (a pass
+  whose scratch would pass its bound, ``DecodePasses.usable``, hands its entries to the 1-query
+  pass, one query a pass entry), and
 * the variant's own kernel for the other entries (``_rest_call``),
 
 then scatters the results back into token order. Which path an entry takes depends on its own
@@ -183,10 +185,10 @@ def decode_schedule(spec, args: tuple, decode_passes: DecodePasses) -> DecodeSch
 
 def decode_calls(spec, args: tuple, passes: np.ndarray, decode_passes: DecodePasses) -> list[DecodeCall]:
     """The pass calls of a KV-cache call whose one-pass entries are ``passes`` (from
-    :func:`pass_queries`): one per query count, or one per (query count, KV bucket) when
-    ``decode_passes.bucketed``; entries of several queries in the 1-query pass add one call per
-    token (at most the largest pass's query count), so each call holds the scores of one query
-    per entry. ``args`` are checked, in the seed's order."""
+    :func:`pass_queries`): per query count, one per (chunk size, band of lengths), or one per KV
+    bucket when ``decode_passes.bucketed``; an entry of more queries than its pass runs in
+    pieces (:func:`_pieces`), each a pass entry whose table holds the keys it sees. ``args``
+    are checked, in the seed's order."""
     named = _named(spec, args)
     q = np.asarray(on_host(named["q"]))
     return [call.call(named, q) for call in _pass_calls(spec, args, passes, decode_passes)]
