@@ -11,7 +11,7 @@ least one KV row is a *pass entry* when the call's keys need no inline RoPE
   lowering (CUDA), one call per KV-length bucket (:func:`bucket_tiles`, padding under 1.5x): a
   fixed number of dispatches each, a bounded number of calls whatever the batch size (a pass
   whose scratch would pass its bound, ``DecodePasses.usable``, hands its entries to the 1-query
-  pass, one query a pass entry), and
+  pass, one query a pass entry; a call holds at most one piece of each entry), and
 * the variant's own kernel for the other entries (``_rest_call``),
 
 then scatters the results back into token order. Which path an entry takes depends on its own
@@ -207,8 +207,13 @@ def _pass_calls(spec, args: tuple, passes: np.ndarray, decode_passes: DecodePass
         entries, first, counts, visible = _pieces(np.flatnonzero(passes == queries), kv_lens, qo_lens, causal, queries)
         # a piece's table holds the keys it sees (with a sliding window all of its entry's: the
         # logical rows it sees are not a prefix of its table)
-        table_lens = kv_lens[entries] if getattr(spec, "sliding_window", False) else np.maximum(visible, 1)
-        for chosen, multiple in _calls_of(pass_spec, table_lens, decode_passes):
+        table_lens = kv_lens[entries] if pass_spec.sliding_window else np.maximum(visible, 1)
+        # a call holds at most one piece of each entry, so its scratch stays that of one pass
+        # entry per batch entry (bench/serving_memory.py: DeepSeek-V3's 4-query entries as
+        # 1-query pieces took 3.87x their K/V in calls of all four pieces, 1.04x one at a time)
+        calls_of = [(np.flatnonzero(first == offset)[chosen], multiple) for offset in np.unique(first)
+                    for chosen, multiple in _calls_of(pass_spec, table_lens[first == offset], decode_passes)]
+        for chosen, multiple in calls_of:
             token = np.arange(queries)
             rows = (q_indptr[entries[chosen]] + first[chosen])[:, None] + token  # [n, queries]: the query rows
             real = token < counts[chosen][:, None]  # the rest are padding

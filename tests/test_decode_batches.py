@@ -94,9 +94,10 @@ pytestmark = pytest.mark.compiles(*(spec for spec, _ in CASES.values()), passes=
 
 def _mixed_pass_calls(spec, backend, args) -> int:
     """Calls of the passes on MIXED (the variant's own kernel takes the rest in one call). linalg:
-    one call per (pass, blocks per chunk) among its entries, the passes the 1-, 4- and 16-query
-    ones (without the 16-query one where its scores would pass the scratch bound, d 64 in
-    16-bit: then (5, 20) and (17, 40) join the rest; else (17, 40) runs in two pieces). fused: one call per (query count, KV bucket): 1 query
+    one call per (pass, piece, blocks per chunk) among its entries, the passes the 1-, 4- and
+    16-query ones (without the 16-query one where its scores would pass the scratch bound, d 64
+    in 16-bit: then (5, 20) and (17, 40) join the rest; else (17, 40) runs in two pieces, each in
+    a call of its own). fused: one call per (query count, KV bucket): 1 query
     vs 37 / 300 / 1 / 700 / 256 keys is 1 / 5 / 1 / 11 / 4 tiles in buckets 1, 6, 12 and 4 (4
     calls); 2-4 queries vs 260 / 2 / 9 keys in buckets 6 and 1 (2 calls); 5 queries, the
     16-query pass (1)."""
@@ -110,9 +111,11 @@ def _mixed_pass_calls(spec, backend, args) -> int:
         in_pieces = largest in usable and kv_len <= passes.pieces_up_to  # (17, 40)
         own = min((queries for queries in passes.queries if queries >= qo_len), default=largest if in_pieces else 0)
         taken = passes.taken(own, usable) if qo_len >= 1 and kv_len >= 1 and own else 0
-        if taken:
+        for first in range(0, qo_len, taken) if taken else ():  # a piece of tokens [first, first + n)
             pass_spec = DecodeSpec(spec, taken)
-            calls.add((taken, pass_spec.chunk_blocks(-(-kv_len // pass_spec.block))))
+            n = min(taken, qo_len - first)  # it sees (causal) and its table holds kv_len - qo_len + first + n keys
+            keys = kv_len if pass_spec.sliding_window else max(kv_len - qo_len + first + n, 1)
+            calls.add((taken, first, pass_spec.chunk_blocks(-(-keys // pass_spec.block))))
     return len(calls)
 
 
@@ -379,8 +382,8 @@ def test_a_pass_whose_scores_outweigh_the_cache_is_not_used():
 def test_entries_of_a_pass_that_is_not_used_run_one_query_at_a_time(causal, cache, monkeypatch):
     """Their queries become 1-query entries with the keys each row sees (bottom-right causal:
     none for a row past the keys), their tables holding those keys: one launch of the 1-query
-    pass per chunk size (no two entries here share one with chunk counts 1.5x apart); entries
-    shorter than, equal to and longer than one chunk."""
+    pass per token and chunk size (no two entries here share one with chunk counts 1.5x apart);
+    entries shorter than, equal to and longer than one chunk."""
     kernel = open_kernel(MANY_HEADS, "llvm-cpu", cache=cache)
     entries = [(1, 700), (3, 260), (4, 2), (2, 9), (1, 5), (17, 40), (4, 256)]
     args = list(_call(MANY_HEADS, np.random.default_rng(9), entries))
@@ -388,8 +391,8 @@ def test_entries_of_a_pass_that_is_not_used_run_one_query_at_a_time(causal, cach
     calls = _CountingPasses(kernel, monkeypatch)
     got = kernel(*args)
     pass_spec = DecodeSpec(MANY_HEADS, 1)
-    seen = [max(kv_len - qo_len + token + 1 if causal else kv_len, 1)
+    seen = [(token, max(kv_len - qo_len + token + 1 if causal else kv_len, 1))
             for qo_len, kv_len in entries if qo_len <= 4 for token in range(qo_len)]
-    launches = {pass_spec.chunk_blocks(-(-keys // pass_spec.block)) for keys in seen}
+    launches = {(token, pass_spec.chunk_blocks(-(-keys // pass_spec.block))) for token, keys in seen}
     assert (calls.decode, calls.rest) == (len(launches), 1)
     assert_matches_reference(f"MLA h64 one query at a time, causal {causal}", got, MANY_HEADS, args)
