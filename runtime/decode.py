@@ -11,7 +11,8 @@ least one KV row is a *pass entry* when the call's keys need no inline RoPE
   lowering (CUDA), one call per KV-length bucket (:func:`bucket_tiles`, padding under 1.5x): a
   fixed number of dispatches each, a bounded number of calls whatever the batch size (a pass
   whose scratch would pass its bound, ``DecodePasses.usable``, hands its entries to the 1-query
-  pass, one query a pass entry; a call holds at most one piece of each entry), and
+  pass, one query a pass entry; a call holds as many pieces of an entry as the pass's scratch
+  bound allows), and
 * the variant's own kernel for the other entries (``_rest_call``),
 
 then scatters the results back into token order. Which path an entry takes depends on its own
@@ -208,11 +209,12 @@ def _pass_calls(spec, args: tuple, passes: np.ndarray, decode_passes: DecodePass
         # a piece's table holds the keys it sees (with a sliding window all of its entry's: the
         # logical rows it sees are not a prefix of its table)
         table_lens = kv_lens[entries] if pass_spec.sliding_window else np.maximum(visible, 1)
-        # a call holds at most one piece of each entry, so its scratch stays that of one pass
-        # entry per batch entry (bench/serving_memory.py: DeepSeek-V3's 4-query entries as
-        # 1-query pieces took 3.87x their K/V in calls of all four pieces, 1.04x one at a time)
-        calls_of = [(np.flatnonzero(first == offset)[chosen], multiple) for offset in np.unique(first)
-                    for chosen, multiple in _calls_of(pass_spec, table_lens[first == offset], decode_passes)]
+        # a call holds as many pieces of an entry as keep its scratch within the pass's bound
+        # (bench/serving_memory.py: DeepSeek-V3's 4-query entries as 1-query pieces took 3.87x
+        # their K/V in calls of all four pieces, 1.98x one at a time)
+        band = first // (queries * _pieces_per_call(pass_spec, decode_passes))
+        calls_of = [(np.flatnonzero(band == group)[chosen], multiple) for group in np.unique(band)
+                    for chosen, multiple in _calls_of(pass_spec, table_lens[band == group], decode_passes)]
         for chosen, multiple in calls_of:
             token = np.arange(queries)
             rows = (q_indptr[entries[chosen]] + first[chosen])[:, None] + token  # [n, queries]: the query rows
@@ -250,6 +252,14 @@ def split_decode(spec, args: tuple, schedule: DecodeSchedule, run_decode: Callab
         output[rest_rows], lse[rest_rows] = run_rest(*_rest_call(spec, args, schedule.rest_index, q[rest_rows],
                                                                  rest_rows))
     return (output, lse) if to_host else device_results([output, lse])
+
+
+def _pieces_per_call(pass_spec: DecodeSpec, passes: DecodePasses) -> int:
+    """How many pieces of one entry a call of ``pass_spec`` may hold: as many as keep their
+    scratch within ``passes.scratch_bound`` times the entry's K/V (at least one)."""
+    if passes.scratch_bound is None:
+        return 1
+    return max(1, int(passes.scratch_bound * pass_spec.kv_bytes_per_key // pass_spec.scratch_per_key))
 
 
 def _calls_of(pass_spec: DecodeSpec, lengths: np.ndarray, passes: DecodePasses) -> list[tuple[np.ndarray, int]]:

@@ -223,6 +223,18 @@ def test_long_entries_over_short_caches_run_in_pieces_of_the_largest_pass(causal
     assert_matches_reference(f"pieces, causal {causal}", got, spec, args)
 
 
+def test_a_call_holds_as_many_pieces_of_an_entry_as_the_scratch_bound_allows():
+    """h 32/8 d 128 f32: the 16-query pass's scratch per key equals the K/V's, so a call holds
+    two pieces of each entry (2x, the bound): two 64-query entries (non-causal, so every piece
+    sees all 200 keys and takes one chunk size) in two calls of four pieces."""
+    spec = PagedPrefillSpec(32, 8, 128, "float32", page_size=16)
+    args = list(_call(spec, np.random.default_rng(11), [(64, 200), (64, 200)]))
+    args[argument_names(spec).index("causal")] = 0
+    calls = decode_calls(spec, args, pass_queries(spec, args), DECODE_PASSES["linalg"])
+    assert [len(call.rows) for call in calls] == [4, 4]
+    assert sorted(row for call in calls for row in call.rows.ravel()) == list(range(128))
+
+
 def _op_names(module) -> list[str]:
     names = []
     module.operation.walk(lambda op: names.append(op.name) or 0)
