@@ -202,11 +202,19 @@ class DecodePasses:
 
     def usable(self, spec) -> tuple[int, ...]:
         """The query counts of the passes that keep ``spec``'s scratch within the bound."""
-        def within(pass_spec: DecodeSpec) -> bool:
-            return pass_spec.scratch_per_key <= self.scratch_bound * pass_spec.kv_bytes_per_key
+        return tuple(queries for queries in self.queries if self._within_bound(DecodeSpec(spec, queries)) != 0)
 
-        return tuple(queries for queries in self.queries
-                     if self.scratch_bound is None or within(DecodeSpec(spec, queries)))
+    def pieces_per_call(self, pass_spec: DecodeSpec) -> int:
+        """How many pass entries of one batch entry (its pieces) a call of ``pass_spec`` may hold:
+        as many as keep their scratch within the bound (at least one; one without a bound)."""
+        return max(1, self._within_bound(pass_spec) or 1)
+
+    def _within_bound(self, pass_spec: DecodeSpec) -> int | None:
+        """How many pass entries' scratch per key fit in ``scratch_bound`` times a key's K/V
+        (None without a bound)."""
+        if self.scratch_bound is None:
+            return None
+        return int(self.scratch_bound * pass_spec.kv_bytes_per_key // pass_spec.scratch_per_key)
 
     def taken(self, queries: int, usable: tuple[int, ...]) -> int:
         """The pass (its query count) an entry whose own pass is ``queries`` takes, or 0 (the

@@ -212,7 +212,7 @@ def _pass_calls(spec, args: tuple, passes: np.ndarray, decode_passes: DecodePass
         # a call holds as many pieces of an entry as keep its scratch within the pass's bound
         # (bench/serving_memory.py: DeepSeek-V3's 4-query entries as 1-query pieces took 3.87x
         # their K/V in calls of all four pieces, 1.98x one at a time)
-        band = first // (queries * _pieces_per_call(pass_spec, decode_passes))
+        band = first // (queries * decode_passes.pieces_per_call(pass_spec))
         calls_of = [(np.flatnonzero(band == group)[chosen], multiple) for group in np.unique(band)
                     for chosen, multiple in _calls_of(pass_spec, table_lens[band == group], decode_passes)]
         for chosen, multiple in calls_of:
@@ -254,20 +254,12 @@ def split_decode(spec, args: tuple, schedule: DecodeSchedule, run_decode: Callab
     return (output, lse) if to_host else device_results([output, lse])
 
 
-def _pieces_per_call(pass_spec: DecodeSpec, passes: DecodePasses) -> int:
-    """How many pieces of one entry a call of ``pass_spec`` may hold: as many as keep their
-    scratch within ``passes.scratch_bound`` times the entry's K/V (at least one)."""
-    if passes.scratch_bound is None:
-        return 1
-    return max(1, int(passes.scratch_bound * pass_spec.kv_bytes_per_key // pass_spec.scratch_per_key))
-
-
 def _calls_of(pass_spec: DecodeSpec, lengths: np.ndarray, passes: DecodePasses) -> list[tuple[np.ndarray, int]]:
     """The pass entries (indices into ``lengths`` [m], each one's table length in keys) of each
     call of a pass, and the call's table blocks per chunk P. Bucketed (the fused pass): one call
     per KV-length bucket (:func:`bucket_tiles`), P a KV tile. Else the entries of each P
-    (``DecodeSpec.chunk_blocks`` of each entry) in calls cut by :func:`_within_scratch`. None
-    when there are no entries."""
+    (``DecodeSpec.chunk_blocks`` of each entry) in calls cut by :func:`_within_scratch`; an
+    empty list when there are no entries."""
     if not len(lengths):
         return []
     entries = np.arange(len(lengths))
