@@ -358,7 +358,6 @@ def _decode(spec: DecodeSpec, rule: MaskRule, vectors: PassVectors, q, cache: Kv
 
     # scores [n, c, h, p, s, g]: loops (i, c, h, p, s, g, k)
     score_sizes = [entries, chunks, h, per_chunk, block, group]
-    row_major = [entries, chunks, h, group, per_chunk, block]
 
     def score_body(q_value, table_value, acc):
         i, c, hh, p, s, k = (_index(x) for x in (0, 1, 2, 3, 4, 6))
@@ -385,9 +384,18 @@ def _decode(spec: DecodeSpec, rule: MaskRule, vectors: PassVectors, q, cache: Kv
     every = affine_map(6, range(6))
 
     mask = rule.bind({"causal": causal}).per_call()
+    # Passes of ROW_VECTOR or more rows keep the masked scores key-major, [n, c, h, p, s, g]: the
+    # chunk's max and sum reduce over keys with a vector of rows, and nothing is transposed (the
+    # 16-query pass's mask 1.53 -> 0.92 ms on 32 x 16 vs 192 keys, docs/performance.md). Fewer rows
+    # make those vectors short: such passes store them row-major, [n, c, h, g, p, s], so the max,
+    # exp2 and sum read each row's columns contiguously (with g innermost they read with a stride
+    # of g: 9.0 ms of the 32 x 1 vs 1024 f32 pass's 50.6, docs/serving.md).
+    key_major = group >= ROW_VECTOR
+    loops = (0, 1, 2, 3, 4, 5) if key_major else (0, 1, 2, 4, 5, 3)  # the loop dim of each of (i, c, h, p, s, g)
+    i_, c_, h_, p_, s_, g_ = loops
 
-    def mask_body(x, kv_len, qo_len, _out):  # loops (i, c, h, g, p, s)
-        c, row, p, s = (_index(x_) for x_ in (1, 3, 4, 5))
+    def mask_body(x, kv_len, qo_len, _out):
+        c, row, p, s = (_index(x_) for x_ in (c_, g_, p_, s_))
         col = cache.logical_column(c, p, s)
         kv_len, qo_len = (arith_d.index_cast(index(), v) for v in (kv_len, qo_len))
         token = arith_d.divui(row, const_index(base.group_size))
@@ -395,24 +403,25 @@ def _decode(spec: DecodeSpec, rule: MaskRule, vectors: PassVectors, q, cache: Kv
         return [arith_d.select(valid, scale(x), const_f32(float("-inf")))]
 
     lengths, query_lengths = _column(geometry, 0), _column(geometry, 3)
-    # The masked scores row-major, [n, c, h, g, p, s]: the chunk's max, exp2 and sum then read each
-    # row's columns contiguously (with g innermost they read with a stride of g: 9.0 ms of the
-    # 32 x 1 vs 1024 f32 pass's 50.6, docs/serving.md). In a dispatch of its own: fused with the
-    # max and exp2, IREE 3.13 keeps a chunk's masked row on the stack, which a dynamic P cannot bound.
+    layout = [score_sizes[loops.index(axis)] for axis in range(6)]
+    # In a dispatch of its own: fused with the max and exp2, IREE 3.13 keeps a chunk's masked row
+    # on the stack, which a dynamic P cannot bound.
     scores = own_dispatch(lambda: generic(
-        [raw, lengths, query_lengths], [empty(row_major, f32())],
-        [affine_map(6, (0, 1, 2, 4, 5, 3)), affine_map(6, (0,)), affine_map(6, (0,)), every], "pppppp",
-        mask_body)[0], tensor_type([DYN, DYN, h, group, DYN, block], f32()), row_major)
-    rows = affine_map(6, (0, 1, 2, 3))  # loops (i, c, h, g, p, s)
-    row_sizes = [entries, chunks, h, group]
-    chunk_max = generic([scores], [fill(const_f32(NO_KEY_MAX), row_sizes, f32())], [every, rows],
-                        "pppprr", lambda x, acc: [arith_d.maximumf(x, acc)])[0]
+        [raw, lengths, query_lengths], [empty(layout, f32())],
+        [affine_map(6, loops), affine_map(6, (0,)), affine_map(6, (0,)), every], "pppppp",
+        mask_body)[0], tensor_type([DYN, DYN, h, *((DYN, block, group) if key_major else (group, DYN, block))], f32()),
+        layout)
+    rows = affine_map(6, (i_, c_, h_, g_))  # loops in the masked scores' order
     # The probabilities by key, [n, c, h, p, s, g]: probs x values reads a key's rows as one vector.
-    by_key = affine_map(6, (0, 1, 2, 4, 5, 3))
+    by_key = affine_map(6, loops)
+    row_sizes = [entries, chunks, h, group]
+    reduced = "".join("r" if axis in (p_, s_) else "p" for axis in range(6))
+    chunk_max = generic([scores], [fill(const_f32(NO_KEY_MAX), row_sizes, f32())], [every, rows],
+                        reduced, lambda x, acc: [arith_d.maximumf(x, acc)])[0]
     probs = generic([scores, chunk_max], [empty([entries, chunks, h, per_chunk, block, group], f32())],
                     [every, rows, by_key], "pppppp", lambda x, m, _out: [math_d.exp2(arith_d.subf(x, m))])[0]
     chunk_sum = generic([probs], [fill(const_f32(0.0), row_sizes, f32())], [by_key, rows],
-                        "pppprr", lambda x, acc: [arith_d.addf(x, acc)])[0]
+                        reduced, lambda x, acc: [arith_d.addf(x, acc)])[0]
 
     weighted = _probs_times_values(spec, cache, probs, table, lengths, kept)
     return _merge_chunks(spec, chunk_max, chunk_sum, weighted, sinks)

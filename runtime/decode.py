@@ -234,14 +234,12 @@ def split_decode(spec, args: tuple, schedule: DecodeSchedule, run_decode: Callab
     named = _named(spec, args)
     q = np.asarray(on_host(named["q"]))
     h_kv, group = spec.h_kv, spec.group_size
-    output = lse = None
+    output = np.empty((q.shape[0], spec.h_q, spec.d_v), q.dtype)
+    lse = np.empty((q.shape[0], spec.h_q), np.float32)
     for scheduled in schedule.calls:
         call = scheduled.call(named, q)
         n, queries = call.rows.shape
         out_pass, lse_pass = run_decode(queries, *call.args)
-        if output is None:
-            output = np.empty((q.shape[0], spec.h_q, out_pass.shape[-1]), out_pass.dtype)
-            lse = np.empty((q.shape[0], spec.h_q), np.float32)
         # each real row's [h_kv, G, d] block picked once from the [n, queries, h_kv, G, d] view
         out_rows = out_pass.reshape(n, h_kv, queries, group, -1).transpose(0, 2, 1, 3, 4)[call.real]
         lse_rows = lse_pass.reshape(n, h_kv, queries, group).transpose(0, 2, 1, 3)[call.real]
