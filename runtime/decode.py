@@ -147,9 +147,16 @@ class PassCall:
         spec = self.spec.base
         n, queries = self.rows.shape
         h_kv, group = spec.h_kv, spec.group_size
-        # [n, h_kv, queries, G, d] written once through its [n, queries, h_kv, G, d] view
-        q_pass = np.zeros((n, h_kv, queries, group, q.shape[-1]), q.dtype)
-        q_pass.transpose(0, 2, 1, 3, 4)[self.real] = q[self.rows[self.real]].reshape(-1, h_kv, group, q.shape[-1])
+        # [n, h_kv, queries, G, d] written once through its [n, queries, h_kv, G, d] view (zeroed
+        # first when some rows are padding)
+        d = q.shape[-1]
+        every_row = bool(self.real.all())
+        q_pass = (np.empty if every_row else np.zeros)((n, h_kv, queries, group, d), q.dtype)
+        by_token = q_pass.transpose(0, 2, 1, 3, 4)
+        if every_row:
+            by_token[...] = q[self.rows].reshape(n, queries, h_kv, group, d)
+        else:
+            by_token[self.real] = q[self.rows[self.real]].reshape(-1, h_kv, group, d)
         args = (q_pass.reshape(n, h_kv, queries * group, -1),
                 *(named[arg.name] for arg in kv_sources(spec)), self.table, self.geometry, int(named["causal"]),
                 float(named["sm_scale"]), *((named["sinks"],) if spec.head_sinks else ()))
@@ -240,11 +247,15 @@ def split_decode(spec, args: tuple, schedule: DecodeSchedule, run_decode: Callab
         call = scheduled.call(named, q)
         n, queries = call.rows.shape
         out_pass, lse_pass = run_decode(queries, *call.args)
-        # each real row's [h_kv, G, d] block picked once from the [n, queries, h_kv, G, d] view
-        out_rows = out_pass.reshape(n, h_kv, queries, group, -1).transpose(0, 2, 1, 3, 4)[call.real]
-        lse_rows = lse_pass.reshape(n, h_kv, queries, group).transpose(0, 2, 1, 3)[call.real]
-        output[call.rows[call.real]] = out_rows.reshape(len(out_rows), spec.h_q, -1)
-        lse[call.rows[call.real]] = lse_rows.reshape(len(lse_rows), spec.h_q)
+        # each real row's [h_kv, G, d] block written once from the [n, queries, h_kv, G, d] view
+        out_rows = out_pass.reshape(n, h_kv, queries, group, -1).transpose(0, 2, 1, 3, 4)
+        lse_rows = lse_pass.reshape(n, h_kv, queries, group).transpose(0, 2, 1, 3)
+        out_by_head = output.reshape(len(output), h_kv, group, -1)
+        lse_by_head = lse.reshape(len(lse), h_kv, group)
+        if call.real.all():
+            out_by_head[call.rows], lse_by_head[call.rows] = out_rows, lse_rows
+        else:
+            out_by_head[call.rows[call.real]], lse_by_head[call.rows[call.real]] = out_rows[call.real], lse_rows[call.real]
     if schedule.rest_index is not None:
         rest_rows = schedule.rest_rows
         output[rest_rows], lse[rest_rows] = run_rest(*_rest_call(spec, args, schedule.rest_index, q[rest_rows],
