@@ -18,6 +18,7 @@ class LoadedKernel:
     ``kernel(*args)`` takes numpy arrays (copied to the device), IREE ``DeviceArray``s (used in
     place) and Python scalars, and returns the results as numpy arrays, or as ``DeviceArray``s
     with ``to_host=False``. Calls are serialised by a lock, so one object may be shared by threads.
+    On the CPU drivers the results are copies: no buffer of a call outlives it (see __init__).
     """
 
     def __init__(self, vmfb: bytes, symbol: str, driver: str):
@@ -47,16 +48,18 @@ class LoadedKernel:
         if not isinstance(results, (tuple, list)):
             results = (results,)
         if to_host:
-            return tuple(_to_numpy(r) for r in results)
+            return tuple(_to_numpy(r, copy=self._results_detached) for r in results)
         if self._results_detached:
-            return tuple(as_device_arrays(self.device, [_to_numpy(r) for r in results]))
+            return tuple(as_device_arrays(self.device, [_to_numpy(r, copy=True) for r in results]))
         return tuple(results)
 
 
-def _to_numpy(value) -> np.ndarray:
-    """A result as a numpy array of its own: a copy, so that no result buffer of the call outlives it."""
+def _to_numpy(value, copy: bool = False) -> np.ndarray:
+    """A result as a numpy array; with ``copy``, one of its own, so that the call's result buffer
+    can go (``to_host`` maps a local device's buffer in place)."""
     if isinstance(value, rt.DeviceArray):
-        return np.array(value.to_host())
+        host = value.to_host()
+        return np.array(host) if copy else host
     return np.asarray(value)
 
 
