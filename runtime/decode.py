@@ -243,6 +243,8 @@ def split_decode(spec, args: tuple, schedule: DecodeSchedule, run_decode: Callab
     h_kv, group = spec.h_kv, spec.group_size
     output = np.empty((q.shape[0], spec.h_q, spec.d_v), q.dtype)
     lse = np.empty((q.shape[0], spec.h_q), np.float32)
+    out_by_head = output.reshape(len(output), h_kv, group, -1)
+    lse_by_head = lse.reshape(len(lse), h_kv, group)
     for scheduled in schedule.calls:
         call = scheduled.call(named, q)
         n, queries = call.rows.shape
@@ -250,8 +252,6 @@ def split_decode(spec, args: tuple, schedule: DecodeSchedule, run_decode: Callab
         # each real row's [h_kv, G, d] block written once from the [n, queries, h_kv, G, d] view
         out_rows = out_pass.reshape(n, h_kv, queries, group, -1).transpose(0, 2, 1, 3, 4)
         lse_rows = lse_pass.reshape(n, h_kv, queries, group).transpose(0, 2, 1, 3)
-        out_by_head = output.reshape(len(output), h_kv, group, -1)
-        lse_by_head = lse.reshape(len(lse), h_kv, group)
         if call.real.all():
             out_by_head[call.rows], lse_by_head[call.rows] = out_rows, lse_rows
         else:

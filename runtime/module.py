@@ -49,8 +49,8 @@ class LoadedKernel:
             results = (results,)
         if to_host:
             return tuple(_to_numpy(r, copy=self._results_detached) for r in results)
-        if self._results_detached:
-            return tuple(as_device_arrays(self.device, [_to_numpy(r, copy=True) for r in results]))
+        if self._results_detached:  # uploaded straight from the mapped results: one copy
+            return tuple(as_device_arrays(self.device, [_to_numpy(r) for r in results]))
         return tuple(results)
 
 
