@@ -142,25 +142,31 @@ class PassCall:
     rows: np.ndarray
     real: np.ndarray
 
-    def call(self, named: dict, q: np.ndarray) -> DecodeCall:
-        """The call for one layer: ``named`` its arguments by ABI name, ``q`` its queries on the host."""
+    def call(self, named: dict, q: np.ndarray, new_array: Callable = None) -> DecodeCall:
+        """The call for one layer: ``named`` its arguments by ABI name, ``q`` its queries on the
+        host; the pass's q is written through ``new_array(shape, dtype) -> (argument, view)``
+        (module.host_visible_array; default a numpy array)."""
         spec = self.spec.base
         n, queries = self.rows.shape
         h_kv, group = spec.h_kv, spec.group_size
         # [n, h_kv, queries, G, d] written once through its [n, queries, h_kv, G, d] view (zeroed
         # first when some rows are padding)
         d = q.shape[-1]
-        every_row = bool(self.real.all())
-        q_pass = (np.empty if every_row else np.zeros)((n, h_kv, queries, group, d), q.dtype)
-        by_token = q_pass.transpose(0, 2, 1, 3, 4)
-        if every_row:
+        q_arg, q_pass = (new_array or _numpy_array)((n, h_kv, queries * group, d), q.dtype)
+        by_token = q_pass.reshape(n, h_kv, queries, group, d).transpose(0, 2, 1, 3, 4)
+        if self.real.all():
             by_token[...] = q[self.rows].reshape(n, queries, h_kv, group, d)
         else:
+            q_pass[...] = 0
             by_token[self.real] = q[self.rows[self.real]].reshape(-1, h_kv, group, d)
-        args = (q_pass.reshape(n, h_kv, queries * group, -1),
-                *(named[arg.name] for arg in kv_sources(spec)), self.table, self.geometry, int(named["causal"]),
+        args = (q_arg, *(named[arg.name] for arg in kv_sources(spec)), self.table, self.geometry, int(named["causal"]),
                 float(named["sm_scale"]), *((named["sinks"],) if spec.head_sinks else ()))
         return DecodeCall(self.spec, args, self.rows, self.real)
+
+
+def _numpy_array(shape: tuple, dtype) -> tuple[np.ndarray, np.ndarray]:
+    array = np.empty(shape, dtype)
+    return array, array
 
 
 @dataclass(frozen=True)
@@ -233,34 +239,47 @@ def _pass_calls(spec, args: tuple, passes: np.ndarray, decode_passes: DecodePass
 
 
 def split_decode(spec, args: tuple, schedule: DecodeSchedule, run_decode: Callable, run_rest: Callable,
-                 device_results: Callable, to_host: bool):
+                 new_array: Callable, device_results: Callable, to_host: bool):
     """(output, lse) of a KV-cache call whose entries ``schedule`` (:func:`decode_schedule`)
-    splits: its pass calls go through ``run_decode(queries, *args)`` and the rest through
-    ``run_rest(*args)`` (both return numpy results); ``device_results`` uploads them when
-    ``to_host`` is False. ``args`` are checked, in the seed's order."""
+    splits: its pass calls go through ``run_decode(queries, *args, use=use)`` and the rest through
+    ``run_rest(*args, use=use)``, each handing its call's results to ``use`` (valid only inside
+    it: LoadedKernel.consume). The pass's q, and the results when not ``to_host``, are
+    made by ``new_array(shape, dtype) -> (argument, view)`` (module.host_visible_array: on the CPU
+    drivers device buffers the host writes in place); ``device_results`` uploads results that are
+    numpy arrays when ``to_host`` is False. ``args`` are checked, in the seed's order."""
     named = _named(spec, args)
     q = np.asarray(on_host(named["q"]))
     h_kv, group = spec.h_kv, spec.group_size
-    output = np.empty((q.shape[0], spec.h_q, spec.d_v), q.dtype)
-    lse = np.empty((q.shape[0], spec.h_q), np.float32)
-    out_by_head = output.reshape(len(output), h_kv, group, -1)
-    lse_by_head = lse.reshape(len(lse), h_kv, group)
+    results = _numpy_array if to_host else new_array
+    output, output_view = results((q.shape[0], spec.h_q, spec.d_v), q.dtype)
+    lse, lse_view = results((q.shape[0], spec.h_q), np.float32)
+    out_by_head = output_view.reshape(len(output_view), h_kv, group, -1)
+    lse_by_head = lse_view.reshape(len(lse_view), h_kv, group)
     for scheduled in schedule.calls:
-        call = scheduled.call(named, q)
+        call = scheduled.call(named, q, new_array)
         n, queries = call.rows.shape
-        out_pass, lse_pass = run_decode(queries, *call.args)
-        # each real row's [h_kv, G, d] block written once from the [n, queries, h_kv, G, d] view
-        out_rows = out_pass.reshape(n, h_kv, queries, group, -1).transpose(0, 2, 1, 3, 4)
-        lse_rows = lse_pass.reshape(n, h_kv, queries, group).transpose(0, 2, 1, 3)
-        if call.real.all():
-            out_by_head[call.rows], lse_by_head[call.rows] = out_rows, lse_rows
-        else:
-            out_by_head[call.rows[call.real]], lse_by_head[call.rows[call.real]] = out_rows[call.real], lse_rows[call.real]
+
+        def scatter(out_pass, lse_pass):
+            # each real row's [h_kv, G, d] block written once from the [n, queries, h_kv, G, d] view
+            out_rows = out_pass.reshape(n, h_kv, queries, group, -1).transpose(0, 2, 1, 3, 4)
+            lse_rows = lse_pass.reshape(n, h_kv, queries, group).transpose(0, 2, 1, 3)
+            if call.real.all():
+                out_by_head[call.rows], lse_by_head[call.rows] = out_rows, lse_rows
+            else:
+                real = call.real
+                out_by_head[call.rows[real]], lse_by_head[call.rows[real]] = out_rows[real], lse_rows[real]
+
+        run_decode(queries, *call.args, use=scatter)
     if schedule.rest_index is not None:
         rest_rows = schedule.rest_rows
-        output[rest_rows], lse[rest_rows] = run_rest(*_rest_call(spec, args, schedule.rest_index, q[rest_rows],
-                                                                 rest_rows))
-    return (output, lse) if to_host else device_results([output, lse])
+
+        def store(out_rest, lse_rest):
+            output_view[rest_rows], lse_view[rest_rows] = out_rest, lse_rest
+
+        run_rest(*_rest_call(spec, args, schedule.rest_index, q[rest_rows], rest_rows), use=store)
+    if to_host or not isinstance(output, np.ndarray):
+        return output, lse
+    return device_results([output, lse])
 
 
 def _calls_of(pass_spec: DecodeSpec, lengths: np.ndarray, passes: DecodePasses) -> list[tuple[np.ndarray, int]]:

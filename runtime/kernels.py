@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -20,7 +20,7 @@ from .checks import NUMPY_DTYPES, check_on_device
 from .decode import DECODE_PASSES, decode_schedule, split_decode
 from .errors import InputError
 from .interop import like_inputs, results_to_host
-from .module import LoadedKernel, as_device_arrays
+from .module import LoadedKernel, as_device_arrays, host_visible_array
 from .variants import call_arguments, checked, variant
 
 
@@ -79,6 +79,7 @@ class Kernel:
         schedule = self._decode_schedule(checked_args, plan) if self._decode_pass else None
         if schedule is not None:
             return split_decode(self.spec, checked_args, schedule, self._run_decode, self._run_rest,
+                                lambda shape, dtype: host_visible_array(self.device, shape, dtype),
                                 lambda results: tuple(as_device_arrays(self.device, results)), to_host)
         return self._loaded(*checked_args, to_host=to_host)
 
@@ -92,8 +93,9 @@ class Kernel:
             self._schedule = (plan, schedule)
         return schedule
 
-    def _run_decode(self, queries: int, *args):
-        """The one-pass kernel for entries of up to ``queries`` queries (runtime/decode.py)."""
+    def _run_decode(self, queries: int, *args, use: Callable | None = None):
+        """The one-pass kernel for entries of up to ``queries`` queries (runtime/decode.py):
+        numpy results, or what ``use`` returns given them (LoadedKernel.consume)."""
         if queries not in self._decode_kernels:
             pass_spec = DecodeSpec(self.spec, queries)
             loaded = self._pass_loader(pass_spec, self.target) if self._pass_loader is not None else None
@@ -101,10 +103,12 @@ class Kernel:
                 vmfb = compile_spec(pass_spec, self.target, cache=self._cache)
                 loaded = LoadedKernel(vmfb, pass_spec.symbol, self._loaded.driver)
             self._decode_kernels[queries] = loaded
-        return self._decode_kernels[queries](*args, to_host=True)
+        loaded = self._decode_kernels[queries]
+        return loaded(*args, to_host=True) if use is None else loaded.consume(use, *args)
 
-    def _run_rest(self, *args):
-        return self._loaded(*args, to_host=True)
+    def _run_rest(self, *args, use: Callable):
+        """The variant's kernel for the entries no pass takes, its results handed to ``use``."""
+        return self._loaded.consume(use, *args)
 
     def __repr__(self) -> str:
         return f"Kernel({self.spec.name}, {self.target.tag})"

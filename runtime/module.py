@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import functools
+import math
 import threading
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import iree.runtime as rt
 import numpy as np
+from iree.runtime.array_interop import map_dtype_to_element_type
 
 from ..pipeline.quiet_logging import root_logger_left_alone
 from .devices import get_device
+
+T = TypeVar("T")
 
 
 class LoadedKernel:
@@ -18,7 +23,8 @@ class LoadedKernel:
     ``kernel(*args)`` takes numpy arrays (copied to the device), IREE ``DeviceArray``s (used in
     place) and Python scalars, and returns the results as numpy arrays, or as ``DeviceArray``s
     with ``to_host=False``. Calls are serialised by a lock, so one object may be shared by threads.
-    On the CPU drivers the results are copies: no buffer of a call outlives it (see __init__).
+    On the CPU drivers the results are copies: no buffer of a call outlives it (see __init__);
+    :meth:`consume` hands them to a function in place instead, with no copy.
     """
 
     def __init__(self, vmfb: bytes, symbol: str, driver: str):
@@ -41,17 +47,51 @@ class LoadedKernel:
         self._results_detached = _is_local(self.device)
 
     def __call__(self, *args: Any, to_host: bool = True) -> tuple:
-        if self._index_arrays_host_local:
-            args = tuple(host_readable(self.device, a) if _is_index_array(a) else a for a in args)
-        with self._lock:
-            results = self._function(*args)
-        if not isinstance(results, (tuple, list)):
-            results = (results,)
+        results = self._invoke(args)
         if to_host:
             return tuple(_to_numpy(r, copy=self._results_detached) for r in results)
         if self._results_detached:  # uploaded straight from the mapped results: one copy
             return tuple(as_device_arrays(self.device, [_to_numpy(r) for r in results]))
         return tuple(results)
+
+    def consume(self, use: Callable[..., T], *args: Any) -> T:
+        """``use(*results)`` with the call's results as numpy arrays that are valid only inside
+        ``use`` (on the CPU drivers the result buffers mapped in place, no copy): ``use`` copies
+        what it keeps, and the buffers go when it returns. Returns what ``use`` returns."""
+        results = self._invoke(args)
+        return use(*(_to_numpy(r) for r in results))
+
+    def _invoke(self, args: tuple) -> tuple:
+        if self._index_arrays_host_local:
+            args = tuple(host_readable(self.device, a) if _is_index_array(a) else a for a in args)
+        with self._lock:
+            results = self._function(*args)
+        return tuple(results) if isinstance(results, (tuple, list)) else (results,)
+
+
+def host_visible_array(device: rt.HalDevice, shape: tuple, dtype) -> tuple[Any, np.ndarray]:
+    """(argument, view): an array the host fills through ``view`` and a call then takes as
+    ``argument`` with no copy. On the CPU drivers a device buffer mapped into host memory (passing
+    a numpy array instead copies it into a fresh buffer on every call); elsewhere a numpy array
+    (argument and view the same), which the call uploads."""
+    dtype = np.dtype(dtype)
+    if not _is_local(device):
+        array = np.empty(shape, dtype)
+        return array, array
+    buffer = device.allocator.allocate_buffer(memory_type=_MAPPED_MEMORY, allowed_usage=_MAPPED_USAGE,
+                                              allocation_size=max(math.prod(shape) * dtype.itemsize, 1))
+    array = rt.DeviceArray(device, rt.HalBufferView(buffer, shape, _element_type(dtype)), implicit_host_transfer=True,
+                           override_dtype=dtype)
+    return array, array.to_host()
+
+
+_MAPPED_MEMORY = rt.MemoryType.DEVICE_LOCAL | rt.MemoryType.HOST_VISIBLE
+_MAPPED_USAGE = rt.BufferUsage.DEFAULT | rt.BufferUsage.MAPPING
+
+
+@functools.cache
+def _element_type(dtype: np.dtype) -> rt.HalElementType:
+    return map_dtype_to_element_type(dtype)
 
 
 def _to_numpy(value, copy: bool = False) -> np.ndarray:

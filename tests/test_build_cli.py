@@ -469,6 +469,6 @@ def test_an_aot_kernel_takes_its_serving_passes_from_the_folder(tiny_build, tmp_
         kernel = open_artifacts(folder, "llvm-cpu", aot_only=True).kernel(paged)
         ran = []
         run_decode = kernel._run_decode
-        monkeypatch.setattr(kernel, "_run_decode", lambda queries, *call: ran.append(queries) or run_decode(queries, *call))
+        monkeypatch.setattr(kernel, "_run_decode", lambda queries, *call, **kw: ran.append(queries) or run_decode(queries, *call, **kw))
         assert_matches_reference(f"{folder.name}", kernel(*args), paged, args)
         assert sorted(set(ran)) == want

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import iree.runtime as rt
 import numpy as np
 import pytest
 
@@ -63,13 +64,13 @@ class _CountingPasses:
         self.decode = self.rest = 0
         run_decode, run_rest = kernel._run_decode, kernel._run_rest
 
-        def counted_decode(*args):
+        def counted_decode(*args, **kwargs):
             self.decode += 1
-            return run_decode(*args)
+            return run_decode(*args, **kwargs)
 
-        def counted_rest(*args):
+        def counted_rest(*args, **kwargs):
             self.rest += 1
-            return run_rest(*args)
+            return run_rest(*args, **kwargs)
 
         monkeypatch.setattr(kernel, "_run_decode", counted_decode)
         monkeypatch.setattr(kernel, "_run_rest", counted_rest)
@@ -138,6 +139,22 @@ def test_decode_pass_matches_the_reference(case, backend, cache, monkeypatch):
     got = kernel(*args)
     assert (calls.decode, calls.rest) == (_mixed_pass_calls(spec, backend, args), 1)
     assert_matches_reference(case, got, spec, args)
+
+
+@pytest.mark.parametrize("backend", PASS_BACKENDS)
+@pytest.mark.parametrize("case", ["paged-window-bf16-softcap", "ragged-f16-dqk-ne-dv"])
+def test_device_results_are_the_host_results(case, backend, cache):
+    """With ``to_host=False`` a split call writes the passes' and the variant's rows into arrays
+    on the device (on the CPU drivers mapped device buffers, filled in place): the same rows,
+    bitwise, as its numpy results, padding rows and query-less entries included."""
+    spec, window = CASES[case]
+    kernel = open_kernel(spec, backend, cache=cache)
+    args = _call(spec, np.random.default_rng(8), MIXED, window)
+    host = kernel(*args)
+    device = kernel(*args, to_host=False)
+    assert all(isinstance(result, rt.DeviceArray) for result in device)
+    for want, got in zip(host, device):
+        assert np.array_equal(np.asarray(got.to_host()), want, equal_nan=True)
 
 
 @pytest.mark.parametrize("backend", PASS_BACKENDS)

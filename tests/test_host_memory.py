@@ -92,3 +92,21 @@ def test_results_held_across_calls_leave_no_memory_behind(cache, to_host):
         step()
     grown = _heap_in_use() - before
     assert grown < 8 << 20, f"the heap in use grew by {grown / 2**20:.0f} MiB in 4 steps"
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc" or tuple(map(int, platform.libc_ver()[1].split("."))) < (2, 33),
+                    reason="glibc's mallinfo2 only")
+def test_split_calls_with_device_results_held_leave_no_memory_behind(cache):
+    """A whole split call (runtime/decode.py) with ``to_host=False``: its pass q and its results
+    are device buffers the host fills in place (module.host_visible_array); a step's results alive
+    during the next step and freed after it keep nothing."""
+    kernel = open_kernel(SPEC, "llvm-cpu", cache=cache)
+    args = example_inputs(SPEC, np.random.default_rng(2), HELD_ENTRIES, rotary_mode=0)
+    held = kernel(*args, to_host=False)
+    held = kernel(*args, to_host=False)  # IREE's caching allocator now keeps a freed results buffer
+    before = _heap_in_use()
+    for _ in range(4):
+        held = kernel(*args, to_host=False)
+    del held
+    grown = _heap_in_use() - before
+    assert grown < 8 << 20, f"the heap in use grew by {grown / 2**20:.0f} MiB in 4 steps"
