@@ -241,7 +241,7 @@ def control_cases() -> list[Case]:
 
 
 def run_all() -> int:
-    LoadedKernel.__call__ = _refuse_launch
+    LoadedKernel._invoke = _refuse_launch  # every launch (a call, or LoadedKernel.consume) goes through it
     cases = spec_cases() + abi_cases() + wrapper_cases() + control_cases()
     for case in cases:
         try:
