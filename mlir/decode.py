@@ -16,14 +16,15 @@ t * G + g holding token t and head g, c chunks of P blocks, C = P x block column
     output    [n, h, R, d_v] (dtype), lse [n, h, R] f32 (base 2); rows past qo_len are padding
 
 Every chunk is reduced on its own (max, sum, probs x values), then the chunks merge by their
-maxima. The K and V rows are read straight from the cache inside the two contractions (no
+maxima; a call whose entries are one chunk each (short caches) skips the merge. The K and V rows are read straight from the cache inside the two contractions (no
 gathered copy): the contraction's loop order is chosen so IREE cannot collapse its dims, and its
 tiling vectorises only the head dim, whose loads are then contiguous. The mask is the base
 spec's rule (mask_rules.py), which must be a ``one_pass`` one: the KV-cache causal mask.
 
-Bitwise reproducibility: an entry's chunks are computed alone, padded chunks add exact zeros, and
-the chunk merge reduces one chunk at a time, so an entry's result does not depend on the other
-entries of the call (tests/test_decode_batches.py).
+Bitwise reproducibility: an entry's chunks are computed alone, padded chunks add exact zeros, the
+chunk merge reduces one chunk at a time, and an entry of one chunk gets the same bits merged (its
+chunk weighs 1 exactly) as unmerged, so an entry's result does not depend on the other entries of
+the call (tests/test_decode_batches.py).
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ from dataclasses import dataclass
 from typing import Callable, Union, get_args
 
 from .ir import (
-    DYN, affine_map, arith_d, collapse, const_f32, const_index, dim, element_type, empty, f32, fill, func_d,
-    generic, i32, index, ir, linalg_d, lt, math_d, module_context, own_dispatch, sizes_of, tensor_d, tensor_type, widened,
+    DYN, affine_map, arith_d, collapse, const_f32, const_index, dim, element_type, empty, f32, fill,
+    func_d, generic, i32, index, ir, linalg_d, lt, math_d, module_context, own_dispatch, scf_d, sizes_of, tensor_d,
+    tensor_type, tie_dims, widened,
 )
 from .abi import ARGUMENTS, Arg, argument_types, kv_sources, result_types, split_sinks
 from .kv_layouts import cache_layout
@@ -493,8 +495,50 @@ def _column(geometry: ir.Value, column: int) -> ir.Value:
 
 def _merge_chunks(spec: DecodeSpec, chunk_max, chunk_sum, weighted, sinks) -> list[ir.Value]:
     """Output [n, h, R, d_v] (dtype) and lse [n, h, R] from each chunk's max, sum and probs x
-    values: weights 2^(max_c - max), reduced one chunk at a time (reduction tile 1); the heads'
-    ``sinks`` [h_q] f32 (semantics §13), or None, join the final denominator."""
+    values ``weighted`` [n, c, h, R, d_v]. Without sinks each chunk's products are divided by its
+    own sum first (an elementwise op IREE fuses into the probs x values dispatch, as it does the
+    cast to the dtype), so a call of one chunk per entry returns them as they are: a host-side
+    ``scf.if`` on the chunk count skips the merge (:func:`_merged`). With the heads' ``sinks``
+    [h_q] f32 (semantics §13) the chunks always merge, and the sinks join the final denominator."""
+    if sinks is not None:
+        return _merged(spec, chunk_max, chunk_sum, weighted, sinks)
+    base, dt = spec.base, element_type(spec.dtype)
+    h, group, d_v = base.h_kv, spec.rows, spec.d_v
+    entries, chunks = dim(chunk_max, 0), dim(chunk_max, 1)
+    zero, every = const_f32(0.0), affine_map(5, range(5))
+    normalised = generic([weighted, chunk_sum], [empty(sizes_of(weighted), f32())], [every, affine_map(5, range(4)), every],
+                         "ppppp", lambda a, s, _out: [arith_d.select(_no_key(s), zero, arith_d.divf(a, s))])[0]
+    in_dtype = normalised if isinstance(dt, ir.F32Type) else generic(
+        [normalised], [empty(sizes_of(weighted), dt)], [every, every], "ppppp", lambda x, _out: [arith_d.truncf(dt, x)])[0]
+    one_chunk = arith_d.cmpi(arith_d.CmpIPredicate.eq, chunks, const_index(1))
+    branch = scf_d.IfOp(one_chunk, [tensor_type([DYN, h, group, d_v], dt), tensor_type([DYN, h, group], f32())],
+                        has_else=True)
+    with ir.InsertionPoint(branch.then_block):  # [n, 1, ...] -> [n, ...]: a reshape, no copy
+        first = lambda x: collapse(x, [[0, 1], *([axis] for axis in range(2, len(sizes_of(x))))])  # noqa: E731
+        scf_d.YieldOp([first(in_dtype), _lse(first(chunk_max), first(chunk_sum))])
+    with ir.InsertionPoint(branch.else_block):
+        scf_d.YieldOp(_merged(spec, chunk_max, chunk_sum, normalised, None))
+    return [tie_dims(branch.results[0], [entries, h, group, d_v]), tie_dims(branch.results[1], [entries, h, group])]
+
+
+def _no_key(row_sum: ir.Value) -> ir.Value:
+    """Whether a row saw no key (its sum is 0)."""
+    return arith_d.cmpf(arith_d.CmpFPredicate.OEQ, row_sum, const_f32(0.0))
+
+
+def _lse(row_max, row_sum) -> ir.Value:
+    """lse [n, h, R] = max + log2(sum) from f32 [n, h, R] tensors; EMPTY_ROW_LSE for a row with no key."""
+    return generic([row_max, row_sum], [empty(sizes_of(row_max), f32())], [affine_map(3, range(3))] * 3, "ppp",
+                   lambda m, s, _out: [arith_d.select(_no_key(s), const_f32(EMPTY_ROW_LSE),
+                                                      arith_d.addf(m, math_d.log2(s)))])[0]
+
+
+def _merged(spec: DecodeSpec, chunk_max, chunk_sum, products, sinks) -> list[ir.Value]:
+    """The chunks' ``products`` [n, c, h, R, d_v] merged by their maxima, reduced one chunk at a
+    time (reduction tile 1). Without ``sinks`` the products are each chunk's divided by its sum
+    (:func:`_merge_chunks`) and weigh s_c 2^(max_c - max) / total: an entry's one real chunk
+    among padded ones weighs 1 exactly, so its rows have the same bits as in a call of one
+    chunk. With ``sinks`` they are the raw sums, weighing 2^(max_c - max)."""
     base = spec.base
     h, group, d_v = base.h_kv, spec.rows, spec.d_v
     entries = dim(chunk_max, 0)
@@ -515,30 +559,29 @@ def _merge_chunks(spec: DecodeSpec, chunk_max, chunk_sum, weighted, sinks) -> li
                     [over_chunks, over_chunks, affine_map(4, (0, 1, 2)), affine_map(4, (0, 1, 2))], "pppr",
                     lambda s, m, top, acc: [arith_d.addf(acc, arith_d.mulf(s, weight(m, top)))])[0]
     total.owner.attributes["compilation_info"] = sequential
-    acc = generic([weighted, chunk_max, row_max], [fill(const_f32(0.0), [*rows, d_v], f32())],
-                  [affine_map(5, (0, 4, 1, 2, 3)), affine_map(5, (0, 4, 1, 2)), affine_map(5, (0, 1, 2)),
-                   affine_map(5, (0, 1, 2, 3))], "ppppr",
-                  lambda x, m, top, acc_: [arith_d.addf(acc_, arith_d.mulf(x, weight(m, top)))])[0]
+    zero, dt = const_f32(0.0), element_type(spec.dtype)
+    by_chunk, by_row = affine_map(5, (0, 4, 1, 2)), affine_map(5, (0, 1, 2))
+    if sinks is None:
+        def merged(x, m, top, s, all_sum, acc_):
+            share = arith_d.divf(arith_d.mulf(s, weight(m, top)), all_sum)
+            return [arith_d.addf(acc_, arith_d.mulf(x, arith_d.select(_no_key(all_sum), zero, share)))]
+
+        inputs, maps = [products, chunk_max, row_max, chunk_sum, total], [by_chunk, by_row, by_chunk, by_row]
+    else:
+        def merged(x, m, top, acc_):
+            return [arith_d.addf(acc_, arith_d.mulf(x, weight(m, top)))]
+
+        inputs, maps = [products, chunk_max, row_max], [by_chunk, by_row]
+    acc = generic(inputs, [fill(const_f32(0.0), [*rows, d_v], f32())],
+                  [affine_map(5, (0, 4, 1, 2, 3)), *maps, affine_map(5, (0, 1, 2, 3))], "ppppr", merged)[0]
     acc.owner.attributes["compilation_info"] = _compilation_info(
         distribution=[1, 1, group, d_v, 0], vector_common_parallel=[1, 1, 1, _width(VALUE_VECTOR, d_v), 0],
         vector_reduction=[0, 0, 0, 0, 1])
-    zero, dt = const_f32(0.0), element_type(spec.dtype)
-
-    def no_key(s):
-        return arith_d.cmpf(arith_d.CmpFPredicate.OEQ, s, zero)
-
-    def normalised(a, s, _out):
-        value = arith_d.select(no_key(s), zero, arith_d.divf(a, s))
-        return [value if isinstance(dt, ir.F32Type) else arith_d.truncf(dt, value)]
-
     if sinks is not None:
         return _with_sinks(spec, acc, row_max, total, sinks)
-    output = generic([acc, total], [empty([*rows, d_v], dt)],
-                     [affine_map(4, range(4)), affine_map(4, (0, 1, 2)), affine_map(4, range(4))], "pppp", normalised)[0]
-    lse = generic([row_max, total], [empty(rows, f32())], [affine_map(3, range(3))] * 3, "ppp",
-                  lambda m, s, _out: [arith_d.select(no_key(s), const_f32(EMPTY_ROW_LSE),
-                                                     arith_d.addf(m, math_d.log2(s)))])[0]
-    return [output, lse]
+    output = acc if isinstance(dt, ir.F32Type) else generic(
+        [acc], [empty([*rows, d_v], dt)], [affine_map(4, range(4))] * 2, "pppp", lambda a, _out: [arith_d.truncf(dt, a)])[0]
+    return [output, _lse(row_max, total)]
 
 
 def _with_sinks(spec: DecodeSpec, acc, row_max, total, sinks) -> list[ir.Value]:
