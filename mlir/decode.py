@@ -425,8 +425,15 @@ def _decode(spec: DecodeSpec, rule: MaskRule, vectors: PassVectors, q, cache: Kv
     chunk_sum = generic([probs], [fill(const_f32(0.0), row_sizes, f32())], [by_key, rows],
                         reduced, lambda x, acc: [arith_d.addf(x, acc)])[0]
 
+    # Passes of ROW_VECTOR or more rows without sinks divide each chunk's products by its sum in
+    # the probs x values dispatch, so that a call of one chunk per entry skips the chunk merge (the
+    # 16-query pass over 32 entries of 192 keys 15-26 -> 14-18 ms, docs/performance.md); in the
+    # 1-query pass (4-row vectors) that division took probs x values 155 -> 429 us (8 x 1 vs 129).
+    if key_major and sinks is None:
+        normalised = _probs_times_values(spec, cache, probs, table, lengths, kept, chunk_sum)
+        return _one_chunk_or_merged(spec, chunk_max, chunk_sum, *normalised)
     weighted = _probs_times_values(spec, cache, probs, table, lengths, kept)
-    return _merge_chunks(spec, chunk_max, chunk_sum, weighted, sinks)
+    return _merged(spec, chunk_max, chunk_sum, weighted, sinks, normalised=False)
 
 
 def _columns_per_load(d_v: int) -> int:
@@ -435,8 +442,12 @@ def _columns_per_load(d_v: int) -> int:
     return max(j for j in range(1, min(d_v, PV_COLUMNS) + 1) if d_v % j == 0)
 
 
-def _probs_times_values(spec: DecodeSpec, cache: KvCache, probs, table, lengths, kept) -> ir.Value:
-    """weighted [n, c, h, R, d_v] = probs [n, c, h, p, s, R] x values, per chunk.
+def _probs_times_values(spec: DecodeSpec, cache: KvCache, probs, table, lengths, kept, chunk_sum=None):
+    """weighted [n, c, h, R, d_v] = probs [n, c, h, p, s, R] x values, per chunk; given the
+    chunks' sums ``chunk_sum`` [n, c, h, R], (weighted / sum in f32, the same in the dtype)
+    instead: the division and cast join the op that interleaves the J outputs (as an op of their
+    own, IREE fused them into the contraction's dispatch and the 1-query pass's probs x values
+    took 155 -> 429 us on 8 x 1 vs 129 keys).
 
     Vectorised along the query rows: each value element is one broadcast load from the cache,
     multiplied into a vector of up to ROW_VECTOR rows' probabilities. Head-dim columns go in J
@@ -476,11 +487,25 @@ def _probs_times_values(spec: DecodeSpec, cache: KvCache, probs, table, lengths,
         value = args[0]
         for column in range(1, columns):
             value = arith_d.select(arith_d.cmpi(arith_d.CmpIPredicate.eq, j, const_index(column)), args[column], value)
-        return [value]
+        if chunk_sum is None:
+            return [value]
+        row_sum = args[columns]
+        value = arith_d.select(_no_key(row_sum), const_f32(0.0), arith_d.divf(value, row_sum))
+        return [value] + ([] if isinstance(dt, ir.F32Type) else [arith_d.truncf(dt, value)])
 
-    stacked = generic(results, [empty([entries, chunks, h, group, outer, columns], f32())],
-                      [affine_map(6, range(5))] * columns + [affine_map(6, range(6))], "pppppp", interleaved)[0]
-    return collapse(stacked, [[0], [1], [2], [3], [4, 5]])
+    dt = element_type(spec.dtype)
+    sizes = [entries, chunks, h, group, outer, columns]
+    if chunk_sum is None:
+        inputs, outputs = results, [empty(sizes, f32())]
+    else:
+        inputs = [*results, chunk_sum]
+        outputs = [empty(sizes, f32())] + ([] if isinstance(dt, ir.F32Type) else [empty(sizes, dt)])
+    maps = [affine_map(6, range(5))] * columns + [affine_map(6, range(4))] * (len(inputs) - columns)
+    stacked = generic(inputs, outputs, maps + [affine_map(6, range(6))] * len(outputs), "pppppp", interleaved)
+    merged = [collapse(x, [[0], [1], [2], [3], [4, 5]]) for x in stacked]
+    if chunk_sum is None:
+        return merged[0]
+    return merged[0], merged[-1]
 
 
 def _column(geometry: ir.Value, column: int) -> ir.Value:
@@ -493,31 +518,21 @@ def _column(geometry: ir.Value, column: int) -> ir.Value:
     return generic([], [empty([entries], i32())], [affine_map(1, (0,))], "p", body)[0]
 
 
-def _merge_chunks(spec: DecodeSpec, chunk_max, chunk_sum, weighted, sinks) -> list[ir.Value]:
-    """Output [n, h, R, d_v] (dtype) and lse [n, h, R] from each chunk's max, sum and probs x
-    values ``weighted`` [n, c, h, R, d_v]. Without sinks each chunk's products are divided by its
-    own sum first (an elementwise op IREE fuses into the probs x values dispatch, as it does the
-    cast to the dtype), so a call of one chunk per entry returns them as they are: a host-side
-    ``scf.if`` on the chunk count skips the merge (:func:`_merged`). With the heads' ``sinks``
-    [h_q] f32 (semantics §13) the chunks always merge, and the sinks join the final denominator."""
-    if sinks is not None:
-        return _merged(spec, chunk_max, chunk_sum, weighted, sinks)
-    base, dt = spec.base, element_type(spec.dtype)
-    h, group, d_v = base.h_kv, spec.rows, spec.d_v
+def _one_chunk_or_merged(spec: DecodeSpec, chunk_max, chunk_sum, normalised, in_dtype) -> list[ir.Value]:
+    """Output [n, h, R, d_v] (dtype) and lse [n, h, R] from each chunk's max and sum and its probs
+    x values divided by its sum, ``normalised`` [n, c, h, R, d_v] f32 (``in_dtype`` the same in
+    the dtype): a call of one chunk per entry returns them as they are, a host-side ``scf.if`` on
+    the chunk count skipping the merge (:func:`_merged`)."""
+    h, group, d_v = spec.base.h_kv, spec.rows, spec.d_v
     entries, chunks = dim(chunk_max, 0), dim(chunk_max, 1)
-    zero, every = const_f32(0.0), affine_map(5, range(5))
-    normalised = generic([weighted, chunk_sum], [empty(sizes_of(weighted), f32())], [every, affine_map(5, range(4)), every],
-                         "ppppp", lambda a, s, _out: [arith_d.select(_no_key(s), zero, arith_d.divf(a, s))])[0]
-    in_dtype = normalised if isinstance(dt, ir.F32Type) else generic(
-        [normalised], [empty(sizes_of(weighted), dt)], [every, every], "ppppp", lambda x, _out: [arith_d.truncf(dt, x)])[0]
     one_chunk = arith_d.cmpi(arith_d.CmpIPredicate.eq, chunks, const_index(1))
-    branch = scf_d.IfOp(one_chunk, [tensor_type([DYN, h, group, d_v], dt), tensor_type([DYN, h, group], f32())],
-                        has_else=True)
+    branch = scf_d.IfOp(one_chunk, [tensor_type([DYN, h, group, d_v], element_type(spec.dtype)),
+                                    tensor_type([DYN, h, group], f32())], has_else=True)
     with ir.InsertionPoint(branch.then_block):  # [n, 1, ...] -> [n, ...]: a reshape, no copy
         first = lambda x: collapse(x, [[0, 1], *([axis] for axis in range(2, len(sizes_of(x))))])  # noqa: E731
         scf_d.YieldOp([first(in_dtype), _lse(first(chunk_max), first(chunk_sum))])
     with ir.InsertionPoint(branch.else_block):
-        scf_d.YieldOp(_merged(spec, chunk_max, chunk_sum, normalised, None))
+        scf_d.YieldOp(_merged(spec, chunk_max, chunk_sum, normalised, None, normalised=True))
     return [tie_dims(branch.results[0], [entries, h, group, d_v]), tie_dims(branch.results[1], [entries, h, group])]
 
 
@@ -533,12 +548,14 @@ def _lse(row_max, row_sum) -> ir.Value:
                                                       arith_d.addf(m, math_d.log2(s)))])[0]
 
 
-def _merged(spec: DecodeSpec, chunk_max, chunk_sum, products, sinks) -> list[ir.Value]:
+def _merged(spec: DecodeSpec, chunk_max, chunk_sum, products, sinks, normalised: bool) -> list[ir.Value]:
     """The chunks' ``products`` [n, c, h, R, d_v] merged by their maxima, reduced one chunk at a
-    time (reduction tile 1). Without ``sinks`` the products are each chunk's divided by its sum
-    (:func:`_merge_chunks`) and weigh s_c 2^(max_c - max) / total: an entry's one real chunk
-    among padded ones weighs 1 exactly, so its rows have the same bits as in a call of one
-    chunk. With ``sinks`` they are the raw sums, weighing 2^(max_c - max)."""
+    time (reduction tile 1). ``normalised`` products are each chunk's divided by its sum
+    (:func:`_probs_times_values`) and weigh s_c 2^(max_c - max) / total: an entry's one real chunk
+    among padded ones weighs 1 exactly, so its rows have the same bits as in a call of one chunk
+    (:func:`_one_chunk_or_merged`). Otherwise they are the raw sums, weigh 2^(max_c - max), and
+    are divided by the total at the end, where the heads' ``sinks`` [h_q] f32 (semantics §13), or
+    None, join the denominator."""
     base = spec.base
     h, group, d_v = base.h_kv, spec.rows, spec.d_v
     entries = dim(chunk_max, 0)
@@ -561,7 +578,7 @@ def _merged(spec: DecodeSpec, chunk_max, chunk_sum, products, sinks) -> list[ir.
     total.owner.attributes["compilation_info"] = sequential
     zero, dt = const_f32(0.0), element_type(spec.dtype)
     by_chunk, by_row = affine_map(5, (0, 4, 1, 2)), affine_map(5, (0, 1, 2))
-    if sinks is None:
+    if normalised:
         def merged(x, m, top, s, all_sum, acc_):
             share = arith_d.divf(arith_d.mulf(s, weight(m, top)), all_sum)
             return [arith_d.addf(acc_, arith_d.mulf(x, arith_d.select(_no_key(all_sum), zero, share)))]
@@ -579,13 +596,18 @@ def _merged(spec: DecodeSpec, chunk_max, chunk_sum, products, sinks) -> list[ir.
         vector_reduction=[0, 0, 0, 0, 1])
     if sinks is not None:
         return _with_sinks(spec, acc, row_max, total, sinks)
-    output = acc if isinstance(dt, ir.F32Type) else generic(
-        [acc], [empty([*rows, d_v], dt)], [affine_map(4, range(4))] * 2, "pppp", lambda a, _out: [arith_d.truncf(dt, a)])[0]
-    return [output, _lse(row_max, total)]
+
+    def output(a, s, _out):
+        value = a if normalised else arith_d.select(_no_key(s), zero, arith_d.divf(a, s))
+        return [value if isinstance(dt, ir.F32Type) else arith_d.truncf(dt, value)]
+
+    out = generic([acc, total], [empty([*rows, d_v], dt)],
+                  [affine_map(4, range(4)), affine_map(4, (0, 1, 2)), affine_map(4, range(4))], "pppp", output)[0]
+    return [out, _lse(row_max, total)]
 
 
 def _with_sinks(spec: DecodeSpec, acc, row_max, total, sinks) -> list[ir.Value]:
-    """The output [n, h, R, d_v] (dtype) and lse [n, h, R] of :func:`_merge_chunks` with each row's
+    """The output [n, h, R, d_v] (dtype) and lse [n, h, R] of :func:`_merged` with each row's
     sink in the denominator (online_softmax.sink_normalised, sink_lse), in f32 before the cast."""
     base, dt = spec.base, element_type(spec.dtype)
     rows = sizes_of(row_max)
