@@ -176,6 +176,24 @@ def test_each_pass_call_matches_the_reference_of_its_own_arguments(case, backend
         assert_matches_reference(f"{case} {call.spec.name} x {len(call.rows)}", got, call.spec, call.args, want)
 
 
+@pytest.mark.parametrize("queries, entry", [(4, (3, 200)), (16, (9, 100)), (1, (1, 200))])
+def test_an_entry_of_one_chunk_has_the_same_bits_with_padded_chunks(queries, entry, cache):
+    """A 4- or 16-query pass call of one chunk per entry skips the chunk merge (mlir/decode.py:
+    _one_chunk_or_merged); merged among padded chunks (table blocks -1), an entry's one real
+    chunk weighs exactly 1, so its rows are bitwise the same either way (the 1-query pass always
+    merges: the same check holds there)."""
+    spec = PagedPrefillSpec(8, 2, 64, "float32", page_size=16)
+    kernel = open_kernel(spec, "llvm-cpu", cache=cache)
+    args = _call(spec, np.random.default_rng(9), [entry])
+    passes = DECODE_PASSES["linalg"]
+    (call,) = decode_calls(spec, args, pass_queries(spec, args, passes), passes)
+    assert call.spec.queries == queries and call.args[2].shape[1] == 1  # one chunk
+    q, pages, table, *rest = call.args
+    padded = np.concatenate([table, np.full_like(table, -1), np.full_like(table, -1)], axis=1)
+    alone, merged = kernel._run_decode(queries, *call.args), kernel._run_decode(queries, q, pages, padded, *rest)
+    assert np.array_equal(alone[0], merged[0]) and np.array_equal(alone[1], merged[1])
+
+
 @pytest.mark.parametrize("backend", PASS_BACKENDS)
 @pytest.mark.parametrize("entry", [(1, 300), (3, 200)])
 def test_pass_entry_is_bitwise_the_same_alone_among_short_entries_and_in_a_mixed_batch(entry, backend, cache):
