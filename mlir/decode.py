@@ -16,9 +16,10 @@ t * G + g holding token t and head g, c chunks of P blocks, C = P x block column
     output    [n, h, R, d_v] (dtype), lse [n, h, R] f32 (base 2); rows past qo_len are padding
 
 Every chunk is reduced on its own (max, sum, probs x values), then the chunks merge by their
-maxima; a call whose entries are one chunk each (short caches) skips the merge. The K and V rows are read straight from the cache inside the two contractions (no
-gathered copy): the contraction's loop order is chosen so IREE cannot collapse its dims, and its
-tiling vectorises only the head dim, whose loads are then contiguous. The mask is the base
+maxima (a 4- or 16-query call whose entries are one chunk each skips the merge). The K and V
+rows are read straight from the cache inside the two contractions (no gathered copy): the
+contraction's loop order is chosen so IREE cannot collapse its dims, and its tiling vectorises
+only the head dim, whose loads are then contiguous. The mask is the base
 spec's rule (mask_rules.py), which must be a ``one_pass`` one: the KV-cache causal mask.
 
 Bitwise reproducibility: an entry's chunks are computed alone, padded chunks add exact zeros, the
@@ -427,7 +428,7 @@ def _decode(spec: DecodeSpec, rule: MaskRule, vectors: PassVectors, q, cache: Kv
 
     # Passes of ROW_VECTOR or more rows without sinks divide each chunk's products by its sum in
     # the probs x values dispatch, so that a call of one chunk per entry skips the chunk merge (the
-    # 16-query pass over 32 entries of 192 keys 15-26 -> 14-18 ms, docs/performance.md); in the
+    # 16-query pass over 32 entries of 192 keys 17.2-19.0 -> 14.3-16.1 ms, docs/performance.md); in the
     # 1-query pass (4-row vectors) that division took probs x values 155 -> 429 us (8 x 1 vs 129).
     if key_major and sinks is None:
         normalised = _probs_times_values(spec, cache, probs, table, lengths, kept, chunk_sum)
@@ -481,6 +482,8 @@ def _probs_times_values(spec: DecodeSpec, cache: KvCache, probs, table, lengths,
     results[0].owner.attributes["compilation_info"] = _compilation_info(
         distribution=[1, 1, 1, outer, group, 0, 0], vector_common_parallel=[1, 1, 1, 1, _width(ROW_VECTOR, group), 0, 0],
         vector_reduction=[0, 0, 0, 0, 0, 1, 1])
+    dt = element_type(spec.dtype)
+
     # The J outputs interleaved by one elementwise op (as J inserted slices, J strided copies).
     def interleaved(*args):
         j = _index(5)
@@ -493,7 +496,6 @@ def _probs_times_values(spec: DecodeSpec, cache: KvCache, probs, table, lengths,
         value = arith_d.select(_no_key(row_sum), const_f32(0.0), arith_d.divf(value, row_sum))
         return [value] + ([] if isinstance(dt, ir.F32Type) else [arith_d.truncf(dt, value)])
 
-    dt = element_type(spec.dtype)
     sizes = [entries, chunks, h, group, outer, columns]
     if chunk_sum is None:
         inputs, outputs = results, [empty(sizes, f32())]
