@@ -134,31 +134,45 @@ class DecodeCall:
 @dataclass(frozen=True)
 class PassCall:
     """The part of a pass call the index arrays fix: the pass, its ``table`` [n, c, P] and
-    ``geometry`` [n, 4] (:func:`block_table`), and ``rows``/``real`` as in :class:`DecodeCall`."""
+    ``geometry`` [n, 4] (:func:`block_table`), and ``rows``/``real`` as in :class:`DecodeCall`.
+
+    ``head_rows`` [n x h_kv x queries] and ``real_head_rows`` (bool, the same length): the pass's
+    q (and its output) as rows of one KV head's G query heads, [n, h_kv, queries, G x d] flattened,
+    index the batch's rows of the same shape, [tokens x h_kv, G x d]: row (i, h, t) is token
+    rows[i, t]'s head group h. One ``np.take`` then moves q, and one indexed store the results.
+    """
 
     spec: DecodeSpec
     table: np.ndarray
     geometry: np.ndarray
     rows: np.ndarray
     real: np.ndarray
+    head_rows: np.ndarray
+    real_head_rows: np.ndarray
+
+    @classmethod
+    def of(cls, spec: DecodeSpec, table: np.ndarray, geometry: np.ndarray, rows: np.ndarray, real: np.ndarray):
+        h_kv = spec.base.h_kv
+        head_rows = (rows[:, None, :] * h_kv + np.arange(h_kv)[None, :, None]).reshape(-1)
+        real_head_rows = np.broadcast_to(real[:, None, :], (len(rows), h_kv, rows.shape[1])).reshape(-1)
+        return cls(spec, table, geometry, rows, real, head_rows, real_head_rows)
 
     def call(self, named: dict, q: np.ndarray, new_array: Callable = None) -> DecodeCall:
-        """The call for one layer: ``named`` its arguments by ABI name, ``q`` its queries on the
-        host; the pass's q is written through ``new_array(shape, dtype) -> (argument, view)``
-        (module.host_visible_array; default a numpy array)."""
+        """The call for one layer: ``named`` its arguments by ABI name, ``q`` [tokens, h_q, d] its
+        queries on the host; the pass's q is written through ``new_array(shape, dtype) -> (argument,
+        view)`` (module.host_visible_array; default a numpy array), zero in padding rows."""
         spec = self.spec.base
         n, queries = self.rows.shape
         h_kv, group = spec.h_kv, spec.group_size
-        # [n, h_kv, queries, G, d] written once through its [n, queries, h_kv, G, d] view (zeroed
-        # first when some rows are padding)
         d = q.shape[-1]
         q_arg, q_pass = (new_array or _numpy_array)((n, h_kv, queries * group, d), q.dtype)
-        by_token = q_pass.reshape(n, h_kv, queries, group, d).transpose(0, 2, 1, 3, 4)
+        by_head = np.ascontiguousarray(q).reshape(-1, group * d)  # [tokens x h_kv, G x d]
+        pass_rows = q_pass.reshape(-1, group * d)  # [n x h_kv x queries, G x d]
         if self.real.all():
-            by_token[...] = q[self.rows].reshape(n, queries, h_kv, group, d)
+            np.take(by_head, self.head_rows, axis=0, out=pass_rows, mode="clip")  # unbuffered; rows valid
         else:
-            q_pass[...] = 0
-            by_token[self.real] = q[self.rows[self.real]].reshape(-1, h_kv, group, d)
+            pass_rows[...] = 0
+            pass_rows[self.real_head_rows] = by_head[self.head_rows[self.real_head_rows]]
         args = (q_arg, *(named[arg.name] for arg in kv_sources(spec)), self.table, self.geometry, int(named["causal"]),
                 float(named["sm_scale"]), *((named["sinks"],) if spec.head_sinks else ()))
         return DecodeCall(self.spec, args, self.rows, self.real)
@@ -234,7 +248,7 @@ def _pass_calls(spec, args: tuple, passes: np.ndarray, decode_passes: DecodePass
             real = token < counts[chosen][:, None]  # the rest are padding
             table, geometry = block_table(pass_spec, args, entries[chosen], table_lens[chosen], visible[chosen],
                                           counts[chosen], multiple)
-            calls.append(PassCall(pass_spec, table, geometry, rows, real))
+            calls.append(PassCall.of(pass_spec, table, geometry, rows, real))
     return calls
 
 
@@ -249,27 +263,26 @@ def split_decode(spec, args: tuple, schedule: DecodeSchedule, run_decode: Callab
     numpy arrays when ``to_host`` is False. ``args`` are checked, in the seed's order."""
     named = _named(spec, args)
     q = np.asarray(on_host(named["q"]))
-    h_kv, group = spec.h_kv, spec.group_size
+    group = spec.group_size
     results = _numpy_array if to_host else new_array
     output, output_view = results((q.shape[0], spec.h_q, spec.d_v), q.dtype)
     lse, lse_view = results((q.shape[0], spec.h_q), np.float32)
-    out_by_head = output_view.reshape(len(output_view), h_kv, group, -1)
-    lse_by_head = lse_view.reshape(len(lse_view), h_kv, group)
+    out_by_head = output_view.reshape(-1, group * spec.d_v)  # [tokens x h_kv, G x d_v]
+    lse_by_head = lse_view.reshape(-1, group)
     for scheduled in schedule.calls:
         call = scheduled.call(named, q, new_array)
-        n, queries = call.rows.shape
+        every_row = bool(call.real.all())
 
         def scatter(out_pass, lse_pass):
-            # each real row's [h_kv, G, d] block written once from the [n, queries, h_kv, G, d] view
-            out_rows = out_pass.reshape(n, h_kv, queries, group, -1).transpose(0, 2, 1, 3, 4)
-            lse_rows = lse_pass.reshape(n, h_kv, queries, group).transpose(0, 2, 1, 3)
-            if call.real.all():
-                out_by_head[call.rows], lse_by_head[call.rows] = out_rows, lse_rows
+            # the pass's [n, h_kv, queries, G, ...] rows stored at their tokens' head groups
+            out_rows, lse_rows = out_pass.reshape(-1, group * spec.d_v), lse_pass.reshape(-1, group)
+            if every_row:
+                out_by_head[scheduled.head_rows], lse_by_head[scheduled.head_rows] = out_rows, lse_rows
             else:
-                real = call.real
-                out_by_head[call.rows[real]], lse_by_head[call.rows[real]] = out_rows[real], lse_rows[real]
+                real, rows = scheduled.real_head_rows, scheduled.head_rows[scheduled.real_head_rows]
+                out_by_head[rows], lse_by_head[rows] = out_rows[real], lse_rows[real]
 
-        run_decode(queries, *call.args, use=scatter)
+        run_decode(call.rows.shape[1], *call.args, use=scatter)
     if schedule.rest_index is not None:
         rest_rows = schedule.rest_rows
 
