@@ -66,8 +66,12 @@ def _heap_in_use() -> int:
     return libc.mallinfo2().uordblks
 
 
-@pytest.mark.skipif(platform.libc_ver()[0] != "glibc" or tuple(map(int, platform.libc_ver()[1].split("."))) < (2, 33),
-                    reason="glibc's mallinfo2 only")
+needs_mallinfo2 = pytest.mark.skipif(
+    platform.libc_ver()[0] != "glibc" or tuple(map(int, platform.libc_ver()[1].split("."))) < (2, 33),
+    reason="glibc's mallinfo2 only")
+
+
+@needs_mallinfo2
 @pytest.mark.parametrize("to_host", [True, False])
 def test_results_held_across_calls_leave_no_memory_behind(cache, to_host):
     """IREE 3.13 (local-task) kept 64 MiB for good on every step of two calls of the 16-query
@@ -94,8 +98,7 @@ def test_results_held_across_calls_leave_no_memory_behind(cache, to_host):
     assert grown < 8 << 20, f"the heap in use grew by {grown / 2**20:.0f} MiB in 4 steps"
 
 
-@pytest.mark.skipif(platform.libc_ver()[0] != "glibc" or tuple(map(int, platform.libc_ver()[1].split("."))) < (2, 33),
-                    reason="glibc's mallinfo2 only")
+@needs_mallinfo2
 def test_split_calls_with_device_results_held_leave_no_memory_behind(cache):
     """A whole split call (runtime/decode.py) with ``to_host=False``: its pass q and its results
     are device buffers the host fills in place (module.host_visible_array); a step's results alive
