@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Callable, Union, get_args
 
 from .ir import (
-    DYN, affine_map, arith_d, collapse, const_f32, const_index, dim, element_type, empty, f32, fill,
+    DYN, affine_map, arith_d, collapse, const_f32, const_index, dim, element_type, empty, expand, f32, fill,
     func_d, generic, i32, index, ir, linalg_d, lt, math_d, module_context, own_dispatch, scf_d, sizes_of, tensor_d,
     tensor_type, tie_dims, widened,
 )
@@ -88,6 +88,11 @@ MAX_CHUNK_COLUMNS = 512
 SCORE_TENSORS = 3
 #: The chunk merge reads each chunk's products in head-dim vectors of this width.
 VALUE_VECTOR = 32
+#: The row-major chunk softmax (passes of fewer than ROW_VECTOR rows) moves its probabilities in
+#: tiles of the rows by this many keys (at most a block), SOFTMAX_ROWS (entry, chunk, head) rows a
+#: workgroup.
+SOFTMAX_VECTOR = 16
+SOFTMAX_ROWS = 8
 #: The probs x values contraction vectorises along the query rows (up to ROW_VECTOR a vector):
 #: each value element is one broadcast load, and PV_COLUMNS head-dim columns per key give as
 #: many independent accumulators (docs/performance.md, decode passes).
@@ -390,9 +395,9 @@ def _decode(spec: DecodeSpec, rule: MaskRule, vectors: PassVectors, q, cache: Kv
     # Passes of ROW_VECTOR or more rows keep the masked scores key-major, [n, c, h, p, s, g]: the
     # chunk's max and sum reduce over keys with a vector of rows, and nothing is transposed (the
     # 16-query pass's mask 1.53 -> 0.92 ms on 32 x 16 vs 192 keys, docs/performance.md). Fewer rows
-    # make those vectors short: such passes store them row-major, [n, c, h, g, p, s], so the max,
-    # exp2 and sum read each row's columns contiguously (with g innermost they read with a stride
-    # of g: 9.0 ms of the 32 x 1 vs 1024 f32 pass's 50.6, docs/serving.md).
+    # make those vectors short: such passes store them row-major, [n, c, h, g, p, s], so the max
+    # and exp2 read each row's columns contiguously (with g innermost they read with a stride of
+    # g: 9.0 ms of the 32 x 1 vs 1024 f32 pass's 50.6, docs/serving.md): _row_major_softmax.
     key_major = group >= ROW_VECTOR
     loops = (0, 1, 2, 3, 4, 5) if key_major else (0, 1, 2, 4, 5, 3)  # the loop dim of each of (i, c, h, p, s, g)
     i_, c_, h_, p_, s_, g_ = loops
@@ -417,14 +422,17 @@ def _decode(spec: DecodeSpec, rule: MaskRule, vectors: PassVectors, q, cache: Kv
     rows = affine_map(6, (i_, c_, h_, g_))  # loops in the masked scores' order
     # The probabilities by key, [n, c, h, p, s, g]: probs x values reads a key's rows as one vector.
     by_key = affine_map(6, loops)
-    row_sizes = [entries, chunks, h, group]
-    reduced = "".join("r" if axis in (p_, s_) else "p" for axis in range(6))
-    chunk_max = generic([scores], [fill(const_f32(NO_KEY_MAX), row_sizes, f32())], [every, rows],
-                        reduced, lambda x, acc: [arith_d.maximumf(x, acc)])[0]
-    probs = generic([scores, chunk_max], [empty([entries, chunks, h, per_chunk, block, group], f32())],
-                    [every, rows, by_key], "pppppp", lambda x, m, _out: [math_d.exp2(arith_d.subf(x, m))])[0]
-    chunk_sum = generic([probs], [fill(const_f32(0.0), row_sizes, f32())], [by_key, rows],
-                        reduced, lambda x, acc: [arith_d.addf(x, acc)])[0]
+    if key_major:
+        row_sizes = [entries, chunks, h, group]
+        reduced = "".join("r" if axis in (p_, s_) else "p" for axis in range(6))
+        chunk_max = generic([scores], [fill(const_f32(NO_KEY_MAX), row_sizes, f32())], [every, rows],
+                            reduced, lambda x, acc: [arith_d.maximumf(x, acc)])[0]
+        probs = generic([scores, chunk_max], [empty([entries, chunks, h, per_chunk, block, group], f32())],
+                        [every, rows, by_key], "pppppp", lambda x, m, _out: [math_d.exp2(arith_d.subf(x, m))])[0]
+        chunk_sum = generic([probs], [fill(const_f32(0.0), row_sizes, f32())], [by_key, rows],
+                            reduced, lambda x, acc: [arith_d.addf(x, acc)])[0]
+    else:
+        chunk_max, probs, chunk_sum = _row_major_softmax(scores, block)
 
     # Passes of ROW_VECTOR or more rows without sinks divide each chunk's products by its sum in
     # the probs x values dispatch, so that a call of one chunk per entry skips the chunk merge (the
@@ -435,6 +443,48 @@ def _decode(spec: DecodeSpec, rule: MaskRule, vectors: PassVectors, q, cache: Kv
         return _one_chunk_or_merged(spec, chunk_max, chunk_sum, *normalised)
     weighted = _probs_times_values(spec, cache, probs, table, lengths, kept)
     return _merged(spec, chunk_max, chunk_sum, weighted, sinks, normalised=False)
+
+
+def _row_major_softmax(scores, block: int) -> tuple[ir.Value, ir.Value, ir.Value]:
+    """(chunk_max [n, c, h, R], probs [n, c, h, p, s, R], chunk_sum [n, c, h, R]) of row-major
+    masked scores [n, c, h, R, p, s] (passes of fewer than ROW_VECTOR rows a KV head).
+
+    Built on the scores as [N = n x c x h, R, K = p x s] so that the tiling attached to the exp2
+    op and the sum stays (IREE 3.13 collapses a 6-dim generic's dims and drops it): the exp2 op
+    takes an [R, SOFTMAX_VECTOR] tile of scores and writes it transposed, [SOFTMAX_VECTOR, R], as
+    one vector; the sum adds a key's R probabilities as one vector. Each in a dispatch of its own
+    (fused, IREE tiles them like the max, one row at a time). Left to IREE, the exp2 op and the sum
+    took a 16-lane tile of one row, stored it a scalar at a time and summed it one scalar at a time:
+    72 -> 11 us on 8 x 1 vs 129 keys, 1.9 -> 0.86 ms on 32 x 1 vs 1040 (docs/performance.md).
+    """
+    n, c, h, rows, p, s = sizes_of(scores)
+    flat = collapse(scores, [[0, 1, 2], [3], [4, 5]])  # [N, R, K]
+    count, keys = dim(flat, 0), dim(flat, 2)
+    vector = _width(SOFTMAX_VECTOR, block)
+    every, by_row, by_key = affine_map(3, (0, 1, 2)), affine_map(3, (0, 1)), affine_map(3, (0, 2, 1))
+    # loops (N, R, K) in all three
+    chunk_max = generic([flat], [fill(const_f32(NO_KEY_MAX), [count, rows], f32())], [every, by_row], "ppr",
+                        lambda x, acc: [arith_d.maximumf(x, acc)])[0]
+
+    def exponentials():
+        probs = generic([flat, chunk_max], [empty([count, keys, rows], f32())], [every, by_row, by_key], "ppp",
+                        lambda x, m, _out: [math_d.exp2(arith_d.subf(x, m))])[0]
+        probs.owner.attributes["compilation_info"] = _compilation_info(
+            distribution=[SOFTMAX_ROWS, rows, 0], vector_common_parallel=[1, rows, vector])
+        return probs
+
+    probs = own_dispatch(exponentials, tensor_type([DYN, DYN, rows], f32()), [count, keys, rows])
+
+    def summed():
+        chunk_sum = generic([probs], [fill(const_f32(0.0), [count, rows], f32())], [by_key, by_row], "ppr",
+                            lambda x, acc: [arith_d.addf(x, acc)])[0]
+        chunk_sum.owner.attributes["compilation_info"] = _compilation_info(
+            distribution=[SOFTMAX_ROWS, rows, 0], vector_common_parallel=[1, rows, 0], vector_reduction=[0, 0, 1])
+        return chunk_sum
+
+    chunk_sum = own_dispatch(summed, tensor_type([DYN, rows], f32()), [count, rows])
+    per_row = lambda x: expand(x, [[0, 1, 2], [3]], [n, c, h, rows])  # noqa: E731
+    return per_row(chunk_max), expand(probs, [[0, 1, 2], [3, 4], [5]], [n, c, h, p, s, rows]), per_row(chunk_sum)
 
 
 def _columns_per_load(d_v: int) -> int:
