@@ -35,8 +35,8 @@ from typing import Callable, Union, get_args
 
 from .ir import (
     DYN, affine_map, arith_d, collapse, const_f32, const_index, dim, element_type, empty, expand, f32, fill,
-    func_d, generic, i32, index, ir, linalg_d, lt, math_d, module_context, own_dispatch, scf_d, sizes_of, tensor_d,
-    tensor_type, tie_dims, widened,
+    func_d, generic, i32, index, ir, linalg_d, lt, math_d, module_context, own_dispatch, own_dispatch_results, scf_d,
+    sizes_of, tensor_d, tensor_type, tie_dims, widened,
 )
 from .abi import ARGUMENTS, Arg, argument_types, kv_sources, result_types, split_sinks
 from .kv_layouts import cache_layout
@@ -88,7 +88,7 @@ MAX_CHUNK_COLUMNS = 512
 SCORE_TENSORS = 3
 #: The chunk merge reads each chunk's products in head-dim vectors of this width.
 VALUE_VECTOR = 32
-#: The row-major chunk softmax (passes of fewer than ROW_VECTOR rows) moves its probabilities in
+#: The row-major chunk softmax (passes of fewer than ROW_VECTOR rows) takes its exp2 and sum in
 #: tiles of the rows by this many keys (at most a block), SOFTMAX_ROWS (entry, chunk, head) rows a
 #: workgroup.
 SOFTMAX_VECTOR = 16
@@ -449,40 +449,35 @@ def _row_major_softmax(scores, block: int) -> tuple[ir.Value, ir.Value, ir.Value
     """(chunk_max [n, c, h, R], probs [n, c, h, p, s, R], chunk_sum [n, c, h, R]) of row-major
     masked scores [n, c, h, R, p, s] (passes of fewer than ROW_VECTOR rows a KV head).
 
-    Built on the scores as [N = n x c x h, R, K = p x s] so that the tiling attached to the exp2
-    op and the sum stays (IREE 3.13 collapses a 6-dim generic's dims and drops it): the exp2 op
-    takes an [R, SOFTMAX_VECTOR] tile of scores and writes it transposed, [SOFTMAX_VECTOR, R], as
-    one vector; the sum adds a key's R probabilities as one vector. Each in a dispatch of its own
-    (fused, IREE tiles them like the max, one row at a time). Left to IREE, the exp2 op and the sum
-    took a 16-lane tile of one row, stored it a scalar at a time and summed it one scalar at a time:
-    72 -> 11 us on 8 x 1 vs 129 keys, 1.9 -> 0.86 ms on 32 x 1 vs 1040 (docs/performance.md).
+    Built on the scores as [N = n x c x h, R, K = p x s] so that the tiling attached to the sum
+    stays (IREE 3.13 collapses a 6-dim generic's dims and drops it). The exp2 op and the sum share
+    a dispatch whose tile is [R rows, SOFTMAX_VECTOR keys]: the exp2 op reads it row by row and
+    writes it transposed, [SOFTMAX_VECTOR, R], for probs x values, and the sum reduces it. Left to
+    IREE, the two took 16 keys of one row at a time, stored them a scalar at a time and summed them
+    one scalar at a time: 72 -> 14 us on 8 x 1 vs 129 keys, 1.9 -> 0.58 ms on 32 x 1 vs 1040
+    (docs/performance.md).
     """
     n, c, h, rows, p, s = sizes_of(scores)
     flat = collapse(scores, [[0, 1, 2], [3], [4, 5]])  # [N, R, K]
     count, keys = dim(flat, 0), dim(flat, 2)
-    vector = _width(SOFTMAX_VECTOR, block)
     every, by_row, by_key = affine_map(3, (0, 1, 2)), affine_map(3, (0, 1)), affine_map(3, (0, 2, 1))
     # loops (N, R, K) in all three
     chunk_max = generic([flat], [fill(const_f32(NO_KEY_MAX), [count, rows], f32())], [every, by_row], "ppr",
                         lambda x, acc: [arith_d.maximumf(x, acc)])[0]
 
-    def exponentials():
+    def exp_and_sum():
         probs = generic([flat, chunk_max], [empty([count, keys, rows], f32())], [every, by_row, by_key], "ppp",
                         lambda x, m, _out: [math_d.exp2(arith_d.subf(x, m))])[0]
-        probs.owner.attributes["compilation_info"] = _compilation_info(
-            distribution=[SOFTMAX_ROWS, rows, 0], vector_common_parallel=[1, rows, vector])
-        return probs
-
-    probs = own_dispatch(exponentials, tensor_type([DYN, DYN, rows], f32()), [count, keys, rows])
-
-    def summed():
         chunk_sum = generic([probs], [fill(const_f32(0.0), [count, rows], f32())], [by_key, by_row], "ppr",
                             lambda x, acc: [arith_d.addf(x, acc)])[0]
         chunk_sum.owner.attributes["compilation_info"] = _compilation_info(
-            distribution=[SOFTMAX_ROWS, rows, 0], vector_common_parallel=[1, rows, 0], vector_reduction=[0, 0, 1])
-        return chunk_sum
+            distribution=[SOFTMAX_ROWS, rows, 0], vector_common_parallel=[1, rows, 0],
+            vector_reduction=[0, 0, _width(SOFTMAX_VECTOR, block)])
+        return [probs, chunk_sum]
 
-    chunk_sum = own_dispatch(summed, tensor_type([DYN, rows], f32()), [count, rows])
+    probs, chunk_sum = own_dispatch_results(
+        exp_and_sum, [tensor_type([DYN, DYN, rows], f32()), tensor_type([DYN, rows], f32())],
+        [[count, keys, rows], [count, rows]])
     per_row = lambda x: expand(x, [[0, 1, 2], [3]], [n, c, h, rows])  # noqa: E731
     return per_row(chunk_max), expand(probs, [[0, 1, 2], [3, 4], [5]], [n, c, h, p, s, rows]), per_row(chunk_sum)
 

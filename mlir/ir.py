@@ -332,13 +332,21 @@ def own_dispatch(build: Callable[[], ir.Value], result_type: ir.Type, sizes: Seq
     own (``sizes`` as for :func:`tie_dims`), so that IREE neither fuses it into its consumers nor
     moves it into their loop: a layout built once before a loop stays built once (left to fusion,
     IREE 3.13 recomputed the fused kernels' K/V tiles inside every query band)."""
-    dynamic = [s for s in sizes if not isinstance(s, int)]
+    return own_dispatch_results(lambda: [build()], [result_type], [sizes])[0]
+
+
+@_located
+def own_dispatch_results(build: Callable[[], list[ir.Value]], result_types: Sequence[ir.Type],
+                         sizes: Sequence[Sequence[IndexLike]]) -> list[ir.Value]:
+    """:func:`own_dispatch` for several results: the tensors ``build()`` makes (of
+    ``result_types``, each of its ``sizes``), computed in one dispatch."""
+    dynamic = [s for shape in sizes for s in shape if not isinstance(s, int)]
     region_op = ir.Operation.create(
-        "flow.dispatch.region", results=[result_type], operands=dynamic,
+        "flow.dispatch.region", results=list(result_types), operands=dynamic,
         attributes={"operandSegmentSizes": ir.DenseI32ArrayAttr.get([len(dynamic), 0])}, regions=2)
     with ir.InsertionPoint(region_op.regions[0].blocks.append()):
-        ir.Operation.create("flow.return", operands=[build()])
-    return region_op.result
+        ir.Operation.create("flow.return", operands=build())
+    return list(region_op.results)
 
 
 def buffer_view_type() -> ir.Type:
