@@ -173,9 +173,19 @@ class PassCall:
         else:
             pass_rows[...] = 0
             pass_rows[self.real_head_rows] = by_head[self.head_rows[self.real_head_rows]]
-        args = (q_arg, *(named[arg.name] for arg in kv_sources(spec)), self.table, self.geometry, int(named["causal"]),
-                float(named["sm_scale"]), *((named["sinks"],) if spec.head_sinks else ()))
-        return DecodeCall(self.spec, args, self.rows, self.real)
+        return DecodeCall(self.spec, self.arguments(named, q_arg), self.rows, self.real)
+
+    def arguments(self, named: dict, q_pass) -> tuple:
+        """The pass's arguments for one layer given its q (``q_pass`` [n, h_kv, R, d_qk])."""
+        spec = self.spec.base
+        return (q_pass, *(named[arg.name] for arg in kv_sources(spec)), self.table, self.geometry,
+                int(named["causal"]), float(named["sm_scale"]), *((named["sinks"],) if spec.head_sinks else ()))
+
+    def in_order(self, tokens: int) -> bool:
+        """Whether the pass's rows are a call's ``tokens`` query rows in order, all real (one query
+        an entry, entries in batch order, or one KV head): its q and results are then the call's
+        q [tokens, h_q, d] and results reshaped."""
+        return bool(self.real.all()) and np.array_equal(self.head_rows, np.arange(tokens * self.spec.base.h_kv))
 
 
 def _numpy_array(shape: tuple, dtype) -> tuple[np.ndarray, np.ndarray]:
@@ -188,12 +198,14 @@ class DecodeSchedule:
     """What a KV-cache call's index arrays decide, computed once per plan (a wrapper's ``plan``)
     and reused by every layer: ``passes`` [B] (:func:`pass_queries`), the pass calls, and for
     the other entries their query rows ``rest_rows`` [Lq] (bool) and the index arguments of
-    their call (``rest_index``, by ABI name; None when every entry takes a pass)."""
+    their call (``rest_index``, by ABI name; None when every entry takes a pass), and whether the
+    call is one pass call over its rows in order (``in_order``: PassCall.in_order)."""
 
     passes: np.ndarray
     calls: tuple[PassCall, ...]
     rest_rows: np.ndarray
     rest_index: dict | None
+    in_order: bool
 
 
 def decode_schedule(spec, args: tuple, decode_passes: DecodePasses) -> DecodeSchedule | None:
@@ -208,7 +220,9 @@ def decode_schedule(spec, args: tuple, decode_passes: DecodePasses) -> DecodeSch
     rest_rows = np.repeat(~in_pass, qo_lens)  # [Lq]: rows of the other entries
     rest_index = host_layout(spec).rest_arguments(spec, _index_arrays(spec, args), in_pass, qo_lens) \
         if rest_rows.any() else None
-    return DecodeSchedule(passes, tuple(_pass_calls(spec, args, passes, decode_passes)), rest_rows, rest_index)
+    calls = tuple(_pass_calls(spec, args, passes, decode_passes))
+    in_order = rest_index is None and len(calls) == 1 and calls[0].in_order(len(rest_rows))
+    return DecodeSchedule(passes, calls, rest_rows, rest_index, in_order)
 
 
 def decode_calls(spec, args: tuple, passes: np.ndarray, decode_passes: DecodePasses) -> list[DecodeCall]:
@@ -263,6 +277,8 @@ def split_decode(spec, args: tuple, schedule: DecodeSchedule, run_decode: Callab
     numpy arrays when ``to_host`` is False. ``args`` are checked, in the seed's order."""
     named = _named(spec, args)
     q = np.asarray(on_host(named["q"]))
+    if schedule.in_order:
+        return _in_order(spec, named, q, schedule.calls[0], run_decode, device_results, to_host)
     group = spec.group_size
     results = _numpy_array if to_host else new_array
     output, output_view = results((q.shape[0], spec.h_q, spec.d_v), q.dtype)
@@ -295,6 +311,23 @@ def split_decode(spec, args: tuple, schedule: DecodeSchedule, run_decode: Callab
     return device_results([output, lse])
 
 
+def _in_order(spec, named: dict, q: np.ndarray, scheduled: PassCall, run_decode: Callable, device_results: Callable,
+              to_host: bool):
+    """(output, lse) of a call that is one pass call over its rows in order (a decode step of one
+    query an entry: PassCall.in_order): the pass takes q as it is, reshaped, and its results are
+    copied out once, reshaped (no pass q built, no scatter: 8 x 1 vs 128 cached, the step's host
+    work 100 -> 80 us, docs/performance.md)."""
+    n, queries = scheduled.rows.shape
+    q_pass = q.reshape(n, spec.h_kv, queries * spec.group_size, q.shape[-1])
+    out_shape, lse_shape = (q.shape[0], spec.h_q, spec.d_v), (q.shape[0], spec.h_q)
+
+    def copied(out_pass, lse_pass):
+        output, lse = out_pass.reshape(out_shape), lse_pass.reshape(lse_shape)
+        return (np.array(output), np.array(lse)) if to_host else device_results([output, lse])
+
+    return run_decode(queries, *scheduled.arguments(named, q_pass), use=copied)
+
+
 def _calls_of(pass_spec: DecodeSpec, lengths: np.ndarray, passes: DecodePasses) -> list[tuple[np.ndarray, int]]:
     """The pass entries (indices into ``lengths`` [m], each one's table length in keys) of each
     call of a pass, and the call's table blocks per chunk P. Bucketed (the fused pass): one call
@@ -316,7 +349,8 @@ def _within_scratch(pass_spec: DecodeSpec, entries: np.ndarray, lengths: np.ndar
                     passes: DecodePasses) -> list[np.ndarray]:
     """``entries`` (pass entries of P = ``per_chunk``) in order of table length, cut into calls
     that pad an entry's chunks by less than MAX_CHUNK_PADDING and take at most
-    ``passes.call_scratch`` bytes of scratch (no bound when None)."""
+    ``passes.call_scratch`` bytes of scratch (no bound when None); entries that fit one call keep
+    their order (a decode step's rows then stay in order: PassCall.in_order)."""
     ordered = entries[np.argsort(lengths[entries], kind="stable")]
     chunks = -(-lengths[ordered] // (per_chunk * pass_spec.block))  # ascending
     scratch = per_chunk * pass_spec.block * pass_spec.scratch_per_key  # bytes per chunk of an entry
@@ -326,7 +360,7 @@ def _within_scratch(pass_spec: DecodeSpec, entries: np.ndarray, lengths: np.ndar
         if i > start and (chunks[i] > MAX_CHUNK_PADDING * chunks[start] or (i + 1 - start) * chunks[i] * scratch > bound):
             calls.append(ordered[start:i])
             start = i
-    return calls + [ordered[start:]]
+    return calls + [ordered[start:]] if calls else [entries]
 
 
 def _rest_call(spec, args: tuple, rest_index: dict, q_rest: np.ndarray, rest_rows: np.ndarray) -> list:

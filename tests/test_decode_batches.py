@@ -27,7 +27,9 @@ from linalg_prefill.mlir.abi import argument_names
 from linalg_prefill.mlir.decode import NARROW_PASS_VECTORS, ROW_VECTOR, WIDE_PASS_VECTORS
 from linalg_prefill.runtime.compare import reference_call
 from linalg_prefill.runtime.examples import example_inputs
-from linalg_prefill.runtime.decode import DECODE_PASSES, bucket_tiles, decode_calls, kv_lengths, pass_queries
+from linalg_prefill.runtime.decode import (
+    DECODE_PASSES, bucket_tiles, decode_calls, decode_schedule, kv_lengths, pass_queries,
+)
 
 # (qo_len, kv_len): single-query entries with 1 to 700 keys, 2-4 query entries (one with more
 # queries than keys: rows without a key under the causal mask), prefill entries, an entry with
@@ -218,6 +220,38 @@ def test_pass_entry_is_bitwise_the_same_alone_among_short_entries_and_in_a_mixed
     for name in ("short", "mixed"):
         np.testing.assert_array_equal(results[name][0], results["alone"][0], err_msg=name)
         np.testing.assert_array_equal(results[name][1], results["alone"][1], err_msg=name)
+
+
+def test_a_decode_step_in_order_takes_q_and_results_as_they_are(cache, monkeypatch):
+    """A call of one query an entry whose entries share a pass call runs it on q as it is and
+    returns its results reshaped (runtime/decode.py: _in_order): the same rows, bitwise, as the
+    general path (the same step with a 2-query entry after it: two pass calls, q built and results
+    scattered), host and device results alike, and the reference's."""
+    spec = PagedPrefillSpec(8, 2, 64, "float32", page_size=16)
+    kernel = open_kernel(spec, "llvm-cpu", cache=cache)
+    step = [(1, 100), (1, 97), (1, 112), (1, 105)]  # 7 blocks each: one call, in batch order
+    rng = np.random.default_rng(11)
+    args = _call(spec, rng, step)
+    assert decode_schedule(spec, args, DECODE_PASSES["linalg"]).in_order
+    calls = _CountingPasses(kernel, monkeypatch)
+    out, lse = kernel(*args)
+    assert (calls.decode, calls.rest) == (1, 0)
+    assert_matches_reference("in-order decode step", (out, lse), spec, args)
+    device = kernel(*args, to_host=False)
+    for want, got in zip((out, lse), device):
+        assert np.array_equal(np.asarray(got.to_host()), want)
+
+    longer = _call(spec, rng, step + [(2, 50)])
+    named = dict(zip(argument_names(spec), longer))
+    named["q"][:len(step)], named["pages"][...] = args[0], 0  # the same queries over the same K/V rows
+    for b in range(len(step)):
+        own = args[4][args[3][b]:args[3][b + 1]]
+        theirs = named["page_values"][named["page_indptr"][b]:named["page_indptr"][b + 1]]
+        named["pages"][theirs] = args[2][own]
+    assert not decode_schedule(spec, longer, DECODE_PASSES["linalg"]).in_order
+    general = kernel(*longer)
+    for want, got in zip((out, lse), general):
+        np.testing.assert_array_equal(got[:len(step)], want)
 
 
 def test_pass_entries_cut_into_calls_by_scratch_give_the_same_rows(cache, monkeypatch):
