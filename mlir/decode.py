@@ -439,9 +439,9 @@ def _decode(spec: DecodeSpec, rule: MaskRule, vectors: PassVectors, q, cache: Kv
     # 16-query pass over 32 entries of 192 keys 17.2-19.0 -> 14.3-16.1 ms, docs/performance.md); in the
     # 1-query pass (4-row vectors) that division took probs x values 155 -> 429 us (8 x 1 vs 129).
     if key_major and sinks is None:
-        normalised = _probs_times_values(spec, cache, probs, table, lengths, kept, chunk_sum)
-        return _one_chunk_or_merged(spec, chunk_max, chunk_sum, *normalised)
-    weighted = _probs_times_values(spec, cache, probs, table, lengths, kept)
+        normalised, in_dtype = _probs_times_values(spec, cache, probs, table, lengths, kept, chunk_sum)
+        return _one_chunk_or_merged(spec, chunk_max, chunk_sum, normalised, in_dtype)
+    weighted, = _probs_times_values(spec, cache, probs, table, lengths, kept)
     return _merged(spec, chunk_max, chunk_sum, weighted, sinks, normalised=False)
 
 
@@ -489,11 +489,11 @@ def _columns_per_load(d_v: int) -> int:
 
 
 def _probs_times_values(spec: DecodeSpec, cache: KvCache, probs, table, lengths, kept, chunk_sum=None):
-    """weighted [n, c, h, R, d_v] = probs [n, c, h, p, s, R] x values, per chunk; given the
-    chunks' sums ``chunk_sum`` [n, c, h, R], (weighted / sum in f32, the same in the dtype)
-    instead: the division and cast join the op that interleaves the J outputs (as an op of their
-    own, IREE fused them into the contraction's dispatch and the 1-query pass's probs x values
-    took 155 -> 429 us on 8 x 1 vs 129 keys).
+    """``[weighted]``, weighted [n, c, h, R, d_v] = probs [n, c, h, p, s, R] x values, per chunk;
+    given the chunks' sums ``chunk_sum`` [n, c, h, R], ``[weighted / sum in f32, the same in the
+    dtype]`` instead (one tensor twice for f32): the division and cast join the op that
+    interleaves the J outputs (as an op of their own, IREE fused them into the contraction's
+    dispatch and the 1-query pass's probs x values took 155 -> 429 us on 8 x 1 vs 129 keys).
 
     Vectorised along the query rows: each value element is one broadcast load from the cache,
     multiplied into a vector of up to ROW_VECTOR rows' probabilities. Head-dim columns go in J
@@ -550,9 +550,7 @@ def _probs_times_values(spec: DecodeSpec, cache: KvCache, probs, table, lengths,
     maps = [affine_map(6, range(5))] * columns + [affine_map(6, range(4))] * (len(inputs) - columns)
     stacked = generic(inputs, outputs, maps + [affine_map(6, range(6))] * len(outputs), "pppppp", interleaved)
     merged = [collapse(x, [[0], [1], [2], [3], [4, 5]]) for x in stacked]
-    if chunk_sum is None:
-        return merged[0]
-    return merged[0], merged[-1]
+    return merged if chunk_sum is None else [merged[0], merged[-1]]
 
 
 def _column(geometry: ir.Value, column: int) -> ir.Value:

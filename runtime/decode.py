@@ -32,6 +32,7 @@ from ..mlir.attention_op import TILE
 from ..mlir.decode import DECODE_PASSES, DecodePasses, DecodeSpec
 from .checks import on_host
 from .kv_layouts import host_layout
+from .module import host_array
 
 
 #: Bucket widths of the fused pass, in KV tiles: 1, 2, 3, 4, 6, 8, 12, ... (powers of two and
@@ -140,6 +141,7 @@ class PassCall:
     q (and its output) as rows of one KV head's G query heads, [n, h_kv, queries, G x d] flattened,
     index the batch's rows of the same shape, [tokens x h_kv, G x d]: row (i, h, t) is token
     rows[i, t]'s head group h. One ``np.take`` then moves q, and one indexed store the results.
+    ``every_row``: whether every row is real (no padding).
     """
 
     spec: DecodeSpec
@@ -149,13 +151,14 @@ class PassCall:
     real: np.ndarray
     head_rows: np.ndarray
     real_head_rows: np.ndarray
+    every_row: bool
 
     @classmethod
     def of(cls, spec: DecodeSpec, table: np.ndarray, geometry: np.ndarray, rows: np.ndarray, real: np.ndarray):
         h_kv = spec.base.h_kv
         head_rows = (rows[:, None, :] * h_kv + np.arange(h_kv)[None, :, None]).reshape(-1)
         real_head_rows = np.broadcast_to(real[:, None, :], (len(rows), h_kv, rows.shape[1])).reshape(-1)
-        return cls(spec, table, geometry, rows, real, head_rows, real_head_rows)
+        return cls(spec, table, geometry, rows, real, head_rows, real_head_rows, bool(real.all()))
 
     def call(self, named: dict, q: np.ndarray, new_array: Callable = None) -> DecodeCall:
         """The call for one layer: ``named`` its arguments by ABI name, ``q`` [tokens, h_q, d] its
@@ -165,10 +168,10 @@ class PassCall:
         n, queries = self.rows.shape
         h_kv, group = spec.h_kv, spec.group_size
         d = q.shape[-1]
-        q_arg, q_pass = (new_array or _numpy_array)((n, h_kv, queries * group, d), q.dtype)
+        q_arg, q_pass = (new_array or host_array)((n, h_kv, queries * group, d), q.dtype)
         by_head = np.ascontiguousarray(q).reshape(-1, group * d)  # [tokens x h_kv, G x d]
         pass_rows = q_pass.reshape(-1, group * d)  # [n x h_kv x queries, G x d]
-        if self.real.all():
+        if self.every_row:
             np.take(by_head, self.head_rows, axis=0, out=pass_rows, mode="clip")  # unbuffered; rows valid
         else:
             pass_rows[...] = 0
@@ -185,12 +188,7 @@ class PassCall:
         """Whether the pass's rows are a call's ``tokens`` query rows in order, all real (one query
         an entry, entries in batch order, or one KV head): its q and results are then the call's
         q [tokens, h_q, d] and results reshaped."""
-        return bool(self.real.all()) and np.array_equal(self.head_rows, np.arange(tokens * self.spec.base.h_kv))
-
-
-def _numpy_array(shape: tuple, dtype) -> tuple[np.ndarray, np.ndarray]:
-    array = np.empty(shape, dtype)
-    return array, array
+        return self.every_row and np.array_equal(self.head_rows, np.arange(tokens * self.spec.base.h_kv))
 
 
 @dataclass(frozen=True)
@@ -273,26 +271,26 @@ def split_decode(spec, args: tuple, schedule: DecodeSchedule, run_decode: Callab
     ``run_rest(*args, use=use)``, each handing its call's results to ``use`` (valid only inside
     it: LoadedKernel.consume). The pass's q, and the results when not ``to_host``, are
     made by ``new_array(shape, dtype) -> (argument, view)`` (module.host_visible_array: on the CPU
-    drivers device buffers the host writes in place); ``device_results`` uploads results that are
-    numpy arrays when ``to_host`` is False. ``args`` are checked, in the seed's order."""
+    drivers device buffers the host writes in place); ``device_results`` makes the results
+    device arrays when ``to_host`` is False (module.device_resident: numpy ones uploaded).
+    ``args`` are checked, in the seed's order."""
     named = _named(spec, args)
     q = np.asarray(on_host(named["q"]))
     if schedule.in_order:
         return _in_order(spec, named, q, schedule.calls[0], run_decode, device_results, to_host)
     group = spec.group_size
-    results = _numpy_array if to_host else new_array
+    results = host_array if to_host else new_array
     output, output_view = results((q.shape[0], spec.h_q, spec.d_v), q.dtype)
     lse, lse_view = results((q.shape[0], spec.h_q), np.float32)
     out_by_head = output_view.reshape(-1, group * spec.d_v)  # [tokens x h_kv, G x d_v]
     lse_by_head = lse_view.reshape(-1, group)
     for scheduled in schedule.calls:
         call = scheduled.call(named, q, new_array)
-        every_row = bool(call.real.all())
 
         def scatter(out_pass, lse_pass):
             # the pass's [n, h_kv, queries, G, ...] rows stored at their tokens' head groups
             out_rows, lse_rows = out_pass.reshape(-1, group * spec.d_v), lse_pass.reshape(-1, group)
-            if every_row:
+            if scheduled.every_row:
                 out_by_head[scheduled.head_rows], lse_by_head[scheduled.head_rows] = out_rows, lse_rows
             else:
                 real, rows = scheduled.real_head_rows, scheduled.head_rows[scheduled.real_head_rows]
@@ -306,9 +304,7 @@ def split_decode(spec, args: tuple, schedule: DecodeSchedule, run_decode: Callab
             output_view[rest_rows], lse_view[rest_rows] = out_rest, lse_rest
 
         run_rest(*_rest_call(spec, args, schedule.rest_index, q[rest_rows], rest_rows), use=store)
-    if to_host or not isinstance(output, np.ndarray):
-        return output, lse
-    return device_results([output, lse])
+    return (output, lse) if to_host else device_results([output, lse])
 
 
 def _in_order(spec, named: dict, q: np.ndarray, scheduled: PassCall, run_decode: Callable, device_results: Callable,

@@ -20,7 +20,7 @@ from .checks import NUMPY_DTYPES, check_on_device
 from .decode import DECODE_PASSES, decode_schedule, split_decode
 from .errors import InputError
 from .interop import like_inputs, results_to_host
-from .module import LoadedKernel, as_device_arrays, host_visible_array
+from .module import LoadedKernel, as_device_arrays, device_resident, host_visible_array
 from .variants import call_arguments, checked, variant
 
 
@@ -80,7 +80,7 @@ class Kernel:
         if schedule is not None:
             return split_decode(self.spec, checked_args, schedule, self._run_decode, self._run_rest,
                                 lambda shape, dtype: host_visible_array(self.device, shape, dtype),
-                                lambda results: tuple(as_device_arrays(self.device, results)), to_host)
+                                lambda results: device_resident(self.device, results), to_host)
         return self._loaded(*checked_args, to_host=to_host)
 
     def _decode_schedule(self, checked_args: tuple, plan: Any):

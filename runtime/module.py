@@ -76,13 +76,19 @@ def host_visible_array(device: rt.HalDevice, shape: tuple, dtype) -> tuple[Any, 
     (argument and view the same), which the call uploads."""
     dtype = np.dtype(dtype)
     if not _is_local(device):
-        array = np.empty(shape, dtype)
-        return array, array
+        return host_array(shape, dtype)
     buffer = device.allocator.allocate_buffer(memory_type=_MAPPED_MEMORY, allowed_usage=_MAPPED_USAGE,
                                               allocation_size=max(math.prod(shape) * dtype.itemsize, 1))
     array = rt.DeviceArray(device, rt.HalBufferView(buffer, shape, _element_type(dtype)), implicit_host_transfer=True,
                            override_dtype=dtype)
     return array, array.to_host()
+
+
+def host_array(shape: tuple, dtype) -> tuple[np.ndarray, np.ndarray]:
+    """(array, array): :func:`host_visible_array`'s form for a numpy array, argument and view the
+    same."""
+    array = np.empty(shape, dtype)
+    return array, array
 
 
 _MAPPED_MEMORY = rt.MemoryType.DEVICE_LOCAL | rt.MemoryType.HOST_VISIBLE
@@ -109,6 +115,11 @@ def as_device_arrays(device: rt.HalDevice, arrays: Sequence[np.ndarray]) -> list
     local = _is_local(device)
     return [host_readable(device, a) if _is_index_array(a) and not local
             else rt.asdevicearray(device, a, implicit_host_transfer=True) for a in arrays]
+
+
+def device_resident(device: rt.HalDevice, arrays: Sequence) -> tuple:
+    """``arrays`` as device arrays: DeviceArrays as they are, numpy arrays uploaded."""
+    return tuple(a if isinstance(a, rt.DeviceArray) else as_device_arrays(device, [a])[0] for a in arrays)
 
 
 def host_readable(device: rt.HalDevice, array: np.ndarray) -> rt.DeviceArray:
