@@ -88,11 +88,13 @@ MAX_CHUNK_COLUMNS = 512
 SCORE_TENSORS = 3
 #: The chunk merge reads each chunk's products in head-dim vectors of this width.
 VALUE_VECTOR = 32
-#: The row-major chunk softmax (passes of fewer than ROW_VECTOR rows) takes its exp2 and sum in
-#: tiles of the rows by this many keys (at most a block), SOFTMAX_ROWS (entry, chunk, head) rows a
-#: workgroup.
-SOFTMAX_VECTOR = 16
+#: The chunk softmax (mlir/decode.py: _chunk_softmax) works on SOFTMAX_ROWS (entry, chunk, head)
+#: rows a workgroup: key-major, in vectors of up to KEY_MAJOR_ROWS query rows of a key (16-lane
+#: vectors: 8.2 + 13.3 us on one entry of 16 queries over 256 keys, against 3.5 + 10.7 with 64);
+#: row-major, in tiles of the rows by SOFTMAX_VECTOR keys (at most a block).
 SOFTMAX_ROWS = 8
+KEY_MAJOR_ROWS = 64
+SOFTMAX_VECTOR = 16
 #: The probs x values contraction vectorises along the query rows (up to ROW_VECTOR a vector):
 #: each value element is one broadcast load, and PV_COLUMNS head-dim columns per key give as
 #: many independent accumulators (docs/performance.md, decode passes).
@@ -397,10 +399,10 @@ def _decode(spec: DecodeSpec, rule: MaskRule, vectors: PassVectors, q, cache: Kv
     # 16-query pass's mask 1.53 -> 0.92 ms on 32 x 16 vs 192 keys, docs/performance.md). Fewer rows
     # make those vectors short: such passes store them row-major, [n, c, h, g, p, s], so the max
     # and exp2 read each row's columns contiguously (with g innermost they read with a stride of
-    # g: 9.0 ms of the 32 x 1 vs 1024 f32 pass's 50.6, docs/serving.md): _row_major_softmax.
+    # g: 9.0 ms of the 32 x 1 vs 1024 f32 pass's 50.6, docs/serving.md). Both: _chunk_softmax.
     key_major = group >= ROW_VECTOR
     loops = (0, 1, 2, 3, 4, 5) if key_major else (0, 1, 2, 4, 5, 3)  # the loop dim of each of (i, c, h, p, s, g)
-    i_, c_, h_, p_, s_, g_ = loops
+    _, c_, _, p_, s_, g_ = loops
 
     def mask_body(x, kv_len, qo_len, _out):
         c, row, p, s = (_index(x_) for x_ in (c_, g_, p_, s_))
@@ -419,20 +421,8 @@ def _decode(spec: DecodeSpec, rule: MaskRule, vectors: PassVectors, q, cache: Kv
         [affine_map(6, loops), affine_map(6, (0,)), affine_map(6, (0,)), every], "pppppp",
         mask_body)[0], tensor_type([DYN, DYN, h, *((DYN, block, group) if key_major else (group, DYN, block))], f32()),
         layout)
-    rows = affine_map(6, (i_, c_, h_, g_))  # loops in the masked scores' order
     # The probabilities by key, [n, c, h, p, s, g]: probs x values reads a key's rows as one vector.
-    by_key = affine_map(6, loops)
-    if key_major:
-        row_sizes = [entries, chunks, h, group]
-        reduced = "".join("r" if axis in (p_, s_) else "p" for axis in range(6))
-        chunk_max = generic([scores], [fill(const_f32(NO_KEY_MAX), row_sizes, f32())], [every, rows],
-                            reduced, lambda x, acc: [arith_d.maximumf(x, acc)])[0]
-        probs = generic([scores, chunk_max], [empty([entries, chunks, h, per_chunk, block, group], f32())],
-                        [every, rows, by_key], "pppppp", lambda x, m, _out: [math_d.exp2(arith_d.subf(x, m))])[0]
-        chunk_sum = generic([probs], [fill(const_f32(0.0), row_sizes, f32())], [by_key, rows],
-                            reduced, lambda x, acc: [arith_d.addf(x, acc)])[0]
-    else:
-        chunk_max, probs, chunk_sum = _row_major_softmax(scores, block)
+    chunk_max, probs, chunk_sum = _chunk_softmax(scores, key_major, block)
 
     # Passes of ROW_VECTOR or more rows without sinks divide each chunk's products by its sum in
     # the probs x values dispatch, so that a call of one chunk per entry skips the chunk merge (the
@@ -445,34 +435,45 @@ def _decode(spec: DecodeSpec, rule: MaskRule, vectors: PassVectors, q, cache: Kv
     return _merged(spec, chunk_max, chunk_sum, weighted, sinks, normalised=False)
 
 
-def _row_major_softmax(scores, block: int) -> tuple[ir.Value, ir.Value, ir.Value]:
-    """(chunk_max [n, c, h, R], probs [n, c, h, p, s, R], chunk_sum [n, c, h, R]) of row-major
-    masked scores [n, c, h, R, p, s] (passes of fewer than ROW_VECTOR rows a KV head).
+def _chunk_softmax(scores, key_major: bool, block: int) -> tuple[ir.Value, ir.Value, ir.Value]:
+    """(chunk_max [n, c, h, R], probs [n, c, h, p, s, R], chunk_sum [n, c, h, R]) of the masked
+    scores, key-major [n, c, h, p, s, R] or row-major [n, c, h, R, p, s].
 
-    Built on the scores as [N = n x c x h, R, K = p x s] so that the tiling attached to the sum
-    stays (IREE 3.13 collapses a 6-dim generic's dims and drops it). The exp2 op and the sum share
-    a dispatch whose tile is [R rows, SOFTMAX_VECTOR keys]: the exp2 op reads it row by row and
-    writes it transposed, [SOFTMAX_VECTOR, R], for probs x values, and the sum reduces it. Left to
-    IREE, the two took 16 keys of one row at a time, stored them a scalar at a time and summed them
-    one scalar at a time: 72 -> 14 us on 8 x 1 vs 129 keys, 1.9 -> 0.58 ms on 32 x 1 vs 1040
-    (docs/performance.md).
+    Built on the scores as [N = n x c x h, K = p x s, R] (key-major) or [N, R, K] so that the
+    tiling attached to the ops stays (IREE 3.13 collapses a 6-dim generic's dims and drops it).
+    The exp2 op and the sum share a dispatch: key-major, tiles of up to KEY_MAJOR_ROWS rows of
+    one key (the max the same); row-major, [R rows, SOFTMAX_VECTOR keys] tiles that the exp2 op
+    writes transposed as one vector. Left to IREE, the three ran on 8-row vectors (key-major) or
+    one scalar at a time (row-major): the 16-query pass's softmax 8.05 -> 5.10 ms on 31 entries
+    of 1040 keys, the 1-query pass's 72 -> 14 us on 8 entries of 129 (docs/performance.md).
     """
-    n, c, h, rows, p, s = sizes_of(scores)
-    flat = collapse(scores, [[0, 1, 2], [3], [4, 5]])  # [N, R, K]
-    count, keys = dim(flat, 0), dim(flat, 2)
-    every, by_row, by_key = affine_map(3, (0, 1, 2)), affine_map(3, (0, 1)), affine_map(3, (0, 2, 1))
-    # loops (N, R, K) in all three
-    chunk_max = generic([flat], [fill(const_f32(NO_KEY_MAX), [count, rows], f32())], [every, by_row], "ppr",
+    if key_major:
+        n, c, h, p, s, rows = sizes_of(scores)
+        flat = collapse(scores, [[0, 1, 2], [3, 4], [5]])  # [N, K, R]
+        count, keys = dim(flat, 0), dim(flat, 1)
+        vector = min(rows, KEY_MAJOR_ROWS)
+        tiles = dict(distribution=[SOFTMAX_ROWS, vector, 0], vector_common_parallel=[1, vector, 0],
+                     vector_reduction=[0, 0, 1])
+    else:
+        n, c, h, rows, p, s = sizes_of(scores)
+        flat = collapse(scores, [[0, 1, 2], [3], [4, 5]])  # [N, R, K]
+        count, keys = dim(flat, 0), dim(flat, 2)
+        tiles = dict(distribution=[SOFTMAX_ROWS, rows, 0], vector_common_parallel=[1, rows, 0],
+                     vector_reduction=[0, 0, _width(SOFTMAX_VECTOR, block)])
+    # loops (N, R, K) in all three ops
+    by_row, by_key = affine_map(3, (0, 1)), affine_map(3, (0, 2, 1))
+    score_map = by_key if key_major else affine_map(3, (0, 1, 2))
+    chunk_max = generic([flat], [fill(const_f32(NO_KEY_MAX), [count, rows], f32())], [score_map, by_row], "ppr",
                         lambda x, acc: [arith_d.maximumf(x, acc)])[0]
+    if key_major:  # (row-major, IREE collapses its (N, R) and would drop it)
+        chunk_max.owner.attributes["compilation_info"] = _compilation_info(**tiles)
 
     def exp_and_sum():
-        probs = generic([flat, chunk_max], [empty([count, keys, rows], f32())], [every, by_row, by_key], "ppp",
+        probs = generic([flat, chunk_max], [empty([count, keys, rows], f32())], [score_map, by_row, by_key], "ppp",
                         lambda x, m, _out: [math_d.exp2(arith_d.subf(x, m))])[0]
         chunk_sum = generic([probs], [fill(const_f32(0.0), [count, rows], f32())], [by_key, by_row], "ppr",
                             lambda x, acc: [arith_d.addf(x, acc)])[0]
-        chunk_sum.owner.attributes["compilation_info"] = _compilation_info(
-            distribution=[SOFTMAX_ROWS, rows, 0], vector_common_parallel=[1, rows, 0],
-            vector_reduction=[0, 0, _width(SOFTMAX_VECTOR, block)])
+        chunk_sum.owner.attributes["compilation_info"] = _compilation_info(**tiles)
         return [probs, chunk_sum]
 
     probs, chunk_sum = own_dispatch_results(
