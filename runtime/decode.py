@@ -223,6 +223,21 @@ def decode_schedule(spec, args: tuple, decode_passes: DecodePasses) -> DecodeSch
     return DecodeSchedule(passes, calls, rest_rows, rest_index, in_order)
 
 
+def schedule_key(spec, args: tuple) -> tuple:
+    """What :func:`decode_schedule` reads of a call (``args`` checked, in the seed's order): its
+    index arrays' contents and its scalars, with every argument's shape."""
+    key = []
+    for arg, value in zip(arguments(spec), args):
+        if arg.kind == "index":
+            array = on_host(value)
+            key.append((array.shape, array.dtype.str, array.tobytes()))
+        elif arg.kind in ("int", "float"):
+            key.append(value)
+        else:
+            key.append(tuple(value.shape))
+    return tuple(key)
+
+
 def decode_calls(spec, args: tuple, passes: np.ndarray, decode_passes: DecodePasses) -> list[DecodeCall]:
     """The pass calls of a KV-cache call whose one-pass entries are ``passes`` (from
     :func:`pass_queries`): per query count, one per (chunk size, band of lengths), or one per KV

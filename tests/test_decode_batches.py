@@ -254,6 +254,27 @@ def test_a_decode_step_in_order_takes_q_and_results_as_they_are(cache, monkeypat
         np.testing.assert_array_equal(got[:len(step)], want)
 
 
+def test_a_call_without_a_plan_reuses_the_schedule_of_the_same_index_arrays(cache, monkeypatch):
+    """Kernel.__call__ works a call's schedule out again only when its index arrays or scalars
+    change (runtime/decode.py: schedule_key): a second call with the same ones (the next layer)
+    reuses it, with other lengths it is made anew, and every call matches the reference."""
+    import linalg_prefill.runtime.kernels as kernels
+
+    spec = PagedPrefillSpec(8, 2, 64, "float32", page_size=16)
+    kernel = open_kernel(spec, "llvm-cpu", cache=cache)
+    made = []
+    monkeypatch.setattr(kernels, "decode_schedule", lambda *a: made.append(1) or decode_schedule(*a))
+    rng = np.random.default_rng(12)
+    first = _call(spec, rng, [(1, 37), (4, 100), (20, 60)])
+    layer = list(first)
+    layer[0] = uniform(rng, first[0].shape, spec.dtype)  # another layer's queries and K/V
+    layer[2] = uniform(rng, first[2].shape, spec.dtype)
+    other = _call(spec, rng, [(1, 38), (4, 100), (20, 60)])
+    for args, schedules in ((first, 1), (layer, 1), (other, 2), (first, 3)):
+        assert_matches_reference("plan-less call", kernel(*args), spec, args)
+        assert len(made) == schedules
+
+
 def test_pass_entries_cut_into_calls_by_scratch_give_the_same_rows(cache, monkeypatch):
     """A linalg pass's entries in calls of their own (``call_scratch`` of one byte): one call
     per pass entry (MIXED: five 1-query, three 2-4 query entries, (5, 20) and the two pieces of
