@@ -4,7 +4,7 @@
                                      [--tvm] [--out build/bench-report]
 
 Every figure is ours and the peer's from the same process (torch on 2 threads), calls alternating
-between ours and the peer's (``best_times``; the small prefill in bursts of 10 calls each, see there):
+between ours and the peer's (``best_times``; the small prefill in bursts of 50 calls each, see there):
 
 * dense causal prefill, B=1, h_q=32, h_kv=8, d=128, per dtype and length, vs torch SDPA;
 * IREE's fused ``iree_linalg_ext.attention`` against our decomposition (non-causal f32, L=1024);
@@ -142,7 +142,7 @@ def small_prefill_rows(rng, q_len: int = 16, kv_len: int = 256) -> list[dict]:
         [lambda: kernel(q_dev, q_indptr, k_dev, v_dev, *indices, *scalars, to_host=False),
          lambda: kernel(q, q_indptr, k, v, *indices, *scalars),
          lambda: F.scaled_dot_product_attention(tq, tk, tv, attn_mask=mask, enable_gqa=True)],
-        repeat=10, burst=10)
+        repeat=10, burst=50)
     flops = pair_flops(causal_pairs(q_len, kv_len))
     name = f"{q_len} new vs {kv_len} cached"
     return [row("small", f"{name}, on device", "float32", q_len, resident, "torch SDPA", peer, flops),

@@ -55,9 +55,10 @@ def best_times(fns, repeat: int, burst: int = 1) -> list[float]:
     call each. Each round runs every fn ``burst`` times in a row, fn after fn, so that a slow phase
     of a noisy machine hits every contender rather than whichever ran during it.
 
-    Use a burst of about 10 for calls of a few milliseconds: right after another library's call,
-    a call finds its own worker threads asleep and the other's still spinning (torch's small
-    prefill halves in bursts: docs/performance.md, timing in bursts).
+    Use bursts of some tens of calls for calls under a few milliseconds: right after another
+    library's call, a call finds its own worker threads asleep and the other's still spinning
+    (torch's small prefill halves in bursts; ours took 10 calls of 0.6 ms to recover:
+    docs/performance.md, timing in bursts).
     """
     for fn in fns:
         fn()
