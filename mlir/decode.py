@@ -34,9 +34,9 @@ from dataclasses import dataclass
 from typing import Callable, Union, get_args
 
 from .ir import (
-    DYN, affine_map, arith_d, collapse, const_f32, const_index, dim, element_type, empty, expand, f32, fill,
-    func_d, generic, i32, index, ir, linalg_d, lt, math_d, module_context, own_dispatch, own_dispatch_results, scf_d,
-    sizes_of, tensor_d, tensor_type, tie_dims, widened,
+    DYN, affine_map, arith_d, collapse, compilation_info, const_f32, const_index, dim, element_type, empty, expand,
+    f32, fill, func_d, generic, i32, index, ir, linalg_d, lt, math_d, module_context, own_dispatch,
+    own_dispatch_results, scf_d, sizes_of, tensor_d, tensor_type, tie_dims, vector_width, widened,
 )
 from .abi import ARGUMENTS, Arg, argument_types, kv_sources, result_types, split_sinks
 from .kv_layouts import cache_layout
@@ -261,20 +261,6 @@ def serving_passes(spec, lowering: str) -> list[DecodeSpec]:
     return [DecodeSpec(spec, queries) for queries in DECODE_PASSES[lowering].usable(spec)]
 
 
-def _width(vector: int, size: int) -> int:
-    """The widest power-of-two vector up to ``vector`` that divides ``size``."""
-    while size % vector:
-        vector //= 2
-    return vector
-
-
-def _compilation_info(**levels) -> ir.Attribute:
-    text = ", ".join(f"{name} = {sizes}" for name, sizes in levels.items())
-    return ir.Attribute.parse(
-        f"#iree_codegen.compilation_info<lowering_config = #iree_cpu.lowering_config<{text}>, "
-        "translation_info = #iree_codegen.translation_info<pipeline = #iree_cpu.pipeline<DoubleTilingExpert>>>")
-
-
 def _index(i: int) -> ir.Value:
     return linalg_d.IndexOp(i).result
 
@@ -380,14 +366,14 @@ def _decode(spec: DecodeSpec, rule: MaskRule, vectors: PassVectors, q, cache: Kv
             [q], [empty(transposed, element_type(spec.dtype))], [affine_map(4, (0, 1, 3, 2)), affine_map(4, range(4))],
             "pppp", lambda x, _out: [x])[0], tensor_type([DYN, h, spec.d_qk, group], element_type(spec.dtype)), transposed)
         q_map, tiles = affine_map(7, (0, 2, 6, 5)), dict(
-            vector_common_parallel=[1, 1, 1, 1, 1, _width(ROW_VECTOR, group), 0], vector_reduction=[0] * 6 + [1])
+            vector_common_parallel=[1, 1, 1, 1, 1, vector_width(ROW_VECTOR, group), 0], vector_reduction=[0] * 6 + [1])
     else:  # a key row's contiguous head-dim vector dotted with one query row at a time
         q_operand, q_map = q, affine_map(7, (0, 2, 5, 6))
         tiles = dict(vector_common_parallel=[1, 1, 1, 1, 1, 1, 0],
-                     vector_reduction=[0, 0, 0, 0, 0, 0, _width(vectors.head_dim, spec.d_qk)])
+                     vector_reduction=[0, 0, 0, 0, 0, 0, vector_width(vectors.head_dim, spec.d_qk)])
     raw = generic([q_operand, table], [fill(const_f32(0.0), score_sizes, f32())],
                   [q_map, affine_map(7, (0, 1, 3)), affine_map(7, range(6))], "ppppppr", score_body)[0]
-    raw.owner.attributes["compilation_info"] = _compilation_info(
+    raw.owner.attributes["compilation_info"] = compilation_info(
         distribution=[1, 1, 1, 1, block, group, 0], **tiles)
 
     scale = score_transform(sm_scale, base.logits_soft_cap)
@@ -414,8 +400,10 @@ def _decode(spec: DecodeSpec, rule: MaskRule, vectors: PassVectors, q, cache: Kv
 
     lengths, query_lengths = _column(geometry, 0), _column(geometry, 3)
     layout = [score_sizes[loops.index(axis)] for axis in range(6)]
-    # In a dispatch of its own: fused with the max and exp2, IREE 3.13 keeps a chunk's masked row
-    # on the stack, which a dynamic P cannot bound.
+    # In a dispatch of its own: left to IREE 3.13, it went into the scores contraction's dispatch
+    # (the 16-query pass on 31 entries of 1040 keys 63.8-69.9 -> 79.8 ms a call); before the chunk
+    # softmax had its own tiles, fused with the max and exp2, it kept a chunk's masked row on the
+    # stack, which a dynamic P cannot bound.
     scores = own_dispatch(lambda: generic(
         [raw, lengths, query_lengths], [empty(layout, f32())],
         [affine_map(6, loops), affine_map(6, (0,)), affine_map(6, (0,)), every], "pppppp",
@@ -459,21 +447,21 @@ def _chunk_softmax(scores, key_major: bool, block: int) -> tuple[ir.Value, ir.Va
         flat = collapse(scores, [[0, 1, 2], [3], [4, 5]])  # [N, R, K]
         count, keys = dim(flat, 0), dim(flat, 2)
         tiles = dict(distribution=[SOFTMAX_ROWS, rows, 0], vector_common_parallel=[1, rows, 0],
-                     vector_reduction=[0, 0, _width(SOFTMAX_VECTOR, block)])
+                     vector_reduction=[0, 0, vector_width(SOFTMAX_VECTOR, block)])
     # loops (N, R, K) in all three ops
     by_row, by_key = affine_map(3, (0, 1)), affine_map(3, (0, 2, 1))
     score_map = by_key if key_major else affine_map(3, (0, 1, 2))
     chunk_max = generic([flat], [fill(const_f32(NO_KEY_MAX), [count, rows], f32())], [score_map, by_row], "ppr",
                         lambda x, acc: [arith_d.maximumf(x, acc)])[0]
     if key_major:  # (row-major, IREE collapses its (N, R) and would drop it)
-        chunk_max.owner.attributes["compilation_info"] = _compilation_info(**tiles)
+        chunk_max.owner.attributes["compilation_info"] = compilation_info(**tiles)
 
     def exp_and_sum():
         probs = generic([flat, chunk_max], [empty([count, keys, rows], f32())], [score_map, by_row, by_key], "ppp",
                         lambda x, m, _out: [math_d.exp2(arith_d.subf(x, m))])[0]
         chunk_sum = generic([probs], [fill(const_f32(0.0), [count, rows], f32())], [by_key, by_row], "ppr",
                             lambda x, acc: [arith_d.addf(x, acc)])[0]
-        chunk_sum.owner.attributes["compilation_info"] = _compilation_info(**tiles)
+        chunk_sum.owner.attributes["compilation_info"] = compilation_info(**tiles)
         return [probs, chunk_sum]
 
     probs, chunk_sum = own_dispatch_results(
@@ -525,8 +513,9 @@ def _probs_times_values(spec: DecodeSpec, cache: KvCache, probs, table, lengths,
         [probs, table, lengths], [fill(const_f32(0.0), out_sizes, f32()) for _ in range(columns)],
         [affine_map(7, (0, 1, 2, 5, 6, 4)), affine_map(7, (0, 1, 5)), affine_map(7, (0,))]
         + [affine_map(7, (0, 1, 2, 4, 3))] * columns, "pppppr" + "r", body)
-    results[0].owner.attributes["compilation_info"] = _compilation_info(
-        distribution=[1, 1, 1, outer, group, 0, 0], vector_common_parallel=[1, 1, 1, 1, _width(ROW_VECTOR, group), 0, 0],
+    results[0].owner.attributes["compilation_info"] = compilation_info(
+        distribution=[1, 1, 1, outer, group, 0, 0],
+        vector_common_parallel=[1, 1, 1, 1, vector_width(ROW_VECTOR, group), 0, 0],
         vector_reduction=[0, 0, 0, 0, 0, 1, 1])
     dt = element_type(spec.dtype)
 
@@ -607,7 +596,7 @@ def _merged(spec: DecodeSpec, chunk_max, chunk_sum, products, sinks, normalised:
     entries = dim(chunk_max, 0)
     rows = [entries, h, group]
     over_chunks = affine_map(4, (0, 3, 1, 2))  # loops (i, h, g, c)
-    sequential = _compilation_info(distribution=[1, 1, group, 0], vector_common_parallel=[1, 1, 1, 0],
+    sequential = compilation_info(distribution=[1, 1, group, 0], vector_common_parallel=[1, 1, 1, 0],
                                    vector_reduction=[0, 0, 0, 1])
     row_max = generic([chunk_max], [fill(const_f32(NO_KEY_MAX), rows, f32())], [over_chunks, affine_map(4, (0, 1, 2))],
                       "pppr", lambda x, acc: [arith_d.maximumf(x, acc)])[0]
@@ -637,8 +626,8 @@ def _merged(spec: DecodeSpec, chunk_max, chunk_sum, products, sinks, normalised:
         inputs, maps = [products, chunk_max, row_max], [by_chunk, by_row]
     acc = generic(inputs, [fill(const_f32(0.0), [*rows, d_v], f32())],
                   [affine_map(5, (0, 4, 1, 2, 3)), *maps, affine_map(5, (0, 1, 2, 3))], "ppppr", merged)[0]
-    acc.owner.attributes["compilation_info"] = _compilation_info(
-        distribution=[1, 1, group, d_v, 0], vector_common_parallel=[1, 1, 1, _width(VALUE_VECTOR, d_v), 0],
+    acc.owner.attributes["compilation_info"] = compilation_info(
+        distribution=[1, 1, group, d_v, 0], vector_common_parallel=[1, 1, 1, vector_width(VALUE_VECTOR, d_v), 0],
         vector_reduction=[0, 0, 0, 0, 1])
     if sinks is not None:
         return _with_sinks(spec, acc, row_max, total, sinks)

@@ -349,6 +349,25 @@ def own_dispatch_results(build: Callable[[], list[ir.Value]], result_types: Sequ
     return list(region_op.results)
 
 
+def vector_width(vector: int, size: int) -> int:
+    """The widest power-of-two vector up to ``vector`` that divides ``size``."""
+    while size % vector:
+        vector //= 2
+    return vector
+
+
+def compilation_info(**levels) -> ir.Attribute:
+    """An llvm-cpu ``compilation_info`` for a generic (its ``compilation_info`` attribute): the
+    tile sizes of each level (``distribution``, ``vector_common_parallel``, ...), one per loop, under
+    IREE's DoubleTilingExpert pipeline. IREE keeps it only while it leaves the op's dims alone:
+    build the op with dims nothing can collapse or fold (no unit dims), in a dispatch of its own
+    where fusion would rebuild it."""
+    text = ", ".join(f"{name} = {sizes}" for name, sizes in levels.items())
+    return ir.Attribute.parse(
+        f"#iree_codegen.compilation_info<lowering_config = #iree_cpu.lowering_config<{text}>, "
+        "translation_info = #iree_codegen.translation_info<pipeline = #iree_cpu.pipeline<DoubleTilingExpert>>>")
+
+
 def buffer_view_type() -> ir.Type:
     """``!hal.buffer_view``: what every tensor argument is at the VM level (parsed: no builder)."""
     return ir.Type.parse("!hal.buffer_view")

@@ -25,11 +25,19 @@ def test_ops_carry_their_builder_lines_and_the_cache_key_does_not():
 
 
 def test_a_compile_error_names_the_builder_line(tmp_path, monkeypatch):
-    """Without the mask's dispatch of its own, IREE 3.13 fuses the mask with the chunk max and
-    exp2 and keeps a chunk's masked rows on the stack, which a chunk of P blocks (P known at run
-    time) cannot bound (mlir/decode.py, ``_decode``); the error names the builder line."""
-    monkeypatch.setattr(decode, "own_dispatch", lambda build, *_: build())
+    """Tiles of 1024 lanes on the ops the pass builder tiles itself (mlir/ir.py: compilation_info)
+    make IREE 3.13 reject the first of them ("large vector sizes"); the error names the line of
+    mlir/decode.py that built it."""
+    tiled = decode.compilation_info
+
+    def oversized(**levels):
+        levels["vector_common_parallel"] = [1024 if size else 0 for size in levels["vector_common_parallel"]]
+        return tiled(**levels)
+
+    monkeypatch.setattr(decode, "compilation_info", oversized)
     spec = DecodeSpec(PagedPrefillSpec(8, 2, 64, "float32"), 4)
-    with pytest.raises(CompileError, match=r"stack allocation") as error:
+    with pytest.raises(CompileError, match=r"large vector sizes") as error:
         compile_spec(spec, "llvm-cpu", cache=ArtifactCache(tmp_path))
-    assert re.search(r"mlir/decode\.py:\d+:0: error", str(error.value)), str(error.value)[:2000]
+    named = re.search(r"mlir/decode\.py:(\d+):0: error", str(error.value))
+    assert named, str(error.value)[:2000]
+    assert "generic(" in open(decode.__file__).read().splitlines()[int(named.group(1)) - 1]
