@@ -91,12 +91,13 @@ def paged_prefill(q: torch.Tensor, q_indptr: torch.Tensor, pages: torch.Tensor, 
                   page_values: torch.Tensor, length_info: torch.Tensor, k_rope_pos_offset: torch.Tensor,
                   q_rope_position: torch.Tensor, causal: int, rotary_mode: int, rope_scale: float, rope_theta: float,
                   sm_scale: float, rope_scaling: str = "{}", logits_soft_cap: float = 0.0,
-                  rotary_dim: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """``batch_prefill_paged_kv[_sliding_window]``: pages [P, 2, h_kv, page_size, d]; length_info
-    [B] or, for the sliding-window variant, [3, B]."""
-    spec = PagedPrefillSpec(q.shape[1], pages.shape[2], q.shape[2], DTYPES[q.dtype], page_size=pages.shape[3],
+                  rotary_dim: int = 0, page_layout: str = "hnd") -> tuple[torch.Tensor, torch.Tensor]:
+    """``batch_prefill_paged_kv[_sliding_window]``: pages [P, 2, h_kv, page_size, d] (``page_layout``
+    "nhd": [P, 2, page_size, h_kv, d]); length_info [B] or, for the sliding-window variant, [3, B]."""
+    h_kv, page_size = (pages.shape[2], pages.shape[3]) if page_layout == "hnd" else (pages.shape[3], pages.shape[2])
+    spec = PagedPrefillSpec(q.shape[1], h_kv, q.shape[2], DTYPES[q.dtype], page_size=page_size,
                             rope_scaling=json.loads(rope_scaling), sliding_window=length_info.dim() == 2,
-                            logits_soft_cap=logits_soft_cap, rotary_dim=rotary_dim or None)
+                            logits_soft_cap=logits_soft_cap, rotary_dim=rotary_dim or None, page_layout=page_layout)
     return _run(spec, q, q_indptr, pages, page_indptr, page_values, length_info, k_rope_pos_offset, q_rope_position,
                 causal, rotary_mode, rope_scale, rope_theta, sm_scale)
 

@@ -50,7 +50,7 @@ _RAGGED = (
     Arg("k_rope_pos_offset", "index", ("B",)), *_ROPE_SCALARS)
 _PAGED = (
     Arg("q", "tensor", ("Lq", "h_q", "d")), Arg("q_indptr", "index", ("B+1",)),
-    Arg("pages", "tensor", ("P", 2, "h_kv", "page_size", "d")), *_PAGE_TABLE,
+    Arg("pages", "tensor", lambda spec: spec.layout.page_dims), *_PAGE_TABLE,
     Arg("k_rope_pos_offset", "index", ("B",)), Arg("q_rope_position", "index", ("Lq",)), *_ROPE_SCALARS)
 #: A KV-cache custom mask (semantics §14): each entry's qo_len x kv_len block, row-major,
 #: concatenated (``nnz_mask`` = sum of qo_len * kv_len), and the offsets of the blocks.

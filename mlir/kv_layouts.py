@@ -5,7 +5,8 @@ reference) is ``runtime/kv_layouts.py``, one class per layout under the same ``n
 * ``dense`` (k, v [B, Lk, h_kv, d]): read by the dense kernels themselves (sequence.py,
   fused_kernels.py), so it has no hook here.
 * ``ragged`` (k [N, h_kv, d_qk], v [N, h_kv, d_v], entry b's rows by kv_indptr).
-* ``paged`` (pages [P, 2, h_kv, page_size, d] through the page table, paging.py).
+* ``paged`` (pages [P, 2, h_kv, page_size, d] through the page table, paging.py), and
+  ``paged_nhd`` (pages [P, 2, page_size, h_kv, d], FlashInfer's NHD and transformers' cache).
 * ``latent`` (MLA: pages [P, page_size, d_qk] through the page table, a key row whose first
   d_v columns are its value, one shared KV head).
 
@@ -307,10 +308,17 @@ class _PageTableLayout(CacheLayout, ABC):
 
 
 class PagedLayout(_PageTableLayout):
-    """Entry b's K and V rows gathered from pages [P, 2, h_kv, page_size, d]."""
+    """Entry b's K and V rows gathered from pages [P, 2, h_kv, page_size, d] (TVM's head-major
+    pages, ``page_layout="hnd"``)."""
 
     name = "paged"
     vectorise_rows = True
+    #: The pages argument's dims (mlir/abi.py).
+    page_dims = ("P", 2, "h_kv", "page_size", "d")
+
+    def _at(self, pages, page, which, head, slot, col) -> ir.Value:
+        """The element of K (``which`` 0) or V (1) at ``head``, ``slot``, ``col`` of ``page``."""
+        return tensor_d.extract(pages, [page, which, head, slot, col])
 
     def entry_loader(self, spec, *, pages, page_indptr, page_values, length_info, k_rope_pos_offset):
         elem = element_type(spec.dtype)
@@ -321,7 +329,7 @@ class PagedLayout(_PageTableLayout):
             def gather(which: int) -> ir.Value:  # 0: keys, 1: values
                 def fetch(page, slot, out_indices):
                     head, col = out_indices
-                    return tensor_d.extract(pages, [clamped_page(page, pages), const_index(which), head, slot, col])
+                    return self._at(pages, clamped_page(page, pages), const_index(which), head, slot, col)
                 return gather_rows(spec, table, page_values, fetch, [spec.h_kv, spec.d], elem)
 
             return EntryKv(kv_len=table.kv_len, load_keys=lambda: gather(0), load_values=lambda: gather(1),
@@ -334,17 +342,29 @@ class PagedLayout(_PageTableLayout):
 
         def half(which):
             def fetch(page, slot, rest):
-                return tensor_d.extract(pages, [clamped_page(page, pages), const_index(which), rest[0], slot, rest[1]])
+                return self._at(pages, clamped_page(page, pages), const_index(which), rest[0], slot, rest[1])
             return _paged_source(spec, table, page_values, fetch)
 
         return BatchKv(arith_d.subi(page_indptr.dims[0], const_index(1)), base, kv_len, half(0), half(1),
                        spec.h_kv, spec.d, spec.d, k_rope_pos_offset)
 
     def _page_element(self, pages, page, which, head, slot, col):
-        return tensor_d.extract(pages, [page, const_index(which), head, slot, col])
+        return self._at(pages, page, const_index(which), head, slot, col)
 
     def kv_bytes_per_key(self, spec) -> int:
         return spec.h_kv * (spec.d_qk + spec.d_v) * _itemsize(spec.dtype)
+
+
+class PagedNhdLayout(PagedLayout):
+    """Entry b's K and V rows gathered from pages [P, 2, page_size, h_kv, d] (token-major pages,
+    ``page_layout="nhd"``): FlashInfer's NHD paged cache, and transformers' continuous-batching
+    cache, whose layer views are these pages (linalg_prefill/hf_paged.py)."""
+
+    name = "paged_nhd"
+    page_dims = ("P", 2, "page_size", "h_kv", "d")
+
+    def _at(self, pages, page, which, head, slot, col) -> ir.Value:
+        return tensor_d.extract(pages, [page, which, slot, head, col])
 
 
 class LatentLayout(_PageTableLayout):
@@ -388,9 +408,11 @@ class LatentLayout(_PageTableLayout):
         return spec.d_qk * _itemsize(spec.dtype)  # one latent row, values included
 
 
-DENSE, RAGGED, PAGED, LATENT = DenseLayout(), RaggedLayout(), PagedLayout(), LatentLayout()
+DENSE, RAGGED, PAGED, PAGED_NHD, LATENT = DenseLayout(), RaggedLayout(), PagedLayout(), PagedNhdLayout(), LatentLayout()
 #: Every layout by name (runtime/kv_layouts.py has the host half of each).
-LAYOUTS: dict[str, KvLayout] = {layout.name: layout for layout in (DENSE, RAGGED, PAGED, LATENT)}
+LAYOUTS: dict[str, KvLayout] = {layout.name: layout for layout in (DENSE, RAGGED, PAGED, PAGED_NHD, LATENT)}
+#: The paged layout of each ``PagedPrefillSpec.page_layout``.
+PAGE_LAYOUTS: dict[str, PagedLayout] = {"hnd": PAGED, "nhd": PAGED_NHD}
 
 
 def cache_layout(spec) -> CacheLayout:

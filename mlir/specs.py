@@ -9,7 +9,7 @@ does, semantics §13). Its
 ``symbol`` is the seed's function name (the exported entry point); its ``name`` spells every field
 and names the artifact; ``layout`` says where keys and values live (kv_layouts.py: ``DENSE`` (k, v
 [B, Lk, h_kv, d]), ``RAGGED`` (k, v rows by kv_indptr), ``PAGED`` (pages [P, 2, h_kv, page_size,
-d]) or ``LATENT`` (MLA: pages [P, page_size, d_qk], a key row whose first d_v columns are its
+d]; ``PAGED_NHD``: [P, 2, page_size, h_kv, d]) or ``LATENT`` (MLA: pages [P, page_size, d_qk], a key row whose first d_v columns are its
 value)), ``kv_layout`` its name.
 Runtime scalars and sequence lengths are kernel arguments, not fields.
 """
@@ -20,7 +20,7 @@ import dataclasses
 import hashlib
 from dataclasses import dataclass
 
-from .kv_layouts import DENSE, LATENT, PAGED, RAGGED
+from .kv_layouts import DENSE, LATENT, PAGE_LAYOUTS, RAGGED
 
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -367,6 +367,8 @@ class PagedPrefillSpec(_OneHeadDim):
     page_values [nnz], length_info [B] or [3, B], k_rope_pos_offset [B], q_rope_position [Lq],
     causal, rotary_mode, rope_scale, rope_theta, sm_scale) -> (output [Lq, h_q, d], lse [Lq, h_q])``.
     ``custom_mask``: as :class:`RaggedPrefillSpec`'s (columns are the logical KV rows, §2, §14).
+    ``page_layout``: ``"hnd"`` (the seed's pages [P, 2, h_kv, page_size, d]) or ``"nhd"``
+    (pages [P, 2, page_size, h_kv, d]: FlashInfer's NHD layout, and transformers' paged cache).
     """
 
     h_q: int
@@ -382,17 +384,23 @@ class PagedPrefillSpec(_OneHeadDim):
     rotary_dim: int | None = None
     head_sinks: bool = False
     custom_mask: bool = False
-
-    layout = PAGED
+    page_layout: str = "hnd"
 
     def __post_init__(self):
         object.__setattr__(self, "rope_scaling", freeze_rope_scaling(self.rope_scaling))
         _check_heads(self.h_q, self.h_kv)
         _check_positive(d=self.d, page_size=self.page_size)
+        if self.page_layout not in PAGE_LAYOUTS:
+            raise SpecError(f"page_layout must be one of {sorted(PAGE_LAYOUTS)}, got {self.page_layout!r}")
         _check_window_flag(self)
         _check_custom_mask_flag(self)
         _check_common(self)
         _check_rotary_dim(self, self.d)
+
+    @property
+    def layout(self):
+        """PAGED or PAGED_NHD (kv_layouts.py), as ``page_layout`` says."""
+        return PAGE_LAYOUTS[self.page_layout]
 
     @property
     def symbol(self) -> str:
@@ -400,8 +408,9 @@ class PagedPrefillSpec(_OneHeadDim):
 
     @property
     def name(self) -> str:
+        nhd = "" if self.page_layout == "hnd" else f"_{self.page_layout}"
         return (
-            f"{self.symbol}_hq{self.h_q}_hkv{self.h_kv}_d{self.d}_{self.dtype}_ps{self.page_size}"
+            f"{self.symbol}_hq{self.h_q}_hkv{self.h_kv}_d{self.d}_{self.dtype}_ps{self.page_size}{nhd}"
             f"_rope-{_rope_tag(self.rope_scaling)}{_rotary_tag(self)}_qt{self.q_tile}_kt{self.kv_tile}{self.cap_tag}"
             f"{self.sinks_tag}{self.mask_tag}"
         )

@@ -89,11 +89,28 @@ def check_backend(key: str, record: Backend) -> None:
         raise bad("flags", "must return a list of strings")
 
 
+#: The flag that sets the address alignment an artifact's executables assume of their buffers.
+ALIGNMENT_FLAG = "--iree-stream-resource-min-offset-alignment="
+#: What IREE assumes without the flag: its executables load inputs with aligned vector moves.
+DEFAULT_ALIGNMENT = 64
+#: The CPU artifacts' input alignment: numpy's own (16 bytes), so that the runtime can hand a
+#: caller's arrays to the kernels in place (runtime/module.py: in_place). With IREE's default of
+#: 64 the executables use aligned loads (vmovaps), which fault on a numpy array's address.
+CPU_INPUT_ALIGNMENT = 16
+
+
+def input_alignment(flags) -> int:
+    """The byte alignment an artifact compiled with ``flags`` needs of its input buffers."""
+    values = [int(flag[len(ALIGNMENT_FLAG):]) for flag in flags if flag.startswith(ALIGNMENT_FLAG)]
+    return values[-1] if values else DEFAULT_ALIGNMENT
+
+
 def _cpu_flags(arch: str) -> list[str]:
     # O3 turns named contractions into generics; the packed tiles' batch_mmt4d must stay one to
     # get IREE's mmt4d code (14x slower as a generic: docs/performance.md, packed tiles)
     return ["--iree-hal-target-device=local", "--iree-hal-local-target-device-backends=llvm-cpu",
-            f"--iree-llvmcpu-target-cpu={arch}", "--iree-opt-level=O3", "--iree-opt-generalize-matmul=false"]
+            f"--iree-llvmcpu-target-cpu={arch}", "--iree-opt-level=O3", "--iree-opt-generalize-matmul=false",
+            f"{ALIGNMENT_FLAG}{CPU_INPUT_ALIGNMENT}"]
 
 
 def _cuda_flags(arch: str) -> list[str]:

@@ -19,6 +19,7 @@ from ..mlir import SPEC_TYPES
 from ..mlir.decode import DecodeSpec, serving_passes
 from ..pipeline import ArtifactCache, Target, target_for
 from ..pipeline.artifacts import ArtifactError, load_manifest, verify_artifact
+from ..pipeline.targets import input_alignment
 from .kernels import Kernel, open_kernel
 from .module import LoadedKernel
 
@@ -74,8 +75,9 @@ class ArtifactSet:
             target = _entry_target(entry)
             passes = serving_passes(spec, target.lowering)
             with_passes = not self.aot_only or all(p.name in self.entries for p in passes)
-            return Kernel(spec, target, LoadedKernel(vmfb, spec.symbol, target.driver), cache=self._cache,
-                          decode_pass=with_passes, pass_loader=self._pass_kernel)
+            loaded = LoadedKernel(vmfb, spec.symbol, target.driver, alignment=input_alignment(entry["flags"]))
+            return Kernel(spec, target, loaded, cache=self._cache, decode_pass=with_passes,
+                          pass_loader=self._pass_kernel)
         if self.aot_only:
             backend = target_for(self.backend).backend
             raise ArtifactError(
@@ -90,7 +92,8 @@ class ArtifactSet:
         entry = self.entries.get(pass_spec.name)
         if entry is None:
             return None
-        return LoadedKernel(verify_artifact(entry, self.root).read_bytes(), pass_spec.symbol, target.driver)
+        return LoadedKernel(verify_artifact(entry, self.root).read_bytes(), pass_spec.symbol, target.driver,
+                            alignment=input_alignment(entry["flags"]))
 
     def __repr__(self) -> str:
         return f"ArtifactSet({self.root}, {target_for(self.backend).tag}, {len(self.entries)} artifacts)"

@@ -280,7 +280,7 @@ def _pass_calls(spec, args: tuple, passes: np.ndarray, decode_passes: DecodePass
 
 
 def split_decode(spec, args: tuple, schedule: DecodeSchedule, run_decode: Callable, run_rest: Callable,
-                 new_array: Callable, device_results: Callable, to_host: bool):
+                 new_array: Callable, device_results: Callable, to_host: bool, outputs=None):
     """(output, lse) of a KV-cache call whose entries ``schedule`` (:func:`decode_schedule`)
     splits: its pass calls go through ``run_decode(queries, *args, use=use)`` and the rest through
     ``run_rest(*args, use=use)``, each handing its call's results to ``use`` (valid only inside
@@ -288,15 +288,20 @@ def split_decode(spec, args: tuple, schedule: DecodeSchedule, run_decode: Callab
     made by ``new_array(shape, dtype) -> (argument, view)`` (module.host_visible_array: on the CPU
     drivers device buffers the host writes in place); ``device_results`` makes the results
     device arrays when ``to_host`` is False (module.device_resident: numpy ones uploaded).
-    ``args`` are checked, in the seed's order."""
+    ``outputs``: the caller's arrays for host results (runtime/outputs.py), written in place
+    and returned as given. ``args`` are checked, in the seed's order."""
     named = _named(spec, args)
     q = np.asarray(on_host(named["q"]))
     if schedule.in_order:
-        return _in_order(spec, named, q, schedule.calls[0], run_decode, device_results, to_host)
+        return _in_order(spec, named, q, schedule.calls[0], run_decode, device_results, to_host, outputs)
     group = spec.group_size
-    results = host_array if to_host else new_array
-    output, output_view = results((q.shape[0], spec.h_q, spec.d_v), q.dtype)
-    lse, lse_view = results((q.shape[0], spec.h_q), np.float32)
+    if outputs is not None:
+        (output, lse), (output_view, lse_view) = outputs.given, outputs.arrays
+        output_view, lse_view = output_view.reshape(-1, spec.h_q, spec.d_v), lse_view.reshape(-1, spec.h_q)
+    else:
+        results = host_array if to_host else new_array
+        output, output_view = results((q.shape[0], spec.h_q, spec.d_v), q.dtype)
+        lse, lse_view = results((q.shape[0], spec.h_q), np.float32)
     out_by_head = output_view.reshape(-1, group * spec.d_v)  # [tokens x h_kv, G x d_v]
     lse_by_head = lse_view.reshape(-1, group)
     for scheduled in schedule.calls:
@@ -323,7 +328,7 @@ def split_decode(spec, args: tuple, schedule: DecodeSchedule, run_decode: Callab
 
 
 def _in_order(spec, named: dict, q: np.ndarray, scheduled: PassCall, run_decode: Callable, device_results: Callable,
-              to_host: bool):
+              to_host: bool, outputs=None):
     """(output, lse) of a call that is one pass call over its rows in order (a decode step of one
     query an entry: PassCall.in_order): the pass takes q as it is, reshaped, and its results are
     copied out once, reshaped (no pass q built, no scatter: 8 x 1 vs 128 cached, the step's host
@@ -334,6 +339,8 @@ def _in_order(spec, named: dict, q: np.ndarray, scheduled: PassCall, run_decode:
     out_shape, lse_shape = (q.shape[0], spec.h_q, spec.d_v), (q.shape[0], spec.h_q)
 
     def copied(out_pass, lse_pass):
+        if outputs is not None:
+            return outputs.store(out_pass, lse_pass)
         output, lse = out_pass.reshape(out_shape), lse_pass.reshape(lse_shape)
         return (np.array(output), np.array(lse)) if to_host else device_results([output, lse])
 

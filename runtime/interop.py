@@ -51,12 +51,14 @@ def to_torch(array: np.ndarray):
 def returns_like_inputs(run):
     """For a wrapper's ``run(self, *tensors, to_host=None, **options)``: results placed as
     :func:`results_to_host` decides from the positional tensors and typed as :func:`like_inputs`
-    makes them; keyword ``options`` (``sinks``) pass through."""
+    makes them; keyword ``options`` (``sinks``) pass through. Results written into the caller's
+    ``out`` / ``lse`` come back as the caller's objects (runtime/outputs.py)."""
 
     @functools.wraps(run)
     def wrapped(self, *tensors, to_host: bool | None = None, **options):
-        host = results_to_host(tensors, to_host)
+        given = options.get("out") is not None or options.get("lse") is not None
+        host = True if given and to_host is None else results_to_host(tensors, to_host)
         results = run(self, *tensors, to_host=host, **options)
-        return like_inputs(tensors, results) if host else results
+        return like_inputs(tensors, results) if host and not given else results
 
     return wrapped

@@ -16,11 +16,13 @@ from ..mlir.abi import argument_names
 from ..mlir.decode import DecodeSpec
 from ..mlir.mask_rules import mask_rule
 from ..pipeline import ArtifactCache, Target, compile_spec, target_for
+from ..pipeline.targets import input_alignment
 from .checks import NUMPY_DTYPES, check_on_device
 from .decode import DECODE_PASSES, decode_schedule, schedule_key, split_decode
 from .errors import InputError
 from .interop import like_inputs, results_to_host
 from .module import LoadedKernel, as_device_arrays, device_resident, host_visible_array
+from .outputs import Outputs, caller_outputs
 from .variants import call_arguments, checked, variant
 
 
@@ -29,8 +31,10 @@ class Kernel:
 
     Returns ``(output, lse)`` like the inputs (runtime/interop.py): numpy arrays for numpy
     inputs, torch tensors for torch tensors, IREE DeviceArrays for DeviceArrays; ``to_host=True``
-    or ``False`` overrides where they live. Index arguments may be any integer array, tensor or
-    list whose values fit int32.
+    or ``False`` overrides where they live; ``out=`` / ``lse=`` take them in the caller's arrays
+    (runtime/outputs.py). Index arguments may be any integer array, tensor or list whose values
+    fit int32. On the CPU drivers numpy arrays and CPU torch tensors are read in place
+    (runtime/module.py: a call costs what it reads, not the size of the caller's arrays).
     Thread-safe: concurrent calls are serialised per kernel.
     """
 
@@ -57,31 +61,48 @@ class Kernel:
     def device(self):
         return self._loaded.device
 
-    def __call__(self, *args: Any, to_host: bool | None = None, **named: Any):
-        """``kernel(*args)`` in the seed's order, or by name (``kernel(q=q, k=k, v=v)``), or both."""
+    @property
+    def bytes_copied(self) -> int:
+        """Bytes of the callers' numpy arrays and tensors this kernel and its serving passes had to
+        copy into new buffers (LoadedKernel.bytes_copied): 0 while every array was used in place."""
+        return self._loaded.bytes_copied + sum(loaded.bytes_copied for loaded in self._decode_kernels.values())
+
+    def __call__(self, *args: Any, to_host: bool | None = None, out=None, lse=None, **named: Any):
+        """``kernel(*args)`` in the seed's order, or by name (``kernel(q=q, k=k, v=v)``), or both;
+        ``out`` / ``lse``: the caller's arrays for the results (runtime/outputs.py)."""
         args = call_arguments(self.spec, args, named)
         for name, value in zip(self._arg_names, args):
             check_on_device(name, value, self.device)
-        host = results_to_host(args, to_host)
         arrays = checked(self.spec, args)
+        outputs = caller_outputs(self.spec, tuple(arrays[0].shape), out, lse)
+        host = True if outputs is not None and to_host is None else results_to_host(args, to_host)
+        if outputs is not None and not host:
+            raise InputError("out: results written into the caller's arrays are host results; drop to_host=False")
         empty = _empty_result(self.spec, arrays[0])
         if empty is not None:
+            if outputs is not None:
+                return outputs.store(*empty)
             results = empty if host else tuple(as_device_arrays(self.device, empty))
         else:
-            results = self.launch(*arrays, to_host=host)
+            results = self.launch(*arrays, to_host=host, outputs=outputs)
+            if outputs is not None:
+                return results
         return like_inputs(args, results) if host else results
 
-    def launch(self, *checked_args: Any, to_host: bool = True, plan: Any = None):
+    def launch(self, *checked_args: Any, to_host: bool = True, plan: Any = None, outputs: Outputs | None = None):
         """Runs the kernel on arguments already checked (e.g. by a wrapper's plan): numpy arrays,
         IREE device arrays (used in place) and Python scalars, in the seed's order. No checks.
         ``plan``: an immutable object that stands for the call's index arrays and scalars (a
         wrapper's Plan): the host schedule of its serving passes is then worked out once per plan
-        instead of on every call."""
+        instead of on every call. ``outputs``: the caller's arrays for the results (host results
+        only), which the call then returns (Outputs.given)."""
         schedule = self._decode_schedule(checked_args, plan) if self._decode_pass else None
         if schedule is not None:
             return split_decode(self.spec, checked_args, schedule, self._run_decode, self._run_rest,
                                 lambda shape, dtype: host_visible_array(self.device, shape, dtype),
-                                lambda results: device_resident(self.device, results), to_host)
+                                lambda results: device_resident(self.device, results), to_host, outputs)
+        if outputs is not None:
+            return self._loaded.consume(outputs.store, *checked_args)
         return self._loaded(*checked_args, to_host=to_host)
 
     def _decode_schedule(self, checked_args: tuple, plan: Any):
@@ -110,7 +131,8 @@ class Kernel:
             loaded = self._pass_loader(pass_spec, self.target) if self._pass_loader is not None else None
             if loaded is None:
                 vmfb = compile_spec(pass_spec, self.target, cache=self._cache)
-                loaded = LoadedKernel(vmfb, pass_spec.symbol, self._loaded.driver)
+                loaded = LoadedKernel(vmfb, pass_spec.symbol, self._loaded.driver,
+                                      alignment=input_alignment(self.target.flags()))
             self._decode_kernels[queries] = loaded
         loaded = self._decode_kernels[queries]
         return loaded(*args, to_host=True) if use is None else loaded.consume(use, *args)
@@ -150,5 +172,5 @@ def open_kernel(
         raise InputError(f"spec: {type(spec).__name__} is a pass of a variant's kernel, not a variant")
     target = target_for(backend)
     vmfb = compile_spec(spec, target, cache=cache)
-    return Kernel(spec, target, LoadedKernel(vmfb, spec.symbol, driver or target.driver), cache=cache,
-                  decode_pass=serving_passes)
+    loaded = LoadedKernel(vmfb, spec.symbol, driver or target.driver, alignment=input_alignment(target.flags()))
+    return Kernel(spec, target, loaded, cache=cache, decode_pass=serving_passes)

@@ -69,14 +69,14 @@ def check_paged(spec, q, q_indptr, pages, page_indptr, page_values, length_info,
                 sm_scale, *extra) -> tuple:
     """Arguments of ``batch_prefill_paged_kv[_sliding_window]`` (§1.1) for a ``PagedPrefillSpec``.
 
-    q [Lq, h_q, d], q_indptr [B+1] i32, pages [P, 2, h_kv, page_size, d], page_indptr [B+1] i32,
+    q [Lq, h_q, d], q_indptr [B+1] i32, pages [P, 2, h_kv, page_size, d] (``page_layout="nhd"``:
+    [P, 2, page_size, h_kv, d]), page_indptr [B+1] i32,
     page_values [nnz] i32, length_info [B] i32 (or [3, B] with ``spec.sliding_window``),
     k_rope_pos_offset [B] i32, q_rope_position [Lq] i32, then the scalars, then ``extra``:
     custom_mask and mask_indptr with ``spec.custom_mask`` (columns: logical KV rows, §2).
     """
     q = check_tensor("q", q, dtype=spec.dtype, shape=(None, spec.h_q, spec.d))
-    pages = check_tensor("pages", pages, dtype=spec.dtype,
-                         shape=(None, 2, spec.h_kv, spec.page_size, spec.d))
+    pages = check_tensor("pages", pages, dtype=spec.dtype, shape=page_shape(spec))
     q_indptr, page_indptr, page_values, length_info = _check_page_table(
         spec, q, pages, q_indptr, page_indptr, page_values, length_info)
     batch = q_indptr.shape[0] - 1
@@ -91,6 +91,13 @@ def check_paged(spec, q, q_indptr, pages, page_indptr, page_values, length_info,
         page_indptr, length_info, spec.page_size, spec.sliding_window))
     return (q, q_indptr, pages, page_indptr, page_values, length_info, k_rope_pos_offset,
             q_rope_position, causal, rotary_mode, rope_scale, rope_theta, sm_scale, *extra)
+
+
+def page_shape(spec) -> tuple:
+    """The shape a paged spec's ``pages`` must have, ``None`` for the page count P (its layout's
+    ``page_dims``, mlir/kv_layouts.py)."""
+    return tuple(None if dim == "P" else dim if isinstance(dim, int) else getattr(spec, dim)
+                 for dim in spec.layout.page_dims)
 
 
 def check_mla(spec, q, q_indptr, pages, page_indptr, page_values, length_info, causal,

@@ -247,6 +247,16 @@ class PagedHost(_PageTableHost):
         return sources[0][page, 0, :, slot], sources[0][page, 1, :, slot]
 
 
+class PagedNhdHost(PagedHost):
+    """pages [P, 2, page_size, h_kv, d] (FlashInfer's NHD, transformers' paged cache)."""
+
+    name = "paged_nhd"
+
+    def pass_entry_kv(self, sources, ids, physical, block, d_v):
+        page, slot = ids[physical // block], physical % block
+        return sources[0][page, 0, slot], sources[0][page, 1, slot]
+
+
 class LatentHost(_PageTableHost):
     """MLA's pages [P, page_size, d_qk]: a key row whose first d_v columns are its value."""
 
@@ -265,7 +275,8 @@ class LatentHost(_PageTableHost):
 
 #: Every layout's host half by name (the IR halves: mlir/kv_layouts.py's LAYOUTS).
 HOST_LAYOUTS: dict[str, HostLayout] = {layout.name: layout
-                                       for layout in (DenseHost(), RaggedHost(), PagedHost(), LatentHost())}
+                                       for layout in (DenseHost(), RaggedHost(), PagedHost(), PagedNhdHost(),
+                                                      LatentHost())}
 
 
 def host_layout(layout) -> HostLayout:

@@ -20,14 +20,19 @@ T = TypeVar("T")
 class LoadedKernel:
     """One entry point of a vmfb loaded into its own context on a device.
 
-    ``kernel(*args)`` takes numpy arrays (copied to the device), IREE ``DeviceArray``s (used in
-    place) and Python scalars, and returns the results as numpy arrays, or as ``DeviceArray``s
-    with ``to_host=False``. Calls are serialised by a lock, so one object may be shared by threads.
+    ``kernel(*args)`` takes numpy arrays, IREE ``DeviceArray``s (used in place) and Python
+    scalars, and returns the results as numpy arrays, or as ``DeviceArray``s with
+    ``to_host=False``. Calls are serialised by a lock, so one object may be shared by threads.
+    On the CPU drivers a numpy array is used in place too (:func:`in_place`: no copy, so a call
+    costs what it reads, not the size of its arrays) when it is C-contiguous, writeable and at an
+    address that is a multiple of ``alignment``, the input alignment the artifact was compiled
+    for (pipeline.targets.input_alignment: 64 unless its flags lower it); any other array is
+    copied into a new buffer, and :attr:`bytes_copied` counts those bytes.
     On the CPU drivers the results are copies: no buffer of a call outlives it (see __init__);
     :meth:`consume` hands them to a function in place instead, with no copy.
     """
 
-    def __init__(self, vmfb: bytes, symbol: str, driver: str):
+    def __init__(self, vmfb: bytes, symbol: str, driver: str, *, alignment: int = 64):
         self.driver = driver
         self.symbol = symbol
         self.device = get_device(driver)
@@ -45,6 +50,10 @@ class LoadedKernel:
         # after it (a 128 x 64 vs 128 serving step grew by 64 MiB a step, heap in use, for good),
         # so results are copied out (to numpy, or into arrays uploaded anew with to_host=False).
         self._results_detached = _is_local(self.device)
+        # On the CPU drivers numpy arrays at addresses the executables accept are used in place.
+        self._alignment = alignment if _is_local(self.device) else None
+        #: Bytes of numpy arguments that had to be copied into new buffers, over every call.
+        self.bytes_copied = 0
 
     def __call__(self, *args: Any, to_host: bool = True) -> tuple:
         results = self._invoke(args)
@@ -64,9 +73,40 @@ class LoadedKernel:
     def _invoke(self, args: tuple) -> tuple:
         if self._index_arrays_host_local:
             args = tuple(host_readable(self.device, a) if _is_index_array(a) else a for a in args)
+        elif self._alignment is not None:
+            args = tuple(self._in_place(a) if isinstance(a, np.ndarray) else a for a in args)
         with self._lock:
             results = self._function(*args)
         return tuple(results) if isinstance(results, (tuple, list)) else (results,)
+
+
+    def _in_place(self, array: np.ndarray):
+        """``array`` as a buffer view over its own memory, or as it is (IREE then copies it into
+        a new buffer, counted in :attr:`bytes_copied`)."""
+        view = in_place(self.device, array, self._alignment)
+        if view is None:
+            self.bytes_copied += array.nbytes
+            return array
+        return view
+
+
+def in_place(device: rt.HalDevice, array: np.ndarray, alignment: int) -> rt.HalBufferView | None:
+    """A buffer view of ``array``'s own memory for a call on a CPU driver's ``device`` (the
+    buffer keeps ``array`` alive), or None where the kernel cannot read it in place: an empty,
+    non-contiguous or read-only array, one whose dtype IREE has no element type for, or one at an
+    address that is not a multiple of ``alignment`` (the executables load their inputs with
+    instructions that fault on a less aligned address: pipeline.targets.input_alignment)."""
+    if (array.size == 0 or not array.flags.c_contiguous or not array.flags.writeable
+            or array.ctypes.data % alignment):
+        return None
+    element = _element_type(array.dtype)
+    if element is None:
+        return None
+    buffer = device.allocator.import_host_allocation(array, _IMPORTED_MEMORY, _MAPPED_USAGE)
+    return rt.HalBufferView(buffer, array.shape, element)
+
+
+_IMPORTED_MEMORY = rt.MemoryType.HOST_LOCAL | rt.MemoryType.DEVICE_VISIBLE
 
 
 def host_visible_array(device: rt.HalDevice, shape: tuple, dtype) -> tuple[Any, np.ndarray]:

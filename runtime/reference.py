@@ -333,6 +333,7 @@ def batch_prefill_paged_kv(
     sliding_window: bool = False,
     logits_soft_cap: float = 0.0,
     rotary_dim: int | None = None,
+    page_layout: str = "hnd",
 ) -> tuple[np.ndarray, np.ndarray]:
     """Paged-KV prefill (``batch_prefill_paged_kv[_sliding_window]``, §1.1).
 
@@ -342,7 +343,8 @@ def batch_prefill_paged_kv(
     q_indptr : int ``[B + 1]``
         Entry ``b`` owns query rows ``[q_indptr[b], q_indptr[b + 1])``.
     pages : ``[max_num_pages, 2, h_kv, page_size, d]``
-        Dim 1: 0 = K, 1 = V.  ``page_size = pages.shape[3]``.
+        Dim 1: 0 = K, 1 = V.  ``page_size = pages.shape[3]``. With ``page_layout="nhd"``:
+        ``[max_num_pages, 2, page_size, h_kv, d]``.
     page_indptr : int ``[B + 1]``
     page_values : int ``[nnz_pages]``
         Physical page ids of each entry in logical order.
@@ -368,6 +370,8 @@ def batch_prefill_paged_kv(
         Compile-time RoPE scaling (see :mod:`linalg_prefill.runtime.rope`).
     sliding_window : bool
         Use the ``[3, B]`` ``length_info`` remap.
+    page_layout : ``"hnd"`` or ``"nhd"``
+        Where a page keeps its heads (``PagedPrefillSpec.page_layout``).
 
     Returns
     -------
@@ -378,6 +382,10 @@ def batch_prefill_paged_kv(
     pages = np.asarray(pages)
     _check_rank("q", q, 3)
     _check_rank("pages", pages, 5)
+    if page_layout not in ("hnd", "nhd"):
+        raise ValueError(f"page_layout must be 'hnd' or 'nhd', got {page_layout!r}")
+    if page_layout == "nhd":
+        pages = pages.transpose(0, 1, 3, 2, 4)
     total_len, h_q, d = q.shape
     num_pages, two, h_kv, page_size, d_kv = pages.shape
     if two != 2 or d_kv != d:

@@ -45,10 +45,11 @@ from .dense_checks import check_sequence
 from .kernels import Kernel, open_kernel
 from .kv_checks import (
     INT32_MAX, check_choice, check_custom_mask, check_float, check_length_info, check_positions,
-    check_rope_scalars, check_indptr, natural_positions, paged_kv_lengths,
+    check_rope_scalars, check_indptr, natural_positions, page_shape, paged_kv_lengths,
 )
 from .interop import returns_like_inputs
 from .module import as_device_arrays
+from .outputs import caller_outputs
 
 __all__ = ["MaskedSequencePrefillWrapper", "MlaPagedPrefillWrapper", "PagedPrefillWrapper", "Plan",
            "RaggedPrefillWrapper", "SequencePrefillWrapper"]
@@ -84,15 +85,18 @@ class _Wrapper:
 
     ``backend``: a backend name or :class:`Target` (default ``"llvm-cpu"``, or the artifacts'
     backend); ``artifacts``: an :class:`ArtifactSet` to take the kernel from; ``cache``: the
-    artifact cache a kernel is compiled into when it does not come from ``artifacts``.
+    artifact cache a kernel is compiled into when it does not come from ``artifacts``;
+    ``kernel``: a :class:`Kernel` of ``spec`` already opened (shared with other callers) instead.
     """
 
     spec_type: type
 
-    def __init__(self, spec, backend=None, artifacts=None, cache=None):
+    def __init__(self, spec, backend=None, artifacts=None, cache=None, kernel: Kernel | None = None):
         if not isinstance(spec, self.spec_type):
             raise InputError(f"spec: {type(self).__name__} needs a {self.spec_type.__name__}, "
                              f"got {type(spec).__name__}")
+        if kernel is not None and kernel.spec != spec:
+            raise InputError(f"kernel: opened for {kernel.spec.name}, not {spec.name}")
         if artifacts is not None and backend is not None and \
                 target_for(backend).backend != target_for(artifacts.backend).backend:
             raise ValueError(f"backend {backend!r} differs from the artifacts' {artifacts.backend!r}")
@@ -100,7 +104,7 @@ class _Wrapper:
         self._backend = backend or "llvm-cpu"
         self._artifacts = artifacts
         self._cache = cache
-        self._kernel: Kernel | None = None
+        self._kernel: Kernel | None = kernel
         self._lock = threading.Lock()
         self._plan: Plan | None = None
 
@@ -148,11 +152,15 @@ class _Wrapper:
             raise InputError(f"sinks: {self.spec.name} has no head_sinks; build the spec with head_sinks=True")
         return check_f32("sinks", sinks, shape=(self.spec.h_q,))
 
-    def _launch(self, plan: Plan | None, to_host: bool, sinks=None, **tensors) -> tuple:
+    def _launch(self, plan: Plan | None, to_host: bool, sinks=None, out=None, lse=None, **tensors) -> tuple:
         """Runs the kernel on this layer's checked ``tensors`` and the plan's index arrays and
         scalars (put in the table's order, mlir/abi.py); a call with no query rows returns zeros
         (output q's shape with d_v columns in the spec dtype, lse float32) without launching it.
-        ``sinks`` (run's) wins over the plan's; a ``head_sinks`` spec needs one of them."""
+        ``sinks`` (run's) wins over the plan's; a ``head_sinks`` spec needs one of them. ``out``
+        / ``lse``: the caller's arrays for the results (runtime/outputs.py), returned as given."""
+        outputs = caller_outputs(self.spec, tuple(tensors["q"].shape), out, lse)
+        if outputs is not None and not to_host:
+            raise InputError("out: results written into the caller's arrays are host results; drop to_host=False")
         if sinks is not None:
             tensors["sinks"] = self._sinks(sinks)
         elif self.spec.head_sinks and (plan is None or "sinks" not in plan.device):
@@ -164,8 +172,10 @@ class _Wrapper:
         if np.prod(out_shape[:-2]):
             # Not Kernel.__call__: its host checks would download the device arrays (the plan's
             # index arrays included); plan() and run() check the same conditions without that.
-            return self.kernel.launch(*args, to_host=to_host, plan=plan)
+            return self.kernel.launch(*args, to_host=to_host, plan=plan, outputs=outputs)
         zeros = (np.zeros(out_shape, NUMPY_DTYPES[self.spec.dtype]), np.zeros(out_shape[:-1], np.float32))
+        if outputs is not None:
+            return outputs.store(*zeros)
         return zeros if to_host else tuple(as_device_arrays(self.kernel.device, zeros))
 
 
@@ -201,19 +211,20 @@ class RaggedPrefillWrapper(_Wrapper):
         return self._new_plan(arrays, scalars, qo_lens, kv_lens, int(q_indptr[-1]), int(kv_indptr[-1]))
 
     @returns_like_inputs
-    def run(self, q, k, v, *, sinks=None, to_host: bool | None = None) -> tuple:
+    def run(self, q, k, v, *, sinks=None, to_host: bool | None = None, out=None, lse=None) -> tuple:
         """One layer: q [Lq, h_q, d_qk], k [Lk, h_kv, d_qk], v [Lk, h_kv, d_v] in spec.dtype;
         ``sinks`` [h_q] float32 this layer's (``head_sinks`` specs; default: the plan's)."""
         plan, spec, device = self._planned(), self.spec, self.kernel.device
         q = _rows("q", _tensor("q", q, spec.dtype, (None, spec.h_q, spec.d_qk), device), plan.rows, "q_indptr[-1]")
         k = _rows("k", _tensor("k", k, spec.dtype, (None, spec.h_kv, spec.d_qk), device), plan.kv_rows, "kv_indptr[-1]")
         v = _rows("v", _tensor("v", v, spec.dtype, (None, spec.h_kv, spec.d_v), device), plan.kv_rows, "kv_indptr[-1]")
-        return self._launch(plan, to_host, sinks, q=q, k=k, v=v)
+        return self._launch(plan, to_host, sinks, out, lse, q=q, k=k, v=v)
 
 
 class PagedPrefillWrapper(_Wrapper):
     """``batch_prefill_paged_kv[_sliding_window]`` (§1.1): q [Lq, h_q, d], pages [P, 2, h_kv,
-    page_size, d] -> output [Lq, h_q, d], lse [Lq, h_q] float32."""
+    page_size, d] (``page_layout="nhd"``: [P, 2, page_size, h_kv, d]) -> output [Lq, h_q, d], lse
+    [Lq, h_q] float32."""
 
     spec_type = PagedPrefillSpec
 
@@ -235,14 +246,15 @@ class PagedPrefillWrapper(_Wrapper):
         return self._new_plan(arrays, scalars, qo_lens, kv_lens, int(arrays["q_indptr"][-1]), pages_needed)
 
     @returns_like_inputs
-    def run(self, q, pages, *, sinks=None, to_host: bool | None = None) -> tuple:
-        """One layer: q [Lq, h_q, d], pages [P, 2, h_kv, page_size, d] in spec.dtype; ``sinks`` as
+    def run(self, q, pages, *, sinks=None, to_host: bool | None = None, out=None, lse=None) -> tuple:
+        """One layer: q [Lq, h_q, d], pages [P, 2, h_kv, page_size, d] (or the spec's
+        ``page_layout``'s) in spec.dtype; ``sinks`` as
         :meth:`RaggedPrefillWrapper.run`."""
         plan, spec, device = self._planned(), self.spec, self.kernel.device
         q = _rows("q", _tensor("q", q, spec.dtype, (None, spec.h_q, spec.d), device), plan.rows, "q_indptr[-1]")
-        pages = _page_count(_tensor("pages", pages, spec.dtype, (None, 2, spec.h_kv, spec.page_size, spec.d), device),
+        pages = _page_count(_tensor("pages", pages, spec.dtype, page_shape(spec), device),
                             plan.kv_rows)
-        return self._launch(plan, to_host, sinks, q=q, pages=pages)
+        return self._launch(plan, to_host, sinks, out, lse, q=q, pages=pages)
 
 
 class MlaPagedPrefillWrapper(_Wrapper):
@@ -261,13 +273,13 @@ class MlaPagedPrefillWrapper(_Wrapper):
         return self._new_plan(arrays, scalars, qo_lens, kv_lens, int(arrays["q_indptr"][-1]), pages_needed)
 
     @returns_like_inputs
-    def run(self, q, pages, *, sinks=None, to_host: bool | None = None) -> tuple:
+    def run(self, q, pages, *, sinks=None, to_host: bool | None = None, out=None, lse=None) -> tuple:
         """One layer: q [Lq, h_q, d_latent + d_rope], pages [P, page_size, d_latent + d_rope];
         ``sinks`` as :meth:`RaggedPrefillWrapper.run`."""
         plan, spec, device = self._planned(), self.spec, self.kernel.device
         q = _rows("q", _tensor("q", q, spec.dtype, (None, spec.h_q, spec.d_qk), device), plan.rows, "q_indptr[-1]")
         pages = _page_count(_tensor("pages", pages, spec.dtype, (None, spec.page_size, spec.d_qk), device), plan.kv_rows)
-        return self._launch(plan, to_host, sinks, q=q, pages=pages)
+        return self._launch(plan, to_host, sinks, out, lse, q=q, pages=pages)
 
 
 # ----------------------------------------------------------------------------- dense wrappers
@@ -280,10 +292,10 @@ class SequencePrefillWrapper(_Wrapper):
     spec_type = SequencePrefillSpec
 
     @returns_like_inputs
-    def run(self, q, k, v, *, sinks=None, to_host: bool | None = None) -> tuple:
+    def run(self, q, k, v, *, sinks=None, to_host: bool | None = None, out=None, lse=None) -> tuple:
         """One layer: q [B, Lq, h_q, d], k/v [B, Lk, h_kv, d]; ``sinks`` [h_q] float32 with ``head_sinks``."""
         q, k, v = _dense(self.spec, q, k, v, self.kernel.device)
-        return self._launch(None, to_host, sinks, q=q, k=k, v=v)
+        return self._launch(None, to_host, sinks, out, lse, q=q, k=k, v=v)
 
 
 class MaskedSequencePrefillWrapper(_Wrapper):
@@ -319,7 +331,7 @@ class MaskedSequencePrefillWrapper(_Wrapper):
         return self._new_plan(arrays, {}, lens, lens.copy(), 0, 0)
 
     @returns_like_inputs
-    def run(self, q, k, v, *, sinks=None, to_host: bool | None = None) -> tuple:
+    def run(self, q, k, v, *, sinks=None, to_host: bool | None = None, out=None, lse=None) -> tuple:
         """One layer: q [B, Lq, h_q, d], k/v [B, Lk, h_kv, d] with B and valid_lens as planned
         (a custom mask: B, Lq and Lk as its shape); ``sinks`` as :meth:`RaggedPrefillWrapper.run`."""
         plan = self._planned()
@@ -331,12 +343,12 @@ class MaskedSequencePrefillWrapper(_Wrapper):
             if (q.shape[1], k.shape[1]) != (plan.rows, plan.kv_rows):
                 raise InputError(f"q: Lq {q.shape[1]} and Lk {k.shape[1]} (k) differ from the planned custom_mask's "
                                  f"[B, Lq, Lk] = [{batch}, {plan.rows}, {plan.kv_rows}]")
-            return self._launch(plan, to_host, sinks, q=q, k=k, v=v)
+            return self._launch(plan, to_host, sinks, out, lse, q=q, k=k, v=v)
         limit, longest = min(q.shape[1], k.shape[1]), int(plan.kv_lens.max(initial=0))
         if longest > limit:
             raise InputError(f"valid_lens: planned lengths must lie in [0, min(Lq, Lk)] = [0, {limit}] "
                              f"for this layer's q and k, found {longest}")
-        return self._launch(plan, to_host, sinks, q=q, k=k, v=v)
+        return self._launch(plan, to_host, sinks, out, lse, q=q, k=k, v=v)
 
 
 # ----------------------------------------------------------------------------- plan helpers

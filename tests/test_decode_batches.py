@@ -51,7 +51,8 @@ def _call(spec, rng, entries, window=None, fill_unused=None):
             last_page = page_values[page_indptr[b + 1] - 1] if page_indptr[b + 1] > page_indptr[b] else None
             if last_page is not None:
                 used[last_page, _last_page_len(named["length_info"], b):] = False
-        (pages.transpose(0, 3, 1, 2, 4) if spec.kv_layout == "paged" else pages)[~used] = fill_unused
+        slot_major = {"paged": (0, 3, 1, 2, 4), "paged_nhd": (0, 2, 1, 3, 4)}.get(spec.kv_layout)
+        (pages.transpose(*slot_major) if slot_major else pages)[~used] = fill_unused
     return args
 
 
@@ -83,6 +84,8 @@ CASES = {
     "paged-f32": (PagedPrefillSpec(8, 2, 64, "float32", page_size=16), None),
     "paged-window-bf16-softcap": (PagedPrefillSpec(8, 2, 64, "bfloat16", page_size=8, sliding_window=True,
                                                    logits_soft_cap=30.0), WINDOW),
+    "paged-nhd-window-f32": (PagedPrefillSpec(8, 2, 64, "float32", page_size=16, sliding_window=True,
+                                              page_layout="nhd"), WINDOW),
     "ragged-f16-dqk-ne-dv": (RaggedPrefillSpec(8, 2, 64, 32, "float16"), None),
     # few heads: the 4-query pass's scores stay within its scratch bound over these narrow rows
     "mla-f32": (MlaPagedPrefillSpec(8, 64, 16, "float32", page_size=16), None),

@@ -127,6 +127,21 @@ def test_paged_sliding_window_with_sinks(backend, spec, cache):
     _check(spec, backend, cache=cache, entries=ENTRIES, window=window, calls=_calls((0,)))
 
 
+#: Token-major pages [P, 2, page_size, h_kv, d] (FlashInfer's NHD, transformers' paged cache):
+#: f32 on the linalg lowering, bf16 with a sliding window on the fused one.
+NHD_CASES = [(PagedPrefillSpec(8, 2, 64, "float32", page_size=16, page_layout="nhd"), "linalg"),
+             (PagedPrefillSpec(8, 2, 64, "bfloat16", page_size=8, sliding_window=True, page_layout="nhd"), "fused")]
+
+
+@pytest.mark.parametrize("spec, backend", on_backends(NHD_CASES))
+def test_paged_nhd_pages(backend, spec, cache):
+    """A page's rows token-major, its heads inside a row: the same entries, masks and RoPE as the
+    head-major pages (a swapped head and slot index reads another key: the reference, which
+    reads NHD pages through their HND transpose, catches it)."""
+    window = [(4, 2), (0, 0), (10, 4), (3, 1), (0, 0), (20, 6)] if spec.sliding_window else None
+    _check(spec, backend, cache=cache, entries=ENTRIES, window=window, calls=_calls())
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("spec", [PagedPrefillSpec(4, 4, 128, dtype, page_size=16) for dtype in ("float16", "bfloat16")],
                          ids=spec_id)

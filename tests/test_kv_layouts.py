@@ -17,7 +17,7 @@ from linalg_prefill.mlir import (
 )
 from linalg_prefill.mlir.abi import argument_names
 from linalg_prefill.mlir.decode import DecodeSpec
-from linalg_prefill.mlir.kv_layouts import LAYOUTS, CacheLayout, KvLayout, RaggedLayout, cache_layout
+from linalg_prefill.mlir.kv_layouts import LAYOUTS, PAGE_LAYOUTS, CacheLayout, KvLayout, RaggedLayout, cache_layout
 from linalg_prefill.runtime import reference
 from linalg_prefill.runtime.error_model import CallFacts, bound_of_call
 from linalg_prefill.runtime.examples import EXAMPLE_ENTRIES, example_inputs
@@ -28,6 +28,7 @@ CACHE_SPECS = [
     RaggedPrefillSpec(4, 2, 16, 8, "float32"),
     PagedPrefillSpec(4, 2, 16, "float32", page_size=4),
     PagedPrefillSpec(4, 2, 16, "float32", page_size=4, sliding_window=True),
+    PagedPrefillSpec(4, 2, 16, "float32", page_size=4, page_layout="nhd"),
     MlaPagedPrefillSpec(4, 16, 4, "float32", page_size=4),
     MlaPagedPrefillSpec(4, 16, 4, "float32", page_size=4, sliding_window=True),
 ]
@@ -39,7 +40,7 @@ def _hooks(kind: type) -> set[str]:
 
 
 def test_every_layout_has_both_halves_under_its_name():
-    assert set(LAYOUTS) == set(HOST_LAYOUTS) == {"dense", "ragged", "paged", "latent"}
+    assert set(LAYOUTS) == set(HOST_LAYOUTS) == {"dense", "ragged", "paged", "paged_nhd", "latent"}
     for name, layout in LAYOUTS.items():
         assert layout.name == name == HOST_LAYOUTS[name].name
         # a KV cache on one side is a KV cache on the other
@@ -93,7 +94,13 @@ def test_every_spec_names_a_registered_layout():
         assert spec.layout is LAYOUTS[spec.kv_layout]
         assert cache_layout(spec) is spec.layout
     for spec_type in SPEC_TYPES:
-        assert isinstance(spec_type.layout, KvLayout) and spec_type.layout is LAYOUTS[spec_type.layout.name]
+        layout = spec_type.layout
+        if isinstance(layout, property):  # PagedPrefillSpec: one layout per page_layout
+            assert {spec_type(4, 2, 16, "float32", page_layout=name).layout.name for name in PAGE_LAYOUTS} == \
+                {"paged", "paged_nhd"}
+            continue
+        assert isinstance(layout, KvLayout) and layout is LAYOUTS[layout.name]
+    assert {layout.name for layout in PAGE_LAYOUTS.values()} <= set(LAYOUTS)
 
 
 def test_an_unknown_layout_is_an_error():
