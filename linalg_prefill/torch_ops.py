@@ -78,10 +78,13 @@ def ragged_prefill(q: torch.Tensor, q_indptr: torch.Tensor, k: torch.Tensor, v: 
                    kv_indptr: torch.Tensor, q_rope_position: torch.Tensor, k_rope_pos_offset: torch.Tensor,
                    causal: int, rotary_mode: int, rope_scale: float, rope_theta: float, sm_scale: float,
                    rope_scaling: str = "{}", logits_soft_cap: float = 0.0,
-                   rotary_dim: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """``batch_prefill_ragged_kv``: q [Lq, h_q, d_qk], k [Lk, h_kv, d_qk], v [Lk, h_kv, d_v]."""
-    spec = RaggedPrefillSpec(q.shape[1], k.shape[1], q.shape[2], v.shape[2], DTYPES[q.dtype],
-                             json.loads(rope_scaling), logits_soft_cap=logits_soft_cap, rotary_dim=rotary_dim or None)
+                   rotary_dim: int = 0, kv_order: str = "nhd") -> tuple[torch.Tensor, torch.Tensor]:
+    """``batch_prefill_ragged_kv``: q [Lq, h_q, d_qk], k [Lk, h_kv, d_qk], v [Lk, h_kv, d_v]
+    (``kv_order`` "hnd": k [h_kv, Lk, d_qk], v [h_kv, Lk, d_v])."""
+    h_kv = k.shape[1] if kv_order == "nhd" else k.shape[0]
+    spec = RaggedPrefillSpec(q.shape[1], h_kv, q.shape[2], v.shape[2], DTYPES[q.dtype],
+                             json.loads(rope_scaling), logits_soft_cap=logits_soft_cap, rotary_dim=rotary_dim or None,
+                             kv_order=kv_order)
     return _run(spec, q, q_indptr, k, v, kv_indptr, q_rope_position, k_rope_pos_offset, causal, rotary_mode,
                 rope_scale, rope_theta, sm_scale)
 
@@ -91,13 +94,13 @@ def paged_prefill(q: torch.Tensor, q_indptr: torch.Tensor, pages: torch.Tensor, 
                   page_values: torch.Tensor, length_info: torch.Tensor, k_rope_pos_offset: torch.Tensor,
                   q_rope_position: torch.Tensor, causal: int, rotary_mode: int, rope_scale: float, rope_theta: float,
                   sm_scale: float, rope_scaling: str = "{}", logits_soft_cap: float = 0.0,
-                  rotary_dim: int = 0, page_layout: str = "hnd") -> tuple[torch.Tensor, torch.Tensor]:
-    """``batch_prefill_paged_kv[_sliding_window]``: pages [P, 2, h_kv, page_size, d] (``page_layout``
+                  rotary_dim: int = 0, kv_order: str = "hnd") -> tuple[torch.Tensor, torch.Tensor]:
+    """``batch_prefill_paged_kv[_sliding_window]``: pages [P, 2, h_kv, page_size, d] (``kv_order``
     "nhd": [P, 2, page_size, h_kv, d]); length_info [B] or, for the sliding-window variant, [3, B]."""
-    h_kv, page_size = (pages.shape[2], pages.shape[3]) if page_layout == "hnd" else (pages.shape[3], pages.shape[2])
+    h_kv, page_size = (pages.shape[2], pages.shape[3]) if kv_order == "hnd" else (pages.shape[3], pages.shape[2])
     spec = PagedPrefillSpec(q.shape[1], h_kv, q.shape[2], DTYPES[q.dtype], page_size=page_size,
                             rope_scaling=json.loads(rope_scaling), sliding_window=length_info.dim() == 2,
-                            logits_soft_cap=logits_soft_cap, rotary_dim=rotary_dim or None, page_layout=page_layout)
+                            logits_soft_cap=logits_soft_cap, rotary_dim=rotary_dim or None, kv_order=kv_order)
     return _run(spec, q, q_indptr, pages, page_indptr, page_values, length_info, k_rope_pos_offset, q_rope_position,
                 causal, rotary_mode, rope_scale, rope_theta, sm_scale)
 

@@ -45,7 +45,7 @@ _PAGE_TABLE = (Arg("page_indptr", "index", ("B+1",)), Arg("page_values", "index"
 
 _RAGGED = (
     Arg("q", "tensor", ("Lq", "h_q", "d_qk")), Arg("q_indptr", "index", ("B+1",)),
-    Arg("k", "tensor", ("Lk", "h_kv", "d_qk")), Arg("v", "tensor", ("Lk", "h_kv", "d_v")),
+    Arg("k", "tensor", lambda spec: spec.layout.key_dims), Arg("v", "tensor", lambda spec: spec.layout.value_dims),
     Arg("kv_indptr", "index", ("B+1",)), Arg("q_rope_position", "index", ("Lq",)),
     Arg("k_rope_pos_offset", "index", ("B",)), *_ROPE_SCALARS)
 _PAGED = (

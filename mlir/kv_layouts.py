@@ -4,7 +4,8 @@ reference) is ``runtime/kv_layouts.py``, one class per layout under the same ``n
 
 * ``dense`` (k, v [B, Lk, h_kv, d]): read by the dense kernels themselves (sequence.py,
   fused_kernels.py), so it has no hook here.
-* ``ragged`` (k [N, h_kv, d_qk], v [N, h_kv, d_v], entry b's rows by kv_indptr).
+* ``ragged`` (k [N, h_kv, d_qk], v [N, h_kv, d_v], entry b's rows by kv_indptr), and
+  ``ragged_hnd`` (k [h_kv, N, d_qk], v [h_kv, N, d_v]: head-major, as DynamicCache holds a row).
 * ``paged`` (pages [P, 2, h_kv, page_size, d] through the page table, paging.py), and
   ``paged_nhd`` (pages [P, 2, page_size, h_kv, d], FlashInfer's NHD and transformers' cache).
 * ``latent`` (MLA: pages [P, page_size, d_qk] through the page table, a key row whose first
@@ -153,45 +154,56 @@ def _itemsize(dtype: str) -> int:
 # ---- ragged
 
 
-def _with_a_row(x: ir.Value) -> ir.Value:
-    """``x`` [N, ...], or one zero row in its place when N == 0, so that a row index clamped into
-    [0, rows - 1] always reads inside it. No copy when N > 0."""
+def _with_a_row(x: ir.Value, axis: int) -> ir.Value:
+    """``x`` with N rows along ``axis``, or one zero row in their place when N == 0, so that a row
+    index clamped into [0, rows - 1] always reads inside it. No copy when N > 0."""
     sizes = sizes_of(x)
-    branch = scf_d.IfOp(lt(sizes[0], const_index(1)), [x.type], has_else=True)
+    branch = scf_d.IfOp(lt(sizes[axis], const_index(1)), [x.type], has_else=True)
     with ir.InsertionPoint(branch.then_block):
         elem = ir.RankedTensorType(x.type).element_type
-        scf_d.YieldOp([fill(arith_d.constant(elem, 0.0), [const_index(1), *sizes[1:]], elem)])
+        zero = arith_d.constant(elem, 0.0)
+        scf_d.YieldOp([fill(zero, [const_index(1) if i == axis else size for i, size in enumerate(sizes)], elem)])
     with ir.InsertionPoint(branch.else_block):
         scf_d.YieldOp([x])
-    return tie_dims(branch.results[0], [arith_d.maxsi(sizes[0], const_index(1)), *sizes[1:]])
-
-
-def _entry_rows(x: ir.Value, start: ir.Value, rows: ir.Value) -> ir.Value:
-    """Rows [start, start + rows) of ``x`` [N, ...] (N >= 1), each index clamped into [0, N - 1]: the
-    rows past the entry read its neighbour's (or the last) rows, never out of bounds, and the
-    caller zeroes them. One gather generic: before, K and V were each zero-padded (a fill and a
-    copy of the whole tensor) and then sliced (a second copy per entry)."""
-    sizes = sizes_of(x)
-    last = arith_d.subi(sizes[0], const_index(1))
-    rank = len(sizes)
-
-    def body(_out):
-        row = arith_d.minsi(arith_d.addi(start, linalg_d.IndexOp(0).result), last)
-        return [tensor_d.extract(x, [row, *[linalg_d.IndexOp(i).result for i in range(1, rank)]])]
-
-    out = empty([rows, *sizes[1:]], ir.RankedTensorType(x.type).element_type)
-    return generic([], [out], [affine_map(rank, range(rank))], "p" * rank, body)[0]
+    return tie_dims(branch.results[0], [arith_d.maxsi(size, const_index(1)) if i == axis else size
+                                        for i, size in enumerate(sizes)])
 
 
 class RaggedLayout(CacheLayout):
-    """Entry b's KV is rows [kv_indptr[b], kv_indptr[b + 1]) of k and v."""
+    """Entry b's KV is rows [kv_indptr[b], kv_indptr[b + 1]) of k [Lk, h_kv, d_qk] and v [Lk,
+    h_kv, d_v] (token-major, ``kv_order="nhd"``)."""
 
     name = "ragged"
     host_readable = ("kv_indptr",)
     vectorise_rows = True
+    #: The axis of k and v their rows are along, and their dims (mlir/abi.py).
+    row_axis = 0
+    key_dims = ("Lk", "h_kv", "d_qk")
+    value_dims = ("Lk", "h_kv", "d_v")
+
+    def _at(self, x: ir.Value, row, head, col) -> ir.Value:
+        """The element of k or v at ``row``, ``head``, ``col``."""
+        return tensor_d.extract(x, [row, head, col])
+
+    def _entry_rows(self, x: ir.Value, start: ir.Value, rows: ir.Value) -> ir.Value:
+        """Rows [start, start + rows) of ``x`` (N >= 1 rows), token-major [rows, h_kv, d], each
+        index clamped into [0, N - 1]: the rows past the entry read its neighbour's (or the last)
+        rows, never out of bounds, and the caller zeroes them. One gather generic: before, K and V
+        were each zero-padded (a fill and a copy of the whole tensor) and then sliced (a second
+        copy per entry)."""
+        sizes = sizes_of(x)
+        last = arith_d.subi(sizes[self.row_axis], const_index(1))
+        heads, cols = (size for i, size in enumerate(sizes) if i != self.row_axis)
+
+        def body(_out):
+            row = arith_d.minsi(arith_d.addi(start, linalg_d.IndexOp(0).result), last)
+            return [self._at(x, row, linalg_d.IndexOp(1).result, linalg_d.IndexOp(2).result)]
+
+        out = empty([rows, heads, cols], ir.RankedTensorType(x.type).element_type)
+        return generic([], [out], [affine_map(3, range(3))], "ppp", body)[0]
 
     def entry_loader(self, spec, *, k, v, kv_indptr, k_rope_pos_offset):
-        k_rows, v_rows = _with_a_row(k), _with_a_row(v)
+        k_rows, v_rows = _with_a_row(k, self.row_axis), _with_a_row(v, self.row_axis)
 
         def load(b: ir.Value) -> EntryKv:
             start = index_at(kv_indptr, b)
@@ -199,8 +211,8 @@ class RaggedLayout(CacheLayout):
             kv_pad = arith_d.muli(storage_tiles(kv_len, spec.kv_tile), const_index(spec.kv_tile))
             return EntryKv(
                 kv_len=kv_len,
-                load_keys=lambda: _entry_rows(k_rows, start, kv_pad),
-                load_values=lambda: _entry_rows(v_rows, start, kv_pad),
+                load_keys=lambda: self._entry_rows(k_rows, start, kv_pad),
+                load_values=lambda: self._entry_rows(v_rows, start, kv_pad),
                 rope_offset=tensor_d.extract(k_rope_pos_offset, [b]),
             )
 
@@ -217,23 +229,38 @@ class RaggedLayout(CacheLayout):
             return arith_d.subi(start(read, arith_d.addi(b, const_index(1))), start(read, b))
 
         def rows_of(x):
-            last_row = arith_d.maxsi(arith_d.subi(dim(x, 0), const_index(1)), const_index(0))
-            return lambda e, r, rest: tensor_d.extract(
-                x, [arith_d.minsi(arith_d.addi(start(device_read, e), r), last_row), *rest])
+            last_row = arith_d.maxsi(arith_d.subi(dim(x, self.row_axis), const_index(1)), const_index(0))
+            return lambda e, r, rest: self._at(
+                x, arith_d.minsi(arith_d.addi(start(device_read, e), r), last_row), *rest)
 
         return BatchKv(last, start, kv_len, rows_of(k), rows_of(v), spec.h_kv, spec.d_qk, spec.d_v, k_rope_pos_offset)
 
     def element(self, spec, cache, which, entry, logical_block, column, slot, head, col):
         source = cache.sources[which]
         row = arith_d.addi(read_element(cache.table, [entry, logical_block]), slot)
-        row = arith_d.maxsi(arith_d.minsi(row, arith_d.subi(dim(source, 0), const_index(1))), const_index(0))
-        return tensor_d.extract(source, [row, head, col])
+        row = arith_d.maxsi(arith_d.minsi(row, arith_d.subi(dim(source, self.row_axis), const_index(1))),
+                            const_index(0))
+        return self._at(source, row, head, col)
 
     def block(self, spec) -> int:
         return RAGGED_BLOCK
 
     def kv_bytes_per_key(self, spec) -> int:
         return spec.h_kv * (spec.d_qk + spec.d_v) * _itemsize(spec.dtype)
+
+
+class RaggedHndLayout(RaggedLayout):
+    """Entry b's KV is rows [kv_indptr[b], kv_indptr[b + 1]) of k [h_kv, Lk, d_qk] and v [h_kv,
+    Lk, d_v] (head-major, ``kv_order="hnd"``): transformers' DynamicCache holds a batch row's keys
+    so (``[B, h_kv, S, d]``), and the hf adapter passes row b as it lies."""
+
+    name = "ragged_hnd"
+    row_axis = 1
+    key_dims = ("h_kv", "Lk", "d_qk")
+    value_dims = ("h_kv", "Lk", "d_v")
+
+    def _at(self, x: ir.Value, row, head, col) -> ir.Value:
+        return tensor_d.extract(x, [head, row, col])
 
 
 # ---- paged and latent: rows through the page table (paging.py)
@@ -309,7 +336,7 @@ class _PageTableLayout(CacheLayout, ABC):
 
 class PagedLayout(_PageTableLayout):
     """Entry b's K and V rows gathered from pages [P, 2, h_kv, page_size, d] (TVM's head-major
-    pages, ``page_layout="hnd"``)."""
+    pages, ``kv_order="hnd"``)."""
 
     name = "paged"
     vectorise_rows = True
@@ -357,7 +384,7 @@ class PagedLayout(_PageTableLayout):
 
 class PagedNhdLayout(PagedLayout):
     """Entry b's K and V rows gathered from pages [P, 2, page_size, h_kv, d] (token-major pages,
-    ``page_layout="nhd"``): FlashInfer's NHD paged cache, and transformers' continuous-batching
+    ``kv_order="nhd"``): FlashInfer's NHD paged cache, and transformers' continuous-batching
     cache, whose layer views are these pages (linalg_prefill/hf_paged.py)."""
 
     name = "paged_nhd"
@@ -408,11 +435,15 @@ class LatentLayout(_PageTableLayout):
         return spec.d_qk * _itemsize(spec.dtype)  # one latent row, values included
 
 
-DENSE, RAGGED, PAGED, PAGED_NHD, LATENT = DenseLayout(), RaggedLayout(), PagedLayout(), PagedNhdLayout(), LatentLayout()
+DENSE, RAGGED, RAGGED_HND, PAGED, PAGED_NHD, LATENT = (
+    DenseLayout(), RaggedLayout(), RaggedHndLayout(), PagedLayout(), PagedNhdLayout(), LatentLayout())
 #: Every layout by name (runtime/kv_layouts.py has the host half of each).
-LAYOUTS: dict[str, KvLayout] = {layout.name: layout for layout in (DENSE, RAGGED, PAGED, PAGED_NHD, LATENT)}
-#: The paged layout of each ``PagedPrefillSpec.page_layout``.
-PAGE_LAYOUTS: dict[str, PagedLayout] = {"hnd": PAGED, "nhd": PAGED_NHD}
+LAYOUTS: dict[str, KvLayout] = {layout.name: layout for layout in (DENSE, RAGGED, RAGGED_HND, PAGED, PAGED_NHD, LATENT)}
+#: The ragged layout of each ``RaggedPrefillSpec.kv_order``: token-major rows (FlashInfer's NHD)
+#: or head-major (HND).
+RAGGED_ORDERS: dict[str, RaggedLayout] = {"nhd": RAGGED, "hnd": RAGGED_HND}
+#: The paged layout of each ``PagedPrefillSpec.kv_order``.
+PAGED_ORDERS: dict[str, PagedLayout] = {"hnd": PAGED, "nhd": PAGED_NHD}
 
 
 def cache_layout(spec) -> CacheLayout:

@@ -20,7 +20,7 @@ import dataclasses
 import hashlib
 from dataclasses import dataclass
 
-from .kv_layouts import DENSE, LATENT, PAGE_LAYOUTS, RAGGED
+from .kv_layouts import DENSE, LATENT, PAGED_ORDERS, RAGGED_ORDERS
 
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -323,7 +323,9 @@ class RaggedPrefillSpec(_SpecBase):
     q_rope_position [Lq], k_rope_pos_offset [B], causal, rotary_mode, rope_scale, rope_theta,
     sm_scale) -> (output [Lq, h_q, d_v], lse [Lq, h_q] float32)``. With ``custom_mask`` the call
     also takes ``custom_mask`` [sum qo_len * kv_len] (bool or uint8) and ``mask_indptr`` [B+1]
-    int32, and ``causal`` is ignored (semantics §14).
+    int32, and ``causal`` is ignored (semantics §14). ``kv_order``: ``"nhd"`` (k and v token-major,
+    the seed's) or ``"hnd"`` (k [h_kv, Lk, d_qk], v [h_kv, Lk, d_v]: head-major, as transformers'
+    DynamicCache holds a batch row).
     """
 
     h_q: int
@@ -338,22 +340,30 @@ class RaggedPrefillSpec(_SpecBase):
     rotary_dim: int | None = None
     head_sinks: bool = False
     custom_mask: bool = False
+    kv_order: str = "nhd"
 
     symbol = "batch_prefill_ragged_kv"
-    layout = RAGGED
 
     def __post_init__(self):
         object.__setattr__(self, "rope_scaling", freeze_rope_scaling(self.rope_scaling))
         _check_heads(self.h_q, self.h_kv)
         _check_positive(d_qk=self.d_qk, d_v=self.d_v)
+        if self.kv_order not in RAGGED_ORDERS:
+            raise SpecError(f"kv_order must be one of {sorted(RAGGED_ORDERS)}, got {self.kv_order!r}")
         _check_custom_mask_flag(self)
         _check_common(self)
         _check_rotary_dim(self, self.d_qk)
 
     @property
+    def layout(self):
+        """RAGGED or RAGGED_HND (kv_layouts.py), as ``kv_order`` says."""
+        return RAGGED_ORDERS[self.kv_order]
+
+    @property
     def name(self) -> str:
+        hnd = "" if self.kv_order == "nhd" else f"_{self.kv_order}"
         return (
-            f"{self.symbol}_hq{self.h_q}_hkv{self.h_kv}_dqk{self.d_qk}_dv{self.d_v}_{self.dtype}"
+            f"{self.symbol}_hq{self.h_q}_hkv{self.h_kv}_dqk{self.d_qk}_dv{self.d_v}_{self.dtype}{hnd}"
             f"_rope-{_rope_tag(self.rope_scaling)}{_rotary_tag(self)}_qt{self.q_tile}_kt{self.kv_tile}{self.cap_tag}"
             f"{self.sinks_tag}{self.mask_tag}"
         )
@@ -367,7 +377,7 @@ class PagedPrefillSpec(_OneHeadDim):
     page_values [nnz], length_info [B] or [3, B], k_rope_pos_offset [B], q_rope_position [Lq],
     causal, rotary_mode, rope_scale, rope_theta, sm_scale) -> (output [Lq, h_q, d], lse [Lq, h_q])``.
     ``custom_mask``: as :class:`RaggedPrefillSpec`'s (columns are the logical KV rows, §2, §14).
-    ``page_layout``: ``"hnd"`` (the seed's pages [P, 2, h_kv, page_size, d]) or ``"nhd"``
+    ``kv_order``: ``"hnd"`` (the seed's pages [P, 2, h_kv, page_size, d]) or ``"nhd"``
     (pages [P, 2, page_size, h_kv, d]: FlashInfer's NHD layout, and transformers' paged cache).
     """
 
@@ -384,14 +394,14 @@ class PagedPrefillSpec(_OneHeadDim):
     rotary_dim: int | None = None
     head_sinks: bool = False
     custom_mask: bool = False
-    page_layout: str = "hnd"
+    kv_order: str = "hnd"
 
     def __post_init__(self):
         object.__setattr__(self, "rope_scaling", freeze_rope_scaling(self.rope_scaling))
         _check_heads(self.h_q, self.h_kv)
         _check_positive(d=self.d, page_size=self.page_size)
-        if self.page_layout not in PAGE_LAYOUTS:
-            raise SpecError(f"page_layout must be one of {sorted(PAGE_LAYOUTS)}, got {self.page_layout!r}")
+        if self.kv_order not in PAGED_ORDERS:
+            raise SpecError(f"kv_order must be one of {sorted(PAGED_ORDERS)}, got {self.kv_order!r}")
         _check_window_flag(self)
         _check_custom_mask_flag(self)
         _check_common(self)
@@ -399,8 +409,8 @@ class PagedPrefillSpec(_OneHeadDim):
 
     @property
     def layout(self):
-        """PAGED or PAGED_NHD (kv_layouts.py), as ``page_layout`` says."""
-        return PAGE_LAYOUTS[self.page_layout]
+        """PAGED or PAGED_NHD (kv_layouts.py), as ``kv_order`` says."""
+        return PAGED_ORDERS[self.kv_order]
 
     @property
     def symbol(self) -> str:
@@ -408,7 +418,7 @@ class PagedPrefillSpec(_OneHeadDim):
 
     @property
     def name(self) -> str:
-        nhd = "" if self.page_layout == "hnd" else f"_{self.page_layout}"
+        nhd = "" if self.kv_order == "hnd" else f"_{self.kv_order}"
         return (
             f"{self.symbol}_hq{self.h_q}_hkv{self.h_kv}_d{self.d}_{self.dtype}_ps{self.page_size}{nhd}"
             f"_rope-{_rope_tag(self.rope_scaling)}{_rotary_tag(self)}_qt{self.q_tile}_kt{self.kv_tile}{self.cap_tag}"

@@ -41,17 +41,19 @@ def check_ragged(spec, q, q_indptr, k, v, kv_indptr, q_rope_position, k_rope_pos
                  causal, rotary_mode, rope_scale, rope_theta, sm_scale, *extra) -> tuple:
     """Arguments of ``batch_prefill_ragged_kv`` (§1.2) for a ``RaggedPrefillSpec``.
 
-    q [Lq, h_q, d_qk], q_indptr [B+1] i32, k [Lk, h_kv, d_qk], v [Lk, h_kv, d_v],
-    kv_indptr [B+1] i32, q_rope_position [Lq] i32, k_rope_pos_offset [B] i32, then the scalars,
-    then ``extra``: custom_mask and mask_indptr with ``spec.custom_mask`` (:func:`check_custom_mask`).
+    q [Lq, h_q, d_qk], q_indptr [B+1] i32, k [Lk, h_kv, d_qk], v [Lk, h_kv, d_v] (``kv_order="hnd"``:
+    k [h_kv, Lk, d_qk], v [h_kv, Lk, d_v]), kv_indptr [B+1] i32, q_rope_position [Lq] i32,
+    k_rope_pos_offset [B] i32, then the scalars, then ``extra``: custom_mask and mask_indptr with
+    ``spec.custom_mask`` (:func:`check_custom_mask`).
     """
     q = check_tensor("q", q, dtype=spec.dtype, shape=(None, spec.h_q, spec.d_qk))
-    k = check_tensor("k", k, dtype=spec.dtype, shape=(None, spec.h_kv, spec.d_qk))
-    v = check_tensor("v", v, dtype=spec.dtype, shape=(None, spec.h_kv, spec.d_v))
-    check_same("v.shape[0]", v.shape[0], "k.shape[0] (Lk)", k.shape[0])
+    k = check_tensor("k", k, dtype=spec.dtype, shape=kv_shape(spec, spec.layout.key_dims))
+    v = check_tensor("v", v, dtype=spec.dtype, shape=kv_shape(spec, spec.layout.value_dims))
+    rows = spec.layout.row_axis
+    check_same(f"v.shape[{rows}]", v.shape[rows], f"k.shape[{rows}] (Lk)", k.shape[rows])
     q_indptr = check_indptr("q_indptr", q_indptr, None, q.shape[0], "Lq (rows of q)")
     batch = q_indptr.shape[0] - 1
-    kv_indptr = check_indptr("kv_indptr", kv_indptr, batch, k.shape[0], "Lk (rows of k)")
+    kv_indptr = check_indptr("kv_indptr", kv_indptr, batch, k.shape[rows], "Lk (rows of k)")
     q_rope_position = check_int32("q_rope_position", q_rope_position, shape=(q.shape[0],))
     k_rope_pos_offset = check_int32("k_rope_pos_offset", k_rope_pos_offset, shape=(batch,))
     causal, rotary_mode, rope_scale, rope_theta, sm_scale = check_rope_scalars(
@@ -69,7 +71,7 @@ def check_paged(spec, q, q_indptr, pages, page_indptr, page_values, length_info,
                 sm_scale, *extra) -> tuple:
     """Arguments of ``batch_prefill_paged_kv[_sliding_window]`` (§1.1) for a ``PagedPrefillSpec``.
 
-    q [Lq, h_q, d], q_indptr [B+1] i32, pages [P, 2, h_kv, page_size, d] (``page_layout="nhd"``:
+    q [Lq, h_q, d], q_indptr [B+1] i32, pages [P, 2, h_kv, page_size, d] (``kv_order="nhd"``:
     [P, 2, page_size, h_kv, d]), page_indptr [B+1] i32,
     page_values [nnz] i32, length_info [B] i32 (or [3, B] with ``spec.sliding_window``),
     k_rope_pos_offset [B] i32, q_rope_position [Lq] i32, then the scalars, then ``extra``:
@@ -96,8 +98,13 @@ def check_paged(spec, q, q_indptr, pages, page_indptr, page_values, length_info,
 def page_shape(spec) -> tuple:
     """The shape a paged spec's ``pages`` must have, ``None`` for the page count P (its layout's
     ``page_dims``, mlir/kv_layouts.py)."""
-    return tuple(None if dim == "P" else dim if isinstance(dim, int) else getattr(spec, dim)
-                 for dim in spec.layout.page_dims)
+    return kv_shape(spec, spec.layout.page_dims)
+
+
+def kv_shape(spec, dims: tuple) -> tuple:
+    """A KV tensor's shape from its layout's ``dims``: spec fields read, the call's sizes (``P``,
+    ``Lk``) None."""
+    return tuple(None if dim in ("P", "Lk") else dim if isinstance(dim, int) else getattr(spec, dim) for dim in dims)
 
 
 def check_mla(spec, q, q_indptr, pages, page_indptr, page_values, length_info, causal,

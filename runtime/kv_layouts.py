@@ -124,6 +124,16 @@ class RaggedHost(_KvTensors, CacheHostLayout):
         return sources[0][row], sources[1][row]
 
 
+class RaggedHndHost(RaggedHost):
+    """k [h_kv, N, d_qk], v [h_kv, N, d_v] (head-major rows)."""
+
+    name = "ragged_hnd"
+
+    def pass_entry_kv(self, sources, ids, physical, block, d_v):
+        row = ids[physical // block] + physical % block
+        return sources[0][:, row].transpose(1, 0, 2), sources[1][:, row].transpose(1, 0, 2)
+
+
 @dataclass(frozen=True)
 class PageTable:
     """``page_indptr`` int32 [B+1], ``page_values`` int32 [nnz] (page ids), ``length_info`` int32
@@ -275,8 +285,8 @@ class LatentHost(_PageTableHost):
 
 #: Every layout's host half by name (the IR halves: mlir/kv_layouts.py's LAYOUTS).
 HOST_LAYOUTS: dict[str, HostLayout] = {layout.name: layout
-                                       for layout in (DenseHost(), RaggedHost(), PagedHost(), PagedNhdHost(),
-                                                      LatentHost())}
+                                       for layout in (DenseHost(), RaggedHost(), RaggedHndHost(), PagedHost(),
+                                                      PagedNhdHost(), LatentHost())}
 
 
 def host_layout(layout) -> HostLayout:

@@ -333,7 +333,7 @@ def batch_prefill_paged_kv(
     sliding_window: bool = False,
     logits_soft_cap: float = 0.0,
     rotary_dim: int | None = None,
-    page_layout: str = "hnd",
+    kv_order: str = "hnd",
 ) -> tuple[np.ndarray, np.ndarray]:
     """Paged-KV prefill (``batch_prefill_paged_kv[_sliding_window]``, §1.1).
 
@@ -343,7 +343,7 @@ def batch_prefill_paged_kv(
     q_indptr : int ``[B + 1]``
         Entry ``b`` owns query rows ``[q_indptr[b], q_indptr[b + 1])``.
     pages : ``[max_num_pages, 2, h_kv, page_size, d]``
-        Dim 1: 0 = K, 1 = V.  ``page_size = pages.shape[3]``. With ``page_layout="nhd"``:
+        Dim 1: 0 = K, 1 = V.  ``page_size = pages.shape[3]``. With ``kv_order="nhd"``:
         ``[max_num_pages, 2, page_size, h_kv, d]``.
     page_indptr : int ``[B + 1]``
     page_values : int ``[nnz_pages]``
@@ -370,8 +370,8 @@ def batch_prefill_paged_kv(
         Compile-time RoPE scaling (see :mod:`linalg_prefill.runtime.rope`).
     sliding_window : bool
         Use the ``[3, B]`` ``length_info`` remap.
-    page_layout : ``"hnd"`` or ``"nhd"``
-        Where a page keeps its heads (``PagedPrefillSpec.page_layout``).
+    kv_order : ``"hnd"`` or ``"nhd"``
+        Where a page keeps its heads (``PagedPrefillSpec.kv_order``).
 
     Returns
     -------
@@ -382,9 +382,9 @@ def batch_prefill_paged_kv(
     pages = np.asarray(pages)
     _check_rank("q", q, 3)
     _check_rank("pages", pages, 5)
-    if page_layout not in ("hnd", "nhd"):
-        raise ValueError(f"page_layout must be 'hnd' or 'nhd', got {page_layout!r}")
-    if page_layout == "nhd":
+    if kv_order not in ("hnd", "nhd"):
+        raise ValueError(f"kv_order must be 'hnd' or 'nhd', got {kv_order!r}")
+    if kv_order == "nhd":
         pages = pages.transpose(0, 1, 3, 2, 4)
     total_len, h_q, d = q.shape
     num_pages, two, h_kv, page_size, d_kv = pages.shape
@@ -441,6 +441,7 @@ def batch_prefill_ragged_kv(
     rope_scaling: Mapping[str, Any] | None = None,
     logits_soft_cap: float = 0.0,
     rotary_dim: int | None = None,
+    kv_order: str = "nhd",
 ) -> tuple[np.ndarray, np.ndarray]:
     """Ragged-KV prefill (``batch_prefill_ragged_kv``, §1.2).  Note ``q_rope_position`` comes
     before ``k_rope_pos_offset`` here (§9.5).
@@ -462,12 +463,18 @@ def batch_prefill_ragged_kv(
     custom_mask, mask_indptr : optional
         As :func:`batch_prefill_paged_kv` (§14).
     rope_scaling : dict, optional
+    kv_order : ``"nhd"`` or ``"hnd"``
+        ``"hnd"``: k and v head-major, ``[h_kv, Lk, d]`` (``RaggedPrefillSpec.kv_order``).
 
     Returns
     -------
     output : float64 ``[Lq, h_q, d_v]``
     lse : float64 ``[Lq, h_q]``
     """
+    if kv_order not in ("nhd", "hnd"):
+        raise ValueError(f"kv_order must be 'nhd' or 'hnd', got {kv_order!r}")
+    if kv_order == "hnd":
+        k, v = (np.asarray(x).transpose(1, 0, 2) for x in (k, v))
     q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_rank(name, x, 3)

@@ -45,7 +45,7 @@ from .dense_checks import check_sequence
 from .kernels import Kernel, open_kernel
 from .kv_checks import (
     INT32_MAX, check_choice, check_custom_mask, check_float, check_length_info, check_positions,
-    check_rope_scalars, check_indptr, natural_positions, page_shape, paged_kv_lengths,
+    check_rope_scalars, check_indptr, kv_shape, natural_positions, page_shape, paged_kv_lengths,
 )
 from .interop import returns_like_inputs
 from .module import as_device_arrays
@@ -216,14 +216,17 @@ class RaggedPrefillWrapper(_Wrapper):
         ``sinks`` [h_q] float32 this layer's (``head_sinks`` specs; default: the plan's)."""
         plan, spec, device = self._planned(), self.spec, self.kernel.device
         q = _rows("q", _tensor("q", q, spec.dtype, (None, spec.h_q, spec.d_qk), device), plan.rows, "q_indptr[-1]")
-        k = _rows("k", _tensor("k", k, spec.dtype, (None, spec.h_kv, spec.d_qk), device), plan.kv_rows, "kv_indptr[-1]")
-        v = _rows("v", _tensor("v", v, spec.dtype, (None, spec.h_kv, spec.d_v), device), plan.kv_rows, "kv_indptr[-1]")
+        rows = spec.layout.row_axis
+        k = _rows("k", _tensor("k", k, spec.dtype, kv_shape(spec, spec.layout.key_dims), device), plan.kv_rows,
+                  "kv_indptr[-1]", rows)
+        v = _rows("v", _tensor("v", v, spec.dtype, kv_shape(spec, spec.layout.value_dims), device), plan.kv_rows,
+                  "kv_indptr[-1]", rows)
         return self._launch(plan, to_host, sinks, out, lse, q=q, k=k, v=v)
 
 
 class PagedPrefillWrapper(_Wrapper):
     """``batch_prefill_paged_kv[_sliding_window]`` (§1.1): q [Lq, h_q, d], pages [P, 2, h_kv,
-    page_size, d] (``page_layout="nhd"``: [P, 2, page_size, h_kv, d]) -> output [Lq, h_q, d], lse
+    page_size, d] (``kv_order="nhd"``: [P, 2, page_size, h_kv, d]) -> output [Lq, h_q, d], lse
     [Lq, h_q] float32."""
 
     spec_type = PagedPrefillSpec
@@ -248,7 +251,7 @@ class PagedPrefillWrapper(_Wrapper):
     @returns_like_inputs
     def run(self, q, pages, *, sinks=None, to_host: bool | None = None, out=None, lse=None) -> tuple:
         """One layer: q [Lq, h_q, d], pages [P, 2, h_kv, page_size, d] (or the spec's
-        ``page_layout``'s) in spec.dtype; ``sinks`` as
+        ``kv_order``'s) in spec.dtype; ``sinks`` as
         :meth:`RaggedPrefillWrapper.run`."""
         plan, spec, device = self._planned(), self.spec, self.kernel.device
         q = _rows("q", _tensor("q", q, spec.dtype, (None, spec.h_q, spec.d), device), plan.rows, "q_indptr[-1]")
@@ -429,9 +432,11 @@ def _tensor(name: str, value, dtype: str, shape: tuple, device):
     return check_tensor(name, value, dtype=dtype, shape=shape)
 
 
-def _rows(name: str, array, want: int, source: str):
-    if array.shape[0] != want:
-        raise InputError(f"{name}: expected {want} rows ({source} of the plan), got {array.shape[0]}")
+def _rows(name: str, array, want: int, source: str, axis: int = 0):
+    """``array`` with ``want`` rows along ``axis`` (InputError otherwise)."""
+    if array.shape[axis] != want:
+        raise InputError(f"{name}: expected {want} rows ({source} of the plan), got {array.shape[axis]} "
+                         f"(axis {axis})")
     return array
 
 

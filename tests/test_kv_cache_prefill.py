@@ -61,6 +61,20 @@ def test_ragged_float32(backend, spec, cache):
     _check(spec, backend, cache=cache, entries=ENTRIES, calls=_calls())
 
 
+#: Head-major k [h_kv, Lk, d_qk], v [h_kv, Lk, d_v] (transformers' DynamicCache rows): d_qk != d_v
+#: on the linalg lowering, bf16 on the fused one.
+HND_CASES = [(RaggedPrefillSpec(8, 2, 64, 32, "float32", kv_order="hnd"), "linalg"),
+             (RaggedPrefillSpec(8, 2, 64, 64, "bfloat16", kv_order="hnd"), "fused")]
+
+
+@pytest.mark.parametrize("spec, backend", on_backends(HND_CASES))
+def test_ragged_head_major_kv(backend, spec, cache):
+    """Head-major rows: the same entries, masks and RoPE as token-major ones (a swapped row and
+    head index reads another key: the reference, which reads them through their transpose,
+    catches it)."""
+    _check(spec, backend, cache=cache, entries=ENTRIES, calls=_calls())
+
+
 @pytest.mark.parametrize("backend", BACKENDS_WITHOUT_FUSED_CPU)
 @pytest.mark.parametrize("spec", [RaggedPrefillSpec(4, 4, 192, 128, "float32")], ids=spec_id)
 def test_ragged_dqk_differs_from_dv(backend, spec, cache):
@@ -129,8 +143,8 @@ def test_paged_sliding_window_with_sinks(backend, spec, cache):
 
 #: Token-major pages [P, 2, page_size, h_kv, d] (FlashInfer's NHD, transformers' paged cache):
 #: f32 on the linalg lowering, bf16 with a sliding window on the fused one.
-NHD_CASES = [(PagedPrefillSpec(8, 2, 64, "float32", page_size=16, page_layout="nhd"), "linalg"),
-             (PagedPrefillSpec(8, 2, 64, "bfloat16", page_size=8, sliding_window=True, page_layout="nhd"), "fused")]
+NHD_CASES = [(PagedPrefillSpec(8, 2, 64, "float32", page_size=16, kv_order="nhd"), "linalg"),
+             (PagedPrefillSpec(8, 2, 64, "bfloat16", page_size=8, sliding_window=True, kv_order="nhd"), "fused")]
 
 
 @pytest.mark.parametrize("spec, backend", on_backends(NHD_CASES))

@@ -17,7 +17,9 @@ from linalg_prefill.mlir import (
 )
 from linalg_prefill.mlir.abi import argument_names
 from linalg_prefill.mlir.decode import DecodeSpec
-from linalg_prefill.mlir.kv_layouts import LAYOUTS, PAGE_LAYOUTS, CacheLayout, KvLayout, RaggedLayout, cache_layout
+from linalg_prefill.mlir.kv_layouts import (
+    LAYOUTS, PAGED_ORDERS, RAGGED_ORDERS, CacheLayout, KvLayout, RaggedLayout, cache_layout,
+)
 from linalg_prefill.runtime import reference
 from linalg_prefill.runtime.error_model import CallFacts, bound_of_call
 from linalg_prefill.runtime.examples import EXAMPLE_ENTRIES, example_inputs
@@ -26,9 +28,10 @@ from linalg_prefill.runtime.kv_layouts import HOST_LAYOUTS, CacheHostLayout, Hos
 #: One spec of each KV-cache layout (the paged ones with and without a sliding window).
 CACHE_SPECS = [
     RaggedPrefillSpec(4, 2, 16, 8, "float32"),
+    RaggedPrefillSpec(4, 2, 16, 8, "float32", kv_order="hnd"),
     PagedPrefillSpec(4, 2, 16, "float32", page_size=4),
     PagedPrefillSpec(4, 2, 16, "float32", page_size=4, sliding_window=True),
-    PagedPrefillSpec(4, 2, 16, "float32", page_size=4, page_layout="nhd"),
+    PagedPrefillSpec(4, 2, 16, "float32", page_size=4, kv_order="nhd"),
     MlaPagedPrefillSpec(4, 16, 4, "float32", page_size=4),
     MlaPagedPrefillSpec(4, 16, 4, "float32", page_size=4, sliding_window=True),
 ]
@@ -40,7 +43,7 @@ def _hooks(kind: type) -> set[str]:
 
 
 def test_every_layout_has_both_halves_under_its_name():
-    assert set(LAYOUTS) == set(HOST_LAYOUTS) == {"dense", "ragged", "paged", "paged_nhd", "latent"}
+    assert set(LAYOUTS) == set(HOST_LAYOUTS) == {"dense", "ragged", "ragged_hnd", "paged", "paged_nhd", "latent"}
     for name, layout in LAYOUTS.items():
         assert layout.name == name == HOST_LAYOUTS[name].name
         # a KV cache on one side is a KV cache on the other
@@ -93,14 +96,16 @@ def test_every_spec_names_a_registered_layout():
     for spec in specs:
         assert spec.layout is LAYOUTS[spec.kv_layout]
         assert cache_layout(spec) is spec.layout
+    # the ragged and paged specs have one layout per kv_order, the others one of their own
+    orders = {RaggedPrefillSpec: (RAGGED_ORDERS, lambda order: RaggedPrefillSpec(4, 2, 16, 16, "float32", kv_order=order)),
+              PagedPrefillSpec: (PAGED_ORDERS, lambda order: PagedPrefillSpec(4, 2, 16, "float32", kv_order=order))}
     for spec_type in SPEC_TYPES:
-        layout = spec_type.layout
-        if isinstance(layout, property):  # PagedPrefillSpec: one layout per page_layout
-            assert {spec_type(4, 2, 16, "float32", page_layout=name).layout.name for name in PAGE_LAYOUTS} == \
-                {"paged", "paged_nhd"}
+        if spec_type in orders:
+            by_order, make = orders[spec_type]
+            for order, layout in by_order.items():
+                assert make(order).layout is layout is LAYOUTS[layout.name]
             continue
-        assert isinstance(layout, KvLayout) and layout is LAYOUTS[layout.name]
-    assert {layout.name for layout in PAGE_LAYOUTS.values()} <= set(LAYOUTS)
+        assert isinstance(spec_type.layout, KvLayout) and spec_type.layout is LAYOUTS[spec_type.layout.name]
 
 
 def test_an_unknown_layout_is_an_error():
