@@ -15,8 +15,11 @@ gpt-oss's per-head sinks arrive as ``s_aux [H_q]`` and run as the kernels' ``sin
 
 Which kernel runs (RoPE off: the model rotated q and k already):
 
-* no mask and no binding window: the dense kernel (``SequencePrefillSpec``, bottom-right causal
-  when ``module.is_causal``), on ``q`` as it lies and K/V copied token-major;
+* no mask and no binding window: for one sequence's decode step or short chunk (at most 16
+  queries), the ragged kernel over the cache's head-major K/V rows as DynamicCache holds them
+  (``kv_order="hnd"``, no copy; the serving passes run it); else the dense kernel
+  (``SequencePrefillSpec``, bottom-right causal when ``module.is_causal``), on ``q`` as it lies
+  and K/V copied token-major (a prefill's copy is O(S) against its O(S^2) work);
 * a mask (or a binding window) whose every query sees one contiguous range of keys: the paged
   kernel's sliding-window variant over one paged copy of K/V, with the query groups and key
   ranges of :mod:`linalg_prefill.runtime.key_ranges`: left and right padding, chunked prefill,
@@ -48,7 +51,9 @@ import weakref
 
 import numpy as np
 
+from . import hf_batching
 from .mlir import PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec
+from .mlir.specs import SMALL_Q_TILE
 from .runtime import InputError
 from .runtime.key_ranges import Entries, key_ranges, paged_arguments, plan_entries, rule_ranges
 from .torch_ops import DTYPES, kernel_for
@@ -62,10 +67,13 @@ PAGE_SIZE = 16
 
 def register(name: str = DEFAULT_NAME) -> str:
     """Registers :func:`attention` with transformers' ``AttentionInterface`` and
-    :func:`attention_mask` with its ``AttentionMaskInterface`` under ``name``; returns ``name``
-    for ``attn_implementation=``."""
+    :func:`attention_mask` with its ``AttentionMaskInterface`` under ``name``, and lets
+    continuous batching (``generate_batch``, ``init_continuous_batching``) run it on the
+    engine's paged cache in place (:mod:`linalg_prefill.hf_batching`); returns ``name`` for
+    ``attn_implementation=``."""
     AttentionInterface.register(name, attention)
     AttentionMaskInterface.register(name, attention_mask)
+    hf_batching.install(name)
     return name
 
 
@@ -103,9 +111,26 @@ class KernelCall:
 def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
               softcap: float | None = None, sliding_window: int | None = None, is_causal: bool | None = None,
               s_aux=None, **kwargs):
-    """transformers' attention interface (module docstring): ``(output [B, S_q, H_q, D_v], None)``."""
+    """transformers' attention interface (module docstring): ``(output [B, S_q, H_q, D_v], None)``.
+    A call with ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (continuous batching, packed sequences) is
+    varlen attention (:func:`linalg_prefill.hf_batching.varlen_attention`)."""
+    if kwargs.get("cu_seq_lens_q") is not None and kwargs.get("cu_seq_lens_k") is not None:
+        return _varlen(module, query, key, value, dropout, scaling, softcap, sliding_window, s_aux, kwargs), None
     return plan_call(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, softcap=softcap,
                      sliding_window=sliding_window, is_causal=is_causal, s_aux=s_aux).run(), None
+
+
+def _varlen(module, query, key, value, dropout, scaling, softcap, sliding_window, s_aux, kwargs):
+    """The varlen call of :func:`attention`: one packed batch row, bottom-right causal."""
+    _check_dropout(dropout)
+    _check_tensors(query, key, value)
+    if query.shape[0] != 1:
+        raise InputError(f"query: packed sequences come as one batch row, got shape {tuple(query.shape)}")
+    scale = float(query.shape[3] ** -0.5 if scaling is None else scaling)
+    return hf_batching.varlen_attention(
+        module, query, key, value, cu_seq_lens_q=kwargs["cu_seq_lens_q"], cu_seq_lens_k=kwargs["cu_seq_lens_k"],
+        scaling=scale, softcap=softcap, sliding_window=int(sliding_window) if sliding_window else None,
+        sinks=None if s_aux is None else _sinks(s_aux, query.shape[1]), pages=kwargs.get(hf_batching.PAGES_KWARG))
 
 
 def plan_call(module, query, key, value, attention_mask, *, dropout: float = 0.0, scaling: float | None = None,
@@ -113,9 +138,7 @@ def plan_call(module, query, key, value, attention_mask, *, dropout: float = 0.0
               s_aux=None) -> KernelCall:
     """The checked :class:`KernelCall` of one :func:`attention` call (InputError naming the
     argument for what the kernels cannot run)."""
-    if dropout:
-        raise InputError(f"dropout: {dropout} is not supported (the kernels are for inference; call "
-                         "model.eval() or use another attn_implementation for training)")
+    _check_dropout(dropout)
     _check_tensors(query, key, value)
     sinks = None if s_aux is None else _sinks(s_aux, query.shape[1])
     batch, h_q, q_len, d = query.shape
@@ -126,6 +149,8 @@ def plan_call(module, query, key, value, attention_mask, *, dropout: float = 0.0
     window = int(sliding_window) if sliding_window else None
     if attention_mask is None:
         if window is None or kv_len <= window:
+            if batch == 1 and q_len <= SMALL_Q_TILE:
+                return _decode_call(query, key, value, causal, scale, cap, sinks)
             return _dense_call(query, key, value, causal, scale, cap, sinks)
         ranges = rule_ranges(batch, q_len, kv_len, causal=causal, window=window)
         return _paged_call(query, key, value, plan_entries(*ranges), scale, cap, sinks)
@@ -133,6 +158,12 @@ def plan_call(module, query, key, value, attention_mask, *, dropout: float = 0.0
     if ranges is None:
         return _custom_mask_call(query, key, value, allowed, scale, cap, sinks)
     return _paged_call(query, key, value, plan_entries(*ranges), scale, cap, sinks)
+
+
+def _check_dropout(dropout: float) -> None:
+    if dropout:
+        raise InputError(f"dropout: {dropout} is not supported (the kernels are for inference; call "
+                         "model.eval() or use another attn_implementation for training)")
 
 
 def _sinks(s_aux, h_q: int) -> np.ndarray:
@@ -174,6 +205,20 @@ def _dense_call(query, key, value, causal: bool, scale: float, cap: float, sinks
                                logits_soft_cap=cap, head_sinks=sinks is not None)
     args = (_token_major(query), _token_major(key), _token_major(value), *_sinks_arg(sinks))
     return KernelCall(spec, args, (batch, q_len, h_q, d))
+
+
+def _decode_call(query, key, value, causal: bool, scale: float, cap: float, sinks) -> KernelCall:
+    """A decode step (or a short chunk) of one sequence: the ragged kernel over the cache's own
+    head-major ``key`` / ``value [1, H_kv, S_kv, D]`` rows (``kv_order="hnd"``, read in place: no
+    copy of the cache per layer per step), one entry, which the serving passes run."""
+    _, h_q, q_len, d = query.shape
+    h_kv, kv_len = key.shape[1], key.shape[2]
+    spec = RaggedPrefillSpec(h_q, h_kv, d, d, DTYPES[query.dtype], logits_soft_cap=cap, head_sinks=sinks is not None,
+                             kv_order="hnd")
+    q = _token_major(query).view(q_len, h_q, d)
+    args = (q, np.array([0, q_len], np.int32), key[0], value[0], np.array([0, kv_len], np.int32),
+            np.zeros(q_len, np.int32), np.zeros(1, np.int32), int(causal), 0, 1.0, 1.0e4, scale, *_sinks_arg(sinks))
+    return KernelCall(spec, args, (1, q_len, h_q, d))
 
 
 def _sinks_arg(sinks) -> tuple:

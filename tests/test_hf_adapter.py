@@ -32,6 +32,7 @@ CHECKED = "linalg_prefill_checked"
 FAMILIES = ["llama3", "qwen2", "qwen2-yarn", "gemma2"]
 LOGIT_TOLERANCE = 1e-4
 calls: list = []  # (kernel variant, batch, S_q, S_kv) of every checked call of the running test
+sources: list = []  # (KV layout, whether the kernel's k is the model's key tensor's memory) of each call
 
 
 def checked_attention(module, query, key, value, attention_mask, **kwargs):
@@ -43,6 +44,9 @@ def checked_attention(module, query, key, value, attention_mask, **kwargs):
     host_args = tuple(as_array(str(i), a) if isinstance(a, torch.Tensor) else a for i, a in enumerate(call.args))
     assert_matches_reference(call.spec.name, (as_array("output", output), as_array("lse", lse)), call.spec, host_args)
     calls.append((call.spec.symbol, query.shape[0], query.shape[2], key.shape[2]))
+    kernel_k = call.args[2]
+    sources.append((call.spec.kv_layout, isinstance(kernel_k, torch.Tensor)
+                    and kernel_k.untyped_storage().data_ptr() == key.untyped_storage().data_ptr()))
     return output.view(call.output_shape), None
 
 
@@ -56,6 +60,7 @@ def registered():
 @pytest.fixture(autouse=True)
 def fresh_calls():
     calls.clear()
+    sources.clear()
 
 
 def _logits(model, implementation: str, ids, **kwargs):
@@ -143,6 +148,27 @@ def test_greedy_generate_gives_eager_tokens(family):
                                                 pad_token_id=0)
     assert torch.equal(tokens[CHECKED], tokens["eager"])
     assert any(q_len == 1 for *_, q_len, _kv in calls)
+
+
+DECODE_HND = RaggedPrefillSpec(4, 2, 16, 16, "float32", kv_order="hnd")
+
+
+@pytest.mark.compiles(DECODE_HND, DecodeSpec(DECODE_HND), *_prefill_specs("llama3", "float32")[:1])
+def test_decode_steps_read_the_dynamic_cache_in_place():
+    """One sequence through generate (DynamicCache): its decode steps run the ragged kernel on the
+    cache's own head-major key and value tensors (no copy of the cache per layer per step), tokens
+    as eager's."""
+    model = tiny_model("llama3")
+    ids = torch.randint(0, 96, (1, 23), generator=torch.Generator().manual_seed(6))
+    tokens = {}
+    for implementation in ("eager", CHECKED):
+        model.set_attn_implementation(implementation)
+        tokens[implementation] = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                                                do_sample=False, pad_token_id=0, eos_token_id=96)
+    assert torch.equal(tokens[CHECKED], tokens["eager"])
+    steps = [shares for layout, shares in sources if layout == "ragged_hnd"]
+    assert len(steps) == 2 * 11 and all(steps)  # 2 layers x 11 decode steps, each on the cache's memory
+    assert hf.kernel_for(DECODE_HND).bytes_copied == 0
 
 
 def test_chunked_prefill_and_right_padding():

@@ -1,0 +1,104 @@
+"""Decode steps of transformers' ``generate`` path (DynamicCache) at a long cached prefix:
+linalg_prefill vs sdpa vs eager, in the same run.
+
+    python bench/hf_decode.py [--cached 2048] [--steps 16] [--dtypes float32,bfloat16] [--batch 1]
+
+A Llama-3-8B-shaped model cut to 2 layers (hidden 4096, 32 query / 8 KV heads, head dim 128) with
+a thin MLP (1024) and a 4096-token vocabulary, random weights: attention and its cache dominate a
+step. The prompt (``--cached`` tokens) is prefilled once per implementation; then ``--steps``
+decode steps run as ``generate`` runs them (``model(next_token, past_key_values=cache)``, the
+DynamicCache appending each step's keys). Printed: the median ms a step, the attention calls'
+share of it (the attention function timed per call), and ``ratio`` = peer ms / ours (above 1: ours
+is faster). The greedy tokens of every implementation are compared with eager's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import transformers
+from transformers.masking_utils import eager_mask, sdpa_mask
+from transformers.models.llama import modeling_llama
+
+import linalg_prefill.hf as hf
+
+attention_seconds: list[float] = []
+
+
+def model_config() -> transformers.LlamaConfig:
+    return transformers.LlamaConfig(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                                    intermediate_size=1024, num_hidden_layers=2, vocab_size=4096,
+                                    max_position_embeddings=16384)
+
+
+def timed(attention):
+    def run(*args, **kwargs):
+        start = time.perf_counter()
+        result = attention(*args, **kwargs)
+        attention_seconds.append(time.perf_counter() - start)
+        return result
+    return run
+
+
+def register_timed() -> dict:
+    """implementation label -> registered name of its timed attention."""
+    hf.register()
+    functions = {"linalg_prefill": (hf.attention, hf.attention_mask),
+                 "sdpa": (transformers.integrations.sdpa_attention.sdpa_attention_forward, sdpa_mask),
+                 "eager": (modeling_llama.eager_attention_forward, eager_mask)}
+    for label, (attention, mask) in functions.items():
+        transformers.AttentionInterface.register(f"timed_{label}", timed(attention))
+        transformers.masking_utils.AttentionMaskInterface.register(f"timed_{label}", mask)
+    return {label: f"timed_{label}" for label in functions}
+
+
+def decode(model, name: str, prompt: torch.Tensor, steps: int) -> tuple[float, float, list]:
+    """(median step seconds, median attention seconds a step, greedy tokens) of ``steps`` decode
+    steps after a prefill of ``prompt`` (one untimed step first)."""
+    model.set_attn_implementation(name)
+    with torch.no_grad():
+        cache = transformers.DynamicCache(config=model.config)
+        out = model(prompt, cache=cache, use_cache=True, logits_to_keep=1)
+        token = out.logits[:, -1:].argmax(-1)
+        tokens, step_s, attention_s = [int(token[0, 0])], [], []
+        for step in range(steps + 1):
+            attention_seconds.clear()
+            start = time.perf_counter()
+            out = model(token, cache=cache, use_cache=True)
+            token = out.logits[:, -1:].argmax(-1)
+            if step:
+                step_s.append(time.perf_counter() - start)
+                attention_s.append(sum(attention_seconds))
+            tokens.append(int(token[0, 0]))
+    return statistics.median(step_s), statistics.median(attention_s), tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cached", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--batch", type=int, default=1)
+    args = parser.parse_args()
+    names = register_timed()
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads; "
+          f"decode steps at {args.cached} cached, batch {args.batch}, median of {args.steps}")
+    print("dtype     impl            step_ms  attention_ms  step_ratio  attn_ratio  tokens_as_eager")
+    for dtype in args.dtypes.split(","):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(model_config()).to(getattr(torch, dtype)).eval()
+        prompt = torch.randint(0, model.config.vocab_size, (args.batch, args.cached))
+        results = {label: decode(model, names[label], prompt, args.steps) for label in ("linalg_prefill", "sdpa", "eager")}
+        ours = results["linalg_prefill"]
+        for label, (step, attention, tokens) in results.items():
+            ratio = "" if label == "linalg_prefill" else f"{step / ours[0]:10.2f}  {attention / ours[1]:10.2f}"
+            print(f"{dtype:9} {label:15} {step * 1e3:7.2f}  {attention * 1e3:12.2f}  {ratio:22}  "
+                  f"{tokens == results['eager'][2]}", flush=True)
+        del model
+
+
+if __name__ == "__main__":
+    main()
