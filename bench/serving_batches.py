@@ -7,11 +7,14 @@ Each row is one serving step of ``batch`` sequences, each appending ``new`` toke
 tokens already in the paged cache (``mixed``: cached lengths drawn from [16, 4096], seeded), so
 entry b attends causally (bottom-right) over kv_len_b = cached_b + new keys. h_q=32, h_kv=8,
 d=128, page size 16, pages shuffled, RoPE off. Ours: ``PagedPrefillWrapper``, planned once and run
-once (the per-layer call; the plan's cost is printed apart), the pages uploaded to the IREE
-device once, as a serving stack keeps its cache there. Peer, in the same run: torch SDPA on
+once (the per-layer call; the plan's cost is printed apart), twice: with the pages uploaded to
+the IREE device once (``ours ms``), as a serving stack may keep its cache there, and with the
+numpy page pool passed to every call as it is (``numpy ms``: read in place, runtime/module.py).
+Peer, in the same run: torch SDPA on
 the same attention with the KV already gathered and padded to the longest entry, one batched
 call with a boolean mask (q [B, h_q, new, d], k/v [B, h_kv, L_max, d], ``enable_gqa``), torch on
-2 threads. ``ratio`` = torch time / ours (above 1: we are faster).
+2 threads. ``ratio`` = torch time / ours (above 1: we are faster), ``np ratio`` the same for the
+numpy-pool call, ``np/dev`` its time over the uploaded one's.
 
 Bandwidth columns: KV bytes the step must read (sum of kv_len_b rows of K and V) per second, for
 ours and torch, and the machine's streaming bandwidth measured in the same run (numpy ``copyto``
@@ -157,30 +160,36 @@ def measure_row(wrapper: PagedPrefillWrapper, batch: int, new: int, cached: str,
     start = time.perf_counter()
     wrapper.plan(step["q_indptr"], step["page_indptr"], step["page_values"], step["last_page_len"], causal=True)
     plan_s = time.perf_counter() - start
-    pages = as_device_arrays(wrapper.kernel.device, [step["pages"]])[0]  # the cache lives on the device
+    pages = as_device_arrays(wrapper.kernel.device, [step["pages"]])[0]  # the cache kept on the device
     ours = lambda: wrapper.run(step["q"], pages)  # noqa: E731
+    ours_numpy = lambda: wrapper.run(step["q"], step["pages"])  # noqa: E731 - the caller's pool, in place
     peer = torch_call(step, new, dtype)
     ours_out = ours()[0]  # the first call may compile a serving pass
     start = time.perf_counter()
     ours()
     burst = burst_for(time.perf_counter() - start)
     peer_out = peer().float().numpy().transpose(0, 2, 1, 3).reshape(batch * new, H_Q, D)
-    ours_s, peer_s = best_times([ours, peer], repeat, burst)
+    copied = wrapper.kernel.bytes_copied
+    ours_s, numpy_s, peer_s = best_times([ours, ours_numpy, peer], repeat, burst)
+    assert wrapper.kernel.bytes_copied == copied, "the numpy pool was copied"
     kv_bytes = int(step["kv_lens"].sum()) * 2 * H_KV * D * step["pages"].itemsize
     return dict(batch=batch, new=new, cached=cached, dtype=dtype, ours_ms=ours_s * 1e3, torch_ms=peer_s * 1e3,
-                ratio=peer_s / ours_s, plan_ms=plan_s * 1e3, kv_mib=kv_bytes / 2**20,
+                ratio=peer_s / ours_s, numpy_ms=numpy_s * 1e3, numpy_ratio=peer_s / numpy_s,
+                pool_mib=step["pages"].nbytes / 2**20, plan_ms=plan_s * 1e3, kv_mib=kv_bytes / 2**20,
                 ours_gbps=kv_bytes / ours_s / 1e9, torch_gbps=kv_bytes / peer_s / 1e9,
                 stream_gbps=streaming_gbps(kv_bytes),
                 max_abs_diff=float(np.abs(ours_out.astype(np.float32) - peer_out).max()))
 
 
-HEADER = (f"{'batch':>5} {'new':>4} {'cached':>7} {'KV MiB':>8} {'ours ms':>9} {'torch ms':>9} {'ratio':>6} "
-          f"{'plan ms':>8} {'ours GB/s':>9} {'torch GB/s':>10} {'stream GB/s':>11} {'max|diff|':>9}")
+HEADER = (f"{'batch':>5} {'new':>4} {'cached':>7} {'KV MiB':>8} {'ours ms':>9} {'numpy ms':>9} {'torch ms':>9} "
+          f"{'ratio':>6} {'np ratio':>8} {'np/dev':>6} {'plan ms':>8} {'ours GB/s':>9} {'torch GB/s':>10} "
+          f"{'stream GB/s':>11} {'max|diff|':>9}")
 
 
 def format_row(r: dict) -> str:
     return (f"{r['batch']:>5} {r['new']:>4} {r['cached']:>7} {r['kv_mib']:>8.1f} {r['ours_ms']:>9.2f} "
-            f"{r['torch_ms']:>9.2f} {r['ratio']:>6.2f} {r['plan_ms']:>8.2f} {r['ours_gbps']:>9.2f} "
+            f"{r['numpy_ms']:>9.2f} {r['torch_ms']:>9.2f} {r['ratio']:>6.2f} {r['numpy_ratio']:>8.2f} "
+            f"{r['numpy_ms'] / r['ours_ms']:>6.2f} {r['plan_ms']:>8.2f} {r['ours_gbps']:>9.2f} "
             f"{r['torch_gbps']:>10.2f} {r['stream_gbps']:>11.2f} {r['max_abs_diff']:>9.1e}")
 
 
