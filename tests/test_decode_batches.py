@@ -84,10 +84,7 @@ CASES = {
     "paged-f32": (PagedPrefillSpec(8, 2, 64, "float32", page_size=16), None),
     "paged-window-bf16-softcap": (PagedPrefillSpec(8, 2, 64, "bfloat16", page_size=8, sliding_window=True,
                                                    logits_soft_cap=30.0), WINDOW),
-    "paged-nhd-window-f32": (PagedPrefillSpec(8, 2, 64, "float32", page_size=16, sliding_window=True,
-                                              kv_order="nhd"), WINDOW),
     "ragged-f16-dqk-ne-dv": (RaggedPrefillSpec(8, 2, 64, 32, "float16"), None),
-    "ragged-hnd-f32": (RaggedPrefillSpec(8, 2, 64, 64, "float32", kv_order="hnd"), None),
     # few heads: the 4-query pass's scores stay within its scratch bound over these narrow rows
     "mla-f32": (MlaPagedPrefillSpec(8, 64, 16, "float32", page_size=16), None),
     "mla-window-bf16": (MlaPagedPrefillSpec(4, 64, 16, "bfloat16", page_size=32, sliding_window=True), WINDOW),

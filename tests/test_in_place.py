@@ -4,8 +4,8 @@ results written into the caller's arrays (runtime/outputs.py).
 A serving call reads a few pages of a large pool: it must cost what it reads, not a copy of the
 pool. The decisive check runs in a subprocess over a 1 GiB pool the call touches 1% of and reads
 the process's peak resident memory: used in place it stays near the pages read, copied it grows
-by the pool (the same subprocess copies it once on purpose, so the measurement is shown to see a
-copy).
+by a large part of the pool (the same subprocess copies it once on purpose, so the measurement is
+shown to see a copy).
 """
 
 from __future__ import annotations
@@ -105,8 +105,8 @@ def test_a_call_over_a_large_pool_costs_the_pages_it_reads(cache):
     assert run.returncode == 0, run.stderr[-3000:]
     facts = json.loads(run.stdout.strip().splitlines()[-1])
     assert facts["same"]
-    assert facts["in_place"] < facts["pool"] // 8, facts
-    assert facts["copied"] > facts["pool"] * 3 // 4, facts
+    assert facts["in_place"] < facts["pool"] // 16, facts  # measured: 0 bytes
+    assert facts["copied"] > facts["pool"] // 4, facts  # measured: 0.5-1.07 GB (the system's reclaim varies)
     assert facts["bytes_copied"] == facts["pool"], facts
 
 

@@ -67,12 +67,14 @@ HND_CASES = [(RaggedPrefillSpec(8, 2, 64, 32, "float32", kv_order="hnd"), "linal
              (RaggedPrefillSpec(8, 2, 64, 64, "bfloat16", kv_order="hnd"), "fused")]
 
 
+@pytest.mark.compiles(passes=ENTRIES)
 @pytest.mark.parametrize("spec, backend", on_backends(HND_CASES))
 def test_ragged_head_major_kv(backend, spec, cache):
     """Head-major rows: the same entries, masks and RoPE as token-major ones (a swapped row and
     head index reads another key: the reference, which reads them through their transpose,
-    catches it)."""
-    _check(spec, backend, cache=cache, entries=ENTRIES, calls=_calls())
+    catches it), the short entries in the serving passes (their element reads, mlir/decode.py)
+    when RoPE is off."""
+    run_against_reference(spec, backend, cache=cache, entries=ENTRIES, calls=_calls())
 
 
 @pytest.mark.parametrize("backend", BACKENDS_WITHOUT_FUSED_CPU)
@@ -147,13 +149,15 @@ NHD_CASES = [(PagedPrefillSpec(8, 2, 64, "float32", page_size=16, kv_order="nhd"
              (PagedPrefillSpec(8, 2, 64, "bfloat16", page_size=8, sliding_window=True, kv_order="nhd"), "fused")]
 
 
+@pytest.mark.compiles(passes=ENTRIES)
 @pytest.mark.parametrize("spec, backend", on_backends(NHD_CASES))
 def test_paged_nhd_pages(backend, spec, cache):
     """A page's rows token-major, its heads inside a row: the same entries, masks and RoPE as the
     head-major pages (a swapped head and slot index reads another key: the reference, which
-    reads NHD pages through their HND transpose, catches it)."""
+    reads NHD pages through their HND transpose, catches it), the short entries in the serving
+    passes when RoPE is off."""
     window = [(4, 2), (0, 0), (10, 4), (3, 1), (0, 0), (20, 6)] if spec.sliding_window else None
-    _check(spec, backend, cache=cache, entries=ENTRIES, window=window, calls=_calls())
+    run_against_reference(spec, backend, cache=cache, entries=ENTRIES, window=window, calls=_calls())
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -22,7 +22,18 @@ def _readme_specs() -> list:
     return found + [DecodeSpec(spec, 4) for spec in found if isinstance(spec, specs.MlaPagedPrefillSpec)]
 
 
-@pytest.mark.compiles(*_readme_specs())
+def _batching_specs() -> list:
+    """The kernels the README's generate_batch opens (linalg_prefill/hf_batching.py): the NHD
+    paged one of transformers' default pages (256 tokens) with its 1-query pass, the ragged one
+    of the first chunks."""
+    from linalg_prefill.mlir import PagedPrefillSpec, RaggedPrefillSpec
+    from linalg_prefill.mlir.decode import DecodeSpec
+
+    paged = PagedPrefillSpec(4, 2, 16, "float32", page_size=256, kv_order="nhd")
+    return [paged, DecodeSpec(paged), RaggedPrefillSpec(4, 2, 16, 16, "float32")]
+
+
+@pytest.mark.compiles(*_readme_specs(), *_batching_specs())
 def test_readme_examples_run_and_agree_with_the_reference():
     blocks = BLOCKS
     assert len(blocks) >= 5
@@ -46,3 +57,4 @@ def test_readme_examples_run_and_agree_with_the_reference():
     model = {}
     exec(blocks[5], model)  # noqa: S102
     assert model["tokens"].shape == (2, 10)
+    assert len(model["new_tokens"]) == 2 and all(1 <= len(tokens) <= 4 for tokens in model["new_tokens"].values())
