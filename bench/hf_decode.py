@@ -5,11 +5,13 @@ linalg_prefill vs sdpa vs eager, in the same run.
 
 A Llama-3-8B-shaped model cut to 2 layers (hidden 4096, 32 query / 8 KV heads, head dim 128) with
 a thin MLP (1024) and a 4096-token vocabulary, random weights: attention and its cache dominate a
-step. The prompt (``--cached`` tokens) is prefilled once per implementation; then ``--steps``
-decode steps run as ``generate`` runs them (``model(next_token, past_key_values=cache)``, the
-DynamicCache appending each step's keys). Printed: the median ms a step, the attention calls'
-share of it (the attention function timed per call), and ``ratio`` = peer ms / ours (above 1: ours
-is faster). The greedy tokens of every implementation are compared with eager's.
+step. The prompt (``--cached`` tokens) is prefilled once per implementation, each into its own
+DynamicCache; then ``--steps`` decode steps run as ``generate`` runs them (``model(next_token,
+cache=cache)``, the cache appending each step's keys), the implementations taking turns step by
+step, so that a slow phase of a noisy machine hits each of them. Printed: the median ms a step,
+the attention calls' share of it (the attention function timed per call), and ``ratio`` = peer
+ms / ours (above 1: ours is faster). The greedy tokens of every implementation are compared with
+eager's.
 """
 
 from __future__ import annotations
@@ -55,25 +57,31 @@ def register_timed() -> dict:
     return {label: f"timed_{label}" for label in functions}
 
 
-def decode(model, name: str, prompt: torch.Tensor, steps: int) -> tuple[float, float, list]:
-    """(median step seconds, median attention seconds a step, greedy tokens) of ``steps`` decode
-    steps after a prefill of ``prompt`` (one untimed step first)."""
-    model.set_attn_implementation(name)
+def decode(model, names: dict, prompt: torch.Tensor, steps: int) -> dict:
+    """label -> (median step seconds, median attention seconds a step, greedy tokens) of ``steps``
+    decode steps after a prefill of ``prompt``, the implementations (``names``: label -> registered
+    name) taking turns step by step, after one untimed step each."""
+    state = {}
     with torch.no_grad():
-        cache = transformers.DynamicCache(config=model.config)
-        out = model(prompt, cache=cache, use_cache=True, logits_to_keep=1)
-        token = out.logits[:, -1:].argmax(-1)
-        tokens, step_s, attention_s = [int(token[0, 0])], [], []
+        for label, name in names.items():
+            model.set_attn_implementation(name)
+            cache = transformers.DynamicCache(config=model.config)
+            token = model(prompt, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
+            state[label] = dict(cache=cache, token=token, tokens=[int(token[0, 0])], step_s=[], attention_s=[])
         for step in range(steps + 1):
-            attention_seconds.clear()
-            start = time.perf_counter()
-            out = model(token, cache=cache, use_cache=True)
-            token = out.logits[:, -1:].argmax(-1)
-            if step:
-                step_s.append(time.perf_counter() - start)
-                attention_s.append(sum(attention_seconds))
-            tokens.append(int(token[0, 0]))
-    return statistics.median(step_s), statistics.median(attention_s), tokens
+            for label, name in names.items():
+                run = state[label]
+                model.set_attn_implementation(name)
+                attention_seconds.clear()
+                start = time.perf_counter()
+                out = model(run["token"], cache=run["cache"], use_cache=True)
+                run["token"] = out.logits[:, -1:].argmax(-1)
+                if step:
+                    run["step_s"].append(time.perf_counter() - start)
+                    run["attention_s"].append(sum(attention_seconds))
+                run["tokens"].append(int(run["token"][0, 0]))
+    return {label: (statistics.median(run["step_s"]), statistics.median(run["attention_s"]), run["tokens"])
+            for label, run in state.items()}
 
 
 def main() -> None:
@@ -91,7 +99,7 @@ def main() -> None:
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(model_config()).to(getattr(torch, dtype)).eval()
         prompt = torch.randint(0, model.config.vocab_size, (args.batch, args.cached))
-        results = {label: decode(model, names[label], prompt, args.steps) for label in ("linalg_prefill", "sdpa", "eager")}
+        results = decode(model, names, prompt, args.steps)
         ours = results["linalg_prefill"]
         for label, (step, attention, tokens) in results.items():
             ratio = "" if label == "linalg_prefill" else f"{step / ours[0]:10.2f}  {attention / ours[1]:10.2f}"
