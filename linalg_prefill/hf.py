@@ -103,7 +103,11 @@ class KernelCall:
     output_shape: tuple
 
     def run(self):
-        """``output [B, S_q, H_q, D]``, contiguous."""
+        """``output [B, S_q, H_q, D]``, contiguous. A decode step runs as a wrapper's plan and run
+        (hf_batching.planned_decode): every layer of a step shares the plan, so the index arrays
+        are checked and the serving schedule worked out once a step, not once a layer."""
+        if isinstance(self.spec, RaggedPrefillSpec) and self.spec.kv_order == "hnd":
+            return hf_batching.planned_decode(self.spec, self.args).view(self.output_shape)
         output, _lse = kernel_for(self.spec)(*self.args)
         return output.view(self.output_shape)
 

@@ -174,6 +174,18 @@ def varlen_attention(module, query, key, value, *, cu_seq_lens_q, cu_seq_lens_k,
     return output.view(1, total, h_q, d)
 
 
+def planned_decode(spec: RaggedPrefillSpec, args: tuple):
+    """The output of a ragged call given in the seed's order (hf._decode_call's: RoPE off, no
+    custom mask), run as its wrapper's ``run`` under a plan kept while the index arrays and
+    scalars stay the same (the layers of a decode step)."""
+    q, q_indptr, k, v, kv_indptr, _q_pos, _k_off, causal, _rotary, _scale, _theta, sm_scale, *sinks = args
+    wrapper = _wrapper(RaggedPrefillWrapper, spec)
+    key = ("decode", q_indptr.tobytes(), kv_indptr.tobytes(), causal, sm_scale)
+    _plan(wrapper, key, lambda: wrapper.plan(q_indptr, kv_indptr, causal=bool(causal), sm_scale=sm_scale))
+    output, _ = wrapper.run(q, k, v, **({"sinks": sinks[0]} if sinks else {}))
+    return output
+
+
 def _int32(name: str, tensor) -> np.ndarray:
     if not isinstance(tensor, torch.Tensor) or tensor.dim() != 1:
         raise InputError(f"{name}: expected a 1-D tensor of cumulative lengths, got {getattr(tensor, 'shape', tensor)}")

@@ -161,11 +161,11 @@ def test_decode_steps_read_the_dynamic_cache_in_place():
     model = tiny_model("llama3")
     ids = torch.randint(0, 96, (1, 23), generator=torch.Generator().manual_seed(6))
     tokens = {}
-    for implementation in ("eager", CHECKED):
+    for implementation in ("eager", CHECKED, hf.register()):  # the registered one: plan once a step
         model.set_attn_implementation(implementation)
         tokens[implementation] = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
                                                 do_sample=False, pad_token_id=0, eos_token_id=96)
-    assert torch.equal(tokens[CHECKED], tokens["eager"])
+    assert torch.equal(tokens[CHECKED], tokens["eager"]) and torch.equal(tokens[hf.DEFAULT_NAME], tokens["eager"])
     steps = [shares for layout, shares in sources if layout == "ragged_hnd"]
     assert len(steps) == 2 * 11 and all(steps)  # 2 layers x 11 decode steps, each on the cache's memory
     assert hf.kernel_for(DECODE_HND).bytes_copied == 0
