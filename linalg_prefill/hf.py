@@ -15,6 +15,9 @@ gpt-oss's per-head sinks arrive as ``s_aux [H_q]`` and run as the kernels' ``sin
 
 Which kernel runs (RoPE off: the model rotated q and k already):
 
+* a decode step (one query a row) of several sequences, with or without a padding mask or a
+  binding window: one ragged call per batch row over that row's own head-major cache tensors,
+  its keys one range (no copy);
 * no mask and no binding window: for one sequence's decode step or short chunk (at most 16
   queries), the ragged kernel over the cache's head-major K/V rows as DynamicCache holds them
   (``kv_order="hnd"``, no copy; the serving passes run it); else the dense kernel
@@ -95,17 +98,26 @@ def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int
 
 @dataclass(frozen=True)
 class KernelCall:
-    """One kernel call of an attention layer: ``spec``, its seed-ABI ``args`` (torch tensors and
-    int32 numpy index arrays) and the ``[B, S_q, H_q, D]`` shape its output takes."""
+    """The kernel calls of an attention layer: ``spec``, its seed-ABI ``args`` (torch tensors and
+    int32 numpy index arrays) and the ``[B, S_q, H_q, D]`` shape its output takes; or, for a
+    decode step of several sequences, ``rows``: the args of one call per batch row (each over
+    that row's own cache tensors), whose outputs are the output's rows (``args`` then empty)."""
 
     spec: object
     args: tuple
     output_shape: tuple
+    rows: tuple = ()
 
     def run(self):
-        """``output [B, S_q, H_q, D]``, contiguous. A decode step runs as a wrapper's plan and run
-        (hf_batching.planned_decode): every layer of a step shares the plan, so the index arrays
-        are checked and the serving schedule worked out once a step, not once a layer."""
+        """``output [B, S_q, H_q, D]``, contiguous. A decode step of one sequence runs as a
+        wrapper's plan and run (hf_batching.planned_decode): every layer of a step shares the
+        plan, so the index arrays are checked and the serving schedule worked out once a step."""
+        if self.rows:
+            kernel = kernel_for(self.spec)
+            output = self.rows[0][0].new_empty(self.output_shape)
+            for row, args in zip(output, self.rows):
+                kernel(*args, out=row.view(args[0].shape))
+            return output
         if isinstance(self.spec, RaggedPrefillSpec) and self.spec.kv_order == "hnd":
             return hf_batching.planned_decode(self.spec, self.args).view(self.output_shape)
         output, _lse = kernel_for(self.spec)(*self.args)
@@ -152,15 +164,20 @@ def plan_call(module, query, key, value, attention_mask, *, dropout: float = 0.0
     cap = float(softcap or 0.0)
     window = int(sliding_window) if sliding_window else None
     if attention_mask is None:
+        if (window is None or kv_len <= window) and batch == 1 and q_len <= SMALL_Q_TILE:
+            return _decode_call(query, key, value, causal, scale, cap, sinks)
+        if q_len == 1:  # one decode step of several sequences (or under a binding window)
+            lo, hi = rule_ranges(batch, q_len, kv_len, causal=causal, window=window)
+            return _decode_rows_call(query, key, value, lo[:, 0], hi[:, 0], scale, cap, sinks)
         if window is None or kv_len <= window:
-            if batch == 1 and q_len <= SMALL_Q_TILE:
-                return _decode_call(query, key, value, causal, scale, cap, sinks)
             return _dense_call(query, key, value, causal, scale, cap, sinks)
         ranges = rule_ranges(batch, q_len, kv_len, causal=causal, window=window)
         return _paged_call(query, key, value, plan_entries(*ranges), scale, cap, sinks)
     allowed, ranges = _read_mask(attention_mask, batch, q_len, kv_len)
     if ranges is None:
         return _custom_mask_call(query, key, value, allowed, scale, cap, sinks)
+    if q_len == 1:  # a decode step of a padded batch: each row's keys are one range of its cache
+        return _decode_rows_call(query, key, value, ranges[0][:, 0], ranges[1][:, 0], scale, cap, sinks)
     return _paged_call(query, key, value, plan_entries(*ranges), scale, cap, sinks)
 
 
@@ -223,6 +240,22 @@ def _decode_call(query, key, value, causal: bool, scale: float, cap: float, sink
     args = (q, np.array([0, q_len], np.int32), key[0], value[0], np.array([0, kv_len], np.int32),
             np.zeros(q_len, np.int32), np.zeros(1, np.int32), int(causal), 0, 1.0, 1.0e4, scale, *_sinks_arg(sinks))
     return KernelCall(spec, args, (1, q_len, h_q, d))
+
+
+def _decode_rows_call(query, key, value, lo, hi, scale: float, cap: float, sinks) -> KernelCall:
+    """A decode step (one query a row) of ``B`` sequences: one ragged call per batch row over that
+    row's own head-major cache tensors ``key[b]`` / ``value[b] [H_kv, S_kv, D]`` (no copy), the
+    query seeing keys ``[lo[b], hi[b])`` (its padding or window left out): an entry of the keys
+    before ``lo[b]`` with no query, then the query's entry (empty when ``hi[b] <= lo[b]``: output 0)."""
+    batch, h_q, _, d = query.shape
+    h_kv = key.shape[1]
+    spec = RaggedPrefillSpec(h_q, h_kv, d, d, DTYPES[query.dtype], logits_soft_cap=cap, head_sinks=sinks is not None,
+                             kv_order="hnd")
+    q = _token_major(query)
+    rows = tuple((q[b], np.array([0, 0, 1], np.int32), key[b], value[b],
+                  np.array([0, lo[b], max(hi[b], lo[b])], np.int32), np.zeros(1, np.int32), np.zeros(2, np.int32),
+                  1, 0, 1.0, 1.0e4, scale, *_sinks_arg(sinks)) for b in range(batch))
+    return KernelCall(spec, (), (batch, 1, h_q, d), rows)
 
 
 def _sinks_arg(sinks) -> tuple:

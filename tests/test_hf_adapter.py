@@ -40,14 +40,18 @@ def checked_attention(module, query, key, value, attention_mask, **kwargs):
     call = hf.plan_call(module, query, key, value, attention_mask, **{
         name: kwargs[name] for name in ("dropout", "scaling", "softcap", "sliding_window", "is_causal", "s_aux")
         if name in kwargs})
-    output, lse = hf.kernel_for(call.spec)(*call.args)
-    host_args = tuple(as_array(str(i), a) if isinstance(a, torch.Tensor) else a for i, a in enumerate(call.args))
-    assert_matches_reference(call.spec.name, (as_array("output", output), as_array("lse", lse)), call.spec, host_args)
+    outputs = []
+    for args in call.rows or (call.args,):  # one call, or one per batch row (a batch's decode step)
+        output, lse = hf.kernel_for(call.spec)(*args)
+        host_args = tuple(as_array(str(i), a) if isinstance(a, torch.Tensor) else a for i, a in enumerate(args))
+        assert_matches_reference(call.spec.name, (as_array("output", output), as_array("lse", lse)), call.spec,
+                                 host_args)
+        kernel_k = args[2]
+        sources.append((call.spec.kv_layout, isinstance(kernel_k, torch.Tensor)
+                        and kernel_k.untyped_storage().data_ptr() == key.untyped_storage().data_ptr()))
+        outputs.append(output)
     calls.append((call.spec.symbol, query.shape[0], query.shape[2], key.shape[2]))
-    kernel_k = call.args[2]
-    sources.append((call.spec.kv_layout, isinstance(kernel_k, torch.Tensor)
-                    and kernel_k.untyped_storage().data_ptr() == key.untyped_storage().data_ptr()))
-    return output.view(call.output_shape), None
+    return torch.stack(outputs).view(call.output_shape) if call.rows else outputs[0].view(call.output_shape), None
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -128,15 +132,18 @@ def test_prefill_and_left_padded_batch_match_eager(family, dtype):
 
 
 def _generate_specs(family: str) -> list:
-    """``_prefill_specs`` in float32, with the decode pass of the paged one (the decode steps)."""
-    specs = _prefill_specs(family, "float32")
-    return [*specs, DecodeSpec(specs[1])]
+    """``_prefill_specs`` in float32 (the padded prefill), with the head-major ragged kernel of the
+    decode steps and its 1-query pass."""
+    cap = {"logits_soft_cap": 20.0} if family == "gemma2" else {}
+    decode = RaggedPrefillSpec(4, 2, 16, 16, "float32", kv_order="hnd", **cap)
+    return [*_prefill_specs(family, "float32"), decode, DecodeSpec(decode)]
 
 
 @pytest.mark.parametrize("family", [pytest.param(family, marks=pytest.mark.compiles(*_generate_specs(family)))
                                     for family in FAMILIES])
 def test_greedy_generate_gives_eager_tokens(family):
-    """Left-padded batch, 10 new tokens: a prefill, then decode steps (S_q = 1 against the cache)."""
+    """Left-padded batch, 10 new tokens: a prefill, then decode steps (S_q = 1 against the cache),
+    each batch row's step on its own cache tensors (no copy), its padding left out."""
     model = tiny_model(family)
     ids = torch.randint(0, 96, (2, 19), generator=torch.Generator().manual_seed(2))
     mask = torch.ones_like(ids)
@@ -148,6 +155,8 @@ def test_greedy_generate_gives_eager_tokens(family):
                                                 pad_token_id=0)
     assert torch.equal(tokens[CHECKED], tokens["eager"])
     assert any(q_len == 1 for *_, q_len, _kv in calls)
+    steps = [shares for layout, shares in sources if layout == "ragged_hnd"]
+    assert len(steps) == 2 * 2 * 9 and all(steps)  # 2 rows x 2 layers x 9 decode steps, in place
 
 
 DECODE_HND = RaggedPrefillSpec(4, 2, 16, 16, "float32", kv_order="hnd")
@@ -171,6 +180,7 @@ def test_decode_steps_read_the_dynamic_cache_in_place():
     assert hf.kernel_for(DECODE_HND).bytes_copied == 0
 
 
+@pytest.mark.compiles(*_prefill_specs("qwen2", "float32"), DecodeSpec(_prefill_specs("qwen2", "float32")[1]))
 def test_chunked_prefill_and_right_padding():
     """Chunked prefill (S_q < S_kv through the cache, bottom-right causal) and a right-padded
     batch (rows past a sequence's end see all of its keys, as in eager)."""
