@@ -1,11 +1,9 @@
 """IR builders: typed MLIR bindings, one online-softmax emitter, one spec per variant."""
 
-from .fused_kernels import (
-    build_fused_mla_prefill, build_fused_paged_prefill, build_fused_ragged_prefill, build_fused_sequence_prefill,
-)
+from .fused_kernels import build_fused_kv_cache_prefill, build_fused_sequence_prefill
 from .decode import NARROW_PASS_VECTORS, DecodeSpec, PassVectors, build_decode
 from .fused_decode import build_fused_decode
-from .kv_cache import build_mla_prefill, build_paged_prefill, build_ragged_prefill
+from .kv_cache import build_kv_cache_prefill
 from .score_tiles import ROW_TILES, RowTiles
 from .sequence import build_sequence_prefill
 from .specs import (
@@ -16,9 +14,9 @@ from .specs import (
 _BUILDERS = {
     SequencePrefillSpec: build_sequence_prefill,
     MaskedSequencePrefillSpec: build_sequence_prefill,
-    RaggedPrefillSpec: build_ragged_prefill,
-    PagedPrefillSpec: build_paged_prefill,
-    MlaPagedPrefillSpec: build_mla_prefill,
+    RaggedPrefillSpec: build_kv_cache_prefill,
+    PagedPrefillSpec: build_kv_cache_prefill,
+    MlaPagedPrefillSpec: build_kv_cache_prefill,
 }
 SPEC_TYPES = tuple(_BUILDERS)
 #: Passes a variant's kernel hands work to (not variants of their own: no seed function, no CLI name).
@@ -26,9 +24,9 @@ _PASS_BUILDERS = {DecodeSpec: build_decode}
 _FUSED_BUILDERS = {
     SequencePrefillSpec: build_fused_sequence_prefill,
     MaskedSequencePrefillSpec: build_fused_sequence_prefill,
-    RaggedPrefillSpec: build_fused_ragged_prefill,
-    PagedPrefillSpec: build_fused_paged_prefill,
-    MlaPagedPrefillSpec: build_fused_mla_prefill,
+    RaggedPrefillSpec: build_fused_kv_cache_prefill,
+    PagedPrefillSpec: build_fused_kv_cache_prefill,
+    MlaPagedPrefillSpec: build_fused_kv_cache_prefill,
     DecodeSpec: build_fused_decode,
 }
 

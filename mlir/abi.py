@@ -11,7 +11,9 @@ argument of its table.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Callable, Union
 
 from .ir import DYN, buffer_view_type, element_type, f32, func_d, i32, i8, ir, module_context, tensor_type
@@ -153,23 +155,28 @@ def kv_sources(spec) -> tuple[Arg, ...]:
     return tuple(arg for arg in arguments(spec) if arg.kind == "tensor" and arg.name != "q")
 
 
-def function_module(spec, emit: Callable[..., list], host_readable: tuple[str, ...] = ()) -> ir.Module:
+def function_module(spec, emit: Callable[[Mapping[str, ir.Value]], list],
+                    host_readable: tuple[str, ...] = ()) -> ir.Module:
     """A verified module with one function ``spec.symbol(*arguments) -> (output, lse)`` typed by
-    the table; ``emit(*block arguments)`` builds its body and returns the results (a spec with
-    ``head_sinks`` passes its last argument as ``emit(..., sinks=...)``)."""
+    the table; ``emit(args)`` builds its body from the block arguments by name (``args["q"]``,
+    ``args["sinks"]`` with ``head_sinks``: :func:`bound_arguments`) and returns the results."""
     with module_context() as module:
         with ir.InsertionPoint(module.body):
             fn = func_d.FuncOp(spec.symbol, (argument_types(spec, host_readable), result_types(spec)))
             with ir.InsertionPoint(fn.add_entry_block()):
-                args, named = split_sinks(spec, list(fn.arguments))
-                func_d.ReturnOp(emit(*args, **named))
+                func_d.ReturnOp(emit(bound_arguments(spec, fn.arguments)))
         module.operation.verify()
         return module
 
 
-def split_sinks(spec, values: list) -> tuple[list, dict]:
-    """A call's values without its sinks, and ``{"sinks": value}`` (empty without ``head_sinks``)."""
-    return (values[:-1], {"sinks": values[-1]}) if spec.head_sinks else (values, {})
+def bound_arguments(spec, values) -> Mapping[str, ir.Value]:
+    """A function's block arguments by their names in the table (read-only)."""
+    return MappingProxyType(dict(zip(argument_names(spec), values, strict=True)))
+
+
+def operands(part, args: Mapping[str, ir.Value]) -> dict:
+    """The arguments ``part`` (a KV layout, a mask rule) declares in its ``operands``, by name."""
+    return {name: args[name] for name in part.operands}
 
 
 def ordered(spec, named: dict) -> tuple:

@@ -38,7 +38,7 @@ from .ir import (
     f32, fill, func_d, generic, i32, index, ir, linalg_d, lt, math_d, module_context, own_dispatch,
     own_dispatch_results, scf_d, sizes_of, tensor_d, tensor_type, tie_dims, vector_width, widened,
 )
-from .abi import ARGUMENTS, Arg, argument_types, kv_sources, result_types, split_sinks
+from .abi import ARGUMENTS, Arg, argument_types, bound_arguments, kv_sources, result_types
 from .kv_layouts import cache_layout
 from .mask_rules import Lengths, MaskRule, mask_rule
 from .online_softmax import NO_KEY_MAX, row_sinks, score_transform, sink_lse, sink_normalised
@@ -312,10 +312,12 @@ def decode_module(spec: DecodeSpec, emit: Callable[..., list]) -> ir.Module:
         with ir.InsertionPoint(module.body):
             fn = func_d.FuncOp(spec.symbol, (argument_types(spec), result_types(spec)))
             with ir.InsertionPoint(fn.add_entry_block()):
-                args, named = split_sinks(spec, list(fn.arguments))
-                q, *sources, table, geometry, causal, sm_scale = args
+                args = bound_arguments(spec, fn.arguments)
+                table, geometry = args["table"], args["geometry"]
+                sources = [args[source.name] for source in kv_sources(spec.base)]
                 cache = KvCache(spec, sources, collapse(table, [[0], [1, 2]]), dim(table, 2), geometry)
-                func_d.ReturnOp(emit(q, cache, table, geometry, causal, sm_scale, named.get("sinks")))
+                func_d.ReturnOp(emit(args["q"], cache, table, geometry, args["causal"], args["sm_scale"],
+                                     args.get("sinks")))
         module.operation.verify()
         return module
 

@@ -26,7 +26,7 @@ input dtype) and the layouts' KV reads (``kv_layouts.py``: ``batch_kv``, the pag
 
 from __future__ import annotations
 
-from .abi import argument_names, function_module
+from .abi import function_module, operands
 from .attention_op import TILE, attend_band
 from .ir import (
     DYN, HostReadable, affine_map, arith_d, ceil_div, collapse, const_index, dim, element_type,
@@ -34,13 +34,12 @@ from .ir import (
     one_of, own_dispatch, scf_d, sizes_of, storage_tiles, tensor_d, tensor_type,
     tie_dims,
 )
-from .kv_cache import RopeArgs, rotated_if
+from .kv_cache import RopeArgs, rope_arguments, rotated_if
 from .kv_layouts import BatchKv, Reader, RowSource, device_read, host_read
-from .mask_rules import Lengths, MaskRule, mask_rule, rule_arguments
+from .mask_rules import Lengths, MaskRule, mask_rule
 from .online_softmax import row_sinks
 from .paging import index_at
 from .query_tiles import QueryTiles
-from .specs import MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec
 
 #: Query tiles per band of a long call or entry: 256 tokens, the band size of the measured CUDA
 #: example (notes: one execute and one dispatch per band, no host wait).
@@ -103,8 +102,9 @@ def build_fused_sequence_prefill(spec, rule: MaskRule | None = None) -> ir.Modul
     lse)``, fused; ``rule``: the mask (default: the spec's, mask_rules.mask_rule)."""
     rule = rule or mask_rule(spec)
 
-    def emit(q, k, v, *extra, sinks=None):
-        mask = rule.bind(dict(zip(argument_names(spec)[3:], extra)))
+    def emit(args):
+        q, k, v, sinks = args["q"], args["k"], args["v"], args.get("sinks")
+        mask = rule.bind(args)
         sizes = [sizes_of(q), sizes_of(q)[:3]]
 
         def tied(values):
@@ -265,7 +265,7 @@ def _batch_tiles(kv: BatchKv, num_tiles: ir.Value, rope: RopeArgs | None, elem: 
 def _kv_cache_body(spec, q, q_indptr: HostReadable, kv: BatchKv, *, mask_args: dict, rule: MaskRule,
                    sm_scale: ir.Value, rope: RopeArgs | None, sinks: ir.Value | None) -> list[ir.Value]:
     """Output [Lq, h_q, d_v] and lse [Lq, h_q] for q [Lq, h_q, d_qk] (already rotated), masked
-    by ``rule`` (its operands read from ``mask_args``, mask_rules.rule_arguments), with the heads'
+    by ``rule`` (its operands read from ``mask_args``, the call's arguments by name), with the heads'
     ``sinks`` [h_q] f32 (semantics §13) or None.
 
     Every value the host needs (loop bounds, offsets) comes from host reads of the index
@@ -313,55 +313,18 @@ def _kv_cache_body(spec, q, q_indptr: HostReadable, kv: BatchKv, *, mask_args: d
             extract_slice(lse, [0, 0], [total_q, spec.h_q])]
 
 
-def build_fused_ragged_prefill(spec: RaggedPrefillSpec, rule: MaskRule | None = None) -> ir.Module:
-    """``batch_prefill_ragged_kv`` (the signature of kv_cache.build_ragged_prefill; q_indptr and
-    kv_indptr arrive as host-readable buffer views), fused; ``rule``: the mask (default: the
-    spec's, mask_rules.mask_rule)."""
+def build_fused_kv_cache_prefill(spec, rule: MaskRule | None = None) -> ir.Module:
+    """A KV-cache variant's kernel (kv_cache.build_kv_cache_prefill's signature; q_indptr and the
+    layout's host-readable index arguments arrive as buffer views), fused; ``rule``: the mask
+    (default: the spec's, mask_rules.mask_rule)."""
     rule = rule or mask_rule(spec)
 
-    def emit(q, q_indptr_view, k, v, kv_indptr_view, q_rope_position, k_rope_pos_offset,
-             causal, rotary_mode, rope_scale, rope_theta, sm_scale, *extra, sinks=None):
-        rope = RopeArgs(rotary_mode, rope_scale, rope_theta, dict(spec.rope_scaling), spec.rotary_dim)
-        q_indptr = HostReadable(q_indptr_view, 1, "q_indptr")
-        kv = spec.layout.batch_kv(spec, k=k, v=v, kv_indptr=kv_indptr_view, k_rope_pos_offset=k_rope_pos_offset)
-        return _kv_cache_body(spec, rotated_if(rope, q, q_rope_position), q_indptr, kv,
-                              mask_args=rule_arguments(spec, causal, extra), rule=rule, sm_scale=sm_scale,
-                              rope=rope, sinks=sinks)
-
-    return function_module(spec, emit, host_readable=("q_indptr", *spec.layout.host_readable))
-
-
-def build_fused_paged_prefill(spec: PagedPrefillSpec, rule: MaskRule | None = None) -> ir.Module:
-    """``batch_prefill_paged_kv[_sliding_window]`` (kv_cache.build_paged_prefill's signature;
-    q_indptr, page_indptr and length_info arrive as host-readable buffer views), fused; ``rule``
-    as for the ragged kernel."""
-    rule = rule or mask_rule(spec)
-
-    def emit(q, q_indptr_view, pages, page_indptr_view, page_values, length_info_view, k_rope_pos_offset,
-             q_rope_position, causal, rotary_mode, rope_scale, rope_theta, sm_scale, *extra, sinks=None):
-        rope = RopeArgs(rotary_mode, rope_scale, rope_theta, dict(spec.rope_scaling), spec.rotary_dim)
-        q_indptr = HostReadable(q_indptr_view, 1, "q_indptr")
-        kv = spec.layout.batch_kv(spec, pages=pages, page_indptr=page_indptr_view, page_values=page_values,
-                                  length_info=length_info_view, k_rope_pos_offset=k_rope_pos_offset)
-        return _kv_cache_body(spec, rotated_if(rope, q, q_rope_position), q_indptr, kv,
-                              mask_args=rule_arguments(spec, causal, extra), rule=rule, sm_scale=sm_scale,
-                              rope=rope, sinks=sinks)
-
-    return function_module(spec, emit, host_readable=("q_indptr", *spec.layout.host_readable))
-
-
-def build_fused_mla_prefill(spec: MlaPagedPrefillSpec, rule: MaskRule | None = None) -> ir.Module:
-    """``batch_prefill_paged_kv_mla[_sliding_window]`` (kv_cache.build_mla_prefill's signature,
-    index arrays as for the paged kernel), fused: keys are whole latent rows, values their first
-    d_latent columns; ``rule`` as for the ragged kernel."""
-    rule = rule or mask_rule(spec)
-
-    def emit(q, q_indptr_view, pages, page_indptr_view, page_values, length_info_view, causal, sm_scale, *extra,
-             sinks=None):
-        q_indptr = HostReadable(q_indptr_view, 1, "q_indptr")
-        kv = spec.layout.batch_kv(spec, pages=pages, page_indptr=page_indptr_view, page_values=page_values,
-                                  length_info=length_info_view)
-        return _kv_cache_body(spec, q, q_indptr, kv, mask_args=rule_arguments(spec, causal, extra), rule=rule,
-                              sm_scale=sm_scale, rope=None, sinks=sinks)
+    def emit(args):
+        rope = rope_arguments(spec, args)
+        q_indptr = HostReadable(args["q_indptr"], 1, "q_indptr")
+        kv = spec.layout.batch_kv(spec, **operands(spec.layout, args))
+        q = args["q"] if rope is None else rotated_if(rope, args["q"], args["q_rope_position"])
+        return _kv_cache_body(spec, q, q_indptr, kv, mask_args=args, rule=rule, sm_scale=args["sm_scale"], rope=rope,
+                              sinks=args.get("sinks"))
 
     return function_module(spec, emit, host_readable=("q_indptr", *spec.layout.host_readable))

@@ -29,10 +29,10 @@ from .ir import (
     DYN, arith_d, ceil_div, collapse, const_index, dim, expand, extract_slice, ir, is_one, le, lt, one_of,
     scf_d, sizes_of, storage_tiles, tensor_type, tie_dims,
 )
-from .abi import function_module
+from .abi import function_module, operands
 from .kv_layouts import EntryKv
 from .layout import group_query_rows
-from .mask_rules import CallMask, Lengths, MaskRule, mask_rule, rule_arguments
+from .mask_rules import CallMask, Lengths, MaskRule, mask_rule
 from .online_softmax import ScoreIndices, ScoreMask, online_softmax, row_sinks
 from .paging import index_at
 from .query_tiles import QueryTiles, kv_tile_loader
@@ -157,7 +157,7 @@ def _attend_entries(
     layout: RowTiles = ROW_TILES,
 ) -> list[ir.Value]:
     """Output [Lq, h_q, d_v] (dtype) and lse [Lq, h_q] (f32) for q [Lq, h_q, d_qk] (already rotated).
-    ``mask_args``: the arguments ``rule`` reads, by name (mask_rules.rule_arguments);
+    ``mask_args``: the call's arguments by name (``rule`` reads its operands);
     ``row_chunk``: the widest row the online softmax reduces in one op (None: whole rows);
     ``sinks``: [h_q] f32 sink logits (semantics §13) or None; ``layout``: the KV step's tiles
     (score_tiles.py), kept when every query tile size of the spec divides into them."""
@@ -214,63 +214,31 @@ def _attend_entries(
     return [collapse(output, [[0, 1], [2], [3]]), collapse(lse, [[0, 1], [2]])]
 
 
-def build_ragged_prefill(spec: RaggedPrefillSpec, *, row_chunk: int | None, rule: MaskRule | None = None,
-                         score_tiles: RowTiles = ROW_TILES) -> ir.Module:
-    """``batch_prefill_ragged_kv(q, q_indptr, k, v, kv_indptr, q_rope_position, k_rope_pos_offset,
-    causal, rotary_mode, rope_scale, rope_theta, sm_scale[, custom_mask, mask_indptr][, sinks]) ->
-    (output, lse)``; ``rule``: the mask (default: the spec's, mask_rules.mask_rule)."""
+def rope_arguments(spec: KvCacheSpec, args) -> RopeArgs | None:
+    """The call's runtime RoPE scalars (``args`` by name), or None for a variant without RoPE (MLA)."""
+    if "rotary_mode" not in args:
+        return None
+    return RopeArgs(args["rotary_mode"], args["rope_scale"], args["rope_theta"], dict(spec.rope_scaling),
+                    spec.rotary_dim)
+
+
+def build_kv_cache_prefill(spec: KvCacheSpec, *, row_chunk: int | None, rule: MaskRule | None = None,
+                           score_tiles: RowTiles = ROW_TILES) -> ir.Module:
+    """The kernel of a KV-cache variant, its arguments by name (mlir/abi.py): ``batch_prefill_ragged_kv``,
+    ``batch_prefill_paged_kv[_sliding_window]`` or ``batch_prefill_paged_kv_mla[_sliding_window]``
+    ``-> (output, lse)``. The spec's layout reads the KV operands it declares, ``rule`` (default:
+    the spec's, mask_rules.mask_rule) the mask operands it declares; q is rotated first where the
+    variant has RoPE."""
     rule = rule or mask_rule(spec)
 
-    def emit(q, q_indptr, k, v, kv_indptr, q_rope_position, k_rope_pos_offset,
-             causal, rotary_mode, rope_scale, rope_theta, sm_scale, *extra, sinks=None):
-        rope = RopeArgs(rotary_mode, rope_scale, rope_theta, dict(spec.rope_scaling), spec.rotary_dim)
+    def emit(args):
+        rope = rope_arguments(spec, args)
+        q = args["q"] if rope is None else rotated_if(rope, args["q"], args["q_rope_position"])
         return _attend_entries(
-            spec, rotated_if(rope, q, q_rope_position), q_indptr, d_v=spec.d_v,
-            load_entry=spec.layout.entry_loader(spec, k=k, v=v, kv_indptr=kv_indptr,
-                                                k_rope_pos_offset=k_rope_pos_offset),
-            mask_args=rule_arguments(spec, causal, extra), rule=rule, sm_scale=sm_scale, rope=rope,
-            row_chunk=row_chunk, sinks=sinks, layout=score_tiles,
-        )
-
-    return function_module(spec, emit)
-
-
-def build_paged_prefill(spec: PagedPrefillSpec, *, row_chunk: int | None, rule: MaskRule | None = None,
-                        score_tiles: RowTiles = ROW_TILES) -> ir.Module:
-    """``batch_prefill_paged_kv[_sliding_window](q, q_indptr, pages, page_indptr, page_values,
-    length_info, k_rope_pos_offset, q_rope_position, causal, rotary_mode, rope_scale, rope_theta,
-    sm_scale[, custom_mask, mask_indptr][, sinks]) -> (output, lse)``; ``rule`` as for the ragged
-    kernel."""
-    rule = rule or mask_rule(spec)
-
-    def emit(q, q_indptr, pages, page_indptr, page_values, length_info, k_rope_pos_offset,
-             q_rope_position, causal, rotary_mode, rope_scale, rope_theta, sm_scale, *extra, sinks=None):
-        rope = RopeArgs(rotary_mode, rope_scale, rope_theta, dict(spec.rope_scaling), spec.rotary_dim)
-        return _attend_entries(
-            spec, rotated_if(rope, q, q_rope_position), q_indptr, d_v=spec.d,
-            load_entry=spec.layout.entry_loader(spec, pages=pages, page_indptr=page_indptr, page_values=page_values,
-                                                length_info=length_info, k_rope_pos_offset=k_rope_pos_offset),
-            mask_args=rule_arguments(spec, causal, extra), rule=rule, sm_scale=sm_scale, rope=rope,
-            row_chunk=row_chunk, sinks=sinks, layout=score_tiles,
-        )
-
-    return function_module(spec, emit)
-
-
-def build_mla_prefill(spec: MlaPagedPrefillSpec, *, row_chunk: int | None, rule: MaskRule | None = None,
-                      score_tiles: RowTiles = ROW_TILES) -> ir.Module:
-    """``batch_prefill_paged_kv_mla[_sliding_window](q, q_indptr, pages, page_indptr, page_values,
-    length_info, causal, sm_scale[, sinks]) -> (output [Lq, h_q, d_latent], lse)``; ``rule`` as for
-    the ragged kernel."""
-    rule = rule or mask_rule(spec)
-
-    def emit(q, q_indptr, pages, page_indptr, page_values, length_info, causal, sm_scale, *extra, sinks=None):
-        return _attend_entries(
-            spec, q, q_indptr, d_v=spec.d_latent,
-            load_entry=spec.layout.entry_loader(spec, pages=pages, page_indptr=page_indptr, page_values=page_values,
-                                                length_info=length_info),
-            mask_args=rule_arguments(spec, causal, extra), rule=rule, sm_scale=sm_scale, rope=None,
-            row_chunk=row_chunk, sinks=sinks, layout=score_tiles,
+            spec, q, args["q_indptr"], d_v=spec.d_v,
+            load_entry=spec.layout.entry_loader(spec, **operands(spec.layout, args)),
+            mask_args=args, rule=rule, sm_scale=args["sm_scale"], rope=rope, row_chunk=row_chunk,
+            sinks=args.get("sinks"), layout=score_tiles,
         )
 
     return function_module(spec, emit)

@@ -114,7 +114,10 @@ class DenseLayout(KvLayout):
 class CacheLayout(KvLayout, ABC):
     """A KV-cache layout: how each lowering reads an entry's rows."""
 
-    required = ("name", "host_readable", "vectorise_rows")
+    required = ("name", "operands", "host_readable", "vectorise_rows")
+    #: The call's arguments the layout reads, by ABI name (mlir/abi.py): what its entry_loader and
+    #: batch_kv take.
+    operands: tuple[str, ...]
     #: The layout's index arguments the fused kernels read on the host (ir.HostReadable).
     host_readable: tuple[str, ...]
     #: Whether a serving pass with many query rows may vectorise its scores along them, where the
@@ -174,6 +177,7 @@ class RaggedLayout(CacheLayout):
     h_kv, d_v] (token-major, ``kv_order="nhd"``)."""
 
     name = "ragged"
+    operands = ("k", "v", "kv_indptr", "k_rope_pos_offset")
     host_readable = ("kv_indptr",)
     vectorise_rows = True
     #: The axis of k and v their rows are along, and their dims (mlir/abi.py).
@@ -339,6 +343,7 @@ class PagedLayout(_PageTableLayout):
     pages, ``kv_order="hnd"``)."""
 
     name = "paged"
+    operands = ("pages", "page_indptr", "page_values", "length_info", "k_rope_pos_offset")
     vectorise_rows = True
     #: The pages argument's dims (mlir/abi.py).
     page_dims = ("P", 2, "h_kv", "page_size", "d")
@@ -399,6 +404,7 @@ class LatentLayout(_PageTableLayout):
     their first d_latent columns (one shared KV head)."""
 
     name = "latent"
+    operands = ("pages", "page_indptr", "page_values", "length_info")
     #: Slower for MLA's wide rows (docs/performance.md, decode passes).
     vectorise_rows = False
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
-from .abi import argument_names
 from .ir import arith_d, ceil_div, const_index, dim, index, ir, is_one, le, logical_not, lt, tensor_d
 from .online_softmax import unmasked_kv_tiles
 from .specs import MaskedSequencePrefillSpec, SequencePrefillSpec
@@ -264,14 +263,6 @@ class DenseCustomMaskRule(MaskRule):
         last_col = arith_d.subi(lengths.kv_len, const_index(1))
         bit = tensor_d.extract(mask, [values["entry"], _clamped(row(), last_row), _clamped(col, last_col)])
         return arith_d.andi(lt(col, lengths.kv_len), _allowed(bit))
-
-
-def rule_arguments(spec, causal: ir.Value, extra: tuple) -> dict:
-    """The KV-cache kernels' arguments a rule may read, by name: ``causal`` and ``extra``, the
-    arguments after ``sm_scale`` (``custom_mask``, ``mask_indptr``; ``sinks`` is not among them)."""
-    names = argument_names(spec)
-    after = names.index("sm_scale") + 1
-    return {"causal": causal, **dict(zip(names[after:], extra))}
 
 
 def mask_rule(spec) -> MaskRule:

@@ -24,7 +24,7 @@ from .ir import (
     generic, ir, le, linalg_d, lt, one_of, scf_d, sizes_of, storage_tiles,
     tensor_d, tensor_type, tie_dims, widened,
 )
-from .abi import argument_names, function_module
+from .abi import function_module
 from .mask_rules import CallMask, Lengths, MaskRule, mask_rule
 from .online_softmax import ScoreIndices, ScoreMask, online_softmax, row_sinks
 from .score_tiles import ROW_TILES, RowTiles
@@ -93,21 +93,16 @@ def build_sequence_prefill(spec: SequenceSpec, *, row_chunk: int | None, rule: M
                            score_tiles: RowTiles = ROW_TILES) -> ir.Module:
     """The verified module for a dense (or masked) sequence-prefill spec; symbol ``spec.symbol``.
     ``row_chunk``: the widest row the online softmax reduces in one op (None: whole rows);
-    ``rule``: the mask (default: the spec's, mask_rules.mask_rule), whose operands are the
-    arguments after q, k, v; ``score_tiles``: the KV step's tile layout (score_tiles.py), kept for
+    ``rule``: the mask (default: the spec's, mask_rules.mask_rule), which reads the operands it
+    declares by name; ``score_tiles``: the KV step's tile layout (score_tiles.py), kept for
     the query tiles it divides."""
     rule = rule or mask_rule(spec)
 
-    def emit(q, k, v, *extra, sinks=None):
-        mask = rule.bind(dict(zip(_extra_names(spec), extra)))
-        return _emit_sized_body(spec, row_chunk, score_tiles, mask, q, k, v, sinks=sinks)
+    def emit(args):
+        return _emit_sized_body(spec, row_chunk, score_tiles, rule.bind(args), args["q"], args["k"], args["v"],
+                                sinks=args.get("sinks"))
 
     return function_module(spec, emit)
-
-
-def _extra_names(spec: SequenceSpec) -> tuple[str, ...]:
-    """The names of the arguments after q, k, v (the mask's operands)."""
-    return argument_names(spec)[3:]
 
 
 def _emit_sized_body(spec: SequenceSpec, row_chunk: int | None, layout: RowTiles, mask: CallMask, q, k, v, *,

@@ -21,9 +21,9 @@ from linalg_prefill.mlir import (
 from linalg_prefill.mlir.abi import argument_names
 from linalg_prefill.mlir.decode import build_decode
 from linalg_prefill.mlir.fused_decode import build_fused_decode
-from linalg_prefill.mlir.fused_kernels import build_fused_ragged_prefill, build_fused_sequence_prefill
+from linalg_prefill.mlir.fused_kernels import build_fused_kv_cache_prefill, build_fused_sequence_prefill
 from linalg_prefill.mlir.ir import arith_d, const_index, le, lt
-from linalg_prefill.mlir.kv_cache import build_ragged_prefill
+from linalg_prefill.mlir.kv_cache import build_kv_cache_prefill
 from linalg_prefill.mlir.mask_rules import MaskRule, mask_rule
 from linalg_prefill.mlir.sequence import build_sequence_prefill
 from linalg_prefill.runtime import InputError, open_kernel
@@ -237,8 +237,8 @@ def test_a_new_rule_is_taken_by_every_builder():
     modules = {
         "sequence": build_sequence_prefill(dense, row_chunk=None, rule=dense_rule),
         "fused sequence": build_fused_sequence_prefill(dense, rule=dense_rule),
-        "ragged": build_ragged_prefill(kv, row_chunk=None, rule=rule),
-        "fused ragged": build_fused_ragged_prefill(kv, rule=rule),
+        "ragged": build_kv_cache_prefill(kv, row_chunk=None, rule=rule),
+        "fused ragged": build_fused_kv_cache_prefill(kv, rule=rule),
         "decode": build_decode(DecodeSpec(kv, 4), rule=rule),
         "fused decode": build_fused_decode(DecodeSpec(kv, 4), rule=rule),
     }

@@ -67,7 +67,7 @@ def test_the_hooks_a_new_layout_must_define():
     """What a new KV-cache layout defines, and that leaving out any one of them is caught when
     the layout is created (the registries create theirs at import)."""
     assert _hooks(CacheLayout) == {"entry_loader", "batch_kv", "element", "block", "kv_bytes_per_key"}
-    assert CacheLayout.required == ("name", "host_readable", "vectorise_rows")
+    assert CacheLayout.required == ("name", "operands", "host_readable", "vectorise_rows")
     assert _hooks(CacheHostLayout) == {"keys_and_values", "with_absolute_values", "example_arrays", "kv_lengths",
                                        "table_rows", "rest_arguments", "pass_entry_kv"}
     for hook in _hooks(CacheLayout):
@@ -75,8 +75,8 @@ def test_the_hooks_a_new_layout_must_define():
         with pytest.raises(TypeError, match=hook):
             incomplete()
     hooks = {hook: RaggedLayout.__dict__[hook] for hook in _hooks(CacheLayout)}
-    for attribute in ("host_readable", "vectorise_rows"):
-        others = {other: getattr(RaggedLayout, other) for other in ("host_readable", "vectorise_rows")
+    for attribute in ("operands", "host_readable", "vectorise_rows"):
+        others = {other: getattr(RaggedLayout, other) for other in ("operands", "host_readable", "vectorise_rows")
                   if other != attribute}
         missing = type("Missing", (CacheLayout,), {"name": "missing", **hooks, **others})
         with pytest.raises(TypeError, match=attribute):
