@@ -130,16 +130,14 @@ def reference_call(spec) -> tuple[str, dict]:
 
 
 def reference_for(spec, args) -> tuple[np.ndarray, np.ndarray]:
-    """The float64 (output, lse) of the seed-ABI call ``args`` for ``spec`` (runtime.reference):
-    the arguments every call has in order, those an option adds (``custom_mask``, ``mask_indptr``,
-    ``sinks``: optional parameters of the reference) by name."""
+    """The float64 (output, lse) of the seed-ABI call ``args`` (in the table's order) for ``spec``
+    (runtime.reference): every argument by its table name (a serving pass's reference takes
+    them in order)."""
     reference = variant(spec).reference
     parameters = inspect.signature(reference).parameters.values()
     if any(p.kind is p.VAR_POSITIONAL for p in parameters):  # a serving pass's: every argument in order
         return reference(*args, **reference_options(spec))
-    required = sum(p.kind is p.POSITIONAL_OR_KEYWORD and p.default is p.empty for p in parameters)
-    optional = dict(zip(argument_names(spec)[required:], args[required:]))
-    return reference(*args[:required], **optional, **reference_options(spec))
+    return reference(**dict(zip(argument_names(spec), args, strict=True)), **reference_options(spec))
 
 
 def call_facts(spec) -> CallFacts:

@@ -2,28 +2,31 @@
 
 from __future__ import annotations
 
-import numpy as np
+from collections.abc import Mapping
+
 
 from .checks import check_int32, check_mask, check_range, check_same, check_tensor
 
 
-def check_sequence(spec, q, k, v) -> tuple[np.ndarray, ...]:
-    """q [B, Lq, h_q, d], k/v [B, Lk, h_kv, d], all in spec.dtype."""
-    q = check_tensor("q", q, dtype=spec.dtype, shape=(None, None, spec.h_q, spec.d))
-    k = check_tensor("k", k, dtype=spec.dtype, shape=(None, None, spec.h_kv, spec.d))
-    v = check_tensor("v", v, dtype=spec.dtype, shape=(None, None, spec.h_kv, spec.d))
+def check_sequence(spec, named: Mapping) -> dict:
+    """q [B, Lq, h_q, d], k/v [B, Lk, h_kv, d], all in spec.dtype, by name; returns them checked."""
+    q = check_tensor("q", named["q"], dtype=spec.dtype, shape=(None, None, spec.h_q, spec.d))
+    k = check_tensor("k", named["k"], dtype=spec.dtype, shape=(None, None, spec.h_kv, spec.d))
+    v = check_tensor("v", named["v"], dtype=spec.dtype, shape=(None, None, spec.h_kv, spec.d))
     check_same("k.shape[0]", k.shape[0], "q.shape[0] (batch)", q.shape[0])
     check_same("v.shape[0]", v.shape[0], "q.shape[0] (batch)", q.shape[0])
     check_same("v.shape[1]", v.shape[1], "k.shape[1] (kv_len)", k.shape[1])
-    return q, k, v
+    return {**named, "q": q, "k": k, "v": v}
 
 
-def check_masked(spec, q, k, v, valid_lens) -> tuple[np.ndarray, ...]:
+def check_masked(spec, named: Mapping) -> dict:
     """As :func:`check_sequence`, then valid_lens [B] in [0, min(Lq, Lk)], or with
-    ``mask_mode="custom"`` (the argument is then custom_mask) a bool or uint8 [B, Lq, Lk] mask."""
-    q, k, v = check_sequence(spec, q, k, v)
+    ``mask_mode="custom"`` custom_mask, a bool or uint8 [B, Lq, Lk] mask."""
+    checked = check_sequence(spec, named)
+    q, k = checked["q"], checked["k"]
     if spec.mask_mode == "custom":
-        return q, k, v, check_mask("custom_mask", valid_lens, shape=(q.shape[0], q.shape[1], k.shape[1]))
-    valid_lens = check_int32("valid_lens", valid_lens, shape=(q.shape[0],))
+        mask = check_mask("custom_mask", named["custom_mask"], shape=(q.shape[0], q.shape[1], k.shape[1]))
+        return {**checked, "custom_mask": mask}
+    valid_lens = check_int32("valid_lens", named["valid_lens"], shape=(q.shape[0],))
     check_range("valid_lens", valid_lens, 0, min(q.shape[1], k.shape[1]))
-    return q, k, v, valid_lens
+    return {**checked, "valid_lens": valid_lens}

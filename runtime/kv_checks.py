@@ -1,7 +1,7 @@
 """Host-side checks of the KV-cache variants' seed-ABI arguments (semantics §1.1-§1.3, §2, §11.8).
 
-One function per variant, taking the kernel's arguments in ABI order (after the spec) and
-returning them normalised in the same order:
+One function per variant, taking the kernel's arguments by ABI name (a mapping, mlir/abi.py) and
+returning every one of them normalised, by name:
 
 * arrays as C-contiguous numpy arrays of the expected dtype (non-contiguous input is copied; a
   wrong dtype is rejected, never cast; torch CPU tensors are read through :func:`as_array`);
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Mapping
 from typing import Callable
 
 import numpy as np
@@ -37,62 +38,58 @@ __all__ = ["check_custom_mask", "check_indptr", "check_mla", "check_paged", "che
 # ----------------------------------------------------------------------------- variants
 
 
-def check_ragged(spec, q, q_indptr, k, v, kv_indptr, q_rope_position, k_rope_pos_offset,
-                 causal, rotary_mode, rope_scale, rope_theta, sm_scale, *extra) -> tuple:
-    """Arguments of ``batch_prefill_ragged_kv`` (§1.2) for a ``RaggedPrefillSpec``.
+def check_ragged(spec, named: Mapping) -> dict:
+    """Arguments of ``batch_prefill_ragged_kv`` (§1.2) for a ``RaggedPrefillSpec``, by name.
 
     q [Lq, h_q, d_qk], q_indptr [B+1] i32, k [Lk, h_kv, d_qk], v [Lk, h_kv, d_v] (``kv_order="hnd"``:
     k [h_kv, Lk, d_qk], v [h_kv, Lk, d_v]), kv_indptr [B+1] i32, q_rope_position [Lq] i32,
-    k_rope_pos_offset [B] i32, then the scalars, then ``extra``: custom_mask and mask_indptr with
+    k_rope_pos_offset [B] i32, the scalars, and custom_mask and mask_indptr with
     ``spec.custom_mask`` (:func:`check_custom_mask`).
     """
-    q = check_tensor("q", q, dtype=spec.dtype, shape=(None, spec.h_q, spec.d_qk))
-    k = check_tensor("k", k, dtype=spec.dtype, shape=kv_shape(spec, spec.layout.key_dims))
-    v = check_tensor("v", v, dtype=spec.dtype, shape=kv_shape(spec, spec.layout.value_dims))
+    q = check_tensor("q", named["q"], dtype=spec.dtype, shape=(None, spec.h_q, spec.d_qk))
+    k = check_tensor("k", named["k"], dtype=spec.dtype, shape=kv_shape(spec, spec.layout.key_dims))
+    v = check_tensor("v", named["v"], dtype=spec.dtype, shape=kv_shape(spec, spec.layout.value_dims))
     rows = spec.layout.row_axis
     check_same(f"v.shape[{rows}]", v.shape[rows], f"k.shape[{rows}] (Lk)", k.shape[rows])
-    q_indptr = check_indptr("q_indptr", q_indptr, None, q.shape[0], "Lq (rows of q)")
+    q_indptr = check_indptr("q_indptr", named["q_indptr"], None, q.shape[0], "Lq (rows of q)")
     batch = q_indptr.shape[0] - 1
-    kv_indptr = check_indptr("kv_indptr", kv_indptr, batch, k.shape[rows], "Lk (rows of k)")
-    q_rope_position = check_int32("q_rope_position", q_rope_position, shape=(q.shape[0],))
-    k_rope_pos_offset = check_int32("k_rope_pos_offset", k_rope_pos_offset, shape=(batch,))
-    causal, rotary_mode, rope_scale, rope_theta, sm_scale = check_rope_scalars(
-        causal, rotary_mode, rope_scale, rope_theta, sm_scale, spec.d_qk, "d_qk")
-    if rotary_mode == 1:
-        kv_len = np.diff(kv_indptr.astype(np.int64))
-        check_positions(q_rope_position, k_rope_pos_offset, kv_len)
-    extra = check_custom_mask(spec, extra, q_indptr, lambda: np.diff(kv_indptr.astype(np.int64)))
-    return (q, q_indptr, k, v, kv_indptr, q_rope_position, k_rope_pos_offset,
-            causal, rotary_mode, rope_scale, rope_theta, sm_scale, *extra)
+    kv_indptr = check_indptr("kv_indptr", named["kv_indptr"], batch, k.shape[rows], "Lk (rows of k)")
+    q_rope_position = check_int32("q_rope_position", named["q_rope_position"], shape=(q.shape[0],))
+    k_rope_pos_offset = check_int32("k_rope_pos_offset", named["k_rope_pos_offset"], shape=(batch,))
+    scalars = check_rope_scalars(named, spec.d_qk, "d_qk")
+    kv_lens = lambda: np.diff(kv_indptr.astype(np.int64))  # noqa: E731
+    if scalars["rotary_mode"] == 1:
+        check_positions(q_rope_position, k_rope_pos_offset, kv_lens())
+    return {**named, "q": q, "q_indptr": q_indptr, "k": k, "v": v, "kv_indptr": kv_indptr,
+            "q_rope_position": q_rope_position, "k_rope_pos_offset": k_rope_pos_offset, **scalars,
+            **check_custom_mask(spec, named, q_indptr, kv_lens)}
 
 
-def check_paged(spec, q, q_indptr, pages, page_indptr, page_values, length_info,
-                k_rope_pos_offset, q_rope_position, causal, rotary_mode, rope_scale, rope_theta,
-                sm_scale, *extra) -> tuple:
-    """Arguments of ``batch_prefill_paged_kv[_sliding_window]`` (§1.1) for a ``PagedPrefillSpec``.
+def check_paged(spec, named: Mapping) -> dict:
+    """Arguments of ``batch_prefill_paged_kv[_sliding_window]`` (§1.1) for a ``PagedPrefillSpec``,
+    by name.
 
     q [Lq, h_q, d], q_indptr [B+1] i32, pages [P, 2, h_kv, page_size, d] (``kv_order="nhd"``:
-    [P, 2, page_size, h_kv, d]), page_indptr [B+1] i32,
-    page_values [nnz] i32, length_info [B] i32 (or [3, B] with ``spec.sliding_window``),
-    k_rope_pos_offset [B] i32, q_rope_position [Lq] i32, then the scalars, then ``extra``:
-    custom_mask and mask_indptr with ``spec.custom_mask`` (columns: logical KV rows, §2).
+    [P, 2, page_size, h_kv, d]), page_indptr [B+1] i32, page_values [nnz] i32, length_info [B] i32
+    (or [3, B] with ``spec.sliding_window``), k_rope_pos_offset [B] i32, q_rope_position [Lq] i32,
+    the scalars, and custom_mask and mask_indptr with ``spec.custom_mask`` (columns: logical KV
+    rows, §2).
     """
-    q = check_tensor("q", q, dtype=spec.dtype, shape=(None, spec.h_q, spec.d))
-    pages = check_tensor("pages", pages, dtype=spec.dtype, shape=page_shape(spec))
-    q_indptr, page_indptr, page_values, length_info = _check_page_table(
-        spec, q, pages, q_indptr, page_indptr, page_values, length_info)
-    batch = q_indptr.shape[0] - 1
-    k_rope_pos_offset = check_int32("k_rope_pos_offset", k_rope_pos_offset, shape=(batch,))
-    q_rope_position = check_int32("q_rope_position", q_rope_position, shape=(q.shape[0],))
-    causal, rotary_mode, rope_scale, rope_theta, sm_scale = check_rope_scalars(
-        causal, rotary_mode, rope_scale, rope_theta, sm_scale, spec.d, "d")
-    if rotary_mode == 1:
-        kv_len = paged_kv_lengths(page_indptr, length_info, spec.page_size, spec.sliding_window)
-        check_positions(q_rope_position, k_rope_pos_offset, kv_len)
-    extra = check_custom_mask(spec, extra, q_indptr, lambda: paged_kv_lengths(
-        page_indptr, length_info, spec.page_size, spec.sliding_window))
-    return (q, q_indptr, pages, page_indptr, page_values, length_info, k_rope_pos_offset,
-            q_rope_position, causal, rotary_mode, rope_scale, rope_theta, sm_scale, *extra)
+    q = check_tensor("q", named["q"], dtype=spec.dtype, shape=(None, spec.h_q, spec.d))
+    pages = check_tensor("pages", named["pages"], dtype=spec.dtype, shape=page_shape(spec))
+    table = _check_page_table(spec, q, pages, named)
+    batch = table["q_indptr"].shape[0] - 1
+    k_rope_pos_offset = check_int32("k_rope_pos_offset", named["k_rope_pos_offset"], shape=(batch,))
+    q_rope_position = check_int32("q_rope_position", named["q_rope_position"], shape=(q.shape[0],))
+    scalars = check_rope_scalars(named, spec.d, "d")
+
+    def kv_lens():
+        return paged_kv_lengths(table["page_indptr"], table["length_info"], spec.page_size, spec.sliding_window)
+
+    if scalars["rotary_mode"] == 1:
+        check_positions(q_rope_position, k_rope_pos_offset, kv_lens())
+    return {**named, "q": q, "pages": pages, **table, "k_rope_pos_offset": k_rope_pos_offset,
+            "q_rope_position": q_rope_position, **scalars, **check_custom_mask(spec, named, table["q_indptr"], kv_lens)}
 
 
 def page_shape(spec) -> tuple:
@@ -107,38 +104,35 @@ def kv_shape(spec, dims: tuple) -> tuple:
     return tuple(None if dim in ("P", "Lk") else dim if isinstance(dim, int) else getattr(spec, dim) for dim in dims)
 
 
-def check_mla(spec, q, q_indptr, pages, page_indptr, page_values, length_info, causal,
-              sm_scale) -> tuple:
+def check_mla(spec, named: Mapping) -> dict:
     """Arguments of ``batch_prefill_paged_kv_mla[_sliding_window]`` (§1.3) for a
-    ``MlaPagedPrefillSpec``.
+    ``MlaPagedPrefillSpec``, by name.
 
     q [Lq, h_q, d_latent + d_rope], q_indptr [B+1] i32, pages [P, page_size, d_latent + d_rope],
     page_indptr [B+1] i32, page_values [nnz] i32, length_info [B] i32 (or [3, B]), causal,
     sm_scale.
     """
-    q = check_tensor("q", q, dtype=spec.dtype, shape=(None, spec.h_q, spec.d_qk))
-    pages = check_tensor("pages", pages, dtype=spec.dtype, shape=(None, spec.page_size, spec.d_qk))
-    q_indptr, page_indptr, page_values, length_info = _check_page_table(
-        spec, q, pages, q_indptr, page_indptr, page_values, length_info)
-    causal = check_choice("causal", causal, (0, 1))
-    sm_scale = check_float("sm_scale", sm_scale)
-    return q, q_indptr, pages, page_indptr, page_values, length_info, causal, sm_scale
+    q = check_tensor("q", named["q"], dtype=spec.dtype, shape=(None, spec.h_q, spec.d_qk))
+    pages = check_tensor("pages", named["pages"], dtype=spec.dtype, shape=(None, spec.page_size, spec.d_qk))
+    table = _check_page_table(spec, q, pages, named)
+    return {**named, "q": q, "pages": pages, **table, "causal": check_choice("causal", named["causal"], (0, 1)),
+            "sm_scale": check_float("sm_scale", named["sm_scale"])}
 
 
 # ----------------------------------------------------------------------------- custom masks
 
 
-def check_custom_mask(spec, extra: tuple, q_indptr: np.ndarray, kv_lens: Callable[[], np.ndarray]) -> tuple:
-    """``extra`` (the arguments after the scalars) with its leading custom_mask and mask_indptr
-    checked when ``spec.custom_mask`` (semantics §14), the rest as it is.
+def check_custom_mask(spec, named: Mapping, q_indptr: np.ndarray, kv_lens: Callable[[], np.ndarray]) -> dict:
+    """``custom_mask`` and ``mask_indptr`` of ``named`` checked, by name, when ``spec.custom_mask``
+    (semantics §14); {} otherwise.
 
     custom_mask: bool or uint8 (values 0 or 1) [sum of qo_len * kv_len], returned as int8;
     mask_indptr: int32 [B+1] with mask_indptr[b + 1] - mask_indptr[b] = qo_len(b) * kv_len(b)
     (``kv_lens()``: each entry's logical KV length, int64 [B]).
     """
     if not getattr(spec, "custom_mask", False):
-        return extra
-    custom_mask, mask_indptr, *rest = extra
+        return {}
+    custom_mask, mask_indptr = named["custom_mask"], named["mask_indptr"]
     sizes = np.diff(q_indptr.astype(np.int64)) * kv_lens()
     total = int(sizes.sum())
     custom_mask = check_mask("custom_mask", custom_mask, shape=(None,))
@@ -150,7 +144,7 @@ def check_custom_mask(spec, extra: tuple, q_indptr: np.ndarray, kv_lens: Callabl
         b = int(wrong[0])
         raise InputError(f"mask_indptr: entry {b} spans {mask_indptr[b + 1] - mask_indptr[b]} elements, expected "
                          f"qo_len * kv_len = {sizes[b]}")
-    return (custom_mask, mask_indptr, *rest)
+    return {"custom_mask": custom_mask, "mask_indptr": mask_indptr}
 
 
 # ----------------------------------------------------------------------------- index arrays
@@ -177,19 +171,20 @@ def check_indptr(name: str, value, batch: int | None, total: int, total_name: st
     return indptr
 
 
-def _check_page_table(spec, q, pages, q_indptr, page_indptr, page_values, length_info) -> tuple:
+def _check_page_table(spec, q, pages, named: Mapping) -> dict:
     """q_indptr [B+1], page_indptr [B+1], page_values [nnz] in [0, P) and length_info [B] or
-    [3, B] against checked ``q`` [Lq, ...] and ``pages`` [P, ...]; returns the four arrays."""
-    q_indptr = check_indptr("q_indptr", q_indptr, None, q.shape[0], "Lq (rows of q)")
+    [3, B] of ``named`` against checked ``q`` [Lq, ...] and ``pages`` [P, ...]; returns the four
+    arrays by name."""
+    q_indptr = check_indptr("q_indptr", named["q_indptr"], None, q.shape[0], "Lq (rows of q)")
     batch = q_indptr.shape[0] - 1
-    page_values = check_int32("page_values", page_values, shape=(None,))
-    page_indptr = check_indptr("page_indptr", page_indptr, batch, page_values.shape[0],
+    page_values = check_int32("page_values", named["page_values"], shape=(None,))
+    page_indptr = check_indptr("page_indptr", named["page_indptr"], batch, page_values.shape[0],
                                "nnz (length of page_values)")
     _check_page_ids(page_values, pages.shape[0])
     shape = (3, batch) if spec.sliding_window else (batch,)
-    length_info = check_int32("length_info", length_info, shape=shape)
+    length_info = check_int32("length_info", named["length_info"], shape=shape)
     check_length_info(length_info, page_indptr, spec.page_size, spec.sliding_window)
-    return q_indptr, page_indptr, page_values, length_info
+    return {"q_indptr": q_indptr, "page_indptr": page_indptr, "page_values": page_values, "length_info": length_info}
 
 
 def _check_page_ids(page_values: np.ndarray, num_pages: int) -> None:
@@ -249,22 +244,23 @@ def check_positions(q_rope_position: np.ndarray, k_rope_pos_offset: np.ndarray,
 # ----------------------------------------------------------------------------- scalars
 
 
-def check_rope_scalars(causal, rotary_mode, rope_scale, rope_theta, sm_scale, dim: int,
-                        dim_name: str) -> tuple:
+def check_rope_scalars(named: Mapping, dim: int, dim_name: str) -> dict:
     """causal, rotary_mode in {0, 1}; finite float32 scales; with rotary_mode 1 also
-    rope_scale > 0, rope_theta > 0 and an even rotated dim ``dim``. Returns the five scalars."""
-    causal = check_choice("causal", causal, (0, 1))
-    rotary_mode = check_choice("rotary_mode", rotary_mode, (0, 1))
-    rope_scale = check_float("rope_scale", rope_scale)
-    rope_theta = check_float("rope_theta", rope_theta)
-    sm_scale = check_float("sm_scale", sm_scale)
+    rope_scale > 0, rope_theta > 0 and an even rotated dim ``dim``. Returns the five scalars by
+    name."""
+    causal = check_choice("causal", named["causal"], (0, 1))
+    rotary_mode = check_choice("rotary_mode", named["rotary_mode"], (0, 1))
+    rope_scale = check_float("rope_scale", named["rope_scale"])
+    rope_theta = check_float("rope_theta", named["rope_theta"])
+    sm_scale = check_float("sm_scale", named["sm_scale"])
     if rotary_mode == 1:
         _check_positive("rope_scale", rope_scale)
         _check_positive("rope_theta", rope_theta)
         if dim % 2:
             raise InputError(f"rotary_mode: 1 rotates all {dim_name} = {dim} dims, expected an even "
                              f"{dim_name}, found an odd one")
-    return causal, rotary_mode, rope_scale, rope_theta, sm_scale
+    return {"causal": causal, "rotary_mode": rotary_mode, "rope_scale": rope_scale, "rope_theta": rope_theta,
+            "sm_scale": sm_scale}
 
 
 def _scalar(name: str, value) -> numbers.Real:

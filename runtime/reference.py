@@ -642,8 +642,9 @@ def batch_sequence_prefill_kv_masked(
     q: np.ndarray,
     k: np.ndarray,
     v: np.ndarray,
-    valid_lens: np.ndarray,
+    valid_lens: np.ndarray | None = None,
     sinks: np.ndarray | None = None,
+    custom_mask: np.ndarray | None = None,
     *,
     mask_mode: str,
     sm_scale: float,
@@ -656,8 +657,9 @@ def batch_sequence_prefill_kv_masked(
     q : ``[B, qo_len, h_q, d]``
     k, v : ``[B, kv_len, h_kv, d]``
     valid_lens : int ``[B]``
-        In ``[0, min(qo_len, kv_len)]``; with ``mask_mode="custom"`` the custom mask
-        ``[B, qo_len, kv_len]`` instead (non-zero: the query sees the key, §14).
+        In ``[0, min(qo_len, kv_len)]``, with the padded mask modes.
+    custom_mask : ``[B, qo_len, kv_len]``
+        With ``mask_mode="custom"`` (non-zero: the query sees the key, §14).
     mask_mode : ``"padded"``, ``"causal_padded_left"`` or ``"custom"``
         ``"padded"``: right padding, bidirectional; query row ``i`` and key ``j`` are valid when
         ``i, j < valid_len``.  ``"causal_padded_left"``: left padding; valid query suffix and KV
@@ -677,10 +679,14 @@ def batch_sequence_prefill_kv_masked(
     _check_dense(q, k, v)
     batch, qo_len, kv_len = q.shape[0], q.shape[1], k.shape[1]
     if mask_mode == "custom":
-        custom_mask = np.asarray(valid_lens)
+        if custom_mask is None:
+            raise ValueError('mask_mode "custom" needs custom_mask [B, qo_len, kv_len]')
+        custom_mask = np.asarray(custom_mask)
         if custom_mask.shape != (batch, qo_len, kv_len):
             raise ValueError(f"custom_mask must have shape ({batch}, {qo_len}, {kv_len}), got {custom_mask.shape}")
         return _attend_entries(q, k, v, lambda b: custom_mask[b] != 0, sm_scale, logits_soft_cap)
+    if valid_lens is None:
+        raise ValueError(f"mask_mode {mask_mode!r} needs valid_lens [B]")
     valid_lens = _i64(valid_lens, "valid_lens")
     if valid_lens.shape != (batch,):
         raise ValueError(f"valid_lens must have shape ({batch},), got {valid_lens.shape}")

@@ -11,7 +11,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..mlir.abi import argument_names, arguments, concrete_dims
+from ..mlir.abi import argument_names, arguments, concrete_dims, ordered
 from ..mlir.decode import DecodeSpec
 from ..mlir.specs import (
     MaskedSequencePrefillSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec,
@@ -25,10 +25,11 @@ from .kv_checks import check_mla, check_paged, check_ragged
 
 @dataclass(frozen=True)
 class Variant:
-    """``check(spec, *args)``: the checked arguments, in the table's order (InputError naming the
-    argument otherwise); ``reference(*args, **options)``: the float64 (output, lse), its
-    keyword-only parameters filled from the spec's attributes of the same names
-    (:func:`reference_options`). A pass (DecodeSpec) has no check: its caller builds its calls."""
+    """``check(spec, named)``: the arguments by name, checked, by name (InputError naming the
+    argument otherwise); ``reference(**named, **options)``: the float64 (output, lse) of the
+    arguments by name, its keyword-only parameters filled from the spec's attributes of the same
+    names (:func:`reference_options`). A pass (DecodeSpec) has no check: its caller builds its
+    calls (its reference takes them in order)."""
 
     reference: Callable[..., tuple]
     check: Callable[..., tuple] | None = None
@@ -52,14 +53,15 @@ def variant(spec) -> Variant:
 
 
 def checked(spec, args: tuple) -> tuple:
-    """A call's arguments (in the table's order) checked: the ``f32`` arguments of the table
-    (``sinks``) by their kind and dims (dims are spec fields), the rest by the variant's check.
-    InputError naming the argument otherwise."""
+    """A call's arguments (in the table's order) checked, back in that order: the variant's check
+    by name, then the ``f32`` arguments of the table (``sinks``) by their kind and dims (dims are
+    spec fields). InputError naming the argument otherwise."""
     table = arguments(spec)
-    rest = [value for arg, value in zip(table, args) if arg.kind != "f32"]
-    checked_rest = iter(variant(spec).check(spec, *rest))
-    return tuple(check_f32(arg.name, value, shape=concrete_dims(spec, arg, {})) if arg.kind == "f32"
-                 else next(checked_rest) for arg, value in zip(table, args))
+    named = dict(zip((arg.name for arg in table), args, strict=True))
+    rest = variant(spec).check(spec, {arg.name: named[arg.name] for arg in table if arg.kind != "f32"})
+    f32 = {arg.name: check_f32(arg.name, named[arg.name], shape=concrete_dims(spec, arg, {}))
+           for arg in table if arg.kind == "f32"}
+    return ordered(spec, {**rest, **f32})
 
 
 def reference_options(spec) -> dict:

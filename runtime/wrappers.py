@@ -379,8 +379,7 @@ def _mask_arrays(spec, custom_mask, mask_indptr, qo_lens: np.ndarray, kv_lens: n
     if mask_indptr is None:
         mask_indptr = np.concatenate([[0], np.cumsum(qo_lens * kv_lens)])
     q_indptr = np.concatenate([[0], np.cumsum(qo_lens)])
-    custom_mask, mask_indptr = check_custom_mask(spec, (custom_mask, mask_indptr), q_indptr, lambda: kv_lens)
-    return {"custom_mask": custom_mask, "mask_indptr": mask_indptr}
+    return check_custom_mask(spec, {"custom_mask": custom_mask, "mask_indptr": mask_indptr}, q_indptr, lambda: kv_lens)
 
 
 def _page_table(spec, q_indptr, page_indptr, page_values, length_info) -> tuple[dict, np.ndarray, int]:
@@ -418,8 +417,8 @@ def _rope_scalars(causal, rope, sm_scale, dim: int, dim_name: str) -> dict:
     else:
         raise InputError(f"rope: expected None or dict(rope_scale=, rope_theta=), got {type(rope).__name__}")
     sm_scale = dim ** -0.5 if sm_scale is None else sm_scale
-    checked = check_rope_scalars(_int(causal), rotary_mode, rope_scale, rope_theta, sm_scale, dim, dim_name)
-    return dict(zip(("causal", "rotary_mode", "rope_scale", "rope_theta", "sm_scale"), checked))
+    return check_rope_scalars(dict(causal=_int(causal), rotary_mode=rotary_mode, rope_scale=rope_scale,
+                                   rope_theta=rope_theta, sm_scale=sm_scale), dim, dim_name)
 
 
 # ----------------------------------------------------------------------------- run helpers
@@ -452,4 +451,5 @@ def _dense(spec, q, k, v, device) -> tuple:
     DeviceArrays on ``device``."""
     for name, value in (("q", q), ("k", k), ("v", v)):
         check_on_device(name, value, device)
-    return check_sequence(spec, q, k, v)
+    checked = check_sequence(spec, {"q": q, "k": k, "v": v})
+    return checked["q"], checked["k"], checked["v"]

@@ -17,6 +17,7 @@ from linalg_prefill.mlir import (
     DecodeSpec, build_fused_module, build_module,
 )
 from linalg_prefill.mlir.abi import ARGUMENTS, argument_names, arguments, position, result_dims, spelled
+from linalg_prefill.runtime.compare import error_bound, reference_for
 from linalg_prefill.runtime.errors import InputError
 from linalg_prefill.runtime.examples import example_inputs
 from linalg_prefill.runtime.kernels import open_kernel
@@ -44,28 +45,20 @@ WITH_OPTIONS = SPECS + [dataclasses.replace(SPECS[1], mask_mode="custom"),
 
 
 @pytest.mark.parametrize("spec", WITH_OPTIONS, ids=lambda s: s.name)
-def test_the_host_check_and_the_reference_take_the_tables_arguments(spec):
-    """Each takes the table's arguments in its order: the check names those every call has and
-    takes an option's (after the scalars) as ``*extra``; the reference names them all, an
-    option's with a default."""
+def test_the_host_check_and_the_reference_take_the_tables_arguments_by_name(spec):
+    """The check takes the call's arguments by name (but the f32 ones, runtime.variants.checked
+    checks them) and returns every one of them by name; the reference names a parameter after
+    each argument of the table, an option's with a default (runtime.compare.reference_for calls it
+    by name)."""
     hooks = VARIANTS[type(spec)]
     table = arguments(spec)
-    names = tuple(arg.name for arg in table)
-    if type(spec) is MaskedSequencePrefillSpec:  # the parameter valid_lens takes custom_mask in its place
-        names = (*names[:3], "valid_lens", *names[4:])
-    # the check: the arguments every call has by name, an option's (after the scalars) as *extra;
-    # runtime.variants.checked checks the f32 arguments (sinks) before it
-    checked = tuple(name for name, arg in zip(names, table) if arg.kind != "f32")
-    check = inspect.signature(hooks.check).parameters.values()
-    fixed = tuple(p.name for p in check if p.kind is p.POSITIONAL_OR_KEYWORD)[1:]
-    has_extra = any(p.kind is p.VAR_POSITIONAL for p in check)
-    assert checked[:len(fixed)] == fixed and (len(fixed) == len(checked) or has_extra)
-    # the reference: those every call has in order, an option's by name (runtime.compare.reference_for)
-    reference = [p for p in inspect.signature(hooks.reference).parameters.values()
-                 if p.kind is p.POSITIONAL_OR_KEYWORD]
-    required = tuple(p.name for p in reference if p.default is p.empty)
-    assert names[:len(required)] == required
-    assert set(names[len(required):]) <= {p.name for p in reference if p.default is None}
+    args = example_inputs(spec, np.random.default_rng(0))
+    named = {arg.name: value for arg, value in zip(table, args) if arg.kind != "f32"}
+    assert set(hooks.check(spec, named)) == set(named)
+    parameters = inspect.signature(hooks.reference).parameters
+    assert {arg.name for arg in table} <= set(parameters)
+    required = {name for name, p in parameters.items() if p.kind is p.POSITIONAL_OR_KEYWORD and p.default is p.empty}
+    assert required <= {arg.name for arg in table}
     if not spec.head_sinks:
         assert argument_names(dataclasses.replace(spec, head_sinks=True)) == (*argument_names(spec), "sinks")
 
@@ -151,3 +144,37 @@ def test_positions_come_from_the_table():
     paged, mla = SPECS[3], SPECS[4]
     assert position(paged, "rotary_mode") == 9 and position(paged, "causal") == 8
     assert position(mla, "rotary_mode") is None and position(mla, "sm_scale") == 7
+
+
+#: Query and RoPE arrays of the same type and shape: one query an entry, so q_rope_position [Lq]
+#: and k_rope_pos_offset [B] are both int32 [3].
+PERMUTED = RaggedPrefillSpec(4, 2, 16, 16, "float32", q_tile=8, kv_tile=16)
+PERMUTED_ENTRIES = [(1, 9), (1, 30), (1, 17)]
+
+
+def test_a_permuted_table_is_read_by_name_everywhere(monkeypatch, cache):
+    """The two RoPE arrays (both tensor<?xi32>, which a positional builder would confuse without
+    the verifier noticing) swapped in the table: the kernel built from that table, its check and
+    its reference bind them by name, so a call by name matches the reference; the call in the old
+    order hands each array to the other's name, and the reference check fails."""
+    rng = np.random.default_rng(0)
+    args = example_inputs(PERMUTED, rng, PERMUTED_ENTRIES)  # RoPE on
+    named = dict(zip(argument_names(PERMUTED), args))
+    table = ARGUMENTS[RaggedPrefillSpec]
+
+    def swapped(spec):
+        original = list(table(spec))
+        i, j = (next(n for n, arg in enumerate(original) if arg.name == name)
+                for name in ("q_rope_position", "k_rope_pos_offset"))
+        original[i], original[j] = original[j], original[i]
+        return tuple(original)
+
+    monkeypatch.setitem(ARGUMENTS, RaggedPrefillSpec, swapped)
+    assert argument_names(PERMUTED).index("k_rope_pos_offset") < argument_names(PERMUTED).index("q_rope_position")
+    kernel = open_kernel(PERMUTED, cache=cache)
+    want = reference_for(PERMUTED, tuple(named[name] for name in argument_names(PERMUTED)))
+    by_name = kernel(**named)
+    bound = error_bound(PERMUTED, tuple(named[name] for name in argument_names(PERMUTED)), want)
+    assert bound.holds(by_name, want)
+    in_the_old_order = kernel(*args)
+    assert not bound.holds(in_the_old_order, want)

@@ -60,8 +60,8 @@ KV_SPECS = [
 @pytest.mark.parametrize("spec", KV_SPECS, ids=lambda s: s.name)
 def test_example_inputs_are_valid_with_empty_rows(spec):
     args = example_inputs(spec, np.random.default_rng(2))
-    VARIANTS[type(spec)].check(spec, *args)  # raises InputError if the call is invalid
     named = dict(zip(argument_names(spec), args))
+    VARIANTS[type(spec)].check(spec, named)  # raises InputError if the call is invalid
     q_indptr = named["q_indptr"]
     assert len(q_indptr) > 2 and len(set(np.diff(q_indptr))) > 2  # a few entries, mixed lengths
     lse = reference_for(spec, args)[1]

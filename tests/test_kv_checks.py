@@ -99,8 +99,11 @@ def build(variant: str, spec, seed: int = 0) -> dict:
 
 
 def check(variant: str, spec, args: dict) -> tuple:
+    """The variant's check of ``args`` (by name), its results in the order of ``args``."""
     fn = {"ragged": check_ragged, "mla": check_mla}.get(variant.removesuffix("_sw"), check_paged)
-    return fn(spec, **args)
+    result = fn(spec, args)
+    assert set(result) == set(args)  # every argument back, by name
+    return tuple(result[name] for name in args)
 
 
 def reference(variant: str, spec, args: dict):
