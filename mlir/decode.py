@@ -34,9 +34,9 @@ from dataclasses import dataclass
 from typing import Callable, Union, get_args
 
 from .ir import (
-    DYN, affine_map, arith_d, collapse, compilation_info, const_f32, const_index, dim, element_type, empty, expand,
-    f32, fill, func_d, generic, i32, index, ir, linalg_d, lt, math_d, module_context, own_dispatch,
-    own_dispatch_results, scf_d, sizes_of, tensor_d, tensor_type, tie_dims, vector_width, widened,
+    DYN, affine_map, arith_d, collapse, const_f32, const_index, dim, element_type, empty, expand, f32, fill,
+    func_d, generic, i32, index, ir, linalg_d, lt, mark_tiling, math_d, module_context, own_dispatch,
+    own_dispatch_results, scf_d, sizes_of, tensor_d, tensor_type, tie_dims, widened,
 )
 from .abi import ARGUMENTS, Arg, argument_types, bound_arguments, kv_sources, result_types
 from .kv_layouts import cache_layout
@@ -86,18 +86,10 @@ MAX_CHUNK_COLUMNS = 512
 #: f32 tensors of one score per (key, query row) the pass materialises: the raw scores, the
 #: masked and scaled scores, the probabilities.
 SCORE_TENSORS = 3
-#: The chunk merge reads each chunk's products in head-dim vectors of this width.
-VALUE_VECTOR = 32
-#: The chunk softmax (mlir/decode.py: _chunk_softmax) works on SOFTMAX_ROWS (entry, chunk, head)
-#: rows a workgroup: key-major, in vectors of up to KEY_MAJOR_ROWS query rows of a key (16-lane
-#: vectors: 8.2 + 13.3 us on one entry of 16 queries over 256 keys, against 3.5 + 10.7 with 64);
-#: row-major, in tiles of the rows by SOFTMAX_VECTOR keys (at most a block).
-SOFTMAX_ROWS = 8
-KEY_MAJOR_ROWS = 64
-SOFTMAX_VECTOR = 16
-#: The probs x values contraction vectorises along the query rows (up to ROW_VECTOR a vector):
-#: each value element is one broadcast load, and PV_COLUMNS head-dim columns per key give as
-#: many independent accumulators (docs/performance.md, decode passes).
+#: The probs x values contraction vectorises along the query rows (up to ROW_VECTOR a vector on
+#: llvm-cpu, pipeline/cpu_tiles.py): each value element is one broadcast load, and PV_COLUMNS
+#: head-dim columns per key give as many independent accumulators (docs/performance.md, decode
+#: passes). Passes of ROW_VECTOR or more rows keep their scores key-major.
 ROW_VECTOR = 16
 PV_COLUMNS = 8
 
@@ -367,16 +359,13 @@ def _decode(spec: DecodeSpec, rule: MaskRule, vectors: PassVectors, q, cache: Kv
         q_operand = own_dispatch(lambda: generic(
             [q], [empty(transposed, element_type(spec.dtype))], [affine_map(4, (0, 1, 3, 2)), affine_map(4, range(4))],
             "pppp", lambda x, _out: [x])[0], tensor_type([DYN, h, spec.d_qk, group], element_type(spec.dtype)), transposed)
-        q_map, tiles = affine_map(7, (0, 2, 6, 5)), dict(
-            vector_common_parallel=[1, 1, 1, 1, 1, vector_width(ROW_VECTOR, group), 0], vector_reduction=[0] * 6 + [1])
+        q_map, role, tiles = affine_map(7, (0, 2, 6, 5)), "pass.scores.rows", {}
     else:  # a key row's contiguous head-dim vector dotted with one query row at a time
         q_operand, q_map = q, affine_map(7, (0, 2, 5, 6))
-        tiles = dict(vector_common_parallel=[1, 1, 1, 1, 1, 1, 0],
-                     vector_reduction=[0, 0, 0, 0, 0, 0, vector_width(vectors.head_dim, spec.d_qk)])
+        role, tiles = "pass.scores.dots", dict(d_qk=spec.d_qk, head_vector=vectors.head_dim)
     raw = generic([q_operand, table], [fill(const_f32(0.0), score_sizes, f32())],
                   [q_map, affine_map(7, (0, 1, 3)), affine_map(7, range(6))], "ppppppr", score_body)[0]
-    raw.owner.attributes["compilation_info"] = compilation_info(
-        distribution=[1, 1, 1, 1, block, group, 0], **tiles)
+    mark_tiling(raw, role, block=block, group=group, **tiles)
 
     scale = score_transform(sm_scale, base.logits_soft_cap)
     every = affine_map(6, range(6))
@@ -431,9 +420,9 @@ def _chunk_softmax(scores, key_major: bool, block: int) -> tuple[ir.Value, ir.Va
 
     Built on the scores as [N = n x c x h, K = p x s, R] (key-major) or [N, R, K] so that the
     tiling attached to the ops stays (IREE 3.13 collapses a 6-dim generic's dims and drops it).
-    The exp2 op and the sum share a dispatch: key-major, tiles of up to KEY_MAJOR_ROWS rows of
-    one key (the max the same); row-major, [R rows, SOFTMAX_VECTOR keys] tiles that the exp2 op
-    writes transposed as one vector. Left to IREE, the three ran on 8-row vectors (key-major) or
+    The exp2 op and the sum share a dispatch, their tiles the backend's (llvm-cpu: key-major, up
+    to 64 rows of one key, the max the same; row-major, [R rows, 16 keys] that the exp2 op writes
+    transposed as one vector: pipeline/cpu_tiles.py). Left to IREE, the three ran on 8-row vectors (key-major) or
     one scalar at a time (row-major): the 16-query pass's softmax 8.05 -> 5.10 ms on 31 entries
     of 1040 keys, the 1-query pass's 72 -> 14 us on 8 entries of 129 (docs/performance.md).
     """
@@ -441,29 +430,26 @@ def _chunk_softmax(scores, key_major: bool, block: int) -> tuple[ir.Value, ir.Va
         n, c, h, p, s, rows = sizes_of(scores)
         flat = collapse(scores, [[0, 1, 2], [3, 4], [5]])  # [N, K, R]
         count, keys = dim(flat, 0), dim(flat, 1)
-        vector = min(rows, KEY_MAJOR_ROWS)
-        tiles = dict(distribution=[SOFTMAX_ROWS, vector, 0], vector_common_parallel=[1, vector, 0],
-                     vector_reduction=[0, 0, 1])
+        role, tiles = "pass.softmax.key_major", dict(rows=rows)
     else:
         n, c, h, rows, p, s = sizes_of(scores)
         flat = collapse(scores, [[0, 1, 2], [3], [4, 5]])  # [N, R, K]
         count, keys = dim(flat, 0), dim(flat, 2)
-        tiles = dict(distribution=[SOFTMAX_ROWS, rows, 0], vector_common_parallel=[1, rows, 0],
-                     vector_reduction=[0, 0, vector_width(SOFTMAX_VECTOR, block)])
+        role, tiles = "pass.softmax.row_major", dict(rows=rows, block=block)
     # loops (N, R, K) in all three ops
     by_row, by_key = affine_map(3, (0, 1)), affine_map(3, (0, 2, 1))
     score_map = by_key if key_major else affine_map(3, (0, 1, 2))
     chunk_max = generic([flat], [fill(const_f32(NO_KEY_MAX), [count, rows], f32())], [score_map, by_row], "ppr",
                         lambda x, acc: [arith_d.maximumf(x, acc)])[0]
     if key_major:  # (row-major, IREE collapses its (N, R) and would drop it)
-        chunk_max.owner.attributes["compilation_info"] = compilation_info(**tiles)
+        mark_tiling(chunk_max, role, **tiles)
 
     def exp_and_sum():
         probs = generic([flat, chunk_max], [empty([count, keys, rows], f32())], [score_map, by_row, by_key], "ppp",
                         lambda x, m, _out: [math_d.exp2(arith_d.subf(x, m))])[0]
         chunk_sum = generic([probs], [fill(const_f32(0.0), [count, rows], f32())], [by_key, by_row], "ppr",
                             lambda x, acc: [arith_d.addf(x, acc)])[0]
-        chunk_sum.owner.attributes["compilation_info"] = compilation_info(**tiles)
+        mark_tiling(chunk_sum, role, **tiles)
         return [probs, chunk_sum]
 
     probs, chunk_sum = own_dispatch_results(
@@ -515,10 +501,7 @@ def _probs_times_values(spec: DecodeSpec, cache: KvCache, probs, table, lengths,
         [probs, table, lengths], [fill(const_f32(0.0), out_sizes, f32()) for _ in range(columns)],
         [affine_map(7, (0, 1, 2, 5, 6, 4)), affine_map(7, (0, 1, 5)), affine_map(7, (0,))]
         + [affine_map(7, (0, 1, 2, 4, 3))] * columns, "pppppr" + "r", body)
-    results[0].owner.attributes["compilation_info"] = compilation_info(
-        distribution=[1, 1, 1, outer, group, 0, 0],
-        vector_common_parallel=[1, 1, 1, 1, vector_width(ROW_VECTOR, group), 0, 0],
-        vector_reduction=[0, 0, 0, 0, 0, 1, 1])
+    mark_tiling(results[0], "pass.probs_values", outer=outer, group=group)
     dt = element_type(spec.dtype)
 
     # The J outputs interleaved by one elementwise op (as J inserted slices, J strided copies).
@@ -598,11 +581,9 @@ def _merged(spec: DecodeSpec, chunk_max, chunk_sum, products, sinks, normalised:
     entries = dim(chunk_max, 0)
     rows = [entries, h, group]
     over_chunks = affine_map(4, (0, 3, 1, 2))  # loops (i, h, g, c)
-    sequential = compilation_info(distribution=[1, 1, group, 0], vector_common_parallel=[1, 1, 1, 0],
-                                   vector_reduction=[0, 0, 0, 1])
     row_max = generic([chunk_max], [fill(const_f32(NO_KEY_MAX), rows, f32())], [over_chunks, affine_map(4, (0, 1, 2))],
                       "pppr", lambda x, acc: [arith_d.maximumf(x, acc)])[0]
-    row_max.owner.attributes["compilation_info"] = sequential
+    mark_tiling(row_max, "pass.merge.rows", group=group)
     # Each chunk's weight 2^(max_c - max) is computed inside the two reductions: as an op of its
     # own, IREE fused it with them into dispatches that failed to compile for small heads
     # ("exceeded stack allocation limit", a buffer sized by the chunk count).
@@ -612,7 +593,7 @@ def _merged(spec: DecodeSpec, chunk_max, chunk_sum, products, sinks, normalised:
     total = generic([chunk_sum, chunk_max, row_max], [fill(const_f32(0.0), rows, f32())],
                     [over_chunks, over_chunks, affine_map(4, (0, 1, 2)), affine_map(4, (0, 1, 2))], "pppr",
                     lambda s, m, top, acc: [arith_d.addf(acc, arith_d.mulf(s, weight(m, top)))])[0]
-    total.owner.attributes["compilation_info"] = sequential
+    mark_tiling(total, "pass.merge.rows", group=group)
     zero, dt = const_f32(0.0), element_type(spec.dtype)
     by_chunk, by_row = affine_map(5, (0, 4, 1, 2)), affine_map(5, (0, 1, 2))
     if normalised:
@@ -628,9 +609,7 @@ def _merged(spec: DecodeSpec, chunk_max, chunk_sum, products, sinks, normalised:
         inputs, maps = [products, chunk_max, row_max], [by_chunk, by_row]
     acc = generic(inputs, [fill(const_f32(0.0), [*rows, d_v], f32())],
                   [affine_map(5, (0, 4, 1, 2, 3)), *maps, affine_map(5, (0, 1, 2, 3))], "ppppr", merged)[0]
-    acc.owner.attributes["compilation_info"] = compilation_info(
-        distribution=[1, 1, group, d_v, 0], vector_common_parallel=[1, 1, 1, vector_width(VALUE_VECTOR, d_v), 0],
-        vector_reduction=[0, 0, 0, 0, 1])
+    mark_tiling(acc, "pass.merge.values", group=group, d_v=d_v)
     if sinks is not None:
         return _with_sinks(spec, acc, row_max, total, sinks)
 

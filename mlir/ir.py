@@ -349,23 +349,32 @@ def own_dispatch_results(build: Callable[[], list[ir.Value]], result_types: Sequ
     return list(region_op.results)
 
 
-def vector_width(vector: int, size: int) -> int:
-    """The widest power-of-two vector up to ``vector`` that divides ``size``."""
-    while size % vector:
-        vector //= 2
-    return vector
+#: The discardable attribute of a generic whose tiling a backend chooses (pipeline/tuning.py:
+#: apply_tuning): its role (``"pass.scores.rows"``, ...) and the sizes its tiling reads.
+TILING_MARKER = "linalg_prefill.tiling"
 
 
-def compilation_info(**levels) -> ir.Attribute:
-    """An llvm-cpu ``compilation_info`` for a generic (its ``compilation_info`` attribute): the
-    tile sizes of each level (``distribution``, ``vector_common_parallel``, ...), one per loop, under
-    IREE's DoubleTilingExpert pipeline. IREE keeps it only while it leaves the op's dims alone:
-    build the op with dims nothing can collapse or fold (no unit dims), in a dispatch of its own
-    where fusion would rebuild it."""
-    text = ", ".join(f"{name} = {sizes}" for name, sizes in levels.items())
-    return ir.Attribute.parse(
-        f"#iree_codegen.compilation_info<lowering_config = #iree_cpu.lowering_config<{text}>, "
-        "translation_info = #iree_codegen.translation_info<pipeline = #iree_cpu.pipeline<DoubleTilingExpert>>>")
+def mark_tiling(value: ir.Value, role: str, **sizes: int) -> None:
+    """Marks the generic that produces ``value`` with its ``role`` and ``sizes``; each backend's
+    ``tune_generic`` hook turns the mark into its tiling (pipeline/cpu_tiles.py for llvm-cpu) or
+    drops it. IREE keeps an llvm-cpu tiling only while it leaves the op's dims alone: build the op
+    with dims nothing can collapse or fold (no unit dims), in a dispatch of its own where fusion
+    would rebuild it."""
+    i64 = ir.IntegerType.get_signless(64)
+    value.owner.attributes[TILING_MARKER] = ir.DictAttr.get(
+        {"role": ir.StringAttr.get(role), **{name: ir.IntegerAttr.get(i64, size) for name, size in sizes.items()}})
+
+
+def tiling_mark(op: ir.Operation) -> tuple[str, dict[str, int]]:
+    """(role, sizes) of a generic :func:`mark_tiling` marked."""
+    marks = ir.DictAttr(op.attributes[TILING_MARKER])
+    role = ir.StringAttr(marks["role"]).value
+    sizes = {}
+    for index in range(len(marks)):
+        named = marks[index]
+        if named.name != "role":
+            sizes[named.name] = ir.IntegerAttr(named.attr).value
+    return role, sizes
 
 
 def buffer_view_type() -> ir.Type:

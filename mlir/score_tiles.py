@@ -32,9 +32,9 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from .ir import (
-    DYN, IndexLike, affine_map, arith_d, bitcast, collapse, compilation_info, const_f32, const_index, element_type,
-    empty, expand, extract_slice, f32, fill, generic, ir, linalg_d, narrowed, own_dispatch, sizes_of, tensor_d,
-    tensor_type, vector_width, widened,
+    DYN, IndexLike, affine_map, arith_d, bitcast, collapse, const_f32, const_index, element_type, empty, expand,
+    extract_slice, f32, fill, generic, ir, linalg_d, mark_tiling, narrowed, own_dispatch, sizes_of, tensor_d,
+    tensor_type, widened,
 )
 from .layout import group_query_rows
 
@@ -42,11 +42,6 @@ from .layout import group_query_rows
 #: values). The pipeline replaces it with a target-specific tiling where it has measured one
 #: (pipeline/tuning.py).
 CONTRACTION_MARKER = "linalg_prefill.contraction"
-#: The query packing (PackedTiles.query_rows) moves [QUERY_PACK_COLUMNS head-dim columns x m0 rows]
-#: tiles (a transpose in registers), QUERY_PACK_TILES row tiles of one KV head a workgroup: left to
-#: IREE, 1.92 ms of a dense f32 L=512 call, with these tiles 0.34 ms (docs/performance.md).
-QUERY_PACK_COLUMNS = 16
-QUERY_PACK_TILES = 4
 
 
 def contract_generic(lhs: ir.Value, rhs: ir.Value, init: ir.Value, lhs_dims, rhs_dims, out_dims) -> ir.Value:
@@ -257,7 +252,7 @@ class PackedTiles(RowTiles):
         d / k0, m0, k0] in the operand type (grouped rows as layout.group_query_rows orders them),
         when G divides m0: one generic over q zero-padded to ``padded_len`` tokens, whose loops
         (b, h, m1, k1, t, g, k) read q [B, M1, m0 / G, h_kv, G, d / k0, k0] as a plain transpose,
-        in a dispatch of its own with its own tiles (QUERY_PACK_COLUMNS). Other groups keep the f32
+        in a dispatch of its own with its own tiles (pipeline/cpu_tiles.py). Other groups keep the f32
         rows, packed tile by tile (:meth:`query_operand`)."""
         if self.m0 % group:
             return group_query_rows(q, h_kv, group, padded_len)
@@ -277,10 +272,8 @@ class PackedTiles(RowTiles):
             packed = generic([split], [empty(sizes, elem)],
                              [affine_map(7, (0, 2, 4, 1, 5, 3, 6)), affine_map(7, range(7))], "p" * 7,
                              lambda x, _out: [converted(elem, x)])[0]
-            columns = vector_width(QUERY_PACK_COLUMNS, d // self.k0)
-            packed.owner.attributes["compilation_info"] = compilation_info(
-                distribution=[1, 1, QUERY_PACK_TILES, 0, 0, 0, 0],
-                vector_common_parallel=[1, 1, 1, columns, tokens_per_tile, group, self.k0])
+            mark_tiling(packed, "dense.query_packing", columns=d // self.k0, tokens=tokens_per_tile, group=group,
+                        k0=self.k0)
             return packed
 
         packed = own_dispatch(transposed, tensor_type([DYN, h_kv, DYN, *sizes[3:]], elem), sizes)

@@ -1,6 +1,8 @@
 """Which KV-step tile layout (mlir/score_tiles.py) and serving-pass vectors (mlir/decode.py) the
 linalg lowering gets on a CPU: the one place that reads the CPU's features (the ``score_tiles``
-and ``pass_vectors`` hooks of ``BACKENDS["llvm-cpu"]``).
+and ``pass_vectors`` hooks of ``BACKENDS["llvm-cpu"]``); and the llvm-cpu tiling of each generic
+the IR builders mark with a role (``mlir.ir.mark_tiling``; the ``tune_generic`` hook,
+:func:`cpu_generic_tiling`).
 
     cpu_score_tiles("host", "bfloat16")    # PackedTiles(bf16, 16x16x2) on a CPU with avx512_bf16
     cpu_score_tiles("znver3", "bfloat16")  # ROW_TILES: no avx512_bf16
@@ -14,7 +16,8 @@ from __future__ import annotations
 
 import functools
 
-from ..mlir.decode import NARROW_PASS_VECTORS, WIDE_PASS_VECTORS, PassVectors
+from ..mlir.decode import NARROW_PASS_VECTORS, ROW_VECTOR, WIDE_PASS_VECTORS, PassVectors
+from ..mlir.ir import ir
 from ..mlir.score_tiles import ROW_TILES, RowTiles, packed_tiles_for
 
 #: Features (as /proc/cpuinfo spells them) of the named LLVM CPUs the packed tiles need.
@@ -62,3 +65,75 @@ def cpu_pass_vectors(arch: str) -> PassVectors:
 def narrow_pass_vectors(arch: str) -> PassVectors:
     """The narrow vectors whatever the arch (GPU backends' linalg lowering)."""
     return NARROW_PASS_VECTORS
+
+
+# ---- the tiling of the marked generics (mlir.ir.mark_tiling)
+
+#: The serving passes' chunk merge reads each chunk's products in head-dim vectors of this width.
+VALUE_VECTOR = 32
+#: The chunk softmax (mlir/decode.py: _chunk_softmax) works on SOFTMAX_ROWS (entry, chunk, head)
+#: rows a workgroup: key-major, in vectors of up to KEY_MAJOR_ROWS query rows of a key (16-lane
+#: vectors: 8.2 + 13.3 us on one entry of 16 queries over 256 keys, against 3.5 + 10.7 with 64);
+#: row-major, in tiles of the rows by SOFTMAX_VECTOR keys (at most a block).
+SOFTMAX_ROWS = 8
+KEY_MAJOR_ROWS = 64
+SOFTMAX_VECTOR = 16
+#: The dense query packing (score_tiles.PackedTiles.query_rows) moves [QUERY_PACK_COLUMNS
+#: head-dim columns x m0 rows] tiles (a transpose in registers), QUERY_PACK_TILES row tiles of
+#: one KV head a workgroup: left to IREE, 1.92 ms of a dense f32 L=512 call, with these tiles
+#: 0.34 ms (docs/performance.md).
+QUERY_PACK_COLUMNS = 16
+QUERY_PACK_TILES = 4
+
+
+def vector_width(vector: int, size: int) -> int:
+    """The widest power-of-two vector up to ``vector`` that divides ``size``."""
+    while size % vector:
+        vector //= 2
+    return vector
+
+
+def _pass_scores(block, group, **by):
+    """The serving pass's scores [n, c, h, p, s, R] over d_qk (loops i, c, h, p, s, g, k): along
+    the query rows, each key element broadcast over up to ROW_VECTOR rows (``pass.scores.rows``),
+    or a key row's head-dim vector dotted with one query row (``pass.scores.dots``)."""
+    if not by:
+        return dict(distribution=[1, 1, 1, 1, block, group, 0],
+                    vector_common_parallel=[1, 1, 1, 1, 1, vector_width(ROW_VECTOR, group), 0],
+                    vector_reduction=[0] * 6 + [1])
+    return dict(distribution=[1, 1, 1, 1, block, group, 0], vector_common_parallel=[1, 1, 1, 1, 1, 1, 0],
+                vector_reduction=[0, 0, 0, 0, 0, 0, vector_width(by["head_vector"], by["d_qk"])])
+
+
+#: role -> the llvm-cpu tile sizes of each level (one per loop), from the sizes the mark carries.
+CPU_GENERIC_TILINGS = {
+    "pass.scores.rows": _pass_scores,
+    "pass.scores.dots": _pass_scores,
+    "pass.softmax.key_major": lambda rows: dict(
+        distribution=[SOFTMAX_ROWS, min(rows, KEY_MAJOR_ROWS), 0],
+        vector_common_parallel=[1, min(rows, KEY_MAJOR_ROWS), 0], vector_reduction=[0, 0, 1]),
+    "pass.softmax.row_major": lambda rows, block: dict(
+        distribution=[SOFTMAX_ROWS, rows, 0], vector_common_parallel=[1, rows, 0],
+        vector_reduction=[0, 0, vector_width(SOFTMAX_VECTOR, block)]),
+    "pass.probs_values": lambda outer, group: dict(
+        distribution=[1, 1, 1, outer, group, 0, 0],
+        vector_common_parallel=[1, 1, 1, 1, vector_width(ROW_VECTOR, group), 0, 0],
+        vector_reduction=[0, 0, 0, 0, 0, 1, 1]),
+    "pass.merge.rows": lambda group: dict(
+        distribution=[1, 1, group, 0], vector_common_parallel=[1, 1, 1, 0], vector_reduction=[0, 0, 0, 1]),
+    "pass.merge.values": lambda group, d_v: dict(
+        distribution=[1, 1, group, d_v, 0], vector_common_parallel=[1, 1, 1, vector_width(VALUE_VECTOR, d_v), 0],
+        vector_reduction=[0, 0, 0, 0, 1]),
+    "dense.query_packing": lambda columns, tokens, group, k0: dict(
+        distribution=[1, 1, QUERY_PACK_TILES, 0, 0, 0, 0],
+        vector_common_parallel=[1, 1, 1, vector_width(QUERY_PACK_COLUMNS, columns), tokens, group, k0]),
+}
+
+
+def cpu_generic_tiling(role: str, sizes: dict) -> dict[str, ir.Attribute]:
+    """The ``compilation_info`` of a marked generic on llvm-cpu (the ``tune_generic`` hook of
+    ``BACKENDS["llvm-cpu"]``): its role's tile sizes under IREE's DoubleTilingExpert pipeline."""
+    levels = ", ".join(f"{name} = {tiles}" for name, tiles in CPU_GENERIC_TILINGS[role](**sizes).items())
+    return {"compilation_info": ir.Attribute.parse(
+        f"#iree_codegen.compilation_info<lowering_config = #iree_cpu.lowering_config<{levels}>, "
+        "translation_info = #iree_codegen.translation_info<pipeline = #iree_cpu.pipeline<DoubleTilingExpert>>>")}

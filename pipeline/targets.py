@@ -38,8 +38,9 @@ class Backend:
     of its KV-step tiles in the linalg lowering (mlir/score_tiles.py, pipeline/cpu_tiles.py),
     ``pass_vectors(arch)`` its serving passes' vectors there (mlir/decode.py).
     ``tune_contraction(op)`` and ``tune_attention(op, loops)``: the attributes a marked
-    contraction or online_attention op gets (pipeline/tuning.py), None for the compiler's own
-    choice. ``structure_checks``: ``check(spec, vmfb_path) -> problem or None`` each artifact
+    contraction or online_attention op gets (pipeline/tuning.py), ``tune_generic(role, sizes)``
+    those of a generic marked with a role (mlir.ir.mark_tiling: the serving passes' and the query
+    packing's), None for the compiler's own choice. ``structure_checks``: ``check(spec, vmfb_path) -> problem or None`` each artifact
     must pass (pipeline/vm_structure.py)."""
 
     name: str
@@ -54,6 +55,7 @@ class Backend:
     pass_vectors: Callable[[str], object]
     tune_contraction: Callable
     tune_attention: Callable
+    tune_generic: Callable
     structure_checks: tuple[Callable, ...]
 
     @property
@@ -80,7 +82,7 @@ def check_backend(key: str, record: Backend) -> None:
         raise bad("lowering", f"must be one of {LOWERINGS}, got {record.lowering!r}")
     if record.row_chunk is not None and (not isinstance(record.row_chunk, int) or record.row_chunk < 1):
         raise bad("row_chunk", "must be None or a positive int")
-    for name in ("flags", "score_tiles", "tune_contraction", "tune_attention"):
+    for name in ("flags", "score_tiles", "tune_contraction", "tune_attention", "tune_generic"):
         if not callable(getattr(record, name)):
             raise bad(name, "must be callable")
     if not isinstance(record.structure_checks, tuple) or not all(map(callable, record.structure_checks)):
@@ -134,7 +136,8 @@ BACKENDS: dict[str, Backend] = {
         name="llvm-cpu", driver="local-task", default_arch="host", archs=None, arch_note="",
         flags=_cpu_flags, lowering="linalg", row_chunk=None, score_tiles=cpu_tiles.cpu_score_tiles,
         pass_vectors=cpu_tiles.cpu_pass_vectors,
-        tune_contraction=tuning.cpu_contraction_config, tune_attention=_keep_default, structure_checks=()),
+        tune_contraction=tuning.cpu_contraction_config, tune_attention=_keep_default,
+        tune_generic=cpu_tiles.cpu_generic_tiling, structure_checks=()),
     # The KV loop inside one online_attention dispatch per query band, f16/bf16 operands on the
     # tensor cores (mlir/fused_kernels.py, docs/cuda.md). IREE 3.13 fails to distribute a
     # 256-column row reduction (the linalg lowering's row_chunk); sm_90, sm_90a and sm_100 fail
@@ -145,7 +148,7 @@ BACKENDS: dict[str, Backend] = {
                    "through the driver JIT, so use sm_80"),
         flags=_cuda_flags, lowering="fused", row_chunk=128, score_tiles=cpu_tiles.row_tiles,
         pass_vectors=cpu_tiles.narrow_pass_vectors,
-        tune_contraction=_keep_default, tune_attention=tuning.cuda_attention_config,
+        tune_contraction=_keep_default, tune_attention=tuning.cuda_attention_config, tune_generic=_keep_default,
         structure_checks=(vm_structure.missing_tensor_cores, vm_structure.host_stalls_in_loops)),
     # The fused lowering on AMD Instinct (gfx942: MI300; docs/rocm.md), f16/bf16 on MFMA; waves
     # of 64, so CUDA's configuration does not apply (rocm_attention_config).
@@ -153,7 +156,7 @@ BACKENDS: dict[str, Backend] = {
         name="rocm", driver="hip", default_arch="gfx942", archs=("gfx942", "gfx950", "gfx90a"),
         arch_note="", flags=_rocm_flags, lowering="fused", row_chunk=128, score_tiles=cpu_tiles.row_tiles,
         pass_vectors=cpu_tiles.narrow_pass_vectors,
-        tune_contraction=_keep_default, tune_attention=tuning.rocm_attention_config,
+        tune_contraction=_keep_default, tune_attention=tuning.rocm_attention_config, tune_generic=_keep_default,
         structure_checks=(vm_structure.missing_mfma, vm_structure.host_stalls_in_loops)),
 }
 for _key, _record in BACKENDS.items():

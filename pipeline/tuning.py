@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from ..mlir import build_fused_module, build_module
 from ..mlir.attention_op import ATTENTION_MARKER, TILE
-from ..mlir.ir import ir
+from ..mlir.ir import TILING_MARKER, ir, tiling_mark
 from ..mlir.score_tiles import CONTRACTION_MARKER
 
 if TYPE_CHECKING:
@@ -203,10 +203,16 @@ def _marked(module: ir.Module, marker: str) -> list[ir.Operation]:
 
 
 def apply_tuning(module: ir.Module, target: Target) -> ir.Module:
-    """Replaces every contraction and attention marker in ``module`` (in place) by what the
-    target's backend record's hooks give (``tune_contraction``, ``tune_attention``); returns it."""
+    """Replaces every contraction, attention and tiling marker in ``module`` (in place) by what the
+    target's backend record's hooks give (``tune_contraction``, ``tune_attention``,
+    ``tune_generic``); returns it."""
     record = target.record
     with module.context:
+        for op in _marked(module, TILING_MARKER):
+            role, sizes = tiling_mark(op)
+            del op.attributes[TILING_MARKER]
+            for name, value in (record.tune_generic(role, sizes) or {}).items():
+                op.attributes[name] = value
         for op in _marked(module, CONTRACTION_MARKER):
             del op.attributes[CONTRACTION_MARKER]
             for name, value in (record.tune_contraction(op) or {}).items():

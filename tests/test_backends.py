@@ -79,3 +79,25 @@ def test_a_new_backend_runs_against_the_reference_by_default(fake_backend, cache
     report = compare_backends(spec, example_inputs(spec, np.random.default_rng(0), ((5, 5), (3, 3))), cache=cache)
     assert {"llvm-cpu", "fake-cpu"} <= set(report.ran) and report.ok, report.table()
     assert report.pairwise[0][2:] == (0.0, 0.0)  # same flags, same IR: the same artifact
+
+
+def test_the_ir_builders_hold_no_target_attribute():
+    """mlir/ marks an op's role (mlir.ir.mark_tiling) and the backend record supplies its tiling:
+    no #iree_cpu / #iree_gpu attribute is written in mlir/, an untuned serving pass carries only the
+    marks, llvm-cpu tiles them, and a GPU backend given the linalg lowering gets none of llvm-cpu's
+    tilings (it used to: the passes built their CPU tilings themselves)."""
+    from pathlib import Path
+
+    from linalg_prefill.mlir import DecodeSpec, PagedPrefillSpec, build_module
+    from linalg_prefill.mlir.ir import TILING_MARKER
+
+    sources = Path(__file__).resolve().parent.parent / "mlir"
+    assert not [path.name for path in sources.glob("*.py") if "#iree_cpu" in path.read_text()
+                or "#iree_gpu" in path.read_text()]
+    spec = DecodeSpec(PagedPrefillSpec(8, 2, 64, "float32"), 4)
+    untuned = build_module(spec).operation.get_asm()
+    assert TILING_MARKER in untuned and "#iree_cpu" not in untuned
+    on_cpu = tuned_ir(spec, Target("llvm-cpu"))
+    assert "#iree_cpu.lowering_config" in on_cpu and TILING_MARKER not in on_cpu
+    on_gpu = tuned_ir(spec, Target("cuda", lowering="linalg"))
+    assert "#iree_cpu" not in on_gpu and TILING_MARKER not in on_gpu

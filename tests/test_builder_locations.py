@@ -10,7 +10,7 @@ import pytest
 from linalg_prefill.mlir import PagedPrefillSpec
 from linalg_prefill.mlir import decode
 from linalg_prefill.mlir.decode import DecodeSpec
-from linalg_prefill.pipeline import ArtifactCache, CompileError, Target, compile_spec
+from linalg_prefill.pipeline import ArtifactCache, CompileError, Target, compile_spec, cpu_tiles
 from linalg_prefill.pipeline.tuning import tuned_ir
 
 
@@ -25,16 +25,16 @@ def test_ops_carry_their_builder_lines_and_the_cache_key_does_not():
 
 
 def test_a_compile_error_names_the_builder_line(tmp_path, monkeypatch):
-    """Tiles of 1024 lanes on the ops the pass builder tiles itself (mlir/ir.py: compilation_info)
-    make IREE 3.13 reject the first of them ("large vector sizes"); the error names the line of
-    mlir/decode.py that built it."""
-    tiled = decode.compilation_info
+    """Tiles of 1024 lanes on the ops the pass builder marks with a role (llvm-cpu's tilings:
+    pipeline/cpu_tiles.py) make IREE 3.13 reject the first of them ("large vector sizes"); the
+    error names the line of mlir/decode.py that built it."""
+    for role, tiling in list(cpu_tiles.CPU_GENERIC_TILINGS.items()):
+        def oversized(tiling=tiling, **sizes):
+            levels = tiling(**sizes)
+            levels["vector_common_parallel"] = [1024 if size else 0 for size in levels["vector_common_parallel"]]
+            return levels
 
-    def oversized(**levels):
-        levels["vector_common_parallel"] = [1024 if size else 0 for size in levels["vector_common_parallel"]]
-        return tiled(**levels)
-
-    monkeypatch.setattr(decode, "compilation_info", oversized)
+        monkeypatch.setitem(cpu_tiles.CPU_GENERIC_TILINGS, role, oversized)
     spec = DecodeSpec(PagedPrefillSpec(8, 2, 64, "float32"), 4)
     with pytest.raises(CompileError, match=r"large vector sizes") as error:
         compile_spec(spec, "llvm-cpu", cache=ArtifactCache(tmp_path))

@@ -22,6 +22,7 @@ from linalg_prefill.mlir import (
     DecodeSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, build_fused_module, build_module,
 )
 from linalg_prefill.pipeline import Target
+from linalg_prefill.pipeline.tuning import apply_tuning
 from linalg_prefill.runtime import open_kernel, reference
 from linalg_prefill.mlir.abi import argument_names
 from linalg_prefill.mlir.decode import NARROW_PASS_VECTORS, ROW_VECTOR, WIDE_PASS_VECTORS
@@ -346,7 +347,9 @@ def test_decode_module_has_no_loop(queries, head_sinks):
 
 
 def _tiled_generics(module) -> list:
-    """(number of results, compilation_info text) of each generic the builder tiled itself."""
+    """(number of results, compilation_info text) of each generic the builder marked with a role,
+    as llvm-cpu tiles it (pipeline/cpu_tiles.py: the ``tune_generic`` hook)."""
+    apply_tuning(module, Target("llvm-cpu"))
     found = []
 
     def visit(op):
