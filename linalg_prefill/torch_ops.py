@@ -20,12 +20,11 @@ except ImportError as err:  # pragma: no cover
     raise ImportError(f"linalg_prefill.torch_ops needs torch: pip install 'linalg-prefill[hf]' ({err})") from err
 
 import json
-import threading
 
 from .mlir import (
     MaskedSequencePrefillSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec,
 )
-from .runtime import open_kernel
+from .runtime import shared_kernel
 
 __all__ = ["sequence_prefill", "sequence_prefill_masked", "ragged_prefill", "paged_prefill", "mla_paged_prefill",
            "kernel_for", "DTYPES"]
@@ -33,16 +32,10 @@ __all__ = ["sequence_prefill", "sequence_prefill_masked", "ragged_prefill", "pag
 #: The kernels' dtype of each torch dtype they take.
 DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
-_kernels: dict = {}
-_kernels_lock = threading.Lock()
-
-
 def kernel_for(spec):
-    """The llvm-cpu kernel of ``spec``, compiled (or read from the disk cache) once per process."""
-    with _kernels_lock:
-        if spec not in _kernels:
-            _kernels[spec] = open_kernel(spec, "llvm-cpu")
-        return _kernels[spec]
+    """The llvm-cpu kernel of ``spec``, compiled (or read from the disk cache) once per process
+    (runtime.shared_kernel: the library's one kernel memo)."""
+    return shared_kernel(spec, "llvm-cpu")
 
 
 def _results_like(q, d_v: int):

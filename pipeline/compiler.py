@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
@@ -11,7 +12,7 @@ from iree.compiler.version import VERSION as COMPILER_VERSION  # noqa: F401 (re-
 from .cache import ArtifactCache, default_cache
 from .quiet_logging import root_logger_left_alone
 from .targets import Target, target_for
-from .tuning import tuned_module
+from .tuning import tuned_ir
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +43,20 @@ def compile_spec(spec, backend: str | Target = "llvm-cpu", *, cache: ArtifactCac
 
 def cached_build(spec, target: Target, cache: ArtifactCache) -> tuple[bytes, bool]:
     """(vmfb bytes, whether IREE ran) for ``spec`` on ``target`` through ``cache``: keyed by the
-    IR without locations, compiled with them so that a diagnostic names the builder line."""
-    module = tuned_module(spec, target)
+    IR without locations (built once per process: :func:`keyed_ir`), compiled with them so that a
+    diagnostic names the builder line (built again only then)."""
     ran = []
 
     def build() -> bytes:
         ran.append(True)
-        return compile_ir(module.operation.get_asm(enable_debug_info=True), target, spec.name)
+        return compile_ir(tuned_ir(spec, target, locations=True), target, spec.name)
 
-    return cache.get_or_build(spec, target, module.operation.get_asm(), build), bool(ran)
+    return cache.get_or_build(spec, target, keyed_ir(spec, target), build), bool(ran)
+
+
+@functools.lru_cache(maxsize=512)
+def keyed_ir(spec, target: Target) -> str:
+    """The tuned IR of ``spec`` on ``target`` without locations, the artifact cache's key: built
+    once per process for the last 512 (specs and targets are frozen; a test that changes a
+    builder's tables clears it, ``keyed_ir.cache_clear()``)."""
+    return tuned_ir(spec, target)

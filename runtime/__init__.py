@@ -6,13 +6,13 @@ from .compare import ComparisonReport, compare_backends, error_bound
 from .examples import example_inputs
 from .devices import cuda_available, device_available, get_device
 from .errors import InputError
-from .kernels import Kernel, open_kernel
+from .kernels import Kernel, open_kernel, shared_kernel
 from .wrappers import (
     MaskedSequencePrefillWrapper, MlaPagedPrefillWrapper, PagedPrefillWrapper, RaggedPrefillWrapper,
     SequencePrefillWrapper,
 )
 
 __all__ = ["ArtifactSet", "open_artifacts", "ComparisonReport", "compare_backends", "error_bound", "example_inputs",
-           "cuda_available", "device_available", "get_device", "InputError", "Kernel", "open_kernel",
+           "cuda_available", "device_available", "get_device", "InputError", "Kernel", "open_kernel", "shared_kernel",
            "MaskedSequencePrefillWrapper", "MlaPagedPrefillWrapper", "PagedPrefillWrapper",
            "RaggedPrefillWrapper", "SequencePrefillWrapper"]

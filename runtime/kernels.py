@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable
 
 import numpy as np
@@ -174,3 +175,19 @@ def open_kernel(
     vmfb = compile_spec(spec, target, cache=cache)
     loaded = LoadedKernel(vmfb, spec.symbol, driver or target.driver, alignment=input_alignment(target.flags()))
     return Kernel(spec, target, loaded, cache=cache, decode_pass=serving_passes)
+
+
+_shared: dict = {}
+_shared_lock = threading.Lock()
+
+
+def shared_kernel(spec, backend: str | Target = "llvm-cpu", *, cache: ArtifactCache | None = None,
+                  serving_passes: bool = True) -> Kernel:
+    """:func:`open_kernel`'s kernel of ``spec``, opened once per process for these arguments and
+    shared (a Kernel serialises its calls): the library's one kernel memo, which the torch ops and
+    the transformers adapter open their kernels through."""
+    key = (spec, target_for(backend), cache.root if cache is not None else None, serving_passes)
+    with _shared_lock:
+        if key not in _shared:
+            _shared[key] = open_kernel(spec, backend, cache=cache, serving_passes=serving_passes)
+        return _shared[key]

@@ -17,6 +17,7 @@ from linalg_prefill.mlir import (
     DecodeSpec, build_fused_module, build_module,
 )
 from linalg_prefill.mlir.abi import ARGUMENTS, argument_names, arguments, position, result_dims, spelled
+from linalg_prefill.pipeline.compiler import keyed_ir
 from linalg_prefill.runtime.compare import error_bound, reference_for
 from linalg_prefill.runtime.errors import InputError
 from linalg_prefill.runtime.examples import example_inputs
@@ -152,7 +153,7 @@ PERMUTED = RaggedPrefillSpec(4, 2, 16, 16, "float32", q_tile=8, kv_tile=16)
 PERMUTED_ENTRIES = [(1, 9), (1, 30), (1, 17)]
 
 
-def test_a_permuted_table_is_read_by_name_everywhere(monkeypatch, cache):
+def test_a_permuted_table_is_read_by_name_everywhere(monkeypatch, cache, request):
     """The two RoPE arrays (both tensor<?xi32>, which a positional builder would confuse without
     the verifier noticing) swapped in the table: the kernel built from that table, its check and
     its reference bind them by name, so a call by name matches the reference; the call in the old
@@ -170,6 +171,8 @@ def test_a_permuted_table_is_read_by_name_everywhere(monkeypatch, cache):
         return tuple(original)
 
     monkeypatch.setitem(ARGUMENTS, RaggedPrefillSpec, swapped)
+    keyed_ir.cache_clear()  # the permuted table's IR, not one built before (and none kept after)
+    request.addfinalizer(keyed_ir.cache_clear)
     assert argument_names(PERMUTED).index("k_rope_pos_offset") < argument_names(PERMUTED).index("q_rope_position")
     kernel = open_kernel(PERMUTED, cache=cache)
     want = reference_for(PERMUTED, tuple(named[name] for name in argument_names(PERMUTED)))
