@@ -94,6 +94,11 @@ ROW_VECTOR = 16
 PV_COLUMNS = 8
 
 
+def _from_base(name: str) -> property:
+    """A DecodeSpec attribute that is its base spec's."""
+    return property(lambda self: getattr(self.base, name), doc=f"The base spec's ``{name}``.")
+
+
 @dataclass(frozen=True)
 class DecodeSpec:
     """The one-pass kernel of a KV-cache spec (``base``) for entries of up to ``queries`` queries:
@@ -104,16 +109,25 @@ class DecodeSpec:
     queries: int = 1
 
     symbol = "decode_entries"
-    #: What the pass has as its variant has it (``sliding_window``: False for the ragged cache).
-    _FROM_BASE = frozenset({"dtype", "h_q", "h_kv", "group_size", "layout", "kv_layout", "logits_soft_cap", "d", "d_qk",
-                            "d_v", "page_size", "head_sinks"})
 
-    def __getattr__(self, name: str):
-        if name == "sliding_window":
-            return getattr(self.base, name, False)
-        if name not in DecodeSpec._FROM_BASE:
-            raise AttributeError(name)
-        return getattr(self.base, name)
+    # What the pass has as its variant has it (``d`` and ``page_size``: the variants that have them).
+    dtype = _from_base("dtype")
+    h_q = _from_base("h_q")
+    h_kv = _from_base("h_kv")
+    group_size = _from_base("group_size")
+    layout = _from_base("layout")
+    kv_layout = _from_base("kv_layout")
+    logits_soft_cap = _from_base("logits_soft_cap")
+    d = _from_base("d")
+    d_qk = _from_base("d_qk")
+    d_v = _from_base("d_v")
+    page_size = _from_base("page_size")
+    head_sinks = _from_base("head_sinks")
+
+    @property
+    def sliding_window(self) -> bool:
+        """The variant's, False for the ragged cache (which has none)."""
+        return getattr(self.base, "sliding_window", False)
 
     @property
     def name(self) -> str:

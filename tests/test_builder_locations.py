@@ -11,6 +11,7 @@ from linalg_prefill.mlir import PagedPrefillSpec
 from linalg_prefill.mlir import decode
 from linalg_prefill.mlir.decode import DecodeSpec
 from linalg_prefill.pipeline import ArtifactCache, CompileError, Target, compile_spec, cpu_tiles
+from linalg_prefill.pipeline.compiler import keyed_ir
 from linalg_prefill.pipeline.tuning import tuned_ir
 
 
@@ -24,7 +25,7 @@ def test_ops_carry_their_builder_lines_and_the_cache_key_does_not():
     assert "loc(" not in tuned_ir(spec, Target("llvm-cpu"))
 
 
-def test_a_compile_error_names_the_builder_line(tmp_path, monkeypatch):
+def test_a_compile_error_names_the_builder_line(tmp_path, monkeypatch, request):
     """Tiles of 1024 lanes on the ops the pass builder marks with a role (llvm-cpu's tilings:
     pipeline/cpu_tiles.py) make IREE 3.13 reject the first of them ("large vector sizes"); the
     error names the line of mlir/decode.py that built it."""
@@ -35,6 +36,8 @@ def test_a_compile_error_names_the_builder_line(tmp_path, monkeypatch):
             return levels
 
         monkeypatch.setitem(cpu_tiles.CPU_GENERIC_TILINGS, role, oversized)
+    keyed_ir.cache_clear()  # the oversized tilings' IR (pipeline/compiler.py keeps a process's IR)
+    request.addfinalizer(keyed_ir.cache_clear)
     spec = DecodeSpec(PagedPrefillSpec(8, 2, 64, "float32"), 4)
     with pytest.raises(CompileError, match=r"large vector sizes") as error:
         compile_spec(spec, "llvm-cpu", cache=ArtifactCache(tmp_path))

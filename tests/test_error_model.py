@@ -16,6 +16,7 @@ from linalg_prefill.mlir import (
 from linalg_prefill.mlir import rope as rope_builder
 from linalg_prefill.mlir.ir import arith_d, const_index
 from linalg_prefill.runtime import open_kernel
+from linalg_prefill.pipeline.compiler import keyed_ir
 from linalg_prefill.runtime.compare import error_bound, reference_for
 from linalg_prefill.runtime.examples import example_inputs
 from linalg_prefill.runtime.reference import EMPTY_ROW_LSE
@@ -100,7 +101,7 @@ def _outside(bound, want, got) -> bool:
 
 @pytest.mark.compiles(*(PagedPrefillSpec(4, 2, 32, dtype, page_size=4, q_tile=8, kv_tile=16) for dtype in DTYPES))
 @pytest.mark.parametrize("mutation, dtype", [(mutation, DTYPES[i % 2]) for i, mutation in enumerate(MUTATIONS)])
-def test_a_mutated_kernel_breaks_the_bound_wherever_it_differs(mutation, dtype, cache, monkeypatch):
+def test_a_mutated_kernel_breaks_the_bound_wherever_it_differs(mutation, dtype, cache, monkeypatch, request):
     spec = PagedPrefillSpec(4, 2, 32, dtype, page_size=4, q_tile=8, kv_tile=16)
     patches, given = MUTATIONS[mutation]
     calls = list(_calls(spec, given, seed=len(mutation)))
@@ -108,6 +109,8 @@ def test_a_mutated_kernel_breaks_the_bound_wherever_it_differs(mutation, dtype, 
     goods = [clean(*args) for args in calls]  # before patching: the serving passes compile on first use
     for module, name, replacement in patches():
         monkeypatch.setattr(module, name, replacement)
+    keyed_ir.cache_clear()  # the mutated builders' IR (pipeline/compiler.py keeps a process's IR)
+    request.addfinalizer(keyed_ir.cache_clear)
     mutated = open_kernel(spec, cache=cache)
     changed = 0
     for i, (args, good) in enumerate(zip(calls, goods)):
