@@ -61,7 +61,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 MODELS = ("tiny.toml", "mistral-7b.json", "deepseek-v2-lite.json")
 WHEELS = ("iree-base-runtime==3.13.0", "numpy", "ml_dtypes")
-REFERENCE_FILES = ("reference.py", "rope.py", "kv_layouts.py", "error_model.py")
+REFERENCE_FILES = ("reference.py", "rope.py", "kv_layouts.py", "error_model.py", "dtypes.py")
 
 
 def bench_cases(dense_lengths=(2048, 8192)):

@@ -25,12 +25,13 @@ from .mlir import (
     MaskedSequencePrefillSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec,
 )
 from .runtime import shared_kernel
+from .runtime.dtypes import HOST_DTYPES
 
 __all__ = ["sequence_prefill", "sequence_prefill_masked", "ragged_prefill", "paged_prefill", "mla_paged_prefill",
            "kernel_for", "DTYPES"]
 
-#: The kernels' dtype of each torch dtype they take.
-DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+#: The kernels' dtype of each torch dtype they take (runtime/dtypes.py).
+DTYPES = {getattr(torch, dtype.torch): name for name, dtype in HOST_DTYPES.items()}
 
 def kernel_for(spec):
     """The llvm-cpu kernel of ``spec``, compiled (or read from the disk cache) once per process

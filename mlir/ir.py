@@ -69,11 +69,10 @@ def module_context() -> Iterator[ir.Module]:
 
 
 def element_type(dtype: str) -> ir.Type:
-    """The MLIR element type for a seed dtype string ("float32", "float16", "bfloat16")."""
-    builders = {"float32": ir.F32Type.get, "float16": ir.F16Type.get, "bfloat16": ir.BF16Type.get}
-    if dtype not in builders:
-        raise ValueError(f"dtype must be one of {sorted(builders)}, got {dtype!r}")
-    return builders[dtype]()
+    """The MLIR element type of a spec's dtype ("float32", "float16", "bfloat16": mlir/dtypes.py)."""
+    from .dtypes import ir_dtype
+
+    return ir_dtype(dtype).element_type()
 
 
 def tensor_type(shape: Sequence[int], elem: ir.Type) -> ir.RankedTensorType:

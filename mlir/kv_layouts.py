@@ -26,6 +26,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable
 
+from .dtypes import ir_dtype
 from .ir import (
     HostReadable, affine_map, arith_d, const_index, dim, element_type, empty, extract_slice, fill, generic, ir,
     linalg_d, lt, scf_d, sizes_of, storage_tiles, tensor_d, tie_dims,
@@ -151,7 +152,7 @@ class CacheLayout(KvLayout, ABC):
 
 
 def _itemsize(dtype: str) -> int:
-    return 4 if dtype == "float32" else 2
+    return ir_dtype(dtype).itemsize
 
 
 # ---- ragged

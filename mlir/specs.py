@@ -20,9 +20,10 @@ import dataclasses
 import hashlib
 from dataclasses import dataclass
 
+from .dtypes import IR_DTYPES
 from .kv_layouts import DENSE, LATENT, PAGED_ORDERS, RAGGED_ORDERS
 
-DTYPES = ("float32", "float16", "bfloat16")
+DTYPES = tuple(IR_DTYPES)
 
 # Dense tiles: 256 x 256 read K/V and the query tile fewest times (fastest at L=2048 and 8192).
 # The KV-cache variants keep 64 x 128: their entries are often short, and a tile of a short entry

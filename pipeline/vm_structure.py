@@ -23,6 +23,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..mlir.dtypes import ir_dtype
+
 HOST_BLOCKING = ("hal.device.queue.alloca", "hal.device.queue.dealloca", "hal.fence.await")
 _BLOCK = re.compile(r"^\s*\^bb(\d+)(\(.*\))?:\s*$")
 _BRANCH = re.compile(r"\bvm\.(br|cond_br)\b")
@@ -183,8 +185,9 @@ def amdgpu_kernels(isa: str) -> list[AmdgpuKernel]:
 
 
 def missing_tensor_cores(spec, vmfb_path: str | Path) -> str | None:
-    """f16/bf16 operands must run on tensor cores (f32 has none on IREE 3.13's CUDA target)."""
-    if spec.dtype == "float32" or tensor_core_instructions(Path(vmfb_path).read_bytes()):
+    """f16/bf16 operands must run on tensor cores (f32 has none on IREE 3.13's CUDA target: its
+    dtype record says so, mlir/dtypes.py)."""
+    if not ir_dtype(spec.dtype).matrix_units or tensor_core_instructions(Path(vmfb_path).read_bytes()):
         return None
     return f"{spec.name}: no mma.sync in the PTX, so its {spec.dtype} operands miss the tensor cores"
 
@@ -192,7 +195,7 @@ def missing_tensor_cores(spec, vmfb_path: str | Path) -> str | None:
 def missing_mfma(spec, vmfb_path: str | Path) -> str | None:
     """f16/bf16 operands must run on the matrix cores (``v_mfma`` in the ISA :func:`amdgpu_isa`
     reads); f32 operands are free not to."""
-    if spec.dtype == "float32":
+    if not ir_dtype(spec.dtype).matrix_units:
         return None
     try:
         count = sum(kernel.mfma for kernel in amdgpu_kernels(amdgpu_isa(vmfb_path)))

@@ -12,13 +12,11 @@ import iree.runtime as rt
 import ml_dtypes
 import numpy as np
 
+from .dtypes import HOST_DTYPES
 from .errors import InputError
 
-NUMPY_DTYPES = {
-    "float32": np.dtype(np.float32),
-    "float16": np.dtype(np.float16),
-    "bfloat16": np.dtype(ml_dtypes.bfloat16),
-}
+#: The numpy dtype of each spec dtype (runtime/dtypes.py).
+NUMPY_DTYPES = {name: dtype.numpy for name, dtype in HOST_DTYPES.items()}
 
 
 def on_host(value):

@@ -53,6 +53,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
+from .dtypes import HOST_DTYPES
 from .kv_layouts import host_layout
 from .reference import EMPTY_ROW_LSE
 from .rope import rope_pair_angles, rope_pairing
@@ -60,7 +61,8 @@ from .rope import rope_pair_angles, rope_pairing
 __all__ = ["CallFacts", "ErrorBound", "UNIT_ROUNDOFF", "bound_of_call", "merge_bound", "rotation_bound",
            "sinks_bound"]
 
-UNIT_ROUNDOFF = {"float32": 2.0 ** -24, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}
+#: Each spec dtype's unit roundoff (runtime/dtypes.py).
+UNIT_ROUNDOFF = {name: dtype.unit_roundoff for name, dtype in HOST_DTYPES.items()}
 U32 = UNIT_ROUNDOFF["float32"]
 LOG2E = 1.0 / math.log(2.0)
 #: The shortest KV tile of any lowering (spec tiles, serving-pass chunks, fused bands): the
@@ -137,7 +139,7 @@ def bound_of_call(named: dict, facts: CallFacts, reference: Reference, want=None
     gamma = terms * U32 / (1.0 - terms * U32)
     delta = _score_error(named, facts, keys, n) + _sink_error(named)
     weights = _weighted_values(named, facts, values, reference, want_out.shape)
-    u_p = 0.0 if facts.dtype == "float32" else u
+    u_p = 0.0 if u <= U32 else u  # probabilities rounded to the dtype: none in float32
     spread = np.expm1(2.0 * delta) + 2.0 * gamma + u_p
     output = spread[..., None] * weights + (u + 2.0 * U32) * np.abs(want_out)
     lse = LOG2E * (delta + 2.0 * gamma + 4.0 * U32) + 2.0 * U32 * np.abs(want_lse)

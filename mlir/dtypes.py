@@ -1,0 +1,46 @@
+"""The dtypes the kernels take, the IR half of their records (the host half, numpy, torch, IREE
+and the error model's unit roundoff, is ``runtime/dtypes.py``, one record per name).
+
+    IR_DTYPES["bfloat16"].element_type()   # bf16, in an open MLIR context
+    IR_DTYPES["float16"].itemsize          # 2
+
+A new dtype is one record here and one there (tests/test_dtypes.py checks both halves).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .ir import ir
+
+
+@dataclass(frozen=True)
+class IrDType:
+    """``name``: how specs spell it; ``itemsize``: bytes an element; ``mlir``: the MLIR builtin
+    type's class name; ``matrix_units``: GPU tensor cores (CUDA) and matrix cores (ROCm) take its
+    operands, so a GPU artifact must use them (pipeline/vm_structure.py)."""
+
+    name: str
+    itemsize: int
+    mlir: str
+    matrix_units: bool
+
+    def element_type(self) -> ir.Type:
+        """The MLIR element type, in an open context."""
+        return getattr(ir, self.mlir).get()
+
+
+#: Every dtype by name, in the order specs list them (mlir/specs.py: DTYPES).
+IR_DTYPES: dict[str, IrDType] = {dtype.name: dtype for dtype in (
+    IrDType("float32", 4, "F32Type", matrix_units=False),
+    IrDType("float16", 2, "F16Type", matrix_units=True),
+    IrDType("bfloat16", 2, "BF16Type", matrix_units=True),
+)}
+
+
+def ir_dtype(name: str) -> IrDType:
+    """The IR half of dtype ``name``; ValueError naming the known ones otherwise."""
+    try:
+        return IR_DTYPES[name]
+    except KeyError:
+        raise ValueError(f"dtype must be one of {sorted(IR_DTYPES)}, got {name!r}") from None
