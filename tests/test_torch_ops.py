@@ -79,3 +79,31 @@ def test_compiled_function_traces_through_the_op():
 
     want_out, want_lse = torch.ops.linalg_prefill.sequence_prefill(q * 0.5, k, v, *extra)
     torch.testing.assert_close(attend(q, k, v), want_out.sum(-1) + want_lse)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_schema_is_the_argument_table_then_the_fields(name):
+    """The registered schema names the variant's table arguments in the table's order, then the
+    op's fields: a renamed or reordered table argument changes the op with it."""
+    from linalg_prefill.mlir.abi import arguments
+    from linalg_prefill.torch_ops import OPS
+
+    registered = [arg.name for arg in getattr(torch.ops.linalg_prefill, name).default._schema.arguments]
+    op = OPS[name]
+    assert registered == [arg.name for arg in arguments(CASES[name][0])] + [field for field, _, _ in op.fields]
+
+
+@pytest.mark.compiles(CASES["paged_prefill"][0])
+def test_op_takes_its_arguments_by_name():
+    """The paged op called with every argument by keyword, in reverse order, equals the positional
+    call bitwise."""
+    from linalg_prefill.torch_ops import OPS
+
+    spec, extra = CASES["paged_prefill"]
+    _host, args = _torch_args(spec)
+    names = OPS["paged_prefill"].argument_names
+    by_name = dict(zip(names, (*args, *extra)))
+    positional = torch.ops.linalg_prefill.paged_prefill(*args, *extra)
+    keyword = torch.ops.linalg_prefill.paged_prefill(**dict(reversed(list(by_name.items()))))
+    for got, want in zip(keyword, positional):
+        assert torch.equal(got, want)
