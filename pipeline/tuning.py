@@ -148,9 +148,48 @@ def _gpu_attention_config(op: ir.Operation, loops: tuple[str, ...], cores: Matri
 
 def cuda_attention_config(op: ir.Operation, loops: tuple[str, ...]) -> dict[str, ir.Attribute] | None:
     """The tensor-core configuration of one online_attention op (:func:`cuda_attention_tiling`),
-    or None for f32 operands (no tensor cores on this target: IREE's default SIMT
-    configuration): the ``tune_attention`` hook of ``BACKENDS["cuda"]``."""
-    return _gpu_attention_config(op, loops, CUDA_CORES, cuda_attention_tiling)
+    or for f32 operands (no tensor cores on this target) :func:`cuda_f32_attention_config`: the
+    ``tune_attention`` hook of ``BACKENDS["cuda"]``."""
+    return _gpu_attention_config(op, loops, CUDA_CORES, cuda_attention_tiling) or cuda_f32_attention_config(op, loops)
+
+
+#: f32 on CUDA (SIMT, 8 warps of 32): IREE 3.13's own choice for d 128, one query row and 32 value
+#: columns a workgroup, 64 keys a step across the warps (8 lanes each), 4 lanes x 4 elements of the
+#: head dim in Q.K^T and of the value columns in P.V. Its own choice for other head dims (d 160-576:
+#: 32 keys a step, 8 lanes across the head dim, 64 value columns) gave wrong results on an H200
+#: (sm_80 PTX): errors ~1 against the reference in every f32 case of d_qk 160, 192, 256 and MLA's
+#: 576, right with this one (docs/cuda.md, first GPU run).
+F32_SIMT = dict(warps=8, lanes=32, value_columns=32, keys=64, key_lanes=8, inner_lanes=4, inner_elements=4)
+
+
+def cuda_f32_attention_config(op: ir.Operation, loops: tuple[str, ...]) -> dict[str, ir.Attribute] | None:
+    """compilation_info + decomposition_config of one f32 online_attention op with ``loops`` on
+    CUDA's SIMT cores (:data:`F32_SIMT`, for every head dim), None for other operand types.
+    Q.K^T runs over every loop but ``n``, P.V over every loop but ``k1``; each lays its lanes and
+    warps on a basis of one component per loop."""
+    if str(ir.RankedTensorType(op.operands[0].type).element_type) != "f32":
+        return None
+    c = F32_SIMT
+
+    def per_loop(**sizes):
+        return [sizes.get(name, 0) for name in loops]
+
+    def step(skipped: str, inner: str) -> str:
+        dims = [i for i, name in enumerate(loops) if name != skipped]
+        lanes = per_loop(ki=c["key_lanes"], **{inner: c["inner_lanes"]})
+        warps = per_loop(ki=c["warps"])
+        thread = [c["inner_elements"] if loops[i] == inner else 0 for i in dims]
+        return (f"{{lowering_config = #iree_gpu.lowering_config<{{lane_basis = [{[n or 1 for n in lanes]}, {dims}], "
+                f"subgroup_basis = [{[n or 1 for n in warps]}, {dims}], thread = {thread}}}>}}")
+
+    decomposition = ir.Attribute.parse(f"{{qk_attrs = {step('n', 'k1')}, pv_attrs = {step('k1', 'n')}}}")
+    compilation = ir.Attribute.parse(
+        "#iree_codegen.compilation_info<lowering_config = #iree_gpu.lowering_config<{"
+        f"partial_reduction = {per_loop(kt=1, ki=c['keys'])}, "
+        f"workgroup = {per_loop(e=1, h=1, g=1, qi=1, n=c['value_columns'])}}}>, "
+        "translation_info = #iree_codegen.translation_info<pipeline = #iree_gpu.pipeline<VectorDistribute> "
+        f"workgroup_size = [{c['warps'] * c['lanes']}, 1, 1] subgroup_size = {c['lanes']}>>")
+    return {"decomposition_config": decomposition, "compilation_info": compilation}
 
 
 #: d 256 on CDNA: 64 KB of LDS a workgroup holds Q and K/V tiles of 32 keys but not of 64 (IREE

@@ -3,6 +3,7 @@ compiling it."""
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -66,9 +67,21 @@ def test_half_precision_gets_the_tensor_core_configuration(spec):
     assert "linalg_prefill.attention" not in text  # the marker is consumed
 
 
-def test_f32_keeps_irees_own_configuration():
-    text = tuned_ir(SequencePrefillSpec(8, 2, 64, "float32", causal=True, sm_scale=0.125), Target("cuda"))
-    assert "mma_kind" not in text and "compilation_info" not in text
+@pytest.mark.parametrize("spec", [SequencePrefillSpec(8, 2, 64, "float32", causal=True, sm_scale=0.125),
+                                  RaggedPrefillSpec(4, 4, 192, 128, "float32"),
+                                  MlaPagedPrefillSpec(16, 512, 64, "float32", page_size=16)], ids=lambda s: s.name)
+def test_f32_gets_the_simt_configuration_for_every_head_dim(spec):
+    """IREE's own f32 choice gave wrong results for d_qk 160-576 on an H200 (pipeline/tuning.py:
+    F32_SIMT): each op gets the one that was right there, a warp's 32 lanes and 8 warps laid on
+    the keys (and 4 lanes on the head dim or value columns) in both steps, no tensor cores."""
+    text = tuned_ir(spec, Target("cuda"))
+    ops = _attention_ops(text)
+    assert ops and "mma_kind" not in text
+    steps = re.findall(r"lane_basis = \[\[([\d, ]+)\], \[[\d, ]+\]\], subgroup_basis = \[\[([\d, ]+)\]", text)
+    assert len(steps) == 2 * len(ops), text  # Q.K^T and P.V of each op
+    product = lambda counts: math.prod(int(n) for n in counts.split(","))  # noqa: E731
+    assert all(product(lanes) == 32 and product(warps) == 8 for lanes, warps in steps), steps
+    assert text.count("workgroup_size = [256, 1, 1] subgroup_size = 32") >= 1
 
 
 def test_masks_are_generated_per_band_not_stored():
