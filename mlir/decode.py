@@ -207,7 +207,8 @@ class DecodePasses:
     ``call_scratch``: the most scratch bytes one call of a pass takes; a pass's entries, in
     order of KV length, are cut into calls within it (None: no bound). An entry with more
     queries than the largest pass and at most ``pieces_up_to`` keys runs in that pass, in
-    pieces of its queries (0: none does)."""
+    pieces of its queries (0: none does). ``loaded``: the passes a kernel loaded at open, the
+    only usable ones (None: every one)."""
 
     queries: tuple[int, ...]
     bucketed: bool
@@ -215,10 +216,13 @@ class DecodePasses:
     split_up_to: int = 4
     call_scratch: int | None = None
     pieces_up_to: int = 0
+    loaded: tuple[int, ...] | None = None
 
     def usable(self, spec) -> tuple[int, ...]:
-        """The query counts of the passes that keep ``spec``'s scratch within the bound."""
-        return tuple(queries for queries in self.queries if self._within_bound(DecodeSpec(spec, queries)) != 0)
+        """The query counts of the passes that keep ``spec``'s scratch within the bound (and
+        are loaded)."""
+        return tuple(queries for queries in self.queries if self._within_bound(DecodeSpec(spec, queries)) != 0
+                     and (self.loaded is None or queries in self.loaded))
 
     def pieces_per_call(self, pass_spec: DecodeSpec) -> int:
         """How many pass entries of one batch entry (its pieces) a call of ``pass_spec`` may hold:
@@ -256,15 +260,6 @@ class DecodePasses:
 DECODE_PASSES = {"linalg": DecodePasses((1, 4, 16), bucketed=False, scratch_bound=2.0, call_scratch=256 << 20,
                                        pieces_up_to=256),
                  "fused": DecodePasses((1, 4, 16), bucketed=True)}
-
-
-def serving_passes(spec, lowering: str) -> list[DecodeSpec]:
-    """The passes a KV-cache kernel of ``spec`` hands its short entries to on ``lowering`` (the
-    usable ones, runtime/decode.py); none for a dense variant, a pass, or a mask rule that does
-    not run in one pass (a custom mask)."""
-    if isinstance(spec, DecodeSpec) or spec.kv_layout == "dense" or not mask_rule(spec).one_pass:
-        return []
-    return [DecodeSpec(spec, queries) for queries in DECODE_PASSES[lowering].usable(spec)]
 
 
 def _index(i: int) -> ir.Value:

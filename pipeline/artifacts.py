@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from ..mlir.decode import DecodeSpec, serving_passes
+from ..mlir.decode import DecodeSpec
 from .cache import ArtifactCache, atomic_write, default_cache, file_lock
 from .compiler import COMPILER_VERSION, CompileError, cached_build
 from .model_config import ModelConfig
@@ -68,7 +68,7 @@ class BuildReport:
 def build_artifacts(specs, backends, out_dir, *, jobs: int | None = None, cache: ArtifactCache | None = None,
                     progress: TextIO | bool = True, model: ModelConfig | None = None) -> BuildReport:
     """Compiles every spec for every backend (a name or a :class:`Target`) into ``out_dir``, with
-    each KV-cache spec's serving passes for that backend (mlir/decode.py: serving_passes).
+    each KV-cache spec's serving passes for that backend (``Target.serving_passes``).
 
     ``jobs`` worker processes (default ``os.cpu_count()``) compile in parallel; ``cache`` defaults
     to the environment's cache; one progress line per finished artifact goes to ``progress`` (a
@@ -80,7 +80,7 @@ def build_artifacts(specs, backends, out_dir, *, jobs: int | None = None, cache:
     out_dir = Path(out_dir)
     store = default_cache() if cache is None else cache
     tasks = [(spec, target_for(backend)) for backend in backends for spec in specs]
-    tasks += [(pass_spec, target) for spec, target in tasks for pass_spec in serving_passes(spec, target.lowering)]
+    tasks += [(pass_spec, target) for spec, target in tasks for pass_spec in target.serving_passes(spec)]
     if not tasks:
         raise ValueError("nothing to build: no specs or no backends")
     stream = sys.stderr if progress is True else progress or None

@@ -93,6 +93,12 @@ class ArtifactCache:
     def entry_dir(self, spec, target: Target, key: str) -> Path:
         return self.root / COMPILER_VERSION / target.tag / f"{spec.name}-{key[:16]}"
 
+    def cached(self, spec, target: Target, ir_text: str) -> bytes | None:
+        """The cached vmfb for (spec, target, ir_text), or None when missing, damaged or disabled."""
+        if not self.enabled:
+            return None
+        return _read_verified(self.entry_dir(spec, target, artifact_key(ir_text, target)))
+
     def get_or_build(self, spec, target: Target, ir_text: str, build: Callable[[], bytes]) -> bytes:
         """The cached vmfb for (spec, target, ir_text), calling ``build()`` once if missing or damaged."""
         if not self.enabled:

@@ -11,18 +11,31 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from typing import Iterator
+
+_lock = threading.Lock()
+_placeholder = logging.NullHandler()
+_users = 0  # threads inside root_logger_left_alone while it holds the placeholder
 
 
 @contextlib.contextmanager
 def root_logger_left_alone() -> Iterator[None]:
+    """Thread-safe (concurrent compiles at open): the placeholder stays until the last thread
+    that needed it leaves."""
+    global _users
     root = logging.getLogger()
-    if root.handlers:
-        yield
-        return
-    placeholder = logging.NullHandler()
-    root.addHandler(placeholder)
+    with _lock:
+        placed = _users > 0 or not root.handlers
+        if placed:
+            if _users == 0:
+                root.addHandler(_placeholder)
+            _users += 1
     try:
         yield
     finally:
-        root.removeHandler(placeholder)
+        if placed:
+            with _lock:
+                _users -= 1
+                if _users == 0:
+                    root.removeHandler(_placeholder)

@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ..mlir.decode import DECODE_PASSES, DecodePasses, DecodeSpec
+from ..mlir.mask_rules import mask_rule
 from . import cpu_tiles, tuning, vm_structure
 
 LOWERINGS = ("linalg", "fused")
@@ -211,6 +213,21 @@ class Target:
 
     def flags(self) -> list[str]:
         return [*self.record.flags(self.arch), *self.extra_flags]
+
+    @property
+    def decode_passes(self) -> DecodePasses:
+        """The one-pass kernels of this target's lowering (mlir/decode.py: DECODE_PASSES)."""
+        return DECODE_PASSES[self.lowering]
+
+    def serving_passes(self, spec) -> list[DecodeSpec]:
+        """The serving passes a KV-cache kernel of ``spec`` hands its short entries to here: the
+        lowering's usable ones (runtime/decode.py); none for a dense variant, a pass, or a mask
+        rule that does not run in one pass (a custom mask). The one answer to "which passes":
+        what an AOT build writes (pipeline/artifacts.py), what ``open_kernel`` loads
+        (runtime/kernels.py) and what the tests declare (tests/conftest.py)."""
+        if isinstance(spec, DecodeSpec) or spec.kv_layout == "dense" or not mask_rule(spec).one_pass:
+            return []
+        return [DecodeSpec(spec, queries) for queries in self.decode_passes.usable(spec)]
 
 
 def target_for(backend: str | Target) -> Target:

@@ -6,8 +6,9 @@
 
 A spec the folder lacks is compiled into the artifact cache (as :func:`open_kernel` does), or,
 with ``aot_only=True``, raises :class:`ArtifactError` saying how to build it. A KV-cache kernel
-takes its serving passes (mlir/decode.py) from the folder too (``build_artifacts`` builds them);
-with ``aot_only=True`` and a pass missing, it runs every entry itself.
+takes its serving passes (``Target.serving_passes``) from the folder too (``build_artifacts``
+builds them), at load: a pass the folder lacks is compiled then, or with ``aot_only=True`` left
+out (the entries it would take run in the passes there are, or the kernel itself).
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import threading
 from pathlib import Path
 
 from ..mlir import SPEC_TYPES
-from ..mlir.decode import DecodeSpec, serving_passes
-from ..pipeline import ArtifactCache, Target, target_for
+from ..mlir.decode import DecodeSpec
+from ..pipeline import ArtifactCache, Target, compile_specs, target_for
 from ..pipeline.artifacts import ArtifactError, load_manifest, verify_artifact
 from ..pipeline.targets import input_alignment
 from .kernels import Kernel, open_kernel
@@ -71,13 +72,17 @@ class ArtifactSet:
     def _load(self, spec) -> Kernel:
         entry = self.entries.get(spec.name)
         if entry is not None:
-            vmfb = verify_artifact(entry, self.root).read_bytes()
             target = _entry_target(entry)
-            passes = serving_passes(spec, target.lowering)
-            with_passes = not self.aot_only or all(p.name in self.entries for p in passes)
-            loaded = LoadedKernel(vmfb, spec.symbol, target.driver, alignment=input_alignment(entry["flags"]))
-            return Kernel(spec, target, loaded, cache=self._cache, decode_pass=with_passes,
-                          pass_loader=self._pass_kernel)
+            passes = target.serving_passes(spec)
+            found = [pass_spec for pass_spec in passes if pass_spec.name in self.entries]
+            missing = [] if self.aot_only else [pass_spec for pass_spec in passes if pass_spec.name not in self.entries]
+            compiled = dict(zip(missing, compile_specs(missing, target, cache=self._cache))) if missing else {}
+            return Kernel(spec, target, self._loaded(spec, entry, target), {
+                **{pass_spec.queries: self._loaded(pass_spec, self.entries[pass_spec.name], target)
+                   for pass_spec in found},
+                **{pass_spec.queries: LoadedKernel(vmfb, pass_spec.symbol, target.driver,
+                                                   alignment=input_alignment(target.flags()))
+                   for pass_spec, vmfb in compiled.items()}})
         if self.aot_only:
             backend = target_for(self.backend).backend
             raise ArtifactError(
@@ -87,12 +92,9 @@ class ArtifactSet:
                 f"{str(self.root)!r}), or open the folder with aot_only=False to compile it on first use")
         return open_kernel(spec, self.backend, cache=self._cache)
 
-    def _pass_kernel(self, pass_spec: DecodeSpec, target: Target) -> LoadedKernel | None:
-        """The folder's artifact of a serving pass, or None (the kernel then compiles it)."""
-        entry = self.entries.get(pass_spec.name)
-        if entry is None:
-            return None
-        return LoadedKernel(verify_artifact(entry, self.root).read_bytes(), pass_spec.symbol, target.driver,
+    def _loaded(self, spec, entry: dict, target: Target) -> LoadedKernel:
+        """The folder's artifact of ``spec`` (a variant or a serving pass), sha256-checked, loaded."""
+        return LoadedKernel(verify_artifact(entry, self.root).read_bytes(), spec.symbol, target.driver,
                             alignment=input_alignment(entry["flags"]))
 
     def __repr__(self) -> str:

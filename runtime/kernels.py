@@ -8,18 +8,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
 from ..mlir.abi import argument_names
 from ..mlir.decode import DecodeSpec
-from ..mlir.mask_rules import mask_rule
-from ..pipeline import ArtifactCache, Target, compile_spec, target_for
+from ..pipeline import ArtifactCache, Target, compile_specs, target_for
 from ..pipeline.targets import input_alignment
 from .checks import NUMPY_DTYPES, check_on_device
-from .decode import DECODE_PASSES, decode_schedule, schedule_key, split_decode
+from .decode import decode_schedule, schedule_key, split_decode
 from .errors import InputError
 from .interop import like_inputs, results_to_host
 from .module import LoadedKernel, as_device_arrays, device_resident, host_visible_array
@@ -39,24 +39,25 @@ class Kernel:
     Thread-safe: concurrent calls are serialised per kernel.
     """
 
-    def __init__(self, spec, target: Target, loaded: LoadedKernel, *, cache: ArtifactCache | None = None,
-                 decode_pass: bool = False, pass_loader=None):
+    def __init__(self, spec, target: Target, loaded: LoadedKernel, passes: dict[int, LoadedKernel] | None = None):
         self.spec = spec
         self.target = target
         self._loaded = loaded
         self._arg_names = argument_names(spec)  # the seed's ABI names (mlir/abi.py)
-        # Kernels whose mask rule allows it (the KV-cache causal mask) hand their short entries to
-        # the lowering's one-pass kernels (runtime/decode.py), compiled through ``cache`` on the
-        # first call that has some; other rules run every entry in the main kernel.
-        self._decode_pass = decode_pass and mask_rule(spec).one_pass
-        self._decode_passes = DECODE_PASSES[target.lowering]
-        self._cache = cache
-        self._decode_kernels: dict[int, LoadedKernel] = {}
-        # ``pass_loader(pass_spec, target)``: a pass's LoadedKernel from elsewhere (an artifact
-        # folder), or None to compile it through ``cache``.
-        self._pass_loader = pass_loader
+        # ``passes``: the serving passes loaded at open, by query count (Target.serving_passes):
+        # a call hands its short entries to them (runtime/decode.py) and compiles nothing; without
+        # them every entry runs in the main kernel.
+        self._decode_kernels = dict(passes or {})
+        self._decode_pass = bool(self._decode_kernels)
+        self._decode_passes = dataclasses.replace(target.decode_passes, loaded=tuple(sorted(self._decode_kernels)))
         self._schedule: tuple = (None, None)  # (plan, its DecodeSchedule) of the last planned call
         self._call_schedule: tuple = (None, None)  # (schedule_key, its DecodeSchedule) of the last other call
+
+    @property
+    def serving_passes(self) -> tuple[int, ...]:
+        """The query counts of the serving passes this kernel loaded at open (none: every entry
+        runs in the main kernel)."""
+        return self._decode_passes.loaded
 
     @property
     def device(self):
@@ -127,14 +128,6 @@ class Kernel:
     def _run_decode(self, queries: int, *args, use: Callable | None = None):
         """The one-pass kernel for entries of up to ``queries`` queries (runtime/decode.py):
         numpy results, or what ``use`` returns given them (LoadedKernel.consume)."""
-        if queries not in self._decode_kernels:
-            pass_spec = DecodeSpec(self.spec, queries)
-            loaded = self._pass_loader(pass_spec, self.target) if self._pass_loader is not None else None
-            if loaded is None:
-                vmfb = compile_spec(pass_spec, self.target, cache=self._cache)
-                loaded = LoadedKernel(vmfb, pass_spec.symbol, self._loaded.driver,
-                                      alignment=input_alignment(self.target.flags()))
-            self._decode_kernels[queries] = loaded
         loaded = self._decode_kernels[queries]
         return loaded(*args, to_host=True) if use is None else loaded.consume(use, *args)
 
@@ -161,20 +154,44 @@ def open_kernel(
     *,
     driver: str | None = None,
     cache: ArtifactCache | None = None,
-    serving_passes: bool = True,
+    serving_passes: bool | Iterable[int] = True,
 ) -> Kernel:
-    """Compiles ``spec`` for ``backend`` (cached on disk) and loads it on ``driver``.
+    """Compiles ``spec`` and its serving passes for ``backend`` (cached on disk; the missing ones
+    concurrently) and loads them on ``driver``: no call compiles.
 
     ``driver`` defaults to the backend's (``local-task`` for llvm-cpu, ``cuda`` for cuda).
-    ``serving_passes=False`` runs every entry in the variant's own kernel instead of handing the
-    short ones of a KV-cache call to the one-pass kernels (runtime/decode.py): no pass is compiled.
+    ``serving_passes``: the one-pass kernels a KV-cache call hands its short entries to
+    (runtime/decode.py): True, every pass the target has for ``spec`` (``Target.serving_passes``:
+    1, 4 and 16 queries on llvm-cpu, those within its scratch bound); an iterable of query counts,
+    those of them; False, none (every entry runs in the variant's own kernel).
     """
     if variant(spec).check is None:
         raise InputError(f"spec: {type(spec).__name__} is a pass of a variant's kernel, not a variant")
     target = target_for(backend)
-    vmfb = compile_spec(spec, target, cache=cache)
-    loaded = LoadedKernel(vmfb, spec.symbol, driver or target.driver, alignment=input_alignment(target.flags()))
-    return Kernel(spec, target, loaded, cache=cache, decode_pass=serving_passes)
+    passes = passes_at_open(spec, target, serving_passes)
+    vmfbs = compile_specs([spec, *passes], target, cache=cache)
+    driver = driver or target.driver
+    alignment = input_alignment(target.flags())
+    loaded = LoadedKernel(vmfbs[0], spec.symbol, driver, alignment=alignment)
+    return Kernel(spec, target, loaded, {pass_spec.queries: LoadedKernel(vmfb, pass_spec.symbol, driver, alignment=alignment)
+                                         for pass_spec, vmfb in zip(passes, vmfbs[1:])})
+
+
+def passes_at_open(spec, target: Target, serving_passes: bool | Iterable[int] = True) -> list[DecodeSpec]:
+    """The serving passes ``open_kernel(spec, target, serving_passes=...)`` loads; ValueError
+    naming ``serving_passes`` for a query count the target has no pass of for ``spec``."""
+    every = target.serving_passes(spec)
+    if serving_passes is True:
+        return every
+    if serving_passes is False or serving_passes is None:
+        return []
+    wanted = sorted(set(serving_passes))
+    usable = {pass_spec.queries: pass_spec for pass_spec in every}
+    unknown = [queries for queries in wanted if queries not in usable]
+    if unknown:
+        raise ValueError(f"serving_passes: {target.tag} has no pass of {unknown} queries for {spec.name} (its "
+                         f"passes: {sorted(usable) or 'none'})")
+    return [usable[queries] for queries in wanted]
 
 
 _shared: dict = {}
@@ -182,12 +199,14 @@ _shared_lock = threading.Lock()
 
 
 def shared_kernel(spec, backend: str | Target = "llvm-cpu", *, cache: ArtifactCache | None = None,
-                  serving_passes: bool = True) -> Kernel:
+                  serving_passes: bool | Iterable[int] = True) -> Kernel:
     """:func:`open_kernel`'s kernel of ``spec``, opened once per process for these arguments and
     shared (a Kernel serialises its calls): the library's one kernel memo, which the torch ops and
     the transformers adapter open their kernels through."""
-    key = (spec, target_for(backend), cache.root if cache is not None else None, serving_passes)
+    target = target_for(backend)
+    passes = tuple(pass_spec.queries for pass_spec in passes_at_open(spec, target, serving_passes))
+    key = (spec, target, cache.root if cache is not None else None, passes)
     with _shared_lock:
         if key not in _shared:
-            _shared[key] = open_kernel(spec, backend, cache=cache, serving_passes=serving_passes)
+            _shared[key] = open_kernel(spec, target, cache=cache, serving_passes=passes)
         return _shared[key]

@@ -20,10 +20,11 @@ For example (tests/test_kv_cache_prefill.py, tests/test_head_sinks.py)::
 
     pytestmark = pytest.mark.compiles(*SPECS.values(), passes=ENTRIES)   # a whole module
 
-The serving passes (runtime/decode.py) that ``open_kernel`` compiles on a KV-cache kernel's first
-call with short entries (and no inline RoPE) are declared with ``compiles(..., passes=ENTRIES)``:
-those that calls of ``ENTRIES`` ((qo_len, kv_len) per entry) take, for each KV-cache spec the
-test declares; ``passes=True``: all of them; none by default.
+The serving passes (runtime/decode.py) that a KV-cache kernel's calls with short entries (and no
+inline RoPE) take are declared with ``compiles(..., passes=ENTRIES)``: those that calls of
+``ENTRIES`` ((qo_len, kv_len) per entry) take, for each KV-cache spec the test declares;
+``passes=True``: all of them; none by default. ``open_kernel`` loads a kernel's passes at open,
+and in a test it loads the declared ones (``declared_serving_passes``).
 Tests that are skipped (a true ``skipif``, e.g. CUDA without a device) or deselected declare
 nothing. A spec no test declares still works: it compiles when the test opens it, one after
 another; the summary line at the end names how many did (``compiled during the tests``).
@@ -60,8 +61,7 @@ from linalg_prefill.pipeline import ArtifactCache, CompileError, Target, compile
 from linalg_prefill.pipeline.artifacts import CacheFill, fill_cache
 from linalg_prefill.pipeline.compiler import cached_build
 from linalg_prefill.pipeline.targets import BACKENDS as TARGET_BACKENDS, LOWERINGS
-from linalg_prefill.runtime import examples
-from linalg_prefill.runtime.decode import DECODE_PASSES
+from linalg_prefill.runtime import examples, kernels
 from linalg_prefill.runtime.devices import backend_available
 from linalg_prefill.runtime.examples import uniform as _uniform
 from linalg_prefill.runtime.variants import VARIANTS
@@ -155,10 +155,10 @@ def pytest_configure(config):
     compiler.compile_ir = counted_compile_ir  # counts the compiles outside the pre-build
     real_cached_build = _PREBUILD["cached_build"] = compiler.cached_build
 
-    def noted_cached_build(spec, target, cache):
+    def noted_cached_build(spec, target, cache, *located):
         if not _PREBUILD["running"]:
             _PREBUILD["opened"].add(f"{target.tag}/{spec.name}")
-        return real_cached_build(spec, target, cache)
+        return real_cached_build(spec, target, cache, *located)
 
     compiler.cached_build = noted_cached_build  # what the tests open (compile_spec), for the summary
 
@@ -223,13 +223,32 @@ def _passes(spec, target: Target, entries) -> list[int]:
     """The query counts of the serving passes of ``spec`` on ``target`` that calls of ``entries``
     ((qo_len, kv_len) per entry, rotary_mode 0) take (runtime/decode.py's pass_queries), or all
     of them for True."""
-    usable = DECODE_PASSES[target.lowering].usable(spec)
+    passes = target.decode_passes
+    usable = passes.usable(spec)
     if entries is True or not usable:
         return list(usable)
-    passes = DECODE_PASSES[target.lowering]
-    own = {next((count for count in sorted(passes.queries) if qo_len <= count), None) for qo_len, kv_len in entries
-           if qo_len >= 1 and kv_len >= 1}
+    largest = max(passes.queries)
+    in_pieces = largest if largest in usable else None  # long entries over short caches
+    own = {next((count for count in sorted(passes.queries) if qo_len <= count),
+                in_pieces if kv_len <= passes.pieces_up_to else None)
+           for qo_len, kv_len in entries if qo_len >= 1 and kv_len >= 1}
     return sorted({passes.taken(count, usable) for count in own if count is not None} - {0})
+
+
+@pytest.fixture(autouse=True)
+def declared_serving_passes(request, monkeypatch):
+    """In a test, ``open_kernel(..., serving_passes=True)`` (the default) loads the serving passes
+    the test declares (module docstring) instead of every pass the target has: opening compiles
+    what the calls take, not up to 211 more artifacts (docs/architecture.md). An entry whose pass
+    is not loaded runs in a loaded one or the main kernel (runtime/decode.py)."""
+    declared = {(spec, target) for spec, target in compiled_by(request.node) if isinstance(spec, DecodeSpec)}
+    real = kernels.passes_at_open
+
+    def passes_at_open(spec, target, serving_passes=True):
+        passes = real(spec, target, serving_passes)
+        return [p for p in passes if (p, target) in declared] if serving_passes is True else passes
+
+    monkeypatch.setattr(kernels, "passes_at_open", passes_at_open)
 
 
 def pytest_collection_finish(session):

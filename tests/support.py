@@ -20,7 +20,8 @@ from linalg_prefill.mlir import (
     MaskedSequencePrefillSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec,
 )
 from linalg_prefill.mlir.abi import argument_names, ordered
-from linalg_prefill.runtime import open_kernel
+from linalg_prefill.pipeline import target_for
+from linalg_prefill.runtime import kernels, open_kernel
 from linalg_prefill.runtime.compare import error_bound, reference_for
 from linalg_prefill.runtime.examples import example_inputs
 from linalg_prefill.runtime.reference import EMPTY_ROW_LSE
@@ -136,8 +137,9 @@ _KERNELS: dict = {}
 
 def kernel_for(spec, backend="llvm-cpu", cache=None, serving_passes: bool = True):
     """``open_kernel(spec, backend, cache=cache, serving_passes=serving_passes)``, opened once per
-    session (opening builds the spec's IR again to find its artifact)."""
-    key = (spec, backend, cache.root if cache else None, serving_passes)
+    session for the passes it loads (tests/conftest.py: declared_serving_passes)."""
+    passes = tuple(p.queries for p in kernels.passes_at_open(spec, target_for(backend), serving_passes))
+    key = (spec, backend, cache.root if cache else None, passes)
     if key not in _KERNELS:
         _KERNELS[key] = open_kernel(spec, backend, cache=cache, serving_passes=serving_passes)
     return _KERNELS[key]

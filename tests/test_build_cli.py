@@ -22,9 +22,10 @@ from linalg_prefill.pipeline.artifacts import (
 )
 from linalg_prefill.bench import attention_flops
 from linalg_prefill.cli import main
-from linalg_prefill.mlir.decode import serving_passes
 from linalg_prefill.pipeline.model_config import load_model_config, specs_for_model
 from linalg_prefill.runtime.artifact_set import spec_from_entry
+
+LLVM_CPU = Target("llvm-cpu")
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 TINY = CONFIGS / "tiny.toml"
@@ -117,7 +118,7 @@ def test_bad_config_names_the_key(tmp_path, name, change, key):
 
 TINY_SPECS = specs_for_model(load_model_config(TINY))
 #: The serving passes a build adds for the tiny KV-cache variants (mlir/decode.py).
-TINY_PASSES = [pass_spec for spec in TINY_SPECS for pass_spec in serving_passes(spec, "linalg")]
+TINY_PASSES = [pass_spec for spec in TINY_SPECS for pass_spec in LLVM_CPU.serving_passes(spec)]
 #: The CUDA build: a spec tests/test_cuda_compile.py compiles too (the session's pre-build).
 CUDA_SPEC = SequencePrefillSpec(4, 4, 64, "float16", causal=False, sm_scale=0.125)
 
@@ -440,7 +441,7 @@ def test_build_variants_builds_only_those_and_names_the_known_ones(tmp_path, mon
     argv = ["build", "--model", str(TINY), "--backends", "llvm-cpu", "--out", str(out)]
     assert main([*argv, "--variants", paged.symbol]) == 0
     assert [entry["variant"] for entry in load_manifest(out)["artifacts"]] == \
-        [paged.name, *(p.name for p in serving_passes(paged, "linalg"))]
+        [paged.name, *(p.name for p in LLVM_CPU.serving_passes(paged))]
     capsys.readouterr()
     assert main([*argv, "--variants", "batch_prefill_paged_kv,batch_decode"]) == 2
     err = capsys.readouterr().err
@@ -451,21 +452,21 @@ def test_an_aot_kernel_takes_its_serving_passes_from_the_folder(tiny_build, tmp_
     """A KV-cache kernel from a build folder runs its short entries in the folder's serving
     passes, compiling nothing; from a folder without them (aot_only), every entry runs in the
     kernel itself. Both match the reference."""
-    import linalg_prefill.runtime.kernels as kernels
+    import linalg_prefill.runtime.artifact_set as artifact_set
     from conftest import assert_matches_reference
     from linalg_prefill.runtime import open_artifacts
     from linalg_prefill.runtime.examples import example_inputs
 
     _, out, *_ = tiny_build
     paged = TINY_SPECS[1]
-    monkeypatch.setattr(kernels, "compile_spec", lambda *args, **kwargs: pytest.fail("compiled a serving pass"))
+    monkeypatch.setattr(artifact_set, "compile_specs", lambda *args, **kwargs: pytest.fail("compiled a serving pass"))
     args = example_inputs(paged, np.random.default_rng(3), [(1, 40), (3, 17), (9, 30), (20, 50)], rotary_mode=0)
     without = tmp_path / "without-passes"
     shutil.copytree(out, without)
     manifest = load_manifest(without)
     manifest["artifacts"] = [entry for entry in manifest["artifacts"] if "pass_of" not in entry]
     (without / "manifest.json").write_text(json.dumps(manifest))
-    for folder, want in ((out, [p.queries for p in serving_passes(paged, "linalg")]), (without, [])):
+    for folder, want in ((out, [p.queries for p in LLVM_CPU.serving_passes(paged)]), (without, [])):
         kernel = open_artifacts(folder, "llvm-cpu", aot_only=True).kernel(paged)
         ran = []
         run_decode = kernel._run_decode

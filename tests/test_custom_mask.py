@@ -28,7 +28,7 @@ from linalg_prefill.mlir.mask_rules import MaskRule, mask_rule
 from linalg_prefill.mlir.sequence import build_sequence_prefill
 from linalg_prefill.runtime import InputError, open_kernel
 from linalg_prefill.runtime.examples import example_inputs, indptr
-from linalg_prefill.runtime.variants import checked, variant
+from linalg_prefill.runtime.variants import checked
 
 #: One spec per variant, shared by every test (f32 and one 16-bit dtype among them).
 RAGGED = RaggedPrefillSpec(h_q=4, h_kv=2, d_qk=32, d_v=32, dtype="float32", custom_mask=True)
@@ -135,7 +135,7 @@ def test_masked_sequence_custom_mask(backend, cache):
         mask[0, :, :kv_len - q_len] = True
         mask[0] |= tree_mask(kv_len - q_len, [-1] + list(range(q_len - 1)))  # a chain: causal by another name
         mask[1, 2] = False  # a row with no allowed key
-        args = variant(MASKED).check(MASKED, (q.astype(np.float32) * 3).astype(q.dtype), k, v, mask)
+        args = checked(MASKED, ((q.astype(np.float32) * 3).astype(q.dtype), k, v, mask))
         assert_matches_reference(MASKED.name, kernel(*args), MASKED, args)
 
 
@@ -165,7 +165,7 @@ def test_bad_masks_are_input_errors(spec, change, name, message):
     args, at_mask, at_ptr = _good(spec)
     args[at_mask], args[at_ptr] = change(np.asarray(args[at_mask]).astype(bool), args[at_ptr])
     with pytest.raises(InputError, match=f"^{name}: .*{message}"):
-        variant(spec).check(spec, *args)
+        checked(spec, tuple(args))
 
 
 def test_bad_masks_are_rejected_before_the_kernel_runs(cache):
@@ -184,7 +184,7 @@ def test_bad_masks_are_rejected_before_the_kernel_runs(cache):
 def test_bad_dense_masks_are_input_errors(mask, message):
     q, k, v, _ = example_inputs(MASKED, np.random.default_rng(5), entries=[(5, 7)] * 2)
     with pytest.raises(InputError, match=f"^custom_mask: {message}"):
-        variant(MASKED).check(MASKED, q, k, v, mask)
+        checked(MASKED, (q, k, v, mask))
 
 
 # ---- the rule object (IR structure only, no compile) ----
