@@ -21,7 +21,7 @@ from conftest import BACKENDS, assert_matches_reference, uniform
 from linalg_prefill.mlir import (
     DecodeSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, build_fused_module, build_module,
 )
-from linalg_prefill.pipeline import Target
+from linalg_prefill.pipeline import Target, compiler
 from linalg_prefill.pipeline.tuning import apply_tuning
 from linalg_prefill.runtime import open_kernel, reference
 from linalg_prefill.mlir.abi import argument_names
@@ -484,6 +484,27 @@ def test_a_kernel_opened_without_serving_passes_runs_every_entry_itself(cache, m
     got = kernel(*args)
     assert (calls.decode, calls.rest) == (0, 0)  # no split: one launch of the variant's kernel
     assert_matches_reference("without serving passes", got, spec, args)
+
+
+def test_a_kernel_loads_its_passes_at_open_and_a_call_compiles_nothing(cache, monkeypatch):
+    """``serving_passes=[1, 4]`` loads those two at open; a call then compiles nothing (IREE is
+    made to fail), and the entries of 5-16 queries run in the variant's kernel. A query count
+    the target has no pass of is an error naming the argument."""
+    spec = CASES["paged-f32"][0]
+    kernel = open_kernel(spec, cache=cache, serving_passes=[4, 1])
+    assert kernel.serving_passes == (1, 4)
+
+    def no_compile(*_, **__):
+        raise AssertionError("a call compiled")
+
+    monkeypatch.setattr(compiler, "compile_ir", no_compile)
+    args = _call(spec, np.random.default_rng(11), MIXED)
+    calls = _CountingPasses(kernel, monkeypatch)
+    got = kernel(*args)
+    assert calls.decode >= 2 and calls.rest == 1
+    assert_matches_reference("passes 1 and 4 only", got, spec, args)
+    with pytest.raises(ValueError, match="^serving_passes: .* no pass of \\[2\\] queries"):
+        open_kernel(spec, cache=cache, serving_passes=[2])
 
 
 @pytest.mark.parametrize("backend", PASS_BACKENDS)
