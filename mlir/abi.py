@@ -12,26 +12,13 @@ argument of its table.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Callable, Union
 
+from .arg import Arg, Dims
 from .ir import DYN, buffer_view_type, element_type, f32, func_d, i32, i8, ir, module_context, tensor_type
+from .mask_rules import mask_rule
 from .specs import MaskedSequencePrefillSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec
-
-Dims = tuple[Union[int, str], ...]
-
-
-@dataclass(frozen=True)
-class Arg:
-    """One argument: its name, kind and dims (a callable of the spec where they depend on it)."""
-
-    name: str
-    kind: str
-    dims: Union[Dims, Callable[[object], Dims]] = ()
-
-    def dims_of(self, spec) -> Dims:
-        return self.dims(spec) if callable(self.dims) else self.dims
 
 
 def _scalars(*names: str) -> tuple[Arg, ...]:
@@ -54,29 +41,20 @@ _PAGED = (
     Arg("q", "tensor", ("Lq", "h_q", "d")), Arg("q_indptr", "index", ("B+1",)),
     Arg("pages", "tensor", lambda spec: spec.layout.page_dims), *_PAGE_TABLE,
     Arg("k_rope_pos_offset", "index", ("B",)), Arg("q_rope_position", "index", ("Lq",)), *_ROPE_SCALARS)
-#: A KV-cache custom mask (semantics §14): each entry's qo_len x kv_len block, row-major,
-#: concatenated (``nnz_mask`` = sum of qo_len * kv_len), and the offsets of the blocks.
-_CUSTOM_MASK = (Arg("custom_mask", "mask", ("nnz_mask",)), Arg("mask_indptr", "index", ("B+1",)))
 
 
-def _with_custom_mask(base: tuple[Arg, ...]) -> Callable[[object], tuple[Arg, ...]]:
-    """``base``, then the custom-mask arguments when the spec sets ``custom_mask``."""
-    return lambda spec: (*base, *(_CUSTOM_MASK if spec.custom_mask else ()))
-
-
-def _masked_dense(spec) -> tuple[Arg, ...]:
-    """The masked variant's: valid_lens [B], or with ``mask_mode="custom"`` custom_mask [B, Lq, Lk]."""
-    if spec.mask_mode == "custom":
-        return (*_DENSE, Arg("custom_mask", "mask", ("B", "Lq", "Lk")))
-    return (*_DENSE, Arg("valid_lens", "index", ("B",)))
+def _with_mask_rule(base: tuple[Arg, ...]) -> Callable[[object], tuple[Arg, ...]]:
+    """``base``, then the arguments of the spec's mask rule (mlir/mask_rules.py: ``arguments``):
+    valid_lens, a custom mask and its offsets, or none."""
+    return lambda spec: (*base, *mask_rule(spec).arguments)
 
 
 #: Each variant's arguments (a callable of the spec where they depend on it).
 ARGUMENTS: dict[type, Union[tuple[Arg, ...], Callable[[object], tuple[Arg, ...]]]] = {
     SequencePrefillSpec: _DENSE,
-    MaskedSequencePrefillSpec: _masked_dense,
-    RaggedPrefillSpec: _with_custom_mask(_RAGGED),
-    PagedPrefillSpec: _with_custom_mask(_PAGED),
+    MaskedSequencePrefillSpec: _with_mask_rule(_DENSE),
+    RaggedPrefillSpec: _with_mask_rule(_RAGGED),
+    PagedPrefillSpec: _with_mask_rule(_PAGED),
     MlaPagedPrefillSpec: (
         Arg("q", "tensor", ("Lq", "h_q", "d_qk")), Arg("q_indptr", "index", ("B+1",)),
         Arg("pages", "tensor", ("P", "page_size", "d_qk")), *_PAGE_TABLE, *_scalars("causal", "sm_scale")),

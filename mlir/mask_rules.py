@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
+from .arg import Arg
 from .ir import arith_d, ceil_div, const_index, dim, index, ir, is_one, le, logical_not, lt, tensor_d
 from .online_softmax import unmasked_kv_tiles
 from .specs import MaskedSequencePrefillSpec, SequencePrefillSpec
@@ -66,6 +67,9 @@ class MaskRule:
 
     #: The kernel arguments the rule reads, by their argument-table names.
     operands: tuple[str, ...] = ()
+    #: The rows the rule adds to its variant's argument table (mlir/abi.py), after the variant's
+    #: own (a rule may also read one of those: the KV-cache ``causal`` flag).
+    arguments: tuple[Arg, ...] = ()
     #: Whether a KV-cache call's short entries may run in the one-pass serving kernels
     #: (mlir/decode.py, mlir/fused_decode.py), which apply the KV-cache causal mask only.
     one_pass: bool = False
@@ -159,6 +163,7 @@ class _ValidLength(MaskRule):
     """The masked-sequence modes with a per-entry ``valid_lens[b]`` (semantics §7)."""
 
     operands = ("valid_lens",)
+    arguments = (Arg("valid_lens", "index", ("B",)),)
 
     def entry_values(self, call, entry):
         return {"valid_len": arith_d.index_cast(index(), tensor_d.extract(call["valid_lens"], [entry]))}
@@ -232,6 +237,9 @@ class CustomMaskRule(MaskRule):
     short entries run in the main kernel (the serving passes have no mask operand)."""
 
     operands = ("custom_mask", "mask_indptr")
+    #: Each entry's qo_len x kv_len block, row-major, concatenated (``nnz_mask`` = sum of
+    #: qo_len * kv_len), and the offsets of the blocks (semantics §14).
+    arguments = (Arg("custom_mask", "mask", ("nnz_mask",)), Arg("mask_indptr", "index", ("B+1",)))
 
     def entry_values(self, call, entry):
         start = arith_d.index_cast(index(), tensor_d.extract(call["mask_indptr"], [entry]))
@@ -253,6 +261,7 @@ class DenseCustomMaskRule(MaskRule):
     [B, Lq, Lk])."""
 
     operands = ("custom_mask",)
+    arguments = (Arg("custom_mask", "mask", ("B", "Lq", "Lk")),)
 
     def entry_values(self, call, entry):
         return {**call, "entry": entry}
