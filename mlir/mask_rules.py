@@ -12,11 +12,12 @@ Rows and columns are index values local to one batch entry; ``row`` is passed as
 that a rule which does not need the row (a non-causal length mask) emits no row arithmetic.
 Causal masks are bottom-right aligned: ``col <= row + diagonal`` with ``diagonal = kv_len -
 q_len`` (semantics §3). A rule names the kernel arguments it reads (``operands``; the builder
-passes them to :meth:`MaskRule.bind` by name) and whether a KV-cache call's short entries may
-take the one-pass serving kernels (``one_pass``: those know only the KV-cache causal mask).
+passes them to :meth:`MaskRule.bind` by name), the rows it adds to its variant's argument table
+(``arguments``: mlir/abi.py appends them) and whether a KV-cache call's short entries may take
+the one-pass serving kernels (``one_pass``: those know only the KV-cache causal mask).
 
-A new mask is a class here (and its spec field, argument table rows, host check and reference);
-the builders take it unchanged.
+A new mask is a class here, its host half in runtime/masks.py (checks, examples, a wrapper's
+plan), its spec field and its reference; the builders and the table take it unchanged.
 """
 
 from __future__ import annotations

@@ -15,6 +15,8 @@ import numpy as np
 from .dtypes import HOST_DTYPES
 from .errors import InputError
 
+INT32_MAX = int(np.iinfo(np.int32).max)
+
 #: The numpy dtype of each spec dtype (runtime/dtypes.py).
 NUMPY_DTYPES = {name: dtype.numpy for name, dtype in HOST_DTYPES.items()}
 
@@ -140,3 +142,24 @@ def check_range(name: str, array: np.ndarray, low: int, high: int) -> None:
     if array.size and (array.min() < low or array.max() > high):
         bad = array[(array < low) | (array > high)][0]
         raise InputError(f"{name}: values must lie in [{low}, {high}], found {bad}")
+
+
+def check_indptr(name: str, value, batch: int | None, total: int, total_name: str) -> np.ndarray:
+    """A CSR offset array, int32 [B+1]: starts at 0, non-decreasing, ends at ``total``.
+
+    ``batch=None`` accepts any B >= 0 (the array defines B); otherwise the length must be B+1.
+    """
+    indptr = check_int32(name, value, shape=(None if batch is None else batch + 1,))
+    if indptr.shape[0] == 0:
+        raise InputError(f"{name}: expected length B+1 >= 1, got an empty array")
+    if indptr[0] != 0:
+        raise InputError(f"{name}: expected to start at 0, found {indptr[0]}")
+    steps = np.diff(indptr.astype(np.int64))
+    if np.any(steps < 0):
+        at = int(np.argmax(steps < 0))
+        raise InputError(
+            f"{name}: expected non-decreasing values, found {indptr[at]} then {indptr[at + 1]} "
+            f"at index {at}")
+    if indptr[-1] != total:
+        raise InputError(f"{name}: expected to end at {total_name} = {total}, found {indptr[-1]}")
+    return indptr

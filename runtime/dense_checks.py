@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-
-from .checks import check_int32, check_mask, check_range, check_same, check_tensor
+from .checks import check_same, check_tensor
+from .masks import CallLengths, host_mask
 
 
 def check_sequence(spec, named: Mapping) -> dict:
@@ -20,13 +20,9 @@ def check_sequence(spec, named: Mapping) -> dict:
 
 
 def check_masked(spec, named: Mapping) -> dict:
-    """As :func:`check_sequence`, then valid_lens [B] in [0, min(Lq, Lk)], or with
-    ``mask_mode="custom"`` custom_mask, a bool or uint8 [B, Lq, Lk] mask."""
+    """As :func:`check_sequence`, then the mask rule's arguments (runtime/masks.py): valid_lens [B]
+    in [0, min(Lq, Lk)], or with ``mask_mode="custom"`` custom_mask, a bool or uint8 [B, Lq, Lk]
+    mask."""
     checked = check_sequence(spec, named)
     q, k = checked["q"], checked["k"]
-    if spec.mask_mode == "custom":
-        mask = check_mask("custom_mask", named["custom_mask"], shape=(q.shape[0], q.shape[1], k.shape[1]))
-        return {**checked, "custom_mask": mask}
-    valid_lens = check_int32("valid_lens", named["valid_lens"], shape=(q.shape[0],))
-    check_range("valid_lens", valid_lens, 0, min(q.shape[1], k.shape[1]))
-    return {**checked, "valid_lens": valid_lens}
+    return {**checked, **host_mask(spec).check(named, CallLengths.dense(q.shape[0], q.shape[1], k.shape[1]))}

@@ -13,6 +13,7 @@ import numpy as np
 from ..mlir.abi import argument_names, arguments, concrete_dims, ordered
 from .checks import NUMPY_DTYPES
 from .kv_checks import natural_positions
+from .masks import host_mask
 from .kv_layouts import CacheHostLayout, PageTable, host_layout, indptr, page_table
 
 __all__ = ["EXAMPLE_ENTRIES", "PageTable", "draw_tensors", "example_inputs", "indptr", "page_table", "uniform"]
@@ -55,18 +56,9 @@ def example_inputs(spec, rng: np.random.Generator, entries=EXAMPLE_ENTRIES, *, w
     named.update(draw_tensors(spec, rng, sizes, skip=tuple(given)))
     named.update({arg.name: rng.uniform(*SINK_RANGE, concrete_dims(spec, arg, sizes)).astype(np.float32)
                   for arg in arguments(spec) if arg.kind == "f32" and arg.name not in given})
-    if "custom_mask" in argument_names(spec) and "custom_mask" not in given:
-        named.update(_custom_mask(rng, sizes))
+    if "custom_mask" not in given:
+        named.update(host_mask(spec).example(rng, sizes))  # runtime/masks.py
     return ordered(spec, {**named, **given})
-
-
-def _custom_mask(rng: np.random.Generator, sizes: dict) -> dict:
-    """A random custom mask by ABI name: [B, Lq, Lk] for the dense variant, else the entries'
-    blocks concatenated (``sizes["blocks"]``: qo_len * kv_len each) and their mask_indptr."""
-    if "blocks" not in sizes:
-        return {"custom_mask": rng.random((sizes["B"], sizes["Lq"], sizes["Lk"])) < 0.75}
-    blocks = sizes["blocks"]
-    return {"custom_mask": rng.random(int(blocks.sum())) < 0.75, "mask_indptr": indptr(blocks)}
 
 
 def draw_tensors(spec, rng: np.random.Generator, sizes: dict, skip: tuple[str, ...] = ()) -> dict:

@@ -21,18 +21,17 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Mapping
-from typing import Callable
 
 import numpy as np
 
-from .checks import as_array, check_int32, check_mask, check_range, check_same, check_tensor
+from .checks import INT32_MAX, as_array, check_indptr, check_int32, check_range, check_same, check_tensor
 from .errors import InputError
 from .kv_layouts import paged_kv_lengths, physical_lengths
+from .masks import CallLengths, host_mask
 
-INT32_MAX = int(np.iinfo(np.int32).max)
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 
-__all__ = ["check_custom_mask", "check_indptr", "check_mla", "check_paged", "check_ragged", "paged_kv_lengths"]
+__all__ = ["check_indptr", "check_mla", "check_paged", "check_ragged", "paged_kv_lengths"]
 
 
 # ----------------------------------------------------------------------------- variants
@@ -43,8 +42,8 @@ def check_ragged(spec, named: Mapping) -> dict:
 
     q [Lq, h_q, d_qk], q_indptr [B+1] i32, k [Lk, h_kv, d_qk], v [Lk, h_kv, d_v] (``kv_order="hnd"``:
     k [h_kv, Lk, d_qk], v [h_kv, Lk, d_v]), kv_indptr [B+1] i32, q_rope_position [Lq] i32,
-    k_rope_pos_offset [B] i32, the scalars, and custom_mask and mask_indptr with
-    ``spec.custom_mask`` (:func:`check_custom_mask`).
+    k_rope_pos_offset [B] i32, the scalars, and the mask rule's arguments (runtime/masks.py:
+    custom_mask and mask_indptr with ``spec.custom_mask``).
     """
     q = check_tensor("q", named["q"], dtype=spec.dtype, shape=(None, spec.h_q, spec.d_qk))
     k = check_tensor("k", named["k"], dtype=spec.dtype, shape=kv_shape(spec, spec.layout.key_dims))
@@ -62,7 +61,7 @@ def check_ragged(spec, named: Mapping) -> dict:
         check_positions(q_rope_position, k_rope_pos_offset, kv_lens())
     return {**named, "q": q, "q_indptr": q_indptr, "k": k, "v": v, "kv_indptr": kv_indptr,
             "q_rope_position": q_rope_position, "k_rope_pos_offset": k_rope_pos_offset, **scalars,
-            **check_custom_mask(spec, named, q_indptr, kv_lens)}
+            **host_mask(spec).check(named, CallLengths(np.diff(q_indptr.astype(np.int64)), kv_lens))}
 
 
 def check_paged(spec, named: Mapping) -> dict:
@@ -72,8 +71,8 @@ def check_paged(spec, named: Mapping) -> dict:
     q [Lq, h_q, d], q_indptr [B+1] i32, pages [P, 2, h_kv, page_size, d] (``kv_order="nhd"``:
     [P, 2, page_size, h_kv, d]), page_indptr [B+1] i32, page_values [nnz] i32, length_info [B] i32
     (or [3, B] with ``spec.sliding_window``), k_rope_pos_offset [B] i32, q_rope_position [Lq] i32,
-    the scalars, and custom_mask and mask_indptr with ``spec.custom_mask`` (columns: logical KV
-    rows, §2).
+    the scalars, and the mask rule's arguments (runtime/masks.py: custom_mask and mask_indptr
+    with ``spec.custom_mask``, columns logical KV rows, §2).
     """
     q = check_tensor("q", named["q"], dtype=spec.dtype, shape=(None, spec.h_q, spec.d))
     pages = check_tensor("pages", named["pages"], dtype=spec.dtype, shape=page_shape(spec))
@@ -89,7 +88,8 @@ def check_paged(spec, named: Mapping) -> dict:
     if scalars["rotary_mode"] == 1:
         check_positions(q_rope_position, k_rope_pos_offset, kv_lens())
     return {**named, "q": q, "pages": pages, **table, "k_rope_pos_offset": k_rope_pos_offset,
-            "q_rope_position": q_rope_position, **scalars, **check_custom_mask(spec, named, table["q_indptr"], kv_lens)}
+            "q_rope_position": q_rope_position, **scalars,
+            **host_mask(spec).check(named, CallLengths(np.diff(table["q_indptr"].astype(np.int64)), kv_lens))}
 
 
 def page_shape(spec) -> tuple:
@@ -119,56 +119,7 @@ def check_mla(spec, named: Mapping) -> dict:
             "sm_scale": check_float("sm_scale", named["sm_scale"])}
 
 
-# ----------------------------------------------------------------------------- custom masks
-
-
-def check_custom_mask(spec, named: Mapping, q_indptr: np.ndarray, kv_lens: Callable[[], np.ndarray]) -> dict:
-    """``custom_mask`` and ``mask_indptr`` of ``named`` checked, by name, when ``spec.custom_mask``
-    (semantics §14); {} otherwise.
-
-    custom_mask: bool or uint8 (values 0 or 1) [sum of qo_len * kv_len], returned as int8;
-    mask_indptr: int32 [B+1] with mask_indptr[b + 1] - mask_indptr[b] = qo_len(b) * kv_len(b)
-    (``kv_lens()``: each entry's logical KV length, int64 [B]).
-    """
-    if not getattr(spec, "custom_mask", False):
-        return {}
-    custom_mask, mask_indptr = named["custom_mask"], named["mask_indptr"]
-    sizes = np.diff(q_indptr.astype(np.int64)) * kv_lens()
-    total = int(sizes.sum())
-    custom_mask = check_mask("custom_mask", custom_mask, shape=(None,))
-    if custom_mask.shape[0] != total:
-        raise InputError(f"custom_mask: expected sum of qo_len * kv_len = {total} elements, got {custom_mask.shape[0]}")
-    mask_indptr = check_indptr("mask_indptr", mask_indptr, sizes.shape[0], total, "the sum of qo_len * kv_len")
-    wrong = np.nonzero(np.diff(mask_indptr.astype(np.int64)) != sizes)[0]
-    if wrong.size:
-        b = int(wrong[0])
-        raise InputError(f"mask_indptr: entry {b} spans {mask_indptr[b + 1] - mask_indptr[b]} elements, expected "
-                         f"qo_len * kv_len = {sizes[b]}")
-    return {"custom_mask": custom_mask, "mask_indptr": mask_indptr}
-
-
 # ----------------------------------------------------------------------------- index arrays
-
-
-def check_indptr(name: str, value, batch: int | None, total: int, total_name: str) -> np.ndarray:
-    """A CSR offset array, int32 [B+1]: starts at 0, non-decreasing, ends at ``total``.
-
-    ``batch=None`` accepts any B >= 0 (the array defines B); otherwise the length must be B+1.
-    """
-    indptr = check_int32(name, value, shape=(None if batch is None else batch + 1,))
-    if indptr.shape[0] == 0:
-        raise InputError(f"{name}: expected length B+1 >= 1, got an empty array")
-    if indptr[0] != 0:
-        raise InputError(f"{name}: expected to start at 0, found {indptr[0]}")
-    steps = np.diff(indptr.astype(np.int64))
-    if np.any(steps < 0):
-        at = int(np.argmax(steps < 0))
-        raise InputError(
-            f"{name}: expected non-decreasing values, found {indptr[at]} then {indptr[at + 1]} "
-            f"at index {at}")
-    if indptr[-1] != total:
-        raise InputError(f"{name}: expected to end at {total_name} = {total}, found {indptr[-1]}")
-    return indptr
 
 
 def _check_page_table(spec, q, pages, named: Mapping) -> dict:

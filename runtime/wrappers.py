@@ -39,12 +39,13 @@ from ..mlir.specs import (
 )
 from ..mlir.abi import ordered
 from ..pipeline import target_for
-from .checks import NUMPY_DTYPES, check_f32, check_int32, check_mask, check_on_device, check_range, check_tensor
+from .checks import NUMPY_DTYPES, check_f32, check_int32, check_on_device, check_range, check_tensor
 from .errors import InputError
 from .dense_checks import check_sequence
 from .kernels import Kernel, open_kernel
+from .masks import CallLengths, host_mask
 from .kv_checks import (
-    INT32_MAX, check_choice, check_custom_mask, check_float, check_length_info, check_positions,
+    INT32_MAX, check_choice, check_float, check_length_info, check_positions,
     check_rope_scalars, check_indptr, kv_shape, natural_positions, page_shape, paged_kv_lengths,
 )
 from .interop import returns_like_inputs
@@ -312,26 +313,9 @@ class MaskedSequencePrefillWrapper(_Wrapper):
         """valid_lens int32 [B], each in [0, min(Lq, Lk)] of every layer's q and k; with
         ``mask_mode="custom"`` instead custom_mask bool or uint8 [B, Lq, Lk] (1: query row may see
         key col); ``sinks`` as :meth:`RaggedPrefillWrapper.plan`."""
-        if self.spec.mask_mode == "custom":
-            if valid_lens is not None:
-                raise InputError("valid_lens: a mask_mode='custom' spec takes custom_mask [B, Lq, Lk], not valid_lens")
-            if custom_mask is None:
-                raise InputError("custom_mask: a mask_mode='custom' spec needs custom_mask [B, Lq, Lk] (bool or uint8)")
-            mask = check_mask("custom_mask", custom_mask, shape=(None, None, None))
-            batch, rows, cols = mask.shape
-            arrays = {"custom_mask": mask, **self._plan_sinks(sinks)}
-            qo_lens, kv_lens = np.full(batch, rows, np.int64), np.full(batch, cols, np.int64)
-            return self._new_plan(arrays, {}, qo_lens, kv_lens, rows, cols)
-        if custom_mask is not None:
-            raise InputError(f"custom_mask: mask_mode {self.spec.mask_mode!r} takes valid_lens; build the spec "
-                             "with mask_mode='custom' for a custom mask")
-        if valid_lens is None:
-            raise InputError("valid_lens: required (int32 [B])")
-        valid_lens = check_int32("valid_lens", valid_lens, shape=(None,))
-        check_range("valid_lens", valid_lens, 0, INT32_MAX)
-        arrays = {"valid_lens": valid_lens, **self._plan_sinks(sinks)}
-        lens = valid_lens.astype(np.int64)
-        return self._new_plan(arrays, {}, lens, lens.copy(), 0, 0)
+        arrays, qo_lens, kv_lens, rows, cols = host_mask(self.spec).plan_dense(
+            self.spec, {"valid_lens": valid_lens, "custom_mask": custom_mask})  # runtime/masks.py
+        return self._new_plan({**arrays, **self._plan_sinks(sinks)}, {}, qo_lens, kv_lens, rows, cols)
 
     @returns_like_inputs
     def run(self, q, k, v, *, sinks=None, to_host: bool | None = None, out=None, lse=None) -> tuple:
@@ -365,21 +349,11 @@ def _indptr(name: str, value, batch: int | None = None) -> np.ndarray:
 
 
 def _mask_arrays(spec, custom_mask, mask_indptr, qo_lens: np.ndarray, kv_lens: np.ndarray) -> dict:
-    """custom_mask (int8) and mask_indptr by ABI name, checked against the planned lengths (§14.4):
-    {} for a spec without ``custom_mask``, which takes neither. ``mask_indptr`` defaults to the
-    cumulative ``qo_lens * kv_lens`` (int64 [B])."""
-    if not spec.custom_mask:
-        if custom_mask is not None or mask_indptr is not None:
-            name = "custom_mask" if custom_mask is not None else "mask_indptr"
-            raise InputError(f"{name}: {spec.name} has no custom mask; build the spec with custom_mask=True")
-        return {}
-    if custom_mask is None:
-        raise InputError(f"custom_mask: {spec.name} has custom_mask; plan needs custom_mask "
-                         "[sum of qo_len * kv_len] (bool or uint8)")
-    if mask_indptr is None:
-        mask_indptr = np.concatenate([[0], np.cumsum(qo_lens * kv_lens)])
-    q_indptr = np.concatenate([[0], np.cumsum(qo_lens)])
-    return check_custom_mask(spec, {"custom_mask": custom_mask, "mask_indptr": mask_indptr}, q_indptr, lambda: kv_lens)
+    """The mask rule's plan arguments by ABI name, checked against the planned lengths
+    (runtime/masks.py: a custom mask's custom_mask as int8 and mask_indptr, §14.4; none, and any
+    given refused by name, for a spec without one)."""
+    return host_mask(spec).plan(spec, {"custom_mask": custom_mask, "mask_indptr": mask_indptr},
+                                CallLengths(qo_lens, lambda: kv_lens))
 
 
 def _page_table(spec, q_indptr, page_indptr, page_values, length_info) -> tuple[dict, np.ndarray, int]:

@@ -18,7 +18,7 @@ from linalg_prefill.mlir import (
     DecodeSpec, MaskedSequencePrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, SpecError, build_fused_module,
     build_module,
 )
-from linalg_prefill.mlir.abi import argument_names
+from linalg_prefill.mlir.abi import argument_names, arguments
 from linalg_prefill.mlir.decode import build_decode
 from linalg_prefill.mlir.fused_decode import build_fused_decode
 from linalg_prefill.mlir.fused_kernels import build_fused_kv_cache_prefill, build_fused_sequence_prefill
@@ -28,6 +28,7 @@ from linalg_prefill.mlir.mask_rules import MaskRule, mask_rule
 from linalg_prefill.mlir.sequence import build_sequence_prefill
 from linalg_prefill.runtime import InputError, open_kernel
 from linalg_prefill.runtime.examples import example_inputs, indptr
+from linalg_prefill.runtime.masks import HOST_MASKS
 from linalg_prefill.runtime.variants import checked
 
 #: One spec per variant, shared by every test (f32 and one 16-bit dtype among them).
@@ -188,6 +189,25 @@ def test_bad_dense_masks_are_input_errors(mask, message):
 
 
 # ---- the rule object (IR structure only, no compile) ----
+
+def test_every_rule_has_its_host_half_and_its_rows_in_the_table():
+    """A new MaskRule without a HostMask (runtime/masks.py) fails here, not at a user's call; a
+    rule's argument rows are its variant's last ones (before sinks)."""
+    rules = set()
+    pending = [MaskRule]
+    while pending:
+        rule = pending.pop()
+        rules.add(rule)
+        pending.extend(rule.__subclasses__())
+    concrete = {rule for rule in rules - {MaskRule}
+                if "valid" in rule.__dict__ and rule.__module__ == MaskRule.__module__}  # the library's
+    assert len(concrete) == 6
+    assert concrete - set(HOST_MASKS) == set()
+    for spec in (*KV_SPECS, MASKED):
+        rows = [arg.name for arg in arguments(spec) if arg.kind != "f32"]
+        own = [arg.name for arg in mask_rule(spec).arguments]
+        assert own and rows[-len(own):] == own, (spec.name, rows)
+
 
 def test_the_specs_name_their_rules_and_artifacts():
     assert RAGGED.name.endswith("_custommask") and "custommask" not in RaggedPrefillSpec(4, 2, 32, 32, "float32").name
