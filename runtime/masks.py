@@ -1,5 +1,6 @@
 """The host half of each mask rule (mlir/mask_rules.py holds the IR half and the argument rows):
-how a call's mask arguments are checked, drawn for an example, and taken by a wrapper's ``plan``.
+how a call's mask arguments are checked, drawn for an example, and taken by a wrapper's ``plan``
+(and, for the dense masked wrapper, each layer checked against the plan: ``check_layer``).
 ``host_mask(spec)`` is the object of the spec's rule; a new mask is a class there and one here,
 keyed by the IR rule's class in :data:`HOST_MASKS`.
 
@@ -80,6 +81,13 @@ class ValidLengths(HostMask):
         lens = valid_lens.astype(np.int64)
         return {"valid_lens": valid_lens}, lens, lens.copy(), 0, 0
 
+    def check_layer(self, plan, rows: int, cols: int) -> None:
+        """A layer's q and k (Lq ``rows``, Lk ``cols``) against the plan: the planned lengths fit."""
+        limit, longest = min(rows, cols), int(plan.kv_lens.max(initial=0))
+        if longest > limit:
+            raise InputError(f"valid_lens: planned lengths must lie in [0, min(Lq, Lk)] = [0, {limit}] "
+                             f"for this layer's q and k, found {longest}")
+
 
 class DenseCustomMask(HostMask):
     """``custom_mask`` bool or uint8 [B, Lq, Lk] (semantics §14.2)."""
@@ -96,6 +104,12 @@ class DenseCustomMask(HostMask):
         mask = check_mask("custom_mask", given["custom_mask"], shape=(None, None, None))
         batch, rows, cols = mask.shape
         return {"custom_mask": mask}, np.full(batch, rows, np.int64), np.full(batch, cols, np.int64), rows, cols
+
+    def check_layer(self, plan, rows: int, cols: int) -> None:
+        """A layer's q and k (Lq ``rows``, Lk ``cols``) against the plan: the mask's own shape."""
+        if (rows, cols) != (plan.rows, plan.kv_rows):
+            raise InputError(f"q: Lq {rows} and Lk {cols} (k) differ from the planned custom_mask's "
+                             f"[B, Lq, Lk] = [{plan.qo_lens.shape[0]}, {plan.rows}, {plan.kv_rows}]")
 
     def example(self, rng, sizes):
         return {"custom_mask": rng.random((sizes["B"], sizes["Lq"], sizes["Lk"])) < 0.75}

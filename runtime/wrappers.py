@@ -326,15 +326,7 @@ class MaskedSequencePrefillWrapper(_Wrapper):
         batch = plan.qo_lens.shape[0]
         if q.shape[0] != batch:
             raise InputError(f"q: expected batch {batch} (as planned), got {q.shape[0]}")
-        if self.spec.mask_mode == "custom":
-            if (q.shape[1], k.shape[1]) != (plan.rows, plan.kv_rows):
-                raise InputError(f"q: Lq {q.shape[1]} and Lk {k.shape[1]} (k) differ from the planned custom_mask's "
-                                 f"[B, Lq, Lk] = [{batch}, {plan.rows}, {plan.kv_rows}]")
-            return self._launch(plan, to_host, sinks, out, lse, q=q, k=k, v=v)
-        limit, longest = min(q.shape[1], k.shape[1]), int(plan.kv_lens.max(initial=0))
-        if longest > limit:
-            raise InputError(f"valid_lens: planned lengths must lie in [0, min(Lq, Lk)] = [0, {limit}] "
-                             f"for this layer's q and k, found {longest}")
+        host_mask(self.spec).check_layer(plan, q.shape[1], k.shape[1])  # runtime/masks.py
         return self._launch(plan, to_host, sinks, out, lse, q=q, k=k, v=v)
 
 
