@@ -26,7 +26,7 @@ from linalg_prefill.mlir.ir import arith_d, const_index, le, lt
 from linalg_prefill.mlir.kv_cache import build_kv_cache_prefill
 from linalg_prefill.mlir.mask_rules import MaskRule, mask_rule
 from linalg_prefill.mlir.sequence import build_sequence_prefill
-from linalg_prefill.runtime import InputError, open_kernel
+from linalg_prefill.runtime import InputError, MaskedSequencePrefillWrapper, open_kernel
 from linalg_prefill.runtime.examples import example_inputs, indptr
 from linalg_prefill.runtime.masks import HOST_MASKS
 from linalg_prefill.runtime.variants import checked
@@ -175,6 +175,19 @@ def test_bad_masks_are_rejected_before_the_kernel_runs(cache):
     args[at_mask] = args[at_mask][:-1]
     with pytest.raises(InputError, match="^custom_mask: "):
         kernel(*args)
+
+
+@pytest.mark.compiles(MASKED)
+def test_a_layer_whose_shape_differs_from_the_planned_mask_is_refused(cache):
+    """The dense wrapper plans a [B, Lq, Lk] mask once; a layer's q and k of other lengths are an
+    error naming q before the kernel runs."""
+    wrapper = MaskedSequencePrefillWrapper(MASKED, cache=cache)
+    q, k, v, mask = example_inputs(MASKED, np.random.default_rng(6), entries=[(5, 7)] * 2)
+    wrapper.plan(custom_mask=mask)
+    assert_matches_reference("planned", wrapper.run(q, k, v), MASKED, (q, k, v, mask))
+    with pytest.raises(InputError, match=r"^q: Lq 4 and Lk 7 \(k\) differ from the planned custom_mask's "
+                                         r"\[B, Lq, Lk\] = \[2, 5, 7\]"):
+        wrapper.run(q[:, :4], k, v)
 
 
 @pytest.mark.parametrize("mask, message", [
