@@ -102,8 +102,8 @@ def _from_base(name: str) -> property:
 @dataclass(frozen=True)
 class DecodeSpec:
     """The one-pass kernel of a KV-cache spec (``base``) for entries of up to ``queries`` queries:
-    its own artifact, compiled when a call has such entries. ``symbol`` is the entry point,
-    ``name`` the artifact's."""
+    its own artifact, compiled and loaded with its variant's kernel (runtime/kernels.py:
+    open_kernel). ``symbol`` is the entry point, ``name`` the artifact's."""
 
     base: KvCacheSpec
     queries: int = 1

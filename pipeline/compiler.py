@@ -57,12 +57,9 @@ def compile_specs(specs, backend: str | Target = "llvm-cpu", *, cache: ArtifactC
     def build(i: int) -> bytes:
         return cached_build(specs[i], target, store, located.get(i))[0]
 
-    results = {i: build(i) for i in range(len(specs)) if i not in located}
-    if len(missing) > 1:
-        with ThreadPoolExecutor(max_workers=min(len(missing), os.cpu_count() or 1)) as pool:
-            results.update(zip(missing, pool.map(build, missing)))
-    else:
-        results.update((i, build(i)) for i in missing)
+    results = {i: build(i) for i in range(len(specs)) if i not in located}  # cached: here, in order
+    with ThreadPoolExecutor(max_workers=max(1, min(len(missing), os.cpu_count() or 1))) as pool:
+        results.update(zip(missing, pool.map(build, missing)))
     return [results[i] for i in range(len(specs))]
 
 

@@ -155,8 +155,8 @@ def cuda_attention_config(op: ir.Operation, loops: tuple[str, ...]) -> dict[str,
 
 #: f32 on CUDA (SIMT, 8 warps of 32): IREE 3.13's own choice for d 128, one query row and 32 value
 #: columns a workgroup, 64 keys a step across the warps (8 lanes each), 4 lanes x 4 elements of the
-#: head dim in Q.K^T and of the value columns in P.V. Its own choice for other head dims (d 160-576:
-#: 32 keys a step, 8 lanes across the head dim, 64 value columns) gave wrong results on an H200
+#: head dim in Q.K^T and of the value columns in P.V. Its own choice for other head dims (read for
+#: d 160: 32 keys a step, 8 lanes across the head dim, 64 value columns) gave wrong results on an H200
 #: (sm_80 PTX): errors ~1 against the reference in every f32 case of d_qk 160, 192, 256 and MLA's
 #: 576, right with this one (docs/cuda.md, first GPU run).
 F32_SIMT = dict(warps=8, lanes=32, value_columns=32, keys=64, key_lanes=8, inner_lanes=4, inner_elements=4)

@@ -18,10 +18,10 @@ from pathlib import Path
 
 from ..mlir import SPEC_TYPES
 from ..mlir.decode import DecodeSpec
-from ..pipeline import ArtifactCache, Target, compile_specs, target_for
+from ..pipeline import ArtifactCache, Target, target_for
 from ..pipeline.artifacts import ArtifactError, load_manifest, verify_artifact
 from ..pipeline.targets import input_alignment
-from .kernels import Kernel, open_kernel
+from .kernels import Kernel, compiled_kernels, open_kernel
 from .module import LoadedKernel
 
 __all__ = ["ArtifactSet", "open_artifacts", "spec_from_entry"]
@@ -74,15 +74,12 @@ class ArtifactSet:
         if entry is not None:
             target = _entry_target(entry)
             passes = target.serving_passes(spec)
-            found = [pass_spec for pass_spec in passes if pass_spec.name in self.entries]
             missing = [] if self.aot_only else [pass_spec for pass_spec in passes if pass_spec.name not in self.entries]
-            compiled = dict(zip(missing, compile_specs(missing, target, cache=self._cache))) if missing else {}
-            return Kernel(spec, target, self._loaded(spec, entry, target), {
-                **{pass_spec.queries: self._loaded(pass_spec, self.entries[pass_spec.name], target)
-                   for pass_spec in found},
-                **{pass_spec.queries: LoadedKernel(vmfb, pass_spec.symbol, target.driver,
-                                                   alignment=input_alignment(target.flags()))
-                   for pass_spec, vmfb in compiled.items()}})
+            loaded = {pass_spec.queries: self._loaded(pass_spec, self.entries[pass_spec.name], target)
+                      for pass_spec in passes if pass_spec.name in self.entries}
+            loaded.update((pass_spec.queries, pass_kernel) for pass_spec, pass_kernel in
+                          zip(missing, compiled_kernels(missing, target, target.driver, self._cache)))
+            return Kernel(spec, target, self._loaded(spec, entry, target), loaded)
         if self.aot_only:
             backend = target_for(self.backend).backend
             raise ArtifactError(

@@ -48,7 +48,6 @@ class Kernel:
         # a call hands its short entries to them (runtime/decode.py) and compiles nothing; without
         # them every entry runs in the main kernel.
         self._decode_kernels = dict(passes or {})
-        self._decode_pass = bool(self._decode_kernels)
         self._decode_passes = dataclasses.replace(target.decode_passes, loaded=tuple(sorted(self._decode_kernels)))
         self._schedule: tuple = (None, None)  # (plan, its DecodeSchedule) of the last planned call
         self._call_schedule: tuple = (None, None)  # (schedule_key, its DecodeSchedule) of the last other call
@@ -98,7 +97,7 @@ class Kernel:
         wrapper's Plan): the host schedule of its serving passes is then worked out once per plan
         instead of on every call. ``outputs``: the caller's arrays for the results (host results
         only), which the call then returns (Outputs.given)."""
-        schedule = self._decode_schedule(checked_args, plan) if self._decode_pass else None
+        schedule = self._decode_schedule(checked_args, plan) if self._decode_kernels else None
         if schedule is not None:
             return split_decode(self.spec, checked_args, schedule, self._run_decode, self._run_rest,
                                 lambda shape, dtype: host_visible_array(self.device, shape, dtype),
@@ -169,12 +168,16 @@ def open_kernel(
         raise InputError(f"spec: {type(spec).__name__} is a pass of a variant's kernel, not a variant")
     target = target_for(backend)
     passes = passes_at_open(spec, target, serving_passes)
-    vmfbs = compile_specs([spec, *passes], target, cache=cache)
-    driver = driver or target.driver
+    kernel, *loaded = compiled_kernels([spec, *passes], target, driver or target.driver, cache)
+    return Kernel(spec, target, kernel, {pass_spec.queries: pass_kernel for pass_spec, pass_kernel in zip(passes, loaded)})
+
+
+def compiled_kernels(specs, target: Target, driver: str, cache: ArtifactCache | None) -> list[LoadedKernel]:
+    """``specs`` (a kernel, serving passes) compiled for ``target`` through ``cache`` (the missing
+    ones concurrently: pipeline.compile_specs) and loaded on ``driver``, in order."""
     alignment = input_alignment(target.flags())
-    loaded = LoadedKernel(vmfbs[0], spec.symbol, driver, alignment=alignment)
-    return Kernel(spec, target, loaded, {pass_spec.queries: LoadedKernel(vmfb, pass_spec.symbol, driver, alignment=alignment)
-                                         for pass_spec, vmfb in zip(passes, vmfbs[1:])})
+    return [LoadedKernel(vmfb, spec.symbol, driver, alignment=alignment)
+            for spec, vmfb in zip(specs, compile_specs(specs, target, cache=cache))]
 
 
 def passes_at_open(spec, target: Target, serving_passes: bool | Iterable[int] = True) -> list[DecodeSpec]:

@@ -452,14 +452,14 @@ def test_an_aot_kernel_takes_its_serving_passes_from_the_folder(tiny_build, tmp_
     """A KV-cache kernel from a build folder runs its short entries in the folder's serving
     passes, compiling nothing; from a folder without them (aot_only), every entry runs in the
     kernel itself. Both match the reference."""
-    import linalg_prefill.runtime.artifact_set as artifact_set
     from conftest import assert_matches_reference
+    from linalg_prefill.pipeline import compiler
     from linalg_prefill.runtime import open_artifacts
     from linalg_prefill.runtime.examples import example_inputs
 
     _, out, *_ = tiny_build
     paged = TINY_SPECS[1]
-    monkeypatch.setattr(artifact_set, "compile_specs", lambda *args, **kwargs: pytest.fail("compiled a serving pass"))
+    monkeypatch.setattr(compiler, "compile_ir", lambda *args, **kwargs: pytest.fail("compiled a serving pass"))
     args = example_inputs(paged, np.random.default_rng(3), [(1, 40), (3, 17), (9, 30), (20, 50)], rotary_mode=0)
     without = tmp_path / "without-passes"
     shutil.copytree(out, without)

@@ -118,7 +118,7 @@ def test_a_short_entry_runs_its_mask_in_the_main_kernel(backend, cache):
     """A call of one 5-token tree (<= 16 queries, what the serving passes take for causal calls):
     the kernel keeps it, and the tree, not the causal mask, decides."""
     kernel = open_kernel(RAGGED, backend, cache=cache)
-    assert not kernel._decode_pass
+    assert kernel.serving_passes == ()
     block = tree_mask(20, [-1, 0, 0, 2, 2])
     args = _call(RAGGED, np.random.default_rng(2), [block])
     assert_matches_reference(RAGGED.name, kernel(*args), RAGGED, args)
