@@ -374,7 +374,7 @@ def _decode(spec: DecodeSpec, rule: MaskRule, vectors: PassVectors, q, cache: Kv
         role, tiles = "pass.scores.dots", dict(d_qk=spec.d_qk, head_vector=vectors.head_dim)
     raw = generic([q_operand, table], [fill(const_f32(0.0), score_sizes, f32())],
                   [q_map, affine_map(7, (0, 1, 3)), affine_map(7, range(6))], "ppppppr", score_body)[0]
-    mark_tiling(raw, role, block=block, group=group, **tiles)
+    raw, = mark_tiling(raw, role, drop_unit_loops=True, block=block, group=group, **tiles)
 
     scale = score_transform(sm_scale, base.logits_soft_cap)
     every = affine_map(6, range(6))
@@ -510,7 +510,7 @@ def _probs_times_values(spec: DecodeSpec, cache: KvCache, probs, table, lengths,
         [probs, table, lengths], [fill(const_f32(0.0), out_sizes, f32()) for _ in range(columns)],
         [affine_map(7, (0, 1, 2, 5, 6, 4)), affine_map(7, (0, 1, 5)), affine_map(7, (0,))]
         + [affine_map(7, (0, 1, 2, 4, 3))] * columns, "pppppr" + "r", body)
-    mark_tiling(results[0], "pass.probs_values", outer=outer, group=group)
+    results = mark_tiling(results[0], "pass.probs_values", drop_unit_loops=True, outer=outer, group=group)
     dt = element_type(spec.dtype)
 
     # The J outputs interleaved by one elementwise op (as J inserted slices, J strided copies).

@@ -353,27 +353,115 @@ def own_dispatch_results(build: Callable[[], list[ir.Value]], result_types: Sequ
 TILING_MARKER = "linalg_prefill.tiling"
 
 
-def mark_tiling(value: ir.Value, role: str, **sizes: int) -> None:
-    """Marks the generic that produces ``value`` with its ``role`` and ``sizes``; each backend's
-    ``tune_generic`` hook turns the mark into its tiling (pipeline/cpu_tiles.py for llvm-cpu) or
-    drops it. IREE keeps an llvm-cpu tiling only while it leaves the op's dims alone: build the op
-    with dims nothing can collapse or fold (no unit dims), in a dispatch of its own where fusion
-    would rebuild it."""
+def mark_tiling(value: ir.Value, role: str, *, drop_unit_loops: bool = False, **sizes: int) -> list[ir.Value]:
+    """Marks the generic that produces ``value`` with its ``role`` and ``sizes`` and returns its
+    results (use them in place of the op's own); each backend's ``tune_generic`` hook turns the
+    mark into its tiling (pipeline/cpu_tiles.py for llvm-cpu) or drops it. IREE keeps an llvm-cpu
+    tiling only while it leaves the op's dims alone: build the op with dims nothing can collapse,
+    in a dispatch of its own where fusion would rebuild it. IREE also folds every dim of static
+    extent 1 (FoldUnitExtentDims rebuilds the op without its attributes); with
+    ``drop_unit_loops`` the op is rebuilt here without such loops (:func:`without_unit_loops`)
+    and the mark names them (``unit_loops``) for the hook to leave out. (Not for ops IREE fuses
+    with another tiled op: two tilings in one dispatch fail to compile.)"""
+    op = value.owner
+    unit = _unit_loops(op) if drop_unit_loops else set()
+    generic_op, results = without_unit_loops(op, unit) if unit else (op, list(op.results))
     i64 = ir.IntegerType.get_signless(64)
-    value.owner.attributes[TILING_MARKER] = ir.DictAttr.get(
-        {"role": ir.StringAttr.get(role), **{name: ir.IntegerAttr.get(i64, size) for name, size in sizes.items()}})
+    generic_op.attributes[TILING_MARKER] = ir.DictAttr.get(
+        {"role": ir.StringAttr.get(role), "unit_loops": ir.DenseI64ArrayAttr.get(sorted(unit)),
+         **{name: ir.IntegerAttr.get(i64, size) for name, size in sizes.items()}})
+    return results
 
 
-def tiling_mark(op: ir.Operation) -> tuple[str, dict[str, int]]:
-    """(role, sizes) of a generic :func:`mark_tiling` marked."""
+def tiling_mark(op: ir.Operation) -> tuple[str, dict[str, int], tuple[int, ...]]:
+    """(role, sizes, unit loops) of a generic :func:`mark_tiling` marked; the sizes and the
+    role's tiling count the unit loops, which the op no longer has."""
     marks = ir.DictAttr(op.attributes[TILING_MARKER])
     role = ir.StringAttr(marks["role"]).value
+    unit = tuple(ir.DenseI64ArrayAttr(marks["unit_loops"]))
     sizes = {}
     for index in range(len(marks)):
         named = marks[index]
-        if named.name != "role":
+        if named.name not in ("role", "unit_loops"):
             sizes[named.name] = ir.IntegerAttr(named.attr).value
-    return role, sizes
+    return role, sizes, unit
+
+
+def _unit_loops(op) -> set[int]:
+    """The loops of a linalg.generic that index a tensor operand's dim of static extent 1."""
+    maps = [ir.AffineMapAttr(m).value for m in ir.ArrayAttr(op.attributes["indexing_maps"])]
+    unit = set()
+    for operand, amap in zip(op.operands, maps):
+        if not isinstance(operand.type, ir.RankedTensorType):
+            continue
+        shape = ir.RankedTensorType(operand.type).shape
+        for axis, expr in enumerate(amap.results):
+            if shape[axis] == 1 and isinstance(expr, ir.AffineDimExpr):
+                unit.add(expr.position)
+    return unit
+
+
+def _dropping(shape_rank: int, dropped: set[int]) -> list[list[int]]:
+    """collapse_shape groups that fold each dropped (extent-1) dim into a kept neighbour."""
+    groups, pending = [], []
+    for axis in range(shape_rank):
+        if axis in dropped:
+            (groups[-1] if groups else pending).append(axis)
+        else:
+            groups.append(pending + [axis])
+            pending = []
+    return groups
+
+
+def without_unit_loops(op, unit: set[int]) -> tuple[ir.Operation, list[ir.Value]]:
+    """Rebuilds the linalg.generic ``op`` (projection maps only) without the loops ``unit``,
+    which have extent 1: each operand's dims on them collapsed away, their ``linalg.index`` 0, the
+    other loops renumbered, the results expanded back to ``op``'s types. Returns the new generic
+    and those results; ``op`` is erased."""
+    maps = [ir.AffineMapAttr(m).value for m in ir.ArrayAttr(op.attributes["indexing_maps"])]
+    n_loops = maps[0].n_dims
+    kept = [loop for loop in range(n_loops) if loop not in unit]
+    renumber = {loop: new for new, loop in enumerate(kept)}
+    kinds = [str(a) for a in ir.ArrayAttr(op.attributes["iterator_types"])]
+    iterators = [linalg_d.IteratorType.reduction if "reduction" in kinds[loop] else linalg_d.IteratorType.parallel
+                 for loop in kept]
+    n_inputs = len(op.operands) - len(op.results)
+    with op.location, ir.InsertionPoint(op):
+        operands, new_maps, output_groups = [], [], []
+        for index, (operand, amap) in enumerate(zip(op.operands, maps)):
+            positions = [ir.AffineDimExpr(expr).position for expr in amap.results]  # projections only
+            dropped = {axis for axis, loop in enumerate(positions) if loop in unit}
+            groups = _dropping(len(positions), dropped)
+            operands.append(collapse(operand, groups) if dropped else operand)
+            new_maps.append(affine_map(len(kept), [renumber[loop] for loop in positions if loop not in unit]))
+            if index >= n_inputs:
+                output_groups.append((groups, sizes_of(operand), bool(dropped)))
+        new = linalg_d.GenericOp_(operands[:n_inputs], operands[n_inputs:],
+                                  ir.ArrayAttr.get([ir.AffineMapAttr.get(m) for m in new_maps]), iterators)
+        old_block, block = op.regions[0].blocks[0], new.regions[0].blocks[0]
+        for old_arg, arg in zip(old_block.arguments, block.arguments):
+            old_arg.replace_all_uses_with(arg)
+        for inner in list(old_block.operations):
+            inner.detach_from_parent()
+            ir.InsertionPoint(block).insert(inner)
+        i64 = ir.IntegerType.get_signless(64)
+        for inner in list(block.operations):
+            if inner.operation.name != "linalg.index":
+                continue
+            loop = ir.IntegerAttr(inner.attributes["dim"]).value
+            if loop in unit:
+                with ir.InsertionPoint(inner):
+                    zero = const_index(0)
+                inner.result.replace_all_uses_with(zero)
+                inner.operation.erase()
+            else:
+                inner.attributes["dim"] = ir.IntegerAttr.get(i64, renumber[loop])
+        results = [expand(result, groups, sizes) if dropped else result
+                   for result, (groups, sizes, dropped) in zip(new.results, output_groups)]
+    for old, result in zip(op.results, results):
+        old.replace_all_uses_with(result)
+    op.operation.erase()
+    return new, results
 
 
 def buffer_view_type() -> ir.Type:

@@ -130,10 +130,12 @@ CPU_GENERIC_TILINGS = {
 }
 
 
-def cpu_generic_tiling(role: str, sizes: dict) -> dict[str, ir.Attribute]:
+def cpu_generic_tiling(role: str, sizes: dict, unit_loops: tuple[int, ...] = ()) -> dict[str, ir.Attribute]:
     """The ``compilation_info`` of a marked generic on llvm-cpu (the ``tune_generic`` hook of
-    ``BACKENDS["llvm-cpu"]``): its role's tile sizes under IREE's DoubleTilingExpert pipeline."""
-    levels = ", ".join(f"{name} = {tiles}" for name, tiles in CPU_GENERIC_TILINGS[role](**sizes).items())
+    ``BACKENDS["llvm-cpu"]``): its role's tile sizes under IREE's DoubleTilingExpert pipeline,
+    without those of the ``unit_loops`` the op was built without (mlir.ir.mark_tiling)."""
+    levels = ", ".join(f"{name} = {[size for loop, size in enumerate(tiles) if loop not in unit_loops]}"
+                       for name, tiles in CPU_GENERIC_TILINGS[role](**sizes).items())
     return {"compilation_info": ir.Attribute.parse(
         f"#iree_codegen.compilation_info<lowering_config = #iree_cpu.lowering_config<{levels}>, "
         "translation_info = #iree_codegen.translation_info<pipeline = #iree_cpu.pipeline<DoubleTilingExpert>>>")}

@@ -40,7 +40,7 @@ class Backend:
     of its KV-step tiles in the linalg lowering (mlir/score_tiles.py, pipeline/cpu_tiles.py),
     ``pass_vectors(arch)`` its serving passes' vectors there (mlir/decode.py).
     ``tune_contraction(op)`` and ``tune_attention(op, loops)``: the attributes a marked
-    contraction or online_attention op gets (pipeline/tuning.py), ``tune_generic(role, sizes)``
+    contraction or online_attention op gets (pipeline/tuning.py), ``tune_generic(role, sizes, unit_loops)``
     those of a generic marked with a role (mlir.ir.mark_tiling: the serving passes' and the query
     packing's), None for the compiler's own choice. ``structure_checks``: ``check(spec, vmfb_path) -> problem or None`` each artifact
     must pass (pipeline/vm_structure.py)."""

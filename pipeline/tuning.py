@@ -248,9 +248,9 @@ def apply_tuning(module: ir.Module, target: Target) -> ir.Module:
     record = target.record
     with module.context:
         for op in _marked(module, TILING_MARKER):
-            role, sizes = tiling_mark(op)
+            role, sizes, unit_loops = tiling_mark(op)
             del op.attributes[TILING_MARKER]
-            for name, value in (record.tune_generic(role, sizes) or {}).items():
+            for name, value in (record.tune_generic(role, sizes, unit_loops) or {}).items():
                 op.attributes[name] = value
         for op in _marked(module, CONTRACTION_MARKER):
             del op.attributes[CONTRACTION_MARKER]

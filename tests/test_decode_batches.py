@@ -22,10 +22,12 @@ from linalg_prefill.mlir import (
     DecodeSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, build_fused_module, build_module,
 )
 from linalg_prefill.pipeline import Target, compiler
+from linalg_prefill.pipeline.cpu_tiles import CPU_GENERIC_TILINGS
 from linalg_prefill.pipeline.tuning import apply_tuning
 from linalg_prefill.runtime import open_kernel, reference
 from linalg_prefill.mlir.abi import argument_names
 from linalg_prefill.mlir.decode import NARROW_PASS_VECTORS, ROW_VECTOR, WIDE_PASS_VECTORS
+from linalg_prefill.mlir.ir import TILING_MARKER, ir, tiling_mark
 from linalg_prefill.runtime.compare import reference_call
 from linalg_prefill.runtime.examples import example_inputs
 from linalg_prefill.runtime.decode import (
@@ -361,6 +363,21 @@ def _tiled_generics(module) -> list:
     return found
 
 
+def _marked_tilings(module) -> dict[str, list]:
+    """role -> [(number of results, the role's llvm-cpu tile lists over all its loops, the unit
+    loops the op was built without)] of each generic the builder marked (mlir.ir.mark_tiling)."""
+    found = {}
+
+    def visit(op):
+        if op.name == "linalg.generic" and TILING_MARKER in op.attributes:
+            role, sizes, unit = tiling_mark(op)
+            found.setdefault(role, []).append((len(op.results), CPU_GENERIC_TILINGS[role](**sizes), unit))
+        return 0
+
+    module.operation.walk(visit)
+    return found
+
+
 @pytest.mark.parametrize("base, queries, head_dim_vector, row_vector, columns", [
     (PagedPrefillSpec(8, 2, 64, "float32"), 1, 64, 4, 8), (PagedPrefillSpec(8, 2, 64, "float32"), 4, 64, 16, 8),
     (RaggedPrefillSpec(64, 4, 64, 24, "float16"), 1, 64, 16, 8), (MlaPagedPrefillSpec(16, 64, 16, "float32"), 4, 16, 16, 8),
@@ -370,13 +387,39 @@ def test_wide_vectors_dot_the_head_dim_and_broadcast_values_over_the_query_rows(
     """AVX-512's pass vectors: the scores reduce each key row's head dim in one vector of up to
     128 lanes; probs x values broadcasts each value element into a vector of up to 16 query rows,
     with J head-dim columns a key in J outputs (docs/performance.md, decode passes)."""
-    tiled = _tiled_generics(build_module(DecodeSpec(base, queries), pass_vectors=WIDE_PASS_VECTORS))
-    scores = [info for results, info in tiled if "vector_reduction = [0, 0, 0, 0, 0, 0," in info]
-    assert len(scores) == 1 and f"vector_reduction = [0, 0, 0, 0, 0, 0, {head_dim_vector}]" in scores[0]
-    values = [(results, info) for results, info in tiled if "vector_reduction = [0, 0, 0, 0, 0, 1, 1]" in info]
-    assert len(values) == 1
-    assert values[0][0] == columns
-    assert f"vector_common_parallel = [1, 1, 1, 1, {row_vector}, 0, 0]" in values[0][1]
+    marked = _marked_tilings(build_module(DecodeSpec(base, queries), pass_vectors=WIDE_PASS_VECTORS))
+    (_, scores, _), = marked["pass.scores.dots"]
+    assert scores["vector_reduction"] == [0] * 6 + [head_dim_vector]
+    (results, values, _), = marked["pass.probs_values"]
+    assert results == columns
+    assert values["vector_common_parallel"] == [1, 1, 1, 1, row_vector, 0, 0]
+
+
+@pytest.mark.parametrize("base, queries, unit", [
+    (MlaPagedPrefillSpec(16, 64, 16, "float32"), 4, {"scores": (2,), "values": (2,)}),
+    (PagedPrefillSpec(8, 1, 36, "bfloat16"), 1, {"scores": (2,), "values": (2,)}),
+    (PagedPrefillSpec(6, 6, 80, "float32"), 1, {"scores": (5,), "values": (4,)}),
+    (PagedPrefillSpec(8, 2, 64, "float32"), 4, {"scores": (), "values": ()})])
+def test_the_tiled_pass_ops_have_no_unit_loops_for_iree_to_fold(base, queries, unit):
+    """A KV head (MLA, MQA) or one query row makes a loop of extent 1; IREE 3.13 folds such a dim
+    and drops the op's tiling with it (the 4-query MLA pass then took 44 s to compile, 4.7 s
+    tiled). The scores and probs x values ops are built without those loops, and their tilings
+    list the other loops only."""
+    module = build_module(DecodeSpec(base, queries), pass_vectors=WIDE_PASS_VECTORS)
+    marked = _marked_tilings(module)
+    assert marked["pass.scores.dots"][0][2] == unit["scores"]
+    assert marked["pass.probs_values"][0][2] == unit["values"]
+    apply_tuning(module, Target("llvm-cpu"))
+
+    def visit(op):
+        if op.name == "linalg.generic" and "compilation_info" in op.attributes:
+            loops = len(ir.ArrayAttr(op.attributes["iterator_types"]))
+            info = str(op.attributes["compilation_info"])
+            listed = info.split("distribution = [")[1].split("]")[0].count(",") + 1
+            assert listed == loops, info
+        return 0
+
+    module.operation.walk(visit)
 
 
 @pytest.mark.parametrize("base, queries, by_rows", [
@@ -392,8 +435,8 @@ def test_narrow_vectors_take_the_scores_of_paged_and_ragged_passes_with_16_rows_
     assert NARROW_PASS_VECTORS.by_rows(spec) == by_rows and not WIDE_PASS_VECTORS.by_rows(spec)
     module = build_module(spec, pass_vectors=NARROW_PASS_VECTORS)
     assert _op_names(module).count("flow.dispatch.region") == 2 + int(by_rows)
-    scores = [info for _, info in _tiled_generics(module) if "vector_reduction = [0, 0, 0, 0, 0, 0," in info]
-    assert f"vector_reduction = [0, 0, 0, 0, 0, 0, {1 if by_rows else 16}]" in scores[0]
+    (_, scores, _), = _marked_tilings(module)["pass.scores.rows" if by_rows else "pass.scores.dots"]
+    assert scores["vector_reduction"] == [0] * 6 + [1 if by_rows else 16]
 
 
 @pytest.mark.parametrize("base, queries", [(PagedPrefillSpec(32, 8, 128, "float32"), 1),
