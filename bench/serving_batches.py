@@ -1,12 +1,12 @@
 """Serving-shaped batches: many sequences, a few new tokens each, against a cached prefix in pages.
 
     .venv/bin/python bench/serving_batches.py [--batches 8,32,128] [--new 1,4,16,64]
-        [--cached 128,1024,4096,mixed] [--dtype float32] [--repeat 3] [--json out.json]
+        [--cached 128,1024,4096,mixed] [--dtype float32] [--heads 32/8] [--repeat 3] [--json out.json]
 
 Each row is one serving step of ``batch`` sequences, each appending ``new`` tokens to ``cached``
 tokens already in the paged cache (``mixed``: cached lengths drawn from [16, 4096], seeded), so
-entry b attends causally (bottom-right) over kv_len_b = cached_b + new keys. h_q=32, h_kv=8,
-d=128, page size 16, pages shuffled, RoPE off. Ours: ``PagedPrefillWrapper``, planned once and run
+entry b attends causally (bottom-right) over kv_len_b = cached_b + new keys. h_q=32, h_kv=8
+(``--heads``: e.g. 8/1, one KV head as MQA models have), d=128, page size 16, pages shuffled, RoPE off. Ours: ``PagedPrefillWrapper``, planned once and run
 once (the per-layer call; the plan's cost is printed apart), twice: with the pages uploaded to
 the IREE device once (``ours ms``), as a serving stack may keep its cache there, and with the
 numpy page pool passed to every call as it is (``numpy ms``: read in place, runtime/module.py).
@@ -194,16 +194,19 @@ def format_row(r: dict) -> str:
 
 
 def main() -> None:
+    global H_Q, H_KV
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", default="8,32,128")
     parser.add_argument("--new", default="1,4,16,64")
     parser.add_argument("--cached", default="128,1024,4096,mixed")
     parser.add_argument("--dtype", default="float32", choices=sorted(NUMPY_DTYPES))
+    parser.add_argument("--heads", default=f"{H_Q}/{H_KV}", help="h_q/h_kv (default %(default)s)")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--max-gib", type=float, default=8.0,
                         help="skip rows whose padded torch inputs and scores exceed this many GiB")
     parser.add_argument("--json", help="also write the rows to this JSON file")
     args = parser.parse_args()
+    H_Q, H_KV = (int(x) for x in args.heads.split("/"))
     import torch
 
     torch.set_num_threads(2)
