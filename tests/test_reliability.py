@@ -45,14 +45,14 @@ def test_eight_threads_fifty_calls_each_match_serial_calls(cache):
 
 
 def test_two_processes_build_one_artifact_set_with_one_compile_each(tmp_path):
-    """Two `linalg-prefill build` processes on the same model (two of its variants), output folder
-    and empty cache: both succeed, every variant is compiled exactly once in total, the manifest
-    verifies."""
+    """Two `linalg-prefill build` processes on the same model (two of its variants: the dense
+    ones, three kernels without serving passes), output folder and empty cache: both succeed,
+    every kernel is compiled exactly once in total, the manifest verifies."""
     env = dict(os.environ, LINALG_PREFILL_CACHE_DIR=str(tmp_path / "cache"), LINALG_PREFILL_CACHE="1",
                LINALG_PREFILL_LOG="info")
     command = [sys.executable, "-m", "linalg_prefill.cli", "build", "--model",
                str(ROOT / "configs" / "tiny.toml"), "--backends", "llvm-cpu", "--out", str(tmp_path / "out"),
-               "--jobs", "1", "--variants", "batch_prefill_ragged_kv,batch_prefill_paged_kv"]
+               "--jobs", "1", "--variants", "batch_sequence_prefill_kv,batch_sequence_prefill_kv_masked"]
     builders = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
                 for _ in range(2)]
     logs = [builder.communicate(timeout=600) for builder in builders]
