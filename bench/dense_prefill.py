@@ -1,8 +1,8 @@
 """Dense causal prefill on llvm-cpu against torch SDPA (CPU, 2 threads), timed in the same run.
 
-    .venv/bin/python bench/dense_prefill.py [--lengths 512,2048,4096] [--dtype float32] [--repeat 3]
+    .venv/bin/python bench/dense_prefill.py [--lengths 512,2048,4096] [--dtype float32] [--heads 32/8] [--repeat 3]
 
-Shape: B=1, h_q=32, h_kv=8, d=128 (GQA 4). GFLOP/s counts 4 * L * L * d * h_q, halved for causal
+Shape: B=1, h_q=32, h_kv=8, d=128 (GQA 4; ``--heads 32/32``: MHA, ``32/1``: MQA). GFLOP/s counts 4 * L * L * d * h_q, halved for causal
 (only the unmasked pairs). Each figure is the best of --repeat runs, ours and torch's interleaved.
 Also times IREE's fused ``iree_linalg_ext.attention`` (non-causal, one size) against ours.
 """
@@ -79,12 +79,15 @@ def bench_fused(length: int, repeat: int) -> dict:
 
 
 def main() -> None:
+    global H_Q, H_KV
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", default="512,2048,4096")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--heads", default=f"{H_Q}/{H_KV}", help="h_q/h_kv (default %(default)s)")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--fused-length", type=int, default=1024)
     args = parser.parse_args()
+    H_Q, H_KV = (int(x) for x in args.heads.split("/"))
     lengths = [int(x) for x in args.lengths.split(",")]
     print(f"dense causal prefill, B=1 h_q={H_Q} h_kv={H_KV} d={D} {args.dtype}, llvm-cpu vs torch SDPA (2 threads)")
     print(f"{'L':>6} {'ours ms':>9} {'torch ms':>9} {'ours GFLOP/s':>13} {'torch GFLOP/s':>14} {'ratio':>6}")
