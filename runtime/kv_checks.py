@@ -18,6 +18,8 @@ Notation: ``Lq`` query rows, ``Lk`` ragged KV rows, ``B`` batch entries (``len(q
 
 from __future__ import annotations
 
+import functools
+
 import math
 import numbers
 from collections.abc import Mapping
@@ -82,7 +84,8 @@ def check_paged(spec, named: Mapping) -> dict:
     q_rope_position = check_int32("q_rope_position", named["q_rope_position"], shape=(q.shape[0],))
     scalars = check_rope_scalars(named, spec.d, "d")
 
-    def kv_lens():
+    @functools.cache
+    def kv_lens():  # once, for RoPE's positions and the mask both
         return paged_kv_lengths(table["page_indptr"], table["length_info"], spec.page_size, spec.sliding_window)
 
     if scalars["rotary_mode"] == 1:
