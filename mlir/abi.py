@@ -3,10 +3,12 @@ the runtime's argument names and positions, and the README's ABI table are deriv
 
 A dim is an int, the name of a spec field (``"h_q"``, ``"d_qk"``, ``"page_size"``), or a symbol
 the call decides (``"B"``, ``"Lq"``, ...: dynamic). Kinds: ``tensor`` in the spec's dtype,
-``f32`` a float32 array whatever the spec's dtype, ``index`` an int32 array, ``mask`` a custom
-mask (bool or uint8 at the call, i8 in the IR), ``int`` an i32 scalar, ``float`` an f32 scalar. A
-spec with ``head_sinks`` takes ``sinks [h_q]`` f32 (natural-log logits, semantics §13) after every
-argument of its table.
+``kv`` the keys and values in the spec's KV-cache dtype (specs.kv_dtype_of: its dtype unless it
+reads 8-bit pages), ``f32`` a float32 array whatever the spec's dtype, ``scale`` a float32 array
+of positive finite scales, ``index`` an int32 array, ``mask`` a custom mask (bool or uint8 at the
+call, i8 in the IR), ``int`` an i32 scalar, ``float`` an f32 scalar. A spec with an 8-bit KV
+cache takes ``k_scale, v_scale [h_kv]`` after its table's arguments (semantics §15), a spec with
+``head_sinks`` takes ``sinks [h_q]`` f32 (natural-log logits, semantics §13) after every other.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Callable, Union
 from .arg import Arg, Dims
 from .ir import DYN, buffer_view_type, element_type, f32, func_d, i32, i8, ir, module_context, tensor_type
 from .mask_rules import mask_rule
+from .dtypes import kv_dtype_of
 from .specs import MaskedSequencePrefillSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec
 
 
@@ -27,19 +30,19 @@ def _scalars(*names: str) -> tuple[Arg, ...]:
 
 _FLOAT_SCALARS = ("rope_scale", "rope_theta", "sm_scale")
 _ROPE_SCALARS = _scalars("causal", "rotary_mode", "rope_scale", "rope_theta", "sm_scale")
-_DENSE = (Arg("q", "tensor", ("B", "Lq", "h_q", "d")), Arg("k", "tensor", ("B", "Lk", "h_kv", "d")),
-          Arg("v", "tensor", ("B", "Lk", "h_kv", "d")))
+_DENSE = (Arg("q", "tensor", ("B", "Lq", "h_q", "d")), Arg("k", "kv", ("B", "Lk", "h_kv", "d")),
+          Arg("v", "kv", ("B", "Lk", "h_kv", "d")))
 _PAGE_TABLE = (Arg("page_indptr", "index", ("B+1",)), Arg("page_values", "index", ("nnz",)),
                Arg("length_info", "index", lambda spec: (3, "B") if spec.sliding_window else ("B",)))
 
 _RAGGED = (
     Arg("q", "tensor", ("Lq", "h_q", "d_qk")), Arg("q_indptr", "index", ("B+1",)),
-    Arg("k", "tensor", lambda spec: spec.layout.key_dims), Arg("v", "tensor", lambda spec: spec.layout.value_dims),
+    Arg("k", "kv", lambda spec: spec.layout.key_dims), Arg("v", "kv", lambda spec: spec.layout.value_dims),
     Arg("kv_indptr", "index", ("B+1",)), Arg("q_rope_position", "index", ("Lq",)),
     Arg("k_rope_pos_offset", "index", ("B",)), *_ROPE_SCALARS)
 _PAGED = (
     Arg("q", "tensor", ("Lq", "h_q", "d")), Arg("q_indptr", "index", ("B+1",)),
-    Arg("pages", "tensor", lambda spec: spec.layout.page_dims), *_PAGE_TABLE,
+    Arg("pages", "kv", lambda spec: spec.layout.page_dims), *_PAGE_TABLE,
     Arg("k_rope_pos_offset", "index", ("B",)), Arg("q_rope_position", "index", ("Lq",)), *_ROPE_SCALARS)
 
 
@@ -57,12 +60,14 @@ ARGUMENTS: dict[type, Union[tuple[Arg, ...], Callable[[object], tuple[Arg, ...]]
     PagedPrefillSpec: _with_mask_rule(_PAGED),
     MlaPagedPrefillSpec: (
         Arg("q", "tensor", ("Lq", "h_q", "d_qk")), Arg("q_indptr", "index", ("B+1",)),
-        Arg("pages", "tensor", ("P", "page_size", "d_qk")), *_PAGE_TABLE, *_scalars("causal", "sm_scale")),
+        Arg("pages", "kv", ("P", "page_size", "d_qk")), *_PAGE_TABLE, *_scalars("causal", "sm_scale")),
 }
 
 
 #: The per-head sink logits of a spec with ``head_sinks``: always the last argument.
 SINKS = Arg("sinks", "f32", ("h_q",))
+#: The per-KV-head scales of a spec with an 8-bit KV cache (specs.quantized_kv), after its table.
+KV_SCALES = (Arg("k_scale", "scale", ("h_kv",)), Arg("v_scale", "scale", ("h_kv",)))
 
 
 def arguments(spec) -> tuple[Arg, ...]:
@@ -71,7 +76,8 @@ def arguments(spec) -> tuple[Arg, ...]:
     except KeyError:
         raise TypeError(f"spec: no argument table for {type(spec).__name__}") from None
     table = table(spec) if callable(table) else table
-    return (*table, SINKS) if spec.head_sinks else table
+    scales = KV_SCALES if getattr(spec, "kv_dtype", None) else ()  # a serving pass's are among its kv_sources
+    return (*table, *scales, *((SINKS,) if spec.head_sinks else ()))
 
 
 def argument_names(spec) -> tuple[str, ...]:
@@ -96,7 +102,8 @@ def _dim(spec, value) -> int:
 
 
 def _tensor_type(spec, arg: Arg) -> ir.Type:
-    elem = {"tensor": element_type(spec.dtype), "f32": f32(), "mask": i8()}.get(arg.kind, i32())
+    elem = {"tensor": element_type(spec.dtype), "kv": element_type(kv_dtype_of(spec)), "f32": f32(), "scale": f32(),
+            "mask": i8()}.get(arg.kind, i32())
     return tensor_type([_dim(spec, d) for d in arg.dims_of(spec)], elem)
 
 
@@ -108,7 +115,7 @@ def argument_types(spec, host_readable: tuple[str, ...] = ()) -> list[ir.Type]:
     for arg in arguments(spec):
         if arg.name in host_readable:
             types.append(buffer_view_type())
-        elif arg.kind in ("tensor", "f32", "index", "mask"):
+        elif arg.kind in ("tensor", "kv", "f32", "scale", "index", "mask"):
             types.append(_tensor_type(spec, arg))
         else:
             types.append(i32() if arg.kind == "int" else f32())
@@ -129,8 +136,9 @@ def result_types(spec) -> list[ir.Type]:
 
 
 def kv_sources(spec) -> tuple[Arg, ...]:
-    """The tensors a call's keys and values are read from: every tensor argument but q."""
-    return tuple(arg for arg in arguments(spec) if arg.kind == "tensor" and arg.name != "q")
+    """The arguments a call's keys and values are read from: its KV tensors, then their scales
+    where the spec has an 8-bit KV cache."""
+    return tuple(arg for arg in arguments(spec) if arg.kind in ("kv", "scale"))
 
 
 def function_module(spec, emit: Callable[[Mapping[str, ir.Value]], list],
@@ -153,8 +161,10 @@ def bound_arguments(spec, values) -> Mapping[str, ir.Value]:
 
 
 def operands(part, args: Mapping[str, ir.Value]) -> dict:
-    """The arguments ``part`` (a KV layout, a mask rule) declares in its ``operands``, by name."""
-    return {name: args[name] for name in part.operands}
+    """The arguments ``part`` (a KV layout, a mask rule) declares in its ``operands``, by name,
+    and those of its ``optional_operands`` the call has (a layout's scales of 8-bit pages)."""
+    return {**{name: args[name] for name in part.operands},
+            **{name: args[name] for name in getattr(part, "optional_operands", ()) if name in args}}
 
 
 def ordered(spec, named: dict) -> tuple:

@@ -39,7 +39,8 @@ from .ir import (
     own_dispatch_results, scf_d, sizes_of, tensor_d, tensor_type, tie_dims, widened,
 )
 from .abi import ARGUMENTS, Arg, argument_types, bound_arguments, kv_sources, result_types
-from .kv_layouts import cache_layout
+from .dtypes import quantized_kv
+from .kv_layouts import cache_layout, dequantized
 from .mask_rules import Lengths, MaskRule, mask_rule
 from .online_softmax import NO_KEY_MAX, row_sinks, score_transform, sink_lse, sink_normalised
 from .specs import EMPTY_ROW_LSE, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec
@@ -284,14 +285,18 @@ class KvCache:
 
     def element(self, which: int, entry, chunk, block, slot, head, col, *, widen: bool = True) -> ir.Value:
         """K (0) or V (1) element ``col`` of head ``head`` at column (chunk, block, slot), f32
-        (``widen``) or in the cache's dtype."""
+        (``widen``) or in the spec's dtype (an 8-bit cache's dequantised: :meth:`_element`)."""
         value = self._element(which, entry, chunk, block, slot, head, col)
         return widened(value) if widen else value
 
     def _element(self, which: int, entry, chunk, block, slot, head, col) -> ir.Value:
+        """The layout's element, read through its KV head's scale where the cache is 8-bit (the
+        scales are the last two sources: mlir/abi.py kv_sources)."""
         spec = self.spec
-        return cache_layout(spec.base).element(spec, self, which, entry, self.logical_block(chunk, block),
-                                               lambda: self.logical_column(chunk, block, slot), slot, head, col)
+        value = cache_layout(spec.base).element(spec, self, which, entry, self.logical_block(chunk, block),
+                                                lambda: self.logical_column(chunk, block, slot), slot, head, col)
+        scales = self.sources[len(self.sources) - 2 + which] if quantized_kv(spec) else None
+        return dequantized(value, scales, head, element_type(spec.dtype))
 
 
 def _pass_arguments(spec: DecodeSpec) -> tuple[Arg, ...]:

@@ -26,10 +26,10 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable
 
-from .dtypes import ir_dtype
+from .dtypes import ir_dtype, kv_dtype_of
 from .ir import (
     HostReadable, affine_map, arith_d, const_index, dim, element_type, empty, extract_slice, fill, generic, ir,
-    linalg_d, lt, scf_d, sizes_of, storage_tiles, tensor_d, tie_dims,
+    linalg_d, lt, narrowed, scf_d, sizes_of, storage_tiles, tensor_d, tie_dims, widened,
 )
 from .paging import clamped_page, gather_rows, index_at, page_bounds, page_table, physical_row, read_element
 
@@ -153,6 +153,27 @@ class CacheLayout(KvLayout, ABC):
 
 def _itemsize(dtype: str) -> int:
     return ir_dtype(dtype).itemsize
+
+
+def dequantized(value: ir.Value, scales: ir.Value | None, head: ir.Value, elem: ir.Type) -> ir.Value:
+    """An element of an 8-bit KV cache read through its KV head's scale, in the compute dtype
+    ``elem``: ``elem(f32(x) * scales[head])`` (semantics §15, the reference's dequantisation);
+    ``scales`` None (a cache in the compute dtype): ``value`` as it is."""
+    if scales is None:
+        return value
+    scaled = arith_d.mulf(widened(value), tensor_d.extract(scales, [head]))
+    return narrowed(elem, _bf16_rounded(scaled) if isinstance(elem, ir.BF16Type) else scaled)
+
+
+def _bf16_rounded(x: ir.Value) -> ir.Value:
+    """f32 ``x`` rounded to the nearest bfloat16 (ties to even), still as f32, in integer ops: IREE
+    3.13 drops a truncf to bf16 whose value is widened straight back (a serving pass reads each
+    element in f32), and the rounding is part of the element's value (semantics §15)."""
+    i32 = ir.IntegerType.get_signless(32)
+    bits = arith_d.bitcast(i32, x)
+    lsb = arith_d.andi(arith_d.shrui(bits, arith_d.constant(i32, 16)), arith_d.constant(i32, 1))
+    rounded = arith_d.addi(bits, arith_d.addi(arith_d.constant(i32, 0x7FFF), lsb))
+    return arith_d.bitcast(x.type, arith_d.andi(rounded, arith_d.constant(i32, -0x10000)))
 
 
 # ---- ragged
@@ -345,6 +366,8 @@ class PagedLayout(_PageTableLayout):
 
     name = "paged"
     operands = ("pages", "page_indptr", "page_values", "length_info", "k_rope_pos_offset")
+    #: The scales of 8-bit pages (a spec with ``kv_dtype``: mlir/abi.py KV_SCALES).
+    optional_operands = ("k_scale", "v_scale")
     vectorise_rows = True
     #: The pages argument's dims (mlir/abi.py).
     page_dims = ("P", 2, "h_kv", "page_size", "d")
@@ -353,16 +376,20 @@ class PagedLayout(_PageTableLayout):
         """The element of K (``which`` 0) or V (1) at ``head``, ``slot``, ``col`` of ``page``."""
         return tensor_d.extract(pages, [page, which, head, slot, col])
 
-    def entry_loader(self, spec, *, pages, page_indptr, page_values, length_info, k_rope_pos_offset):
+    def entry_loader(self, spec, *, pages, page_indptr, page_values, length_info, k_rope_pos_offset,
+                     k_scale=None, v_scale=None):
         elem = element_type(spec.dtype)
 
         def load(b: ir.Value) -> EntryKv:
             table = page_table(spec, b, page_indptr, length_info)
 
             def gather(which: int) -> ir.Value:  # 0: keys, 1: values
+                scales = (k_scale, v_scale)[which]
+
                 def fetch(page, slot, out_indices):
                     head, col = out_indices
-                    return self._at(pages, clamped_page(page, pages), const_index(which), head, slot, col)
+                    value = self._at(pages, clamped_page(page, pages), const_index(which), head, slot, col)
+                    return dequantized(value, scales, head, elem)
                 return gather_rows(spec, table, page_values, fetch, [spec.h_kv, spec.d], elem)
 
             return EntryKv(kv_len=table.kv_len, load_keys=lambda: gather(0), load_values=lambda: gather(1),
@@ -370,7 +397,11 @@ class PagedLayout(_PageTableLayout):
 
         return load
 
-    def batch_kv(self, spec, *, pages, page_indptr, page_values, length_info, k_rope_pos_offset) -> BatchKv:
+    def batch_kv(self, spec, *, pages, page_indptr, page_values, length_info, k_rope_pos_offset,
+                 k_scale=None, v_scale=None) -> BatchKv:
+        if k_scale is not None:
+            raise ValueError(f"kv_dtype {spec.kv_dtype}: the fused lowering (CUDA, ROCm, llvm-cpu fused) does not "
+                             "read 8-bit pages yet; the llvm-cpu linalg lowering does")
         page_indptr, (base, kv_len, table) = self._host_table(spec, page_indptr, length_info)
 
         def half(which):
@@ -385,7 +416,7 @@ class PagedLayout(_PageTableLayout):
         return self._at(pages, page, const_index(which), head, slot, col)
 
     def kv_bytes_per_key(self, spec) -> int:
-        return spec.h_kv * (spec.d_qk + spec.d_v) * _itemsize(spec.dtype)
+        return spec.h_kv * (spec.d_qk + spec.d_v) * _itemsize(kv_dtype_of(spec))
 
 
 class PagedNhdLayout(PagedLayout):

@@ -23,7 +23,10 @@ from dataclasses import dataclass
 from .dtypes import IR_DTYPES
 from .kv_layouts import DENSE, LATENT, PAGED_ORDERS, RAGGED_ORDERS
 
-DTYPES = tuple(IR_DTYPES)
+DTYPES = tuple(name for name, dtype in IR_DTYPES.items() if dtype.compute)
+#: The KV-cache dtypes a spec's ``kv_dtype`` may name besides its ``dtype`` (8-bit floats, read
+#: through per-KV-head scales: semantics §15).
+KV_DTYPES = tuple(name for name, dtype in IR_DTYPES.items() if not dtype.compute)
 
 # Dense tiles: 256 x 256 read K/V and the query tile fewest times (fastest at L=2048 and 8192).
 # The KV-cache variants keep 64 x 128: their entries are often short, and a tile of a short entry
@@ -104,6 +107,12 @@ class _SpecBase:
     def kv_layout(self) -> str:
         """The layout's name: the plain value the reference and the error model key on."""
         return self.layout.name
+
+    @property
+    def kv_tag(self) -> str:
+        """``_kv<format>`` in the artifact name of a spec with an 8-bit KV cache, else empty."""
+        kv_dtype = getattr(self, "kv_dtype", None)
+        return f"_kv{kv_dtype.replace('float8_', 'f8')}" if kv_dtype else ""
 
     @property
     def group_size(self) -> int:
@@ -380,6 +389,9 @@ class PagedPrefillSpec(_OneHeadDim):
     ``custom_mask``: as :class:`RaggedPrefillSpec`'s (columns are the logical KV rows, §2, §14).
     ``kv_order``: ``"hnd"`` (the seed's pages [P, 2, h_kv, page_size, d]) or ``"nhd"``
     (pages [P, 2, page_size, h_kv, d]: FlashInfer's NHD layout, and transformers' paged cache).
+    ``kv_dtype``: None (pages in ``dtype``) or an 8-bit float (KV_DTYPES): the pages in that
+    format, read through per-KV-head ``k_scale``/``v_scale`` [h_kv] float32 arguments (after the
+    table's, before ``sinks``): an element is ``dtype(float32(x) * scale[head])`` (semantics §15).
     """
 
     h_q: int
@@ -396,6 +408,7 @@ class PagedPrefillSpec(_OneHeadDim):
     head_sinks: bool = False
     custom_mask: bool = False
     kv_order: str = "hnd"
+    kv_dtype: str | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "rope_scaling", freeze_rope_scaling(self.rope_scaling))
@@ -403,6 +416,8 @@ class PagedPrefillSpec(_OneHeadDim):
         _check_positive(d=self.d, page_size=self.page_size)
         if self.kv_order not in PAGED_ORDERS:
             raise SpecError(f"kv_order must be one of {sorted(PAGED_ORDERS)}, got {self.kv_order!r}")
+        if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
+            raise SpecError(f"kv_dtype must be None (the pages in dtype) or one of {KV_DTYPES}, got {self.kv_dtype!r}")
         _check_window_flag(self)
         _check_custom_mask_flag(self)
         _check_common(self)
@@ -423,7 +438,7 @@ class PagedPrefillSpec(_OneHeadDim):
         return (
             f"{self.symbol}_hq{self.h_q}_hkv{self.h_kv}_d{self.d}_{self.dtype}_ps{self.page_size}{nhd}"
             f"_rope-{_rope_tag(self.rope_scaling)}{_rotary_tag(self)}_qt{self.q_tile}_kt{self.kv_tile}{self.cap_tag}"
-            f"{self.sinks_tag}{self.mask_tag}"
+            f"{self.sinks_tag}{self.mask_tag}{self.kv_tag}"
         )
 
 

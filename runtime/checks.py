@@ -79,6 +79,15 @@ def check_f32(name: str, value, *, shape: Sequence[int | None]) -> np.ndarray:
     return np.ascontiguousarray(array)
 
 
+def check_scale(name: str, value, *, shape: Sequence[int | None]) -> np.ndarray:
+    """:func:`check_f32` whose values must also be positive (the ABI's ``scale`` kind: the
+    per-KV-head scales of an 8-bit KV cache, semantics §15)."""
+    array = check_f32(name, value, shape=shape)
+    if not np.all(array > 0):
+        raise InputError(f"{name}: scales must be positive, found {array[~(array > 0)][0]}")
+    return array
+
+
 INT32 = np.iinfo(np.int32)
 
 

@@ -15,12 +15,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..mlir.abi import argument_names, ordered
+from ..mlir.dtypes import quantized_kv
 from ..pipeline import BACKENDS, ArtifactCache, target_for
 from . import reference
 from .checks import as_array, on_host
 from .devices import device_available
 from .error_model import CallFacts, ErrorBound, bound_of_call
 from .kernels import open_kernel
+from .kv_quant import dequantized_call
 from .variants import reference_options, variant
 
 __all__ = ["BackendResult", "ComparisonReport", "compare_backends", "reference_call",
@@ -132,7 +134,10 @@ def reference_call(spec) -> tuple[str, dict]:
 def reference_for(spec, args) -> tuple[np.ndarray, np.ndarray]:
     """The float64 (output, lse) of the seed-ABI call ``args`` (in the table's order) for ``spec``
     (runtime.reference): every argument by its table name (a serving pass's reference takes
-    them in order)."""
+    them in order); an 8-bit KV cache's, that of the call with its cache dequantised
+    (runtime/kv_quant.py)."""
+    if quantized_kv(spec):
+        spec, args = dequantized_call(spec, args)
     reference = variant(spec).reference
     parameters = inspect.signature(reference).parameters.values()
     if any(p.kind is p.VAR_POSITIONAL for p in parameters):  # a serving pass's: every argument in order
@@ -150,7 +155,10 @@ def call_facts(spec) -> CallFacts:
 
 def error_bound(spec, args, want=None) -> ErrorBound:
     """The error bound (runtime/error_model.py) of the seed-ABI call ``args`` of ``spec``;
-    ``want``: its reference_for, computed when not given."""
+    ``want``: its reference_for, computed when not given. An 8-bit KV cache's: the compute
+    dtype's on the dequantised cache (runtime/kv_quant.py)."""
+    if quantized_kv(spec):
+        spec, args = dequantized_call(spec, tuple(on_host(a) for a in args))
     named = {name: value if isinstance(value, numbers.Number) else as_array(name, on_host(value))
              for name, value in zip(argument_names(spec), args)}
     return bound_of_call(named, call_facts(spec), lambda call: reference_for(spec, ordered(spec, call)), want)

@@ -37,4 +37,6 @@ HOST_DTYPES: dict[str, HostDType] = {dtype.name: dtype for dtype in (
     HostDType("float32", 2.0 ** -24, torch="float32", iree="FLOAT_32"),
     HostDType("float16", 2.0 ** -11, torch="float16", iree="FLOAT_16"),
     HostDType("bfloat16", 2.0 ** -8, torch="bfloat16", iree="BFLOAT_16", numpy_from="ml_dtypes"),
+    HostDType("float8_e4m3fn", 2.0 ** -4, torch="float8_e4m3fn", iree="FLOAT_8_E4M3_FN", numpy_from="ml_dtypes"),
+    HostDType("float8_e5m2", 2.0 ** -3, torch="float8_e5m2", iree="FLOAT_8_E5M2", numpy_from="ml_dtypes"),
 )}

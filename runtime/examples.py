@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..mlir.abi import argument_names, arguments, concrete_dims, ordered
+from ..mlir.dtypes import kv_dtype_of
 from .checks import NUMPY_DTYPES
 from .kv_checks import natural_positions
 from .masks import host_mask
@@ -27,6 +28,9 @@ DENSE_EXAMPLE = (3, 20, 17)
 # Per-head sink logits (``head_sinks``, the ``f32`` arguments) are drawn uniform in this range:
 # from below the scores of [-1, 1) inputs to well above them, so the sink changes every row.
 SINK_RANGE = (-2.0, 4.0)
+# The per-KV-head scales of an 8-bit KV cache (``k_scale``, ``v_scale``) are drawn uniform in this
+# range, after the sinks: the dequantised keys and values lie in (-4, 4).
+SCALE_RANGE = (0.25, 4.0)
 
 
 def example_inputs(spec, rng: np.random.Generator, entries=EXAMPLE_ENTRIES, *, window=None, **given) -> tuple:
@@ -37,7 +41,7 @@ def example_inputs(spec, rng: np.random.Generator, entries=EXAMPLE_ENTRIES, *, w
     (queries at the end of their entry's KV) and shuffled pages with 2 unused ones. A
     sliding-window table keeps EXAMPLE_SINKS sinks and evicts EXAMPLE_EVICTED rows per entry
     (runtime/kv_layouts.py), or follows ``window``: (sw_offset, sink) per entry; ``sinks``
-    (``head_sinks``) are uniform in SINK_RANGE, drawn last. The dense variants take B =
+    (``head_sinks``) are uniform in SINK_RANGE, then an 8-bit cache's scales in SCALE_RANGE. The dense variants take B =
     len(entries) and the first entry's lengths (DENSE_EXAMPLE for the default entries), the masked
     variant valid_lens min(Lq, Lk) each. A custom mask (semantics §14) lets each query see a key
     with probability 3/4. ``given``: arguments by name that replace the drawn ones
@@ -56,6 +60,8 @@ def example_inputs(spec, rng: np.random.Generator, entries=EXAMPLE_ENTRIES, *, w
     named.update(draw_tensors(spec, rng, sizes, skip=tuple(given)))
     named.update({arg.name: rng.uniform(*SINK_RANGE, concrete_dims(spec, arg, sizes)).astype(np.float32)
                   for arg in arguments(spec) if arg.kind == "f32" and arg.name not in given})
+    named.update({arg.name: rng.uniform(*SCALE_RANGE, concrete_dims(spec, arg, sizes)).astype(np.float32)
+                  for arg in arguments(spec) if arg.kind == "scale" and arg.name not in given})
     if "custom_mask" not in given:
         named.update(host_mask(spec).example(rng, sizes))  # runtime/masks.py
     return ordered(spec, {**named, **given})
@@ -63,10 +69,11 @@ def example_inputs(spec, rng: np.random.Generator, entries=EXAMPLE_ENTRIES, *, w
 
 def draw_tensors(spec, rng: np.random.Generator, sizes: dict, skip: tuple[str, ...] = ()) -> dict:
     """The call's tensor arguments by name (except ``skip``), uniform in [-1, 1) in the spec's
-    dtype, drawn in the table's order with the table's dims; ``sizes`` gives the symbols
-    (``"B"``, ``"Lq"``, ``"Lk"``, ``"P"``)."""
-    return {arg.name: uniform(rng, concrete_dims(spec, arg, sizes), spec.dtype)
-            for arg in arguments(spec) if arg.kind == "tensor" and arg.name not in skip}
+    dtype (K and V in its KV-cache dtype: an 8-bit cache's values are those rounded to it), drawn
+    in the table's order with the table's dims; ``sizes`` gives the symbols (``"B"``, ``"Lq"``,
+    ``"Lk"``, ``"P"``)."""
+    return {arg.name: uniform(rng, concrete_dims(spec, arg, sizes), kv_dtype_of(spec) if arg.kind == "kv" else spec.dtype)
+            for arg in arguments(spec) if arg.kind in ("tensor", "kv") and arg.name not in skip}
 
 
 def uniform(rng: np.random.Generator, shape, dtype: str) -> np.ndarray:

@@ -26,6 +26,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from ..mlir.dtypes import kv_dtype_of
 from .checks import INT32_MAX, as_array, check_indptr, check_int32, check_range, check_same, check_tensor
 from .errors import InputError
 from .kv_layouts import paged_kv_lengths, physical_lengths
@@ -70,14 +71,14 @@ def check_paged(spec, named: Mapping) -> dict:
     """Arguments of ``batch_prefill_paged_kv[_sliding_window]`` (§1.1) for a ``PagedPrefillSpec``,
     by name.
 
-    q [Lq, h_q, d], q_indptr [B+1] i32, pages [P, 2, h_kv, page_size, d] (``kv_order="nhd"``:
-    [P, 2, page_size, h_kv, d]), page_indptr [B+1] i32, page_values [nnz] i32, length_info [B] i32
+    q [Lq, h_q, d], q_indptr [B+1] i32, pages [P, 2, h_kv, page_size, d] in ``spec.kv_dtype`` or
+    ``dtype`` (``kv_order="nhd"``: [P, 2, page_size, h_kv, d]), page_indptr [B+1] i32, page_values [nnz] i32, length_info [B] i32
     (or [3, B] with ``spec.sliding_window``), k_rope_pos_offset [B] i32, q_rope_position [Lq] i32,
     the scalars, and the mask rule's arguments (runtime/masks.py: custom_mask and mask_indptr
     with ``spec.custom_mask``, columns logical KV rows, §2).
     """
     q = check_tensor("q", named["q"], dtype=spec.dtype, shape=(None, spec.h_q, spec.d))
-    pages = check_tensor("pages", named["pages"], dtype=spec.dtype, shape=page_shape(spec))
+    pages = check_tensor("pages", named["pages"], dtype=kv_dtype_of(spec), shape=page_shape(spec))
     table = _check_page_table(spec, q, pages, named)
     batch = table["q_indptr"].shape[0] - 1
     k_rope_pos_offset = check_int32("k_rope_pos_offset", named["k_rope_pos_offset"], shape=(batch,))

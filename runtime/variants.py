@@ -17,7 +17,7 @@ from ..mlir.specs import (
     MaskedSequencePrefillSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec,
 )
 from . import reference
-from .checks import check_f32
+from .checks import check_f32, check_scale
 from .dense_checks import check_masked, check_sequence
 from .errors import InputError
 from .kv_checks import check_mla, check_paged, check_ragged
@@ -54,13 +54,14 @@ def variant(spec) -> Variant:
 
 def checked(spec, args: tuple) -> tuple:
     """A call's arguments (in the table's order) checked, back in that order: the variant's check
-    by name, then the ``f32`` arguments of the table (``sinks``) by their kind and dims (dims are
-    spec fields). InputError naming the argument otherwise."""
+    by name, then the ``f32`` and ``scale`` arguments of the table (``sinks``, an 8-bit cache's
+    ``k_scale`` and ``v_scale``) by their kind and dims (dims are spec fields). InputError naming
+    the argument otherwise."""
     table = arguments(spec)
     named = dict(zip((arg.name for arg in table), args, strict=True))
-    rest = variant(spec).check(spec, {arg.name: named[arg.name] for arg in table if arg.kind != "f32"})
-    f32 = {arg.name: check_f32(arg.name, named[arg.name], shape=concrete_dims(spec, arg, {}))
-           for arg in table if arg.kind == "f32"}
+    rest = variant(spec).check(spec, {arg.name: named[arg.name] for arg in table if arg.kind not in ("f32", "scale")})
+    f32 = {arg.name: (check_scale if arg.kind == "scale" else check_f32)(
+        arg.name, named[arg.name], shape=concrete_dims(spec, arg, {})) for arg in table if arg.kind in ("f32", "scale")}
     return ordered(spec, {**rest, **f32})
 
 

@@ -27,6 +27,7 @@ current when it started; kernel calls are serialised by the kernel's lock.
 
 from __future__ import annotations
 
+import numbers
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -38,8 +39,9 @@ from ..mlir.specs import (
     MaskedSequencePrefillSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec,
 )
 from ..mlir.abi import ordered
+from ..mlir.dtypes import kv_dtype_of, quantized_kv
 from ..pipeline import target_for
-from .checks import NUMPY_DTYPES, check_f32, check_int32, check_on_device, check_range, check_tensor
+from .checks import NUMPY_DTYPES, check_f32, check_int32, check_on_device, check_range, check_scale, check_tensor
 from .errors import InputError
 from .dense_checks import check_sequence
 from .kernels import Kernel, open_kernel
@@ -183,6 +185,25 @@ class _Wrapper:
 # ----------------------------------------------------------------------------- KV-cache wrappers
 
 
+def _kv_scales(spec, k_scale, v_scale) -> dict:
+    """``k_scale`` and ``v_scale`` checked ([h_kv] float32, positive; a number stands for every
+    head) for a spec with an 8-bit KV cache; nothing for one without (InputError if given)."""
+    given = {name: value for name, value in (("k_scale", k_scale), ("v_scale", v_scale)) if value is not None}
+    if not quantized_kv(spec):
+        if given:
+            raise InputError(f"{next(iter(given))}: {spec.name} reads its pages in {spec.dtype}, without scales")
+        return {}
+    scales = {}
+    for name in ("k_scale", "v_scale"):
+        if name not in given:
+            raise InputError(f"{name}: {spec.name} reads {spec.kv_dtype} pages; pass k_scale and v_scale to run")
+        value = given[name]
+        if isinstance(value, numbers.Real):
+            value = np.full(spec.h_kv, value, np.float32)
+        scales[name] = check_scale(name, value, shape=(spec.h_kv,))
+    return scales
+
+
 class RaggedPrefillWrapper(_Wrapper):
     """``batch_prefill_ragged_kv`` (§1.2): q [Lq, h_q, d_qk], k [Lk, h_kv, d_qk], v [Lk, h_kv, d_v]
     -> output [Lq, h_q, d_v], lse [Lq, h_q] float32."""
@@ -250,15 +271,17 @@ class PagedPrefillWrapper(_Wrapper):
         return self._new_plan(arrays, scalars, qo_lens, kv_lens, int(arrays["q_indptr"][-1]), pages_needed)
 
     @returns_like_inputs
-    def run(self, q, pages, *, sinks=None, to_host: bool | None = None, out=None, lse=None) -> tuple:
+    def run(self, q, pages, *, k_scale=None, v_scale=None, sinks=None, to_host: bool | None = None, out=None,
+            lse=None) -> tuple:
         """One layer: q [Lq, h_q, d], pages [P, 2, h_kv, page_size, d] (or the spec's
-        ``kv_order``'s) in spec.dtype; ``sinks`` as
+        ``kv_order``'s) in spec.dtype, or in its ``kv_dtype`` with ``k_scale`` and ``v_scale``
+        (each [h_kv] float32, or one number for every head: semantics §15); ``sinks`` as
         :meth:`RaggedPrefillWrapper.run`."""
         plan, spec, device = self._planned(), self.spec, self.kernel.device
         q = _rows("q", _tensor("q", q, spec.dtype, (None, spec.h_q, spec.d), device), plan.rows, "q_indptr[-1]")
-        pages = _page_count(_tensor("pages", pages, spec.dtype, page_shape(spec), device),
+        pages = _page_count(_tensor("pages", pages, kv_dtype_of(spec), page_shape(spec), device),
                             plan.kv_rows)
-        return self._launch(plan, to_host, sinks, out, lse, q=q, pages=pages)
+        return self._launch(plan, to_host, sinks, out, lse, q=q, pages=pages, **_kv_scales(spec, k_scale, v_scale))
 
 
 class MlaPagedPrefillWrapper(_Wrapper):

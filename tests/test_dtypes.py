@@ -11,14 +11,15 @@ from iree.runtime.array_interop import map_dtype_to_element_type
 
 from linalg_prefill.mlir.dtypes import IR_DTYPES, ir_dtype
 from linalg_prefill.mlir.ir import module_context
-from linalg_prefill.mlir.specs import DTYPES
+from linalg_prefill.mlir.specs import DTYPES, KV_DTYPES
 from linalg_prefill.runtime.dtypes import HOST_DTYPES
 
 
 def test_both_halves_have_every_dtype_in_the_specs_order():
-    assert tuple(IR_DTYPES) == tuple(HOST_DTYPES) == DTYPES == ("float32", "float16", "bfloat16")
+    assert tuple(IR_DTYPES) == tuple(HOST_DTYPES) == DTYPES + KV_DTYPES
+    assert DTYPES == ("float32", "float16", "bfloat16") and KV_DTYPES == ("float8_e4m3fn", "float8_e5m2")
     with pytest.raises(ValueError, match="dtype must be one of"):
-        ir_dtype("float8_e4m3fn")
+        ir_dtype("float8_e4m3fnuz")
 
 
 @pytest.mark.parametrize("name", list(IR_DTYPES))
@@ -29,7 +30,9 @@ def test_a_record_agrees_with_numpy_mlir_iree_and_torch(name):
     assert host.unit_roundoff == float(info.eps) / 2  # u = 2^-p: half the gap after 1
     assert map_dtype_to_element_type(host.numpy) == getattr(rt.HalElementType, host.iree)
     with module_context():
-        assert str(ir_half.element_type()) == {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}[name]
+        assert str(ir_half.element_type()) == {"float32": "f32", "float16": "f16", "bfloat16": "bf16",
+                                               "float8_e4m3fn": "f8E4M3FN", "float8_e5m2": "f8E5M2"}[name]
     torch = pytest.importorskip("torch")
     assert getattr(torch, host.torch).itemsize == ir_half.itemsize
-    assert ir_half.matrix_units == (name != "float32")
+    assert ir_half.matrix_units == (name in ("float16", "bfloat16"))
+    assert ir_half.compute == (name in DTYPES)

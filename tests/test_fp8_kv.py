@@ -1,0 +1,178 @@
+"""8-bit KV caches (issue 44, semantics §15): paged KV in float8_e4m3fn or float8_e5m2 with
+per-KV-head scales, on llvm-cpu's linalg lowering (the variant's kernel and its serving passes),
+against the float64 reference of the dequantised cache within the compute dtype's bound.
+
+The grid: each format with each compute dtype once, both page orders, a sliding window, scales
+per head (drawn) and per tensor (one value repeated); entries with no keys, causal rows with no
+key, RoPE inline (the kernel) and off (short entries through the passes). The format's largest
+values stay finite; bad scales and pages in another dtype are refused by name; the fused
+lowering (CUDA, ROCm) refuses the spec by its ``kv_dtype``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from conftest import assert_matches_reference
+from linalg_prefill.mlir import PagedPrefillSpec
+from linalg_prefill.mlir.abi import argument_names, ordered
+from linalg_prefill.mlir.specs import SpecError
+from linalg_prefill.pipeline import Target, compile_spec
+from linalg_prefill.pipeline.tuning import tuned_ir
+from linalg_prefill.runtime import InputError, open_kernel
+from linalg_prefill.runtime.compare import error_bound, reference_for
+from linalg_prefill.runtime.examples import example_inputs
+from linalg_prefill.runtime.kv_quant import dequantized_call, quantize_pages
+from support import with_arguments
+
+SPECS = {
+    "e4m3-f16": PagedPrefillSpec(4, 2, 32, "float16", page_size=16, kv_dtype="float8_e4m3fn"),
+    "e5m2-bf16-nhd": PagedPrefillSpec(4, 2, 32, "bfloat16", page_size=16, kv_order="nhd", kv_dtype="float8_e5m2"),
+    "e4m3-f32-window": PagedPrefillSpec(8, 2, 32, "float32", page_size=8, sliding_window=True,
+                                        kv_dtype="float8_e4m3fn"),
+}
+#: Prefill entries (several pages, causal rows with no key, no KV) and serving-shaped ones.
+PREFILL = [(5, 3), (12, 40), (1, 9), (3, 0)]
+SERVING = [(1, 37), (4, 100), (1, 1), (16, 60), (2, 0), (1, 130)]
+
+pytestmark = pytest.mark.compiles(*SPECS.values(), passes=SERVING)
+
+
+def _per_tensor(args, spec):
+    """The call with each scale one value repeated over the KV heads (a per-tensor scale)."""
+    named = dict(zip(("k_scale", "v_scale"), (np.full(spec.h_kv, 0.75, np.float32), np.full(spec.h_kv, 1.5, np.float32))))
+    return with_arguments(spec, args, **named)
+
+
+@pytest.mark.parametrize("case", sorted(SPECS))
+def test_matches_the_reference_of_the_dequantised_cache(case, cache):
+    spec = SPECS[case]
+    kernel = open_kernel(spec, cache=cache)
+    rng = np.random.default_rng(len(case))
+    prefill = example_inputs(spec, rng, PREFILL)
+    serving = example_inputs(spec, rng, SERVING, rotary_mode=0)  # RoPE off: short entries take the passes
+    assert len(set(np.asarray(prefill[-1]).tolist())) == spec.h_kv  # per-head scales
+    for label, args in (("prefill", prefill), ("serving", serving), ("per-tensor", _per_tensor(serving, spec))):
+        assert_matches_reference(f"{spec.name} {label}", kernel(*args), spec, args)
+
+
+def test_the_passes_and_the_kernel_read_the_same_elements(cache):
+    """A serving call through the passes and through the variant's kernel alone: both within the
+    bound of one reference, and the pass rows' lse equal to within float32 rounding."""
+    spec = SPECS["e5m2-bf16-nhd"]
+    args = example_inputs(spec, np.random.default_rng(3), SERVING, rotary_mode=0)
+    with_passes = open_kernel(spec, cache=cache)(*args)
+    alone = open_kernel(spec, cache=cache, serving_passes=False)(*args)
+    for got in (with_passes, alone):
+        assert_matches_reference(spec.name, got, spec, args)
+    np.testing.assert_allclose(np.asarray(with_passes[1]), np.asarray(alone[1]), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("case", ["e4m3-f16", "e5m2-bf16-nhd"])
+def test_the_largest_values_of_the_format_stay_finite(case, cache):
+    """Every page element the format's largest finite value (alternating sign along the head
+    dim), scale 1, queries of about 1 / largest (scores of a few units): a finite output, values
+    of +-largest, within a finite bound of the reference's."""
+    spec = SPECS[case]
+    named = dict(zip(argument_names(spec), example_inputs(spec, np.random.default_rng(0), PREFILL)))
+    largest = float(ml_dtypes.finfo(named["pages"].dtype).max)
+    signs = np.where(np.arange(spec.d) % 2 == 0, 1.0, -1.0)
+    named["pages"] = np.broadcast_to(largest * signs, named["pages"].shape).astype(named["pages"].dtype)
+    named["k_scale"] = named["v_scale"] = np.ones(spec.h_kv, np.float32)
+    named["q"] = (named["q"].astype(np.float32) * (4.0 / largest)).astype(named["q"].dtype)
+    args = ordered(spec, named)
+    out, lse = (np.asarray(x, np.float64) for x in open_kernel(spec, cache=cache)(*args))
+    assert np.all(np.isfinite(out)) and np.all(np.isfinite(lse))
+    bound = error_bound(spec, args)
+    assert np.all(np.isfinite(bound.output)) and np.all(np.isfinite(bound.lse))
+    assert np.abs(out).max() == largest
+    assert_matches_reference(spec.name, (out, lse), spec, args)
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("k_scale", np.zeros(2, np.float32), "k_scale: scales must be positive"),
+    ("v_scale", np.array([1.0, -2.0], np.float32), "v_scale: scales must be positive"),
+    ("k_scale", np.array([1.0, np.nan], np.float32), "k_scale: values must be finite"),
+    ("v_scale", np.ones(3, np.float32), "v_scale"),
+    ("k_scale", np.ones(2, np.float16), "k_scale: expected dtype float32"),
+    ("pages", None, "pages: expected dtype float8_e4m3fn"),
+])
+def test_bad_scales_and_pages_are_refused_by_name(name, value, message, cache):
+    spec = SPECS["e4m3-f16"]
+    args = example_inputs(spec, np.random.default_rng(0), PREFILL)
+    if value is None:  # the pages in the compute dtype instead of the cache's
+        value = np.asarray(dict(zip(argument_names(spec), args))["pages"]).astype(np.float16)
+    with pytest.raises(InputError, match=f"^{message}"):
+        open_kernel(spec, cache=cache)(*with_arguments(spec, args, **{name: value}))
+
+
+def test_the_fused_lowering_refuses_an_8_bit_cache_by_name():
+    """CUDA, ROCm and the fused lowering on llvm-cpu do not read 8-bit pages yet: the spec is
+    refused before anything compiles, naming kv_dtype."""
+    spec = SPECS["e4m3-f16"]
+    for target in (Target("llvm-cpu", lowering="fused"), Target("cuda"), Target("rocm")):
+        with pytest.raises(ValueError, match="^kv_dtype float8_e4m3fn: the fused lowering"):
+            tuned_ir(spec, target)
+    with pytest.raises(ValueError, match="^kv_dtype float8_e4m3fn"):
+        compile_spec(spec, "cuda")
+
+
+def test_a_kv_dtype_must_be_an_8_bit_format():
+    with pytest.raises(SpecError, match="^kv_dtype must be None"):
+        PagedPrefillSpec(4, 2, 32, "float16", kv_dtype="float16")
+    assert PagedPrefillSpec(4, 2, 32, "float16").name + "_kvf8e4m3fn" == dataclasses.replace(
+        PagedPrefillSpec(4, 2, 32, "float16"), kv_dtype="float8_e4m3fn").name
+
+
+def test_the_pages_are_read_as_they_are_and_widened_in_the_kernel():
+    """The kernel's pages argument is the 8-bit pool itself; no tensor of the pool's shape in the
+    compute dtype exists (each entry's rows are widened as they are gathered)."""
+    spec = SPECS["e4m3-f16"]
+    ir = tuned_ir(spec, Target("llvm-cpu"))
+    assert "tensor<?x2x2x16x32xf8E4M3FN>" in ir
+    assert "tensor<?x2x2x16x32xf16>" not in ir
+
+
+@pytest.mark.parametrize("kv_dtype", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("per", ["head", "tensor"])
+def test_quantize_pages_rounds_to_the_nearest_value_under_each_scale(kv_dtype, per):
+    """Each element within half a step of the format (relative to its scale) of the original, the
+    largest magnitude of each scale's group mapped to the format's largest value; torch in, torch
+    out, the same bytes; an all-zero half gets scale 1."""
+    rng = np.random.default_rng(1)
+    pages = (rng.standard_normal((5, 2, 3, 4, 8)) * np.array([1.0, 10.0, 0.1])[:, None, None]).astype(np.float32)
+    pages[:, 1] = 0.0
+    q8, k_scale, v_scale = quantize_pages(pages, kv_dtype, per=per)
+    assert q8.dtype == np.dtype(getattr(ml_dtypes, kv_dtype)) and k_scale.shape == v_scale.shape == (3,)
+    assert np.all(v_scale == 1.0)
+    largest = float(ml_dtypes.finfo(q8.dtype).max)
+    half_step = float(ml_dtypes.finfo(q8.dtype).eps) / 2
+    deq = q8.astype(np.float32)[:, 0] * k_scale[None, :, None, None]
+    assert np.all(np.abs(deq - pages[:, 0]) <= half_step * np.abs(pages[:, 0]) + k_scale[None, :, None, None] *
+                  float(ml_dtypes.finfo(q8.dtype).smallest_subnormal))
+    peaks = np.abs(q8.astype(np.float32)[:, 0]).max(axis=(0, 2, 3))
+    assert np.all(peaks == largest) if per == "head" else peaks.max() == largest
+    if per == "tensor":
+        assert len(set(k_scale.tolist())) == 1
+    torch = pytest.importorskip("torch")
+    t8, tk, tv = quantize_pages(torch.from_numpy(pages), kv_dtype, per=per)
+    assert t8.dtype == getattr(torch, kv_dtype)
+    np.testing.assert_array_equal(t8.view(torch.uint8).numpy(), q8.view(np.uint8))
+    np.testing.assert_array_equal(tk.numpy(), k_scale)
+
+
+def test_the_reference_reads_the_dequantised_cache():
+    """reference_for of a quantised call is the plain spec's reference of dequantized_call: pages
+    dtype(f32(x) * scale[head]); a wrong scale moves it (the check can fail)."""
+    spec = SPECS["e4m3-f16"]
+    args = example_inputs(spec, np.random.default_rng(2), PREFILL)
+    plain, plain_args = dequantized_call(spec, args)
+    assert plain.kv_dtype is None and len(plain_args) == len(args) - 2
+    want = reference_for(spec, args)
+    np.testing.assert_array_equal(want[0], reference_for(plain, plain_args)[0])
+    moved = reference_for(spec, with_arguments(spec, args, k_scale=np.asarray(args[-2]) * 2))
+    assert not np.allclose(moved[1], want[1])
