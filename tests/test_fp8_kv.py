@@ -93,6 +93,32 @@ def test_the_largest_values_of_the_format_stay_finite(case, cache):
     assert_matches_reference(spec.name, (out, lse), spec, args)
 
 
+@pytest.mark.parametrize("case", ["e4m3-f16", "e5m2-bf16-nhd"])
+@pytest.mark.parametrize("passes", [True, False], ids=["passes", "kernel"])
+def test_every_finite_bit_pattern_reads_as_its_value(case, passes, cache):
+    """Entries of one key each: the output is that key's value row, so every finite pattern of the
+    format (placed in the values, scale 1) must come out as ml_dtypes reads it (each is exact in
+    the compute dtype: e4m3 in float16, e5m2 in bfloat16), through the passes and the kernel."""
+    spec = SPECS[case]
+    fmt = np.dtype(getattr(ml_dtypes, spec.kv_dtype))
+    patterns = np.arange(256, dtype=np.uint8).view(fmt)
+    patterns = patterns[np.isfinite(patterns.astype(np.float32))]
+    per_row = spec.h_kv * spec.d
+    entries = [(1, 1)] * -(-len(patterns) // per_row)
+    named = dict(zip(argument_names(spec), example_inputs(spec, np.random.default_rng(0), entries, rotary_mode=0)))
+    values = np.resize(patterns, len(entries) * per_row).reshape(len(entries), spec.h_kv, spec.d)
+    first_pages = named["page_values"][named["page_indptr"][:-1]]
+    if spec.kv_order == "hnd":
+        named["pages"][first_pages, 1, :, 0] = values
+    else:
+        named["pages"][first_pages, 1, 0] = values
+    named["k_scale"] = named["v_scale"] = np.ones(spec.h_kv, np.float32)
+    out, _ = open_kernel(spec, cache=cache, serving_passes=passes)(*ordered(spec, named))
+    got = np.asarray(out, np.float32).reshape(len(entries), spec.h_kv, spec.group_size, spec.d)
+    want = values.astype(np.float32)[:, :, None, :]
+    np.testing.assert_array_equal(got, np.broadcast_to(want, got.shape))
+
+
 @pytest.mark.parametrize("name, value, message", [
     ("k_scale", np.zeros(2, np.float32), "k_scale: scales must be positive"),
     ("v_scale", np.array([1.0, -2.0], np.float32), "v_scale: scales must be positive"),
