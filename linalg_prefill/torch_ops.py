@@ -36,9 +36,8 @@ __all__ = ["OPS", "kernel_for", "DTYPES"]
 #: The kernels' dtype of each torch dtype they take (runtime/dtypes.py).
 DTYPES = {getattr(torch, dtype.torch): name for name, dtype in HOST_DTYPES.items()}
 #: The schema type of each argument kind of the table (mlir/abi.py).
-_SCHEMA_TYPES = {"tensor": "Tensor", "kv": "Tensor", "index": "Tensor", "mask": "Tensor", "f32": "Tensor", "scale": "Tensor",
-                 "int": "int",
-                 "float": "float"}
+_SCHEMA_TYPES = {"tensor": "Tensor", "kv": "Tensor", "index": "Tensor", "mask": "Tensor", "f32": "Tensor",
+                 "scale": "Tensor", "int": "int", "float": "float"}
 
 
 def kernel_for(spec):

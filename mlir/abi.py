@@ -3,7 +3,7 @@ the runtime's argument names and positions, and the README's ABI table are deriv
 
 A dim is an int, the name of a spec field (``"h_q"``, ``"d_qk"``, ``"page_size"``), or a symbol
 the call decides (``"B"``, ``"Lq"``, ...: dynamic). Kinds: ``tensor`` in the spec's dtype,
-``kv`` the keys and values in the spec's KV-cache dtype (specs.kv_dtype_of: its dtype unless it
+``kv`` the keys and values in the spec's KV-cache dtype (dtypes.kv_dtype_of: its dtype unless it
 reads 8-bit pages), ``f32`` a float32 array whatever the spec's dtype, ``scale`` a float32 array
 of positive finite scales, ``index`` an int32 array, ``mask`` a custom mask (bool or uint8 at the
 call, i8 in the IR), ``int`` an i32 scalar, ``float`` an f32 scalar. A spec with an 8-bit KV
@@ -66,7 +66,7 @@ ARGUMENTS: dict[type, Union[tuple[Arg, ...], Callable[[object], tuple[Arg, ...]]
 
 #: The per-head sink logits of a spec with ``head_sinks``: always the last argument.
 SINKS = Arg("sinks", "f32", ("h_q",))
-#: The per-KV-head scales of a spec with an 8-bit KV cache (specs.quantized_kv), after its table.
+#: The per-KV-head scales of a spec with an 8-bit KV cache (its ``kv_dtype``), after its table.
 KV_SCALES = (Arg("k_scale", "scale", ("h_kv",)), Arg("v_scale", "scale", ("h_kv",)))
 
 

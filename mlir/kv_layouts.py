@@ -424,11 +424,7 @@ class PagedLayout(_PageTableLayout):
 
         return load
 
-    def batch_kv(self, spec, *, pages, page_indptr, page_values, length_info, k_rope_pos_offset,
-                 k_scale=None, v_scale=None) -> BatchKv:
-        if k_scale is not None:
-            raise ValueError(f"kv_dtype {spec.kv_dtype}: the fused lowering (CUDA, ROCm, llvm-cpu fused) does not "
-                             "read 8-bit pages yet; the llvm-cpu linalg lowering does")
+    def batch_kv(self, spec, *, pages, page_indptr, page_values, length_info, k_rope_pos_offset) -> BatchKv:
         page_indptr, (base, kv_len, table) = self._host_table(spec, page_indptr, length_info)
 
         def half(which):

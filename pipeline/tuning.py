@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING
 
 from ..mlir import build_fused_module, build_module
 from ..mlir.attention_op import ATTENTION_MARKER, TILE
-from ..mlir.dtypes import kv_dtype_of, quantized_kv
 from ..mlir.ir import TILING_MARKER, ir, tiling_mark
 from ..mlir.score_tiles import CONTRACTION_MARKER
 
@@ -266,11 +265,7 @@ def apply_tuning(module: ir.Module, target: Target) -> ir.Module:
 
 
 def tuned_module(spec, target: Target) -> ir.Module:
-    """The module iree-compile gets for ``spec`` on ``target``, in the target's lowering; a
-    ValueError naming ``kv_dtype`` for an 8-bit KV cache on the fused lowering (not yet built)."""
-    if target.lowering == "fused" and quantized_kv(spec):
-        raise ValueError(f"kv_dtype {kv_dtype_of(spec)}: the fused lowering ({target.tag}) does not read 8-bit KV "
-                         "caches yet; the llvm-cpu linalg lowering does")
+    """The module iree-compile gets for ``spec`` on ``target``, in the target's lowering."""
     if target.lowering == "fused":
         module = build_fused_module(spec)
     else:

@@ -41,8 +41,8 @@ def example_inputs(spec, rng: np.random.Generator, entries=EXAMPLE_ENTRIES, *, w
     (queries at the end of their entry's KV) and shuffled pages with 2 unused ones. A
     sliding-window table keeps EXAMPLE_SINKS sinks and evicts EXAMPLE_EVICTED rows per entry
     (runtime/kv_layouts.py), or follows ``window``: (sw_offset, sink) per entry; ``sinks``
-    (``head_sinks``) are uniform in SINK_RANGE, then an 8-bit cache's scales in SCALE_RANGE. The dense variants take B =
-    len(entries) and the first entry's lengths (DENSE_EXAMPLE for the default entries), the masked
+    (``head_sinks``) are uniform in SINK_RANGE, then an 8-bit cache's scales in SCALE_RANGE. The
+    dense variants take B = len(entries) and the first entry's lengths (DENSE_EXAMPLE for the default entries), the masked
     variant valid_lens min(Lq, Lk) each. A custom mask (semantics §14) lets each query see a key
     with probability 3/4. ``given``: arguments by name that replace the drawn ones
     (``rotary_mode=0``, ``sm_scale=0.125``); tensors are drawn after the index arrays, in the
@@ -72,8 +72,9 @@ def draw_tensors(spec, rng: np.random.Generator, sizes: dict, skip: tuple[str, .
     dtype (K and V in its KV-cache dtype: an 8-bit cache's values are those rounded to it), drawn
     in the table's order with the table's dims; ``sizes`` gives the symbols (``"B"``, ``"Lq"``,
     ``"Lk"``, ``"P"``)."""
-    return {arg.name: uniform(rng, concrete_dims(spec, arg, sizes), kv_dtype_of(spec) if arg.kind == "kv" else spec.dtype)
-            for arg in arguments(spec) if arg.kind in ("tensor", "kv") and arg.name not in skip}
+    dtypes = {"tensor": spec.dtype, "kv": kv_dtype_of(spec)}
+    return {arg.name: uniform(rng, concrete_dims(spec, arg, sizes), dtypes[arg.kind])
+            for arg in arguments(spec) if arg.kind in dtypes and arg.name not in skip}
 
 
 def uniform(rng: np.random.Generator, shape, dtype: str) -> np.ndarray:

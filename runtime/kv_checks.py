@@ -19,7 +19,6 @@ Notation: ``Lq`` query rows, ``Lk`` ragged KV rows, ``B`` batch entries (``len(q
 from __future__ import annotations
 
 import functools
-
 import math
 import numbers
 from collections.abc import Mapping
@@ -72,8 +71,8 @@ def check_paged(spec, named: Mapping) -> dict:
     by name.
 
     q [Lq, h_q, d], q_indptr [B+1] i32, pages [P, 2, h_kv, page_size, d] in ``spec.kv_dtype`` or
-    ``dtype`` (``kv_order="nhd"``: [P, 2, page_size, h_kv, d]), page_indptr [B+1] i32, page_values [nnz] i32, length_info [B] i32
-    (or [3, B] with ``spec.sliding_window``), k_rope_pos_offset [B] i32, q_rope_position [Lq] i32,
+    ``dtype`` (``kv_order="nhd"``: [P, 2, page_size, h_kv, d]), page_indptr [B+1] i32,
+    page_values [nnz] i32, length_info [B] i32 (or [3, B] with ``spec.sliding_window``), k_rope_pos_offset [B] i32, q_rope_position [Lq] i32,
     the scalars, and the mask rule's arguments (runtime/masks.py: custom_mask and mask_indptr
     with ``spec.custom_mask``, columns logical KV rows, §2).
     """

@@ -20,6 +20,8 @@ import numpy as np
 
 from ..mlir.abi import argument_names, ordered
 from ..mlir.decode import DecodeSpec
+from ..mlir.kv_layouts import PAGED_ORDERS
+from ..mlir.specs import KV_DTYPES
 from .checks import NUMPY_DTYPES
 from .errors import InputError
 
@@ -42,18 +44,17 @@ def quantize_pages(pages, kv_dtype: str, *, kv_order: str = "hnd", per: str = "h
     ``"tensor"``: one for all K and one for all V (repeated over the heads). Each scale maps its
     largest magnitude to the format's largest finite value (a scale of 1 where every element is
     0), and every element rounds to the nearest representable value (saturating)."""
-    if kv_dtype not in ("float8_e4m3fn", "float8_e5m2"):
-        raise InputError(f"kv_dtype: expected float8_e4m3fn or float8_e5m2, got {kv_dtype!r}")
+    if kv_dtype not in KV_DTYPES:
+        raise InputError(f"kv_dtype: expected one of {KV_DTYPES}, got {kv_dtype!r}")
     if per not in ("head", "tensor"):
         raise InputError(f"per: expected 'head' or 'tensor', got {per!r}")
-    layout = {"hnd": "paged", "nhd": "paged_nhd"}.get(kv_order)
-    if layout is None:
-        raise InputError(f"kv_order: expected 'hnd' or 'nhd', got {kv_order!r}")
+    if kv_order not in PAGED_ORDERS:
+        raise InputError(f"kv_order: expected one of {sorted(PAGED_ORDERS)}, got {kv_order!r}")
     torch = _torch_of(pages)
     values = (pages.detach().float().cpu().numpy() if torch else np.asarray(pages, np.float32))
     if values.ndim != 5 or values.shape[1] != 2:
         raise InputError(f"pages: expected [P, 2, ...] pages of rank 5, got shape {values.shape}")
-    head_axis = PAGE_HEAD_AXIS[layout]
+    head_axis = PAGE_HEAD_AXIS[PAGED_ORDERS[kv_order].name]
     largest = _finite_max(kv_dtype)
     scales, quantised = [], np.empty(values.shape, NUMPY_DTYPES[kv_dtype])
     for which in (0, 1):

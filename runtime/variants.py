@@ -52,6 +52,10 @@ def variant(spec) -> Variant:
         raise InputError(f"spec: unsupported spec type {type(spec).__name__}") from None
 
 
+#: The table's array kinds checked by kind and dims, whatever the variant (mlir/abi.py).
+_KIND_CHECKS = {"f32": check_f32, "scale": check_scale}
+
+
 def checked(spec, args: tuple) -> tuple:
     """A call's arguments (in the table's order) checked, back in that order: the variant's check
     by name, then the ``f32`` and ``scale`` arguments of the table (``sinks``, an 8-bit cache's
@@ -59,10 +63,11 @@ def checked(spec, args: tuple) -> tuple:
     the argument otherwise."""
     table = arguments(spec)
     named = dict(zip((arg.name for arg in table), args, strict=True))
-    rest = variant(spec).check(spec, {arg.name: named[arg.name] for arg in table if arg.kind not in ("f32", "scale")})
-    f32 = {arg.name: (check_scale if arg.kind == "scale" else check_f32)(
-        arg.name, named[arg.name], shape=concrete_dims(spec, arg, {})) for arg in table if arg.kind in ("f32", "scale")}
-    return ordered(spec, {**rest, **f32})
+    rest = variant(spec).check(spec, {arg.name: named[arg.name] for arg in table if arg.kind not in _KIND_CHECKS})
+    by_kind = {arg.name: _KIND_CHECKS[arg.kind](arg.name, named[arg.name], shape=concrete_dims(spec, arg, {}))
+               for arg in table if arg.kind in _KIND_CHECKS}
+    return ordered(spec, {**rest, **by_kind})
+
 
 
 def reference_options(spec) -> dict:

@@ -44,8 +44,8 @@ pytestmark = pytest.mark.compiles(*SPECS.values(), passes=SERVING)
 
 def _per_tensor(args, spec):
     """The call with each scale one value repeated over the KV heads (a per-tensor scale)."""
-    named = dict(zip(("k_scale", "v_scale"), (np.full(spec.h_kv, 0.75, np.float32), np.full(spec.h_kv, 1.5, np.float32))))
-    return with_arguments(spec, args, **named)
+    return with_arguments(spec, args, k_scale=np.full(spec.h_kv, 0.75, np.float32),
+                          v_scale=np.full(spec.h_kv, 1.5, np.float32))
 
 
 @pytest.mark.parametrize("case", sorted(SPECS))
