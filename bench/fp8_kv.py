@@ -1,12 +1,13 @@
 """Serving steps over an 8-bit KV cache against the same steps over a bfloat16 one, in the same run.
 
-    .venv/bin/python bench/fp8_kv.py [--batches 8,32] [--new 1,4,16] [--cached 1024,4096]
-        [--kv-dtype float8_e4m3fn] [--repeat 3] [--json out.json]
+    .venv/bin/python bench/fp8_kv.py [--variant paged|ragged] [--batches 8,32] [--new 1,4,16]
+        [--cached 1024,4096] [--kv-dtype float8_e4m3fn] [--repeat 3] [--json out.json]
 
 The steps of bench/serving_batches.py (h_q=32, h_kv=8, d=128, page size 16, shuffled pages, RoPE
 off, causal, bfloat16 queries and outputs): the pool drawn in bfloat16, then quantised with one
 scale per KV head (runtime.kv_quant.quantize_pages); each planned once, both pools read in place
-by ``PagedPrefillWrapper.run``. ``ratio`` = bf16 ms / fp8 ms (above 1: the 8-bit cache is faster);
+by ``PagedPrefillWrapper.run``. ``--variant ragged``: the same entries' K/V rows gathered into
+ragged k and v [Lk, h_kv, d] (quantize_kv), read by ``RaggedPrefillWrapper.run``. ``ratio`` = bf16 ms / fp8 ms (above 1: the 8-bit cache is faster);
 GB/s columns: the KV bytes each step reads (sum of kv_len rows of K and V, in each pool's dtype)
 per second. ``max|diff|``: the two outputs' largest difference (the quantisation's effect).
 """
@@ -25,21 +26,33 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 
 from linalg_prefill.bench import best_times  # noqa: E402
-from linalg_prefill.mlir import PagedPrefillSpec  # noqa: E402
-from linalg_prefill.runtime import PagedPrefillWrapper  # noqa: E402
-from linalg_prefill.runtime.kv_quant import quantize_pages  # noqa: E402
-from serving_batches import D, H_KV, H_Q, PAGE_SIZE, burst_for, cached_lengths, cpu_model, serving_step  # noqa: E402
+from linalg_prefill.mlir import PagedPrefillSpec, RaggedPrefillSpec  # noqa: E402
+from linalg_prefill.runtime import PagedPrefillWrapper, RaggedPrefillWrapper  # noqa: E402
+from linalg_prefill.runtime.kv_quant import quantize_kv, quantize_pages  # noqa: E402
+from serving_batches import (  # noqa: E402
+    D, H_KV, H_Q, PAGE_SIZE, burst_for, cached_lengths, cpu_model, gathered_kv, serving_step,
+)
 
 
 def measure_row(wrappers, batch: int, new: int, cached: str, repeat: int, rng) -> dict:
-    """One step, timed over the bf16 pool and its 8-bit copy."""
+    """One step, timed over the bf16 cache and its 8-bit copy."""
     plain, quantised = wrappers
     step = serving_step(batch, new, cached_lengths(batch, cached, rng), "bfloat16", rng)
-    pages8, k_scale, v_scale = quantize_pages(step["pages"], quantised.spec.kv_dtype)
-    for wrapper in wrappers:
-        wrapper.plan(step["q_indptr"], step["page_indptr"], step["page_values"], step["last_page_len"], causal=True)
-    runs = [lambda: plain.run(step["q"], step["pages"]),
-            lambda: quantised.run(step["q"], pages8, k_scale=k_scale, v_scale=v_scale)]
+    kv_dtype = quantised.spec.kv_dtype
+    if isinstance(plain, PagedPrefillWrapper):
+        pages8, k_scale, v_scale = quantize_pages(step["pages"], kv_dtype)
+        for wrapper in wrappers:
+            wrapper.plan(step["q_indptr"], step["page_indptr"], step["page_values"], step["last_page_len"], causal=True)
+        kv, kv8 = (step["pages"],), (pages8,)
+    else:
+        k, v = ragged_kv(step)
+        k8, v8, k_scale, v_scale = quantize_kv(k, v, kv_dtype)
+        kv_indptr = np.concatenate([[0], np.cumsum(step["kv_lens"])]).astype(np.int32)
+        for wrapper in wrappers:
+            wrapper.plan(step["q_indptr"], kv_indptr, causal=True)
+        kv, kv8 = (k, v), (k8, v8)
+    runs = [lambda: plain.run(step["q"], *kv),
+            lambda: quantised.run(step["q"], *kv8, k_scale=k_scale, v_scale=v_scale)]
     outs = [run()[0] for run in runs]
     burst = burst_for(min(_once(run) for run in runs))
     plain_s, fp8_s = best_times(runs, repeat, burst)
@@ -47,6 +60,13 @@ def measure_row(wrappers, batch: int, new: int, cached: str, repeat: int, rng) -
     return dict(batch=batch, new=new, cached=cached, bf16_ms=plain_s * 1e3, fp8_ms=fp8_s * 1e3, ratio=plain_s / fp8_s,
                 bf16_gbps=rows * 2 / plain_s / 1e9, fp8_gbps=rows / fp8_s / 1e9,
                 max_abs_diff=float(np.abs(outs[0].astype(np.float32) - outs[1].astype(np.float32)).max()))
+
+
+def ragged_kv(step: dict) -> tuple[np.ndarray, np.ndarray]:
+    """The step's entries' K and V rows back to back, token-major: k, v [sum kv_len, h_kv, d]."""
+    k, v = gathered_kv(step)  # [B, h_kv, L_max, d]
+    return tuple(np.concatenate([x[b, :, :n].transpose(1, 0, 2) for b, n in enumerate(step["kv_lens"])])
+                 for x in (k, v))
 
 
 def _once(run) -> float:
@@ -61,6 +81,7 @@ HEADER = (f"{'batch':>5} {'new':>4} {'cached':>7} {'bf16 ms':>9} {'fp8 ms':>9} {
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variant", default="paged", choices=["paged", "ragged"])
     parser.add_argument("--batches", default="8,32")
     parser.add_argument("--new", default="1,4,16")
     parser.add_argument("--cached", default="1024,4096")
@@ -68,10 +89,13 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--json", help="also write the rows to this JSON file")
     args = parser.parse_args()
-    spec = PagedPrefillSpec(H_Q, H_KV, D, "bfloat16", page_size=PAGE_SIZE)
-    wrappers = (PagedPrefillWrapper(spec), PagedPrefillWrapper(dataclasses.replace(spec, kv_dtype=args.kv_dtype)))
+    if args.variant == "paged":
+        spec, wrapper = PagedPrefillSpec(H_Q, H_KV, D, "bfloat16", page_size=PAGE_SIZE), PagedPrefillWrapper
+    else:
+        spec, wrapper = RaggedPrefillSpec(H_Q, H_KV, D, D, "bfloat16"), RaggedPrefillWrapper
+    wrappers = (wrapper(spec), wrapper(dataclasses.replace(spec, kv_dtype=args.kv_dtype)))
     rng = np.random.default_rng(0)
-    print(f"serving steps, paged KV, h_q={H_Q} h_kv={H_KV} d={D} page={PAGE_SIZE} bfloat16, KV bf16 vs "
+    print(f"serving steps, {args.variant} KV, h_q={H_Q} h_kv={H_KV} d={D} page={PAGE_SIZE} bfloat16, KV bf16 vs "
           f"{args.kv_dtype}, llvm-cpu; CPU: {cpu_model()}")
     print(HEADER, flush=True)
     rows = []

@@ -227,6 +227,8 @@ class RaggedLayout(CacheLayout):
 
     name = "ragged"
     operands = ("k", "v", "kv_indptr", "k_rope_pos_offset")
+    #: The scales of 8-bit k and v (a spec with ``kv_dtype``: mlir/abi.py KV_SCALES).
+    optional_operands = ("k_scale", "v_scale")
     host_readable = ("kv_indptr",)
     vectorise_rows = True
     #: The axis of k and v their rows are along, and their dims (mlir/abi.py).
@@ -238,25 +240,29 @@ class RaggedLayout(CacheLayout):
         """The element of k or v at ``row``, ``head``, ``col``."""
         return tensor_d.extract(x, [row, head, col])
 
-    def _entry_rows(self, x: ir.Value, start: ir.Value, rows: ir.Value) -> ir.Value:
-        """Rows [start, start + rows) of ``x`` (N >= 1 rows), token-major [rows, h_kv, d], each
-        index clamped into [0, N - 1]: the rows past the entry read its neighbour's (or the last)
-        rows, never out of bounds, and the caller zeroes them. One gather generic: before, K and V
-        were each zero-padded (a fill and a copy of the whole tensor) and then sliced (a second
-        copy per entry)."""
+    def _entry_rows(self, x: ir.Value, start: ir.Value, rows: ir.Value, scales: ir.Value | None,
+                    elem: ir.Type) -> ir.Value:
+        """Rows [start, start + rows) of ``x`` (N >= 1 rows), token-major [rows, h_kv, d] in
+        ``elem`` (an 8-bit ``x`` widened through ``scales`` [h_kv] as gathered: ``dequantized``),
+        each index clamped into [0, N - 1]: the rows past the entry read its neighbour's (or the
+        last) rows, never out of bounds, and the caller zeroes them. One gather generic: before, K
+        and V were each zero-padded (a fill and a copy of the whole tensor) and then sliced (a
+        second copy per entry)."""
         sizes = sizes_of(x)
         last = arith_d.subi(sizes[self.row_axis], const_index(1))
         heads, cols = (size for i, size in enumerate(sizes) if i != self.row_axis)
 
         def body(_out):
             row = arith_d.minsi(arith_d.addi(start, linalg_d.IndexOp(0).result), last)
-            return [self._at(x, row, linalg_d.IndexOp(1).result, linalg_d.IndexOp(2).result)]
+            head = linalg_d.IndexOp(1).result
+            return [dequantized(self._at(x, row, head, linalg_d.IndexOp(2).result), scales, head, elem)]
 
-        out = empty([rows, heads, cols], ir.RankedTensorType(x.type).element_type)
+        out = empty([rows, heads, cols], elem)
         return generic([], [out], [affine_map(3, range(3))], "ppp", body)[0]
 
-    def entry_loader(self, spec, *, k, v, kv_indptr, k_rope_pos_offset):
+    def entry_loader(self, spec, *, k, v, kv_indptr, k_rope_pos_offset, k_scale=None, v_scale=None):
         k_rows, v_rows = _with_a_row(k, self.row_axis), _with_a_row(v, self.row_axis)
+        elem = element_type(spec.dtype)
 
         def load(b: ir.Value) -> EntryKv:
             start = index_at(kv_indptr, b)
@@ -264,8 +270,8 @@ class RaggedLayout(CacheLayout):
             kv_pad = arith_d.muli(storage_tiles(kv_len, spec.kv_tile), const_index(spec.kv_tile))
             return EntryKv(
                 kv_len=kv_len,
-                load_keys=lambda: self._entry_rows(k_rows, start, kv_pad),
-                load_values=lambda: self._entry_rows(v_rows, start, kv_pad),
+                load_keys=lambda: self._entry_rows(k_rows, start, kv_pad, k_scale, elem),
+                load_values=lambda: self._entry_rows(v_rows, start, kv_pad, v_scale, elem),
                 rope_offset=tensor_d.extract(k_rope_pos_offset, [b]),
             )
 
@@ -299,7 +305,7 @@ class RaggedLayout(CacheLayout):
         return RAGGED_BLOCK
 
     def kv_bytes_per_key(self, spec) -> int:
-        return spec.h_kv * (spec.d_qk + spec.d_v) * _itemsize(spec.dtype)
+        return spec.h_kv * (spec.d_qk + spec.d_v) * _itemsize(kv_dtype_of(spec))
 
 
 class RaggedHndLayout(RaggedLayout):

@@ -319,6 +319,11 @@ def _check_custom_mask_flag(spec) -> None:
     object.__setattr__(spec, "custom_mask", bool(spec.custom_mask))
 
 
+def _check_kv_dtype(spec) -> None:
+    if spec.kv_dtype is not None and spec.kv_dtype not in KV_DTYPES:
+        raise SpecError(f"kv_dtype must be None (K/V in dtype) or one of {KV_DTYPES}, got {spec.kv_dtype!r}")
+
+
 def _check_window_flag(spec) -> None:
     if spec.sliding_window not in (True, False):
         raise SpecError(f"sliding_window must be a bool, got {spec.sliding_window!r}")
@@ -335,7 +340,7 @@ class RaggedPrefillSpec(_SpecBase):
     also takes ``custom_mask`` [sum qo_len * kv_len] (bool or uint8) and ``mask_indptr`` [B+1]
     int32, and ``causal`` is ignored (semantics §14). ``kv_order``: ``"nhd"`` (k and v token-major,
     the seed's) or ``"hnd"`` (k [h_kv, Lk, d_qk], v [h_kv, Lk, d_v]: head-major, as transformers'
-    DynamicCache holds a batch row).
+    DynamicCache holds a batch row). ``kv_dtype``: as :class:`PagedPrefillSpec`'s, for k and v.
     """
 
     h_q: int
@@ -351,6 +356,7 @@ class RaggedPrefillSpec(_SpecBase):
     head_sinks: bool = False
     custom_mask: bool = False
     kv_order: str = "nhd"
+    kv_dtype: str | None = None
 
     symbol = "batch_prefill_ragged_kv"
 
@@ -360,6 +366,7 @@ class RaggedPrefillSpec(_SpecBase):
         _check_positive(d_qk=self.d_qk, d_v=self.d_v)
         if self.kv_order not in RAGGED_ORDERS:
             raise SpecError(f"kv_order must be one of {sorted(RAGGED_ORDERS)}, got {self.kv_order!r}")
+        _check_kv_dtype(self)
         _check_custom_mask_flag(self)
         _check_common(self)
         _check_rotary_dim(self, self.d_qk)
@@ -375,7 +382,7 @@ class RaggedPrefillSpec(_SpecBase):
         return (
             f"{self.symbol}_hq{self.h_q}_hkv{self.h_kv}_dqk{self.d_qk}_dv{self.d_v}_{self.dtype}{hnd}"
             f"_rope-{_rope_tag(self.rope_scaling)}{_rotary_tag(self)}_qt{self.q_tile}_kt{self.kv_tile}{self.cap_tag}"
-            f"{self.sinks_tag}{self.mask_tag}"
+            f"{self.sinks_tag}{self.mask_tag}{self.kv_tag}"
         )
 
 
@@ -416,8 +423,7 @@ class PagedPrefillSpec(_OneHeadDim):
         _check_positive(d=self.d, page_size=self.page_size)
         if self.kv_order not in PAGED_ORDERS:
             raise SpecError(f"kv_order must be one of {sorted(PAGED_ORDERS)}, got {self.kv_order!r}")
-        if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
-            raise SpecError(f"kv_dtype must be None (the pages in dtype) or one of {KV_DTYPES}, got {self.kv_dtype!r}")
+        _check_kv_dtype(self)
         _check_window_flag(self)
         _check_custom_mask_flag(self)
         _check_common(self)

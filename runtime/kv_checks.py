@@ -43,13 +43,13 @@ def check_ragged(spec, named: Mapping) -> dict:
     """Arguments of ``batch_prefill_ragged_kv`` (§1.2) for a ``RaggedPrefillSpec``, by name.
 
     q [Lq, h_q, d_qk], q_indptr [B+1] i32, k [Lk, h_kv, d_qk], v [Lk, h_kv, d_v] (``kv_order="hnd"``:
-    k [h_kv, Lk, d_qk], v [h_kv, Lk, d_v]), kv_indptr [B+1] i32, q_rope_position [Lq] i32,
+    k [h_kv, Lk, d_qk], v [h_kv, Lk, d_v]) in ``spec.kv_dtype`` or ``dtype``, kv_indptr [B+1] i32, q_rope_position [Lq] i32,
     k_rope_pos_offset [B] i32, the scalars, and the mask rule's arguments (runtime/masks.py:
     custom_mask and mask_indptr with ``spec.custom_mask``).
     """
     q = check_tensor("q", named["q"], dtype=spec.dtype, shape=(None, spec.h_q, spec.d_qk))
-    k = check_tensor("k", named["k"], dtype=spec.dtype, shape=kv_shape(spec, spec.layout.key_dims))
-    v = check_tensor("v", named["v"], dtype=spec.dtype, shape=kv_shape(spec, spec.layout.value_dims))
+    k = check_tensor("k", named["k"], dtype=kv_dtype_of(spec), shape=kv_shape(spec, spec.layout.key_dims))
+    v = check_tensor("v", named["v"], dtype=kv_dtype_of(spec), shape=kv_shape(spec, spec.layout.value_dims))
     rows = spec.layout.row_axis
     check_same(f"v.shape[{rows}]", v.shape[rows], f"k.shape[{rows}] (Lk)", k.shape[rows])
     q_indptr = check_indptr("q_indptr", named["q_indptr"], None, q.shape[0], "Lq (rows of q)")

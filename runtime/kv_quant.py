@@ -10,6 +10,7 @@ the compute dtype's on those inputs (runtime/error_model.py).
     pages8, k_scale, v_scale = quantize_pages(pages, "float8_e4m3fn")      # numpy or torch
     kernel = open_kernel(PagedPrefillSpec(32, 8, 128, "bfloat16", kv_dtype="float8_e4m3fn"))
     out, lse = kernel(q, q_indptr, pages8, ..., sm_scale, k_scale, v_scale)
+    k8, v8, k_scale, v_scale = quantize_kv(k, v, "float8_e5m2")             # ragged K/V
 """
 
 from __future__ import annotations
@@ -20,15 +21,17 @@ import numpy as np
 
 from ..mlir.abi import argument_names, ordered
 from ..mlir.decode import DecodeSpec
-from ..mlir.kv_layouts import PAGED_ORDERS
+from ..mlir.kv_layouts import PAGED_ORDERS, RAGGED_ORDERS
 from ..mlir.specs import KV_DTYPES
 from .checks import NUMPY_DTYPES
 from .errors import InputError
 
-__all__ = ["dequantized_call", "quantize_pages", "PAGE_HEAD_AXIS"]
+__all__ = ["dequantized_call", "quantize_kv", "quantize_pages", "PAGE_HEAD_AXIS", "RAGGED_HEAD_AXIS"]
 
 #: The KV-head axis of one half (K or V, ``pages[:, which]``) of each paged layout's pages.
 PAGE_HEAD_AXIS = {"paged": 1, "paged_nhd": 2}
+#: The KV-head axis of k and v in each ragged layout.
+RAGGED_HEAD_AXIS = {"ragged": 1, "ragged_hnd": 0}
 
 
 def _finite_max(kv_dtype: str) -> float:
@@ -44,32 +47,72 @@ def quantize_pages(pages, kv_dtype: str, *, kv_order: str = "hnd", per: str = "h
     ``"tensor"``: one for all K and one for all V (repeated over the heads). Each scale maps its
     largest magnitude to the format's largest finite value (a scale of 1 where every element is
     0), and every element rounds to the nearest representable value (saturating)."""
+    _check_format(kv_dtype, per)
+    if kv_order not in PAGED_ORDERS:
+        raise InputError(f"kv_order: expected one of {sorted(PAGED_ORDERS)}, got {kv_order!r}")
+    torch = _torch_of(pages)
+    values = _as_float32(pages, torch)
+    if values.ndim != 5 or values.shape[1] != 2:
+        raise InputError(f"pages: expected [P, 2, ...] pages of rank 5, got shape {values.shape}")
+    head_axis = PAGE_HEAD_AXIS[PAGED_ORDERS[kv_order].name]
+    (k8, k_scale), (v8, v_scale) = (_quantised(values[:, which], head_axis, kv_dtype, per) for which in (0, 1))
+    return _like(pages, torch, kv_dtype, np.stack([k8, v8], axis=1), k_scale, v_scale)
+
+
+def quantize_kv(k, v, kv_dtype: str, *, kv_order: str = "nhd", per: str = "head"):
+    """(k, v in ``kv_dtype``, k_scale [h_kv] f32, v_scale [h_kv] f32) for the ragged K/V of a
+    ``RaggedPrefillSpec``: k [Lk, h_kv, d_qk], v [Lk, h_kv, d_v] (``kv_order="hnd"``: [h_kv, Lk,
+    d]), numpy or torch; scales and rounding as :func:`quantize_pages`'."""
+    _check_format(kv_dtype, per)
+    if kv_order not in RAGGED_ORDERS:
+        raise InputError(f"kv_order: expected one of {sorted(RAGGED_ORDERS)}, got {kv_order!r}")
+    head_axis = RAGGED_HEAD_AXIS[RAGGED_ORDERS[kv_order].name]
+    results = []
+    for name, x in (("k", k), ("v", v)):
+        torch = _torch_of(x)
+        values = _as_float32(x, torch)
+        if values.ndim != 3:
+            raise InputError(f"{name}: expected rank 3, got shape {values.shape}")
+        x8, scale = _quantised(values, head_axis, kv_dtype, per)
+        results.append(_like(x, torch, kv_dtype, x8, scale))
+    (k8, k_scale), (v8, v_scale) = results
+    return k8, v8, k_scale, v_scale
+
+
+def _check_format(kv_dtype: str, per: str) -> None:
     if kv_dtype not in KV_DTYPES:
         raise InputError(f"kv_dtype: expected one of {KV_DTYPES}, got {kv_dtype!r}")
     if per not in ("head", "tensor"):
         raise InputError(f"per: expected 'head' or 'tensor', got {per!r}")
-    if kv_order not in PAGED_ORDERS:
-        raise InputError(f"kv_order: expected one of {sorted(PAGED_ORDERS)}, got {kv_order!r}")
-    torch = _torch_of(pages)
-    values = (pages.detach().float().cpu().numpy() if torch else np.asarray(pages, np.float32))
-    if values.ndim != 5 or values.shape[1] != 2:
-        raise InputError(f"pages: expected [P, 2, ...] pages of rank 5, got shape {values.shape}")
-    head_axis = PAGE_HEAD_AXIS[PAGED_ORDERS[kv_order].name]
+
+
+def _as_float32(x, torch) -> np.ndarray:
+    return x.detach().float().cpu().numpy() if torch else np.asarray(x, np.float32)
+
+
+def _quantised(values: np.ndarray, head_axis: int, kv_dtype: str, per: str) -> tuple[np.ndarray, np.ndarray]:
+    """(``values`` in ``kv_dtype``, scale [h_kv] f32) with the KV heads along ``head_axis``."""
     largest = _finite_max(kv_dtype)
-    scales, quantised = [], np.empty(values.shape, NUMPY_DTYPES[kv_dtype])
-    for which in (0, 1):
-        half = values[:, which]
-        others = tuple(axis for axis in range(half.ndim) if axis != head_axis)
-        amax = np.abs(half).max(axis=others, initial=0.0) if per == "head" else \
-            np.full(half.shape[head_axis], np.abs(half).max(initial=0.0))
-        scale = np.where(amax > 0, amax / largest, 1.0).astype(np.float32)
-        shape = [1] * half.ndim
-        shape[head_axis] = -1
-        quantised[:, which] = np.clip(half / scale.reshape(shape), -largest, largest).astype(NUMPY_DTYPES[kv_dtype])
-        scales.append(scale)
+    others = tuple(axis for axis in range(values.ndim) if axis != head_axis)
+    amax = np.abs(values).max(axis=others, initial=0.0) if per == "head" else \
+        np.full(values.shape[head_axis], np.abs(values).max(initial=0.0))
+    scale = np.where(amax > 0, amax / largest, 1.0).astype(np.float32)
+    quantised = np.clip(values / _along(scale, values.ndim, head_axis), -largest, largest)
+    return quantised.astype(NUMPY_DTYPES[kv_dtype]), scale
+
+
+def _along(scale: np.ndarray, ndim: int, axis: int) -> np.ndarray:
+    """``scale`` [h_kv] shaped to broadcast along ``axis`` of an array of rank ``ndim``."""
+    shape = [1] * ndim
+    shape[axis] = -1
+    return scale.reshape(shape)
+
+
+def _like(original, torch, kv_dtype: str, quantised: np.ndarray, *scales: np.ndarray):
+    """The results as the caller's kind: numpy, or torch tensors on ``original``'s device."""
     if torch:
-        return (torch.from_numpy(quantised.view(np.uint8)).view(getattr(torch, kv_dtype)).to(pages.device),
-                *(torch.from_numpy(s).to(pages.device) for s in scales))
+        return (torch.from_numpy(quantised.view(np.uint8)).view(getattr(torch, kv_dtype)).to(original.device),
+                *(torch.from_numpy(s).to(original.device) for s in scales))
     return quantised, *scales
 
 
@@ -84,20 +127,24 @@ def _torch_of(value):
 
 
 def dequantized_call(spec, args: tuple) -> tuple:
-    """(spec without its 8-bit cache, the call with its pages dequantised and no scales) of the
+    """(spec without its 8-bit cache, the call with its K/V dequantised and no scales) of the
     call ``args`` (in the table's order) of a spec with an 8-bit KV cache (a variant or its
     serving pass): what the reference and the error model evaluate."""
     base = getattr(spec, "base", spec)
     named = dict(zip(argument_names(spec), args, strict=True))
-    pages = np.asarray(named.pop("pages"))
     k_scale, v_scale = (np.asarray(named.pop(name), np.float32) for name in ("k_scale", "v_scale"))
-    head_axis = PAGE_HEAD_AXIS[base.kv_layout]
-    shape = [1] * (pages.ndim - 1)
-    shape[head_axis] = -1
-    widened = pages.astype(np.float32)
-    halves = [widened[:, which] * scale.reshape(shape) for which, scale in ((0, k_scale), (1, v_scale))]
-    named["pages"] = np.stack(halves, axis=1).astype(NUMPY_DTYPES[base.dtype])
+    dtype = NUMPY_DTYPES[base.dtype]
+
+    def widened(x, scale, head_axis):
+        return (np.asarray(x).astype(np.float32) * _along(scale, np.ndim(x), head_axis)).astype(dtype)
+
+    if "pages" in named:
+        pages, head_axis = named["pages"], PAGE_HEAD_AXIS[base.kv_layout]
+        named["pages"] = np.stack([widened(np.asarray(pages)[:, which], scale, head_axis)
+                                   for which, scale in ((0, k_scale), (1, v_scale))], axis=1)
+    else:
+        head_axis = RAGGED_HEAD_AXIS[base.kv_layout]
+        named["k"], named["v"] = widened(named["k"], k_scale, head_axis), widened(named["v"], v_scale, head_axis)
     plain = dataclasses.replace(base, kv_dtype=None)
     plain_spec = DecodeSpec(plain, spec.queries) if isinstance(spec, DecodeSpec) else plain
     return plain_spec, ordered(plain_spec, named)
-

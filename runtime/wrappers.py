@@ -187,16 +187,17 @@ class _Wrapper:
 
 def _kv_scales(spec, k_scale, v_scale) -> dict:
     """``k_scale`` and ``v_scale`` checked ([h_kv] float32, positive; a number stands for every
-    head) for a spec with an 8-bit KV cache; nothing for one without (InputError if given)."""
+    head) for a spec with an 8-bit KV cache (pages, or ragged k and v); nothing for one without
+    (InputError if given)."""
     given = {name: value for name, value in (("k_scale", k_scale), ("v_scale", v_scale)) if value is not None}
     if not quantized_kv(spec):
         if given:
-            raise InputError(f"{next(iter(given))}: {spec.name} reads its pages in {spec.dtype}, without scales")
+            raise InputError(f"{next(iter(given))}: {spec.name} reads its K/V in {spec.dtype}, without scales")
         return {}
     scales = {}
     for name in ("k_scale", "v_scale"):
         if name not in given:
-            raise InputError(f"{name}: {spec.name} reads {spec.kv_dtype} pages; pass k_scale and v_scale to run")
+            raise InputError(f"{name}: {spec.name} reads {spec.kv_dtype} K/V; pass k_scale and v_scale to run")
         value = given[name]
         if isinstance(value, numbers.Real):
             value = np.full(spec.h_kv, value, np.float32)
@@ -233,17 +234,19 @@ class RaggedPrefillWrapper(_Wrapper):
         return self._new_plan(arrays, scalars, qo_lens, kv_lens, int(q_indptr[-1]), int(kv_indptr[-1]))
 
     @returns_like_inputs
-    def run(self, q, k, v, *, sinks=None, to_host: bool | None = None, out=None, lse=None) -> tuple:
-        """One layer: q [Lq, h_q, d_qk], k [Lk, h_kv, d_qk], v [Lk, h_kv, d_v] in spec.dtype;
+    def run(self, q, k, v, *, k_scale=None, v_scale=None, sinks=None, to_host: bool | None = None, out=None,
+            lse=None) -> tuple:
+        """One layer: q [Lq, h_q, d_qk], k [Lk, h_kv, d_qk], v [Lk, h_kv, d_v] in spec.dtype, or k
+        and v in its ``kv_dtype`` with ``k_scale`` and ``v_scale`` (as :meth:`PagedPrefillWrapper.run`);
         ``sinks`` [h_q] float32 this layer's (``head_sinks`` specs; default: the plan's)."""
         plan, spec, device = self._planned(), self.spec, self.kernel.device
         q = _rows("q", _tensor("q", q, spec.dtype, (None, spec.h_q, spec.d_qk), device), plan.rows, "q_indptr[-1]")
-        rows = spec.layout.row_axis
-        k = _rows("k", _tensor("k", k, spec.dtype, kv_shape(spec, spec.layout.key_dims), device), plan.kv_rows,
+        rows, kv_dtype = spec.layout.row_axis, kv_dtype_of(spec)
+        k = _rows("k", _tensor("k", k, kv_dtype, kv_shape(spec, spec.layout.key_dims), device), plan.kv_rows,
                   "kv_indptr[-1]", rows)
-        v = _rows("v", _tensor("v", v, spec.dtype, kv_shape(spec, spec.layout.value_dims), device), plan.kv_rows,
+        v = _rows("v", _tensor("v", v, kv_dtype, kv_shape(spec, spec.layout.value_dims), device), plan.kv_rows,
                   "kv_indptr[-1]", rows)
-        return self._launch(plan, to_host, sinks, out, lse, q=q, k=k, v=v)
+        return self._launch(plan, to_host, sinks, out, lse, q=q, k=k, v=v, **_kv_scales(spec, k_scale, v_scale))
 
 
 class PagedPrefillWrapper(_Wrapper):

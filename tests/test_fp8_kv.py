@@ -1,32 +1,35 @@
-"""8-bit KV caches (issue 44, semantics §15): paged KV in float8_e4m3fn or float8_e5m2 with
-per-KV-head scales, on llvm-cpu's linalg lowering (the variant's kernel and its serving passes),
-against the float64 reference of the dequantised cache within the compute dtype's bound.
+"""8-bit KV caches (issue 44, semantics §15): paged and ragged KV in float8_e4m3fn or
+float8_e5m2 with per-KV-head scales, on llvm-cpu's linalg lowering (the variant's kernel and its
+serving passes), against the float64 reference of the dequantised cache within the compute
+dtype's bound.
 
-The grid: each format with each compute dtype once, both page orders, a sliding window, scales
-per head (drawn) and per tensor (one value repeated); entries with no keys, causal rows with no
-key, RoPE inline (the kernel) and off (short entries through the passes). The format's largest
-values stay finite; bad scales and pages in another dtype are refused by name; the fused
-lowering (CUDA, ROCm) refuses the spec by its ``kv_dtype``.
+The grid: each format with each compute dtype once, both page orders and both ragged orders, a
+sliding window, d_v != d_qk, scales per head (drawn) and per tensor (one value repeated); entries
+with no keys, causal rows with no key, RoPE inline (the kernel) and off (short entries through
+the passes). The format's largest values stay finite; every finite bit pattern reads as its
+value; bad scales and K/V in another dtype are refused by name; the wrappers take the scales;
+the fused lowering (CUDA, ROCm) refuses the spec by its ``kv_dtype``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import ml_dtypes
 import numpy as np
 import pytest
 
 from conftest import assert_matches_reference
-from linalg_prefill.mlir import PagedPrefillSpec
+from linalg_prefill.mlir import PagedPrefillSpec, RaggedPrefillSpec
 from linalg_prefill.mlir.abi import argument_names, ordered
 from linalg_prefill.mlir.specs import SpecError
 from linalg_prefill.pipeline import Target, compile_spec
 from linalg_prefill.pipeline.tuning import tuned_ir
-from linalg_prefill.runtime import InputError, open_kernel
+from linalg_prefill.runtime import InputError, PagedPrefillWrapper, RaggedPrefillWrapper, open_kernel
 from linalg_prefill.runtime.compare import error_bound, reference_for
 from linalg_prefill.runtime.examples import example_inputs
-from linalg_prefill.runtime.kv_quant import dequantized_call, quantize_pages
+from linalg_prefill.runtime.kv_quant import dequantized_call, quantize_kv, quantize_pages
 from support import with_arguments
 
 SPECS = {
@@ -34,6 +37,8 @@ SPECS = {
     "e5m2-bf16-nhd": PagedPrefillSpec(4, 2, 32, "bfloat16", page_size=16, kv_order="nhd", kv_dtype="float8_e5m2"),
     "e4m3-f32-window": PagedPrefillSpec(8, 2, 32, "float32", page_size=8, sliding_window=True,
                                         kv_dtype="float8_e4m3fn"),
+    "ragged-e4m3-f16-dv16": RaggedPrefillSpec(4, 2, 32, 16, "float16", kv_dtype="float8_e4m3fn"),
+    "ragged-e5m2-bf16-hnd": RaggedPrefillSpec(4, 2, 32, 32, "bfloat16", kv_order="hnd", kv_dtype="float8_e5m2"),
 }
 #: Prefill entries (several pages, causal rows with no key, no KV) and serving-shaped ones.
 PREFILL = [(5, 3), (12, 40), (1, 9), (3, 0)]
@@ -93,7 +98,21 @@ def test_the_largest_values_of_the_format_stay_finite(case, cache):
     assert_matches_reference(spec.name, (out, lse), spec, args)
 
 
-@pytest.mark.parametrize("case", ["e4m3-f16", "e5m2-bf16-nhd"])
+def _place_values(spec, named: dict, values: np.ndarray) -> None:
+    """Each entry's first value row (entry e's key 0) set to ``values[e]`` [h_kv, d_v]."""
+    if "pages" in named:
+        first_pages = named["page_values"][named["page_indptr"][:-1]]
+        if spec.kv_order == "hnd":
+            named["pages"][first_pages, 1, :, 0] = values
+        else:
+            named["pages"][first_pages, 1, 0] = values
+    elif spec.kv_order == "nhd":
+        named["v"][named["kv_indptr"][:-1]] = values
+    else:
+        named["v"][:, named["kv_indptr"][:-1]] = values.transpose(1, 0, 2)
+
+
+@pytest.mark.parametrize("case", ["e4m3-f16", "e5m2-bf16-nhd", "ragged-e4m3-f16-dv16", "ragged-e5m2-bf16-hnd"])
 @pytest.mark.parametrize("passes", [True, False], ids=["passes", "kernel"])
 def test_every_finite_bit_pattern_reads_as_its_value(case, passes, cache):
     """Entries of one key each: the output is that key's value row, so every finite pattern of the
@@ -103,18 +122,14 @@ def test_every_finite_bit_pattern_reads_as_its_value(case, passes, cache):
     fmt = np.dtype(getattr(ml_dtypes, spec.kv_dtype))
     patterns = np.arange(256, dtype=np.uint8).view(fmt)
     patterns = patterns[np.isfinite(patterns.astype(np.float32))]
-    per_row = spec.h_kv * spec.d
+    per_row = spec.h_kv * spec.d_v
     entries = [(1, 1)] * -(-len(patterns) // per_row)
     named = dict(zip(argument_names(spec), example_inputs(spec, np.random.default_rng(0), entries, rotary_mode=0)))
-    values = np.resize(patterns, len(entries) * per_row).reshape(len(entries), spec.h_kv, spec.d)
-    first_pages = named["page_values"][named["page_indptr"][:-1]]
-    if spec.kv_order == "hnd":
-        named["pages"][first_pages, 1, :, 0] = values
-    else:
-        named["pages"][first_pages, 1, 0] = values
+    values = np.resize(patterns, len(entries) * per_row).reshape(len(entries), spec.h_kv, spec.d_v)
+    _place_values(spec, named, values)
     named["k_scale"] = named["v_scale"] = np.ones(spec.h_kv, np.float32)
     out, _ = open_kernel(spec, cache=cache, serving_passes=passes)(*ordered(spec, named))
-    got = np.asarray(out, np.float32).reshape(len(entries), spec.h_kv, spec.group_size, spec.d)
+    got = np.asarray(out, np.float32).reshape(len(entries), spec.h_kv, spec.group_size, spec.d_v)
     want = values.astype(np.float32)[:, :, None, :]
     np.testing.assert_array_equal(got, np.broadcast_to(want, got.shape))
 
@@ -126,12 +141,14 @@ def test_every_finite_bit_pattern_reads_as_its_value(case, passes, cache):
     ("v_scale", np.ones(3, np.float32), "v_scale"),
     ("k_scale", np.ones(2, np.float16), "k_scale: expected dtype float32"),
     ("pages", None, "pages: expected dtype float8_e4m3fn"),
+    ("v", None, "v: expected dtype float8_e4m3fn"),
+    ("k_scale", np.ones((2, 1), np.float32), "k_scale"),
 ])
-def test_bad_scales_and_pages_are_refused_by_name(name, value, message, cache):
-    spec = SPECS["e4m3-f16"]
+def test_bad_scales_and_kv_are_refused_by_name(name, value, message, cache):
+    spec = SPECS["e4m3-f16" if name == "pages" else "ragged-e4m3-f16-dv16"]
     args = example_inputs(spec, np.random.default_rng(0), PREFILL)
-    if value is None:  # the pages in the compute dtype instead of the cache's
-        value = np.asarray(dict(zip(argument_names(spec), args))["pages"]).astype(np.float16)
+    if value is None:  # K/V in the compute dtype instead of the cache's
+        value = np.asarray(dict(zip(argument_names(spec), args))[name]).astype(np.float16)
     with pytest.raises(InputError, match=f"^{message}"):
         open_kernel(spec, cache=cache)(*with_arguments(spec, args, **{name: value}))
 
@@ -139,19 +156,21 @@ def test_bad_scales_and_pages_are_refused_by_name(name, value, message, cache):
 def test_the_fused_lowering_refuses_an_8_bit_cache_by_name():
     """CUDA, ROCm and the fused lowering on llvm-cpu do not read 8-bit pages yet: the spec is
     refused before anything compiles, naming kv_dtype."""
+    for spec in (SPECS["e4m3-f16"], SPECS["ragged-e4m3-f16-dv16"]):
+        for target in (Target("llvm-cpu", lowering="fused"), Target("cuda"), Target("rocm")):
+            with pytest.raises(ValueError, match="^kv_dtype float8_e4m3fn: the fused lowering"):
+                tuned_ir(spec, target)
     spec = SPECS["e4m3-f16"]
-    for target in (Target("llvm-cpu", lowering="fused"), Target("cuda"), Target("rocm")):
-        with pytest.raises(ValueError, match="^kv_dtype float8_e4m3fn: the fused lowering"):
-            tuned_ir(spec, target)
     with pytest.raises(ValueError, match="^kv_dtype float8_e4m3fn"):
         compile_spec(spec, "cuda")
 
 
-def test_a_kv_dtype_must_be_an_8_bit_format():
+@pytest.mark.parametrize("plain", [PagedPrefillSpec(4, 2, 32, "float16"), RaggedPrefillSpec(4, 2, 32, 16, "float16")],
+                         ids=["paged", "ragged"])
+def test_a_kv_dtype_must_be_an_8_bit_format(plain):
     with pytest.raises(SpecError, match="^kv_dtype must be None"):
-        PagedPrefillSpec(4, 2, 32, "float16", kv_dtype="float16")
-    assert PagedPrefillSpec(4, 2, 32, "float16").name + "_kvf8e4m3fn" == dataclasses.replace(
-        PagedPrefillSpec(4, 2, 32, "float16"), kv_dtype="float8_e4m3fn").name
+        dataclasses.replace(plain, kv_dtype="float16")
+    assert plain.name + "_kvf8e4m3fn" == dataclasses.replace(plain, kv_dtype="float8_e4m3fn").name
 
 
 def test_the_pages_are_read_as_they_are_and_widened_in_the_kernel():
@@ -161,6 +180,11 @@ def test_the_pages_are_read_as_they_are_and_widened_in_the_kernel():
     ir = tuned_ir(spec, Target("llvm-cpu"))
     assert "tensor<?x2x2x16x32xf8E4M3FN>" in ir
     assert "tensor<?x2x2x16x32xf16>" not in ir
+    ragged = tuned_ir(SPECS["ragged-e4m3-f16-dv16"], Target("llvm-cpu"))  # k [Lk, 2, 32], v [Lk, 2, 16]
+    assert "tensor<?x2x32xf8E4M3FN>" in ragged and "tensor<?x2x16xf8E4M3FN>" in ragged
+    # k and v are read one element at a time (tensor.extract in each entry's gather), never as
+    # the input of an op that would widen them whole
+    assert not re.search(r"ins\([^)]*f8E4M3FN>", ragged)
 
 
 @pytest.mark.parametrize("kv_dtype", ["float8_e4m3fn", "float8_e5m2"])
@@ -202,3 +226,63 @@ def test_the_reference_reads_the_dequantised_cache():
     np.testing.assert_array_equal(want[0], reference_for(plain, plain_args)[0])
     moved = reference_for(spec, with_arguments(spec, args, k_scale=np.asarray(args[-2]) * 2))
     assert not np.allclose(moved[1], want[1])
+
+
+def test_the_reference_reads_the_dequantised_ragged_kv():
+    """As above for ragged k and v (head-major): each dequantised through its own scale."""
+    spec = SPECS["ragged-e5m2-bf16-hnd"]
+    args = example_inputs(spec, np.random.default_rng(4), PREFILL)
+    plain, plain_args = dequantized_call(spec, args)
+    named, plain_named = dict(zip(argument_names(spec), args)), dict(zip(argument_names(plain), plain_args))
+    want_v = (named["v"].astype(np.float32) * named["v_scale"][:, None, None]).astype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(plain_named["v"], want_v)
+    np.testing.assert_array_equal(reference_for(spec, args)[0], reference_for(plain, plain_args)[0])
+    moved = reference_for(spec, with_arguments(spec, args, v_scale=named["v_scale"] * 2))
+    assert not np.allclose(moved[0], reference_for(spec, args)[0])
+
+
+@pytest.mark.parametrize("kv_order", ["nhd", "hnd"])
+def test_quantize_kv_matches_quantize_pages_per_head(kv_order):
+    """Ragged k and v quantise as the same rows in pages would (the same scales and bytes), numpy
+    and torch alike; v with its own head dim."""
+    rng = np.random.default_rng(5)
+    k = (rng.standard_normal((12, 3, 8)) * np.array([1.0, 10.0, 0.1])[None, :, None]).astype(np.float32)
+    v = rng.standard_normal((12, 3, 8)).astype(np.float32)
+    pages = np.stack([k, v], axis=1).reshape(3, 4, 2, 3, 8).transpose(0, 2, 1, 3, 4)  # [P, 2, page, h, d]: nhd
+    p8, pk, pv = quantize_pages(pages, "float8_e4m3fn", kv_order="nhd")
+    as_order = (lambda x: x) if kv_order == "nhd" else (lambda x: x.transpose(1, 0, 2))
+    k8, v8, k_scale, v_scale = quantize_kv(as_order(k), as_order(v), "float8_e4m3fn", kv_order=kv_order)
+    np.testing.assert_array_equal(k_scale, pk)
+    np.testing.assert_array_equal(v_scale, pv)
+    np.testing.assert_array_equal(as_order(k8).view(np.uint8), p8[:, 0].reshape(12, 3, 8).view(np.uint8))
+    torch = pytest.importorskip("torch")
+    t8 = quantize_kv(torch.from_numpy(as_order(k)), torch.from_numpy(as_order(v)), "float8_e4m3fn", kv_order=kv_order)
+    np.testing.assert_array_equal(t8[0].view(torch.uint8).numpy(), k8.view(np.uint8))
+    with pytest.raises(InputError, match="^k: expected rank 3"):
+        quantize_kv(k[0], v, "float8_e4m3fn")
+
+
+@pytest.mark.parametrize("case", ["e5m2-bf16-nhd", "ragged-e4m3-f16-dv16"])
+def test_the_wrappers_take_the_scales(case, cache):
+    """plan/run with k_scale and v_scale (arrays, or one number for every head): within the
+    reference's bound, a number the same as its array repeated; missing scales refused by name."""
+    spec = SPECS[case]
+    named = dict(zip(argument_names(spec), example_inputs(spec, np.random.default_rng(6), SERVING, rotary_mode=0)))
+    named["k_scale"] = np.full(spec.h_kv, 0.5, np.float32)
+    if "pages" in named:
+        wrapper = PagedPrefillWrapper(spec, cache=cache)
+        wrapper.plan(named["q_indptr"], named["page_indptr"], named["page_values"], named["length_info"],
+                     causal=named["causal"], sm_scale=named["sm_scale"], q_rope_position=named["q_rope_position"],
+                     k_rope_pos_offset=named["k_rope_pos_offset"])
+        kv = (named["pages"],)
+    else:
+        wrapper = RaggedPrefillWrapper(spec, cache=cache)
+        wrapper.plan(named["q_indptr"], named["kv_indptr"], causal=named["causal"], sm_scale=named["sm_scale"],
+                     q_rope_position=named["q_rope_position"], k_rope_pos_offset=named["k_rope_pos_offset"])
+        kv = (named["k"], named["v"])
+    out, lse = wrapper.run(named["q"], *kv, k_scale=named["k_scale"], v_scale=named["v_scale"], to_host=True)
+    assert_matches_reference(spec.name, (out, lse), spec, ordered(spec, named))
+    by_number = wrapper.run(named["q"], *kv, k_scale=0.5, v_scale=named["v_scale"], to_host=True)
+    np.testing.assert_array_equal(np.asarray(by_number[0]), np.asarray(out))
+    with pytest.raises(InputError, match="^v_scale: .* pass k_scale and v_scale"):
+        wrapper.run(named["q"], *kv, k_scale=0.5)
