@@ -124,6 +124,11 @@ class CacheLayout(KvLayout, ABC):
     #: Whether a serving pass with many query rows may vectorise its scores along them, where the
     #: CPU's pass vectors do (decode.PassVectors.rows_from).
     vectorise_rows: bool
+    #: The scales of an 8-bit cache (a spec with ``kv_dtype``: mlir/abi.py KV_SCALES), which the
+    #: loaders take when the call has them; ``one_scale``: the keys and values are the same
+    #: elements, so an 8-bit cache has one scale (k_scale and v_scale equal).
+    optional_operands: tuple[str, ...] = ()
+    one_scale: bool = False
 
     @abstractmethod
     def entry_loader(self, spec, **arguments) -> Callable[[ir.Value], EntryKv]:
@@ -227,7 +232,6 @@ class RaggedLayout(CacheLayout):
 
     name = "ragged"
     operands = ("k", "v", "kv_indptr", "k_rope_pos_offset")
-    #: The scales of 8-bit k and v (a spec with ``kv_dtype``: mlir/abi.py KV_SCALES).
     optional_operands = ("k_scale", "v_scale")
     host_readable = ("kv_indptr",)
     vectorise_rows = True
@@ -399,7 +403,6 @@ class PagedLayout(_PageTableLayout):
 
     name = "paged"
     operands = ("pages", "page_indptr", "page_values", "length_info", "k_rope_pos_offset")
-    #: The scales of 8-bit pages (a spec with ``kv_dtype``: mlir/abi.py KV_SCALES).
     optional_operands = ("k_scale", "v_scale")
     vectorise_rows = True
     #: The pages argument's dims (mlir/abi.py).
@@ -466,18 +469,22 @@ class LatentLayout(_PageTableLayout):
 
     name = "latent"
     operands = ("pages", "page_indptr", "page_values", "length_info")
+    #: Keys and values are the same rows: one scale (the host checks v_scale == k_scale,
+    #: runtime/variants.py), and the rows widen through k_scale.
+    optional_operands = ("k_scale", "v_scale")
+    one_scale = True
     #: Slower for MLA's wide rows (docs/performance.md, decode passes).
     vectorise_rows = False
 
-    def entry_loader(self, spec, *, pages, page_indptr, page_values, length_info):
+    def entry_loader(self, spec, *, pages, page_indptr, page_values, length_info, k_scale=None, v_scale=None):
         elem = element_type(spec.dtype)
 
         def load(b: ir.Value) -> EntryKv:
             table = page_table(spec, b, page_indptr, length_info)
 
             def fetch(page, slot, out_indices):
-                _head, col = out_indices
-                return tensor_d.extract(pages, [clamped_page(page, pages), slot, col])
+                head, col = out_indices
+                return dequantized(tensor_d.extract(pages, [clamped_page(page, pages), slot, col]), k_scale, head, elem)
 
             rows = gather_rows(spec, table, page_values, fetch, [1, spec.d_qk], elem)
             values = extract_slice(rows, [0, 0, 0], [dim(rows, 0), 1, spec.d_latent])
@@ -499,7 +506,7 @@ class LatentLayout(_PageTableLayout):
         return tensor_d.extract(pages, [page, slot, col])  # values are the first d_v columns
 
     def kv_bytes_per_key(self, spec) -> int:
-        return spec.d_qk * _itemsize(spec.dtype)  # one latent row, values included
+        return spec.d_qk * _itemsize(kv_dtype_of(spec))  # one latent row, values included
 
 
 DENSE, RAGGED, RAGGED_HND, PAGED, PAGED_NHD, LATENT = (

@@ -455,6 +455,8 @@ class MlaPagedPrefillSpec(_SpecBase):
     ``(q [Lq, h_q, d_latent + d_rope], q_indptr [B+1], pages [P, page_size, d_latent + d_rope],
     page_indptr [B+1], page_values [nnz], length_info [B] or [3, B], causal, sm_scale)
     -> (output [Lq, h_q, d_latent], lse [Lq, h_q])``. One shared KV head; no RoPE inside.
+    ``kv_dtype``: as :class:`PagedPrefillSpec`'s, for the latent pages; the keys and the values are
+    the same rows, so ``k_scale`` and ``v_scale`` [1] must be equal (semantics §15).
     """
 
     h_q: int
@@ -467,10 +469,12 @@ class MlaPagedPrefillSpec(_SpecBase):
     kv_tile: int = KV_CACHE_KV_TILE
     logits_soft_cap: float = 0.0
     head_sinks: bool = False
+    kv_dtype: str | None = None
 
     def __post_init__(self):
         _check_positive(h_q=self.h_q, d_latent=self.d_latent, page_size=self.page_size)
         _check_window_flag(self)
+        _check_kv_dtype(self)
         if not isinstance(self.d_rope, int) or self.d_rope < 0:
             raise SpecError(f"d_rope must be a non-negative int, got {self.d_rope!r}")
         _check_common(self)
@@ -494,5 +498,5 @@ class MlaPagedPrefillSpec(_SpecBase):
     def name(self) -> str:
         return (
             f"{self.symbol}_hq{self.h_q}_dl{self.d_latent}_dr{self.d_rope}_{self.dtype}"
-            f"_ps{self.page_size}_qt{self.q_tile}_kt{self.kv_tile}{self.cap_tag}{self.sinks_tag}"
+            f"_ps{self.page_size}_qt{self.q_tile}_kt{self.kv_tile}{self.cap_tag}{self.sinks_tag}{self.kv_tag}"
         )

@@ -111,12 +111,12 @@ def check_mla(spec, named: Mapping) -> dict:
     """Arguments of ``batch_prefill_paged_kv_mla[_sliding_window]`` (§1.3) for a
     ``MlaPagedPrefillSpec``, by name.
 
-    q [Lq, h_q, d_latent + d_rope], q_indptr [B+1] i32, pages [P, page_size, d_latent + d_rope],
-    page_indptr [B+1] i32, page_values [nnz] i32, length_info [B] i32 (or [3, B]), causal,
-    sm_scale.
+    q [Lq, h_q, d_latent + d_rope], q_indptr [B+1] i32, pages [P, page_size, d_latent + d_rope]
+    in ``spec.kv_dtype`` or ``dtype``, page_indptr [B+1] i32, page_values [nnz] i32, length_info
+    [B] i32 (or [3, B]), causal, sm_scale.
     """
     q = check_tensor("q", named["q"], dtype=spec.dtype, shape=(None, spec.h_q, spec.d_qk))
-    pages = check_tensor("pages", named["pages"], dtype=spec.dtype, shape=(None, spec.page_size, spec.d_qk))
+    pages = check_tensor("pages", named["pages"], dtype=kv_dtype_of(spec), shape=(None, spec.page_size, spec.d_qk))
     table = _check_page_table(spec, q, pages, named)
     return {**named, "q": q, "pages": pages, **table, "causal": check_choice("causal", named["causal"], (0, 1)),
             "sm_scale": check_float("sm_scale", named["sm_scale"])}

@@ -26,7 +26,7 @@ from ..mlir.specs import KV_DTYPES
 from .checks import NUMPY_DTYPES
 from .errors import InputError
 
-__all__ = ["dequantized_call", "quantize_kv", "quantize_pages", "PAGE_HEAD_AXIS", "RAGGED_HEAD_AXIS"]
+__all__ = ["dequantized_call", "quantize_kv", "quantize_latent", "quantize_pages", "PAGE_HEAD_AXIS", "RAGGED_HEAD_AXIS"]
 
 #: The KV-head axis of one half (K or V, ``pages[:, which]``) of each paged layout's pages.
 PAGE_HEAD_AXIS = {"paged": 1, "paged_nhd": 2}
@@ -77,6 +77,20 @@ def quantize_kv(k, v, kv_dtype: str, *, kv_order: str = "nhd", per: str = "head"
         results.append(_like(x, torch, kv_dtype, x8, scale))
     (k8, k_scale), (v8, v_scale) = results
     return k8, v8, k_scale, v_scale
+
+
+def quantize_latent(pages, kv_dtype: str):
+    """(pages in ``kv_dtype``, k_scale [1] f32, v_scale [1] f32, the same) for MLA's latent pages
+    [P, page_size, d_latent + d_rope], numpy or torch: one scale, as :func:`quantize_pages`' per
+    tensor (the keys and values are the same elements)."""
+    _check_format(kv_dtype, "tensor")
+    torch = _torch_of(pages)
+    values = _as_float32(pages, torch)
+    if values.ndim != 3:
+        raise InputError(f"pages: expected [P, page_size, d_latent + d_rope] pages of rank 3, got shape {values.shape}")
+    quantised, scale = _quantised(values[None], 0, kv_dtype, "tensor")
+    pages8, k_scale = _like(pages, torch, kv_dtype, quantised[0], scale)
+    return pages8, k_scale, k_scale
 
 
 def _check_format(kv_dtype: str, per: str) -> None:
@@ -138,7 +152,9 @@ def dequantized_call(spec, args: tuple) -> tuple:
     def widened(x, scale, head_axis):
         return (np.asarray(x).astype(np.float32) * _along(scale, np.ndim(x), head_axis)).astype(dtype)
 
-    if "pages" in named:
+    if base.kv_layout == "latent":  # keys and values are the same rows, under one scale
+        named["pages"] = widened(named["pages"], k_scale, 0)
+    elif "pages" in named:
         pages, head_axis = named["pages"], PAGE_HEAD_AXIS[base.kv_layout]
         named["pages"] = np.stack([widened(np.asarray(pages)[:, which], scale, head_axis)
                                    for which, scale in ((0, k_scale), (1, v_scale))], axis=1)

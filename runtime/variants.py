@@ -11,6 +11,8 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import numpy as np
+
 from ..mlir.abi import argument_names, arguments, concrete_dims, ordered
 from ..mlir.decode import DecodeSpec
 from ..mlir.specs import (
@@ -66,6 +68,10 @@ def checked(spec, args: tuple) -> tuple:
     rest = variant(spec).check(spec, {arg.name: named[arg.name] for arg in table if arg.kind not in _KIND_CHECKS})
     by_kind = {arg.name: _KIND_CHECKS[arg.kind](arg.name, named[arg.name], shape=concrete_dims(spec, arg, {}))
                for arg in table if arg.kind in _KIND_CHECKS}
+    if getattr(getattr(spec, "base", spec).layout, "one_scale", False) and "v_scale" in by_kind and \
+            not np.array_equal(by_kind["v_scale"], by_kind["k_scale"]):
+        raise InputError(f"v_scale: {spec.name}'s keys and values are the same 8-bit elements, so v_scale must "
+                         f"equal k_scale (got {by_kind['v_scale'].tolist()} and {by_kind['k_scale'].tolist()})")
     return ordered(spec, {**rest, **by_kind})
 
 

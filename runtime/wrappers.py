@@ -202,6 +202,9 @@ def _kv_scales(spec, k_scale, v_scale) -> dict:
         if isinstance(value, numbers.Real):
             value = np.full(spec.h_kv, value, np.float32)
         scales[name] = check_scale(name, value, shape=(spec.h_kv,))
+    if spec.layout.one_scale and not np.array_equal(scales["v_scale"], scales["k_scale"]):
+        raise InputError(f"v_scale: {spec.name}'s keys and values are the same 8-bit elements, so v_scale must "
+                         f"equal k_scale")
     return scales
 
 
@@ -303,13 +306,16 @@ class MlaPagedPrefillWrapper(_Wrapper):
         return self._new_plan(arrays, scalars, qo_lens, kv_lens, int(arrays["q_indptr"][-1]), pages_needed)
 
     @returns_like_inputs
-    def run(self, q, pages, *, sinks=None, to_host: bool | None = None, out=None, lse=None) -> tuple:
-        """One layer: q [Lq, h_q, d_latent + d_rope], pages [P, page_size, d_latent + d_rope];
-        ``sinks`` as :meth:`RaggedPrefillWrapper.run`."""
+    def run(self, q, pages, *, k_scale=None, v_scale=None, sinks=None, to_host: bool | None = None, out=None,
+            lse=None) -> tuple:
+        """One layer: q [Lq, h_q, d_latent + d_rope], pages [P, page_size, d_latent + d_rope] in
+        spec.dtype, or in its ``kv_dtype`` with ``k_scale`` and ``v_scale`` (equal: [1] float32 or
+        a number); ``sinks`` as :meth:`RaggedPrefillWrapper.run`."""
         plan, spec, device = self._planned(), self.spec, self.kernel.device
         q = _rows("q", _tensor("q", q, spec.dtype, (None, spec.h_q, spec.d_qk), device), plan.rows, "q_indptr[-1]")
-        pages = _page_count(_tensor("pages", pages, spec.dtype, (None, spec.page_size, spec.d_qk), device), plan.kv_rows)
-        return self._launch(plan, to_host, sinks, out, lse, q=q, pages=pages)
+        pages = _page_count(_tensor("pages", pages, kv_dtype_of(spec), (None, spec.page_size, spec.d_qk), device),
+                            plan.kv_rows)
+        return self._launch(plan, to_host, sinks, out, lse, q=q, pages=pages, **_kv_scales(spec, k_scale, v_scale))
 
 
 # ----------------------------------------------------------------------------- dense wrappers

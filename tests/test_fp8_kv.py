@@ -21,15 +21,17 @@ import numpy as np
 import pytest
 
 from conftest import assert_matches_reference
-from linalg_prefill.mlir import PagedPrefillSpec, RaggedPrefillSpec
+from linalg_prefill.mlir import MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec
 from linalg_prefill.mlir.abi import argument_names, ordered
 from linalg_prefill.mlir.specs import SpecError
 from linalg_prefill.pipeline import Target, compile_spec
 from linalg_prefill.pipeline.tuning import tuned_ir
-from linalg_prefill.runtime import InputError, PagedPrefillWrapper, RaggedPrefillWrapper, open_kernel
+from linalg_prefill.runtime import (
+    InputError, MlaPagedPrefillWrapper, PagedPrefillWrapper, RaggedPrefillWrapper, open_kernel,
+)
 from linalg_prefill.runtime.compare import error_bound, reference_for
 from linalg_prefill.runtime.examples import example_inputs
-from linalg_prefill.runtime.kv_quant import dequantized_call, quantize_kv, quantize_pages
+from linalg_prefill.runtime.kv_quant import dequantized_call, quantize_kv, quantize_latent, quantize_pages
 from support import with_arguments
 
 SPECS = {
@@ -39,6 +41,7 @@ SPECS = {
                                         kv_dtype="float8_e4m3fn"),
     "ragged-e4m3-f16-dv16": RaggedPrefillSpec(4, 2, 32, 16, "float16", kv_dtype="float8_e4m3fn"),
     "ragged-e5m2-bf16-hnd": RaggedPrefillSpec(4, 2, 32, 32, "bfloat16", kv_order="hnd", kv_dtype="float8_e5m2"),
+    "mla-e5m2-f16": MlaPagedPrefillSpec(4, 32, 16, "float16", page_size=16, kv_dtype="float8_e5m2"),
 }
 #: Prefill entries (several pages, causal rows with no key, no KV) and serving-shaped ones.
 PREFILL = [(5, 3), (12, 40), (1, 9), (3, 0)]
@@ -47,10 +50,17 @@ SERVING = [(1, 37), (4, 100), (1, 1), (16, 60), (2, 0), (1, 130)]
 pytestmark = pytest.mark.compiles(*SPECS.values(), passes=SERVING)
 
 
+def _no_rope(spec) -> dict:
+    """RoPE off where the variant has it (short entries then take the serving passes; MLA has none)."""
+    return {"rotary_mode": 0} if "rotary_mode" in argument_names(spec) else {}
+
+
 def _per_tensor(args, spec):
-    """The call with each scale one value repeated over the KV heads (a per-tensor scale)."""
+    """The call with each scale one value repeated over the KV heads (a per-tensor scale; MLA's
+    one scale for its shared rows)."""
+    v_scale = 0.75 if spec.layout.one_scale else 1.5
     return with_arguments(spec, args, k_scale=np.full(spec.h_kv, 0.75, np.float32),
-                          v_scale=np.full(spec.h_kv, 1.5, np.float32))
+                          v_scale=np.full(spec.h_kv, v_scale, np.float32))
 
 
 @pytest.mark.parametrize("case", sorted(SPECS))
@@ -59,7 +69,7 @@ def test_matches_the_reference_of_the_dequantised_cache(case, cache):
     kernel = open_kernel(spec, cache=cache)
     rng = np.random.default_rng(len(case))
     prefill = example_inputs(spec, rng, PREFILL)
-    serving = example_inputs(spec, rng, SERVING, rotary_mode=0)  # RoPE off: short entries take the passes
+    serving = example_inputs(spec, rng, SERVING, **_no_rope(spec))  # RoPE off: short entries take the passes
     assert len(set(np.asarray(prefill[-1]).tolist())) == spec.h_kv  # per-head scales
     for label, args in (("prefill", prefill), ("serving", serving), ("per-tensor", _per_tensor(serving, spec))):
         assert_matches_reference(f"{spec.name} {label}", kernel(*args), spec, args)
@@ -69,7 +79,7 @@ def test_the_passes_and_the_kernel_read_the_same_elements(cache):
     """A serving call through the passes and through the variant's kernel alone: both within the
     bound of one reference, and the pass rows' lse equal to within float32 rounding."""
     spec = SPECS["e5m2-bf16-nhd"]
-    args = example_inputs(spec, np.random.default_rng(3), SERVING, rotary_mode=0)
+    args = example_inputs(spec, np.random.default_rng(3), SERVING, **_no_rope(spec))
     with_passes = open_kernel(spec, cache=cache)(*args)
     alone = open_kernel(spec, cache=cache, serving_passes=False)(*args)
     for got in (with_passes, alone):
@@ -100,7 +110,9 @@ def test_the_largest_values_of_the_format_stay_finite(case, cache):
 
 def _place_values(spec, named: dict, values: np.ndarray) -> None:
     """Each entry's first value row (entry e's key 0) set to ``values[e]`` [h_kv, d_v]."""
-    if "pages" in named:
+    if spec.layout.one_scale:  # MLA: a value row is the first d_latent columns of the latent row
+        named["pages"][named["page_values"][named["page_indptr"][:-1]], 0, :spec.d_v] = values[:, 0]
+    elif "pages" in named:
         first_pages = named["page_values"][named["page_indptr"][:-1]]
         if spec.kv_order == "hnd":
             named["pages"][first_pages, 1, :, 0] = values
@@ -112,7 +124,8 @@ def _place_values(spec, named: dict, values: np.ndarray) -> None:
         named["v"][:, named["kv_indptr"][:-1]] = values.transpose(1, 0, 2)
 
 
-@pytest.mark.parametrize("case", ["e4m3-f16", "e5m2-bf16-nhd", "ragged-e4m3-f16-dv16", "ragged-e5m2-bf16-hnd"])
+@pytest.mark.parametrize("case", ["e4m3-f16", "e5m2-bf16-nhd", "ragged-e4m3-f16-dv16", "ragged-e5m2-bf16-hnd",
+                                  "mla-e5m2-f16"])
 @pytest.mark.parametrize("passes", [True, False], ids=["passes", "kernel"])
 def test_every_finite_bit_pattern_reads_as_its_value(case, passes, cache):
     """Entries of one key each: the output is that key's value row, so every finite pattern of the
@@ -124,7 +137,7 @@ def test_every_finite_bit_pattern_reads_as_its_value(case, passes, cache):
     patterns = patterns[np.isfinite(patterns.astype(np.float32))]
     per_row = spec.h_kv * spec.d_v
     entries = [(1, 1)] * -(-len(patterns) // per_row)
-    named = dict(zip(argument_names(spec), example_inputs(spec, np.random.default_rng(0), entries, rotary_mode=0)))
+    named = dict(zip(argument_names(spec), example_inputs(spec, np.random.default_rng(0), entries, **_no_rope(spec))))
     values = np.resize(patterns, len(entries) * per_row).reshape(len(entries), spec.h_kv, spec.d_v)
     _place_values(spec, named, values)
     named["k_scale"] = named["v_scale"] = np.ones(spec.h_kv, np.float32)
@@ -134,18 +147,20 @@ def test_every_finite_bit_pattern_reads_as_its_value(case, passes, cache):
     np.testing.assert_array_equal(got, np.broadcast_to(want, got.shape))
 
 
-@pytest.mark.parametrize("name, value, message", [
-    ("k_scale", np.zeros(2, np.float32), "k_scale: scales must be positive"),
-    ("v_scale", np.array([1.0, -2.0], np.float32), "v_scale: scales must be positive"),
-    ("k_scale", np.array([1.0, np.nan], np.float32), "k_scale: values must be finite"),
-    ("v_scale", np.ones(3, np.float32), "v_scale"),
-    ("k_scale", np.ones(2, np.float16), "k_scale: expected dtype float32"),
-    ("pages", None, "pages: expected dtype float8_e4m3fn"),
-    ("v", None, "v: expected dtype float8_e4m3fn"),
-    ("k_scale", np.ones((2, 1), np.float32), "k_scale"),
+@pytest.mark.parametrize("case, name, value, message", [
+    ("e4m3-f16", "k_scale", np.zeros(2, np.float32), "k_scale: scales must be positive"),
+    ("e4m3-f16", "v_scale", np.array([1.0, -2.0], np.float32), "v_scale: scales must be positive"),
+    ("e4m3-f16", "k_scale", np.array([1.0, np.nan], np.float32), "k_scale: values must be finite"),
+    ("e4m3-f16", "v_scale", np.ones(3, np.float32), "v_scale"),
+    ("e4m3-f16", "k_scale", np.ones(2, np.float16), "k_scale: expected dtype float32"),
+    ("e4m3-f16", "pages", None, "pages: expected dtype float8_e4m3fn"),
+    ("ragged-e4m3-f16-dv16", "v", None, "v: expected dtype float8_e4m3fn"),
+    ("ragged-e4m3-f16-dv16", "k_scale", np.ones((2, 1), np.float32), "k_scale"),
+    ("mla-e5m2-f16", "pages", None, "pages: expected dtype float8_e5m2"),
+    ("mla-e5m2-f16", "v_scale", np.full(1, 3.0, np.float32), "v_scale: .* must equal k_scale"),
 ])
-def test_bad_scales_and_kv_are_refused_by_name(name, value, message, cache):
-    spec = SPECS["e4m3-f16" if name == "pages" else "ragged-e4m3-f16-dv16"]
+def test_bad_scales_and_kv_are_refused_by_name(case, name, value, message, cache):
+    spec = SPECS[case]
     args = example_inputs(spec, np.random.default_rng(0), PREFILL)
     if value is None:  # K/V in the compute dtype instead of the cache's
         value = np.asarray(dict(zip(argument_names(spec), args))[name]).astype(np.float16)
@@ -156,17 +171,17 @@ def test_bad_scales_and_kv_are_refused_by_name(name, value, message, cache):
 def test_the_fused_lowering_refuses_an_8_bit_cache_by_name():
     """CUDA, ROCm and the fused lowering on llvm-cpu do not read 8-bit pages yet: the spec is
     refused before anything compiles, naming kv_dtype."""
-    for spec in (SPECS["e4m3-f16"], SPECS["ragged-e4m3-f16-dv16"]):
+    for spec in (SPECS["e4m3-f16"], SPECS["ragged-e4m3-f16-dv16"], SPECS["mla-e5m2-f16"]):
         for target in (Target("llvm-cpu", lowering="fused"), Target("cuda"), Target("rocm")):
-            with pytest.raises(ValueError, match="^kv_dtype float8_e4m3fn: the fused lowering"):
+            with pytest.raises(ValueError, match=f"^kv_dtype {spec.kv_dtype}: the fused lowering"):
                 tuned_ir(spec, target)
     spec = SPECS["e4m3-f16"]
     with pytest.raises(ValueError, match="^kv_dtype float8_e4m3fn"):
         compile_spec(spec, "cuda")
 
 
-@pytest.mark.parametrize("plain", [PagedPrefillSpec(4, 2, 32, "float16"), RaggedPrefillSpec(4, 2, 32, 16, "float16")],
-                         ids=["paged", "ragged"])
+@pytest.mark.parametrize("plain", [PagedPrefillSpec(4, 2, 32, "float16"), RaggedPrefillSpec(4, 2, 32, 16, "float16"),
+                                   MlaPagedPrefillSpec(4, 32, 16, "float16")], ids=["paged", "ragged", "mla"])
 def test_a_kv_dtype_must_be_an_8_bit_format(plain):
     with pytest.raises(SpecError, match="^kv_dtype must be None"):
         dataclasses.replace(plain, kv_dtype="float16")
@@ -262,14 +277,20 @@ def test_quantize_kv_matches_quantize_pages_per_head(kv_order):
         quantize_kv(k[0], v, "float8_e4m3fn")
 
 
-@pytest.mark.parametrize("case", ["e5m2-bf16-nhd", "ragged-e4m3-f16-dv16"])
+@pytest.mark.parametrize("case", ["e5m2-bf16-nhd", "ragged-e4m3-f16-dv16", "mla-e5m2-f16"])
 def test_the_wrappers_take_the_scales(case, cache):
     """plan/run with k_scale and v_scale (arrays, or one number for every head): within the
     reference's bound, a number the same as its array repeated; missing scales refused by name."""
     spec = SPECS[case]
-    named = dict(zip(argument_names(spec), example_inputs(spec, np.random.default_rng(6), SERVING, rotary_mode=0)))
+    named = dict(zip(argument_names(spec), example_inputs(spec, np.random.default_rng(6), SERVING, **_no_rope(spec))))
     named["k_scale"] = np.full(spec.h_kv, 0.5, np.float32)
-    if "pages" in named:
+    if spec.layout.one_scale:
+        named["v_scale"] = named["k_scale"]
+        wrapper = MlaPagedPrefillWrapper(spec, cache=cache)
+        wrapper.plan(named["q_indptr"], named["page_indptr"], named["page_values"], named["length_info"],
+                     causal=named["causal"], sm_scale=named["sm_scale"])
+        kv = (named["pages"],)
+    elif "pages" in named:
         wrapper = PagedPrefillWrapper(spec, cache=cache)
         wrapper.plan(named["q_indptr"], named["page_indptr"], named["page_values"], named["length_info"],
                      causal=named["causal"], sm_scale=named["sm_scale"], q_rope_position=named["q_rope_position"],
@@ -286,3 +307,17 @@ def test_the_wrappers_take_the_scales(case, cache):
     np.testing.assert_array_equal(np.asarray(by_number[0]), np.asarray(out))
     with pytest.raises(InputError, match="^v_scale: .* pass k_scale and v_scale"):
         wrapper.run(named["q"], *kv, k_scale=0.5)
+
+
+def test_quantize_latent_has_one_scale_for_the_shared_rows():
+    """MLA's latent pages: one scale (k_scale == v_scale, [1]) mapping the largest magnitude to the
+    format's largest value; numpy and torch give the same bytes."""
+    rng = np.random.default_rng(7)
+    pages = (rng.standard_normal((3, 4, 24)) * 5).astype(np.float32)
+    p8, k_scale, v_scale = quantize_latent(pages, "float8_e5m2")
+    assert k_scale.shape == (1,) and np.array_equal(k_scale, v_scale)
+    assert np.abs(p8.astype(np.float32)).max() == float(ml_dtypes.finfo(p8.dtype).max)
+    torch = pytest.importorskip("torch")
+    t8, tk, _ = quantize_latent(torch.from_numpy(pages), "float8_e5m2")
+    np.testing.assert_array_equal(t8.view(torch.uint8).numpy(), p8.view(np.uint8))
+    np.testing.assert_array_equal(tk.numpy(), k_scale)
