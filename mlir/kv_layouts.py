@@ -99,6 +99,11 @@ class KvLayout:
 
     name: str
     required: tuple[str, ...] = ("name",)
+    #: The scales of an 8-bit cache (a spec with ``kv_dtype``: mlir/abi.py KV_SCALES) that the
+    #: loaders take when the call has them; ``one_scale``: the keys and values are the same
+    #: elements, so an 8-bit cache has one scale (k_scale and v_scale equal).
+    optional_operands: tuple[str, ...] = ()
+    one_scale: bool = False
 
     def __init__(self):
         missing = [attribute for attribute in self.required if not hasattr(self, attribute)]
@@ -124,11 +129,6 @@ class CacheLayout(KvLayout, ABC):
     #: Whether a serving pass with many query rows may vectorise its scores along them, where the
     #: CPU's pass vectors do (decode.PassVectors.rows_from).
     vectorise_rows: bool
-    #: The scales of an 8-bit cache (a spec with ``kv_dtype``: mlir/abi.py KV_SCALES), which the
-    #: loaders take when the call has them; ``one_scale``: the keys and values are the same
-    #: elements, so an 8-bit cache has one scale (k_scale and v_scale equal).
-    optional_operands: tuple[str, ...] = ()
-    one_scale: bool = False
 
     @abstractmethod
     def entry_loader(self, spec, **arguments) -> Callable[[ir.Value], EntryKv]:

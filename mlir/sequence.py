@@ -25,6 +25,7 @@ from .ir import (
     tensor_d, tensor_type, tie_dims, widened,
 )
 from .abi import function_module
+from .kv_layouts import dequantized
 from .mask_rules import CallMask, Lengths, MaskRule, mask_rule
 from .online_softmax import ScoreIndices, ScoreMask, online_softmax, row_sinks
 from .score_tiles import ROW_TILES, RowTiles
@@ -34,10 +35,12 @@ from .specs import SMALL_Q_TILE, MaskedSequencePrefillSpec, SequencePrefillSpec
 SequenceSpec = Union[SequencePrefillSpec, MaskedSequencePrefillSpec]
 
 
-def _kv_tiles(x: ir.Value, num_tiles: ir.Value, kv_tile: int, keys: bool, layout: RowTiles) -> ir.Value:
+def _kv_tiles(x: ir.Value, num_tiles: ir.Value, kv_tile: int, keys: bool, layout: RowTiles,
+              scales: ir.Value | None, dt: ir.Type) -> ir.Value:
     """[B, L, h_kv, d] -> the stored keys or values of ``layout`` (score_tiles: row tiles f32 keys
     [B, h_kv, num_tiles, d, kv_tile], each tile transposed, or values [B, h_kv, num_tiles * kv_tile, d];
-    packed tiles in the dtype); rows at or past L are zero.
+    packed tiles in the dtype); rows at or past L are zero. An 8-bit ``x`` is read through its
+    KV head's ``scales`` [h_kv] into the compute dtype ``dt`` (kv_layouts.dequantized) as stored.
 
     One generic that reads ``x`` itself (row clamped to L - 1, then zeroed) rather than a
     transpose of a zero-padded copy: the copy cost another K or V of memory and ran as a slow
@@ -63,7 +66,7 @@ def _kv_tiles(x: ir.Value, num_tiles: ir.Value, kv_tile: int, keys: bool, layout
 
         def body(_out):
             b, h, row, j = storage.source([linalg_d.IndexOp(i).result for i in range(len(sizes))])
-            value = tensor_d.extract(x, [b, arith_d.minsi(row, last_row), h, j])
+            value = dequantized(tensor_d.extract(x, [b, arith_d.minsi(row, last_row), h, j]), scales, h, dt)
             value = value if value.type == elem else widened(value)
             return [arith_d.select(lt(row, length), value, zero)]
 
@@ -100,24 +103,25 @@ def build_sequence_prefill(spec: SequenceSpec, *, row_chunk: int | None, rule: M
 
     def emit(args):
         return _emit_sized_body(spec, row_chunk, score_tiles, rule.bind(args), args["q"], args["k"], args["v"],
-                                sinks=args.get("sinks"))
+                                sinks=args.get("sinks"), scales=(args.get("k_scale"), args.get("v_scale")))
 
     return function_module(spec, emit)
 
 
 def _emit_sized_body(spec: SequenceSpec, row_chunk: int | None, layout: RowTiles, mask: CallMask, q, k, v, *,
-                     sinks=None):
+                     sinks=None, scales=(None, None)):
     """The body with ``spec.q_tile``, or, for a call of at most SMALL_Q_TILE query tokens (a short
-    chunk against a long prefix), with SMALL_Q_TILE-token tiles instead of one mostly padded tile."""
+    chunk against a long prefix), with SMALL_Q_TILE-token tiles instead of one mostly padded tile.
+    ``scales``: (k_scale, v_scale) [h_kv] of an 8-bit k and v, else Nones."""
     if spec.q_tile <= SMALL_Q_TILE:
-        return _emit_body(spec, spec.q_tile, row_chunk, layout, mask, q, k, v, sinks)
+        return _emit_body(spec, spec.q_tile, row_chunk, layout, mask, q, k, v, sinks, scales)
     sizes = [[*sizes_of(q)[:3], spec.d], sizes_of(q)[:3]]
 
     def tied(values):
         return [tie_dims(value, size) for value, size in zip(values, sizes)]
 
     def body(tile_tokens):
-        return lambda _unused: tied(_emit_body(spec, tile_tokens, row_chunk, layout, mask, q, k, v, sinks))
+        return lambda _unused: tied(_emit_body(spec, tile_tokens, row_chunk, layout, mask, q, k, v, sinks, scales))
 
     is_short = le(dim(q, 1), const_index(SMALL_Q_TILE))
     placeholders = [empty(size, ir.RankedTensorType(t).element_type) for size, t in zip(sizes, (q.type, _lse_type(q)))]
@@ -129,7 +133,7 @@ def _lse_type(q: ir.Value) -> ir.Type:
 
 
 def _emit_body(spec: SequenceSpec, tile_tokens: int, row_chunk: int | None, layout: RowTiles, mask: CallMask, q, k, v,
-               sinks=None):
+               sinks=None, scales=(None, None)):
     """Batch entries one at a time (an ``scf.for`` over B), so every dispatch inside works on
     static [1, h_kv, ...] tiles (1.2x faster than a dynamic batch dim, docs/performance.md).
     Query tiles have ``tile_tokens`` tokens; ``layout`` the KV step's tiles (the row tiles where
@@ -147,8 +151,8 @@ def _emit_body(spec: SequenceSpec, tile_tokens: int, row_chunk: int | None, layo
     padded_tokens = arith_d.muli(num_q_tiles, const_index(tile_tokens))
     q_rows = layout.query_rows(q, h_kv, group, padded_tokens)
     stored_tiles = storage_tiles(lengths.kv_len, spec.kv_tile)
-    keys = _kv_tiles(k, stored_tiles, spec.kv_tile, True, layout)
-    values = _kv_tiles(v, stored_tiles, spec.kv_tile, False, layout)
+    keys = _kv_tiles(k, stored_tiles, spec.kv_tile, True, layout, scales[0], dt)
+    values = _kv_tiles(v, stored_tiles, spec.kv_tile, False, layout, scales[1], dt)
 
     driver = QueryTiles([batch, padded_tokens, spec.h_q, d], [batch, padded_tokens, spec.h_q], group, h_kv,
                         layout=layout)

@@ -151,6 +151,8 @@ class SequencePrefillSpec(_OneHeadDim):
     q [B, qo_len, h_q, d], k/v [B, kv_len, h_kv, d] in ``dtype``; output like q, lse [B, qo_len,
     h_q] float32 (base 2). ``causal`` is bottom-right aligned. ``q_tile`` query tokens and
     ``kv_tile`` KV columns are processed per step (tile sizes change rounding order only).
+    ``kv_dtype``: as :class:`PagedPrefillSpec`'s, for k and v (widened as the kernel stores its
+    KV tiles).
     """
 
     h_q: int
@@ -163,6 +165,7 @@ class SequencePrefillSpec(_OneHeadDim):
     kv_tile: int = DENSE_KV_TILE
     logits_soft_cap: float = 0.0
     head_sinks: bool = False
+    kv_dtype: str | None = None
 
     symbol = "batch_sequence_prefill_kv"
     layout = DENSE
@@ -170,6 +173,7 @@ class SequencePrefillSpec(_OneHeadDim):
     def __post_init__(self):
         _check_heads(self.h_q, self.h_kv)
         _check_scale(self)
+        _check_kv_dtype(self)
         _check_common(self)
 
     @property
@@ -177,7 +181,7 @@ class SequencePrefillSpec(_OneHeadDim):
         return (
             f"{self.symbol}_hq{self.h_q}_hkv{self.h_kv}_d{self.d}_{self.dtype}"
             f"_causal{int(self.causal)}_sm{_scale_tag(self.sm_scale)}"
-            f"_qt{self.q_tile}_kt{self.kv_tile}{self.cap_tag}{self.sinks_tag}"
+            f"_qt{self.q_tile}_kt{self.kv_tile}{self.cap_tag}{self.sinks_tag}{self.kv_tag}"
         )
 
 
@@ -202,6 +206,7 @@ class MaskedSequencePrefillSpec(_OneHeadDim):
     kv_tile: int = DENSE_KV_TILE
     logits_soft_cap: float = 0.0
     head_sinks: bool = False
+    kv_dtype: str | None = None
 
     symbol = "batch_sequence_prefill_kv_masked"
     layout = DENSE
@@ -209,6 +214,7 @@ class MaskedSequencePrefillSpec(_OneHeadDim):
     def __post_init__(self):
         _check_heads(self.h_q, self.h_kv)
         _check_scale(self)
+        _check_kv_dtype(self)
         _check_common(self)
         if self.mask_mode not in MASK_MODES:
             raise SpecError(f"mask_mode must be one of {MASK_MODES}, got {self.mask_mode!r}")
@@ -222,7 +228,7 @@ class MaskedSequencePrefillSpec(_OneHeadDim):
         return (
             f"{self.symbol}_hq{self.h_q}_hkv{self.h_kv}_d{self.d}_{self.dtype}"
             f"_{self.mask_mode}_sm{_scale_tag(self.sm_scale)}_qt{self.q_tile}_kt{self.kv_tile}{self.cap_tag}"
-            f"{self.sinks_tag}"
+            f"{self.sinks_tag}{self.kv_tag}"
         )
 
 

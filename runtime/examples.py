@@ -62,7 +62,7 @@ def example_inputs(spec, rng: np.random.Generator, entries=EXAMPLE_ENTRIES, *, w
                   for arg in arguments(spec) if arg.kind == "f32" and arg.name not in given})
     named.update({arg.name: rng.uniform(*SCALE_RANGE, concrete_dims(spec, arg, sizes)).astype(np.float32)
                   for arg in arguments(spec) if arg.kind == "scale" and arg.name not in given})
-    if "v_scale" in named and "v_scale" not in given and getattr(spec.layout, "one_scale", False):
+    if "v_scale" in named and "v_scale" not in given and spec.layout.one_scale:
         named["v_scale"] = named["k_scale"]  # keys and values are the same elements (MLA's latent rows)
     if "custom_mask" not in given:
         named.update(host_mask(spec).example(rng, sizes))  # runtime/masks.py

@@ -26,12 +26,12 @@ from ..mlir.specs import KV_DTYPES
 from .checks import NUMPY_DTYPES
 from .errors import InputError
 
-__all__ = ["dequantized_call", "quantize_kv", "quantize_latent", "quantize_pages", "PAGE_HEAD_AXIS", "RAGGED_HEAD_AXIS"]
+__all__ = ["dequantized_call", "quantize_kv", "quantize_latent", "quantize_pages", "PAGE_HEAD_AXIS", "KV_HEAD_AXIS"]
 
 #: The KV-head axis of one half (K or V, ``pages[:, which]``) of each paged layout's pages.
 PAGE_HEAD_AXIS = {"paged": 1, "paged_nhd": 2}
-#: The KV-head axis of k and v in each ragged layout.
-RAGGED_HEAD_AXIS = {"ragged": 1, "ragged_hnd": 0}
+#: The KV-head axis of k and v in each layout that takes them (ragged, and dense [B, Lk, h_kv, d]).
+KV_HEAD_AXIS = {"ragged": 1, "ragged_hnd": 0, "dense": 2}
 
 
 def _finite_max(kv_dtype: str) -> float:
@@ -60,19 +60,20 @@ def quantize_pages(pages, kv_dtype: str, *, kv_order: str = "hnd", per: str = "h
 
 
 def quantize_kv(k, v, kv_dtype: str, *, kv_order: str = "nhd", per: str = "head"):
-    """(k, v in ``kv_dtype``, k_scale [h_kv] f32, v_scale [h_kv] f32) for the ragged K/V of a
-    ``RaggedPrefillSpec``: k [Lk, h_kv, d_qk], v [Lk, h_kv, d_v] (``kv_order="hnd"``: [h_kv, Lk,
-    d]), numpy or torch; scales and rounding as :func:`quantize_pages`'."""
+    """(k, v in ``kv_dtype``, k_scale [h_kv] f32, v_scale [h_kv] f32) for the K/V of a
+    ``RaggedPrefillSpec`` (k [Lk, h_kv, d_qk], v [Lk, h_kv, d_v]; ``kv_order="hnd"``: [h_kv, Lk,
+    d]) or of a dense spec (rank 4: k, v [B, Lk, h_kv, d]), numpy or torch; scales and rounding as
+    :func:`quantize_pages`'."""
     _check_format(kv_dtype, per)
     if kv_order not in RAGGED_ORDERS:
         raise InputError(f"kv_order: expected one of {sorted(RAGGED_ORDERS)}, got {kv_order!r}")
-    head_axis = RAGGED_HEAD_AXIS[RAGGED_ORDERS[kv_order].name]
     results = []
     for name, x in (("k", k), ("v", v)):
         torch = _torch_of(x)
         values = _as_float32(x, torch)
-        if values.ndim != 3:
-            raise InputError(f"{name}: expected rank 3, got shape {values.shape}")
+        if values.ndim not in (3, 4):
+            raise InputError(f"{name}: expected rank 3 (ragged) or 4 (dense), got shape {values.shape}")
+        head_axis = KV_HEAD_AXIS["dense" if values.ndim == 4 else RAGGED_ORDERS[kv_order].name]
         x8, scale = _quantised(values, head_axis, kv_dtype, per)
         results.append(_like(x, torch, kv_dtype, x8, scale))
     (k8, k_scale), (v8, v_scale) = results
@@ -159,7 +160,7 @@ def dequantized_call(spec, args: tuple) -> tuple:
         named["pages"] = np.stack([widened(np.asarray(pages)[:, which], scale, head_axis)
                                    for which, scale in ((0, k_scale), (1, v_scale))], axis=1)
     else:
-        head_axis = RAGGED_HEAD_AXIS[base.kv_layout]
+        head_axis = KV_HEAD_AXIS[base.kv_layout]
         named["k"], named["v"] = widened(named["k"], k_scale, head_axis), widened(named["v"], v_scale, head_axis)
     plain = dataclasses.replace(base, kv_dtype=None)
     plain_spec = DecodeSpec(plain, spec.queries) if isinstance(spec, DecodeSpec) else plain

@@ -68,7 +68,7 @@ def checked(spec, args: tuple) -> tuple:
     rest = variant(spec).check(spec, {arg.name: named[arg.name] for arg in table if arg.kind not in _KIND_CHECKS})
     by_kind = {arg.name: _KIND_CHECKS[arg.kind](arg.name, named[arg.name], shape=concrete_dims(spec, arg, {}))
                for arg in table if arg.kind in _KIND_CHECKS}
-    if getattr(getattr(spec, "base", spec).layout, "one_scale", False) and "v_scale" in by_kind and \
+    if getattr(spec, "base", spec).layout.one_scale and "v_scale" in by_kind and \
             not np.array_equal(by_kind["v_scale"], by_kind["k_scale"]):
         raise InputError(f"v_scale: {spec.name}'s keys and values are the same 8-bit elements, so v_scale must "
                          f"equal k_scale (got {by_kind['v_scale'].tolist()} and {by_kind['k_scale'].tolist()})")

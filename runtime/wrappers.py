@@ -328,10 +328,13 @@ class SequencePrefillWrapper(_Wrapper):
     spec_type = SequencePrefillSpec
 
     @returns_like_inputs
-    def run(self, q, k, v, *, sinks=None, to_host: bool | None = None, out=None, lse=None) -> tuple:
-        """One layer: q [B, Lq, h_q, d], k/v [B, Lk, h_kv, d]; ``sinks`` [h_q] float32 with ``head_sinks``."""
+    def run(self, q, k, v, *, k_scale=None, v_scale=None, sinks=None, to_host: bool | None = None, out=None,
+            lse=None) -> tuple:
+        """One layer: q [B, Lq, h_q, d], k/v [B, Lk, h_kv, d] (in the spec's ``kv_dtype`` with
+        ``k_scale``/``v_scale``, as :meth:`PagedPrefillWrapper.run`); ``sinks`` [h_q] float32 with
+        ``head_sinks``."""
         q, k, v = _dense(self.spec, q, k, v, self.kernel.device)
-        return self._launch(None, to_host, sinks, out, lse, q=q, k=k, v=v)
+        return self._launch(None, to_host, sinks, out, lse, q=q, k=k, v=v, **_kv_scales(self.spec, k_scale, v_scale))
 
 
 class MaskedSequencePrefillWrapper(_Wrapper):
@@ -350,16 +353,18 @@ class MaskedSequencePrefillWrapper(_Wrapper):
         return self._new_plan({**arrays, **self._plan_sinks(sinks)}, {}, qo_lens, kv_lens, rows, cols)
 
     @returns_like_inputs
-    def run(self, q, k, v, *, sinks=None, to_host: bool | None = None, out=None, lse=None) -> tuple:
+    def run(self, q, k, v, *, k_scale=None, v_scale=None, sinks=None, to_host: bool | None = None, out=None,
+            lse=None) -> tuple:
         """One layer: q [B, Lq, h_q, d], k/v [B, Lk, h_kv, d] with B and valid_lens as planned
-        (a custom mask: B, Lq and Lk as its shape); ``sinks`` as :meth:`RaggedPrefillWrapper.run`."""
+        (a custom mask: B, Lq and Lk as its shape); the scales as :meth:`SequencePrefillWrapper.run`;
+        ``sinks`` as :meth:`RaggedPrefillWrapper.run`."""
         plan = self._planned()
         q, k, v = _dense(self.spec, q, k, v, self.kernel.device)
         batch = plan.qo_lens.shape[0]
         if q.shape[0] != batch:
             raise InputError(f"q: expected batch {batch} (as planned), got {q.shape[0]}")
         host_mask(self.spec).check_layer(plan, q.shape[1], k.shape[1])  # runtime/masks.py
-        return self._launch(plan, to_host, sinks, out, lse, q=q, k=k, v=v)
+        return self._launch(plan, to_host, sinks, out, lse, q=q, k=k, v=v, **_kv_scales(self.spec, k_scale, v_scale))
 
 
 # ----------------------------------------------------------------------------- plan helpers

@@ -1,4 +1,4 @@
-"""8-bit KV caches (issue 44, semantics §15): paged and ragged KV in float8_e4m3fn or
+"""8-bit KV caches (issue 44, semantics §15): paged, ragged, MLA and dense KV in float8_e4m3fn or
 float8_e5m2 with per-KV-head scales, on llvm-cpu's linalg lowering (the variant's kernel and its
 serving passes), against the float64 reference of the dequantised cache within the compute
 dtype's bound.
@@ -21,13 +21,16 @@ import numpy as np
 import pytest
 
 from conftest import assert_matches_reference
-from linalg_prefill.mlir import MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec
+from linalg_prefill.mlir import (
+    MaskedSequencePrefillSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec,
+)
 from linalg_prefill.mlir.abi import argument_names, ordered
 from linalg_prefill.mlir.specs import SpecError
 from linalg_prefill.pipeline import Target, compile_spec
 from linalg_prefill.pipeline.tuning import tuned_ir
 from linalg_prefill.runtime import (
-    InputError, MlaPagedPrefillWrapper, PagedPrefillWrapper, RaggedPrefillWrapper, open_kernel,
+    InputError, MlaPagedPrefillWrapper, PagedPrefillWrapper, RaggedPrefillWrapper, SequencePrefillWrapper,
+    open_kernel,
 )
 from linalg_prefill.runtime.compare import error_bound, reference_for
 from linalg_prefill.runtime.examples import example_inputs
@@ -42,6 +45,10 @@ SPECS = {
     "ragged-e4m3-f16-dv16": RaggedPrefillSpec(4, 2, 32, 16, "float16", kv_dtype="float8_e4m3fn"),
     "ragged-e5m2-bf16-hnd": RaggedPrefillSpec(4, 2, 32, 32, "bfloat16", kv_order="hnd", kv_dtype="float8_e5m2"),
     "mla-e5m2-f16": MlaPagedPrefillSpec(4, 32, 16, "float16", page_size=16, kv_dtype="float8_e5m2"),
+    "dense-e4m3-bf16": SequencePrefillSpec(4, 2, 32, "bfloat16", causal=True, sm_scale=32 ** -0.5,
+                                           kv_dtype="float8_e4m3fn"),
+    "masked-e5m2-f16": MaskedSequencePrefillSpec(4, 2, 32, "float16", mask_mode="causal_padded_left",
+                                                 sm_scale=32 ** -0.5, kv_dtype="float8_e5m2"),
 }
 #: Prefill entries (several pages, causal rows with no key, no KV) and serving-shaped ones.
 PREFILL = [(5, 3), (12, 40), (1, 9), (3, 0)]
@@ -110,7 +117,9 @@ def test_the_largest_values_of_the_format_stay_finite(case, cache):
 
 def _place_values(spec, named: dict, values: np.ndarray) -> None:
     """Each entry's first value row (entry e's key 0) set to ``values[e]`` [h_kv, d_v]."""
-    if spec.layout.one_scale:  # MLA: a value row is the first d_latent columns of the latent row
+    if spec.kv_layout == "dense":  # entry e is batch row e, its key 0
+        named["v"][:, 0] = values
+    elif spec.layout.one_scale:  # MLA: a value row is the first d_latent columns of the latent row
         named["pages"][named["page_values"][named["page_indptr"][:-1]], 0, :spec.d_v] = values[:, 0]
     elif "pages" in named:
         first_pages = named["page_values"][named["page_indptr"][:-1]]
@@ -125,7 +134,7 @@ def _place_values(spec, named: dict, values: np.ndarray) -> None:
 
 
 @pytest.mark.parametrize("case", ["e4m3-f16", "e5m2-bf16-nhd", "ragged-e4m3-f16-dv16", "ragged-e5m2-bf16-hnd",
-                                  "mla-e5m2-f16"])
+                                  "mla-e5m2-f16", "dense-e4m3-bf16"])
 @pytest.mark.parametrize("passes", [True, False], ids=["passes", "kernel"])
 def test_every_finite_bit_pattern_reads_as_its_value(case, passes, cache):
     """Entries of one key each: the output is that key's value row, so every finite pattern of the
@@ -158,6 +167,7 @@ def test_every_finite_bit_pattern_reads_as_its_value(case, passes, cache):
     ("ragged-e4m3-f16-dv16", "k_scale", np.ones((2, 1), np.float32), "k_scale"),
     ("mla-e5m2-f16", "pages", None, "pages: expected dtype float8_e5m2"),
     ("mla-e5m2-f16", "v_scale", np.full(1, 3.0, np.float32), "v_scale: .* must equal k_scale"),
+    ("dense-e4m3-bf16", "k", None, "k: expected dtype float8_e4m3fn"),
 ])
 def test_bad_scales_and_kv_are_refused_by_name(case, name, value, message, cache):
     spec = SPECS[case]
@@ -171,7 +181,7 @@ def test_bad_scales_and_kv_are_refused_by_name(case, name, value, message, cache
 def test_the_fused_lowering_refuses_an_8_bit_cache_by_name():
     """CUDA, ROCm and the fused lowering on llvm-cpu do not read 8-bit pages yet: the spec is
     refused before anything compiles, naming kv_dtype."""
-    for spec in (SPECS["e4m3-f16"], SPECS["ragged-e4m3-f16-dv16"], SPECS["mla-e5m2-f16"]):
+    for spec in (SPECS["e4m3-f16"], SPECS["ragged-e4m3-f16-dv16"], SPECS["mla-e5m2-f16"], SPECS["dense-e4m3-bf16"]):
         for target in (Target("llvm-cpu", lowering="fused"), Target("cuda"), Target("rocm")):
             with pytest.raises(ValueError, match=f"^kv_dtype {spec.kv_dtype}: the fused lowering"):
                 tuned_ir(spec, target)
@@ -181,7 +191,9 @@ def test_the_fused_lowering_refuses_an_8_bit_cache_by_name():
 
 
 @pytest.mark.parametrize("plain", [PagedPrefillSpec(4, 2, 32, "float16"), RaggedPrefillSpec(4, 2, 32, 16, "float16"),
-                                   MlaPagedPrefillSpec(4, 32, 16, "float16")], ids=["paged", "ragged", "mla"])
+                                   MlaPagedPrefillSpec(4, 32, 16, "float16"),
+                                   SequencePrefillSpec(4, 2, 32, "float16", causal=True, sm_scale=0.2)],
+                         ids=["paged", "ragged", "mla", "dense"])
 def test_a_kv_dtype_must_be_an_8_bit_format(plain):
     with pytest.raises(SpecError, match="^kv_dtype must be None"):
         dataclasses.replace(plain, kv_dtype="float16")
@@ -273,18 +285,23 @@ def test_quantize_kv_matches_quantize_pages_per_head(kv_order):
     torch = pytest.importorskip("torch")
     t8 = quantize_kv(torch.from_numpy(as_order(k)), torch.from_numpy(as_order(v)), "float8_e4m3fn", kv_order=kv_order)
     np.testing.assert_array_equal(t8[0].view(torch.uint8).numpy(), k8.view(np.uint8))
+    dense = quantize_kv(k[None], v[None], "float8_e4m3fn")  # [B, Lk, h_kv, d]: the same heads
+    np.testing.assert_array_equal(dense[2], pk)
+    np.testing.assert_array_equal(dense[0][0].view(np.uint8), p8[:, 0].reshape(12, 3, 8).view(np.uint8))
     with pytest.raises(InputError, match="^k: expected rank 3"):
         quantize_kv(k[0], v, "float8_e4m3fn")
 
 
-@pytest.mark.parametrize("case", ["e5m2-bf16-nhd", "ragged-e4m3-f16-dv16", "mla-e5m2-f16"])
+@pytest.mark.parametrize("case", ["e5m2-bf16-nhd", "ragged-e4m3-f16-dv16", "mla-e5m2-f16", "dense-e4m3-bf16"])
 def test_the_wrappers_take_the_scales(case, cache):
     """plan/run with k_scale and v_scale (arrays, or one number for every head): within the
     reference's bound, a number the same as its array repeated; missing scales refused by name."""
     spec = SPECS[case]
     named = dict(zip(argument_names(spec), example_inputs(spec, np.random.default_rng(6), SERVING, **_no_rope(spec))))
     named["k_scale"] = np.full(spec.h_kv, 0.5, np.float32)
-    if spec.layout.one_scale:
+    if spec.kv_layout == "dense":
+        wrapper, kv = SequencePrefillWrapper(spec, cache=cache), (named["k"], named["v"])
+    elif spec.layout.one_scale:
         named["v_scale"] = named["k_scale"]
         wrapper = MlaPagedPrefillWrapper(spec, cache=cache)
         wrapper.plan(named["q_indptr"], named["page_indptr"], named["page_values"], named["length_info"],
