@@ -43,7 +43,7 @@ from __future__ import annotations
 
 try:
     import torch
-    from transformers import AttentionInterface
+    from transformers import AttentionInterface, QuantizedCache
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 except ImportError as err:  # pragma: no cover - exercised by tests/test_hf_import.py in a subprocess
     raise ImportError("linalg_prefill.hf needs torch and transformers: pip install 'linalg-prefill[hf]' "
@@ -51,6 +51,11 @@ except ImportError as err:  # pragma: no cover - exercised by tests/test_hf_impo
 
 from dataclasses import dataclass
 import weakref
+
+try:
+    from transformers.cache_utils import Fp8QuantizedLayer
+except ImportError:  # pragma: no cover - a transformers before its fp8 cache (5.24 has it): no Fp8KvCache
+    Fp8QuantizedLayer = object
 
 import numpy as np
 
@@ -61,7 +66,8 @@ from .runtime import InputError
 from .runtime.key_ranges import Entries, key_ranges, paged_arguments, plan_entries, rule_ranges
 from .torch_ops import DTYPES, kernel_for
 
-__all__ = ["register", "attention", "attention_mask", "plan_call", "KernelCall", "kernel_for", "DEFAULT_NAME"]
+__all__ = ["register", "attention", "attention_mask", "plan_call", "KernelCall", "kernel_for", "DEFAULT_NAME",
+           "Fp8KvCache"]
 
 DEFAULT_NAME = "linalg_prefill"
 #: Page size of the paged copy of K/V the masked path reads (a compile-time field of its kernel).
@@ -169,15 +175,17 @@ def plan_call(module, query, key, value, attention_mask, *, dropout: float = 0.0
         if q_len == 1:  # one decode step of several sequences (or under a binding window)
             lo, hi = rule_ranges(batch, q_len, kv_len, causal=causal, window=window)
             return _decode_rows_call(query, key, value, lo[:, 0], hi[:, 0], scale, cap, sinks)
+        key, value = _widened(key, query.dtype), _widened(value, query.dtype)  # the paths below copy K/V anyway
         if window is None or kv_len <= window:
             return _dense_call(query, key, value, causal, scale, cap, sinks)
         ranges = rule_ranges(batch, q_len, kv_len, causal=causal, window=window)
         return _paged_call(query, key, value, plan_entries(*ranges), scale, cap, sinks)
     allowed, ranges = _read_mask(attention_mask, batch, q_len, kv_len)
+    if ranges is not None and q_len == 1:  # a decode step of a padded batch: each row's keys are one range
+        return _decode_rows_call(query, key, value, ranges[0][:, 0], ranges[1][:, 0], scale, cap, sinks)
+    key, value = _widened(key, query.dtype), _widened(value, query.dtype)
     if ranges is None:
         return _custom_mask_call(query, key, value, allowed, scale, cap, sinks)
-    if q_len == 1:  # a decode step of a padded batch: each row's keys are one range of its cache
-        return _decode_rows_call(query, key, value, ranges[0][:, 0], ranges[1][:, 0], scale, cap, sinks)
     return _paged_call(query, key, value, plan_entries(*ranges), scale, cap, sinks)
 
 
@@ -203,8 +211,12 @@ def _check_tensors(query, key, value) -> None:
                              f"{getattr(tensor, 'shape', type(tensor).__name__)}")
         if tensor.device.type != "cpu":
             raise InputError(f"{name}: on {tensor.device}; this attention runs llvm-cpu kernels on CPU tensors")
-        if tensor.dtype != query.dtype or tensor.dtype not in DTYPES:
+        eight_bit = name != "query" and tensor.dtype in _EIGHT_BIT and tensor.dtype == key.dtype
+        if not eight_bit and (tensor.dtype != query.dtype or tensor.dtype not in DTYPES):
             raise InputError(f"{name}: dtype {tensor.dtype}; expected query's, one of {sorted(map(str, DTYPES))}")
+        if eight_bit and getattr(tensor, SCALE_ATTRIBUTE, None) is None:
+            raise InputError(f"{name}: {tensor.dtype} states without their scale (an Fp8KvCache's layers "
+                             f"hand them over with it)")
     if key.shape != value.shape:
         raise InputError(f"value: shape {tuple(value.shape)} differs from key's {tuple(key.shape)} (these kernels "
                          "take one head dim for keys and values)")
@@ -235,10 +247,11 @@ def _decode_call(query, key, value, causal: bool, scale: float, cap: float, sink
     _, h_q, q_len, d = query.shape
     h_kv, kv_len = key.shape[1], key.shape[2]
     spec = RaggedPrefillSpec(h_q, h_kv, d, d, DTYPES[query.dtype], logits_soft_cap=cap, head_sinks=sinks is not None,
-                             kv_order="hnd")
+                             kv_order="hnd", kv_dtype=_EIGHT_BIT.get(key.dtype))
     q = _token_major(query).view(q_len, h_q, d)
     args = (q, np.array([0, q_len], np.int32), key[0], value[0], np.array([0, kv_len], np.int32),
-            np.zeros(q_len, np.int32), np.zeros(1, np.int32), int(causal), 0, 1.0, 1.0e4, scale, *_sinks_arg(sinks))
+            np.zeros(q_len, np.int32), np.zeros(1, np.int32), int(causal), 0, 1.0, 1.0e4, scale,
+            *_scales_arg(key, value), *_sinks_arg(sinks))
     return KernelCall(spec, args, (1, q_len, h_q, d))
 
 
@@ -250,17 +263,76 @@ def _decode_rows_call(query, key, value, lo, hi, scale: float, cap: float, sinks
     batch, h_q, _, d = query.shape
     h_kv = key.shape[1]
     spec = RaggedPrefillSpec(h_q, h_kv, d, d, DTYPES[query.dtype], logits_soft_cap=cap, head_sinks=sinks is not None,
-                             kv_order="hnd")
+                             kv_order="hnd", kv_dtype=_EIGHT_BIT.get(key.dtype))
     q = _token_major(query)
     rows = tuple((q[b], np.array([0, 0, 1], np.int32), key[b], value[b],
                   np.array([0, lo[b], max(hi[b], lo[b])], np.int32), np.zeros(1, np.int32), np.zeros(2, np.int32),
-                  1, 0, 1.0, 1.0e4, scale, *_sinks_arg(sinks)) for b in range(batch))
+                  1, 0, 1.0, 1.0e4, scale, *_scales_arg(key, value), *_sinks_arg(sinks)) for b in range(batch))
     return KernelCall(spec, (), (batch, 1, h_q, d), rows)
 
 
 def _sinks_arg(sinks) -> tuple:
     """The call's trailing ``sinks`` argument (empty without sinks)."""
     return () if sinks is None else (sinks,)
+
+
+# ----------------------------------------------------------------------------- 8-bit KV caches
+
+#: The attribute an 8-bit key or value tensor of an :class:`Fp8KvCache` carries its scale in.
+SCALE_ATTRIBUTE = "linalg_prefill_scale"
+#: The kernels' KV-cache dtype of each torch 8-bit float dtype (semantics §15).
+_EIGHT_BIT = {torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2"}
+
+
+def _scales_arg(key, value) -> tuple:
+    """``(k_scale, v_scale)`` [H_kv] float32 of 8-bit ``key`` / ``value [.., H_kv, S, D]`` (their
+    per-tensor scale repeated over the heads); empty for K/V in the compute dtype."""
+    if key.dtype not in _EIGHT_BIT:
+        return ()
+    return tuple(np.full(key.shape[-3], float(getattr(x, SCALE_ATTRIBUTE)), np.float32) for x in (key, value))
+
+
+def _widened(states, dtype):
+    """8-bit ``states`` as ``dtype(float32(x) * scale)`` (what transformers' fp8 layer hands other
+    attentions), for the paths that copy K/V anyway; states in the compute dtype as they are."""
+    if states.dtype not in _EIGHT_BIT:
+        return states
+    return (states.float() * float(getattr(states, SCALE_ATTRIBUTE))).to(dtype)
+
+
+class _InPlaceFp8Layer(Fp8QuantizedLayer):
+    """transformers' fp8 layer (per-tensor e4m3 scales, frozen at the first update) whose decode
+    updates hand the attention the stored 8-bit states, with their scale as ``SCALE_ATTRIBUTE``,
+    instead of a dequantised copy of the whole cache each step; the first update (the prefill)
+    returns the states as they came, as transformers' does."""
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            return super().update(key_states, value_states, *args, **kwargs)
+        self.cumulative_length += key_states.shape[-2]
+        stored = []
+        for states, (quantized, scale) in ((key_states, self._quantized_keys), (value_states, self._quantized_values)):
+            new, _ = self._quantize(states, scale=scale)
+            quantized = torch.cat([quantized, new], dim=-2)
+            setattr(quantized, SCALE_ATTRIBUTE, scale)
+            stored.append((quantized, scale))
+        self._quantized_keys, self._quantized_values = stored
+        return self._quantized_keys[0], self._quantized_values[0]
+
+
+class Fp8KvCache(QuantizedCache):
+    """transformers' ``QuantizedCache(backend="fp8", config)`` (float8_e4m3fn K/V, one scale per
+    tensor per layer) for this attention: a decode step reads the 8-bit states in place (the
+    ragged kernel with ``kv_dtype``, semantics §15) instead of a dequantised copy of the cache;
+    the other paths (a prefill chunk, a mask with holes) widen them first, as transformers does.
+    Its tokens are those of transformers' own fp8 cache under another attention.
+
+        model.generate(ids, cache=linalg_prefill.hf.Fp8KvCache(model.config), ...)
+    """
+
+    def __init__(self, config):
+        super().__init__("fp8", config)
+        self.layers = [_InPlaceFp8Layer() for _ in self.layers]
 
 
 def _paged_call(query, key, value, entries: Entries, scale: float, cap: float, sinks) -> KernelCall:

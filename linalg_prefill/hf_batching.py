@@ -178,11 +178,13 @@ def planned_decode(spec: RaggedPrefillSpec, args: tuple):
     """The output of a ragged call given in the seed's order (hf._decode_call's: RoPE off, no
     custom mask), run as its wrapper's ``run`` under a plan kept while the index arrays and
     scalars stay the same (the layers of a decode step)."""
-    q, q_indptr, k, v, kv_indptr, _q_pos, _k_off, causal, _rotary, _scale, _theta, sm_scale, *sinks = args
+    q, q_indptr, k, v, kv_indptr, _q_pos, _k_off, causal, _rotary, _scale, _theta, sm_scale, *rest = args
+    scales = dict(zip(("k_scale", "v_scale"), rest[:2])) if spec.kv_dtype else {}  # an 8-bit cache's
+    sinks = rest[len(scales):]
     wrapper = _wrapper(RaggedPrefillWrapper, spec)
     key = ("decode", q_indptr.tobytes(), kv_indptr.tobytes(), causal, sm_scale)
     _plan(wrapper, key, lambda: wrapper.plan(q_indptr, kv_indptr, causal=bool(causal), sm_scale=sm_scale))
-    output, _ = wrapper.run(q, k, v, **({"sinks": sinks[0]} if sinks else {}))
+    output, _ = wrapper.run(q, k, v, **scales, **({"sinks": sinks[0]} if sinks else {}))
     return output
 
 

@@ -34,11 +34,23 @@ def as_array(name: str, value) -> np.ndarray:
         value = value.detach().cpu()
         if str(value.dtype) == "torch.bfloat16":
             return value.view(dtype=_torch_int16()).numpy().view(ml_dtypes.bfloat16)
+        if str(value.dtype) in _TORCH_8_BIT:  # an 8-bit KV cache's (semantics §15): the same bytes
+            return value.view(dtype=_torch_uint8()).numpy().view(_TORCH_8_BIT[str(value.dtype)])
         return value.numpy()
     try:
         return np.asarray(value)
     except Exception as err:  # noqa: BLE001 - any conversion failure is a bad argument
         raise InputError(f"{name}: cannot be read as an array ({err})") from None
+
+
+#: torch's 8-bit float dtypes (by their str) as ml_dtypes, which numpy reads them as.
+_TORCH_8_BIT = {"torch.float8_e4m3fn": ml_dtypes.float8_e4m3fn, "torch.float8_e5m2": ml_dtypes.float8_e5m2}
+
+
+def _torch_uint8():
+    import torch
+
+    return torch.uint8
 
 
 def _torch_int16():

@@ -32,6 +32,7 @@ CHECKED = "linalg_prefill_checked"
 FAMILIES = ["llama3", "qwen2", "qwen2-yarn", "gemma2"]
 LOGIT_TOLERANCE = 1e-4
 calls: list = []  # (kernel variant, batch, S_q, S_kv) of every checked call of the running test
+kv_dtypes: list = []  # the KV-cache dtype of every checked call's spec (None: the compute dtype)
 sources: list = []  # (KV layout, whether the kernel's k is the model's key tensor's memory) of each call
 
 
@@ -51,6 +52,7 @@ def checked_attention(module, query, key, value, attention_mask, **kwargs):
                         and kernel_k.untyped_storage().data_ptr() == key.untyped_storage().data_ptr()))
         outputs.append(output)
     calls.append((call.spec.symbol, query.shape[0], query.shape[2], key.shape[2]))
+    kv_dtypes.append(getattr(call.spec, "kv_dtype", None))
     return torch.stack(outputs).view(call.output_shape) if call.rows else outputs[0].view(call.output_shape), None
 
 
@@ -65,6 +67,7 @@ def registered():
 def fresh_calls():
     calls.clear()
     sources.clear()
+    kv_dtypes.clear()
 
 
 def _logits(model, implementation: str, ids, **kwargs):
@@ -178,6 +181,41 @@ def test_decode_steps_read_the_dynamic_cache_in_place():
     steps = [shares for layout, shares in sources if layout == "ragged_hnd"]
     assert len(steps) == 2 * 11 and all(steps)  # 2 layers x 11 decode steps, each on the cache's memory
     assert hf.kernel_for(DECODE_HND).bytes_copied == 0
+
+
+DECODE_FP8 = RaggedPrefillSpec(4, 2, 16, 16, "float32", kv_order="hnd", kv_dtype="float8_e4m3fn")
+
+
+@pytest.mark.compiles(DECODE_FP8, DecodeSpec(DECODE_FP8), *_prefill_specs("llama3", "float32"))
+@pytest.mark.parametrize("rows", [1, 2], ids=["one-sequence", "left-padded-pair"])
+def test_generate_on_an_fp8_cache_reads_its_8_bit_states_in_place(rows):
+    """generate over hf.Fp8KvCache (transformers' fp8 QuantizedCache: e4m3 states, one scale per
+    tensor): each decode step runs the ragged kernel with kv_dtype on the layer's stored 8-bit K/V
+    (no dequantised copy; each call within its float64 reference's bound), and the tokens are
+    eager attention's over transformers' own fp8 cache, which dequantises the cache every step."""
+    model = tiny_model("llama3")
+    ids = torch.randint(0, 96, (rows, 23), generator=torch.Generator().manual_seed(7))
+    mask = torch.ones_like(ids)
+    mask[1:, :5] = 0
+    tokens = {}
+    for implementation, cache in (("eager", transformers.QuantizedCache("fp8", model.config)),
+                                  (CHECKED, hf.Fp8KvCache(model.config))):
+        model.set_attn_implementation(implementation)
+        tokens[implementation] = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=12,
+                                                do_sample=False, pad_token_id=0, eos_token_id=96)
+    assert torch.equal(tokens[CHECKED], tokens["eager"])
+    # the prefill (2 layers) on the states as they came, as transformers' does; then 2 layers x 11
+    # decode steps on the 8-bit states
+    assert kv_dtypes == [None] * 2 + ["float8_e4m3fn"] * 2 * 11
+    steps = [shares for layout, shares in sources if layout == "ragged_hnd"]
+    assert len(steps) == rows * 2 * 11 and all(steps)  # each row's call on the stored states' memory
+
+
+def test_8_bit_states_without_their_scale_are_refused():
+    query = torch.zeros(1, 4, 1, 16)
+    key = torch.zeros(1, 2, 5, 16).to(torch.float8_e4m3fn)
+    with pytest.raises(InputError, match="^key: torch.float8_e4m3fn states without their scale"):
+        hf.plan_call(None, query, key, key.clone(), None)
 
 
 @pytest.mark.compiles(*_prefill_specs("qwen2", "float32"), DecodeSpec(_prefill_specs("qwen2", "float32")[1]))
