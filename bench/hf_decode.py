@@ -2,6 +2,12 @@
 linalg_prefill vs sdpa vs eager, in the same run.
 
     python bench/hf_decode.py [--cached 2048] [--steps 16] [--dtypes float32,bfloat16] [--batch 1]
+        [--cache dynamic|fp8]
+
+``--cache fp8``: transformers' 8-bit cache (``QuantizedCache("fp8")``: e4m3 states, one scale per
+tensor) for sdpa and eager, which it dequantises whole every step, and ``hf.Fp8KvCache`` (the
+same cache, its decode steps read in place) for linalg_prefill; the step time is the comparison
+(transformers' dequantisation runs in its cache update, outside the attention).
 
 A Llama-3-8B-shaped model cut to 2 layers (hidden 4096, 32 query / 8 KV heads, head dim 128) with
 a thin MLP (1024) and a 4096-token vocabulary, random weights: attention and its cache dominate a
@@ -57,7 +63,14 @@ def register_timed() -> dict:
     return {label: f"timed_{label}" for label in functions}
 
 
-def decode(model, names: dict, prompt: torch.Tensor, steps: int) -> dict:
+def new_cache(label: str, kind: str, config):
+    """The cache ``label``'s implementation decodes over: DynamicCache, or an 8-bit one."""
+    if kind == "dynamic":
+        return transformers.DynamicCache(config=config)
+    return hf.Fp8KvCache(config) if label == "linalg_prefill" else transformers.QuantizedCache("fp8", config)
+
+
+def decode(model, names: dict, prompt: torch.Tensor, steps: int, cache_kind: str = "dynamic") -> dict:
     """label -> (median step seconds, median attention seconds a step, greedy tokens) of ``steps``
     decode steps after a prefill of ``prompt``, the implementations (``names``: label -> registered
     name) taking turns step by step, after one untimed step each."""
@@ -65,7 +78,7 @@ def decode(model, names: dict, prompt: torch.Tensor, steps: int) -> dict:
     with torch.no_grad():
         for label, name in names.items():
             model.set_attn_implementation(name)
-            cache = transformers.DynamicCache(config=model.config)
+            cache = new_cache(label, cache_kind, model.config)
             token = model(prompt, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
             state[label] = dict(cache=cache, token=token, tokens=[int(token[0, 0])], step_s=[], attention_s=[])
         for step in range(steps + 1):
@@ -90,16 +103,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--cache", default="dynamic", choices=["dynamic", "fp8"])
     args = parser.parse_args()
     names = register_timed()
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads; "
-          f"decode steps at {args.cached} cached, batch {args.batch}, median of {args.steps}")
+          f"decode steps at {args.cached} cached, batch {args.batch}, {args.cache} cache, median of {args.steps}")
     print("dtype     impl            step_ms  attention_ms  step_ratio  attn_ratio  tokens_as_eager")
     for dtype in args.dtypes.split(","):
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(model_config()).to(getattr(torch, dtype)).eval()
         prompt = torch.randint(0, model.config.vocab_size, (args.batch, args.cached))
-        results = decode(model, names, prompt, args.steps)
+        results = decode(model, names, prompt, args.steps, args.cache)
         ours = results["linalg_prefill"]
         for label, (step, attention, tokens) in results.items():
             ratio = "" if label == "linalg_prefill" else f"{step / ours[0]:10.2f}  {attention / ours[1]:10.2f}"
