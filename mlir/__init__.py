@@ -2,7 +2,6 @@
 
 from .fused_kernels import build_fused_kv_cache_prefill, build_fused_sequence_prefill
 from .decode import NARROW_PASS_VECTORS, DecodeSpec, PassVectors, build_decode
-from .dtypes import kv_dtype_of, quantized_kv
 from .fused_decode import build_fused_decode
 from .kv_cache import build_kv_cache_prefill
 from .score_tiles import ROW_TILES, RowTiles
@@ -48,12 +47,7 @@ def build_module(spec, *, row_chunk: int | None = None, score_tiles: RowTiles = 
 
 
 def build_fused_module(spec):
-    """The verified MLIR module of the fused lowering (mlir/fused_kernels.py) for any spec; a
-    ValueError naming ``kv_dtype`` for a spec (or serving pass) of an 8-bit KV cache, which it
-    does not read yet (semantics §15)."""
-    if quantized_kv(spec):
-        raise ValueError(f"kv_dtype {kv_dtype_of(spec)}: the fused lowering (CUDA, ROCm, llvm-cpu fused) does not "
-                         "read 8-bit KV caches yet; the llvm-cpu linalg lowering does")
+    """The verified MLIR module of the fused lowering (mlir/fused_kernels.py) for any spec."""
     try:
         builder = _FUSED_BUILDERS[type(spec)]
     except KeyError:

@@ -35,7 +35,7 @@ from .ir import (
     tie_dims,
 )
 from .kv_cache import RopeArgs, rope_arguments, rotated_if
-from .kv_layouts import BatchKv, Reader, RowSource, device_read, host_read
+from .kv_layouts import BatchKv, Reader, RowSource, dequantized, device_read, host_read
 from .mask_rules import Lengths, MaskRule, mask_rule
 from .online_softmax import row_sinks
 from .paging import index_at
@@ -104,6 +104,7 @@ def build_fused_sequence_prefill(spec, rule: MaskRule | None = None) -> ir.Modul
 
     def emit(args):
         q, k, v, sinks = args["q"], args["k"], args["v"], args.get("sinks")
+        scales = (args.get("k_scale"), args.get("v_scale"))  # an 8-bit k and v's, else Nones
         mask = rule.bind(args)
         sizes = [sizes_of(q), sizes_of(q)[:3]]
 
@@ -111,7 +112,7 @@ def build_fused_sequence_prefill(spec, rule: MaskRule | None = None) -> ir.Modul
             return [tie_dims(value, size) for value, size in zip(values, sizes)]
 
         def body(band_tiles):
-            return lambda _unused: tied(_sequence_body(spec, band_tiles, q, k, v, mask, sinks))
+            return lambda _unused: tied(_sequence_body(spec, band_tiles, q, k, v, mask, sinks, scales))
 
         is_short = le(dim(q, 1), const_index(TILE))
         placeholders = [empty(sizes[0], element_type(spec.dtype)), empty(sizes[1], f32())]
@@ -120,11 +121,11 @@ def build_fused_sequence_prefill(spec, rule: MaskRule | None = None) -> ir.Modul
     return function_module(spec, emit)
 
 
-def _dense_tiles(x: ir.Value, stored_tiles: ir.Value) -> ir.Value:
-    """[B, L, h_kv, d] -> [B, stored_tiles, h_kv, TILE, d] in x's dtype, rows at or past L zero
+def _dense_tiles(x: ir.Value, stored_tiles: ir.Value, scales: ir.Value | None, elem: ir.Type) -> ir.Value:
+    """[B, L, h_kv, d] -> [B, stored_tiles, h_kv, TILE, d] in the compute dtype ``elem`` (an 8-bit
+    ``x`` read through its KV head's ``scales``: kv_layouts.dequantized), rows at or past L zero
     (a zero fill when L == 0: there is no row to read)."""
     batch, length, h_kv, d = sizes_of(x)
-    elem = ir.RankedTensorType(x.type).element_type
     sizes = [batch, stored_tiles, h_kv, TILE, d]
     result_type = tensor_type([DYN, DYN, h_kv, TILE, d], elem)
     branch = scf_d.IfOp(lt(const_index(0), length), [result_type], has_else=True)
@@ -134,7 +135,7 @@ def _dense_tiles(x: ir.Value, stored_tiles: ir.Value) -> ir.Value:
         def body(_out):
             b, t, h, i, j = (linalg_d.IndexOp(n).result for n in range(5))
             row = arith_d.addi(arith_d.muli(t, const_index(TILE)), i)
-            value = tensor_d.extract(x, [b, arith_d.minsi(row, last_row), h, j])
+            value = dequantized(tensor_d.extract(x, [b, arith_d.minsi(row, last_row), h, j]), scales, h, elem)
             return [arith_d.select(lt(row, length), value, _zero(elem))]
 
         scf_d.YieldOp([generic([], [empty(sizes, elem)], [affine_map(5, range(5))], "ppppp", body)[0]])
@@ -143,9 +144,10 @@ def _dense_tiles(x: ir.Value, stored_tiles: ir.Value) -> ir.Value:
     return tie_dims(branch.results[0], sizes)
 
 
-def _sequence_body(spec, band_tiles: int, q, k, v, mask, sinks):
+def _sequence_body(spec, band_tiles: int, q, k, v, mask, sinks, scales):
     """Entries one at a time, query bands of ``band_tiles * TILE`` tokens; ``mask``: the rule
-    bound to the call; ``sinks`` [h_q] f32 or None (semantics §13)."""
+    bound to the call; ``sinks`` [h_q] f32 or None (semantics §13); ``scales`` (k_scale, v_scale)
+    [h_kv] of an 8-bit k and v, else Nones."""
     group, h_kv, d = spec.group_size, spec.h_kv, spec.d
     batch, q_len, kv_len = dim(q, 0), dim(q, 1), dim(k, 1)
     band = band_tiles * TILE
@@ -154,7 +156,8 @@ def _sequence_body(spec, band_tiles: int, q, k, v, mask, sinks):
     q5 = expand(q, [[0], [1], [2, 3], [4]], [batch, q_len, h_kv, group, d])
     q_rows = _pad_rows(q5, 1, padded)
     stored = storage_tiles(kv_len, TILE)
-    keys, values = _dense_tiles(k, stored), _dense_tiles(v, stored)
+    elem = element_type(spec.dtype)
+    keys, values = _dense_tiles(k, stored, scales[0], elem), _dense_tiles(v, stored, scales[1], elem)
     lengths = Lengths(q_len, kv_len, arith_d.subi(kv_len, q_len))
     driver = QueryTiles([batch, padded, spec.h_q, d], [batch, padded, spec.h_q], group, h_kv, fenced=False)
     head_sinks = None if sinks is None else row_sinks(sinks, h_kv, group, 1)

@@ -281,8 +281,9 @@ class RaggedLayout(CacheLayout):
 
         return load
 
-    def batch_kv(self, spec, *, k, v, kv_indptr, k_rope_pos_offset) -> BatchKv:
+    def batch_kv(self, spec, *, k, v, kv_indptr, k_rope_pos_offset, k_scale=None, v_scale=None) -> BatchKv:
         kv_indptr = HostReadable(kv_indptr, 1, "kv_indptr")
+        elem = element_type(spec.dtype)
         last = arith_d.subi(kv_indptr.dims[0], const_index(1))
 
         def start(read, b):
@@ -291,12 +292,13 @@ class RaggedLayout(CacheLayout):
         def kv_len(read, b):
             return arith_d.subi(start(read, arith_d.addi(b, const_index(1))), start(read, b))
 
-        def rows_of(x):
+        def rows_of(x, scales):
             last_row = arith_d.maxsi(arith_d.subi(dim(x, self.row_axis), const_index(1)), const_index(0))
-            return lambda e, r, rest: self._at(
-                x, arith_d.minsi(arith_d.addi(start(device_read, e), r), last_row), *rest)
+            return lambda e, r, rest: dequantized(self._at(
+                x, arith_d.minsi(arith_d.addi(start(device_read, e), r), last_row), *rest), scales, rest[0], elem)
 
-        return BatchKv(last, start, kv_len, rows_of(k), rows_of(v), spec.h_kv, spec.d_qk, spec.d_v, k_rope_pos_offset)
+        return BatchKv(last, start, kv_len, rows_of(k, k_scale), rows_of(v, v_scale), spec.h_kv, spec.d_qk, spec.d_v,
+                       k_rope_pos_offset)
 
     def element(self, spec, cache, which, entry, logical_block, column, slot, head, col):
         source = cache.sources[which]
@@ -433,12 +435,17 @@ class PagedLayout(_PageTableLayout):
 
         return load
 
-    def batch_kv(self, spec, *, pages, page_indptr, page_values, length_info, k_rope_pos_offset) -> BatchKv:
+    def batch_kv(self, spec, *, pages, page_indptr, page_values, length_info, k_rope_pos_offset,
+                 k_scale=None, v_scale=None) -> BatchKv:
         page_indptr, (base, kv_len, table) = self._host_table(spec, page_indptr, length_info)
+        elem = element_type(spec.dtype)
 
         def half(which):
+            scales = (k_scale, v_scale)[which]
+
             def fetch(page, slot, rest):
-                return self._at(pages, clamped_page(page, pages), const_index(which), rest[0], slot, rest[1])
+                value = self._at(pages, clamped_page(page, pages), const_index(which), rest[0], slot, rest[1])
+                return dequantized(value, scales, rest[0], elem)
             return _paged_source(spec, table, page_values, fetch)
 
         return BatchKv(arith_d.subi(page_indptr.dims[0], const_index(1)), base, kv_len, half(0), half(1),
@@ -492,11 +499,13 @@ class LatentLayout(_PageTableLayout):
 
         return load
 
-    def batch_kv(self, spec, *, pages, page_indptr, page_values, length_info) -> BatchKv:
+    def batch_kv(self, spec, *, pages, page_indptr, page_values, length_info, k_scale=None, v_scale=None) -> BatchKv:
         page_indptr, (base, kv_len, table) = self._host_table(spec, page_indptr, length_info)
+        elem = element_type(spec.dtype)
 
-        def fetch(page, slot, rest):
-            return tensor_d.extract(pages, [clamped_page(page, pages), slot, rest[1]])
+        def fetch(page, slot, rest):  # one scale: v_scale equals k_scale (one_scale)
+            return dequantized(tensor_d.extract(pages, [clamped_page(page, pages), slot, rest[1]]), k_scale, rest[0],
+                               elem)
 
         source = _paged_source(spec, table, page_values, fetch)
         return BatchKv(arith_d.subi(page_indptr.dims[0], const_index(1)), base, kv_len, source, source,

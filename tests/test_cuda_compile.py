@@ -61,7 +61,14 @@ F32_SPECS = [
     SequencePrefillSpec(6, 1, 64, "float32", causal=False, sm_scale=0.125),
     PagedPrefillSpec(8, 1, 64, "float32", page_size=1, rope_scaling={"rope_type": "gptj"}),
 ]
-ALL_SPECS = DENSE_SPECS + KV_CACHE_SPECS + MLA_SPECS + DECODE_SPECS + F32_SPECS
+#: 8-bit KV caches (semantics §15): read as bytes, widened as gathered; the attention's operands
+#: in the compute dtype (tensor cores).
+FP8_SPECS = [
+    PagedPrefillSpec(32, 8, 128, "float16", page_size=16, kv_dtype="float8_e4m3fn"),
+    MlaPagedPrefillSpec(16, 512, 64, "bfloat16", page_size=64, kv_dtype="float8_e4m3fn"),
+    DecodeSpec(PagedPrefillSpec(32, 8, 128, "bfloat16", page_size=16, kv_dtype="float8_e5m2"), 4),
+]
+ALL_SPECS = DENSE_SPECS + KV_CACHE_SPECS + MLA_SPECS + DECODE_SPECS + F32_SPECS + FP8_SPECS
 #: The spec parameters compile for sm_80, before the tests run (tests/conftest.py).
 pytestmark = pytest.mark.compiles(backends=[Target("cuda", "sm_80")])
 

@@ -8,7 +8,7 @@ sliding window, d_v != d_qk, scales per head (drawn) and per tensor (one value r
 with no keys, causal rows with no key, RoPE inline (the kernel) and off (short entries through
 the passes). The format's largest values stay finite; every finite bit pattern reads as its
 value; bad scales and K/V in another dtype are refused by name; the wrappers take the scales;
-the fused lowering (CUDA, ROCm) refuses the spec by its ``kv_dtype``.
+the fused lowering (CUDA's and ROCm's, compiled for llvm-cpu) against the same reference.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from linalg_prefill.mlir import (
 )
 from linalg_prefill.mlir.abi import argument_names, ordered
 from linalg_prefill.mlir.specs import SpecError
-from linalg_prefill.pipeline import Target, compile_spec
+from linalg_prefill.pipeline import Target
 from linalg_prefill.pipeline.tuning import tuned_ir
 from linalg_prefill.runtime import (
     InputError, MlaPagedPrefillWrapper, PagedPrefillWrapper, RaggedPrefillWrapper, SequencePrefillWrapper,
@@ -178,16 +178,23 @@ def test_bad_scales_and_kv_are_refused_by_name(case, name, value, message, cache
         open_kernel(spec, cache=cache)(*with_arguments(spec, args, **{name: value}))
 
 
-def test_the_fused_lowering_refuses_an_8_bit_cache_by_name():
-    """CUDA, ROCm and the fused lowering on llvm-cpu do not read 8-bit pages yet: the spec is
-    refused before anything compiles, naming kv_dtype."""
-    for spec in (SPECS["e4m3-f16"], SPECS["ragged-e4m3-f16-dv16"], SPECS["mla-e5m2-f16"], SPECS["dense-e4m3-bf16"]):
-        for target in (Target("llvm-cpu", lowering="fused"), Target("cuda"), Target("rocm")):
-            with pytest.raises(ValueError, match=f"^kv_dtype {spec.kv_dtype}: the fused lowering"):
-                tuned_ir(spec, target)
-    spec = SPECS["e4m3-f16"]
-    with pytest.raises(ValueError, match="^kv_dtype float8_e4m3fn"):
-        compile_spec(spec, "cuda")
+FUSED = Target("llvm-cpu", lowering="fused")
+
+
+@pytest.mark.compiles(*SPECS.values(), backends=[FUSED], passes=SERVING)
+@pytest.mark.parametrize("case", sorted(SPECS))
+def test_the_fused_lowering_reads_8_bit_caches(case, cache):
+    """The fused lowering CUDA and ROCm run (compiled for llvm-cpu: the same IR), kernels and
+    serving passes, against the reference of the dequantised cache; its IR reads the 8-bit K/V
+    as they are (tests/test_cuda_compile.py and test_rocm_compile.py compile it for the GPUs)."""
+    spec = SPECS[case]
+    kernel = open_kernel(spec, FUSED, cache=cache)
+    rng = np.random.default_rng(8)
+    for label, args in (("prefill", example_inputs(spec, rng, PREFILL)),
+                        ("serving", example_inputs(spec, rng, SERVING, **_no_rope(spec)))):
+        assert_matches_reference(f"{spec.name} fused {label}", kernel(*args), spec, args)
+    assert f"x{spec.kv_dtype.replace('float8_e4m3fn', 'f8E4M3FN').replace('float8_e5m2', 'f8E5M2')}>" in \
+        tuned_ir(spec, FUSED)
 
 
 @pytest.mark.parametrize("plain", [PagedPrefillSpec(4, 2, 32, "float16"), RaggedPrefillSpec(4, 2, 32, 16, "float16"),

@@ -38,6 +38,8 @@ HALF_SPECS = [
     MlaPagedPrefillSpec(16, 512, 64, "bfloat16", page_size=64, sliding_window=True),
     DecodeSpec(PagedPrefillSpec(32, 8, 128, "float16", page_size=16), 1),
     DecodeSpec(MlaPagedPrefillSpec(16, 512, 64, "bfloat16", page_size=16), 4),
+    # an 8-bit KV cache (semantics §15): widened in the gather, the attention's operands f16
+    PagedPrefillSpec(32, 8, 128, "float16", page_size=16, kv_dtype="float8_e4m3fn"),
 ]
 F32_SPEC = PagedPrefillSpec(8, 1, 64, "float32", page_size=1, rope_scaling={"rope_type": "gptj"})
 
