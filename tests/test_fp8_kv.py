@@ -179,10 +179,13 @@ def test_bad_scales_and_kv_are_refused_by_name(case, name, value, message, cache
 
 
 FUSED = Target("llvm-cpu", lowering="fused")
+#: One spec of each of the fused lowering's readers (paged, ragged, latent, dense tiles): both
+#: formats, in the GPUs' compute dtypes (float16, bfloat16).
+FUSED_CASES = ["e5m2-bf16-nhd", "ragged-e4m3-f16-dv16", "mla-e5m2-f16", "masked-e5m2-f16"]
 
 
-@pytest.mark.compiles(*SPECS.values(), backends=[FUSED], passes=SERVING)
-@pytest.mark.parametrize("case", sorted(SPECS))
+@pytest.mark.compiles(*(SPECS[case] for case in FUSED_CASES), backends=[FUSED], passes=SERVING)
+@pytest.mark.parametrize("case", FUSED_CASES)
 def test_the_fused_lowering_reads_8_bit_caches(case, cache):
     """The fused lowering CUDA and ROCm run (compiled for llvm-cpu: the same IR), kernels and
     serving passes, against the reference of the dequantised cache; its IR reads the 8-bit K/V
