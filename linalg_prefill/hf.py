@@ -61,7 +61,7 @@ import numpy as np
 
 from . import hf_batching
 from .mlir import PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec
-from .mlir.specs import SMALL_Q_TILE
+from .mlir.specs import KV_DTYPES, SMALL_Q_TILE
 from .runtime import InputError
 from .runtime.key_ranges import Entries, key_ranges, paged_arguments, plan_entries, rule_ranges
 from .torch_ops import DTYPES, kernel_for
@@ -281,7 +281,7 @@ def _sinks_arg(sinks) -> tuple:
 #: The attribute an 8-bit key or value tensor of an :class:`Fp8KvCache` carries its scale in.
 SCALE_ATTRIBUTE = "linalg_prefill_scale"
 #: The kernels' KV-cache dtype of each torch 8-bit float dtype (semantics §15).
-_EIGHT_BIT = {torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2"}
+_EIGHT_BIT = {getattr(torch, name): name for name in KV_DTYPES}
 
 
 def _scales_arg(key, value) -> tuple:

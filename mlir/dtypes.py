@@ -42,6 +42,9 @@ IR_DTYPES: dict[str, IrDType] = {dtype.name: dtype for dtype in (
     IrDType("bfloat16", 2, "BF16Type", matrix_units=True),
     IrDType("float8_e4m3fn", 1, "Float8E4M3FNType", matrix_units=False, compute=False),
     IrDType("float8_e5m2", 1, "Float8E5M2Type", matrix_units=False, compute=False),
+    # the 8-bit formats of AMD's gfx942 (MI300): no negative zero or inf, one more exponent bias
+    IrDType("float8_e4m3fnuz", 1, "Float8E4M3FNUZType", matrix_units=False, compute=False),
+    IrDType("float8_e5m2fnuz", 1, "Float8E5M2FNUZType", matrix_units=False, compute=False),
 )}
 
 

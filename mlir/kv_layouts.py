@@ -170,8 +170,10 @@ def dequantized(value: ir.Value, scales: ir.Value | None, head: ir.Value, elem: 
     return narrowed(elem, _bf16_rounded(scaled) if isinstance(elem, ir.BF16Type) else scaled)
 
 
-#: Per 8-bit format: (mantissa bits, exponent bias).
-_FORMATS = {"f8E4M3FN": (3, 7), "f8E5M2": (2, 15)}
+#: Per 8-bit format: (mantissa bits, exponent bias). The fnuz formats (gfx942's) have one more
+#: bias and no negative zero; their NaN pattern 0x80 reads as a zero, as other NaN patterns read
+#: finite (quantize_pages saturates, so none is stored).
+_FORMATS = {"f8E4M3FN": (3, 7), "f8E5M2": (2, 15), "f8E4M3FNUZ": (3, 8), "f8E5M2FNUZ": (2, 16)}
 
 
 def _widened_8_bit(x: ir.Value, scale: ir.Value) -> ir.Value:

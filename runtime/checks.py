@@ -12,6 +12,7 @@ import iree.runtime as rt
 import ml_dtypes
 import numpy as np
 
+from ..mlir.specs import KV_DTYPES
 from .dtypes import HOST_DTYPES
 from .errors import InputError
 
@@ -44,7 +45,7 @@ def as_array(name: str, value) -> np.ndarray:
 
 
 #: torch's 8-bit float dtypes (by their str) as ml_dtypes, which numpy reads them as.
-_TORCH_8_BIT = {"torch.float8_e4m3fn": ml_dtypes.float8_e4m3fn, "torch.float8_e5m2": ml_dtypes.float8_e5m2}
+_TORCH_8_BIT = {f"torch.{name}": getattr(ml_dtypes, name) for name in KV_DTYPES}
 
 
 def _torch_uint8():

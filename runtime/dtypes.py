@@ -39,4 +39,6 @@ HOST_DTYPES: dict[str, HostDType] = {dtype.name: dtype for dtype in (
     HostDType("bfloat16", 2.0 ** -8, torch="bfloat16", iree="BFLOAT_16", numpy_from="ml_dtypes"),
     HostDType("float8_e4m3fn", 2.0 ** -4, torch="float8_e4m3fn", iree="FLOAT_8_E4M3_FN", numpy_from="ml_dtypes"),
     HostDType("float8_e5m2", 2.0 ** -3, torch="float8_e5m2", iree="FLOAT_8_E5M2", numpy_from="ml_dtypes"),
+    HostDType("float8_e4m3fnuz", 2.0 ** -4, torch="float8_e4m3fnuz", iree="FLOAT_8_E4M3_FNUZ", numpy_from="ml_dtypes"),
+    HostDType("float8_e5m2fnuz", 2.0 ** -3, torch="float8_e5m2fnuz", iree="FLOAT_8_E5M2_FNUZ", numpy_from="ml_dtypes"),
 )}

@@ -17,9 +17,10 @@ from linalg_prefill.runtime.dtypes import HOST_DTYPES
 
 def test_both_halves_have_every_dtype_in_the_specs_order():
     assert tuple(IR_DTYPES) == tuple(HOST_DTYPES) == DTYPES + KV_DTYPES
-    assert DTYPES == ("float32", "float16", "bfloat16") and KV_DTYPES == ("float8_e4m3fn", "float8_e5m2")
+    assert DTYPES == ("float32", "float16", "bfloat16")
+    assert KV_DTYPES == ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
     with pytest.raises(ValueError, match="dtype must be one of"):
-        ir_dtype("float8_e4m3fnuz")
+        ir_dtype("float8_e4m3b11fnuz")
 
 
 @pytest.mark.parametrize("name", list(IR_DTYPES))
@@ -31,7 +32,8 @@ def test_a_record_agrees_with_numpy_mlir_iree_and_torch(name):
     assert map_dtype_to_element_type(host.numpy) == getattr(rt.HalElementType, host.iree)
     with module_context():
         assert str(ir_half.element_type()) == {"float32": "f32", "float16": "f16", "bfloat16": "bf16",
-                                               "float8_e4m3fn": "f8E4M3FN", "float8_e5m2": "f8E5M2"}[name]
+                                               "float8_e4m3fn": "f8E4M3FN", "float8_e5m2": "f8E5M2",
+                                               "float8_e4m3fnuz": "f8E4M3FNUZ", "float8_e5m2fnuz": "f8E5M2FNUZ"}[name]
     torch = pytest.importorskip("torch")
     assert getattr(torch, host.torch).itemsize == ir_half.itemsize
     assert ir_half.matrix_units == (name in ("float16", "bfloat16"))

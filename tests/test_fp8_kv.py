@@ -1,5 +1,5 @@
 """8-bit KV caches (issue 44, semantics §15): paged, ragged, MLA and dense KV in float8_e4m3fn or
-float8_e5m2 with per-KV-head scales, on llvm-cpu's linalg lowering (the variant's kernel and its
+float8_e5m2 (and gfx942's fnuz variants of both) with per-KV-head scales, on llvm-cpu's linalg lowering (the variant's kernel and its
 serving passes), against the float64 reference of the dequantised cache within the compute
 dtype's bound.
 
@@ -45,6 +45,9 @@ SPECS = {
     "ragged-e4m3-f16-dv16": RaggedPrefillSpec(4, 2, 32, 16, "float16", kv_dtype="float8_e4m3fn"),
     "ragged-e5m2-bf16-hnd": RaggedPrefillSpec(4, 2, 32, 32, "bfloat16", kv_order="hnd", kv_dtype="float8_e5m2"),
     "mla-e5m2-f16": MlaPagedPrefillSpec(4, 32, 16, "float16", page_size=16, kv_dtype="float8_e5m2"),
+    # gfx942's own formats (fnuz: no negative zero, one more exponent bias)
+    "e4m3fnuz-f16": PagedPrefillSpec(4, 2, 32, "float16", page_size=16, kv_dtype="float8_e4m3fnuz"),
+    "ragged-e5m2fnuz-bf16": RaggedPrefillSpec(4, 2, 32, 32, "bfloat16", kv_dtype="float8_e5m2fnuz"),
     "dense-e4m3-bf16": SequencePrefillSpec(4, 2, 32, "bfloat16", causal=True, sm_scale=32 ** -0.5,
                                            kv_dtype="float8_e4m3fn"),
     "masked-e5m2-f16": MaskedSequencePrefillSpec(4, 2, 32, "float16", mask_mode="causal_padded_left",
@@ -134,7 +137,7 @@ def _place_values(spec, named: dict, values: np.ndarray) -> None:
 
 
 @pytest.mark.parametrize("case", ["e4m3-f16", "e5m2-bf16-nhd", "ragged-e4m3-f16-dv16", "ragged-e5m2-bf16-hnd",
-                                  "mla-e5m2-f16", "dense-e4m3-bf16"])
+                                  "mla-e5m2-f16", "dense-e4m3-bf16", "e4m3fnuz-f16", "ragged-e5m2fnuz-bf16"])
 @pytest.mark.parametrize("passes", [True, False], ids=["passes", "kernel"])
 def test_every_finite_bit_pattern_reads_as_its_value(case, passes, cache):
     """Entries of one key each: the output is that key's value row, so every finite pattern of the
@@ -224,7 +227,7 @@ def test_the_pages_are_read_as_they_are_and_widened_in_the_kernel():
     assert not re.search(r"ins\([^)]*f8E4M3FN>", ragged)
 
 
-@pytest.mark.parametrize("kv_dtype", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("kv_dtype", ["float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz"])
 @pytest.mark.parametrize("per", ["head", "tensor"])
 def test_quantize_pages_rounds_to_the_nearest_value_under_each_scale(kv_dtype, per):
     """Each element within half a step of the format (relative to its scale) of the original, the
