@@ -31,6 +31,10 @@ Which kernel runs (RoPE off: the model rotated q and k already):
   per-pair boolean mask): the ragged kernel with ``custom_mask`` (semantics §14), one entry per
   batch row whose mask block is that row's ``[S_q, S_kv]`` mask, over K/V copied token-major.
 
+An 8-bit cache (:class:`Fp8KvCache`, transformers' fp8 ``QuantizedCache`` whose layers hand over
+their stored e4m3 states with the scale): the decode paths above read them in place (the ragged
+kernel with ``kv_dtype``, semantics §15); the others widen them first, as transformers does.
+
 A query that sees no key gives 0 (never NaN).
 
 Kernels are compiled once per distinct spec (head counts, head dim, dtype, soft cap, sinks, the
