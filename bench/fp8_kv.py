@@ -1,13 +1,15 @@
 """Serving steps over an 8-bit KV cache against the same steps over a bfloat16 one, in the same run.
 
-    .venv/bin/python bench/fp8_kv.py [--variant paged|ragged] [--batches 8,32] [--new 1,4,16]
+    .venv/bin/python bench/fp8_kv.py [--variant paged|ragged|mla] [--batches 8,32] [--new 1,4,16]
         [--cached 1024,4096] [--kv-dtype float8_e4m3fn] [--repeat 3] [--json out.json]
 
 The steps of bench/serving_batches.py (h_q=32, h_kv=8, d=128, page size 16, shuffled pages, RoPE
 off, causal, bfloat16 queries and outputs): the pool drawn in bfloat16, then quantised with one
 scale per KV head (runtime.kv_quant.quantize_pages); each planned once, both pools read in place
 by ``PagedPrefillWrapper.run``. ``--variant ragged``: the same entries' K/V rows gathered into
-ragged k and v [Lk, h_kv, d] (quantize_kv), read by ``RaggedPrefillWrapper.run``. ``ratio`` = bf16 ms / fp8 ms (above 1: the 8-bit cache is faster);
+ragged k and v [Lk, h_kv, d] (quantize_kv), read by ``RaggedPrefillWrapper.run``. ``--variant
+mla``: bench/mla_serving.py's steps (h_q=16, d_latent=512, d_rope=64, one latent row a key), the
+latent pages quantised with one scale (quantize_latent), read by ``MlaPagedPrefillWrapper.run``. ``ratio`` = bf16 ms / fp8 ms (above 1: the 8-bit cache is faster);
 GB/s columns: the KV bytes each step reads (sum of kv_len rows of K and V, in each pool's dtype)
 per second. ``max|diff|``: the two outputs' largest difference (the quantisation's effect).
 """
@@ -26,9 +28,11 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 
 from linalg_prefill.bench import best_times  # noqa: E402
-from linalg_prefill.mlir import PagedPrefillSpec, RaggedPrefillSpec  # noqa: E402
-from linalg_prefill.runtime import PagedPrefillWrapper, RaggedPrefillWrapper  # noqa: E402
-from linalg_prefill.runtime.kv_quant import quantize_kv, quantize_pages  # noqa: E402
+from linalg_prefill.mlir import MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec  # noqa: E402
+from linalg_prefill.runtime import MlaPagedPrefillWrapper, PagedPrefillWrapper, RaggedPrefillWrapper  # noqa: E402
+from linalg_prefill.runtime.kv_quant import quantize_kv, quantize_latent, quantize_pages  # noqa: E402
+from mla_serving import D_LATENT as MLA_D_LATENT, D_QK as MLA_D_QK, H_Q as MLA_H_Q  # noqa: E402
+from mla_serving import SM_SCALE as MLA_SM_SCALE, step_inputs as mla_step  # noqa: E402
 from serving_batches import (  # noqa: E402
     D, H_KV, H_Q, PAGE_SIZE, burst_for, cached_lengths, cpu_model, gathered_kv, serving_step,
 )
@@ -39,6 +43,8 @@ def measure_row(wrappers, batch: int, new: int, cached: str, repeat: int, rng) -
     plain, quantised = wrappers
     step = serving_step(batch, new, cached_lengths(batch, cached, rng), "bfloat16", rng)
     kv_dtype = quantised.spec.kv_dtype
+    if isinstance(plain, MlaPagedPrefillWrapper):
+        return _mla_row(wrappers, batch, new, cached, repeat, rng)
     if isinstance(plain, PagedPrefillWrapper):
         pages8, k_scale, v_scale = quantize_pages(step["pages"], kv_dtype)
         for wrapper in wrappers:
@@ -57,6 +63,26 @@ def measure_row(wrappers, batch: int, new: int, cached: str, repeat: int, rng) -
     burst = burst_for(min(_once(run) for run in runs))
     plain_s, fp8_s = best_times(runs, repeat, burst)
     rows = int(step["kv_lens"].sum()) * 2 * H_KV * D
+    return dict(batch=batch, new=new, cached=cached, bf16_ms=plain_s * 1e3, fp8_ms=fp8_s * 1e3, ratio=plain_s / fp8_s,
+                bf16_gbps=rows * 2 / plain_s / 1e9, fp8_gbps=rows / fp8_s / 1e9,
+                max_abs_diff=float(np.abs(outs[0].astype(np.float32) - outs[1].astype(np.float32)).max()))
+
+
+def _mla_row(wrappers, batch: int, new: int, cached: str, repeat: int, rng) -> dict:
+    """measure_row for MLA: one latent row (d_latent + d_rope columns) is a key and its value."""
+    plain, quantised = wrappers
+    step = mla_step(batch, new, int(cached_lengths(batch, cached, rng).max()), "bfloat16", rng)
+    pages8, k_scale, v_scale = quantize_latent(step["pages"], quantised.spec.kv_dtype)
+    table = step["table"]
+    for wrapper in wrappers:
+        wrapper.plan(step["q_indptr"], table.page_indptr, table.page_values, table.length_info, causal=True,
+                     sm_scale=MLA_SM_SCALE)
+    runs = [lambda: plain.run(step["q"], step["pages"]),
+            lambda: quantised.run(step["q"], pages8, k_scale=k_scale, v_scale=v_scale)]
+    outs = [run()[0] for run in runs]
+    burst = burst_for(min(_once(run) for run in runs))
+    plain_s, fp8_s = best_times(runs, repeat, burst)
+    rows = int(step["kv_lens"].sum()) * MLA_D_QK
     return dict(batch=batch, new=new, cached=cached, bf16_ms=plain_s * 1e3, fp8_ms=fp8_s * 1e3, ratio=plain_s / fp8_s,
                 bf16_gbps=rows * 2 / plain_s / 1e9, fp8_gbps=rows / fp8_s / 1e9,
                 max_abs_diff=float(np.abs(outs[0].astype(np.float32) - outs[1].astype(np.float32)).max()))
@@ -81,7 +107,7 @@ HEADER = (f"{'batch':>5} {'new':>4} {'cached':>7} {'bf16 ms':>9} {'fp8 ms':>9} {
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--variant", default="paged", choices=["paged", "ragged"])
+    parser.add_argument("--variant", default="paged", choices=["paged", "ragged", "mla"])
     parser.add_argument("--batches", default="8,32")
     parser.add_argument("--new", default="1,4,16")
     parser.add_argument("--cached", default="1024,4096")
@@ -91,12 +117,14 @@ def main() -> None:
     args = parser.parse_args()
     if args.variant == "paged":
         spec, wrapper = PagedPrefillSpec(H_Q, H_KV, D, "bfloat16", page_size=PAGE_SIZE), PagedPrefillWrapper
-    else:
+    elif args.variant == "ragged":
         spec, wrapper = RaggedPrefillSpec(H_Q, H_KV, D, D, "bfloat16"), RaggedPrefillWrapper
+    else:
+        spec = MlaPagedPrefillSpec(MLA_H_Q, MLA_D_LATENT, MLA_D_QK - MLA_D_LATENT, "bfloat16", page_size=PAGE_SIZE)
+        wrapper = MlaPagedPrefillWrapper
     wrappers = (wrapper(spec), wrapper(dataclasses.replace(spec, kv_dtype=args.kv_dtype)))
     rng = np.random.default_rng(0)
-    print(f"serving steps, {args.variant} KV, h_q={H_Q} h_kv={H_KV} d={D} page={PAGE_SIZE} bfloat16, KV bf16 vs "
-          f"{args.kv_dtype}, llvm-cpu; CPU: {cpu_model()}")
+    print(f"serving steps, {args.variant} KV ({spec.name}), KV bf16 vs {args.kv_dtype}, llvm-cpu; CPU: {cpu_model()}")
     print(HEADER, flush=True)
     rows = []
     for batch in (int(x) for x in args.batches.split(",")):
