@@ -268,10 +268,10 @@ def _decode_rows_call(query, key, value, lo, hi, scale: float, cap: float, sinks
     h_kv = key.shape[1]
     spec = RaggedPrefillSpec(h_q, h_kv, d, d, DTYPES[query.dtype], logits_soft_cap=cap, head_sinks=sinks is not None,
                              kv_order="hnd", kv_dtype=_EIGHT_BIT.get(key.dtype))
-    q = _token_major(query)
+    q, scales = _token_major(query), _scales_arg(key, value)
     rows = tuple((q[b], np.array([0, 0, 1], np.int32), key[b], value[b],
                   np.array([0, lo[b], max(hi[b], lo[b])], np.int32), np.zeros(1, np.int32), np.zeros(2, np.int32),
-                  1, 0, 1.0, 1.0e4, scale, *_scales_arg(key, value), *_sinks_arg(sinks)) for b in range(batch))
+                  1, 0, 1.0, 1.0e4, scale, *scales, *_sinks_arg(sinks)) for b in range(batch))
     return KernelCall(spec, (), (batch, 1, h_q, d), rows)
 
 

@@ -101,6 +101,15 @@ def check_scale(name: str, value, *, shape: Sequence[int | None]) -> np.ndarray:
     return array
 
 
+def check_one_scale(spec, k_scale: np.ndarray, v_scale: np.ndarray) -> None:
+    """For a layout whose keys and values are the same 8-bit elements (``one_scale``: MLA's latent
+    rows), checked ``k_scale`` and ``v_scale`` must be equal (semantics §15); InputError naming
+    v_scale otherwise."""
+    if getattr(spec, "base", spec).layout.one_scale and not np.array_equal(v_scale, k_scale):
+        raise InputError(f"v_scale: {spec.name}'s keys and values are the same 8-bit elements, so v_scale must "
+                         f"equal k_scale (got {v_scale.tolist()} and {k_scale.tolist()})")
+
+
 INT32 = np.iinfo(np.int32)
 
 

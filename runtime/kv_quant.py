@@ -153,7 +153,7 @@ def dequantized_call(spec, args: tuple) -> tuple:
     def widened(x, scale, head_axis):
         return (np.asarray(x).astype(np.float32) * _along(scale, np.ndim(x), head_axis)).astype(dtype)
 
-    if base.kv_layout == "latent":  # keys and values are the same rows, under one scale
+    if base.kv_layout == "latent":  # keys and values are the same rows, under one scale ([1]: any axis broadcasts)
         named["pages"] = widened(named["pages"], k_scale, 0)
     elif "pages" in named:
         pages, head_axis = named["pages"], PAGE_HEAD_AXIS[base.kv_layout]

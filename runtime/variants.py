@@ -11,15 +11,13 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import numpy as np
-
 from ..mlir.abi import argument_names, arguments, concrete_dims, ordered
 from ..mlir.decode import DecodeSpec
 from ..mlir.specs import (
     MaskedSequencePrefillSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec,
 )
 from . import reference
-from .checks import check_f32, check_scale
+from .checks import check_f32, check_one_scale, check_scale
 from .dense_checks import check_masked, check_sequence
 from .errors import InputError
 from .kv_checks import check_mla, check_paged, check_ragged
@@ -68,10 +66,8 @@ def checked(spec, args: tuple) -> tuple:
     rest = variant(spec).check(spec, {arg.name: named[arg.name] for arg in table if arg.kind not in _KIND_CHECKS})
     by_kind = {arg.name: _KIND_CHECKS[arg.kind](arg.name, named[arg.name], shape=concrete_dims(spec, arg, {}))
                for arg in table if arg.kind in _KIND_CHECKS}
-    if getattr(spec, "base", spec).layout.one_scale and "v_scale" in by_kind and \
-            not np.array_equal(by_kind["v_scale"], by_kind["k_scale"]):
-        raise InputError(f"v_scale: {spec.name}'s keys and values are the same 8-bit elements, so v_scale must "
-                         f"equal k_scale (got {by_kind['v_scale'].tolist()} and {by_kind['k_scale'].tolist()})")
+    if "v_scale" in by_kind:
+        check_one_scale(spec, by_kind["k_scale"], by_kind["v_scale"])
     return ordered(spec, {**rest, **by_kind})
 
 

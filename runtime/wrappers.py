@@ -41,7 +41,9 @@ from ..mlir.specs import (
 from ..mlir.abi import ordered
 from ..mlir.dtypes import kv_dtype_of, quantized_kv
 from ..pipeline import target_for
-from .checks import NUMPY_DTYPES, check_f32, check_int32, check_on_device, check_range, check_scale, check_tensor
+from .checks import (
+    NUMPY_DTYPES, check_f32, check_int32, check_on_device, check_one_scale, check_range, check_scale, check_tensor,
+)
 from .errors import InputError
 from .dense_checks import check_sequence
 from .kernels import Kernel, open_kernel
@@ -202,9 +204,7 @@ def _kv_scales(spec, k_scale, v_scale) -> dict:
         if isinstance(value, numbers.Real):
             value = np.full(spec.h_kv, value, np.float32)
         scales[name] = check_scale(name, value, shape=(spec.h_kv,))
-    if spec.layout.one_scale and not np.array_equal(scales["v_scale"], scales["k_scale"]):
-        raise InputError(f"v_scale: {spec.name}'s keys and values are the same 8-bit elements, so v_scale must "
-                         f"equal k_scale")
+    check_one_scale(spec, scales["k_scale"], scales["v_scale"])
     return scales
 
 
