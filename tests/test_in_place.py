@@ -67,7 +67,7 @@ def test_numpy_and_torch_inputs_are_read_in_place(cache):
 
 
 _POOL_SCRIPT = """
-import json, resource, sys
+import json, sys
 import numpy as np
 from linalg_prefill.mlir import PagedPrefillSpec
 from linalg_prefill.runtime import PagedPrefillWrapper
@@ -83,16 +83,22 @@ q = rng.uniform(-1, 1, (batch * new, 8, 64)).astype(np.float32)
 wrapper = PagedPrefillWrapper(spec)
 wrapper.plan((np.arange(batch + 1) * new).astype(np.int32), (np.arange(batch + 1) * 10).astype(np.int32), ids,
              np.full(batch, 16, np.int32), causal=True)
-def peak():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+def peak():                                                # the high-water mark of resident memory since reset()
+    return int(next(line for line in open("/proc/self/status") if line.startswith("VmHWM")).split()[1]) * 1024
+def reset():                                               # the high-water mark down to what is resident now
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")
+def growth(call):
+    reset()
+    start = peak()
+    result = call()
+    return result, peak() - start
 wrapper.run(q, pool[:1 + ids.max()])                       # opens the kernels
-start = peak()
-in_place = wrapper.run(q, pool)[0]
-in_place_growth = peak() - start
+in_place, in_place_growth = growth(lambda: wrapper.run(q, pool)[0])
 read_only = pool.view()
 read_only.flags.writeable = False                          # the control: this one is copied
-copied = wrapper.run(q, read_only)[0]
-print(json.dumps(dict(in_place=in_place_growth, copied=peak() - start, same=bool(np.array_equal(in_place, copied)),
+copied, copied_growth = growth(lambda: wrapper.run(q, read_only)[0])
+print(json.dumps(dict(in_place=in_place_growth, copied=copied_growth, same=bool(np.array_equal(in_place, copied)),
                       pool=pool.nbytes, bytes_copied=wrapper.kernel.bytes_copied)))
 """
 
@@ -106,7 +112,10 @@ def test_a_call_over_a_large_pool_costs_the_pages_it_reads(cache):
     facts = json.loads(run.stdout.strip().splitlines()[-1])
     assert facts["same"]
     assert facts["in_place"] < facts["pool"] // 16, facts  # measured: 0 bytes
-    assert facts["copied"] > facts["pool"] // 4, facts  # measured: 0.5-1.07 GB (the system's reclaim varies)
+    # measured: 1.07 GB. Each growth counts from the high-water mark reset just before its call:
+    # against the process's lifetime peak (ru_maxrss) an earlier transient peak hid most of the
+    # copy in one fresh-clone run (207 MB, 2026-12-04)
+    assert facts["copied"] > facts["pool"] // 4, facts
     assert facts["bytes_copied"] == facts["pool"], facts
 
 
