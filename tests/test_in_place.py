@@ -112,9 +112,9 @@ def test_a_call_over_a_large_pool_costs_the_pages_it_reads(cache):
     facts = json.loads(run.stdout.strip().splitlines()[-1])
     assert facts["same"]
     assert facts["in_place"] < facts["pool"] // 16, facts  # measured: 0 bytes
-    # measured: 1.07 GB. Each growth counts from the high-water mark reset just before its call:
-    # against the process's lifetime peak (ru_maxrss) an earlier transient peak hid most of the
-    # copy in one fresh-clone run (207 MB, 2026-12-04)
+    # measured: 1.07 GB. Each growth counts from the high-water mark reset just before its call;
+    # against the process's lifetime peak (ru_maxrss) one fresh-clone run measured 207 MB
+    # (2026-12-04), most likely an earlier transient peak hiding most of the copy
     assert facts["copied"] > facts["pool"] // 4, facts
     assert facts["bytes_copied"] == facts["pool"], facts
 
