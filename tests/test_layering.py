@@ -1,5 +1,5 @@
 """Imports run one way: mlir <- pipeline <- runtime <- the front ends (cli, demo, bench, and the
-torch/transformers integrations hf and torch_ops).
+torch/transformers integrations hf and torch_ops, and the context-parallel distributed).
 
 Every module of the package is parsed (nothing is imported); an import of a later layer from an
 earlier one, at module level or inside a function, fails the test with the file and line.
@@ -21,7 +21,7 @@ PACKAGES = {"mlir": "linalg_prefill.mlir", "pipeline": "linalg_prefill.pipeline"
 LAYERS = {"linalg_prefill.mlir": 0, "linalg_prefill.pipeline": 1, "linalg_prefill.runtime": 2,
           "linalg_prefill.cli": 3, "linalg_prefill.demo": 3, "linalg_prefill.bench": 3, "linalg_prefill.hf": 3,
           "linalg_prefill.hf_batching": 3,
-          "linalg_prefill.torch_ops": 3}
+          "linalg_prefill.torch_ops": 3, "linalg_prefill.distributed": 3}
 
 
 def layer_of(module: str) -> int | None:
