@@ -27,6 +27,9 @@ disjoint query and KV rows); RoPE positions are global (``q_rope_position``, and
 batch of sequences of one length ``L``) runs each pair as a call, its causal spec on the
 diagonal and the same spec with ``causal=False`` (compiled on first use) off it.
 
+**Threads.** Ranks that share a host call :func:`pin_rank_threads` first (before any kernel
+opens): IREE places every process's workers on the host's first CPUs otherwise.
+
 Nothing here copies the caller's K/V except into the send buffers of the ring (one shard per
 step); the outputs are the rank's rows only. Not supported: specs with head sinks or a custom
 mask (attention sinks enter a row's denominator once: merge, then ``runtime.merge.apply_sinks``).
@@ -35,6 +38,7 @@ mask (attention sinks enter a row's denominator once: merge, then ``runtime.merg
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from dataclasses import dataclass
 
@@ -42,12 +46,13 @@ import numpy as np
 
 from .mlir.specs import RaggedPrefillSpec, SequencePrefillSpec
 from .runtime.checks import NUMPY_DTYPES, as_array
+from .runtime.devices import pin_cpu_threads
 from .runtime.errors import InputError
 from .runtime.kernels import open_kernel
 from .runtime.merge import EMPTY_ROW_LSE, merge_state
 from .runtime.wrappers import RaggedPrefillWrapper, SequencePrefillWrapper
 
-__all__ = ["Chunk", "ContextParallelPrefill", "ShardPlan"]
+__all__ = ["Chunk", "ContextParallelPrefill", "ShardPlan", "pin_rank_threads", "rank_cpus"]
 
 SPLITS = ("zigzag", "contiguous")
 
@@ -107,6 +112,28 @@ class ShardPlan:
         """int32 [rank's rows]: each row's position in its sequence (its RoPE position)."""
         parts = [np.arange(c.start, c.stop) for c in self.chunks(rank)]
         return np.concatenate(parts).astype(np.int32) if parts else np.zeros(0, np.int32)
+
+
+def rank_cpus(local_rank: int, local_world: int, cpus=None) -> list[int]:
+    """The CPUs of rank ``local_rank`` of ``local_world`` ranks on this host: its contiguous share
+    of ``cpus`` (default: the CPUs this process may run on), as even as possible (at least one:
+    ranks share CPUs only when there are more ranks than CPUs)."""
+    cpus = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
+    if not 0 <= local_rank < local_world:
+        raise InputError(f"local_rank: expected 0 <= local_rank < {local_world}, got {local_rank}")
+    if local_world >= len(cpus):
+        return [cpus[local_rank % len(cpus)]]
+    return cpus[len(cpus) * local_rank // local_world:len(cpus) * (local_rank + 1) // local_world]
+
+
+def pin_rank_threads(local_rank: int | None = None, local_world: int | None = None) -> list[int]:
+    """Runs this rank's kernel threads on its own CPUs (:func:`rank_cpus`; default: torchrun's
+    ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``) and returns them. Without it every rank's IREE
+    workers start on the host's first CPUs: two ranks on a 2-CPU host both ran on CPU 0, each at
+    half speed (docs/distributed.md). Call before the first kernel opens."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0)) if local_rank is None else local_rank
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if local_world is None else local_world
+    return pin_cpu_threads(rank_cpus(local_rank, local_world))
 
 
 @dataclass(frozen=True)

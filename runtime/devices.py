@@ -46,6 +46,21 @@ def get_device(driver: str) -> rt.HalDevice:
         raise RuntimeError(f"cannot create IREE device {driver!r}: {err}") from None
 
 
+def pin_cpu_threads(cpu_ids) -> list[int]:
+    """Runs the CPU devices' worker threads on ``cpu_ids``, one thread on each (IREE's
+    ``--task_topology_cpu_ids``). IREE's default places a process's workers on the host's first
+    CPUs, so processes sharing a host (the ranks of ``torchrun``) would all run on the same ones;
+    ``linalg_prefill.distributed.pin_rank_threads`` gives each rank its own share. Process-wide:
+    call before the first kernel opens (RuntimeError after, when it could no longer apply)."""
+    ids = sorted({int(i) for i in cpu_ids})
+    if not ids or ids[0] < 0:
+        raise ValueError(f"cpu_ids: expected CPU ids >= 0, got {cpu_ids!r}")
+    if get_device.cache_info().currsize:
+        raise RuntimeError("pin_cpu_threads: an IREE device exists already; call it before the first kernel opens")
+    rt.flags.parse_flags(f"--task_topology_cpu_ids={','.join(map(str, ids))}")
+    return ids
+
+
 def keep_host_memory() -> bool:
     """Raise glibc's mmap and trim thresholds to HOST_MEMORY_KEPT (see there); False where that
     is switched off or the C library has no ``mallopt`` (not glibc)."""

@@ -1,7 +1,8 @@
 """The rank program of tests/test_context_parallel.py (``torchrun --nproc_per_node W this.py OUT``):
-every rank draws the same whole inputs of each case in :data:`CASES`, runs its shard through
+every rank pins its kernel threads to its CPUs, draws the same whole inputs of each case in :data:`CASES`, runs its shard through
 ``linalg_prefill.distributed.ContextParallelPrefill`` over gloo and saves its rows' output, lse
-and partial states to ``OUT/<case>-rank<r>.npz``; the test assembles and checks them."""
+and partial states to ``OUT/<case>-rank<r>.npz`` (its IREE workers' CPUs to ``threads-rank<r>.npz``);
+the test assembles and checks them."""
 
 from __future__ import annotations
 
@@ -67,8 +68,9 @@ CASES = (
 def main(out_dir: str) -> None:
     import torch.distributed as dist
 
-    from linalg_prefill.distributed import ContextParallelPrefill, ShardPlan
+    from linalg_prefill.distributed import ContextParallelPrefill, ShardPlan, pin_rank_threads
 
+    cpus = pin_rank_threads()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     for case in CASES:
@@ -83,8 +85,22 @@ def main(out_dir: str) -> None:
                  partial_out=np.stack([p[0] for p in partials]) if partials else np.zeros((0, *out.shape)),
                  partial_lse=np.stack([p[1] for p in partials]) if partials else np.zeros((0, *lse.shape)),
                  calls=np.array(prefill.calls_per_step()))
+    workers = {path.name: _allowed_cpus(path) for path in Path("/proc/self/task").iterdir()
+               if (path / "comm").read_text().startswith("iree-worker")}
+    np.savez(Path(out_dir) / f"threads-rank{rank}.npz", pinned=np.array(cpus),
+             workers=np.array(sorted(workers.values())))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _allowed_cpus(task: Path) -> list[int]:
+    """The CPUs a thread may run on (its Cpus_allowed_list, e.g. "0-1,3")."""
+    line = next(x for x in (task / "status").read_text().splitlines() if x.startswith("Cpus_allowed_list"))
+    cpus = []
+    for part in line.split(":")[1].strip().split(","):
+        low, _, high = part.partition("-")
+        cpus += range(int(low), int(high or low) + 1)
+    return cpus
 
 
 if __name__ == "__main__":

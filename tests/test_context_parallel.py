@@ -17,10 +17,11 @@ import numpy as np
 import pytest
 
 from context_parallel_ranks import CASES, DENSE_BF16, DENSE_F32, RAGGED_BF16, RAGGED_F32
-from linalg_prefill.distributed import ContextParallelPrefill, ShardPlan, _blocks, _ragged_calls
+from linalg_prefill.distributed import ContextParallelPrefill, ShardPlan, _blocks, _ragged_calls, rank_cpus
 from linalg_prefill.mlir import SequencePrefillSpec
 from linalg_prefill.runtime import InputError
 from linalg_prefill.runtime.compare import error_bound, reference_for
+from linalg_prefill.runtime.devices import get_device, pin_cpu_threads
 from linalg_prefill.runtime.error_model import UNIT_ROUNDOFF, merge_bound
 
 pytest.importorskip("torch")  # CI installs the test extra: this never skips there
@@ -107,6 +108,20 @@ def test_bad_arguments_are_named(build, match):
         build()
 
 
+def test_each_rank_gets_its_share_of_the_cpus():
+    assert [rank_cpus(r, 2, [0, 1, 2, 3]) for r in range(2)] == [[0, 1], [2, 3]]
+    assert [rank_cpus(r, 3, [4, 5, 6, 7, 8]) for r in range(3)] == [[4], [5, 6], [7, 8]]
+    assert [rank_cpus(r, 3, [0, 1]) for r in range(3)] == [[0], [1], [0]]  # more ranks than CPUs
+    with pytest.raises(InputError, match="local_rank"):
+        rank_cpus(2, 2, [0, 1])
+
+
+def test_pinning_after_a_device_exists_is_refused():
+    get_device("local-task")
+    with pytest.raises(RuntimeError, match="before the first kernel opens"):
+        pin_cpu_threads([0])
+
+
 # ----------------------------------------------------------------------------- two ranks over gloo
 
 
@@ -119,7 +134,17 @@ def ranks(tmp_path_factory):
                           str(WORLD), str(program), str(out)], capture_output=True, text=True, timeout=600,
                          cwd=program.parent, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert run.returncode == 0, run.stderr[-4000:]
-    return {case.name: [np.load(out / f"{case.name}-rank{r}.npz") for r in range(WORLD)] for case in CASES}
+    runs = {case.name: [np.load(out / f"{case.name}-rank{r}.npz") for r in range(WORLD)] for case in CASES}
+    return dict(runs, threads=[np.load(out / f"threads-rank{r}.npz") for r in range(WORLD)])
+
+
+@pytest.mark.compiles(RAGGED_F32, RAGGED_BF16, DENSE_F32, DENSE_BF16, *TWINS)
+def test_each_rank_runs_its_kernel_threads_on_its_own_cpus(ranks):
+    """pin_rank_threads: IREE's workers of rank r run on rank_cpus(r) only (without it, both
+    ranks' on the host's first CPU)."""
+    for rank, threads in enumerate(ranks["threads"]):
+        assert list(threads["pinned"]) == rank_cpus(rank, WORLD)
+        assert sorted(threads["workers"].ravel()) == list(threads["pinned"])
 
 
 @pytest.mark.compiles(RAGGED_F32, RAGGED_BF16, DENSE_F32, DENSE_BF16, *TWINS)
