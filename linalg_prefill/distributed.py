@@ -30,8 +30,8 @@ diagonal and the same spec with ``causal=False`` (compiled on first use) off it.
 **Threads.** Ranks that share a host call :func:`pin_rank_threads` first (before any kernel
 opens): IREE places every process's workers on the host's first CPUs otherwise.
 
-Nothing here copies the caller's K/V except into the send buffers of the ring (one shard per
-step); the outputs are the rank's rows only. Not supported: specs with head sinks or a custom
+The ring sends the caller's K/V from where they lie (contiguous arrays; others are copied once)
+and receives each step's shard into a new buffer; the outputs are the rank's rows only. Not supported: specs with head sinks or a custom
 mask (attention sinks enter a row's denominator once: merge, then ``runtime.merge.apply_sinks``).
 """
 

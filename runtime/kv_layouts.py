@@ -26,6 +26,9 @@ class HostLayout(ABC):
     ``name`` (and defines every abstract hook)."""
 
     name: str
+    #: The KV-head axis of k and v (of one half of the pages, ``pages[:, which]``, for the paged
+    #: layouts), along which an 8-bit cache's per-head scales apply; None: one scale for all.
+    head_axis: int | None = None
 
     def __init__(self):
         if not hasattr(self, "name"):
@@ -40,6 +43,12 @@ class HostLayout(ABC):
     def with_absolute_values(self, named: dict) -> dict | None:
         """The call with |v| in place of its values, or None where the values are part of the
         keys (the error model then takes max |v|)."""
+
+    @abstractmethod
+    def dequantized(self, named: dict, k_scale: np.ndarray, v_scale: np.ndarray, widened) -> dict:
+        """The call with its 8-bit keys and values read through their scales in place of the
+        stored ones: ``widened(x, scale, axis)`` (runtime/kv_quant.py) of each stored array, its
+        scales [h_kv] along the KV-head ``axis``."""
 
 
 class CacheHostLayout(HostLayout):
@@ -90,17 +99,22 @@ class _KvTensors:
     def with_absolute_values(self, named):
         return dict(named, v=np.abs(named["v"]))
 
+    def dequantized(self, named, k_scale, v_scale, widened):
+        return dict(named, k=widened(named["k"], k_scale, self.head_axis), v=widened(named["v"], v_scale, self.head_axis))
+
 
 class DenseHost(_KvTensors, HostLayout):
     """k, v [B, Lk, h_kv, d]."""
 
     name = "dense"
+    head_axis = 2
 
 
 class RaggedHost(_KvTensors, CacheHostLayout):
     """k [N, h_kv, d_qk], v [N, h_kv, d_v]; entry b's rows [kv_indptr[b], kv_indptr[b + 1])."""
 
     name = "ragged"
+    head_axis = 1
 
     def example_arrays(self, spec, rng, kv_lens, window):
         return {"kv_indptr": indptr(kv_lens)}, {"Lk": int(kv_lens.sum())}
@@ -128,6 +142,7 @@ class RaggedHndHost(RaggedHost):
     """k [h_kv, N, d_qk], v [h_kv, N, d_v] (head-major rows)."""
 
     name = "ragged_hnd"
+    head_axis = 0
 
     def pass_entry_kv(self, sources, ids, physical, block, d_v):
         row = ids[physical // block] + physical % block
@@ -243,6 +258,7 @@ class PagedHost(_PageTableHost):
     """pages [P, 2, h_kv, page_size, d]: keys at [:, 0], values at [:, 1]."""
 
     name = "paged"
+    head_axis = 1
 
     def keys_and_values(self, named, d_v):
         return named["pages"][:, 0], named["pages"][:, 1]
@@ -251,6 +267,11 @@ class PagedHost(_PageTableHost):
         pages = np.array(named["pages"], copy=True)
         pages[:, 1] = np.abs(pages[:, 1])
         return dict(named, pages=pages)
+
+    def dequantized(self, named, k_scale, v_scale, widened):
+        pages = np.asarray(named["pages"])
+        return dict(named, pages=np.stack([widened(pages[:, which], scale, self.head_axis)
+                                           for which, scale in ((0, k_scale), (1, v_scale))], axis=1))
 
     def pass_entry_kv(self, sources, ids, physical, block, d_v):
         page, slot = ids[physical // block], physical % block
@@ -261,6 +282,7 @@ class PagedNhdHost(PagedHost):
     """pages [P, 2, page_size, h_kv, d] (FlashInfer's NHD, transformers' paged cache)."""
 
     name = "paged_nhd"
+    head_axis = 2
 
     def pass_entry_kv(self, sources, ids, physical, block, d_v):
         page, slot = ids[physical // block], physical % block
@@ -277,6 +299,10 @@ class LatentHost(_PageTableHost):
 
     def with_absolute_values(self, named):
         return None
+
+    def dequantized(self, named, k_scale, v_scale, widened):
+        """Keys and values are the same rows, under one scale (k_scale [1] broadcasts on any axis)."""
+        return dict(named, pages=widened(named["pages"], k_scale, 0))
 
     def pass_entry_kv(self, sources, ids, physical, block, d_v):
         latent = sources[0][ids[physical // block], physical % block][:, None]

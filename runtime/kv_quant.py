@@ -25,13 +25,9 @@ from ..mlir.kv_layouts import PAGED_ORDERS, RAGGED_ORDERS
 from ..mlir.specs import KV_DTYPES
 from .checks import NUMPY_DTYPES
 from .errors import InputError
+from .kv_layouts import host_layout
 
-__all__ = ["dequantized_call", "quantize_kv", "quantize_latent", "quantize_pages", "PAGE_HEAD_AXIS", "KV_HEAD_AXIS"]
-
-#: The KV-head axis of one half (K or V, ``pages[:, which]``) of each paged layout's pages.
-PAGE_HEAD_AXIS = {"paged": 1, "paged_nhd": 2}
-#: The KV-head axis of k and v in each layout that takes them (ragged, and dense [B, Lk, h_kv, d]).
-KV_HEAD_AXIS = {"ragged": 1, "ragged_hnd": 0, "dense": 2}
+__all__ = ["dequantized_call", "quantize_kv", "quantize_latent", "quantize_pages"]
 
 
 def _finite_max(kv_dtype: str) -> float:
@@ -54,7 +50,7 @@ def quantize_pages(pages, kv_dtype: str, *, kv_order: str = "hnd", per: str = "h
     values = _as_float32(pages, torch)
     if values.ndim != 5 or values.shape[1] != 2:
         raise InputError(f"pages: expected [P, 2, ...] pages of rank 5, got shape {values.shape}")
-    head_axis = PAGE_HEAD_AXIS[PAGED_ORDERS[kv_order].name]
+    head_axis = host_layout(PAGED_ORDERS[kv_order].name).head_axis
     (k8, k_scale), (v8, v_scale) = (_quantised(values[:, which], head_axis, kv_dtype, per) for which in (0, 1))
     return _like(pages, torch, kv_dtype, np.stack([k8, v8], axis=1), k_scale, v_scale)
 
@@ -73,7 +69,7 @@ def quantize_kv(k, v, kv_dtype: str, *, kv_order: str = "nhd", per: str = "head"
         values = _as_float32(x, torch)
         if values.ndim not in (3, 4):
             raise InputError(f"{name}: expected rank 3 (ragged) or 4 (dense), got shape {values.shape}")
-        head_axis = KV_HEAD_AXIS["dense" if values.ndim == 4 else RAGGED_ORDERS[kv_order].name]
+        head_axis = host_layout("dense" if values.ndim == 4 else RAGGED_ORDERS[kv_order].name).head_axis
         x8, scale = _quantised(values, head_axis, kv_dtype, per)
         results.append(_like(x, torch, kv_dtype, x8, scale))
     (k8, k_scale), (v8, v_scale) = results
@@ -153,15 +149,7 @@ def dequantized_call(spec, args: tuple) -> tuple:
     def widened(x, scale, head_axis):
         return (np.asarray(x).astype(np.float32) * _along(scale, np.ndim(x), head_axis)).astype(dtype)
 
-    if base.kv_layout == "latent":  # keys and values are the same rows, under one scale ([1]: any axis broadcasts)
-        named["pages"] = widened(named["pages"], k_scale, 0)
-    elif "pages" in named:
-        pages, head_axis = named["pages"], PAGE_HEAD_AXIS[base.kv_layout]
-        named["pages"] = np.stack([widened(np.asarray(pages)[:, which], scale, head_axis)
-                                   for which, scale in ((0, k_scale), (1, v_scale))], axis=1)
-    else:
-        head_axis = KV_HEAD_AXIS[base.kv_layout]
-        named["k"], named["v"] = widened(named["k"], k_scale, head_axis), widened(named["v"], v_scale, head_axis)
+    named = host_layout(base).dequantized(named, k_scale, v_scale, widened)
     plain = dataclasses.replace(base, kv_dtype=None)
     plain_spec = DecodeSpec(plain, spec.queries) if isinstance(spec, DecodeSpec) else plain
     return plain_spec, ordered(plain_spec, named)

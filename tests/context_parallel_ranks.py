@@ -60,6 +60,8 @@ CASES = (
     # contiguous shards: one rank's queries see the other's K/V whole, the other's none of it
     Case("ragged-f32-contiguous", RAGGED_F32, (29, 6), split="contiguous", rope=dict(rope_theta=1e4)),
     Case("ragged-bf16-noncausal", RAGGED_BF16, (1, 37), causal=False),
+    # rank 0 holds no token at all: it sends nothing, receives rank 1's shard, returns no rows
+    Case("ragged-f32-empty-shard", RAGGED_F32, (1, 1), split="contiguous", rope=dict(rope_theta=1e4)),
     Case("dense-f32", DENSE_F32, (45,), batch=2),
     Case("dense-bf16-gqa", DENSE_BF16, (38,)),
 )

@@ -68,8 +68,8 @@ def test_the_hooks_a_new_layout_must_define():
     the layout is created (the registries create theirs at import)."""
     assert _hooks(CacheLayout) == {"entry_loader", "batch_kv", "element", "block", "kv_bytes_per_key"}
     assert CacheLayout.required == ("name", "operands", "host_readable", "vectorise_rows")
-    assert _hooks(CacheHostLayout) == {"keys_and_values", "with_absolute_values", "example_arrays", "kv_lengths",
-                                       "table_rows", "rest_arguments", "pass_entry_kv"}
+    assert _hooks(CacheHostLayout) == {"keys_and_values", "with_absolute_values", "dequantized", "example_arrays",
+                                       "kv_lengths", "table_rows", "rest_arguments", "pass_entry_kv"}
     for hook in _hooks(CacheLayout):
         incomplete = type("Incomplete", (RaggedLayout,), {"name": "incomplete", hook: CacheLayout.__dict__[hook]})
         with pytest.raises(TypeError, match=hook):
