@@ -22,7 +22,7 @@ shard it has. Each step's partial states (output, base-2 lse) are merged in floa
 attended to by a query chunk when it lies wholly before it (no mask) or, under a causal mask, is
 the same chunk (the causal mask: the same length, so bottom-right is top-left); a later chunk is
 skipped. The ragged kernel takes every pair of one step in a few calls (entries of one call need
-disjoint query and KV rows); RoPE positions are global (``q_rope_position``, and each entry's
+disjoint query and KV rows; a call runs and merges only the query rows its pairs span); RoPE positions are global (``q_rope_position``, and each entry's
 ``k_rope_pos_offset`` its chunk's first position). The dense kernel (``SequencePrefillSpec``, a
 batch of sequences of one length ``L``) runs each pair as a call, its causal spec on the
 diagonal and the same spec with ``causal=False`` (compiled on first use) off it.
@@ -167,7 +167,9 @@ def _blocks(plan: ShardPlan, rank: int, source: int, causal: bool) -> list[_Bloc
 
 @dataclass
 class _RaggedCall:
-    """One ragged-kernel call: entries with disjoint, increasing query and KV rows."""
+    """One ragged-kernel call: entries with disjoint, increasing query and KV rows, over the
+    query rows ``[q_indptr[0], q_indptr[-1])`` of this rank (the rows it attends, from its first
+    block's to its last one's: the others are neither computed nor merged)."""
 
     causal: bool
     q_indptr: list
@@ -192,16 +194,18 @@ class _RaggedCall:
         self.k_offsets.append(k_offset)
 
 
-def _ragged_calls(blocks: list[_Block], q_rows: int) -> list[_RaggedCall]:
-    """``blocks`` packed first-fit into calls; each call's entries end with the last query row."""
+    @property
+    def rows(self) -> slice:
+        return slice(self.q_indptr[0], self.q_indptr[-1])
+
+
+def _ragged_calls(blocks: list[_Block]) -> list[_RaggedCall]:
+    """``blocks`` packed first-fit into calls."""
     calls: list[_RaggedCall] = []
     for block in blocks:
         if not any(call.take(block) for call in calls):
-            calls.append(_RaggedCall(block.causal, [0], [0], []))
+            calls.append(_RaggedCall(block.causal, [block.q_start], [0], []))
             calls[-1].take(block)
-    for call in calls:
-        if call.q_indptr[-1] < q_rows:
-            call._entry(q_rows, call.kv_indptr[-1], 0)
     return calls
 
 
@@ -233,7 +237,6 @@ class ContextParallelPrefill:
         self.spec, self.plan, self.rank, self.group = spec, plan, rank, group
         self.dense = isinstance(spec, SequencePrefillSpec)
         causal = spec.causal if self.dense else bool(causal)
-        q_rows = plan.local_rows(rank)
         self._steps = [_blocks(plan, rank, (rank - step) % plan.world, causal) for step in range(plan.world)]
         if self.dense:
             wrappers = {spec.causal: SequencePrefillWrapper(spec, backend=backend, cache=cache)}
@@ -247,12 +250,13 @@ class ContextParallelPrefill:
             self._calls = []
             for blocks in self._steps:
                 step = []
-                for call in _ragged_calls(blocks, q_rows):
+                for call in _ragged_calls(blocks):
                     wrapper = RaggedPrefillWrapper(spec, kernel=kernel)
-                    wrapper.plan(np.array(call.q_indptr, np.int32), np.array(call.kv_indptr, np.int32),
-                                 causal=call.causal, rope=rope, q_rope_position=positions,
+                    wrapper.plan(np.array(call.q_indptr, np.int32) - call.q_indptr[0],
+                                 np.array(call.kv_indptr, np.int32), causal=call.causal, rope=rope,
+                                 q_rope_position=positions[call.rows],
                                  k_rope_pos_offset=np.array(call.k_offsets, np.int32), sm_scale=sm_scale)
-                    step.append((wrapper, call.kv_indptr[-1]))
+                    step.append((wrapper, call.rows, call.kv_indptr[-1]))
                 self._calls.append(step)
         #: seconds of the last run: ``attention`` (kernel calls and merges), ``wait`` (blocked on
         #: the ring's transfers after this rank's attention of a step was done), ``total``.
@@ -266,7 +270,7 @@ class ContextParallelPrefill:
         """(output, lse) of this rank's query rows against every rank's K/V: output like q with
         d_v columns in the spec's dtype, lse float32 [..., rows, h_q] (base 2). ``partials``: a
         list to which every partial state merged is appended (float32 output, lse; over all this
-        rank's rows, rows a call did not attend empty), for the error model's ``merge_bound``."""
+        rank's rows, the rows a call did not attend empty), for the error model's ``merge_bound``."""
         start = time.perf_counter()
         q, k, v = (as_array(name, x) for name, x in (("q", q), ("k", k), ("v", v)))
         axis = 1 if self.dense else 0
@@ -306,8 +310,8 @@ class ContextParallelPrefill:
                 yield (slice(b.q_start, b.q_stop), *wrapper.run(q[:, b.q_start:b.q_stop], k[:, b.kv_start:b.kv_stop],
                                                                  v[:, b.kv_start:b.kv_stop], to_host=True))
             return
-        for wrapper, kv_rows in self._calls[step]:
-            yield (slice(None), *wrapper.run(q, k[:kv_rows], v[:kv_rows], to_host=True))
+        for wrapper, rows, kv_rows in self._calls[step]:
+            yield (rows, *wrapper.run(q[rows], k[:kv_rows], v[:kv_rows], to_host=True))
 
 
 class _Transfer:

@@ -68,8 +68,8 @@ def test_the_ring_steps_attend_each_visible_pair_once(lengths, world, split, cau
         for step in range(world):
             source = (rank - step) % world
             kv_rows = plan.rows(source)
-            for call in _ragged_calls(_blocks(plan, rank, source, causal), len(q_rows)):
-                assert call.q_indptr[-1] == len(q_rows)
+            for call in _ragged_calls(_blocks(plan, rank, source, causal)):
+                assert 0 <= call.q_indptr[0] and call.q_indptr[-1] <= len(q_rows)
                 assert np.all(np.diff(call.q_indptr) >= 0) and np.all(np.diff(call.kv_indptr) >= 0)
                 for b in range(len(call.k_offsets)):
                     qs, ks = range(*call.q_indptr[b:b + 2]), range(*call.kv_indptr[b:b + 2])
