@@ -22,8 +22,9 @@ shard it has. Each step's partial states (output, base-2 lse) are merged in floa
 attended to by a query chunk when it lies wholly before it (no mask) or, under a causal mask, is
 the same chunk (the causal mask: the same length, so bottom-right is top-left); a later chunk is
 skipped. The ragged kernel takes every pair of one step in a few calls (entries of one call need
-disjoint query and KV rows; a call runs and merges only the query rows its pairs span); RoPE positions are global (``q_rope_position``, and each entry's
-``k_rope_pos_offset`` its chunk's first position). The dense kernel (``SequencePrefillSpec``, a
+disjoint query and KV rows; a call runs and merges only the query rows its pairs span); RoPE
+positions are global (``q_rope_position``, and each entry's ``k_rope_pos_offset`` its chunk's
+first position). The dense kernel (``SequencePrefillSpec``, a
 batch of sequences of one length ``L``) runs each pair as a call, its causal spec on the
 diagonal and the same spec with ``causal=False`` (compiled on first use) off it.
 
@@ -31,8 +32,9 @@ diagonal and the same spec with ``causal=False`` (compiled on first use) off it.
 opens): IREE places every process's workers on the host's first CPUs otherwise.
 
 The ring sends the caller's K/V from where they lie (contiguous arrays; others are copied once)
-and receives each step's shard into a new buffer; the outputs are the rank's rows only. Not supported: specs with head sinks or a custom
-mask (attention sinks enter a row's denominator once: merge, then ``runtime.merge.apply_sinks``).
+and receives each step's shard into a new buffer; the outputs are the rank's rows only. Not
+supported: specs with head sinks or a custom mask (attention sinks enter a row's denominator
+once: merge, then ``runtime.merge.apply_sinks``).
 """
 
 from __future__ import annotations

@@ -100,7 +100,8 @@ class _KvTensors:
         return dict(named, v=np.abs(named["v"]))
 
     def dequantized(self, named, k_scale, v_scale, widened):
-        return dict(named, k=widened(named["k"], k_scale, self.head_axis), v=widened(named["v"], v_scale, self.head_axis))
+        return dict(named, k=widened(named["k"], k_scale, self.head_axis),
+                    v=widened(named["v"], v_scale, self.head_axis))
 
 
 class DenseHost(_KvTensors, HostLayout):

@@ -1,8 +1,8 @@
-"""The rank program of tests/test_context_parallel.py (``torchrun --nproc_per_node W this.py OUT``):
-every rank pins its kernel threads to its CPUs, draws the same whole inputs of each case in :data:`CASES`, runs its shard through
-``linalg_prefill.distributed.ContextParallelPrefill`` over gloo and saves its rows' output, lse
-and partial states to ``OUT/<case>-rank<r>.npz`` (its IREE workers' CPUs to ``threads-rank<r>.npz``);
-the test assembles and checks them."""
+"""The rank program of tests/test_context_parallel.py (``torchrun --nproc_per_node W this.py
+OUT``): every rank pins its kernel threads to its CPUs, draws the same whole inputs of each case
+in :data:`CASES`, runs its shard through ``linalg_prefill.distributed.ContextParallelPrefill``
+over gloo and saves its rows' output, lse and partial states to ``OUT/<case>-rank<r>.npz`` (its
+IREE workers' CPUs to ``threads-rank<r>.npz``); the test assembles and checks them."""
 
 from __future__ import annotations
 
