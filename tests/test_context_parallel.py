@@ -26,6 +26,8 @@ from linalg_prefill.runtime.error_model import UNIT_ROUNDOFF, merge_bound
 
 pytest.importorskip("torch")  # CI installs the test extra: this never skips there
 
+#: One xdist worker runs the module, so the 2-rank run (a module fixture) happens once.
+pytestmark = pytest.mark.xdist_group("context_parallel")
 WORLD = 2
 TWINS = [SequencePrefillSpec(s.h_q, s.h_kv, s.d, s.dtype, causal=False, sm_scale=s.sm_scale)
          for s in (DENSE_F32, DENSE_BF16)]
