@@ -50,6 +50,9 @@ import inspect
 import itertools
 import os
 import pickle
+import signal
+import subprocess
+import sys
 import time
 import warnings
 
@@ -121,8 +124,8 @@ def on_backends(cases) -> list:
 
 #: What the pre-build found and did: the (spec, target) pairs, the fill's result, the artifacts
 #: compiled in this process outside it (``late``), and (xdist's controller) the workers' reports.
-_PREBUILD: dict = {"tasks": [], "result": None, "running": False, "late": [], "workers": [], "compile_ir": None,
-                   "cached_build": None, "test": None, "opened": set()}
+_PREBUILD: dict = {"tasks": [], "result": None, "running": False, "late": [], "workers": [], "crashes": [],
+                   "compile_ir": None, "cached_build": None, "test": None, "opened": set()}
 
 
 def pytest_addoption(parser):
@@ -266,10 +269,27 @@ def pytest_sessionfinish(session):
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error):
-    """xdist's controller: the workers' pre-build figures, summed for the summary line."""
+    """xdist's controller: the workers' pre-build figures, summed for the summary line; a worker
+    that died is named with its exit status (a signal's name: a SIGKILL leaves no traceback)."""
     report = getattr(node, "workeroutput", {}).get("prebuild")
     if report:
         _PREBUILD["workers"].append(report)
+    if error:
+        line = f"xdist worker {node.gateway.id} went down ({error}): {_exit_status(node)}"
+        print(f"\n{line}", file=sys.stderr, flush=True)
+        _PREBUILD["crashes"].append(line)
+
+
+def _exit_status(node) -> str:
+    """How the worker process of xdist ``node`` ended, from its Popen (execnet's popen gateway)."""
+    popen = getattr(getattr(node.gateway, "_io", None), "popen", None)
+    if popen is None:
+        return "exit status unknown"
+    try:
+        code = popen.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        return "still running"
+    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
 
 
 def _declared() -> list[str]:
@@ -277,6 +297,8 @@ def _declared() -> list[str]:
 
 
 def pytest_terminal_summary(terminalreporter):
+    for line in _PREBUILD["crashes"]:
+        terminalreporter.write_line(line)
     result, late, workers = _PREBUILD["result"], list(_PREBUILD["late"]), _PREBUILD["workers"]
     declared = set(_declared()).union(*(report.get("declared", ()) for report in workers))
     unopened = sorted(declared - _PREBUILD["opened"].union(*(report.get("opened", ()) for report in workers)))
