@@ -26,10 +26,10 @@ demo: $(STAMP)
 # `make test JOBS=0` runs in this process alone.
 JOBS ?= auto
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(JOBS) --dist loadgroup --max-worker-restart=0
+	$(PY) -m pytest -q -n $(JOBS) --dist loadgroup --max-worker-restart=2
 
 test-all: $(STAMP)
-	$(PY) -m pytest -q -n $(JOBS) --dist loadgroup --max-worker-restart=0 --run-expensive
+	$(PY) -m pytest -q -n $(JOBS) --dist loadgroup --max-worker-restart=2 --run-expensive
 
 bench: $(STAMP)
 	$(PIP_INSTALL) -e '.[bench]'

@@ -58,6 +58,7 @@ import warnings
 
 import numpy as np
 import pytest
+from xdist.scheduler import LoadGroupScheduling
 
 from linalg_prefill.mlir.decode import DecodeSpec
 from linalg_prefill.pipeline import ArtifactCache, CompileError, Target, compiler, target_for
@@ -278,6 +279,44 @@ def pytest_testnodedown(node, error):
         line = f"xdist worker {node.gateway.id} went down ({error}): {_exit_status(node)}"
         print(f"\n{line}", file=sys.stderr, flush=True)
         _PREBUILD["crashes"].append(line)
+
+
+class _LoadGroupScheduling(LoadGroupScheduling):
+    """xdist's ``--dist loadgroup`` scheduler, with a worker started after another died given work
+    it can run. xdist's worker runs a test only once it knows the next one (or that none
+    follows), and the scheduler gives a late worker one unit, a single test under loadgroup, then
+    waits for it: the run stalled for good after a worker died (docs/test-suite.md, reproduced
+    with a suite whose test kills its worker). Here a worker holds two tests whenever there are."""
+
+    def _reschedule(self, node) -> None:
+        super()._reschedule(node)
+        while (not node.shutting_down and self.workqueue and node in self.assigned_work
+               and self._pending_of(self.assigned_work[node]) < 2):
+            self._assign_work_unit(node)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") == "loadgroup":
+        return _LoadGroupScheduling(config, log)
+
+
+#: Tests whose worker died under them once: the scheduler runs each again on another worker
+#: (loadgroup puts a dead worker's tests back in the queue), so the first death is reported as a
+#: rerun ("R"), its worker's exit status printed; a second one fails the test.
+_CRASHED: set = set()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_handlecrashitem(crashitem, report, sched):
+    if crashitem not in _CRASHED:
+        _CRASHED.add(crashitem)
+        report.outcome = "rerun"
+
+
+def pytest_report_teststatus(report):
+    if report.outcome == "rerun":
+        return "rerun", "R", ("RERUN", {"yellow": True})
 
 
 def _exit_status(node) -> str:
