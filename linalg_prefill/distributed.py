@@ -236,6 +236,8 @@ class ContextParallelPrefill:
             raise InputError(f"plan: a dense spec takes sequences of one length, got lengths {plan.lengths}")
         if not 0 <= rank < plan.world:
             raise InputError(f"rank: expected 0 <= rank < {plan.world}, got {rank}")
+        if plan.world > 1:
+            _check_group(group, plan.world, rank)
         self.spec, self.plan, self.rank, self.group = spec, plan, rank, group
         self.dense = isinstance(spec, SequencePrefillSpec)
         causal = spec.causal if self.dense else bool(causal)
@@ -348,6 +350,20 @@ class _Transfer:
         for work in self._works:
             work.wait()
         return tuple(self._shard)
+
+
+def _check_group(group, world: int, rank: int) -> None:
+    """InputError naming ``group`` unless torch.distributed runs ``world`` ranks in ``group`` and
+    this process is its rank ``rank``."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise InputError(f"group: a plan over {world} ranks needs torch.distributed "
+                         "(dist.init_process_group first)")
+    size, own = dist.get_world_size(group), dist.get_rank(group)
+    if (size, own) != (world, rank):
+        raise InputError(f"group: the plan is for {world} ranks and this is rank {rank}, but the group has "
+                         f"{size} ranks and this process is its rank {own}")
 
 
 def _global(group, rank: int) -> int:

@@ -71,6 +71,7 @@ def main(out_dir: str) -> None:
     import torch.distributed as dist
 
     from linalg_prefill.distributed import ContextParallelPrefill, ShardPlan, pin_rank_threads
+    from linalg_prefill.runtime import InputError
 
     cpus = pin_rank_threads()
     dist.init_process_group("gloo")
@@ -87,10 +88,15 @@ def main(out_dir: str) -> None:
                  partial_out=np.stack([p[0] for p in partials]) if partials else np.zeros((0, *out.shape)),
                  partial_lse=np.stack([p[1] for p in partials]) if partials else np.zeros((0, *lse.shape)),
                  calls=np.array(prefill.calls_per_step()))
+    try:  # a plan for another number of ranks than the group's is refused by name
+        ContextParallelPrefill(RAGGED_F32, ShardPlan.of([8], world + 1), rank)
+        refusal = ""
+    except InputError as err:
+        refusal = str(err)
     workers = {path.name: _allowed_cpus(path) for path in Path("/proc/self/task").iterdir()
                if (path / "comm").read_text().startswith("iree-worker")}
     np.savez(Path(out_dir) / f"threads-rank{rank}.npz", pinned=np.array(cpus),
-             workers=np.array(sorted(workers.values())))
+             workers=np.array(sorted(workers.values())), refusal=np.array(refusal))
     dist.barrier()
     dist.destroy_process_group()
 

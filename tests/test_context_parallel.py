@@ -104,6 +104,7 @@ def _position(plan, row):
     (lambda: ContextParallelPrefill(RAGGED_F32, ShardPlan.of([4], 2), 3), "rank"),
     (lambda: ContextParallelPrefill(SequencePrefillSpec(4, 4, 64, "float32", True, 0.125, head_sinks=True),
                                     ShardPlan.of([4], 2), 0), "spec"),
+    (lambda: ContextParallelPrefill(RAGGED_F32, ShardPlan.of([4], 2), 1), "group"),  # no torch.distributed here
 ])
 def test_bad_arguments_are_named(build, match):
     with pytest.raises(InputError, match=match):
@@ -143,10 +144,11 @@ def ranks(tmp_path_factory):
 @pytest.mark.compiles(RAGGED_F32, RAGGED_BF16, DENSE_F32, DENSE_BF16, *TWINS)
 def test_each_rank_runs_its_kernel_threads_on_its_own_cpus(ranks):
     """pin_rank_threads: IREE's workers of rank r run on rank_cpus(r) only (without it, both
-    ranks' on the host's first CPU)."""
+    ranks' on the host's first CPU); a plan for another number of ranks is refused by name."""
     for rank, threads in enumerate(ranks["threads"]):
         assert list(threads["pinned"]) == rank_cpus(rank, WORLD)
         assert sorted(threads["workers"].ravel()) == list(threads["pinned"])
+        assert str(threads["refusal"]).startswith(f"group: the plan is for {WORLD + 1} ranks")
 
 
 @pytest.mark.compiles(RAGGED_F32, RAGGED_BF16, DENSE_F32, DENSE_BF16, *TWINS)
