@@ -195,7 +195,6 @@ class _RaggedCall:
         self.kv_indptr.append(kv_stop)
         self.k_offsets.append(k_offset)
 
-
     @property
     def rows(self) -> slice:
         return slice(self.q_indptr[0], self.q_indptr[-1])

@@ -12,6 +12,7 @@ import iree.runtime as rt
 
 from ..pipeline.quiet_logging import root_logger_left_alone
 from ..pipeline.targets import Target, target_for
+from .errors import InputError
 
 DEFAULT_CPU_DRIVER = "local-task"
 
@@ -54,7 +55,7 @@ def pin_cpu_threads(cpu_ids) -> list[int]:
     call before the first kernel opens (RuntimeError after, when it could no longer apply)."""
     ids = sorted({int(i) for i in cpu_ids})
     if not ids or ids[0] < 0:
-        raise ValueError(f"cpu_ids: expected CPU ids >= 0, got {cpu_ids!r}")
+        raise InputError(f"cpu_ids: expected CPU ids >= 0, got {cpu_ids!r}")
     if get_device.cache_info().currsize:
         raise RuntimeError("pin_cpu_threads: an IREE device exists already; call it before the first kernel opens")
     rt.flags.parse_flags(f"--task_topology_cpu_ids={','.join(map(str, ids))}")

@@ -120,6 +120,8 @@ def test_each_rank_gets_its_share_of_the_cpus():
 
 
 def test_pinning_after_a_device_exists_is_refused():
+    with pytest.raises(InputError, match="cpu_ids"):
+        pin_cpu_threads([-1])
     get_device("local-task")
     with pytest.raises(RuntimeError, match="before the first kernel opens"):
         pin_cpu_threads([0])
