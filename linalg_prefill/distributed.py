@@ -102,10 +102,11 @@ class ShardPlan:
                      for seq, length in enumerate(self.lengths) for i in picks)
 
     def rows(self, rank: int) -> np.ndarray:
-        """int64 [rank's rows]: the global rows (of the sequences concatenated) a rank holds."""
-        offsets = np.concatenate([[0], np.cumsum(self.lengths)])
-        parts = [np.arange(offsets[c.seq] + c.start, offsets[c.seq] + c.stop) for c in self.chunks(rank)]
-        return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+        """int64 [rank's rows]: the global rows (of the sequences concatenated) a rank holds, each
+        row's position (:meth:`positions`) past its sequence's first row."""
+        chunks = self.chunks(rank)
+        first_rows = np.concatenate([[0], np.cumsum(self.lengths)])[[c.seq for c in chunks]]
+        return self.positions(rank) + np.repeat(first_rows, [c.size for c in chunks]).astype(np.int64)
 
     def local_rows(self, rank: int) -> int:
         return sum(c.size for c in self.chunks(rank))
