@@ -30,12 +30,11 @@ from .abi import function_module, operands
 from .attention_op import TILE, attend_band
 from .ir import (
     DYN, HostReadable, affine_map, arith_d, ceil_div, collapse, const_index, dim, element_type,
-    empty, expand, extract_slice, f32, fill, generic, i32, index, insert_slice, ir, le, linalg_d, lt,
-    one_of, own_dispatch, scf_d, sizes_of, storage_tiles, tensor_d, tensor_type,
-    tie_dims,
+    empty, expand, extract_slice, f32, generic, i32, index, insert_slice, ir, le, linalg_d, lt,
+    one_of, own_dispatch, sizes_of, storage_tiles, tensor_d, tensor_type, tie_dims,
 )
 from .kv_cache import RopeArgs, rope_arguments, rotated_if
-from .kv_layouts import BatchKv, Reader, RowSource, dequantized, device_read, host_read
+from .kv_layouts import DENSE, BatchKv, Reader, RowSource, device_read, host_read
 from .mask_rules import Lengths, MaskRule, mask_rule
 from .online_softmax import row_sinks
 from .paging import index_at
@@ -126,22 +125,12 @@ def _dense_tiles(x: ir.Value, stored_tiles: ir.Value, scales: ir.Value | None, e
     ``x`` read through its KV head's ``scales``: kv_layouts.dequantized), rows at or past L zero
     (a zero fill when L == 0: there is no row to read)."""
     batch, length, h_kv, d = sizes_of(x)
-    sizes = [batch, stored_tiles, h_kv, TILE, d]
-    result_type = tensor_type([DYN, DYN, h_kv, TILE, d], elem)
-    branch = scf_d.IfOp(lt(const_index(0), length), [result_type], has_else=True)
-    with ir.InsertionPoint(branch.then_block):
-        last_row = arith_d.subi(length, const_index(1))
 
-        def body(_out):
-            b, t, h, i, j = (linalg_d.IndexOp(n).result for n in range(5))
-            row = arith_d.addi(arith_d.muli(t, const_index(TILE)), i)
-            value = dequantized(tensor_d.extract(x, [b, arith_d.minsi(row, last_row), h, j]), scales, h, elem)
-            return [arith_d.select(lt(row, length), value, _zero(elem))]
+    def source(loops):
+        b, t, h, i, j = loops
+        return b, h, arith_d.addi(arith_d.muli(t, const_index(TILE)), i), j
 
-        scf_d.YieldOp([generic([], [empty(sizes, elem)], [affine_map(5, range(5))], "ppppp", body)[0]])
-    with ir.InsertionPoint(branch.else_block):
-        scf_d.YieldOp([fill(_zero(elem), sizes, elem)])
-    return tie_dims(branch.results[0], sizes)
+    return DENSE.stored(x, length, [batch, stored_tiles, h_kv, TILE, d], source, scales, elem, elem)
 
 
 def _sequence_body(spec, band_tiles: int, q, k, v, mask, sinks, scales):

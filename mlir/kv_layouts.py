@@ -28,8 +28,8 @@ from typing import Callable
 
 from .dtypes import ir_dtype, kv_dtype_of
 from .ir import (
-    HostReadable, affine_map, arith_d, const_index, dim, element_type, empty, extract_slice, f32, fill, generic, ir,
-    linalg_d, lt, narrowed, scf_d, sizes_of, storage_tiles, tensor_d, tie_dims,
+    DYN, HostReadable, affine_map, arith_d, const_index, dim, element_type, empty, extract_slice, f32, fill, generic,
+    ir, linalg_d, lt, narrowed, scf_d, sizes_of, storage_tiles, tensor_d, tensor_type, tie_dims, widened,
 )
 from .paging import clamped_page, gather_rows, index_at, page_bounds, page_table, physical_row, read_element
 
@@ -112,9 +112,36 @@ class KvLayout:
 
 
 class DenseLayout(KvLayout):
-    """k, v [B, Lk, h_kv, d]: the dense kernels index them directly."""
+    """k, v [B, Lk, h_kv, d]: the dense kernels index them directly, storing them once per call as
+    tiles of their lowering's shape (:meth:`stored`)."""
 
     name = "dense"
+
+    @staticmethod
+    def stored(x: ir.Value, length: ir.Value, sizes: list, source: Callable, scales: ir.Value | None,
+               dt: ir.Type, elem: ir.Type) -> ir.Value:
+        """A tensor of ``sizes`` in ``elem`` whose element at loop indices I is x[b, row, h, j] for
+        (b, h, row, j) = ``source(I)``, zero where row >= ``length`` (x's L): an 8-bit ``x`` read
+        through its KV head's ``scales`` into the compute dtype ``dt`` (:func:`dequantized`), then
+        widened to ``elem`` where that differs. One generic that reads ``x`` itself, its row clamped
+        to L - 1, rather than a copy of a zero-padded x; a zero fill when L == 0 (no row to read)."""
+        zero = arith_d.constant(elem, 0.0)
+        result_type = tensor_type([DYN if isinstance(size, ir.Value) else size for size in sizes], elem)
+        branch = scf_d.IfOp(lt(const_index(0), length), [result_type], has_else=True)
+        with ir.InsertionPoint(branch.then_block):
+            last_row = arith_d.subi(length, const_index(1))
+
+            def body(_out):
+                b, h, row, j = source([linalg_d.IndexOp(i).result for i in range(len(sizes))])
+                value = dequantized(tensor_d.extract(x, [b, arith_d.minsi(row, last_row), h, j]), scales, h, dt)
+                value = value if value.type == elem else widened(value)
+                return [arith_d.select(lt(row, length), value, zero)]
+
+            loops = len(sizes)
+            scf_d.YieldOp([generic([], [empty(sizes, elem)], [affine_map(loops, range(loops))], "p" * loops, body)[0]])
+        with ir.InsertionPoint(branch.else_block):
+            scf_d.YieldOp([fill(zero, sizes, elem)])
+        return tie_dims(branch.results[0], sizes)
 
 
 class CacheLayout(KvLayout, ABC):

@@ -20,12 +20,11 @@ from __future__ import annotations
 from typing import Union
 
 from .ir import (
-    DYN, affine_map, arith_d, ceil_div, const_index, dim, element_type, empty, extract_slice, f32, fill,
-    generic, ir, le, linalg_d, lt, one_of, scf_d, sizes_of, storage_tiles,
-    tensor_d, tensor_type, tie_dims, widened,
+    DYN, arith_d, ceil_div, const_index, dim, element_type, empty, extract_slice, f32, ir, le,
+    one_of, sizes_of, storage_tiles, tensor_type, tie_dims,
 )
 from .abi import function_module
-from .kv_layouts import dequantized
+from .kv_layouts import DENSE
 from .mask_rules import CallMask, Lengths, MaskRule, mask_rule
 from .online_softmax import ScoreIndices, ScoreMask, online_softmax, row_sinks
 from .score_tiles import ROW_TILES, RowTiles
@@ -56,25 +55,7 @@ def _kv_tiles(x: ir.Value, num_tiles: ir.Value, kv_tile: int, keys: bool, layout
     length = dim(x, 1)
     batch, h_kv, d = dim(x, 0), *ir.RankedTensorType(x.type).shape[2:]
     storage = layout.kv_storage(keys, batch, h_kv, num_tiles, d, kv_tile)
-    sizes = storage.sizes
-    elem = storage.elem
-    zero = arith_d.constant(elem, 0.0)
-    result_type = tensor_type([DYN if isinstance(s, ir.Value) else s for s in sizes], elem)
-    branch = scf_d.IfOp(lt(const_index(0), length), [result_type], has_else=True)
-    with ir.InsertionPoint(branch.then_block):
-        last_row = arith_d.subi(length, const_index(1))
-
-        def body(_out):
-            b, h, row, j = storage.source([linalg_d.IndexOp(i).result for i in range(len(sizes))])
-            value = dequantized(tensor_d.extract(x, [b, arith_d.minsi(row, last_row), h, j]), scales, h, dt)
-            value = value if value.type == elem else widened(value)
-            return [arith_d.select(lt(row, length), value, zero)]
-
-        loops = len(sizes)
-        scf_d.YieldOp([generic([], [empty(sizes, elem)], [affine_map(loops, range(loops))], "p" * loops, body)[0]])
-    with ir.InsertionPoint(branch.else_block):
-        scf_d.YieldOp([fill(zero, sizes, elem)])
-    return tie_dims(branch.results[0], sizes)
+    return DENSE.stored(x, length, storage.sizes, storage.source, scales, dt, storage.elem)
 
 
 def _token(first_token: ir.Value, m: ir.Value, group: int) -> ir.Value:
