@@ -212,8 +212,9 @@ def _widened_8_bit(x: ir.Value, scale: ir.Value) -> ir.Value:
 
     e4m3fn, e4m3fnuz and e5m2: x's exponent and mantissa bits move into a float16's fields as
     they are (its sign to the f16's: a shift of e5m2's byte, a shift and a mask of e4m3's
-    sign-extended one: 1-9% faster paged serving steps than moving sign and fields apart), which the CPU
-    widens to f32 in one instruction, subnormals included; the f16 is then x times 2^(bias - 15), so it is scaled by 2^(15 - bias), exactly.
+    sign-extended one: 1-9% faster paged serving steps than moving sign and fields apart), which
+    the CPU widens to f32 in one instruction, subnormals included; the f16 is then x times
+    2^(bias - 15), so it is scaled by 2^(15 - bias), exactly.
     e5m2's inf and NaN patterns stay inf and NaN; e4m3's top patterns read finite (448 for
     e4m3fn's largest, 480 for its NaN pattern). e5m2fnuz, whose top exponent is finite: a normal
     x's fields move into an f32's, the exponent rebiased; a subnormal x (exponent bits 0: the CPU

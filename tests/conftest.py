@@ -66,8 +66,8 @@ from linalg_prefill.pipeline.artifacts import CacheFill, fill_cache
 from linalg_prefill.pipeline.compiler import cached_build
 from linalg_prefill.pipeline.targets import BACKENDS as TARGET_BACKENDS, LOWERINGS
 from linalg_prefill.runtime import examples, kernels
-from linalg_prefill.distributed import rank_cpus
-from linalg_prefill.runtime.devices import backend_available, pin_cpu_threads
+from linalg_prefill.distributed import pin_rank_threads, rank_cpus
+from linalg_prefill.runtime.devices import backend_available
 from linalg_prefill.runtime.examples import uniform as _uniform
 from linalg_prefill.runtime.variants import VARIANTS
 
@@ -142,18 +142,13 @@ def xdist_worker(config) -> tuple[int, int] | None:
     return None if worker is None else (int(worker["workerid"].removeprefix("gw")), int(worker["workercount"]))
 
 
-def worker_cpus(worker: int, workers: int) -> list[int]:
-    """The CPUs of xdist worker ``worker`` of ``workers``: its contiguous share of this process's."""
-    return rank_cpus(worker, workers)
-
-
 def pytest_configure(config):
     worker = xdist_worker(config)
     if worker:
         # n test processes share the cores: each runs IREE's local-task workers on its own share of
         # them (IREE's default puts every process's workers on the first CPUs: both workers' kernels
         # ran on CPU 0) and compiles its part of the pre-build there (_fill_share)
-        pin_cpu_threads(worker_cpus(*worker))
+        pin_rank_threads(*worker)
     real_compile_ir = _PREBUILD["compile_ir"] = compiler.compile_ir
 
     def counted_compile_ir(ir_text, target, name="module"):
@@ -462,7 +457,7 @@ def _fill_share(tasks, cache: ArtifactCache, worker: int, workers: int):
     task), then the others' from the end (compiled here if nobody has started them yet)."""
     start = time.perf_counter()
     allowed = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, worker_cpus(worker, workers))  # its compiles, one at a time, on its CPUs
+    os.sched_setaffinity(0, rank_cpus(worker, workers))  # its compiles, one at a time, on its CPUs (pytest_configure)
     own = tasks[worker::workers]
     rest = [task for i, task in enumerate(tasks) if i % workers != worker][::-1]
     compiled = 0
