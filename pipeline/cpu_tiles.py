@@ -6,6 +6,7 @@ the IR builders mark with a role (``mlir.ir.mark_tiling``; the ``tune_generic`` 
 
     cpu_score_tiles("host", "bfloat16")    # PackedTiles(bf16, 16x16x2) on a CPU with avx512_bf16
     cpu_score_tiles("znver3", "bfloat16")  # ROW_TILES: no avx512_bf16
+    cpu_spec_lowering("host", spec, "linalg")  # "amx" for a bf16 dense spec on a CPU with amx_bf16
 
 ``host`` is the machine that compiles (IREE's ``--iree-llvmcpu-target-cpu=host`` builds for its
 features too), read from /proc/cpuinfo; a named LLVM CPU has the features :data:`NAMED_CPU_FEATURES`
@@ -16,14 +17,18 @@ from __future__ import annotations
 
 import functools
 
+from ..mlir import amx_unsupported
 from ..mlir.decode import NARROW_PASS_VECTORS, ROW_VECTOR, WIDE_PASS_VECTORS, PassVectors
 from ..mlir.ir import ir
 from ..mlir.score_tiles import ROW_TILES, RowTiles, packed_tiles_for
 
-#: Features (as /proc/cpuinfo spells them) of the named LLVM CPUs the packed tiles need.
+#: Features (as /proc/cpuinfo spells them) of the named LLVM CPUs the packed tiles and the AMX
+#: kernels need.
 NAMED_CPU_FEATURES = {
-    **{name: frozenset({"avx2", "avx512f", "avx512_bf16"})
-       for name in ("znver4", "znver5", "cooperlake", "sapphirerapids", "emeraldrapids", "graniterapids")},
+    **{name: frozenset({"avx2", "avx512f", "avx512_bf16"}) for name in ("znver4", "znver5", "cooperlake")},
+    **{name: frozenset({"avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"})
+       for name in ("sapphirerapids", "emeraldrapids")},
+    "graniterapids": frozenset({"avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_fp16"}),
     **{name: frozenset({"avx2", "avx512f"}) for name in ("skylake-avx512", "cascadelake", "icelake-server")},
     **{name: frozenset({"avx2"}) for name in ("znver2", "znver3", "haswell", "skylake", "alderlake", "x86-64-v3")},
 }
@@ -50,6 +55,24 @@ def cpu_features(arch: str) -> frozenset:
 def cpu_score_tiles(arch: str, dtype: str) -> RowTiles:
     """The linalg lowering's KV-step tiles for ``dtype`` on CPU ``arch``."""
     return packed_tiles_for(dtype, cpu_features(arch)) or ROW_TILES
+
+
+#: The CPU features (as /proc/cpuinfo spells them) the AMX kernels run on.
+AMX_FEATURES = frozenset({"amx_tile", "amx_bf16"})
+
+
+def cpu_spec_lowering(arch: str, spec, lowering: str) -> str:
+    """The lowering ``spec`` gets on CPU ``arch`` where ``lowering`` is asked: "amx" in place of
+    the linalg lowering where the CPU has AMX tiles (amx_tile, amx_bf16) and the AMX kernels
+    build the spec (mlir/amx_attention.py: bf16 dense prefill 5-8x the linalg lowering on an
+    Intel Xeon, docs/performance.md); else as asked."""
+    has_amx = AMX_FEATURES <= cpu_features(arch)
+    if lowering == "amx" and not has_amx:
+        raise ValueError(f"lowering 'amx' needs a CPU with {' and '.join(sorted(AMX_FEATURES))}; "
+                         f"{arch!r} has {'not both' if arch != 'host' else 'neither here'}")
+    if lowering == "linalg" and has_amx and amx_unsupported(spec) is None:
+        return "amx"
+    return lowering
 
 
 def row_tiles(arch: str, dtype: str) -> RowTiles:

@@ -24,7 +24,7 @@ from ..mlir.decode import DECODE_PASSES, DecodePasses, DecodeSpec
 from ..mlir.mask_rules import mask_rule
 from . import cpu_tiles, tuning, vm_structure
 
-LOWERINGS = ("linalg", "fused")
+LOWERINGS = ("linalg", "fused", "amx")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,6 +35,8 @@ class Backend:
     names); ``arch_note``: added to the error for an arch not in ``archs`` ("" for none).
     ``driver``: the IREE runtime driver of its artifacts. ``flags(arch)``: the iree-compile
     flags. ``lowering``: the kernels' default lowering (``Target(..., lowering=)`` overrides it).
+    ``spec_lowering(arch, spec, lowering)``: the lowering a spec gets where the target asks for
+    ``lowering`` (the CPU's features may pick a faster one: llvm-cpu's AMX kernels).
     ``row_chunk``: the widest row the linalg lowering's online softmax reduces in one op
     (``build_module(row_chunk=)``; None: whole rows). ``score_tiles(arch, dtype)``: the layout
     of its KV-step tiles in the linalg lowering (mlir/score_tiles.py, pipeline/cpu_tiles.py),
@@ -52,6 +54,7 @@ class Backend:
     arch_note: str
     flags: Callable[[str], list[str]]
     lowering: str
+    spec_lowering: Callable[[str, object, str], str]
     row_chunk: int | None
     score_tiles: Callable[[str, str], object]
     pass_vectors: Callable[[str], object]
@@ -84,7 +87,7 @@ def check_backend(key: str, record: Backend) -> None:
         raise bad("lowering", f"must be one of {LOWERINGS}, got {record.lowering!r}")
     if record.row_chunk is not None and (not isinstance(record.row_chunk, int) or record.row_chunk < 1):
         raise bad("row_chunk", "must be None or a positive int")
-    for name in ("flags", "score_tiles", "tune_contraction", "tune_attention", "tune_generic"):
+    for name in ("flags", "spec_lowering", "score_tiles", "tune_contraction", "tune_attention", "tune_generic"):
         if not callable(getattr(record, name)):
             raise bad(name, "must be callable")
     if not isinstance(record.structure_checks, tuple) or not all(map(callable, record.structure_checks)):
@@ -130,13 +133,18 @@ def _keep_default(*_) -> None:
     return None
 
 
+def _as_asked(_arch: str, _spec, lowering: str) -> str:
+    """The lowering the target asks for, whatever the spec (the GPU backends)."""
+    return lowering
+
+
 BACKENDS: dict[str, Backend] = {
     # The explicit linalg online softmax (IREE's fused attention op measured ~30x slower there,
     # bench/report.py); whole-row reductions: 3 dispatches a KV step instead of 6
     # (docs/performance.md, row reductions); the measured contraction tiling.
     "llvm-cpu": Backend(
         name="llvm-cpu", driver="local-task", default_arch="host", archs=None, arch_note="",
-        flags=_cpu_flags, lowering="linalg", row_chunk=None, score_tiles=cpu_tiles.cpu_score_tiles,
+        flags=_cpu_flags, lowering="linalg", spec_lowering=cpu_tiles.cpu_spec_lowering, row_chunk=None, score_tiles=cpu_tiles.cpu_score_tiles,
         pass_vectors=cpu_tiles.cpu_pass_vectors,
         tune_contraction=tuning.cpu_contraction_config, tune_attention=_keep_default,
         tune_generic=cpu_tiles.cpu_generic_tiling, structure_checks=()),
@@ -148,7 +156,7 @@ BACKENDS: dict[str, Backend] = {
         name="cuda", driver="cuda", default_arch="sm_80", archs=("sm_80", "sm_86", "sm_89", "sm_120"),
         arch_note=("IREE 3.13 has no sm_90 or sm_100 target; Hopper (H100, H200) and newer run sm_80 PTX "
                    "through the driver JIT, so use sm_80"),
-        flags=_cuda_flags, lowering="fused", row_chunk=128, score_tiles=cpu_tiles.row_tiles,
+        flags=_cuda_flags, lowering="fused", spec_lowering=_as_asked, row_chunk=128, score_tiles=cpu_tiles.row_tiles,
         pass_vectors=cpu_tiles.narrow_pass_vectors,
         tune_contraction=_keep_default, tune_attention=tuning.cuda_attention_config, tune_generic=_keep_default,
         structure_checks=(vm_structure.missing_tensor_cores, vm_structure.host_stalls_in_loops)),
@@ -156,7 +164,7 @@ BACKENDS: dict[str, Backend] = {
     # of 64, so CUDA's configuration does not apply (rocm_attention_config).
     "rocm": Backend(
         name="rocm", driver="hip", default_arch="gfx942", archs=("gfx942", "gfx950", "gfx90a"),
-        arch_note="", flags=_rocm_flags, lowering="fused", row_chunk=128, score_tiles=cpu_tiles.row_tiles,
+        arch_note="", flags=_rocm_flags, lowering="fused", spec_lowering=_as_asked, row_chunk=128, score_tiles=cpu_tiles.row_tiles,
         pass_vectors=cpu_tiles.narrow_pass_vectors,
         tune_contraction=_keep_default, tune_attention=tuning.rocm_attention_config, tune_generic=_keep_default,
         structure_checks=(vm_structure.missing_mfma, vm_structure.host_stalls_in_loops)),
@@ -193,6 +201,8 @@ class Target:
             object.__setattr__(self, "lowering", record.lowering)
         if self.lowering not in LOWERINGS:
             raise ValueError(f"lowering must be one of {LOWERINGS}, got {self.lowering!r}")
+        if self.lowering == "amx" and not record.on_host:
+            raise ValueError(f"lowering 'amx' runs on the CPU (llvm-cpu), not on {self.backend}")
 
     @property
     def record(self) -> Backend:
@@ -213,6 +223,12 @@ class Target:
 
     def flags(self) -> list[str]:
         return [*self.record.flags(self.arch), *self.extra_flags]
+
+    def lowering_of(self, spec) -> str:
+        """The lowering ``spec`` is built in here: the asked one, or where the backend's
+        ``spec_lowering`` picks another for the arch (llvm-cpu: "amx" for the specs the AMX kernel
+        has on a CPU with amx_bf16)."""
+        return self.record.spec_lowering(self.arch, spec, self.lowering)
 
     @property
     def decode_passes(self) -> DecodePasses:

@@ -21,7 +21,7 @@ from ..mlir.decode import DecodeSpec
 from ..pipeline import ArtifactCache, Target, target_for
 from ..pipeline.artifacts import ArtifactError, load_manifest, verify_artifact
 from ..pipeline.targets import input_alignment
-from .kernels import Kernel, compiled_kernels, open_kernel
+from .kernels import Kernel, compiled_kernels, open_kernel, ready_to_load
 from .module import LoadedKernel
 
 __all__ = ["ArtifactSet", "open_artifacts", "spec_from_entry"]
@@ -91,6 +91,7 @@ class ArtifactSet:
 
     def _loaded(self, spec, entry: dict, target: Target) -> LoadedKernel:
         """The folder's artifact of ``spec`` (a variant or a serving pass), sha256-checked, loaded."""
+        ready_to_load(spec, target)
         return LoadedKernel(verify_artifact(entry, self.root).read_bytes(), spec.symbol, target.driver,
                             alignment=input_alignment(entry["flags"]))
 

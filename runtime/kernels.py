@@ -17,6 +17,7 @@ import numpy as np
 from ..mlir.abi import argument_names
 from ..mlir.decode import DecodeSpec
 from ..pipeline import ArtifactCache, Target, compile_specs, target_for
+from .amx import request_amx_state
 from ..pipeline.targets import input_alignment
 from .checks import NUMPY_DTYPES, check_on_device
 from .decode import decode_schedule, schedule_key, split_decode
@@ -176,8 +177,17 @@ def compiled_kernels(specs, target: Target, driver: str, cache: ArtifactCache | 
     """``specs`` (a kernel, serving passes) compiled for ``target`` through ``cache`` (the missing
     ones concurrently: pipeline.compile_specs) and loaded on ``driver``, in order."""
     alignment = input_alignment(target.flags())
-    return [LoadedKernel(vmfb, spec.symbol, driver, alignment=alignment)
-            for spec, vmfb in zip(specs, compile_specs(specs, target, cache=cache))]
+    vmfbs = compile_specs(specs, target, cache=cache)
+    for spec in specs:
+        ready_to_load(spec, target)
+    return [LoadedKernel(vmfb, spec.symbol, driver, alignment=alignment) for spec, vmfb in zip(specs, vmfbs)]
+
+
+def ready_to_load(spec, target: Target) -> None:
+    """What the process needs before it loads ``spec``'s artifact for ``target``: the AMX tile
+    state for a kernel of the AMX lowering (runtime/amx.py; AmxUnavailable where Linux refuses)."""
+    if target.lowering_of(spec) == "amx":
+        request_amx_state()
 
 
 def passes_at_open(spec, target: Target, serving_passes: bool | Iterable[int] = True) -> list[DecodeSpec]:
