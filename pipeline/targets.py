@@ -24,7 +24,11 @@ from ..mlir.decode import DECODE_PASSES, DecodePasses, DecodeSpec
 from ..mlir.mask_rules import mask_rule
 from . import cpu_tiles, tuning, vm_structure
 
-LOWERINGS = ("linalg", "fused", "amx")
+#: The lowerings every spec builds in.
+LOWERINGS = ("linalg", "fused")
+#: Lowerings that build some specs on some CPUs: a backend's ``spec_lowering`` picks one where it
+#: can (llvm-cpu: the AMX kernels, mlir/amx_attention.py); a Target may also ask for it.
+PARTIAL_LOWERINGS = ("amx",)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -199,8 +203,8 @@ class Target:
             raise ValueError(f"{self.backend} arch {self.arch!r}: known archs are {', '.join(record.archs)}{note}")
         if not self.lowering:
             object.__setattr__(self, "lowering", record.lowering)
-        if self.lowering not in LOWERINGS:
-            raise ValueError(f"lowering must be one of {LOWERINGS}, got {self.lowering!r}")
+        if self.lowering not in LOWERINGS + PARTIAL_LOWERINGS:
+            raise ValueError(f"lowering must be one of {LOWERINGS + PARTIAL_LOWERINGS}, got {self.lowering!r}")
         if self.lowering == "amx" and not record.on_host:
             raise ValueError(f"lowering 'amx' runs on the CPU (llvm-cpu), not on {self.backend}")
 

@@ -1,0 +1,141 @@
+"""The AMX lowering (mlir/amx_attention.py): which specs and CPUs get it, the structure of its IR
+and objects on every machine, its numerics against the float64 reference where the CPU has AMX."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import NUMPY_DTYPE, assert_matches_reference, uniform
+from linalg_prefill.mlir import SequencePrefillSpec, build_amx_module
+from linalg_prefill.mlir.amx import EXP2_COEFFICIENTS
+from linalg_prefill.pipeline import Target
+from linalg_prefill.pipeline.compiler import compile_ir
+from linalg_prefill.pipeline.cpu_tiles import AMX_FEATURES, host_cpu_features
+from linalg_prefill.pipeline.tuning import tuned_ir
+from linalg_prefill.runtime import kernels, open_kernel
+from support import run_against_reference, spec_id
+
+HOST_HAS_AMX = AMX_FEATURES <= host_cpu_features()
+needs_amx = pytest.mark.skipif(not HOST_HAS_AMX, reason="no amx_tile/amx_bf16 on this CPU")
+
+AMX_CPU = Target("llvm-cpu", "sapphirerapids")
+TILE_INTRINSICS = ("llvm.x86.tileloadd64.internal", "llvm.x86.tdpbf16ps.internal", "llvm.x86.tilestored64.internal")
+
+
+def _dense(h_q=8, h_kv=2, d=64, dtype="bfloat16", causal=True, **extra):
+    return SequencePrefillSpec(h_q, h_kv, d, dtype, causal=causal, sm_scale=d ** -0.5, **extra)
+
+
+def test_the_record_picks_amx_for_bf16_dense_specs_on_amx_cpus_only():
+    spec = _dense()
+    assert AMX_CPU.lowering_of(spec) == "amx"
+    assert Target("llvm-cpu", "graniterapids").lowering_of(spec) == "amx"
+    for arch in ("znver4", "cooperlake", "x86-64-v3"):   # avx512_bf16 or less, no AMX
+        assert Target("llvm-cpu", arch).lowering_of(spec) == "linalg"
+    assert Target("llvm-cpu", "host").lowering_of(spec) == ("amx" if HOST_HAS_AMX else "linalg")
+    assert Target("llvm-cpu", "sapphirerapids", lowering="fused").lowering_of(spec) == "fused"
+
+
+@pytest.mark.parametrize("spec", [_dense(dtype="float32"), _dense(dtype="float16"), _dense(d=80),
+                                  _dense(logits_soft_cap=30.0), _dense(head_sinks=True)], ids=spec_id)
+def test_specs_without_an_amx_kernel_keep_the_linalg_lowering(spec):
+    assert AMX_CPU.lowering_of(spec) == "linalg"
+    with pytest.raises(ValueError, match="no AMX lowering"):
+        build_amx_module(spec)
+
+
+def test_amx_is_refused_where_it_cannot_run():
+    with pytest.raises(ValueError, match="runs on the CPU"):
+        Target("cuda", lowering="amx")
+    with pytest.raises(ValueError, match="amx_bf16"):
+        Target("llvm-cpu", "znver4", lowering="amx").lowering_of(_dense())
+
+
+def test_amx_ir_has_tile_contractions_and_the_linalg_ir_none():
+    spec = _dense()
+    amx_ir = tuned_ir(spec, AMX_CPU)
+    assert all(name in amx_ir for name in TILE_INTRINSICS)
+    assert "stream.executable" in amx_ir and "flow.dispatch @amx_attention::@attend" in amx_ir
+    for other in (Target("llvm-cpu", "znver4"), Target("llvm-cpu", "sapphirerapids", lowering="fused")):
+        assert "llvm.x86.t" not in tuned_ir(spec, other)
+
+
+def _assembly(spec, target, tmp_path) -> str:
+    dump = tmp_path / target.tag
+    dumping = Target(target.backend, target.arch, (f"--iree-hal-dump-executable-intermediates-to={dump}",),
+                     target.lowering)
+    compile_ir(tuned_ir(spec, target), dumping, spec.name)
+    return "\n".join(path.read_text() for path in dump.glob("*.s"))
+
+
+def test_amx_objects_have_tile_instructions_and_the_others_none(tmp_path):
+    """Compiled for sapphirerapids (no AMX CPU needed to compile): LLVM configured the tiles
+    (ldtilecfg) and runs the products on them; the same spec for a CPU without AMX has none."""
+    spec = _dense()
+    amx = _assembly(spec, AMX_CPU, tmp_path)
+    for instruction in ("ldtilecfg", "tileloadd", "tdpbf16ps", "tilestored", "tilerelease"):
+        assert instruction in amx, instruction
+    other = _assembly(spec, Target("llvm-cpu", "cooperlake"), tmp_path)
+    assert other and "tdpbf16ps" not in other and "ldtilecfg" not in other
+
+
+def test_loading_an_amx_kernel_asks_for_the_tile_state_first(monkeypatch):
+    asked = []
+    monkeypatch.setattr(kernels, "request_amx_state", lambda: asked.append(True))
+    kernels.ready_to_load(_dense(), Target("llvm-cpu", "znver4"))
+    kernels.ready_to_load(_dense(dtype="float32"), AMX_CPU)
+    assert asked == []
+    kernels.ready_to_load(_dense(), AMX_CPU)
+    assert asked == [True]
+
+
+def test_the_tile_state_request_names_the_feature_when_refused():
+    """A process where Linux refuses XTILEDATA (here: any request on a CPU without AMX; on an AMX
+    CPU the request succeeds): the error names amx_tile."""
+    code = ("from linalg_prefill.runtime.amx import request_amx_state, AmxUnavailable\n"
+            "try:\n    request_amx_state(); request_amx_state(); print('granted')\n"
+            "except AmxUnavailable as error:\n    print('refused', error)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    if HOST_HAS_AMX:
+        assert result.strip() == "granted"
+    else:
+        assert result.startswith("refused") and "amx_tile" in result
+
+
+def test_exp2_polynomial_is_within_half_an_ulp_on_minus_one_to_zero():
+    f = np.linspace(-1.0, 0.0, 100001)
+    approx = np.polyval(list(reversed(EXP2_COEFFICIENTS)), f)
+    assert EXP2_COEFFICIENTS[0] == 1.0
+    assert np.max(np.abs(approx / np.exp2(f) - 1.0)) < 2.0 ** -24
+
+
+#: Heads (GQA groups 1, 4, 8), head dims, both masks: the AMX kernels' grid.
+AMX_SPECS = [_dense(4, 4, 64, causal=False), _dense(32, 8, 128, causal=True), _dense(16, 2, 96, causal=True),
+             _dense(8, 1, 256, causal=False), _dense(8, 8, 32, causal=True)]
+#: (B, qo_len, kv_len): one row block and many, odd lengths, a KV block and a partial one, more
+#: queries than keys (causal rows that see no key), no key and no query.
+AMX_SHAPES = [(1, 1, 1), (2, 37, 100), (1, 300, 333), (2, 129, 5), (1, 9, 0), (1, 0, 7)]
+
+
+@needs_amx
+@pytest.mark.parametrize("spec", AMX_SPECS, ids=spec_id)
+def test_amx_kernels_match_the_reference(spec, cache):
+    assert Target("llvm-cpu").lowering_of(spec) == "amx"
+    for batch, qo_len, kv_len in AMX_SHAPES:
+        run_against_reference(spec, "llvm-cpu", cache=cache, entries=[(qo_len, kv_len)] * batch)
+
+
+@needs_amx
+@pytest.mark.compiles(_dense(8, 2, 128, causal=True))
+def test_amx_kernel_on_peaked_scores(cache):
+    """Large scores (q scaled by 40): each row's weight sits on a few keys, so a wrong scale, max
+    or mask shows in the output rather than averaging out; 257 keys leave a partial KV block."""
+    spec = _dense(8, 2, 128, causal=True)
+    rng = np.random.default_rng(3)
+    q = (uniform(rng, (2, 257, 8, 128), "float32") * 40.0).astype(NUMPY_DTYPE["bfloat16"])
+    k, v = (uniform(rng, (2, 257, 2, 128), "bfloat16") for _ in range(2))
+    assert_matches_reference("peaked", open_kernel(spec, cache=cache)(q, k, v), spec, (q, k, v))
