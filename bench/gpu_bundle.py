@@ -49,7 +49,9 @@ import sys
 
 import numpy as np
 
-from linalg_prefill.mlir import MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec
+from linalg_prefill.mlir import (  # noqa: E402
+    MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec, x86_uses_amx,
+)
 from linalg_prefill.pipeline import Target, compile_spec
 from linalg_prefill.pipeline.model_config import load_model_config, specs_for_model
 from linalg_prefill.runtime.compare import call_facts, reference_call
@@ -178,7 +180,7 @@ def recorded_cases(directory: str):
         yield f"test-{os.path.basename(path)[:-4]}-{test}", case["spec"], case["args"]
 
 
-def save_case(path, name, spec, file, args, flops=0.0) -> None:
+def save_case(path, name, spec, file, args, flops=0.0, amx=False) -> None:
     """One .npz: the call's arguments (``args``: (kind, value) pairs, kind "uniform" for a
     recorded draw, "value" otherwise), and for checked cases the reference call, the argument
     names and the spec's facts the error model needs.
@@ -199,7 +201,7 @@ def save_case(path, name, spec, file, args, flops=0.0) -> None:
             meta_args.append(["array", key])
         else:
             meta_args.append(["scalar", a.item() if isinstance(a, np.generic) else a])
-    meta = dict(name=name, symbol=spec.symbol, dtype=spec.dtype, file=file, args=meta_args, flops=flops)
+    meta = dict(name=name, symbol=spec.symbol, dtype=spec.dtype, file=file, args=meta_args, flops=flops, amx=amx)
     if hasattr(spec, "base"):  # a serving pass: torch's timing needs the GQA group
         meta["group"] = spec.base.group_size
     if not bench:
@@ -255,7 +257,8 @@ def main() -> None:
                 f.write(compile_spec(spec, target))
             built.add(file)
             print(f"built {file}", file=sys.stderr)
-        save_case(os.path.join(args.out, "cases", f"{name}.npz"), name, spec, file, call, flops)
+        save_case(os.path.join(args.out, "cases", f"{name}.npz"), name, spec, file, call, flops,
+                  amx=target.lowering_of(spec) == "x86" and x86_uses_amx(spec))
     if not args.no_wheels:
         subprocess.run([sys.executable, "-m", "pip", "download", *WHEELS, "--only-binary=:all:",
                         "--python-version", "3.12", "--platform", "manylinux_2_28_x86_64",

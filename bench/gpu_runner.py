@@ -104,12 +104,24 @@ class Kernels:
     def function(self, meta):
         key = (meta["file"], meta["symbol"])
         if key not in self.functions:
+            if meta.get("amx"):
+                _request_amx_state()
             context = self.rt.SystemContext(config=self.rt.Config(device=self.device))
             with open(os.path.join(HERE, meta["file"]), "rb") as f:
                 module = self.rt.VmModule.copy_buffer(context.instance, f.read())
             context.add_vm_module(module)
             self.functions[key] = (context, context.modules[module.name][meta["symbol"]])
         return self.functions[key][1]
+
+
+def _request_amx_state() -> None:
+    """Asks Linux for the AMX tile state before an AMX kernel loads (a bundle built for llvm-cpu on
+    a CPU with AMX; linalg_prefill/runtime/amx.py, which this standalone script cannot import)."""
+    import ctypes
+
+    if ctypes.CDLL(None, use_errno=True).syscall(158, 0x1023, 18) != 0:  # arch_prctl(REQ_XCOMP_PERM, XTILEDATA)
+        raise SystemExit(f"this bundle's AMX kernels need the amx_tile state, which Linux refused "
+                         f"(errno {ctypes.get_errno()})")
 
 
 def _upload(rt, device, array):

@@ -1,7 +1,11 @@
 """The performance table against the peers, as JSON and a PNG chart, in one run.
 
     .venv/bin/python bench/report.py [--lengths 512,2048,8192] [--dtypes float32,bfloat16,float16]
-                                     [--tvm] [--out build/bench-report]
+                                     [--tvm] [--dense-only] [--out build/bench-report]
+
+The first line names the CPU (/proc/cpuinfo's model name and number, AMX yes/no), as does each
+row of the JSON (``cpu``); a dense row names the lowering our kernel ran in (``x86`` on a CPU with
+AMX: hand-written dispatches, AMX tiles for bf16, FMA blocks for f32; else ``linalg``).
 
 Every figure is ours and the peer's from the same process (torch on 2 threads), calls alternating
 between ours and the peer's (``best_times``; calls under 0.2 s in bursts filling it, up to 50 calls
@@ -59,6 +63,21 @@ def causal_pairs(q_len: int, kv_len: int) -> int:
     return int(np.clip(rows + kv_len - q_len + 1, 0, kv_len).sum())
 
 
+def cpu_name() -> str:
+    """The CPU the figures are from: /proc/cpuinfo's model name and model number, and whether it
+    has AMX tiles (amx_tile and amx_bf16: the dense bf16 rows then run the AMX kernels)."""
+    fields = {}
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        return "unknown CPU"
+    amx = {"amx_tile", "amx_bf16"} <= set(fields.get("flags", "").split())
+    return f"{fields.get('model name', 'unknown CPU')} (model {fields.get('model', '?')}), AMX {'yes' if amx else 'no'}"
+
+
 def to_torch(x: np.ndarray, dtype: str):
     """[L, h, d] or [1, L, h, d] numpy -> [1, h, L, d] torch tensor of ``dtype``."""
     import torch
@@ -96,7 +115,8 @@ def dense_rows(lengths, dtypes, rng) -> list[dict]:
 
     rows = []
     for dtype in dtypes:
-        kernel = open_kernel(SequencePrefillSpec(H_Q, H_KV, D, dtype, causal=True, sm_scale=D ** -0.5))
+        spec = SequencePrefillSpec(H_Q, H_KV, D, dtype, causal=True, sm_scale=D ** -0.5)
+        kernel = open_kernel(spec)
         gemm = gemm_gflops(dtype)
         for length in lengths:
             q, k, v = (rng.uniform(-1, 1, (1, length, h, D)).astype(NUMPY_DTYPES[dtype]) for h in (H_Q, H_KV, H_KV))
@@ -107,7 +127,8 @@ def dense_rows(lengths, dtypes, rng) -> list[dict]:
             ours, peer = best_times([lambda: kernel(q, k, v),
                                      lambda: F.scaled_dot_product_attention(tq, tk, tv, is_causal=True, enable_gqa=True)],
                                     repeat, burst_for(time.perf_counter() - start))
-            rows.append(row("dense", "causal prefill", dtype, length, ours, "torch SDPA", peer,
+            rows.append(row("dense", f"causal prefill ({kernel.target.lowering_of(spec)})", dtype, length, ours,
+                            "torch SDPA", peer,
                             pair_flops(causal_pairs(length, length))))
             rows[-1].update(gemm_gflops=gemm, of_gemm=rows[-1]["ours_gflops"] / gemm)
             print(format_row(rows[-1]), flush=True)
@@ -288,6 +309,7 @@ def main() -> None:
     parser.add_argument("--lengths", default="512,2048,8192")
     parser.add_argument("--dtypes", default="float32,bfloat16,float16")
     parser.add_argument("--tvm", action="store_true", help="also time the seed's TVM CPU kernels (slow)")
+    parser.add_argument("--dense-only", action="store_true", help="the dense rows alone")
     parser.add_argument("--out", default="build/bench-report")
     args = parser.parse_args()
     import torch
@@ -295,14 +317,18 @@ def main() -> None:
     torch.set_num_threads(2)
     rng = np.random.default_rng(0)
     os.makedirs(args.out, exist_ok=True)
+    cpu = cpu_name()
+    print(f"CPU: {cpu}; torch {torch.__version__} on 2 threads", flush=True)
     print(HEADER, flush=True)
     rows = dense_rows([int(x) for x in args.lengths.split(",")], args.dtypes.split(","), rng)
-    for extra in ([fused_row()], small_prefill_rows(rng), batch_rows(rng), serving_rows(rng),
-                  tvm_rows(rng) if args.tvm else []):
+    sections = [] if args.dense_only else [[fused_row()], small_prefill_rows(rng), batch_rows(rng), serving_rows(rng),
+                                           tvm_rows(rng) if args.tvm else []]
+    for extra in sections:
         for r in extra:
             rows.append(r)
             print(format_row(r), flush=True)
     for r in rows:
+        r["cpu"] = cpu
         if "vs_dense" in r:
             print(f"{r['name']}: {r['vs_dense']:.2f} of the dense kernel's throughput")
     with open(os.path.join(args.out, "report.json"), "w") as f:

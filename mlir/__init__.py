@@ -1,6 +1,6 @@
 """IR builders: typed MLIR bindings, one online-softmax emitter, one spec per variant."""
 
-from .amx_attention import build_amx_sequence_prefill, unsupported as amx_unsupported
+from .x86_attention import build_x86_sequence_prefill, unsupported as x86_unsupported, uses_amx as x86_uses_amx
 from .fused_kernels import build_fused_kv_cache_prefill, build_fused_sequence_prefill
 from .decode import NARROW_PASS_VECTORS, DecodeSpec, PassVectors, build_decode
 from .fused_decode import build_fused_decode
@@ -47,10 +47,10 @@ def build_module(spec, *, row_chunk: int | None = None, score_tiles: RowTiles = 
     return builder(spec, row_chunk=row_chunk, score_tiles=score_tiles)
 
 
-def build_amx_module(spec):
-    """The verified MLIR module of the AMX lowering (mlir/amx_attention.py); ValueError naming why
-    for a spec it has no kernel for (:func:`amx_unsupported`)."""
-    return build_amx_sequence_prefill(spec)
+def build_x86_module(spec):
+    """The verified MLIR module of the AMX lowering (mlir/x86_attention.py); ValueError naming why
+    for a spec it has no kernel for (:func:`x86_unsupported`)."""
+    return build_x86_sequence_prefill(spec)
 
 
 def build_fused_module(spec):
@@ -65,5 +65,5 @@ def build_fused_module(spec):
 __all__ = [
     "SequencePrefillSpec", "MaskedSequencePrefillSpec", "RaggedPrefillSpec", "PagedPrefillSpec",
     "MlaPagedPrefillSpec", "DecodeSpec", "SPEC_TYPES", "SpecError", "build_module", "build_fused_module",
-    "build_amx_module", "amx_unsupported",
+    "build_x86_module", "x86_unsupported", "x86_uses_amx",
 ]

@@ -167,8 +167,10 @@ class Vec:
         return arith_d.maximumf(a, b, fastmath=_NO_NAN())
 
     def narrow(self, value: ir.Value, elem: ir.Type) -> ir.Value:
-        """16 f32 lanes rounded to ``elem`` (bf16 or f16), nearest-even: bf16 through
-        avx512_bf16's vcvtneps2bf16 (LLVM emulates a plain fptrunc to bf16 with integer ops)."""
+        """16 f32 lanes rounded to ``elem`` (f32: as they are; bf16 or f16: nearest-even, bf16 through
+        avx512_bf16's vcvtneps2bf16: LLVM emulates a plain fptrunc to bf16 with integer ops)."""
+        if elem == f32():
+            return value
         narrow_type = ir.VectorType.get([LANES], elem)
         if elem == ir.BF16Type.get():
             return llvm_d.call_intrinsic(narrow_type, "llvm.x86.avx512bf16.cvtneps2bf16.512", [value], [], [])

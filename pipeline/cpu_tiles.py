@@ -6,7 +6,7 @@ the IR builders mark with a role (``mlir.ir.mark_tiling``; the ``tune_generic`` 
 
     cpu_score_tiles("host", "bfloat16")    # PackedTiles(bf16, 16x16x2) on a CPU with avx512_bf16
     cpu_score_tiles("znver3", "bfloat16")  # ROW_TILES: no avx512_bf16
-    cpu_spec_lowering("host", spec, "linalg")  # "amx" for a bf16 dense spec on a CPU with amx_bf16
+    cpu_spec_lowering("host", spec, "linalg")  # "x86" for a bf16/f32 dense spec on a CPU with amx_bf16
 
 ``host`` is the machine that compiles (IREE's ``--iree-llvmcpu-target-cpu=host`` builds for its
 features too), read from /proc/cpuinfo; a named LLVM CPU has the features :data:`NAMED_CPU_FEATURES`
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 
-from ..mlir import amx_unsupported
+from ..mlir import x86_unsupported
 from ..mlir.decode import NARROW_PASS_VECTORS, ROW_VECTOR, WIDE_PASS_VECTORS, PassVectors
 from ..mlir.ir import ir
 from ..mlir.score_tiles import ROW_TILES, RowTiles, packed_tiles_for
@@ -57,21 +57,22 @@ def cpu_score_tiles(arch: str, dtype: str) -> RowTiles:
     return packed_tiles_for(dtype, cpu_features(arch)) or ROW_TILES
 
 
-#: The CPU features (as /proc/cpuinfo spells them) the AMX kernels run on.
+#: The CPU features (as /proc/cpuinfo spells them) the x86 lowering is chosen on.
 AMX_FEATURES = frozenset({"amx_tile", "amx_bf16"})
 
 
 def cpu_spec_lowering(arch: str, spec, lowering: str) -> str:
-    """The lowering ``spec`` gets on CPU ``arch`` where ``lowering`` is asked: "amx" in place of
-    the linalg lowering where the CPU has AMX tiles (amx_tile, amx_bf16) and the AMX kernels
-    build the spec (mlir/amx_attention.py: bf16 dense prefill 5-8x the linalg lowering on an
-    Intel Xeon, docs/performance.md); else as asked."""
+    """The lowering ``spec`` gets on CPU ``arch`` where ``lowering`` is asked: "x86" (hand-written
+    dispatches, mlir/x86_attention.py: bf16 on AMX tiles, f32 in AVX-512 FMA blocks) in place of
+    the linalg lowering on an Intel Xeon with AMX tiles (amx_tile, amx_bf16), where it was
+    measured (docs/performance.md: dense causal bf16 5-8x, f32 1.8x the linalg lowering), for
+    the specs it builds; else as asked (AMD Zen 4 keeps the linalg lowering it was tuned on)."""
     has_amx = AMX_FEATURES <= cpu_features(arch)
-    if lowering == "amx" and not has_amx:
-        raise ValueError(f"lowering 'amx' needs a CPU with {' and '.join(sorted(AMX_FEATURES))}; "
+    if lowering == "x86" and not has_amx:
+        raise ValueError(f"lowering 'x86' needs a CPU with {' and '.join(sorted(AMX_FEATURES))}; "
                          f"{arch!r} has {'not both' if arch != 'host' else 'neither here'}")
-    if lowering == "linalg" and has_amx and amx_unsupported(spec) is None:
-        return "amx"
+    if lowering == "linalg" and has_amx and x86_unsupported(spec) is None:
+        return "x86"
     return lowering
 
 

@@ -27,8 +27,8 @@ from . import cpu_tiles, tuning, vm_structure
 #: The lowerings every spec builds in.
 LOWERINGS = ("linalg", "fused")
 #: Lowerings that build some specs on some CPUs: a backend's ``spec_lowering`` picks one where it
-#: can (llvm-cpu: the AMX kernels, mlir/amx_attention.py); a Target may also ask for it.
-PARTIAL_LOWERINGS = ("amx",)
+#: can (llvm-cpu: the hand-written x86 dispatches, mlir/x86_attention.py); a Target may ask for it.
+PARTIAL_LOWERINGS = ("x86",)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -205,8 +205,8 @@ class Target:
             object.__setattr__(self, "lowering", record.lowering)
         if self.lowering not in LOWERINGS + PARTIAL_LOWERINGS:
             raise ValueError(f"lowering must be one of {LOWERINGS + PARTIAL_LOWERINGS}, got {self.lowering!r}")
-        if self.lowering == "amx" and not record.on_host:
-            raise ValueError(f"lowering 'amx' runs on the CPU (llvm-cpu), not on {self.backend}")
+        if self.lowering == "x86" and not record.on_host:
+            raise ValueError(f"lowering 'x86' runs on the CPU (llvm-cpu), not on {self.backend}")
 
     @property
     def record(self) -> Backend:
@@ -230,8 +230,8 @@ class Target:
 
     def lowering_of(self, spec) -> str:
         """The lowering ``spec`` is built in here: the asked one, or where the backend's
-        ``spec_lowering`` picks another for the arch (llvm-cpu: "amx" for the specs the AMX kernel
-        has on a CPU with amx_bf16)."""
+        ``spec_lowering`` picks another for the arch (llvm-cpu: "x86" for the specs the hand-written
+        kernels build, on a CPU with AMX)."""
         return self.record.spec_lowering(self.arch, spec, self.lowering)
 
     @property

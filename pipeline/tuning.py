@@ -18,7 +18,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..mlir import build_amx_module, build_fused_module, build_module
+from ..mlir import build_x86_module, build_fused_module, build_module
 from ..mlir.attention_op import ATTENTION_MARKER, TILE
 from ..mlir.ir import TILING_MARKER, ir, tiling_mark
 from ..mlir.score_tiles import CONTRACTION_MARKER
@@ -267,8 +267,8 @@ def apply_tuning(module: ir.Module, target: Target) -> ir.Module:
 def tuned_module(spec, target: Target) -> ir.Module:
     """The module iree-compile gets for ``spec`` on ``target``, in the target's lowering."""
     lowering = target.lowering_of(spec)
-    if lowering == "amx":
-        return build_amx_module(spec)   # hand-written tiles: nothing for the tuning hooks to mark
+    if lowering == "x86":
+        return build_x86_module(spec)   # hand-written tiles: nothing for the tuning hooks to mark
     if lowering == "fused":
         module = build_fused_module(spec)
     else:

@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from ..mlir.abi import argument_names
+from ..mlir import x86_uses_amx
 from ..mlir.decode import DecodeSpec
 from ..pipeline import ArtifactCache, Target, compile_specs, target_for
 from .amx import request_amx_state
@@ -185,8 +186,8 @@ def compiled_kernels(specs, target: Target, driver: str, cache: ArtifactCache | 
 
 def ready_to_load(spec, target: Target) -> None:
     """What the process needs before it loads ``spec``'s artifact for ``target``: the AMX tile
-    state for a kernel of the AMX lowering (runtime/amx.py; AmxUnavailable where Linux refuses)."""
-    if target.lowering_of(spec) == "amx":
+    state for a kernel on AMX tiles (runtime/amx.py; AmxUnavailable where Linux refuses)."""
+    if target.lowering_of(spec) == "x86" and x86_uses_amx(spec):
         request_amx_state()
 
 

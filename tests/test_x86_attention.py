@@ -1,5 +1,6 @@
-"""The AMX lowering (mlir/amx_attention.py): which specs and CPUs get it, the structure of its IR
-and objects on every machine, its numerics against the float64 reference where the CPU has AMX."""
+"""The x86 lowering (mlir/x86_attention.py: bf16 on AMX tiles, f32 in FMA blocks): which specs and
+CPUs get it, the structure of its IR and objects on every machine, its numerics against the
+float64 reference where the CPU has AMX (the CPUs the record picks it on)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import NUMPY_DTYPE, assert_matches_reference, uniform
-from linalg_prefill.mlir import SequencePrefillSpec, build_amx_module
+from linalg_prefill.mlir import SequencePrefillSpec, build_x86_module, x86_uses_amx
 from linalg_prefill.mlir.amx import EXP2_COEFFICIENTS
 from linalg_prefill.pipeline import Target
 from linalg_prefill.pipeline.compiler import compile_ir
@@ -30,36 +31,40 @@ def _dense(h_q=8, h_kv=2, d=64, dtype="bfloat16", causal=True, **extra):
     return SequencePrefillSpec(h_q, h_kv, d, dtype, causal=causal, sm_scale=d ** -0.5, **extra)
 
 
-def test_the_record_picks_amx_for_bf16_dense_specs_on_amx_cpus_only():
-    spec = _dense()
-    assert AMX_CPU.lowering_of(spec) == "amx"
-    assert Target("llvm-cpu", "graniterapids").lowering_of(spec) == "amx"
-    for arch in ("znver4", "cooperlake", "x86-64-v3"):   # avx512_bf16 or less, no AMX
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_record_picks_x86_for_dense_specs_on_amx_cpus_only(dtype):
+    spec = _dense(dtype=dtype)
+    assert AMX_CPU.lowering_of(spec) == "x86"
+    assert Target("llvm-cpu", "graniterapids").lowering_of(spec) == "x86"
+    for arch in ("znver4", "cooperlake", "x86-64-v3"):   # avx512_bf16 or less, no AMX: as tuned there
         assert Target("llvm-cpu", arch).lowering_of(spec) == "linalg"
-    assert Target("llvm-cpu", "host").lowering_of(spec) == ("amx" if HOST_HAS_AMX else "linalg")
+    assert Target("llvm-cpu", "host").lowering_of(spec) == ("x86" if HOST_HAS_AMX else "linalg")
     assert Target("llvm-cpu", "sapphirerapids", lowering="fused").lowering_of(spec) == "fused"
+    assert x86_uses_amx(spec) == (dtype == "bfloat16")
 
 
-@pytest.mark.parametrize("spec", [_dense(dtype="float32"), _dense(dtype="float16"), _dense(d=80),
-                                  _dense(logits_soft_cap=30.0), _dense(head_sinks=True)], ids=spec_id)
-def test_specs_without_an_amx_kernel_keep_the_linalg_lowering(spec):
+@pytest.mark.parametrize("spec", [_dense(dtype="float16"), _dense(d=80), _dense(logits_soft_cap=30.0),
+                                  _dense(head_sinks=True)], ids=spec_id)
+def test_specs_without_an_x86_kernel_keep_the_linalg_lowering(spec):
     assert AMX_CPU.lowering_of(spec) == "linalg"
-    with pytest.raises(ValueError, match="no AMX lowering"):
-        build_amx_module(spec)
+    with pytest.raises(ValueError, match="no x86 lowering"):
+        build_x86_module(spec)
 
 
-def test_amx_is_refused_where_it_cannot_run():
+def test_x86_is_refused_where_it_cannot_run():
     with pytest.raises(ValueError, match="runs on the CPU"):
-        Target("cuda", lowering="amx")
+        Target("cuda", lowering="x86")
     with pytest.raises(ValueError, match="amx_bf16"):
-        Target("llvm-cpu", "znver4", lowering="amx").lowering_of(_dense())
+        Target("llvm-cpu", "znver4", lowering="x86").lowering_of(_dense())
 
 
-def test_amx_ir_has_tile_contractions_and_the_linalg_ir_none():
+def test_x86_ir_has_tile_contractions_for_bf16_only():
     spec = _dense()
     amx_ir = tuned_ir(spec, AMX_CPU)
     assert all(name in amx_ir for name in TILE_INTRINSICS)
-    assert "stream.executable" in amx_ir and "flow.dispatch @amx_attention::@attend" in amx_ir
+    assert "stream.executable" in amx_ir and "flow.dispatch @x86_attention::@attend" in amx_ir
+    fma_ir = tuned_ir(_dense(dtype="float32"), AMX_CPU)
+    assert "flow.dispatch @x86_attention::@attend" in fma_ir and "math.fma" in fma_ir and "llvm.x86.t" not in fma_ir
     for other in (Target("llvm-cpu", "znver4"), Target("llvm-cpu", "sapphirerapids", lowering="fused")):
         assert "llvm.x86.t" not in tuned_ir(spec, other)
 
@@ -72,14 +77,17 @@ def _assembly(spec, target, tmp_path) -> str:
     return "\n".join(path.read_text() for path in dump.glob("*.s"))
 
 
-def test_amx_objects_have_tile_instructions_and_the_others_none(tmp_path):
+def test_x86_objects_have_tile_instructions_for_bf16_and_the_others_none(tmp_path):
     """Compiled for sapphirerapids (no AMX CPU needed to compile): LLVM configured the tiles
-    (ldtilecfg) and runs the products on them; the same spec for a CPU without AMX has none."""
-    spec = _dense()
-    amx = _assembly(spec, AMX_CPU, tmp_path)
+    (ldtilecfg) and runs the products on them; the f32 kernel runs 512-bit FMAs and no tile
+    instruction; the bf16 spec for a CPU without AMX has none."""
+    amx = _assembly(_dense(), AMX_CPU, tmp_path)
     for instruction in ("ldtilecfg", "tileloadd", "tdpbf16ps", "tilestored", "tilerelease"):
         assert instruction in amx, instruction
-    other = _assembly(spec, Target("llvm-cpu", "cooperlake"), tmp_path)
+    fma = _assembly(_dense(dtype="float32"), AMX_CPU, tmp_path / "f32")
+    assert "vfmadd231ps\t%zmm" in fma or "vfmadd231ps\t(" in fma
+    assert "ldtilecfg" not in fma and "tdpbf16ps" not in fma
+    other = _assembly(_dense(), Target("llvm-cpu", "cooperlake"), tmp_path)
     assert other and "tdpbf16ps" not in other and "ldtilecfg" not in other
 
 
@@ -87,7 +95,7 @@ def test_loading_an_amx_kernel_asks_for_the_tile_state_first(monkeypatch):
     asked = []
     monkeypatch.setattr(kernels, "request_amx_state", lambda: asked.append(True))
     kernels.ready_to_load(_dense(), Target("llvm-cpu", "znver4"))
-    kernels.ready_to_load(_dense(dtype="float32"), AMX_CPU)
+    kernels.ready_to_load(_dense(dtype="float32"), AMX_CPU)   # the FMA kernel: no tiles
     assert asked == []
     kernels.ready_to_load(_dense(), AMX_CPU)
     assert asked == [True]
@@ -113,29 +121,33 @@ def test_exp2_polynomial_is_within_half_an_ulp_on_minus_one_to_zero():
     assert np.max(np.abs(approx / np.exp2(f) - 1.0)) < 2.0 ** -24
 
 
-#: Heads (GQA groups 1, 4, 8), head dims, both masks: the AMX kernels' grid.
-AMX_SPECS = [_dense(4, 4, 64, causal=False), _dense(32, 8, 128, causal=True), _dense(16, 2, 96, causal=True),
-             _dense(8, 1, 256, causal=False), _dense(8, 8, 32, causal=True)]
+#: Heads (GQA groups 1, 4, 8), head dims, both masks, both dtypes: the x86 kernels' grid.
+X86_SPECS = [_dense(4, 4, 64, causal=False), _dense(32, 8, 128, causal=True), _dense(16, 2, 96, causal=True),
+             _dense(8, 1, 256, causal=False), _dense(8, 8, 32, causal=True),
+             _dense(4, 4, 64, "float32", causal=True), _dense(32, 8, 128, "float32", causal=False),
+             _dense(16, 2, 96, "float32", causal=True)]
 #: (B, qo_len, kv_len): one row block and many, odd lengths, a KV block and a partial one, more
 #: queries than keys (causal rows that see no key), no key and no query.
 AMX_SHAPES = [(1, 1, 1), (2, 37, 100), (1, 300, 333), (2, 129, 5), (1, 9, 0), (1, 0, 7)]
 
 
 @needs_amx
-@pytest.mark.parametrize("spec", AMX_SPECS, ids=spec_id)
-def test_amx_kernels_match_the_reference(spec, cache):
-    assert Target("llvm-cpu").lowering_of(spec) == "amx"
+@pytest.mark.parametrize("spec", X86_SPECS, ids=spec_id)
+def test_x86_kernels_match_the_reference(spec, cache):
+    assert Target("llvm-cpu").lowering_of(spec) == "x86"
     for batch, qo_len, kv_len in AMX_SHAPES:
         run_against_reference(spec, "llvm-cpu", cache=cache, entries=[(qo_len, kv_len)] * batch)
 
 
+PEAKED = [_dense(8, 2, 128, causal=True), _dense(8, 2, 128, "float32", causal=True)]
+
+
 @needs_amx
-@pytest.mark.compiles(_dense(8, 2, 128, causal=True))
-def test_amx_kernel_on_peaked_scores(cache):
+@pytest.mark.parametrize("spec", PEAKED, ids=spec_id)
+def test_x86_kernels_on_peaked_scores(spec, cache):
     """Large scores (q scaled by 40): each row's weight sits on a few keys, so a wrong scale, max
     or mask shows in the output rather than averaging out; 257 keys leave a partial KV block."""
-    spec = _dense(8, 2, 128, causal=True)
     rng = np.random.default_rng(3)
-    q = (uniform(rng, (2, 257, 8, 128), "float32") * 40.0).astype(NUMPY_DTYPE["bfloat16"])
-    k, v = (uniform(rng, (2, 257, 2, 128), "bfloat16") for _ in range(2))
+    q = (uniform(rng, (2, 257, 8, 128), "float32") * 40.0).astype(NUMPY_DTYPE[spec.dtype])
+    k, v = (uniform(rng, (2, 257, 2, 128), spec.dtype) for _ in range(2))
     assert_matches_reference("peaked", open_kernel(spec, cache=cache)(q, k, v), spec, (q, k, v))

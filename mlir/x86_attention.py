@@ -1,0 +1,556 @@
+"""The x86 lowering of the dense sequence prefill: one hand-written dispatch per call runs the whole
+online softmax, Q.K^T and P.V in an engine per dtype (bf16: AMX tiles, :class:`AmxEngine`; f32:
+AVX-512 FMA register blocks, :class:`FmaEngine`) and the softmax in f32 vector code (mlir/amx.py:
+``Vec``), fed by Q, K and V packed into the engine's order once per call by linalg generics.
+IREE 3.13's llvm-cpu codegen emits no AMX and runs f32 contractions load-bound (docs/performance.md,
+the x86 lowering), so the backend record picks this lowering on Intel Xeons with AMX
+(pipeline/cpu_tiles.py: cpu_spec_lowering).
+
+Rows (G = h_q // h_kv folded in: row r of KV head h holds token r // G and query head h * G + r % G;
+``rows`` = the rows rounded up to ``ROW_BLOCK``; T KV blocks of ``KV_BLOCK`` keys), packed per engine:
+
+    AmxEngine  q [B, h_kv, rows/16, d/32, 16, 32]  (A tiles)      bf16
+               k [B, h_kv, T, KV_BLOCK/16, d/2, 16, 2]  v [B, h_kv, T, d/16, KV_BLOCK/2, 16, 2]  (B tiles)
+    FmaEngine  q [B, h_kv, rows, d]                                f32
+               k [B, h_kv, T, d, KV_BLOCK] (each block transposed)  v [B, h_kv, T * KV_BLOCK, d]
+
+rows and keys past the call's lengths are zero. Workgroup (x, h, b) owns rows [32x, 32x + 32) of
+KV head h of entry b and keeps on its stack, f32 unless named:
+
+    scores [32, KV_BLOCK]   probs [32, KV_BLOCK] (the engine's operand dtype)   acc [32, d]   (max, sum) [32]
+
+For each KV block the row block can see: the scores (engine), then per row the scale, the mask
+(key < the row's end; only in blocks that reach past the first row's end), the running max,
+2^(s - max) into probs, the sum and, where the max grew, the acc rescale; then acc += probs .
+values (engine). Rows are written to the output [B, Lq, h_q, d] directly (normalised, in the
+dtype); (max, sum) per row go to a [B, h_kv, rows, 2] f32 buffer from which one generic makes
+lse [B, Lq, h_q] (base 2; EMPTY_ROW_LSE and output 0 for a row that saw no key).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from iree.compiler.dialects import builtin as builtin_d
+from iree.compiler.dialects import flow as flow_d
+from iree.compiler.dialects import llvm as llvm_d
+from iree.compiler.dialects import stream as stream_d
+from iree.compiler.dialects import vector as vector_d
+
+from .amx import LOG2E, Tiles, Vec, as_i64, at, binding_pointer, const_i64, i32, i64, stack_bytes
+from .ir import (
+    DYN, affine_map, arith_d, ceil_div, const_f32, const_index, dim, element_type, empty, f32, func_d, generic, ir,
+    linalg_d, math_d, scf_d, tensor_d, tensor_type,
+)
+from .abi import function_module
+from .kv_layouts import DENSE
+from .score_tiles import ROW_TILES, PackedTiles
+from .specs import EMPTY_ROW_LSE, SequencePrefillSpec
+
+#: Keys of one KV step.
+KV_BLOCK = 128
+#: Query rows of one workgroup (two A tiles).
+ROW_BLOCK = 32
+#: The running max's start (finite, as the linalg lowering's: mlir/online_softmax.py).
+NO_KEY_MAX = -1.0e30
+
+_EXECUTABLE = "x86_attention"
+_ENTRY = "attend"
+_DISPATCH_SCALARS = ("batch", "q_len", "kv_len", "rows", "kv_blocks")
+
+
+@dataclass(frozen=True)
+class KernelShapes:
+    """The static facts of one kernel: heads, head dim, operand dtype, causal, the score scale
+    (sm_scale * log2(e), the log2-domain factor)."""
+
+    h_q: int
+    h_kv: int
+    d: int
+    dtype: str
+    causal: bool
+    scale_log2: float
+
+    @property
+    def group(self) -> int:
+        return self.h_q // self.h_kv
+
+
+def _bytes(elem: ir.Type) -> int:
+    """Bytes of an f32, bf16 or f16 element."""
+    return 4 if elem == f32() else 2
+
+
+class AmxEngine:
+    """Q.K^T and P.V on AMX tiles (bf16 operands, f32 sums): q packed in A tiles
+    [B, h_kv, rows/16, d/32, 16, 32], k and v in B tiles (score_tiles.PackedTiles 16 x 16 x 2),
+    probs in bf16."""
+
+    name = "amx"
+    uses_amx = True
+
+    def __init__(self, dtype: str):
+        self.dtype = dtype
+        self.operand = element_type(dtype)
+        self.prob_elem = self.operand
+        self.layout = PackedTiles(dtype=dtype, m0=16, n0=16, k0=2)
+
+    def q_sizes(self, s: KernelShapes, batch, rows) -> list:
+        row_tiles = rows // 16 if isinstance(rows, int) else arith_d.divui(rows, const_index(16))
+        return [batch, s.h_kv, row_tiles, s.d // 32, 16, 32]
+
+    def q_source(self, s: KernelShapes):
+        def source(loops):   # (b, h, mt, ds, i, c)
+            b, h, mt, ds, i, c = loops
+            return _query_row(s, b, h, arith_d.addi(arith_d.muli(mt, const_index(16)), i),
+                              arith_d.addi(arith_d.muli(ds, const_index(32)), c))
+        return source
+
+    def scores(self, w: "_Dispatch", q_base, k_block, scores) -> None:
+        """scores[32, KV_BLOCK] = q . k^T, two key tiles at a time (2 x 2 C tiles)."""
+        d, t = w.s.d, Tiles(self.dtype)
+        q_row_tile = d // 32 * 1024         # bytes of one row tile's d/32 A tiles
+        k_key_tile = d // 2 * 64            # bytes of one key tile's d/2 pair rows
+        for pair in range(KV_BLOCK // 32):
+            acc = [t.zero() for _ in range(4)]
+            for step in range(d // 32):
+                a = [t.load(at(q_base, i * q_row_tile + step * 1024), 64) for i in range(2)]
+                b = [t.load(at(k_block, (2 * pair + j) * k_key_tile + step * 1024), 64) for j in range(2)]
+                acc = [t.dot(acc[2 * i + j], a[i], b[j]) for i in range(2) for j in range(2)]
+            for i in range(2):
+                for j in range(2):
+                    where = i * 16 * w.score_stride + (2 * pair + j) * 16 * 4
+                    t.store(at(scores, where), w.score_stride, acc[2 * i + j])
+
+    def accumulate(self, w: "_Dispatch", v_block) -> None:
+        """acc[32, d] += probs[32, KV_BLOCK] . values, two dim tiles at a time."""
+        d, t = w.s.d, Tiles(self.dtype)
+        v_dim_tile = KV_BLOCK // 2 * 64      # bytes of one dim tile's key-pair rows
+        for pair in range(d // 32):
+            c_at = [at(w.acc, i * 16 * w.acc_stride + (2 * pair + j) * 64) for i in range(2) for j in range(2)]
+            acc = [t.load(p, w.acc_stride) for p in c_at]
+            for step in range(KV_BLOCK // 32):
+                a = [t.load(at(w.probs, i * 16 * w.prob_stride + step * 64), w.prob_stride) for i in range(2)]
+                b = [t.load(at(v_block, (2 * pair + j) * v_dim_tile + step * 1024), 64) for j in range(2)]
+                acc = [t.dot(acc[2 * i + j], a[i], b[j]) for i in range(2) for j in range(2)]
+            for p, tile in zip(c_at, acc):
+                t.store(p, w.acc_stride, tile)
+
+
+class FmaEngine:
+    """Q.K^T and P.V in f32 AVX-512 FMAs on register blocks: q rows [B, h_kv, rows, d], k tiles
+    transposed [B, h_kv, T, d, KV_BLOCK] and values [B, h_kv, T * KV_BLOCK, d] (the row tiles of
+    score_tiles.ROW_TILES), probs f32. Scores in blocks of 4 rows x 64 keys (16 accumulators, one
+    query element broadcast per row and step), P.V in blocks of 4 rows x 64 dims."""
+
+    name = "fma"
+    uses_amx = False
+    SCORE_ROWS, SCORE_VECTORS = 4, 4
+    ACC_ROWS, ACC_VECTORS = 4, 4
+    UNROLL = 4
+
+    def __init__(self, dtype: str):
+        self.dtype = dtype
+        self.operand = f32()
+        self.prob_elem = f32()
+        self.layout = ROW_TILES
+
+    def q_sizes(self, s: KernelShapes, batch, rows) -> list:
+        return [batch, s.h_kv, rows, s.d]
+
+    def q_source(self, s: KernelShapes):
+        def source(loops):   # (b, h, row, c)
+            b, h, row, c = loops
+            return _query_row(s, b, h, row, c)
+        return source
+
+    @staticmethod
+    def _blocked(count, step, initial, body):
+        """An scf.for over [0, count) by ``step`` carrying the vectors ``initial``; ``body(i64
+        index, vectors) -> vectors``."""
+        loop = scf_d.ForOp(const_index(0), const_index(count), const_index(step), initial)
+        with ir.InsertionPoint(loop.body):
+            scf_d.YieldOp(body(as_i64(loop.induction_variable), list(loop.inner_iter_args)))
+        return list(loop.results)
+
+    def scores(self, w: "_Dispatch", q_base, k_block, scores) -> None:
+        d, v = w.s.d, w.vec
+        rows, vectors = self.SCORE_ROWS, self.SCORE_VECTORS
+        for row0 in range(0, ROW_BLOCK, rows):
+            for col0 in range(0, KV_BLOCK, 16 * vectors):
+                def step(k, acc, row0=row0, col0=col0):
+                    for u in range(self.UNROLL):
+                        kk = arith_d.addi(k, const_i64(u))
+                        key_row = at(k_block, arith_d.muli(kk, const_i64(KV_BLOCK * 4)))
+                        keys = [v.load(at(key_row, (col0 + 16 * c) * 4)) for c in range(vectors)]
+                        column = arith_d.muli(kk, const_i64(4))
+                        for r in range(rows):
+                            q = v.splat(llvm_load(f32(), at(at(q_base, (row0 + r) * d * 4), column)))
+                            for c in range(vectors):
+                                acc[r * vectors + c] = math_d.fma(q, keys[c], acc[r * vectors + c])
+                    return acc
+                zero = v.const(0.0)
+                acc = self._blocked(d, self.UNROLL, [zero] * (rows * vectors), step)
+                for r in range(rows):
+                    for c in range(vectors):
+                        v.store(acc[r * vectors + c], at(scores, (row0 + r) * w.score_stride + (col0 + 16 * c) * 4))
+
+    def accumulate(self, w: "_Dispatch", v_block) -> None:
+        d, v = w.s.d, w.vec
+        rows = self.ACC_ROWS
+        for row0 in range(0, ROW_BLOCK, rows):
+            for col0 in range(0, d, 16 * self.ACC_VECTORS):
+                vectors = min(self.ACC_VECTORS, (d - col0) // 16)   # d = 96: 4 vectors, then 2
+                places = [at(w.acc, (row0 + r) * w.acc_stride + (col0 + 16 * c) * 4)
+                          for r in range(rows) for c in range(vectors)]
+
+                def step(k, acc, row0=row0, col0=col0, vectors=vectors):
+                    for u in range(self.UNROLL):
+                        kk = arith_d.addi(k, const_i64(u))
+                        value_row = at(v_block, arith_d.muli(kk, const_i64(d * 4)))
+                        values = [v.load(at(value_row, (col0 + 16 * c) * 4)) for c in range(vectors)]
+                        column = arith_d.muli(kk, const_i64(4))
+                        for r in range(rows):
+                            p = v.splat(llvm_load(f32(), at(at(w.probs, (row0 + r) * w.prob_stride), column)))
+                            for c in range(vectors):
+                                acc[r * vectors + c] = math_d.fma(p, values[c], acc[r * vectors + c])
+                    return acc
+                acc = self._blocked(KV_BLOCK, self.UNROLL, [v.load(p) for p in places], step)
+                for p, value in zip(places, acc):
+                    v.store(value, p)
+
+
+def _query_row(s: KernelShapes, b, h, row, column):
+    """(b, head, token, column) of query row ``row`` of KV head ``h`` (row = token * G + g)."""
+    token = arith_d.divui(row, const_index(s.group))
+    head = arith_d.addi(arith_d.muli(h, const_index(s.group)), arith_d.remui(row, const_index(s.group)))
+    return b, head, token, column
+
+
+#: The contractions of a kernel per dtype: AMX tiles for bf16, FMA blocks for f32.
+ENGINES = {"bfloat16": AmxEngine, "float32": FmaEngine}
+
+
+def engine_for(dtype: str):
+    """The contraction engine of a kernel in ``dtype`` (build inside an MLIR context)."""
+    return ENGINES[dtype](dtype)
+
+
+def uses_amx(spec) -> bool:
+    """Whether ``spec``'s kernel in this lowering runs AMX tile instructions (its process must
+    ask Linux for the tile state first: runtime/amx.py)."""
+    return ENGINES[spec.dtype].uses_amx
+
+
+class _Dispatch:
+    """Builds the dispatch function's body (one workgroup's rows)."""
+
+    def __init__(self, shapes: KernelShapes, engine, pointers: dict, scalars: dict):
+        self.s = shapes
+        self.engine = engine
+        self.p = pointers
+        self.n = scalars
+        self.vec = Vec()
+        self.elem = element_type(shapes.dtype)
+        d = shapes.d
+        self.score_stride = KV_BLOCK * 4
+        self.prob_stride = KV_BLOCK * _bytes(engine.prob_elem)
+        self.acc_stride = d * 4
+        self.score_bytes = ROW_BLOCK * self.score_stride
+        self.scores = stack_bytes(self.score_bytes)
+        self.probs = stack_bytes(ROW_BLOCK * self.prob_stride)
+        self.acc = stack_bytes(ROW_BLOCK * self.acc_stride)
+        self.state = stack_bytes(ROW_BLOCK * 8)   # (max, sum) per row
+
+    @staticmethod
+    def row_addr(base, row, stride) -> ir.Value:
+        """``base + row * stride`` (row an i64 Value)."""
+        return at(base, arith_d.muli(row, const_i64(stride)))
+
+    def emit(self) -> None:
+        s = self.s
+        wx = as_i64(stream_d.dispatch_workgroup_id(0))
+        head = as_i64(stream_d.dispatch_workgroup_id(1))
+        entry = as_i64(stream_d.dispatch_workgroup_id(2))
+        q_len, kv_len = self.n["q_len"], self.n["kv_len"]
+        rows, kv_blocks = self.n["rows"], self.n["kv_blocks"]
+        first_row = arith_d.muli(wx, const_i64(ROW_BLOCK))
+        rows_total = arith_d.muli(q_len, const_i64(s.group))
+        rows_valid = arith_d.minsi(const_i64(ROW_BLOCK), arith_d.subi(rows_total, first_row))
+        offset = arith_d.subi(kv_len, q_len)   # bottom-right causal: key <= token + offset
+        if s.causal:
+            last_token = arith_d.divsi(arith_d.addi(first_row, arith_d.subi(rows_valid, const_i64(1))),
+                                       const_i64(s.group))
+            end = arith_d.minsi(kv_len, arith_d.maxsi(const_i64(0), arith_d.addi(last_token, arith_d.addi(offset, const_i64(1)))))
+        else:
+            end = kv_len
+        blocks = arith_d.divsi(arith_d.addi(end, const_i64(KV_BLOCK - 1)), const_i64(KV_BLOCK))
+        hk = arith_d.addi(arith_d.muli(entry, const_i64(s.h_kv)), head)   # (b, h) flattened
+        operand_bytes = _bytes(self.engine.operand)   # the packed q rows of this workgroup, then K and V blocks
+        q_base = at(self.p["q_tiles"], arith_d.muli(arith_d.addi(arith_d.muli(hk, rows), first_row),
+                                                    const_i64(s.d * operand_bytes)))
+        block_bytes = KV_BLOCK * s.d * operand_bytes
+        kv_offset = arith_d.muli(arith_d.muli(hk, kv_blocks), const_i64(block_bytes))
+        k_base = at(self.p["k_tiles"], kv_offset)
+        v_base = at(self.p["v_tiles"], kv_offset)
+
+        self._init_rows()
+        loop = scf_d.ForOp(const_index(0), arith_d.index_cast(ir.IndexType.get(), blocks), const_index(1))
+        with ir.InsertionPoint(loop.body):
+            block = as_i64(loop.induction_variable)
+            self.engine.scores(self, q_base, at(k_base, arith_d.muli(block, const_i64(block_bytes))), self.scores)
+            self._softmax(block, self.scores, first_row, q_len, kv_len, offset)
+            self.engine.accumulate(self, at(v_base, arith_d.muli(block, const_i64(block_bytes))))
+            scf_d.YieldOp([])
+        self._write_rows(entry, head, first_row, rows_valid, q_len, rows)
+
+    def _for_rows(self, count, body) -> None:
+        loop = scf_d.ForOp(const_index(0), count if isinstance(count, ir.Value) else const_index(count), const_index(1))
+        with ir.InsertionPoint(loop.body):
+            body(as_i64(loop.induction_variable))
+            scf_d.YieldOp([])
+
+    def _init_rows(self) -> None:
+        zero = self.vec.const(0.0)
+        state = ir.VectorType.get([2], f32())
+        init = arith_d.constant(state, ir.DenseElementsAttr.get(np.array([NO_KEY_MAX, 0.0], np.float32), type=state))
+
+        def row(r):
+            acc_row = self.row_addr(self.acc, r, self.acc_stride)
+            for t in range(self.s.d // 16):
+                self.vec.store(zero, at(acc_row, t * 64))
+            llvm_store(init, self.row_addr(self.state, r, 8))
+
+        self._for_rows(ROW_BLOCK, row)
+
+    def _softmax(self, block, scores, first_row, q_len, kv_len, offset) -> None:
+        """The rows' softmax step; the mask is applied only where the block reaches past the
+        first row's end (the keys the first row may not see, or past kv_len)."""
+        s = self.s
+        if s.causal:
+            token = arith_d.divsi(first_row, const_i64(s.group))
+            first_end = arith_d.minsi(kv_len, arith_d.addi(token, arith_d.addi(offset, const_i64(1))))
+        else:
+            first_end = kv_len
+        block_end = arith_d.muli(arith_d.addi(block, const_i64(1)), const_i64(KV_BLOCK))
+        masked = arith_d.cmpi(arith_d.CmpIPredicate.sgt, block_end, first_end)
+        branch = scf_d.IfOp(masked, [], has_else=True)
+        with ir.InsertionPoint(branch.then_block):
+            self._softmax_rows(block, scores, first_row, q_len, kv_len, offset, True)
+            scf_d.YieldOp([])
+        with ir.InsertionPoint(branch.else_block):
+            self._softmax_rows(block, scores, first_row, q_len, kv_len, offset, False)
+            scf_d.YieldOp([])
+
+    def _softmax_rows(self, block, scores, first_row, q_len, kv_len, offset, masked: bool) -> None:
+        s, v = self.s, self.vec
+        scale = v.const(s.scale_log2)
+        neg_inf = v.const(float("-inf"))
+        block_start = arith_d.trunci(i32(), arith_d.muli(block, const_i64(KV_BLOCK)))
+        columns = [arith_d.addi(v.iota(), v.splat(arith_d.addi(block_start, arith_d.constant(i32(), 16 * c))))
+                   for c in range(KV_BLOCK // 16)]
+
+        def row(r):
+            if s.causal:
+                token = arith_d.divsi(arith_d.addi(first_row, r), const_i64(s.group))
+                row_end = arith_d.minsi(kv_len, arith_d.addi(token, arith_d.addi(offset, const_i64(1))))
+            else:
+                row_end = kv_len
+            limit = v.splat(arith_d.trunci(i32(), row_end))
+            score_row = self.row_addr(scores, r, self.score_stride)
+            chunks = []
+            for c in range(KV_BLOCK // 16):
+                raw = arith_d.mulf(v.load(at(score_row, c * 64)), scale)
+                if masked:
+                    valid = arith_d.cmpi(arith_d.CmpIPredicate.slt, columns[c], limit)
+                    raw = arith_d.select(valid, raw, neg_inf)
+                chunks.append(raw)
+            widest = chunks[0]
+            for chunk in chunks[1:]:
+                widest = v.max(widest, chunk)
+            state_at = self.row_addr(self.state, r, 8)
+            old_max = llvm_load(f32(), state_at)
+            old_sum = llvm_load(f32(), at(state_at, 4))
+            new_max = v.max(old_max, v.reduce("maximumf", widest))
+            new_max_v = v.splat(new_max)
+            weights = [v.exp2(arith_d.subf(chunk, new_max_v)) for chunk in chunks]
+            total = weights[0]
+            for w in weights[1:]:
+                total = arith_d.addf(total, w)
+            alpha_v = v.exp2(v.splat(arith_d.subf(old_max, new_max)))
+            alpha = vector_extract(alpha_v)
+            new_sum = arith_d.addf(arith_d.mulf(old_sum, alpha), v.reduce("add", total))
+            llvm_store(new_max, state_at)
+            llvm_store(new_sum, at(state_at, 4))
+            prob_row = self.row_addr(self.probs, r, self.prob_stride)
+            prob_elem = self.engine.prob_elem
+            for c, w in enumerate(weights):
+                v.store(v.narrow(w, prob_elem), at(prob_row, c * 16 * _bytes(prob_elem)))
+            grew = scf_d.IfOp(arith_d.cmpf(arith_d.CmpFPredicate.OGT, new_max, old_max))
+            with ir.InsertionPoint(grew.then_block):
+                acc_row = self.row_addr(self.acc, r, self.acc_stride)
+                for t in range(s.d // 16):
+                    where = at(acc_row, t * 64)
+                    v.store(arith_d.mulf(v.load(where), alpha_v), where)
+                scf_d.YieldOp([])
+
+        self._for_rows(ROW_BLOCK, row)
+
+    def _write_rows(self, entry, head, first_row, rows_valid, q_len, rows) -> None:
+        s, v = self.s, self.vec
+        zero = arith_d.constant(f32(), 0.0)
+        one = arith_d.constant(f32(), 1.0)
+
+        def row(r):
+            global_row = arith_d.addi(first_row, r)
+            token = arith_d.divsi(global_row, const_i64(s.group))
+            q_head = arith_d.addi(arith_d.muli(head, const_i64(s.group)), arith_d.remsi(global_row, const_i64(s.group)))
+            state_at = self.row_addr(self.state, r, 8)
+            total = llvm_load(f32(), at(state_at, 4))
+            inv = arith_d.select(arith_d.cmpf(arith_d.CmpFPredicate.OGT, total, zero), arith_d.divf(one, total), zero)
+            inv_v = v.splat(inv)
+            out_row = arith_d.addi(arith_d.muli(arith_d.addi(arith_d.muli(entry, q_len), token), const_i64(s.h_q)), q_head)
+            out_at = at(self.p["out"], arith_d.muli(out_row, const_i64(s.d * _bytes(self.elem))))
+            acc_row = self.row_addr(self.acc, r, self.acc_stride)
+            for t in range(s.d // 16):
+                value = arith_d.mulf(v.load(at(acc_row, t * 64)), inv_v)
+                v.store(v.narrow(value, self.elem), at(out_at, t * 16 * _bytes(self.elem)))
+            # (max, sum) of the row at [b, h, 32 wx + r]
+            hk = arith_d.addi(arith_d.muli(entry, const_i64(s.h_kv)), head)
+            state_row = arith_d.addi(arith_d.muli(hk, rows), global_row)
+            llvm_store(llvm_load(i64(), state_at), at(self.p["state"], arith_d.muli(state_row, const_i64(8))))
+
+        self._for_rows(arith_d.index_cast(ir.IndexType.get(), rows_valid), row)
+
+
+def llvm_load(elem: ir.Type, pointer: ir.Value) -> ir.Value:
+    return llvm_d.load(elem, pointer, alignment=4)
+
+
+def llvm_store(value: ir.Value, pointer: ir.Value) -> None:
+    llvm_d.store(value, pointer, alignment=4)
+
+
+def vector_extract(vector: ir.Value) -> ir.Value:
+    """Lane 0 of a vector."""
+    return vector_d.extract(vector, [], [0])
+
+
+def _operand_sizes(s: KernelShapes, engine, batch, q_len, rows, kv_blocks) -> dict:
+    """The sizes (ints, or index Values) of the dispatch's tensors: the packed q, k and v of
+    ``engine``, the output and the rows' (max, sum) state."""
+    return {"q_tiles": engine.q_sizes(s, batch, rows),
+            "k_tiles": engine.layout.kv_storage(True, batch, s.h_kv, kv_blocks, s.d, KV_BLOCK).sizes,
+            "v_tiles": engine.layout.kv_storage(False, batch, s.h_kv, kv_blocks, s.d, KV_BLOCK).sizes,
+            "out": [batch, q_len, s.h_q, s.d],
+            "state": [batch, s.h_kv, rows, 2]}
+
+
+def _dynamic(sizes) -> list:
+    return [size for size in sizes if isinstance(size, ir.Value)]
+
+
+def _shaped(sizes) -> list[int]:
+    return [DYN if isinstance(size, ir.Value) else size for size in sizes]
+
+
+def build_executable(shapes: KernelShapes, engine) -> None:
+    """The ``stream.executable`` @x86_attention with the dispatch @attend, at the insertion point:
+    bindings q, k, v, the scalars ``_DISPATCH_SCALARS`` (index), then the results out and state."""
+    index = ir.IndexType.get()
+    binding = ir.Type.parse("!stream.binding")
+    executable = stream_d.ExecutableOp(_EXECUTABLE, sym_visibility="private")
+    body = executable.body.blocks.append()
+    with ir.InsertionPoint(body):
+        export = stream_d.ExecutableExportOp(_ENTRY, _ENTRY, sym_visibility="public")
+        count = export.workgroup_count.blocks.append(index, index, index)
+        with ir.InsertionPoint(count):
+            stream_d.ReturnOp(list(count.arguments))
+        inner = builtin_d.ModuleOp()
+        with ir.InsertionPoint(inner.body):
+            arg_types = [binding] * 3 + [index] * len(_DISPATCH_SCALARS) + [binding] * 2
+            fn = func_d.FuncOp(_ENTRY, (arg_types, []))
+            with ir.InsertionPoint(fn.add_entry_block()):
+                args = list(fn.arguments)
+                scalars = dict(zip(_DISPATCH_SCALARS, args[3:3 + len(_DISPATCH_SCALARS)]))
+                sizes = _operand_sizes(shapes, engine, scalars["batch"], scalars["q_len"], scalars["rows"],
+                                       scalars["kv_blocks"])
+                elems = {"q_tiles": engine.operand, "k_tiles": engine.operand, "v_tiles": engine.operand,
+                         "out": element_type(shapes.dtype), "state": f32()}
+                bound = dict(zip(("q_tiles", "k_tiles", "v_tiles", "out", "state"), [*args[:3], *args[-2:]]))
+                pointers = {name: binding_pointer(bound[name], ir.MemRefType.get(_shaped(sizes[name]), elems[name]),
+                                                  _dynamic(sizes[name])) for name in bound}
+                as64 = {name: as_i64(value) for name, value in scalars.items()}
+                _Dispatch(shapes, engine, pointers, as64).emit()
+                func_d.ReturnOp([])
+        stream_d.ExecutableEndOp()
+
+
+def emit_dense(shapes: KernelShapes, q: ir.Value, k: ir.Value, v: ir.Value, anchor: ir.Operation) -> list[ir.Value]:
+    """(output [B, Lq, h_q, d], lse [B, Lq, h_q] f32) of q [B, Lq, h_q, d], k/v [B, Lk, h_kv, d]
+    through the dispatch; its executable is built before ``anchor`` (the kernel's function)."""
+    s = shapes
+    engine = engine_for(s.dtype)
+    with ir.InsertionPoint(anchor):
+        build_executable(s, engine)
+    elem = element_type(s.dtype)
+    batch, q_len, kv_len = dim(q, 0), dim(q, 1), dim(k, 1)
+    row_blocks = ceil_div(arith_d.muli(q_len, const_index(s.group)), ROW_BLOCK)
+    rows = arith_d.muli(row_blocks, const_index(ROW_BLOCK))
+    kv_blocks = ceil_div(kv_len, KV_BLOCK)
+    sizes = _operand_sizes(s, engine, batch, q_len, rows, kv_blocks)
+    q_tiles = DENSE.stored(q, q_len, sizes["q_tiles"], engine.q_source(s), None, engine.operand, engine.operand)
+    stored = [engine.layout.kv_storage(keys, batch, s.h_kv, kv_blocks, s.d, KV_BLOCK) for keys in (True, False)]
+    k_tiles, v_tiles = (DENSE.stored(x, kv_len, st.sizes, st.source, None, elem, st.elem) for x, st in zip((k, v), stored))
+
+    entry = ir.ArrayAttr.get([ir.SymbolRefAttr.get([_EXECUTABLE, _ENTRY])])
+    operands = [q_tiles, k_tiles, v_tiles]
+    dispatch = flow_d.DispatchOp(
+        [tensor_type(_shaped(sizes["out"]), elem), tensor_type(_shaped(sizes["state"]), f32())],
+        [row_blocks, const_index(s.h_kv), batch], entry,
+        [*operands, batch, q_len, kv_len, rows, kv_blocks],
+        [dyn for name in ("q_tiles", "k_tiles", "v_tiles") for dyn in _dynamic(sizes[name])],
+        [*_dynamic(sizes["out"]), *_dynamic(sizes["state"])])
+    out, state = dispatch.results
+
+    def lse_body(_out):
+        b, t, hq = (linalg_d.IndexOp(i).result for i in range(3))
+        head = arith_d.divui(hq, const_index(s.group))
+        row = arith_d.addi(arith_d.muli(t, const_index(s.group)), arith_d.remui(hq, const_index(s.group)))
+        best = tensor_d.extract(state, [b, head, row, const_index(0)])
+        total = tensor_d.extract(state, [b, head, row, const_index(1)])
+        seen = arith_d.cmpf(arith_d.CmpFPredicate.OGT, total, const_f32(0.0))
+        return [arith_d.select(seen, arith_d.addf(best, math_d.log2(total)), const_f32(EMPTY_ROW_LSE))]
+
+    lse = generic([], [empty([batch, q_len, s.h_q], f32())], [affine_map(3, range(3))], "ppp", lse_body)[0]
+    return [out, lse]
+
+
+def unsupported(spec) -> str | None:
+    """Why the x86 lowering cannot build ``spec`` (None where it can): the dense sequence prefill
+    in bf16 or f32 with a head dim that divides into 32-column tiles, no soft cap, sinks or 8-bit KV."""
+    if type(spec) is not SequencePrefillSpec:
+        return f"{type(spec).__name__} has no x86 kernel (the dense sequence prefill has)"
+    if spec.dtype not in ENGINES:
+        return f"dtype {spec.dtype}: the kernels are bf16 (AMX tiles) and f32 (FMA blocks)"
+    if spec.d % 32:
+        return f"d={spec.d}: the x86 kernels need a multiple of 32"
+    if spec.logits_soft_cap or spec.head_sinks or spec.kv_dtype:
+        return "soft cap, head sinks and 8-bit KV have no x86 kernel"
+    return None
+
+
+def build_x86_sequence_prefill(spec: SequencePrefillSpec) -> ir.Module:
+    """The verified module of ``spec`` (same signature as sequence.build_sequence_prefill) with
+    the attention in one hand-written dispatch; ValueError where :func:`unsupported` says why not."""
+    why = unsupported(spec)
+    if why:
+        raise ValueError(f"no x86 lowering for {spec.name}: {why}")
+    shapes = KernelShapes(spec.h_q, spec.h_kv, spec.d, spec.dtype, spec.causal, spec.sm_scale * LOG2E)
+
+    def emit(args):
+        function = args["q"].owner.owner   # the kernel's func.func: the executable goes before it
+        return emit_dense(shapes, args["q"], args["k"], args["v"], function)
+
+    return function_module(spec, emit)
