@@ -78,7 +78,10 @@ def test_a_new_backend_runs_against_the_reference_by_default(fake_backend, cache
     spec = SHARED_SEQ
     report = compare_backends(spec, example_inputs(spec, np.random.default_rng(0), ((5, 5), (3, 3))), cache=cache)
     assert {"llvm-cpu", "fake-cpu"} <= set(report.ran) and report.ok, report.table()
-    assert report.pairwise[0][2:] == (0.0, 0.0)  # same flags, same IR: the same artifact
+    if Target("llvm-cpu").lowering_of(spec) == Target("fake-cpu").lowering_of(spec):
+        assert report.pairwise[0][2:] == (0.0, 0.0)  # same flags, same IR: the same artifact
+    else:  # an AMX host builds llvm-cpu's in the x86 lowering (fake-cpu's arch has no AMX)
+        assert report.pairwise[0][2:] != (0.0, 0.0)
 
 
 def test_the_ir_builders_hold_no_target_attribute():
