@@ -49,7 +49,7 @@ from .score_tiles import ROW_TILES, PackedTiles
 from .specs import EMPTY_ROW_LSE, SequencePrefillSpec
 
 #: Keys of one KV step (128 against 64: 0.84x against 0.72x torch SDPA, bf16 L = 2048, 32-row blocks).
-KV_BLOCK = 64
+KV_BLOCK = 128
 #: Query rows of one workgroup (four A tiles; 64 against 32 rows: 1.1x at L = 8192, docs/performance.md).
 ROW_BLOCK = 64
 #: The running max's start (finite, as the linalg lowering's: mlir/online_softmax.py).
