@@ -7,24 +7,28 @@ the x86 lowering), so the backend record picks this lowering on Intel Xeons with
 (pipeline/cpu_tiles.py: cpu_spec_lowering).
 
 Rows (G = h_q // h_kv folded in: row r of KV head h holds token r // G and query head h * G + r % G;
-``rows`` = the rows rounded up to ``ROW_BLOCK``; T KV blocks of ``KV_BLOCK`` keys), packed per engine:
+a workgroup owns ``row_block`` rows, a KV step is ``kv_block`` keys, both per kernel: blocks_for).
+Q is read in place: each workgroup copies its rows from q [B, Lq, h_q, d] into its stack in the
+engine's order (zero past the call's rows). K and V are packed once per call (T KV steps; keys
+past the call's are zero):
 
-    AmxEngine  q [B, h_kv, rows/16, d/32, 16, 32]  (A tiles)      bf16
-               k [B, h_kv, T, KV_BLOCK/16, d/2, 16, 2]  v [B, h_kv, T, d/16, KV_BLOCK/2, 16, 2]  (B tiles)
-    FmaEngine  q [B, h_kv, rows, d]                                f32
-               k [B, h_kv, T, d, KV_BLOCK] (each block transposed)  v [B, h_kv, T * KV_BLOCK, d]
+    AmxEngine  k [B, h_kv, T, kv_block/16, d/2, 16, 2]  v [B, h_kv, T, d/16, kv_block/2, 16, 2]  bf16 B tiles
+               q rows as A tiles [row_block/16, d/32, 16, 32]
+    FmaEngine  k [B, h_kv, T, d, kv_block] (each block transposed)  v [B, h_kv, T * kv_block, d]  f32
+               q rows [row_block, d]
 
-rows and keys past the call's lengths are zero. Workgroup (x, h, b) owns rows [32x, 32x + 32) of
-KV head h of entry b and keeps on its stack, f32 unless named:
+Workgroup (x, h, b) owns rows [x, x + 1) * row_block of KV head h of entry b and keeps on its
+stack, f32 unless named:
 
-    scores [32, KV_BLOCK]   probs [32, KV_BLOCK] (the engine's operand dtype)   acc [32, d]   (max, sum) [32]
+    scores [row_block, kv_block]   probs [row_block, kv_block] (the engine's operand dtype)
+    acc [row_block, d]   (max, sum) [row_block]   q rows [row_block, d] (operand dtype)
 
-For each KV block the row block can see: the scores (engine), then per row the scale, the mask
-(key < the row's end; only in blocks that reach past the first row's end), the running max,
-2^(s - max) into probs, the sum and, where the max grew, the acc rescale; then acc += probs .
-values (engine). Rows are written to the output [B, Lq, h_q, d] directly (normalised, in the
-dtype); (max, sum) per row go to a [B, h_kv, rows, 2] f32 buffer from which one generic makes
-lse [B, Lq, h_q] (base 2; EMPTY_ROW_LSE and output 0 for a row that saw no key).
+For each KV step the rows can see: the scores (engine), then per row the mask (key < the row's
+end; only in steps that reach past the first row's end), the running max, 2^(scale * s - max)
+into probs, the sum and, where the max grew, the acc rescale; then acc += probs . values
+(engine). Rows are written to the output [B, Lq, h_q, d] directly (normalised, in the dtype);
+(max, sum) per row go to a [B, h_kv, rows, 2] f32 buffer from which one generic makes lse
+[B, Lq, h_q] (base 2; EMPTY_ROW_LSE and output 0 for a row that saw no key).
 """
 
 from __future__ import annotations
@@ -48,10 +52,21 @@ from .kv_layouts import DENSE
 from .score_tiles import ROW_TILES, PackedTiles
 from .specs import EMPTY_ROW_LSE, SequencePrefillSpec
 
-#: Keys of one KV step (128 against 64: 0.84x against 0.72x torch SDPA, bf16 L = 2048, 32-row blocks).
-KV_BLOCK = 128
-#: Query rows of one workgroup (four A tiles; 64 against 32 rows: 1.1x at L = 8192, docs/performance.md).
-ROW_BLOCK = 64
+#: A workgroup's buffers live on its stack, which IREE's workers keep at 128 KiB (a kernel whose
+#: buffers took 144 KiB crashed); blocks are chosen to keep them under this.
+STACK_BUDGET = 100 * 1024
+
+
+def blocks_for(dtype: str, d: int) -> tuple[int, int]:
+    """(query rows of a workgroup, keys of a KV step): the largest of 64 and 32 rows (64 read K and
+    V half as often: 1.1x at L = 8192) and of 128 and 64 keys (128 against 64: 0.84x against 0.72x
+    torch SDPA, bf16 L = 2048, 32 rows) whose buffers fit STACK_BUDGET, rows first."""
+    operand = 2 if dtype == "bfloat16" else 4
+    for rows in (64, 32):
+        for keys in (128, 64):
+            if rows * (keys * 4 + keys * operand + d * 4 + d * operand + 8) <= STACK_BUDGET:
+                return rows, keys
+    return 32, 64
 #: The running max's start (finite, as the linalg lowering's: mlir/online_softmax.py).
 NO_KEY_MAX = -1.0e30
 
@@ -63,7 +78,7 @@ _DISPATCH_SCALARS = ("batch", "q_len", "kv_len", "rows", "kv_blocks")
 @dataclass(frozen=True)
 class KernelShapes:
     """The static facts of one kernel: heads, head dim, operand dtype, causal, the score scale
-    (sm_scale * log2(e), the log2-domain factor)."""
+    (sm_scale * log2(e), the log2-domain factor), the workgroup's rows and a KV step's keys."""
 
     h_q: int
     h_kv: int
@@ -71,6 +86,8 @@ class KernelShapes:
     dtype: str
     causal: bool
     scale_log2: float
+    row_block: int
+    kv_block: int
 
     @property
     def group(self) -> int:
@@ -96,24 +113,21 @@ class AmxEngine:
         self.prob_elem = self.operand
         self.layout = PackedTiles(dtype=dtype, m0=16, n0=16, k0=2)
 
-    def q_sizes(self, s: KernelShapes, batch, rows) -> list:
-        row_tiles = rows // 16 if isinstance(rows, int) else arith_d.divui(rows, const_index(16))
-        return [batch, s.h_kv, row_tiles, s.d // 32, 16, 32]
+    def q_row_at(self, d: int, row: ir.Value) -> ir.Value:
+        """Byte offset of row ``row``'s first 64 bytes in the workgroup's A tiles
+        [row_block/16, d/32, 16, 32]; its next 64 bytes (32 dims) are a tile (1 KiB) further."""
+        tile, within = arith_d.divui(row, const_i64(16)), arith_d.remui(row, const_i64(16))
+        return arith_d.addi(arith_d.muli(tile, const_i64(d // 32 * 1024)), arith_d.muli(within, const_i64(64)))
 
-    def q_source(self, s: KernelShapes):
-        def source(loops):   # (b, h, mt, ds, i, c)
-            b, h, mt, ds, i, c = loops
-            return _query_row(s, b, h, arith_d.addi(arith_d.muli(mt, const_index(16)), i),
-                              arith_d.addi(arith_d.muli(ds, const_index(32)), c))
-        return source
+    q_chunk_stride = 1024
 
     def scores(self, w: "_Dispatch", q_base, k_block, scores) -> None:
-        """scores[32, KV_BLOCK] = q . k^T, two key tiles at a time (2 x 2 C tiles)."""
+        """scores[row_block, kv_block] = q . k^T, two key tiles at a time (2 x 2 C tiles)."""
         d, t = w.s.d, Tiles(self.dtype)
         q_row_tile = d // 32 * 1024         # bytes of one row tile's d/32 A tiles
         k_key_tile = d // 2 * 64            # bytes of one key tile's d/2 pair rows
-        for rows in range(0, ROW_BLOCK // 16, 2):   # pairs of row tiles
-            for pair in range(KV_BLOCK // 32):
+        for rows in range(0, w.s.row_block // 16, 2):   # pairs of row tiles
+            for pair in range(w.s.kv_block // 32):
                 acc = [t.zero() for _ in range(4)]
                 for step in range(d // 32):
                     a = [t.load(at(q_base, (rows + i) * q_row_tile + step * 1024), 64) for i in range(2)]
@@ -125,15 +139,15 @@ class AmxEngine:
                         t.store(at(scores, where), w.score_stride, acc[2 * i + j])
 
     def accumulate(self, w: "_Dispatch", v_block) -> None:
-        """acc[32, d] += probs[32, KV_BLOCK] . values, two dim tiles at a time."""
+        """acc[row_block, d] += probs[row_block, kv_block] . values, two dim tiles at a time."""
         d, t = w.s.d, Tiles(self.dtype)
-        v_dim_tile = KV_BLOCK // 2 * 64      # bytes of one dim tile's key-pair rows
-        for rows in range(0, ROW_BLOCK // 16, 2):   # pairs of row tiles
+        v_dim_tile = w.s.kv_block // 2 * 64      # bytes of one dim tile's key-pair rows
+        for rows in range(0, w.s.row_block // 16, 2):   # pairs of row tiles
             for pair in range(d // 32):
                 c_at = [at(w.acc, (rows + i) * 16 * w.acc_stride + (2 * pair + j) * 64)
                         for i in range(2) for j in range(2)]
                 acc = [t.load(p, w.acc_stride) for p in c_at]
-                for step in range(KV_BLOCK // 32):
+                for step in range(w.s.kv_block // 32):
                     a = [t.load(at(w.probs, (rows + i) * 16 * w.prob_stride + step * 64), w.prob_stride)
                          for i in range(2)]
                     b = [t.load(at(v_block, (2 * pair + j) * v_dim_tile + step * 1024), 64) for j in range(2)]
@@ -144,7 +158,7 @@ class AmxEngine:
 
 class FmaEngine:
     """Q.K^T and P.V in f32 AVX-512 FMAs on register blocks: q rows [B, h_kv, rows, d], k tiles
-    transposed [B, h_kv, T, d, KV_BLOCK] and values [B, h_kv, T * KV_BLOCK, d] (the row tiles of
+    transposed [B, h_kv, T, d, kv_block] and values [B, h_kv, T * kv_block, d] (the row tiles of
     score_tiles.ROW_TILES), probs f32. Scores in blocks of 4 rows x 64 keys (16 accumulators, one
     query element broadcast per row and step), P.V in blocks of 4 rows x 64 dims."""
 
@@ -160,14 +174,11 @@ class FmaEngine:
         self.prob_elem = f32()
         self.layout = ROW_TILES
 
-    def q_sizes(self, s: KernelShapes, batch, rows) -> list:
-        return [batch, s.h_kv, rows, s.d]
+    def q_row_at(self, d: int, row: ir.Value) -> ir.Value:
+        """Byte offset of row ``row`` in the workgroup's rows [row_block, d] f32."""
+        return arith_d.muli(row, const_i64(d * 4))
 
-    def q_source(self, s: KernelShapes):
-        def source(loops):   # (b, h, row, c)
-            b, h, row, c = loops
-            return _query_row(s, b, h, row, c)
-        return source
+    q_chunk_stride = 64
 
     @staticmethod
     def _blocked(count, step, initial, body):
@@ -181,12 +192,12 @@ class FmaEngine:
     def scores(self, w: "_Dispatch", q_base, k_block, scores) -> None:
         d, v = w.s.d, w.vec
         rows, vectors = self.SCORE_ROWS, self.SCORE_VECTORS
-        for row0 in range(0, ROW_BLOCK, rows):
-            for col0 in range(0, KV_BLOCK, 16 * vectors):
+        for row0 in range(0, w.s.row_block, rows):
+            for col0 in range(0, w.s.kv_block, 16 * vectors):
                 def step(k, acc, row0=row0, col0=col0):
                     for u in range(self.UNROLL):
                         kk = arith_d.addi(k, const_i64(u))
-                        key_row = at(k_block, arith_d.muli(kk, const_i64(KV_BLOCK * 4)))
+                        key_row = at(k_block, arith_d.muli(kk, const_i64(w.s.kv_block * 4)))
                         keys = [v.load(at(key_row, (col0 + 16 * c) * 4)) for c in range(vectors)]
                         column = arith_d.muli(kk, const_i64(4))
                         for r in range(rows):
@@ -203,7 +214,7 @@ class FmaEngine:
     def accumulate(self, w: "_Dispatch", v_block) -> None:
         d, v = w.s.d, w.vec
         rows = self.ACC_ROWS
-        for row0 in range(0, ROW_BLOCK, rows):
+        for row0 in range(0, w.s.row_block, rows):
             for col0 in range(0, d, 16 * self.ACC_VECTORS):
                 vectors = min(self.ACC_VECTORS, (d - col0) // 16)   # d = 96: 4 vectors, then 2
                 places = [at(w.acc, (row0 + r) * w.acc_stride + (col0 + 16 * c) * 4)
@@ -220,16 +231,9 @@ class FmaEngine:
                             for c in range(vectors):
                                 acc[r * vectors + c] = math_d.fma(p, values[c], acc[r * vectors + c])
                     return acc
-                acc = self._blocked(KV_BLOCK, self.UNROLL, [v.load(p) for p in places], step)
+                acc = self._blocked(w.s.kv_block, self.UNROLL, [v.load(p) for p in places], step)
                 for p, value in zip(places, acc):
                     v.store(value, p)
-
-
-def _query_row(s: KernelShapes, b, h, row, column):
-    """(b, head, token, column) of query row ``row`` of KV head ``h`` (row = token * G + g)."""
-    token = arith_d.divui(row, const_index(s.group))
-    head = arith_d.addi(arith_d.muli(h, const_index(s.group)), arith_d.remui(row, const_index(s.group)))
-    return b, head, token, column
 
 
 #: The contractions of a kernel per dtype: AMX tiles for bf16, FMA blocks for f32.
@@ -258,14 +262,15 @@ class _Dispatch:
         self.vec = Vec()
         self.elem = element_type(shapes.dtype)
         d = shapes.d
-        self.score_stride = KV_BLOCK * 4
-        self.prob_stride = KV_BLOCK * _bytes(engine.prob_elem)
+        self.score_stride = self.s.kv_block * 4
+        self.prob_stride = self.s.kv_block * _bytes(engine.prob_elem)
         self.acc_stride = d * 4
-        self.score_bytes = ROW_BLOCK * self.score_stride
+        self.score_bytes = self.s.row_block * self.score_stride
         self.scores = stack_bytes(self.score_bytes)
-        self.probs = stack_bytes(ROW_BLOCK * self.prob_stride)
-        self.acc = stack_bytes(ROW_BLOCK * self.acc_stride)
-        self.state = stack_bytes(ROW_BLOCK * 8)   # (max, sum) per row
+        self.probs = stack_bytes(self.s.row_block * self.prob_stride)
+        self.acc = stack_bytes(self.s.row_block * self.acc_stride)
+        self.state = stack_bytes(self.s.row_block * 8)   # (max, sum) per row
+        self.q_rows = stack_bytes(self.s.row_block * d * _bytes(engine.operand))   # in the engine's order
 
     @staticmethod
     def row_addr(base, row, stride) -> ir.Value:
@@ -279,9 +284,9 @@ class _Dispatch:
         entry = as_i64(stream_d.dispatch_workgroup_id(2))
         q_len, kv_len = self.n["q_len"], self.n["kv_len"]
         rows, kv_blocks = self.n["rows"], self.n["kv_blocks"]
-        first_row = arith_d.muli(wx, const_i64(ROW_BLOCK))
+        first_row = arith_d.muli(wx, const_i64(self.s.row_block))
         rows_total = arith_d.muli(q_len, const_i64(s.group))
-        rows_valid = arith_d.minsi(const_i64(ROW_BLOCK), arith_d.subi(rows_total, first_row))
+        rows_valid = arith_d.minsi(const_i64(self.s.row_block), arith_d.subi(rows_total, first_row))
         offset = arith_d.subi(kv_len, q_len)   # bottom-right causal: key <= token + offset
         if s.causal:
             last_token = arith_d.divsi(arith_d.addi(first_row, arith_d.subi(rows_valid, const_i64(1))),
@@ -289,12 +294,12 @@ class _Dispatch:
             end = arith_d.minsi(kv_len, arith_d.maxsi(const_i64(0), arith_d.addi(last_token, arith_d.addi(offset, const_i64(1)))))
         else:
             end = kv_len
-        blocks = arith_d.divsi(arith_d.addi(end, const_i64(KV_BLOCK - 1)), const_i64(KV_BLOCK))
+        blocks = arith_d.divsi(arith_d.addi(end, const_i64(self.s.kv_block - 1)), const_i64(self.s.kv_block))
         hk = arith_d.addi(arith_d.muli(entry, const_i64(s.h_kv)), head)   # (b, h) flattened
-        operand_bytes = _bytes(self.engine.operand)   # the packed q rows of this workgroup, then K and V blocks
-        q_base = at(self.p["q_tiles"], arith_d.muli(arith_d.addi(arith_d.muli(hk, rows), first_row),
-                                                    const_i64(s.d * operand_bytes)))
-        block_bytes = KV_BLOCK * s.d * operand_bytes
+        operand_bytes = _bytes(self.engine.operand)
+        block_bytes = self.s.kv_block * s.d * operand_bytes
+        q_base = self.q_rows
+        self._copy_query_rows(entry, head, first_row, rows_total, q_len)
         kv_offset = arith_d.muli(arith_d.muli(hk, kv_blocks), const_i64(block_bytes))
         k_base = at(self.p["k_tiles"], kv_offset)
         v_base = at(self.p["v_tiles"], kv_offset)
@@ -308,6 +313,34 @@ class _Dispatch:
             self.engine.accumulate(self, at(v_base, arith_d.muli(block, const_i64(block_bytes))))
             scf_d.YieldOp([])
         self._write_rows(entry, head, first_row, rows_valid, q_len, rows)
+
+    def _copy_query_rows(self, entry, head, first_row, rows_total, q_len) -> None:
+        """The workgroup's query rows from q [B, Lq, h_q, d] into ``q_rows`` in the engine's order,
+        64 bytes at a time; rows past the call's are zero."""
+        s, v = self.s, self.vec
+        chunks = s.d * _bytes(self.engine.operand) // 64
+        bits = ir.VectorType.get([16], i32())
+        zero = arith_d.constant(bits, ir.DenseElementsAttr.get_splat(bits, ir.IntegerAttr.get(i32(), 0)))
+
+        def row(r):
+            global_row = arith_d.addi(first_row, r)
+            dest = at(self.q_rows, self.engine.q_row_at(s.d, r))
+            present = scf_d.IfOp(arith_d.cmpi(arith_d.CmpIPredicate.slt, global_row, rows_total), [], has_else=True)
+            with ir.InsertionPoint(present.then_block):
+                token = arith_d.divsi(global_row, const_i64(s.group))
+                q_head = arith_d.addi(arith_d.muli(head, const_i64(s.group)), arith_d.remsi(global_row, const_i64(s.group)))
+                source_row = arith_d.addi(arith_d.muli(arith_d.addi(arith_d.muli(entry, q_len), token), const_i64(s.h_q)),
+                                          q_head)
+                source = at(self.p["q"], arith_d.muli(source_row, const_i64(s.d * _bytes(self.engine.operand))))
+                for c in range(chunks):
+                    v.store(v.load(at(source, c * 64), i32()), at(dest, c * self.engine.q_chunk_stride))
+                scf_d.YieldOp([])
+            with ir.InsertionPoint(present.else_block):
+                for c in range(chunks):
+                    v.store(zero, at(dest, c * self.engine.q_chunk_stride))
+                scf_d.YieldOp([])
+
+        self._for_rows(self.s.row_block, row)
 
     def _for_rows(self, count, body) -> None:
         loop = scf_d.ForOp(const_index(0), count if isinstance(count, ir.Value) else const_index(count), const_index(1))
@@ -326,7 +359,7 @@ class _Dispatch:
                 self.vec.store(zero, at(acc_row, t * 64))
             llvm_store(init, self.row_addr(self.state, r, 8))
 
-        self._for_rows(ROW_BLOCK, row)
+        self._for_rows(self.s.row_block, row)
 
     def _softmax(self, block, scores, first_row, q_len, kv_len, offset) -> None:
         """The rows' softmax step; the mask is applied only where the block reaches past the
@@ -337,7 +370,7 @@ class _Dispatch:
             first_end = arith_d.minsi(kv_len, arith_d.addi(token, arith_d.addi(offset, const_i64(1))))
         else:
             first_end = kv_len
-        block_end = arith_d.muli(arith_d.addi(block, const_i64(1)), const_i64(KV_BLOCK))
+        block_end = arith_d.muli(arith_d.addi(block, const_i64(1)), const_i64(self.s.kv_block))
         masked = arith_d.cmpi(arith_d.CmpIPredicate.sgt, block_end, first_end)
         branch = scf_d.IfOp(masked, [], has_else=True)
         with ir.InsertionPoint(branch.then_block):
@@ -352,9 +385,9 @@ class _Dispatch:
         scale = v.const(s.scale_log2)
         scale_scalar = arith_d.constant(f32(), s.scale_log2)
         neg_inf = v.const(float("-inf"))
-        block_start = arith_d.trunci(i32(), arith_d.muli(block, const_i64(KV_BLOCK)))
+        block_start = arith_d.trunci(i32(), arith_d.muli(block, const_i64(self.s.kv_block)))
         columns = [arith_d.addi(v.iota(), v.splat(arith_d.addi(block_start, arith_d.constant(i32(), 16 * c))))
-                   for c in range(KV_BLOCK // 16)]
+                   for c in range(self.s.kv_block // 16)]
 
         def row(r):
             if s.causal:
@@ -365,7 +398,7 @@ class _Dispatch:
             limit = v.splat(arith_d.trunci(i32(), row_end))
             score_row = self.row_addr(scores, r, self.score_stride)
             chunks = []   # raw q.k; the scale enters the row max and, fused, the exponents
-            for c in range(KV_BLOCK // 16):
+            for c in range(self.s.kv_block // 16):
                 raw = v.load(at(score_row, c * 64))
                 if masked:
                     valid = arith_d.cmpi(arith_d.CmpIPredicate.slt, columns[c], limit)
@@ -400,7 +433,7 @@ class _Dispatch:
                     v.store(arith_d.mulf(v.load(where), alpha_v), where)
                 scf_d.YieldOp([])
 
-        self._for_rows(ROW_BLOCK, row)
+        self._for_rows(self.s.row_block, row)
 
     def _write_rows(self, entry, head, first_row, rows_valid, q_len, rows) -> None:
         s, v = self.s, self.vec
@@ -445,9 +478,9 @@ def vector_extract(vector: ir.Value) -> ir.Value:
 def _operand_sizes(s: KernelShapes, engine, batch, q_len, rows, kv_blocks) -> dict:
     """The sizes (ints, or index Values) of the dispatch's tensors: the packed q, k and v of
     ``engine``, the output and the rows' (max, sum) state."""
-    return {"q_tiles": engine.q_sizes(s, batch, rows),
-            "k_tiles": engine.layout.kv_storage(True, batch, s.h_kv, kv_blocks, s.d, KV_BLOCK).sizes,
-            "v_tiles": engine.layout.kv_storage(False, batch, s.h_kv, kv_blocks, s.d, KV_BLOCK).sizes,
+    return {"q": [batch, q_len, s.h_q, s.d],
+            "k_tiles": engine.layout.kv_storage(True, batch, s.h_kv, kv_blocks, s.d, s.kv_block).sizes,
+            "v_tiles": engine.layout.kv_storage(False, batch, s.h_kv, kv_blocks, s.d, s.kv_block).sizes,
             "out": [batch, q_len, s.h_q, s.d],
             "state": [batch, s.h_kv, rows, 2]}
 
@@ -481,9 +514,9 @@ def build_executable(shapes: KernelShapes, engine) -> None:
                 scalars = dict(zip(_DISPATCH_SCALARS, args[3:3 + len(_DISPATCH_SCALARS)]))
                 sizes = _operand_sizes(shapes, engine, scalars["batch"], scalars["q_len"], scalars["rows"],
                                        scalars["kv_blocks"])
-                elems = {"q_tiles": engine.operand, "k_tiles": engine.operand, "v_tiles": engine.operand,
+                elems = {"q": engine.operand, "k_tiles": engine.operand, "v_tiles": engine.operand,
                          "out": element_type(shapes.dtype), "state": f32()}
-                bound = dict(zip(("q_tiles", "k_tiles", "v_tiles", "out", "state"), [*args[:3], *args[-2:]]))
+                bound = dict(zip(("q", "k_tiles", "v_tiles", "out", "state"), [*args[:3], *args[-2:]]))
                 pointers = {name: binding_pointer(bound[name], ir.MemRefType.get(_shaped(sizes[name]), elems[name]),
                                                   _dynamic(sizes[name])) for name in bound}
                 as64 = {name: as_i64(value) for name, value in scalars.items()}
@@ -501,21 +534,20 @@ def emit_dense(shapes: KernelShapes, q: ir.Value, k: ir.Value, v: ir.Value, anch
         build_executable(s, engine)
     elem = element_type(s.dtype)
     batch, q_len, kv_len = dim(q, 0), dim(q, 1), dim(k, 1)
-    row_blocks = ceil_div(arith_d.muli(q_len, const_index(s.group)), ROW_BLOCK)
-    rows = arith_d.muli(row_blocks, const_index(ROW_BLOCK))
-    kv_blocks = ceil_div(kv_len, KV_BLOCK)
+    row_blocks = ceil_div(arith_d.muli(q_len, const_index(s.group)), s.row_block)
+    rows = arith_d.muli(row_blocks, const_index(s.row_block))
+    kv_blocks = ceil_div(kv_len, s.kv_block)
     sizes = _operand_sizes(s, engine, batch, q_len, rows, kv_blocks)
-    q_tiles = DENSE.stored(q, q_len, sizes["q_tiles"], engine.q_source(s), None, engine.operand, engine.operand)
-    stored = [engine.layout.kv_storage(keys, batch, s.h_kv, kv_blocks, s.d, KV_BLOCK) for keys in (True, False)]
+    stored = [engine.layout.kv_storage(keys, batch, s.h_kv, kv_blocks, s.d, s.kv_block) for keys in (True, False)]
     k_tiles, v_tiles = (DENSE.stored(x, kv_len, st.sizes, st.source, None, elem, st.elem) for x, st in zip((k, v), stored))
 
     entry = ir.ArrayAttr.get([ir.SymbolRefAttr.get([_EXECUTABLE, _ENTRY])])
-    operands = [q_tiles, k_tiles, v_tiles]
+    operands = [q, k_tiles, v_tiles]
     dispatch = flow_d.DispatchOp(
         [tensor_type(_shaped(sizes["out"]), elem), tensor_type(_shaped(sizes["state"]), f32())],
         [row_blocks, const_index(s.h_kv), batch], entry,
         [*operands, batch, q_len, kv_len, rows, kv_blocks],
-        [dyn for name in ("q_tiles", "k_tiles", "v_tiles") for dyn in _dynamic(sizes[name])],
+        [dyn for name in ("q", "k_tiles", "v_tiles") for dyn in _dynamic(sizes[name])],
         [*_dynamic(sizes["out"]), *_dynamic(sizes["state"])])
     out, state = dispatch.results
 
@@ -552,7 +584,8 @@ def build_x86_sequence_prefill(spec: SequencePrefillSpec) -> ir.Module:
     why = unsupported(spec)
     if why:
         raise ValueError(f"no x86 lowering for {spec.name}: {why}")
-    shapes = KernelShapes(spec.h_q, spec.h_kv, spec.d, spec.dtype, spec.causal, spec.sm_scale * LOG2E)
+    shapes = KernelShapes(spec.h_q, spec.h_kv, spec.d, spec.dtype, spec.causal, spec.sm_scale * LOG2E,
+                          *blocks_for(spec.dtype, spec.d))
 
     def emit(args):
         function = args["q"].owner.owner   # the kernel's func.func: the executable goes before it
