@@ -48,7 +48,7 @@ def build_module(spec, *, row_chunk: int | None = None, score_tiles: RowTiles = 
 
 
 def build_x86_module(spec):
-    """The verified MLIR module of the AMX lowering (mlir/x86_attention.py); ValueError naming why
+    """The verified MLIR module of the x86 lowering (mlir/x86_attention.py); ValueError naming why
     for a spec it has no kernel for (:func:`x86_unsupported`)."""
     return build_x86_sequence_prefill(spec)
 

@@ -50,7 +50,7 @@ from .ir import (
 from .abi import function_module
 from .kv_layouts import DENSE
 from .score_tiles import ROW_TILES, PackedTiles
-from .specs import EMPTY_ROW_LSE, SequencePrefillSpec
+from .specs import EMPTY_ROW_LSE, MaskedSequencePrefillSpec, SequencePrefillSpec
 
 #: A workgroup's buffers live on its stack, which IREE's workers keep at 128 KiB (a kernel whose
 #: buffers took 144 KiB crashed); blocks are chosen to keep them under this.
@@ -75,16 +75,57 @@ _ENTRY = "attend"
 _DISPATCH_SCALARS = ("batch", "q_len", "kv_len", "rows", "kv_blocks")
 
 
+#: The masks the kernels take: which keys [lo, hi) a query token t sees, diag = kv_len - q_len,
+#: vl = valid_lens[b] (semantics §7, mlir/mask_rules.py: SequenceRule, PaddedRule,
+#: CausalPaddedLeftRule):
+#:   full                [0, kv_len)
+#:   causal              [0, min(kv_len, t + diag + 1))
+#:   padded              [0, min(kv_len, vl)) where t < vl, else none
+#:   causal_padded_left  [kv_len - vl, min(kv_len, t + diag + 1)) where t >= q_len - vl, else none
+MASKS = ("full", "causal", "padded", "causal_padded_left")
+
+
+class _KeyRange:
+    """The keys [lo, hi) a row sees (i64 Values), per :data:`MASKS`."""
+
+    def __init__(self, mask: str, q_len, kv_len, valid_len):
+        self.mask, self.q_len, self.kv_len, self.valid_len = mask, q_len, kv_len, valid_len
+        self.diag = arith_d.subi(kv_len, q_len)
+
+    @property
+    def has_lower_bound(self) -> bool:
+        return self.mask == "causal_padded_left"
+
+    def lo(self):
+        if self.mask != "causal_padded_left":
+            return const_i64(0)
+        return arith_d.maxsi(const_i64(0), arith_d.subi(self.kv_len, self.valid_len))
+
+    def hi(self, token):
+        causal_end = arith_d.minsi(self.kv_len, arith_d.maxsi(
+            const_i64(0), arith_d.addi(token, arith_d.addi(self.diag, const_i64(1)))))
+        if self.mask == "full":
+            return self.kv_len
+        if self.mask == "causal":
+            return causal_end
+        if self.mask == "padded":
+            seen = arith_d.cmpi(arith_d.CmpIPredicate.slt, token, self.valid_len)
+            return arith_d.select(seen, arith_d.minsi(self.kv_len, self.valid_len), const_i64(0))
+        seen = arith_d.cmpi(arith_d.CmpIPredicate.sge, token, arith_d.subi(self.q_len, self.valid_len))
+        return arith_d.select(seen, causal_end, const_i64(0))
+
+
 @dataclass(frozen=True)
 class KernelShapes:
-    """The static facts of one kernel: heads, head dim, operand dtype, causal, the score scale
-    (sm_scale * log2(e), the log2-domain factor), the workgroup's rows and a KV step's keys."""
+    """The static facts of one kernel: heads, head dim, operand dtype, the mask (:data:`MASKS`),
+    the score scale (sm_scale * log2(e), the log2-domain factor), the workgroup's rows and a KV
+    step's keys."""
 
     h_q: int
     h_kv: int
     d: int
     dtype: str
-    causal: bool
+    mask: str
     scale_log2: float
     row_block: int
     kv_block: int
@@ -287,13 +328,17 @@ class _Dispatch:
         first_row = arith_d.muli(wx, const_i64(self.s.row_block))
         rows_total = arith_d.muli(q_len, const_i64(s.group))
         rows_valid = arith_d.minsi(const_i64(self.s.row_block), arith_d.subi(rows_total, first_row))
-        offset = arith_d.subi(kv_len, q_len)   # bottom-right causal: key <= token + offset
-        if s.causal:
-            last_token = arith_d.divsi(arith_d.addi(first_row, arith_d.subi(rows_valid, const_i64(1))),
-                                       const_i64(s.group))
-            end = arith_d.minsi(kv_len, arith_d.maxsi(const_i64(0), arith_d.addi(last_token, arith_d.addi(offset, const_i64(1)))))
-        else:
-            end = kv_len
+        valid_len = llvm_load(i32(), at(self.p["valid_lens"], arith_d.muli(entry, const_i64(4)))) \
+            if "valid_lens" in self.p else None
+        keys = _KeyRange(s.mask, q_len, kv_len, None if valid_len is None else arith_d.extsi(i64(), valid_len))
+        # hi grows (causal), is one value or 0 for a prefix of rows (padded) or a suffix
+        # (left-padded): the rows' widest and narrowest ends are those of the first and last row
+        first_token = arith_d.divsi(first_row, const_i64(s.group))
+        last_token = arith_d.divsi(arith_d.addi(first_row, arith_d.subi(rows_valid, const_i64(1))), const_i64(s.group))
+        ends = keys.hi(first_token), keys.hi(last_token)
+        end, self.narrowest_end = arith_d.maxsi(*ends), arith_d.minsi(*ends)
+        self.keys = keys
+        first_block = arith_d.divsi(keys.lo(), const_i64(s.kv_block))
         blocks = arith_d.divsi(arith_d.addi(end, const_i64(self.s.kv_block - 1)), const_i64(self.s.kv_block))
         hk = arith_d.addi(arith_d.muli(entry, const_i64(s.h_kv)), head)   # (b, h) flattened
         operand_bytes = _bytes(self.engine.operand)
@@ -305,11 +350,12 @@ class _Dispatch:
         v_base = at(self.p["v_tiles"], kv_offset)
 
         self._init_rows()
-        loop = scf_d.ForOp(const_index(0), arith_d.index_cast(ir.IndexType.get(), blocks), const_index(1))
+        index = ir.IndexType.get()
+        loop = scf_d.ForOp(arith_d.index_cast(index, first_block), arith_d.index_cast(index, blocks), const_index(1))
         with ir.InsertionPoint(loop.body):
             block = as_i64(loop.induction_variable)
             self.engine.scores(self, q_base, at(k_base, arith_d.muli(block, const_i64(block_bytes))), self.scores)
-            self._softmax(block, self.scores, first_row, q_len, kv_len, offset)
+            self._softmax(block, self.scores, first_row)
             self.engine.accumulate(self, at(v_base, arith_d.muli(block, const_i64(block_bytes))))
             scf_d.YieldOp([])
         self._write_rows(entry, head, first_row, rows_valid, q_len, rows)
@@ -361,26 +407,23 @@ class _Dispatch:
 
         self._for_rows(self.s.row_block, row)
 
-    def _softmax(self, block, scores, first_row, q_len, kv_len, offset) -> None:
+    def _softmax(self, block, scores, first_row) -> None:
         """The rows' softmax step; the mask is applied only where the block reaches past the
-        first row's end (the keys the first row may not see, or past kv_len)."""
-        s = self.s
-        if s.causal:
-            token = arith_d.divsi(first_row, const_i64(s.group))
-            first_end = arith_d.minsi(kv_len, arith_d.addi(token, arith_d.addi(offset, const_i64(1))))
-        else:
-            first_end = kv_len
-        block_end = arith_d.muli(arith_d.addi(block, const_i64(1)), const_i64(self.s.kv_block))
-        masked = arith_d.cmpi(arith_d.CmpIPredicate.sgt, block_end, first_end)
+        narrowest row end or starts before the rows' first key."""
+        block_start = arith_d.muli(block, const_i64(self.s.kv_block))
+        block_end = arith_d.addi(block_start, const_i64(self.s.kv_block))
+        masked = arith_d.cmpi(arith_d.CmpIPredicate.sgt, block_end, self.narrowest_end)
+        if self.keys.has_lower_bound:
+            masked = arith_d.ori(masked, arith_d.cmpi(arith_d.CmpIPredicate.slt, block_start, self.keys.lo()))
         branch = scf_d.IfOp(masked, [], has_else=True)
         with ir.InsertionPoint(branch.then_block):
-            self._softmax_rows(block, scores, first_row, q_len, kv_len, offset, True)
+            self._softmax_rows(block, scores, first_row, True)
             scf_d.YieldOp([])
         with ir.InsertionPoint(branch.else_block):
-            self._softmax_rows(block, scores, first_row, q_len, kv_len, offset, False)
+            self._softmax_rows(block, scores, first_row, False)
             scf_d.YieldOp([])
 
-    def _softmax_rows(self, block, scores, first_row, q_len, kv_len, offset, masked: bool) -> None:
+    def _softmax_rows(self, block, scores, first_row, masked: bool) -> None:
         s, v = self.s, self.vec
         scale = v.const(s.scale_log2)
         scale_scalar = arith_d.constant(f32(), s.scale_log2)
@@ -389,19 +432,19 @@ class _Dispatch:
         columns = [arith_d.addi(v.iota(), v.splat(arith_d.addi(block_start, arith_d.constant(i32(), 16 * c))))
                    for c in range(self.s.kv_block // 16)]
 
+        lower = v.splat(arith_d.trunci(i32(), self.keys.lo())) if masked and self.keys.has_lower_bound else None
+
         def row(r):
-            if s.causal:
-                token = arith_d.divsi(arith_d.addi(first_row, r), const_i64(s.group))
-                row_end = arith_d.minsi(kv_len, arith_d.addi(token, arith_d.addi(offset, const_i64(1))))
-            else:
-                row_end = kv_len
-            limit = v.splat(arith_d.trunci(i32(), row_end))
+            token = arith_d.divsi(arith_d.addi(first_row, r), const_i64(s.group))
+            limit = v.splat(arith_d.trunci(i32(), self.keys.hi(token))) if masked else None
             score_row = self.row_addr(scores, r, self.score_stride)
             chunks = []   # raw q.k; the scale enters the row max and, fused, the exponents
             for c in range(self.s.kv_block // 16):
                 raw = v.load(at(score_row, c * 64))
                 if masked:
                     valid = arith_d.cmpi(arith_d.CmpIPredicate.slt, columns[c], limit)
+                    if lower is not None:
+                        valid = arith_d.andi(valid, arith_d.cmpi(arith_d.CmpIPredicate.sge, columns[c], lower))
                     raw = arith_d.select(valid, raw, neg_inf)
                 chunks.append(raw)
             widest = chunks[0]
@@ -475,12 +518,18 @@ def vector_extract(vector: ir.Value) -> ir.Value:
     return vector_d.extract(vector, [], [0])
 
 
+def _inputs(s: KernelShapes) -> tuple[str, ...]:
+    """The dispatch's input bindings, in order (valid_lens [B] int32 for the masks that read it)."""
+    return ("q", "k_tiles", "v_tiles", *(("valid_lens",) if s.mask in ("padded", "causal_padded_left") else ()))
+
+
 def _operand_sizes(s: KernelShapes, engine, batch, q_len, rows, kv_blocks) -> dict:
     """The sizes (ints, or index Values) of the dispatch's tensors: the packed q, k and v of
     ``engine``, the output and the rows' (max, sum) state."""
     return {"q": [batch, q_len, s.h_q, s.d],
             "k_tiles": engine.layout.kv_storage(True, batch, s.h_kv, kv_blocks, s.d, s.kv_block).sizes,
             "v_tiles": engine.layout.kv_storage(False, batch, s.h_kv, kv_blocks, s.d, s.kv_block).sizes,
+            "valid_lens": [batch],
             "out": [batch, q_len, s.h_q, s.d],
             "state": [batch, s.h_kv, rows, 2]}
 
@@ -495,7 +544,8 @@ def _shaped(sizes) -> list[int]:
 
 def build_executable(shapes: KernelShapes, engine) -> None:
     """The ``stream.executable`` @x86_attention with the dispatch @attend, at the insertion point:
-    bindings q, k, v, the scalars ``_DISPATCH_SCALARS`` (index), then the results out and state."""
+    the input bindings (:func:`_inputs`), the scalars ``_DISPATCH_SCALARS`` (index), then the
+    results out and state."""
     index = ir.IndexType.get()
     binding = ir.Type.parse("!stream.binding")
     executable = stream_d.ExecutableOp(_EXECUTABLE, sym_visibility="private")
@@ -507,16 +557,17 @@ def build_executable(shapes: KernelShapes, engine) -> None:
             stream_d.ReturnOp(list(count.arguments))
         inner = builtin_d.ModuleOp()
         with ir.InsertionPoint(inner.body):
-            arg_types = [binding] * 3 + [index] * len(_DISPATCH_SCALARS) + [binding] * 2
+            inputs = _inputs(shapes)
+            arg_types = [binding] * len(inputs) + [index] * len(_DISPATCH_SCALARS) + [binding] * 2
             fn = func_d.FuncOp(_ENTRY, (arg_types, []))
             with ir.InsertionPoint(fn.add_entry_block()):
                 args = list(fn.arguments)
-                scalars = dict(zip(_DISPATCH_SCALARS, args[3:3 + len(_DISPATCH_SCALARS)]))
+                scalars = dict(zip(_DISPATCH_SCALARS, args[len(inputs):len(inputs) + len(_DISPATCH_SCALARS)]))
                 sizes = _operand_sizes(shapes, engine, scalars["batch"], scalars["q_len"], scalars["rows"],
                                        scalars["kv_blocks"])
-                elems = {"q": engine.operand, "k_tiles": engine.operand, "v_tiles": engine.operand,
+                elems = {"q": engine.operand, "k_tiles": engine.operand, "v_tiles": engine.operand, "valid_lens": i32(),
                          "out": element_type(shapes.dtype), "state": f32()}
-                bound = dict(zip(("q", "k_tiles", "v_tiles", "out", "state"), [*args[:3], *args[-2:]]))
+                bound = dict(zip((*inputs, "out", "state"), [*args[:len(inputs)], *args[-2:]]))
                 pointers = {name: binding_pointer(bound[name], ir.MemRefType.get(_shaped(sizes[name]), elems[name]),
                                                   _dynamic(sizes[name])) for name in bound}
                 as64 = {name: as_i64(value) for name, value in scalars.items()}
@@ -525,9 +576,11 @@ def build_executable(shapes: KernelShapes, engine) -> None:
         stream_d.ExecutableEndOp()
 
 
-def emit_dense(shapes: KernelShapes, q: ir.Value, k: ir.Value, v: ir.Value, anchor: ir.Operation) -> list[ir.Value]:
+def emit_dense(shapes: KernelShapes, q: ir.Value, k: ir.Value, v: ir.Value, anchor: ir.Operation,
+               valid_lens: ir.Value | None = None) -> list[ir.Value]:
     """(output [B, Lq, h_q, d], lse [B, Lq, h_q] f32) of q [B, Lq, h_q, d], k/v [B, Lk, h_kv, d]
-    through the dispatch; its executable is built before ``anchor`` (the kernel's function)."""
+    (and valid_lens [B] int32 for the padded masks) through the dispatch; its executable is
+    built before ``anchor`` (the kernel's function)."""
     s = shapes
     engine = engine_for(s.dtype)
     with ir.InsertionPoint(anchor):
@@ -542,12 +595,12 @@ def emit_dense(shapes: KernelShapes, q: ir.Value, k: ir.Value, v: ir.Value, anch
     k_tiles, v_tiles = (DENSE.stored(x, kv_len, st.sizes, st.source, None, elem, st.elem) for x, st in zip((k, v), stored))
 
     entry = ir.ArrayAttr.get([ir.SymbolRefAttr.get([_EXECUTABLE, _ENTRY])])
-    operands = [q, k_tiles, v_tiles]
+    operands = [q, k_tiles, v_tiles, *([valid_lens] if "valid_lens" in _inputs(s) else [])]
     dispatch = flow_d.DispatchOp(
         [tensor_type(_shaped(sizes["out"]), elem), tensor_type(_shaped(sizes["state"]), f32())],
         [row_blocks, const_index(s.h_kv), batch], entry,
         [*operands, batch, q_len, kv_len, rows, kv_blocks],
-        [dyn for name in ("q", "k_tiles", "v_tiles") for dyn in _dynamic(sizes[name])],
+        [dyn for name in _inputs(s) for dyn in _dynamic(sizes[name])],
         [*_dynamic(sizes["out"]), *_dynamic(sizes["state"])])
     out, state = dispatch.results
 
@@ -565,10 +618,13 @@ def emit_dense(shapes: KernelShapes, q: ir.Value, k: ir.Value, v: ir.Value, anch
 
 
 def unsupported(spec) -> str | None:
-    """Why the x86 lowering cannot build ``spec`` (None where it can): the dense sequence prefill
-    in bf16 or f32 with a head dim that divides into 32-column tiles, no soft cap, sinks or 8-bit KV."""
-    if type(spec) is not SequencePrefillSpec:
-        return f"{type(spec).__name__} has no x86 kernel (the dense sequence prefill has)"
+    """Why the x86 lowering cannot build ``spec`` (None where it can): the dense sequence prefill,
+    plain or masked (padded, causal_padded_left; not a custom mask), in bf16 or f32 with a head dim
+    that divides into 32-column tiles, no soft cap, sinks or 8-bit KV."""
+    if type(spec) not in (SequencePrefillSpec, MaskedSequencePrefillSpec):
+        return f"{type(spec).__name__} has no x86 kernel (the dense sequence prefills have)"
+    if _mask(spec) not in MASKS:
+        return f"mask_mode {spec.mask_mode!r} has no x86 kernel"
     if spec.dtype not in ENGINES:
         return f"dtype {spec.dtype}: the kernels are bf16 (AMX tiles) and f32 (FMA blocks)"
     if spec.d % 32:
@@ -578,17 +634,24 @@ def unsupported(spec) -> str | None:
     return None
 
 
-def build_x86_sequence_prefill(spec: SequencePrefillSpec) -> ir.Module:
+def _mask(spec) -> str:
+    """The spec's mask as :data:`MASKS` names it."""
+    if isinstance(spec, MaskedSequencePrefillSpec):
+        return spec.mask_mode
+    return "causal" if spec.causal else "full"
+
+
+def build_x86_sequence_prefill(spec: SequencePrefillSpec | MaskedSequencePrefillSpec) -> ir.Module:
     """The verified module of ``spec`` (same signature as sequence.build_sequence_prefill) with
     the attention in one hand-written dispatch; ValueError where :func:`unsupported` says why not."""
     why = unsupported(spec)
     if why:
         raise ValueError(f"no x86 lowering for {spec.name}: {why}")
-    shapes = KernelShapes(spec.h_q, spec.h_kv, spec.d, spec.dtype, spec.causal, spec.sm_scale * LOG2E,
+    shapes = KernelShapes(spec.h_q, spec.h_kv, spec.d, spec.dtype, _mask(spec), spec.sm_scale * LOG2E,
                           *blocks_for(spec.dtype, spec.d))
 
     def emit(args):
         function = args["q"].owner.owner   # the kernel's func.func: the executable goes before it
-        return emit_dense(shapes, args["q"], args["k"], args["v"], function)
+        return emit_dense(shapes, args["q"], args["k"], args["v"], function, args.get("valid_lens"))
 
     return function_module(spec, emit)

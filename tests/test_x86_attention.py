@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import NUMPY_DTYPE, assert_matches_reference, uniform
-from linalg_prefill.mlir import SequencePrefillSpec, build_x86_module, x86_uses_amx
+from linalg_prefill.mlir import MaskedSequencePrefillSpec, SequencePrefillSpec, build_x86_module, x86_uses_amx
 from linalg_prefill.mlir.amx import EXP2_COEFFICIENTS
 from linalg_prefill.pipeline import Target
 from linalg_prefill.pipeline.compiler import compile_ir
@@ -43,8 +43,12 @@ def test_the_record_picks_x86_for_dense_specs_on_amx_cpus_only(dtype):
     assert x86_uses_amx(spec) == (dtype == "bfloat16")
 
 
+def _masked(mode, h_q=8, h_kv=2, d=64, dtype="bfloat16"):
+    return MaskedSequencePrefillSpec(h_q, h_kv, d, dtype, mask_mode=mode, sm_scale=d ** -0.5)
+
+
 @pytest.mark.parametrize("spec", [_dense(dtype="float16"), _dense(d=80), _dense(logits_soft_cap=30.0),
-                                  _dense(head_sinks=True)], ids=spec_id)
+                                  _dense(head_sinks=True), _masked("custom")], ids=spec_id)
 def test_specs_without_an_x86_kernel_keep_the_linalg_lowering(spec):
     assert AMX_CPU.lowering_of(spec) == "linalg"
     with pytest.raises(ValueError, match="no x86 lowering"):
@@ -137,6 +141,24 @@ def test_x86_kernels_match_the_reference(spec, cache):
     assert Target("llvm-cpu").lowering_of(spec) == "x86"
     for batch, qo_len, kv_len in AMX_SHAPES:
         run_against_reference(spec, "llvm-cpu", cache=cache, entries=[(qo_len, kv_len)] * batch)
+
+
+#: Both padded masks, both dtypes, GQA 4 and 1; (B, qo_len, kv_len): valid_lens, with 0 and the
+#: full length, over several row blocks (64 rows: 16 tokens of GQA 4) and KV steps.
+MASKED_SPECS = [_masked("padded"), _masked("causal_padded_left", 4, 4, 128), _masked("padded", 4, 4, 96, "float32"),
+                _masked("causal_padded_left", 8, 2, 64, "float32")]
+MASKED_LENS = {(4, 33, 33): [0, 33, 10, 1], (3, 32, 48): [32, 0, 17], (2, 70, 300): [70, 45],
+               (2, 200, 200): [130, 199]}
+
+
+@needs_amx
+@pytest.mark.parametrize("spec", MASKED_SPECS, ids=spec_id)
+def test_x86_masked_kernels_match_the_reference(spec, cache):
+    """Rows past (padded) or before (left-padded) the valid ones see no key: output 0, lse -5e4."""
+    assert Target("llvm-cpu").lowering_of(spec) == "x86"
+    for (batch, qo_len, kv_len), lens in MASKED_LENS.items():
+        run_against_reference(spec, "llvm-cpu", cache=cache, entries=[(qo_len, kv_len)] * batch,
+                              calls=[dict(valid_lens=np.array(lens, np.int32))])
 
 
 PEAKED = [_dense(8, 2, 128, causal=True), _dense(8, 2, 128, "float32", causal=True)]
