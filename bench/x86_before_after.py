@@ -40,11 +40,12 @@ def best(f, n=3):
 
 for dtype, np_dt, tdt in [("bfloat16", ml_dtypes.bfloat16, torch.bfloat16), ("float32", np.float32, torch.float32)]:
     spec = SequencePrefillSpec(32, 8, 128, dtype, causal=True, sm_scale=128 ** -0.5)
-    q = rng.uniform(-1, 1, (1, L, 32, 128)).astype(np_dt); k = rng.uniform(-1, 1, (1, L, 8, 128)).astype(np_dt); v = rng.uniform(-1, 1, (1, L, 8, 128)).astype(np_dt)
+    q, k, v = (rng.uniform(-1, 1, (1, L, heads, 128)).astype(np_dt) for heads in (32, 8, 8))
     tq, tk, tv = (torch.from_numpy(x.astype(np.float32)).to(tdt).transpose(1, 2).contiguous() for x in (q, k, v))
     flops = 2 * 32 * L * L * 128
     for name, target in [("linalg (cooperlake)", Target("llvm-cpu", "cooperlake")), ("x86 (host)", Target("llvm-cpu"))]:
         kern = open_kernel(spec, target)
         ours = best(lambda: kern(q, k, v))
         sd = best(lambda: F.scaled_dot_product_attention(tq, tk, tv, is_causal=True, enable_gqa=True))
-        print(f"{dtype:9} {name:22} {target.lowering_of(spec):7} ours {ours*1e3:7.1f} ms {flops/ours/1e9:6.0f} GFLOP/s  SDPA {sd*1e3:7.1f} ms  ratio {sd/ours:.2f}")
+        print(f"{dtype:9} {name:22} {target.lowering_of(spec):7} ours {ours*1e3:7.1f} ms "
+              f"{flops/ours/1e9:6.0f} GFLOP/s  SDPA {sd*1e3:7.1f} ms  ratio {sd/ours:.2f}")

@@ -20,12 +20,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from iree.compiler.dialects import llvm as llvm_d
-from iree.compiler.dialects import memref as memref_d
-from iree.compiler.dialects import stream as stream_d
-from iree.compiler.dialects import vector as vector_d
-
-from .ir import arith_d, f32, ir, math_d
+from .ir import arith_d, f32, ir, llvm_d, math_d, memref_d, stream_d, vector_d
 
 #: Bytes of one AMX tile row, and rows of a tile: every tile of this lowering is full.
 TILE_BYTES_PER_ROW = 64

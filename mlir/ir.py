@@ -20,9 +20,17 @@ from iree.compiler.dialects import linalg as linalg_d
 from iree.compiler.dialects import math as math_d
 from iree.compiler.dialects import scf as scf_d
 from iree.compiler.dialects import tensor as tensor_d
+# the x86 lowering's hand-written dispatch (mlir/amx.py, mlir/x86_attention.py)
+from iree.compiler.dialects import builtin as builtin_d
+from iree.compiler.dialects import flow as flow_d
+from iree.compiler.dialects import llvm as llvm_d
+from iree.compiler.dialects import memref as memref_d
+from iree.compiler.dialects import stream as stream_d
+from iree.compiler.dialects import vector as vector_d
 
 __all__ = [
     "ir", "arith_d", "func_d", "linalg_d", "math_d", "scf_d", "tensor_d",
+    "builtin_d", "flow_d", "llvm_d", "memref_d", "stream_d", "vector_d",
     "DYN", "module_context", "element_type", "tensor_type", "f32", "i1", "i32", "index",
     "const_index", "const_f32", "const_i32", "dim", "affine_map", "generic", "extract_slice",
     "insert_slice", "empty", "fill", "ceil_div", "storage_tiles", "to_index", "select", "expand", "collapse",

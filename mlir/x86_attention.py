@@ -36,16 +36,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from iree.compiler.dialects import builtin as builtin_d
-from iree.compiler.dialects import flow as flow_d
-from iree.compiler.dialects import llvm as llvm_d
-from iree.compiler.dialects import stream as stream_d
-from iree.compiler.dialects import vector as vector_d
 
 from .amx import LOG2E, Tiles, Vec, as_i64, at, binding_pointer, const_i64, i32, i64, stack_bytes
 from .ir import (
-    DYN, affine_map, arith_d, ceil_div, const_f32, const_index, dim, element_type, empty, f32, func_d, generic, ir,
-    linalg_d, math_d, scf_d, tensor_d, tensor_type,
+    DYN, affine_map, arith_d, builtin_d, ceil_div, const_f32, const_index, dim, element_type, empty, f32, flow_d,
+    func_d, generic, ir, linalg_d, llvm_d, math_d, scf_d, stream_d, tensor_d, tensor_type, vector_d,
 )
 from .abi import function_module
 from .kv_layouts import DENSE
@@ -360,6 +355,14 @@ class _Dispatch:
             scf_d.YieldOp([])
         self._write_rows(entry, head, first_row, rows_valid, q_len, rows)
 
+    def _token_head(self, entry, head, global_row, q_len) -> ir.Value:
+        """The row of q or the output [B * Lq * h_q, d] that row ``global_row`` of KV head ``head``
+        of entry ``entry`` is: token global_row // G, query head head * G + global_row % G."""
+        group = const_i64(self.s.group)
+        token = arith_d.divsi(global_row, group)
+        q_head = arith_d.addi(arith_d.muli(head, group), arith_d.remsi(global_row, group))
+        return arith_d.addi(arith_d.muli(arith_d.addi(arith_d.muli(entry, q_len), token), const_i64(self.s.h_q)), q_head)
+
     def _copy_query_rows(self, entry, head, first_row, rows_total, q_len) -> None:
         """The workgroup's query rows from q [B, Lq, h_q, d] into ``q_rows`` in the engine's order,
         64 bytes at a time; rows past the call's are zero."""
@@ -373,10 +376,7 @@ class _Dispatch:
             dest = at(self.q_rows, self.engine.q_row_at(s.d, r))
             present = scf_d.IfOp(arith_d.cmpi(arith_d.CmpIPredicate.slt, global_row, rows_total), [], has_else=True)
             with ir.InsertionPoint(present.then_block):
-                token = arith_d.divsi(global_row, const_i64(s.group))
-                q_head = arith_d.addi(arith_d.muli(head, const_i64(s.group)), arith_d.remsi(global_row, const_i64(s.group)))
-                source_row = arith_d.addi(arith_d.muli(arith_d.addi(arith_d.muli(entry, q_len), token), const_i64(s.h_q)),
-                                          q_head)
+                source_row = self._token_head(entry, head, global_row, q_len)
                 source = at(self.p["q"], arith_d.muli(source_row, const_i64(s.d * _bytes(self.engine.operand))))
                 for c in range(chunks):
                     v.store(v.load(at(source, c * 64), i32()), at(dest, c * self.engine.q_chunk_stride))
@@ -485,14 +485,12 @@ class _Dispatch:
 
         def row(r):
             global_row = arith_d.addi(first_row, r)
-            token = arith_d.divsi(global_row, const_i64(s.group))
-            q_head = arith_d.addi(arith_d.muli(head, const_i64(s.group)), arith_d.remsi(global_row, const_i64(s.group)))
             state_at = self.row_addr(self.state, r, 8)
             total = llvm_load(f32(), at(state_at, 4))
             inv = arith_d.select(arith_d.cmpf(arith_d.CmpFPredicate.OGT, total, zero), arith_d.divf(one, total), zero)
             inv_v = v.splat(inv)
-            out_row = arith_d.addi(arith_d.muli(arith_d.addi(arith_d.muli(entry, q_len), token), const_i64(s.h_q)), q_head)
-            out_at = at(self.p["out"], arith_d.muli(out_row, const_i64(s.d * _bytes(self.elem))))
+            out_at = at(self.p["out"], arith_d.muli(self._token_head(entry, head, global_row, q_len),
+                                                    const_i64(s.d * _bytes(self.elem))))
             acc_row = self.row_addr(self.acc, r, self.acc_stride)
             for t in range(s.d // 16):
                 value = arith_d.mulf(v.load(at(acc_row, t * 64)), inv_v)
@@ -592,7 +590,8 @@ def emit_dense(shapes: KernelShapes, q: ir.Value, k: ir.Value, v: ir.Value, anch
     kv_blocks = ceil_div(kv_len, s.kv_block)
     sizes = _operand_sizes(s, engine, batch, q_len, rows, kv_blocks)
     stored = [engine.layout.kv_storage(keys, batch, s.h_kv, kv_blocks, s.d, s.kv_block) for keys in (True, False)]
-    k_tiles, v_tiles = (DENSE.stored(x, kv_len, st.sizes, st.source, None, elem, st.elem) for x, st in zip((k, v), stored))
+    k_tiles, v_tiles = (DENSE.stored(x, kv_len, st.sizes, st.source, None, elem, st.elem)
+                        for x, st in zip((k, v), stored))
 
     entry = ir.ArrayAttr.get([ir.SymbolRefAttr.get([_EXECUTABLE, _ENTRY])])
     operands = [q, k_tiles, v_tiles, *([valid_lens] if "valid_lens" in _inputs(s) else [])]

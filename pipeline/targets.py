@@ -148,7 +148,8 @@ BACKENDS: dict[str, Backend] = {
     # (docs/performance.md, row reductions); the measured contraction tiling.
     "llvm-cpu": Backend(
         name="llvm-cpu", driver="local-task", default_arch="host", archs=None, arch_note="",
-        flags=_cpu_flags, lowering="linalg", spec_lowering=cpu_tiles.cpu_spec_lowering, row_chunk=None, score_tiles=cpu_tiles.cpu_score_tiles,
+        flags=_cpu_flags, lowering="linalg", spec_lowering=cpu_tiles.cpu_spec_lowering, row_chunk=None,
+        score_tiles=cpu_tiles.cpu_score_tiles,
         pass_vectors=cpu_tiles.cpu_pass_vectors,
         tune_contraction=tuning.cpu_contraction_config, tune_attention=_keep_default,
         tune_generic=cpu_tiles.cpu_generic_tiling, structure_checks=()),
@@ -168,7 +169,8 @@ BACKENDS: dict[str, Backend] = {
     # of 64, so CUDA's configuration does not apply (rocm_attention_config).
     "rocm": Backend(
         name="rocm", driver="hip", default_arch="gfx942", archs=("gfx942", "gfx950", "gfx90a"),
-        arch_note="", flags=_rocm_flags, lowering="fused", spec_lowering=_as_asked, row_chunk=128, score_tiles=cpu_tiles.row_tiles,
+        arch_note="", flags=_rocm_flags, lowering="fused", spec_lowering=_as_asked, row_chunk=128,
+        score_tiles=cpu_tiles.row_tiles,
         pass_vectors=cpu_tiles.narrow_pass_vectors,
         tune_contraction=_keep_default, tune_attention=tuning.rocm_attention_config, tune_generic=_keep_default,
         structure_checks=(vm_structure.missing_mfma, vm_structure.host_stalls_in_loops)),
