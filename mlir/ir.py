@@ -70,8 +70,12 @@ def _located(helper: Callable) -> Callable:
 
 @contextlib.contextmanager
 def module_context() -> Iterator[ir.Module]:
-    """Opens a context with an unknown location and yields an empty module to build into."""
-    with ir.Context(), ir.Location.unknown():
+    """Opens a context with an unknown location and yields an empty module to build into. The
+    context runs single-threaded: a multi-threaded verifier reports a failure from a worker
+    thread, whose diagnostic then waits for the GIL that the verifying thread holds, so a builder
+    bug hung ``verify()`` instead of raising (seen building mlir/x86_attention.py)."""
+    with ir.Context() as context, ir.Location.unknown():
+        context.enable_multithreading(False)
         module = ir.Module.create()
         yield module
 
