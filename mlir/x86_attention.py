@@ -158,21 +158,29 @@ class AmxEngine:
     q_chunk_stride = 1024
 
     def scores(self, w: "_Dispatch", q_base, k_block, scores) -> None:
-        """scores[row_block, kv_block] = q . k^T, two key tiles at a time (2 x 2 C tiles)."""
+        """scores[row_block, kv_block] = q . k^T, in groups of 2 x 2 C tiles (:meth:`score_group`)."""
+        for row_pair in range(w.s.row_block // 32):
+            for key_pair in range(w.s.kv_block // 32):
+                self.score_group(w, q_base, k_block, scores, row_pair, key_pair)
+
+    def score_group(self, w: "_Dispatch", q_base, k_block, scores, row_pair: int, key_pair) -> None:
+        """The scores of rows [32 row_pair, +32) and keys [32 key_pair, +32) (``key_pair`` an int or
+        an i64 Value): 2 x 2 C tiles over d/32 steps of 2 A and 2 B tiles."""
         d, t = w.s.d, Tiles(self.dtype)
         q_row_tile = d // 32 * 1024         # bytes of one row tile's d/32 A tiles
         k_key_tile = d // 2 * 64            # bytes of one key tile's d/2 pair rows
-        for rows in range(0, w.s.row_block // 16, 2):   # pairs of row tiles
-            for pair in range(w.s.kv_block // 32):
-                acc = [t.zero() for _ in range(4)]
-                for step in range(d // 32):
-                    a = [t.load(at(q_base, (rows + i) * q_row_tile + step * 1024), 64) for i in range(2)]
-                    b = [t.load(at(k_block, (2 * pair + j) * k_key_tile + step * 1024), 64) for j in range(2)]
-                    acc = [t.dot(acc[2 * i + j], a[i], b[j]) for i in range(2) for j in range(2)]
-                for i in range(2):
-                    for j in range(2):
-                        where = (rows + i) * 16 * w.score_stride + (2 * pair + j) * 16 * 4
-                        t.store(at(scores, where), w.score_stride, acc[2 * i + j])
+        dynamic = not isinstance(key_pair, int)
+        keys = at(k_block, arith_d.muli(key_pair, const_i64(2 * k_key_tile)) if dynamic else key_pair * 2 * k_key_tile)
+        columns = at(scores, arith_d.muli(key_pair, const_i64(32 * 4)) if dynamic else key_pair * 32 * 4)
+        acc = [t.zero() for _ in range(4)]
+        for step in range(d // 32):
+            a = [t.load(at(q_base, (2 * row_pair + i) * q_row_tile + step * 1024), 64) for i in range(2)]
+            b = [t.load(at(keys, j * k_key_tile + step * 1024), 64) for j in range(2)]
+            acc = [t.dot(acc[2 * i + j], a[i], b[j]) for i in range(2) for j in range(2)]
+        for i in range(2):
+            for j in range(2):
+                t.store(at(columns, (2 * row_pair + i) * 16 * w.score_stride + j * 16 * 4), w.score_stride,
+                        acc[2 * i + j])
 
     def accumulate(self, w: "_Dispatch", v_block) -> None:
         """acc[row_block, d] += probs[row_block, kv_block] . values, two dim tiles at a time."""
@@ -345,12 +353,26 @@ class _Dispatch:
         v_base = at(self.p["v_tiles"], kv_offset)
 
         self._init_rows()
+
+        def k_block(block):
+            return at(k_base, arith_d.muli(block, const_i64(block_bytes)))
+
+        overlapped = self.engine.uses_amx and s.row_block == 64
+        if overlapped:   # rows [0, 32) of the first step are scored before the loop
+            first = scf_d.IfOp(arith_d.cmpi(arith_d.CmpIPredicate.slt, first_block, blocks))
+            with ir.InsertionPoint(first.then_block):
+                for key_pair in range(s.kv_block // 32):
+                    self.engine.score_group(self, q_base, k_block(first_block), self.scores, 0, key_pair)
+                scf_d.YieldOp([])
         index = ir.IndexType.get()
         loop = scf_d.ForOp(arith_d.index_cast(index, first_block), arith_d.index_cast(index, blocks), const_index(1))
         with ir.InsertionPoint(loop.body):
             block = as_i64(loop.induction_variable)
-            self.engine.scores(self, q_base, at(k_base, arith_d.muli(block, const_i64(block_bytes))), self.scores)
-            self._softmax(block, self.scores, first_row)
+            if overlapped:
+                self._overlapped_step(block, blocks, q_base, k_block, first_row)
+            else:
+                self.engine.scores(self, q_base, k_block(block), self.scores)
+                self._softmax(block, self.scores, first_row)
             self.engine.accumulate(self, at(v_base, arith_d.muli(block, const_i64(block_bytes))))
             scf_d.YieldOp([])
         self._write_rows(entry, head, first_row, rows_valid, q_len, rows)
@@ -362,6 +384,25 @@ class _Dispatch:
         token = arith_d.divsi(global_row, group)
         q_head = arith_d.addi(arith_d.muli(head, group), arith_d.remsi(global_row, group))
         return arith_d.addi(arith_d.muli(arith_d.addi(arith_d.muli(entry, q_len), token), const_i64(self.s.h_q)), q_head)
+
+    def _overlapped_step(self, block, blocks, q_base, k_block, first_row) -> None:
+        """The scores and softmax of KV step ``block`` with AMX and vector work interleaved (64-row
+        workgroups): the softmax of rows [0, 32) runs between the score groups of rows [32, 64) of
+        this step, that of rows [32, 64) between those of rows [0, 32) of the next step (whose
+        scores rows are free again); rows [0, 32) of the first step are scored before the loop.
+        Each 2 x 2 group of tiles alternates with 8 rows of softmax, so the core can run both."""
+        engine, scores = self.engine, self.scores
+        self._softmax(block, scores, first_row, 0, lambda key_pair: engine.score_group(
+            self, q_base, k_block(block), scores, 1, key_pair))
+        following = arith_d.addi(block, const_i64(1))
+
+        def next_step(key_pair):
+            more = scf_d.IfOp(arith_d.cmpi(arith_d.CmpIPredicate.slt, following, blocks))
+            with ir.InsertionPoint(more.then_block):
+                engine.score_group(self, q_base, k_block(following), scores, 0, key_pair)
+                scf_d.YieldOp([])
+
+        self._softmax(block, scores, first_row, 32, next_step)
 
     def _copy_query_rows(self, entry, head, first_row, rows_total, q_len) -> None:
         """The workgroup's query rows from q [B, Lq, h_q, d] into ``q_rows`` in the engine's order,
@@ -407,23 +448,22 @@ class _Dispatch:
 
         self._for_rows(self.s.row_block, row)
 
-    def _softmax(self, block, scores, first_row) -> None:
-        """The rows' softmax step; the mask is applied only where the block reaches past the
-        narrowest row end or starts before the rows' first key."""
+    def _softmax(self, block, scores, first_row, row_begin=0, between=None) -> None:
+        """The rows' softmax step (with ``between``: of rows [row_begin, +32) in kv_block / 32
+        groups, ``between(group)`` emitted before each); the mask is applied only where the block
+        reaches past the narrowest row end or starts before the rows' first key."""
         block_start = arith_d.muli(block, const_i64(self.s.kv_block))
         block_end = arith_d.addi(block_start, const_i64(self.s.kv_block))
         masked = arith_d.cmpi(arith_d.CmpIPredicate.sgt, block_end, self.narrowest_end)
         if self.keys.has_lower_bound:
             masked = arith_d.ori(masked, arith_d.cmpi(arith_d.CmpIPredicate.slt, block_start, self.keys.lo()))
         branch = scf_d.IfOp(masked, [], has_else=True)
-        with ir.InsertionPoint(branch.then_block):
-            self._softmax_rows(block, scores, first_row, True)
-            scf_d.YieldOp([])
-        with ir.InsertionPoint(branch.else_block):
-            self._softmax_rows(block, scores, first_row, False)
-            scf_d.YieldOp([])
+        for masked, part in ((True, branch.then_block), (False, branch.else_block)):
+            with ir.InsertionPoint(part):
+                self._softmax_rows(block, scores, first_row, masked, row_begin, between)
+                scf_d.YieldOp([])
 
-    def _softmax_rows(self, block, scores, first_row, masked: bool) -> None:
+    def _softmax_rows(self, block, scores, first_row, masked: bool, row_begin: int, between) -> None:
         s, v = self.s, self.vec
         scale = v.const(s.scale_log2)
         scale_scalar = arith_d.constant(f32(), s.scale_log2)
@@ -476,7 +516,19 @@ class _Dispatch:
                     v.store(arith_d.mulf(v.load(where), alpha_v), where)
                 scf_d.YieldOp([])
 
-        self._for_rows(self.s.row_block, row)
+        if between is None:
+            self._for_rows(self.s.row_block, row)
+            return
+        groups = self.s.kv_block // 32
+        per_group = 32 // groups
+        loop = scf_d.ForOp(const_index(0), const_index(groups), const_index(1))
+        with ir.InsertionPoint(loop.body):
+            group = as_i64(loop.induction_variable)
+            between(group)
+            first = arith_d.addi(const_i64(row_begin), arith_d.muli(group, const_i64(per_group)))
+            for i in range(per_group):
+                row(arith_d.addi(first, const_i64(i)))
+            scf_d.YieldOp([])
 
     def _write_rows(self, entry, head, first_row, rows_valid, q_len, rows) -> None:
         s, v = self.s, self.vec
