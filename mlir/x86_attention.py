@@ -26,7 +26,9 @@ stack, f32 unless named:
 For each KV step the rows can see: the scores (engine), then per row the mask (key < the row's
 end; only in steps that reach past the first row's end), the running max, 2^(scale * s - max)
 into probs, the sum and, where the max grew, the acc rescale; then acc += probs . values
-(engine). Rows are written to the output [B, Lq, h_q, d] directly (normalised, in the dtype);
+(engine). With AMX and 64 rows the scores of one half of the rows are computed between 8-row
+slices of the other half's softmax (``_Dispatch._overlapped_step``), so tiles and vectors run at
+once. Rows are written to the output [B, Lq, h_q, d] directly (normalised, in the dtype);
 (max, sum) per row go to a [B, h_kv, rows, 2] f32 buffer from which one generic makes lse
 [B, Lq, h_q] (base 2; EMPTY_ROW_LSE and output 0 for a row that saw no key).
 """
