@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from .ir import arith_d, f32, ir, llvm_d, math_d, memref_d, stream_d, vector_d
+from .ir import arith_d, f32, i32, i8, ir, llvm_d, math_d, memref_d, stream_d, vector_d
 
 #: Bytes of one AMX tile row, and rows of a tile: every tile of this lowering is full.
 TILE_BYTES_PER_ROW = 64
@@ -39,10 +39,6 @@ def amx_type() -> ir.Type:
 
 def i64() -> ir.Type:
     return ir.IntegerType.get_signless(64)
-
-
-def i32() -> ir.Type:
-    return ir.IntegerType.get_signless(32)
 
 
 def i16() -> ir.Type:
@@ -72,12 +68,12 @@ def at(pointer: ir.Value, byte_offset: ir.Value | int) -> ir.Value:
             return pointer
         byte_offset = const_i64(byte_offset)
     return llvm_d.getelementptr(ptr_type(), pointer, [byte_offset], [_DYNAMIC_INDEX],
-                                ir.IntegerType.get_signless(8), 0)
+                                i8(), 0)
 
 
 def stack_bytes(size: int) -> ir.Value:
     """A 64-byte aligned stack buffer of ``size`` bytes (build at the function's entry)."""
-    return llvm_d.alloca(ptr_type(), const_i64(size), ir.IntegerType.get_signless(8), alignment=64)
+    return llvm_d.alloca(ptr_type(), const_i64(size), i8(), alignment=64)
 
 
 @dataclass(frozen=True)
