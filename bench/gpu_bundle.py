@@ -49,7 +49,7 @@ import sys
 
 import numpy as np
 
-from linalg_prefill.mlir import (  # noqa: E402
+from linalg_prefill.mlir import (
     MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec, x86_uses_amx,
 )
 from linalg_prefill.pipeline import Target, compile_spec

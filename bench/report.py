@@ -46,6 +46,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from linalg_prefill.mlir import PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec  # noqa: E402
 from linalg_prefill.bench import best_time, best_times  # noqa: E402
+from linalg_prefill.pipeline.cpu_tiles import AMX_FEATURES, host_cpu_features  # noqa: E402
 from linalg_prefill.runtime import open_kernel  # noqa: E402
 from linalg_prefill.runtime.checks import NUMPY_DTYPES  # noqa: E402
 from serving_batches import burst_for  # noqa: E402
@@ -65,7 +66,7 @@ def causal_pairs(q_len: int, kv_len: int) -> int:
 
 def cpu_name() -> str:
     """The CPU the figures are from: /proc/cpuinfo's model name and model number, and whether it
-    has AMX tiles (amx_tile and amx_bf16: the dense bf16 rows then run the AMX kernels)."""
+    has AMX tiles (pipeline/cpu_tiles.py: AMX_FEATURES; the dense rows then run the x86 lowering)."""
     fields = {}
     try:
         with open("/proc/cpuinfo") as info:
@@ -74,7 +75,7 @@ def cpu_name() -> str:
                 fields.setdefault(key.strip(), value.strip())
     except OSError:
         return "unknown CPU"
-    amx = {"amx_tile", "amx_bf16"} <= set(fields.get("flags", "").split())
+    amx = AMX_FEATURES <= host_cpu_features()
     return f"{fields.get('model name', 'unknown CPU')} (model {fields.get('model', '?')}), AMX {'yes' if amx else 'no'}"
 
 

@@ -9,7 +9,6 @@ before the x86 lowering), ours for the host. Prints the CPU (bench/report.py: cp
 import argparse
 import os
 import sys
-import time
 
 import ml_dtypes
 import numpy as np
@@ -18,6 +17,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from linalg_prefill.bench import best_time  # noqa: E402
 from linalg_prefill.mlir import SequencePrefillSpec  # noqa: E402
 from linalg_prefill.pipeline import Target  # noqa: E402
 from linalg_prefill.runtime import open_kernel  # noqa: E402
@@ -31,13 +31,6 @@ print(f"CPU: {cpu_name()}; torch {torch.__version__} on 2 threads; L = {L}")
 rng = np.random.default_rng(0)
 
 
-def best(f, n=3):
-    f(); t = 1e9
-    for _ in range(n):
-        s = time.perf_counter(); f(); t = min(t, time.perf_counter() - s)
-    return t
-
-
 for dtype, np_dt, tdt in [("bfloat16", ml_dtypes.bfloat16, torch.bfloat16), ("float32", np.float32, torch.float32)]:
     spec = SequencePrefillSpec(32, 8, 128, dtype, causal=True, sm_scale=128 ** -0.5)
     q, k, v = (rng.uniform(-1, 1, (1, L, heads, 128)).astype(np_dt) for heads in (32, 8, 8))
@@ -45,7 +38,7 @@ for dtype, np_dt, tdt in [("bfloat16", ml_dtypes.bfloat16, torch.bfloat16), ("fl
     flops = 2 * 32 * L * L * 128
     for name, target in [("linalg (cooperlake)", Target("llvm-cpu", "cooperlake")), ("x86 (host)", Target("llvm-cpu"))]:
         kern = open_kernel(spec, target)
-        ours = best(lambda: kern(q, k, v))
-        sd = best(lambda: F.scaled_dot_product_attention(tq, tk, tv, is_causal=True, enable_gqa=True))
+        ours = best_time(lambda: kern(q, k, v), 3)
+        sd = best_time(lambda: F.scaled_dot_product_attention(tq, tk, tv, is_causal=True, enable_gqa=True), 3)
         print(f"{dtype:9} {name:22} {target.lowering_of(spec):7} ours {ours*1e3:7.1f} ms "
               f"{flops/ours/1e9:6.0f} GFLOP/s  SDPA {sd*1e3:7.1f} ms  ratio {sd/ours:.2f}")

@@ -1,25 +1,23 @@
 """Typed-binding helpers for dispatches written with Intel AMX tile instructions.
 
 IREE 3.13's llvm-cpu backend never emits AMX (its x86 microkernels stop at avx512_bf16), so the
-AMX lowering writes its dispatch itself: a ``stream.executable`` whose function reads raw pointers
+x86 lowering (mlir/x86_attention.py) writes its dispatch itself: a ``stream.executable`` whose function reads raw pointers
 of its bindings and calls LLVM's AMX intrinsics on ``!llvm.x86_amx`` values; LLVM inserts the
 tile configuration (``ldtilecfg``) and ``tilerelease``. Every tile here is 16 rows x 64 bytes:
 
-    A (left) tile   16 rows x 32 bf16/f16        row-major, any row stride
+    A (left) tile   16 rows x 32 bf16            row-major, any row stride
     B (right) tile  16 k-pairs x 16 columns x 2  (VNNI-2: element (k, n) at [k // 2][n][k % 2])
     C tile          16 rows x 16 f32             row-major, any row stride
 
-``tdpbf16ps`` (bf16) or ``tdpfp16ps`` (f16, ``amx_fp16``) adds A x B to C: 16 x 16 x 32 per call.
+``tdpbf16ps`` adds A x B to C: 16 x 16 x 32 per call.
 The vector helpers (``Vec``) cover what the dispatch's f32 softmax needs: 16-lane loads and
 stores through pointers, splats, reductions and a polynomial ``exp2`` (no libm in a dispatch).
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import numpy as np
+
 from .ir import arith_d, f32, i32, i8, ir, llvm_d, math_d, memref_d, stream_d, vector_d
 
 #: Bytes of one AMX tile row, and rows of a tile: every tile of this lowering is full.
@@ -76,14 +74,11 @@ def stack_bytes(size: int) -> ir.Value:
     return llvm_d.alloca(ptr_type(), const_i64(size), i8(), alignment=64)
 
 
-@dataclass(frozen=True)
 class Tiles:
-    """The AMX intrinsics for full 16 x 64-byte tiles; ``dot`` is bf16 (``tdpbf16ps``) or f16
-    (``tdpfp16ps``)."""
+    """The AMX intrinsics for full 16 x 64-byte tiles, bf16 products."""
 
-    dtype: str = "bfloat16"
-
-    def _shape(self):
+    @staticmethod
+    def _shape():
         return arith_d.constant(i16(), TILE_ROWS), arith_d.constant(i16(), TILE_BYTES_PER_ROW)
 
     def zero(self) -> ir.Value:
@@ -103,8 +98,8 @@ class Tiles:
     def dot(self, acc: ir.Value, lhs: ir.Value, rhs: ir.Value) -> ir.Value:
         """acc + lhs x rhs (A tile x B tile, f32 sums)."""
         rows, cols = self._shape()
-        name = "llvm.x86.tdpbf16ps.internal" if self.dtype == "bfloat16" else "llvm.x86.tdpfp16ps.internal"
-        return llvm_d.call_intrinsic(amx_type(), name, [rows, cols, cols, acc, lhs, rhs], [], [])
+        return llvm_d.call_intrinsic(amx_type(), "llvm.x86.tdpbf16ps.internal", [rows, cols, cols, acc, lhs, rhs],
+                                     [], [])
 
 
 #: f32 lanes of one AVX-512 vector.
@@ -153,11 +148,11 @@ class Vec:
         """A horizontal ``add`` or ``maximumf`` of 16 lanes (no NaN reaches these: ``nnan``
         lets x86 use plain vmaxps instead of NaN-propagating compare-and-blend sequences)."""
         attr = ir.Attribute.parse(f"#vector.kind<{kind}>")
-        return vector_d.reduction(f32(), attr, value, fastmath=_NO_NAN())
+        return vector_d.reduction(f32(), attr, value, fastmath=_no_nan())
 
     def max(self, a: ir.Value, b: ir.Value) -> ir.Value:
         """The larger of two f32 vectors (or scalars); ``nnan`` as :meth:`reduce`."""
-        return arith_d.maximumf(a, b, fastmath=_NO_NAN())
+        return arith_d.maximumf(a, b, fastmath=_no_nan())
 
     def narrow(self, value: ir.Value, elem: ir.Type) -> ir.Value:
         """16 f32 lanes rounded to ``elem`` (f32: as they are; bf16 or f16: nearest-even, bf16 through
@@ -185,8 +180,5 @@ class Vec:
                                      [poly, whole, poly, every_lane, current_rounding], [], [])
 
 
-LOG2E = 1.0 / math.log(2.0)
-
-
-def _NO_NAN() -> ir.Attribute:
+def _no_nan() -> ir.Attribute:
     return ir.Attribute.parse("#arith.fastmath<nnan>")

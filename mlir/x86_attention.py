@@ -1,7 +1,7 @@
 """The x86 lowering of the dense sequence prefill: one hand-written dispatch per call runs the whole
 online softmax, Q.K^T and P.V in an engine per dtype (bf16: AMX tiles, :class:`AmxEngine`; f32:
 AVX-512 FMA register blocks, :class:`FmaEngine`) and the softmax in f32 vector code (mlir/amx.py:
-``Vec``), fed by Q, K and V packed into the engine's order once per call by linalg generics.
+``Vec``), fed by K and V packed into the engine's order once per call by linalg generics.
 IREE 3.13's llvm-cpu codegen emits no AMX and runs f32 contractions load-bound (docs/performance.md,
 the x86 lowering), so the backend record picks this lowering on Intel Xeons with AMX
 (pipeline/cpu_tiles.py: cpu_spec_lowering).
@@ -23,8 +23,8 @@ stack, f32 unless named:
     scores [row_block, kv_block]   probs [row_block, kv_block] (the engine's operand dtype)
     acc [row_block, d]   (max, sum) [row_block]   q rows [row_block, d] (operand dtype)
 
-For each KV step the rows can see: the scores (engine), then per row the mask (key < the row's
-end; only in steps that reach past the first row's end), the running max, 2^(scale * s - max)
+For each KV step the rows can see: the scores (engine), then per row the mask (the row's keys
+[lo, hi), :data:`MASKS`; only in steps that cross the rows' bounds), the running max, 2^(scale * s - max)
 into probs, the sum and, where the max grew, the acc rescale; then acc += probs . values
 (engine). With AMX and 64 rows the scores of one half of the rows are computed between 8-row
 slices of the other half's softmax (``_Dispatch._overlapped_step``), so tiles and vectors run at
@@ -39,13 +39,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .amx import LOG2E, Tiles, Vec, as_i64, at, binding_pointer, const_i64, i32, i64, stack_bytes
+from .amx import Tiles, Vec, as_i64, at, binding_pointer, const_i64, i32, i64, stack_bytes
 from .ir import (
     DYN, affine_map, arith_d, builtin_d, ceil_div, const_f32, const_index, dim, element_type, empty, f32, flow_d,
     func_d, generic, ir, linalg_d, llvm_d, math_d, scf_d, stream_d, tensor_d, tensor_type, vector_d,
 )
 from .abi import function_module
 from .kv_layouts import DENSE
+from .online_softmax import LOG2E, NO_KEY_MAX
 from .score_tiles import ROW_TILES, PackedTiles
 from .specs import EMPTY_ROW_LSE, MaskedSequencePrefillSpec, SequencePrefillSpec
 
@@ -64,8 +65,6 @@ def blocks_for(dtype: str, d: int) -> tuple[int, int]:
             if rows * (keys * 4 + keys * operand + d * 4 + d * operand + 8) <= STACK_BUDGET:
                 return rows, keys
     return 32, 64
-#: The running max's start (finite, as the linalg lowering's: mlir/online_softmax.py).
-NO_KEY_MAX = -1.0e30
 
 _EXECUTABLE = "x86_attention"
 _ENTRY = "attend"
@@ -98,18 +97,20 @@ class _KeyRange:
             return const_i64(0)
         return arith_d.maxsi(const_i64(0), arith_d.subi(self.kv_len, self.valid_len))
 
-    def hi(self, token):
-        causal_end = arith_d.minsi(self.kv_len, arith_d.maxsi(
+    def _causal_end(self, token):
+        return arith_d.minsi(self.kv_len, arith_d.maxsi(
             const_i64(0), arith_d.addi(token, arith_d.addi(self.diag, const_i64(1)))))
+
+    def hi(self, token):
         if self.mask == "full":
             return self.kv_len
         if self.mask == "causal":
-            return causal_end
+            return self._causal_end(token)
         if self.mask == "padded":
             seen = arith_d.cmpi(arith_d.CmpIPredicate.slt, token, self.valid_len)
             return arith_d.select(seen, arith_d.minsi(self.kv_len, self.valid_len), const_i64(0))
         seen = arith_d.cmpi(arith_d.CmpIPredicate.sge, token, arith_d.subi(self.q_len, self.valid_len))
-        return arith_d.select(seen, causal_end, const_i64(0))
+        return arith_d.select(seen, self._causal_end(token), const_i64(0))
 
 
 @dataclass(frozen=True)
@@ -138,15 +139,13 @@ def _bytes(elem: ir.Type) -> int:
 
 
 class AmxEngine:
-    """Q.K^T and P.V on AMX tiles (bf16 operands, f32 sums): q packed in A tiles
-    [B, h_kv, rows/16, d/32, 16, 32], k and v in B tiles (score_tiles.PackedTiles 16 x 16 x 2),
-    probs in bf16."""
+    """Q.K^T and P.V on AMX tiles (bf16 operands, f32 sums): the workgroup's q rows as A tiles
+    [row_block/16, d/32, 16, 32], k and v in B tiles (score_tiles.PackedTiles 16 x 16 x 2), probs
+    in bf16."""
 
-    name = "amx"
     uses_amx = True
 
     def __init__(self, dtype: str):
-        self.dtype = dtype
         self.operand = element_type(dtype)
         self.prob_elem = self.operand
         self.layout = PackedTiles(dtype=dtype, m0=16, n0=16, k0=2)
@@ -168,7 +167,7 @@ class AmxEngine:
     def score_group(self, w: "_Dispatch", q_base, k_block, scores, row_pair: int, key_pair) -> None:
         """The scores of rows [32 row_pair, +32) and keys [32 key_pair, +32) (``key_pair`` an int or
         an i64 Value): 2 x 2 C tiles over d/32 steps of 2 A and 2 B tiles."""
-        d, t = w.s.d, Tiles(self.dtype)
+        d, t = w.s.d, Tiles()
         q_row_tile = d // 32 * 1024         # bytes of one row tile's d/32 A tiles
         k_key_tile = d // 2 * 64            # bytes of one key tile's d/2 pair rows
         dynamic = not isinstance(key_pair, int)
@@ -186,7 +185,7 @@ class AmxEngine:
 
     def accumulate(self, w: "_Dispatch", v_block) -> None:
         """acc[row_block, d] += probs[row_block, kv_block] . values, two dim tiles at a time."""
-        d, t = w.s.d, Tiles(self.dtype)
+        d, t = w.s.d, Tiles()
         v_dim_tile = w.s.kv_block // 2 * 64      # bytes of one dim tile's key-pair rows
         for rows in range(0, w.s.row_block // 16, 2):   # pairs of row tiles
             for pair in range(d // 32):
@@ -203,19 +202,17 @@ class AmxEngine:
 
 
 class FmaEngine:
-    """Q.K^T and P.V in f32 AVX-512 FMAs on register blocks: q rows [B, h_kv, rows, d], k tiles
-    transposed [B, h_kv, T, d, kv_block] and values [B, h_kv, T * kv_block, d] (the row tiles of
-    score_tiles.ROW_TILES), probs f32. Scores in blocks of 4 rows x 64 keys (16 accumulators, one
+    """Q.K^T and P.V in f32 AVX-512 FMAs on register blocks: the workgroup's q rows [row_block, d],
+    k tiles transposed [B, h_kv, T, d, kv_block] and values [B, h_kv, T * kv_block, d] (the row
+    tiles of score_tiles.ROW_TILES), probs f32. Scores in blocks of 4 rows x 64 keys (16 accumulators, one
     query element broadcast per row and step), P.V in blocks of 4 rows x 64 dims."""
 
-    name = "fma"
     uses_amx = False
     SCORE_ROWS, SCORE_VECTORS = 4, 4
     ACC_ROWS, ACC_VECTORS = 4, 4
     UNROLL = 4
 
     def __init__(self, dtype: str):
-        self.dtype = dtype
         self.operand = f32()
         self.prob_elem = f32()
         self.layout = ROW_TILES
@@ -377,7 +374,7 @@ class _Dispatch:
                 self._softmax(block, self.scores, first_row)
             self.engine.accumulate(self, at(v_base, arith_d.muli(block, const_i64(block_bytes))))
             scf_d.YieldOp([])
-        self._write_rows(entry, head, first_row, rows_valid, q_len, rows)
+        self._write_rows(entry, head, hk, first_row, rows_valid, q_len, rows)
 
     def _token_head(self, entry, head, global_row, q_len) -> ir.Value:
         """The row of q or the output [B * Lq * h_q, d] that row ``global_row`` of KV head ``head``
@@ -532,7 +529,7 @@ class _Dispatch:
                 row(arith_d.addi(first, const_i64(i)))
             scf_d.YieldOp([])
 
-    def _write_rows(self, entry, head, first_row, rows_valid, q_len, rows) -> None:
+    def _write_rows(self, entry, head, hk, first_row, rows_valid, q_len, rows) -> None:
         s, v = self.s, self.vec
         zero = arith_d.constant(f32(), 0.0)
         one = arith_d.constant(f32(), 1.0)
@@ -549,8 +546,7 @@ class _Dispatch:
             for t in range(s.d // 16):
                 value = arith_d.mulf(v.load(at(acc_row, t * 64)), inv_v)
                 v.store(v.narrow(value, self.elem), at(out_at, t * 16 * _bytes(self.elem)))
-            # (max, sum) of the row at [b, h, 32 wx + r]
-            hk = arith_d.addi(arith_d.muli(entry, const_i64(s.h_kv)), head)
+            # (max, sum) of the row at state [b, h, first_row + r]
             state_row = arith_d.addi(arith_d.muli(hk, rows), global_row)
             llvm_store(llvm_load(i64(), state_at), at(self.p["state"], arith_d.muli(state_row, const_i64(8))))
 
