@@ -1,6 +1,7 @@
 """IR builders: typed MLIR bindings, one online-softmax emitter, one spec per variant."""
 
-from .x86_attention import build_x86_sequence_prefill, unsupported as x86_unsupported, uses_amx as x86_uses_amx
+from .x86_attention import build_x86_sequence_prefill, unsupported as _dense_x86_unsupported, uses_amx as x86_uses_amx
+from .x86_decode import build_x86_pass, pass_unsupported as _pass_x86_unsupported
 from .fused_kernels import build_fused_kv_cache_prefill, build_fused_sequence_prefill
 from .decode import NARROW_PASS_VECTORS, DecodeSpec, PassVectors, build_decode
 from .fused_decode import build_fused_decode
@@ -47,10 +48,16 @@ def build_module(spec, *, row_chunk: int | None = None, score_tiles: RowTiles = 
     return builder(spec, row_chunk=row_chunk, score_tiles=score_tiles)
 
 
+def x86_unsupported(spec) -> str | None:
+    """Why the x86 lowering has no kernel for ``spec`` (None where it has one): the dense sequence
+    prefills (mlir/x86_attention.py) and the serving passes (mlir/x86_decode.py)."""
+    return (_pass_x86_unsupported if isinstance(spec, DecodeSpec) else _dense_x86_unsupported)(spec)
+
+
 def build_x86_module(spec):
-    """The verified MLIR module of the x86 lowering (mlir/x86_attention.py); ValueError naming why
-    for a spec it has no kernel for (:func:`x86_unsupported`)."""
-    return build_x86_sequence_prefill(spec)
+    """The verified MLIR module of the x86 lowering (mlir/x86_attention.py, mlir/x86_decode.py);
+    ValueError naming why for a spec it has no kernel for (:func:`x86_unsupported`)."""
+    return (build_x86_pass if isinstance(spec, DecodeSpec) else build_x86_sequence_prefill)(spec)
 
 
 def build_fused_module(spec):

@@ -227,8 +227,9 @@ class DecodePasses:
 
     def pieces_per_call(self, pass_spec: DecodeSpec) -> int:
         """How many pass entries of one batch entry (its pieces) a call of ``pass_spec`` may hold:
-        as many as keep their scratch within the bound (at least one; one without a bound)."""
-        return max(1, self._within_bound(pass_spec) or 1)
+        as many as keep their scratch within the bound (at least one; all without a bound)."""
+        within = self._within_bound(pass_spec)
+        return ALL_PIECES if within is None else max(1, within)
 
     def _within_bound(self, pass_spec: DecodeSpec) -> int | None:
         """How many pass entries' scratch per key fit in ``scratch_bound`` times a key's K/V
@@ -245,6 +246,9 @@ class DecodePasses:
         return min(usable) if usable and min(usable) == 1 and queries <= self.split_up_to else 0
 
 
+#: DecodePasses.pieces_per_call without a scratch bound: every piece of an entry in one call.
+ALL_PIECES = 1 << 30
+
 #: Per lowering (pipeline/targets.py; runtime/decode.py plans the calls). llvm-cpu's linalg
 #: pass: 1, 2-4 and 5-16 queries (the 16-query pass against the entry loop: 32 x 16 vs 1024
 #: 96-102 against 132 ms, 128 x 16 vs 128 55-60 against 175, docs/serving.md); it materialises
@@ -260,7 +264,10 @@ class DecodePasses:
 #: speed; over 512 keys the variant's kernel was faster (0.76-0.99 against 0.71-0.74).
 DECODE_PASSES = {"linalg": DecodePasses((1, 4, 16), bucketed=False, scratch_bound=2.0, call_scratch=256 << 20,
                                        pieces_up_to=256),
-                 "fused": DecodePasses((1, 4, 16), bucketed=True)}
+                 "fused": DecodePasses((1, 4, 16), bucketed=True),
+                 # llvm-cpu on CPUs with AMX (mlir/x86_decode.py): its scratch is each chunk's
+                 # products, no scores, so no pass is left out; calls cut as the linalg pass's
+                 "x86": DecodePasses((1, 4, 16), bucketed=False, call_scratch=256 << 20, pieces_up_to=256)}
 
 
 def _index(i: int) -> ir.Value:
@@ -425,7 +432,7 @@ def _decode(spec: DecodeSpec, rule: MaskRule, vectors: PassVectors, q, cache: Kv
         normalised, in_dtype = _probs_times_values(spec, cache, probs, table, lengths, kept, chunk_sum)
         return _one_chunk_or_merged(spec, chunk_max, chunk_sum, normalised, in_dtype)
     weighted, = _probs_times_values(spec, cache, probs, table, lengths, kept)
-    return _merged(spec, chunk_max, chunk_sum, weighted, sinks, normalised=False)
+    return merge_chunks(spec, chunk_max, chunk_sum, weighted, sinks, normalised=False)
 
 
 def _chunk_softmax(scores, key_major: bool, block: int) -> tuple[ir.Value, ir.Value, ir.Value]:
@@ -556,7 +563,7 @@ def _one_chunk_or_merged(spec: DecodeSpec, chunk_max, chunk_sum, normalised, in_
     """Output [n, h, R, d_v] (dtype) and lse [n, h, R] from each chunk's max and sum and its probs
     x values divided by its sum, ``normalised`` [n, c, h, R, d_v] f32 (``in_dtype`` the same in
     the dtype): a call of one chunk per entry returns them as they are, a host-side ``scf.if`` on
-    the chunk count skipping the merge (:func:`_merged`)."""
+    the chunk count skipping the merge (:func:`merge_chunks`)."""
     h, group, d_v = spec.base.h_kv, spec.rows, spec.d_v
     entries, chunks = dim(chunk_max, 0), dim(chunk_max, 1)
     one_chunk = arith_d.cmpi(arith_d.CmpIPredicate.eq, chunks, const_index(1))
@@ -566,7 +573,7 @@ def _one_chunk_or_merged(spec: DecodeSpec, chunk_max, chunk_sum, normalised, in_
         first = lambda x: collapse(x, [[0, 1], *([axis] for axis in range(2, len(sizes_of(x))))])  # noqa: E731
         scf_d.YieldOp([first(in_dtype), _lse(first(chunk_max), first(chunk_sum))])
     with ir.InsertionPoint(branch.else_block):
-        scf_d.YieldOp(_merged(spec, chunk_max, chunk_sum, normalised, None, normalised=True))
+        scf_d.YieldOp(merge_chunks(spec, chunk_max, chunk_sum, normalised, None, normalised=True))
     return [tie_dims(branch.results[0], [entries, h, group, d_v]), tie_dims(branch.results[1], [entries, h, group])]
 
 
@@ -582,7 +589,7 @@ def _lse(row_max, row_sum) -> ir.Value:
                                                       arith_d.addf(m, math_d.log2(s)))])[0]
 
 
-def _merged(spec: DecodeSpec, chunk_max, chunk_sum, products, sinks, normalised: bool) -> list[ir.Value]:
+def merge_chunks(spec: DecodeSpec, chunk_max, chunk_sum, products, sinks, normalised: bool) -> list[ir.Value]:
     """The chunks' ``products`` [n, c, h, R, d_v] merged by their maxima, reduced one chunk at a
     time (reduction tile 1). ``normalised`` products are each chunk's divided by its sum
     (:func:`_probs_times_values`) and weigh s_c 2^(max_c - max) / total: an entry's one real chunk
@@ -637,7 +644,7 @@ def _merged(spec: DecodeSpec, chunk_max, chunk_sum, products, sinks, normalised:
 
 
 def _with_sinks(spec: DecodeSpec, acc, row_max, total, sinks) -> list[ir.Value]:
-    """The output [n, h, R, d_v] (dtype) and lse [n, h, R] of :func:`_merged` with each row's
+    """The output [n, h, R, d_v] (dtype) and lse [n, h, R] of :func:`merge_chunks` with each row's
     sink in the denominator (online_softmax.sink_normalised, sink_lse), in f32 before the cast."""
     base, dt = spec.base, element_type(spec.dtype)
     rows = sizes_of(row_max)

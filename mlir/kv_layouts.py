@@ -182,6 +182,29 @@ class CacheLayout(KvLayout, ABC):
     def kv_bytes_per_key(self, spec) -> int:
         """Bytes of K/V one key's cache row holds for the variant ``spec``."""
 
+    #: The axis of the layout's first source whose extent :meth:`row_offset` clamps into (rows or
+    #: pages); None: the layout has no x86 serving pass.
+    extent_axis: int | None = None
+
+    def row_offset(self, spec, which: int, table_value: ir.Value, slot: ir.Value, head: ir.Value,
+                   extent: ir.Value) -> tuple[int, ir.Value]:
+        """The x86 serving pass's row address (mlir/x86_decode.py): (the index of the source among
+        the pass's KV sources, the element offset in it) of head ``head``'s K (``which`` 0) or V
+        (1) row at slot ``slot`` of the table entry ``table_value``; ``extent`` is the source's
+        size along ``extent_axis``, into which a row or page is clamped. All i64 Values."""
+        raise NotImplementedError(f"layout {self.name} has no x86 serving pass")
+
+
+def _i64_ops(like: ir.Value):
+    """(constant, clamp) helpers in ``like``'s integer type: ``c(n)``, ``clamp(x, last)`` into [0, last]."""
+    def c(n: int) -> ir.Value:
+        return arith_d.constant(like.type, n)
+
+    def clamp(x: ir.Value, last: ir.Value) -> ir.Value:
+        return arith_d.maxsi(arith_d.minsi(x, last), c(0))
+
+    return c, clamp
+
 
 def _itemsize(dtype: str) -> int:
     return ir_dtype(dtype).itemsize
@@ -361,6 +384,19 @@ class RaggedLayout(CacheLayout):
     def block(self, spec) -> int:
         return RAGGED_BLOCK
 
+    @property
+    def extent_axis(self) -> int:
+        return self.row_axis
+
+    def row_offset(self, spec, which, table_value, slot, head, extent):
+        c, clamp = _i64_ops(table_value)
+        row = clamp(arith_d.addi(table_value, slot), arith_d.subi(extent, c(1)))
+        return which, arith_d.muli(self._flat_row(spec, row, head, extent), c(spec.d_qk if which == 0 else spec.d_v))
+
+    def _flat_row(self, spec, row, head, rows):
+        """The row's index in k or v viewed as [rows x h_kv, d] (token-major)."""
+        return arith_d.addi(arith_d.muli(row, arith_d.constant(row.type, spec.h_kv)), head)
+
     def kv_bytes_per_key(self, spec) -> int:
         return spec.h_kv * (spec.d_qk + spec.d_v) * _itemsize(kv_dtype_of(spec))
 
@@ -377,6 +413,9 @@ class RaggedHndLayout(RaggedLayout):
 
     def _at(self, x: ir.Value, row, head, col) -> ir.Value:
         return tensor_d.extract(x, [head, row, col])
+
+    def _flat_row(self, spec, row, head, rows):
+        return arith_d.addi(arith_d.muli(head, rows), row)
 
 
 # ---- paged and latent: rows through the page table (paging.py)
@@ -505,6 +544,19 @@ class PagedLayout(_PageTableLayout):
     def _page_element(self, pages, page, which, head, slot, col):
         return self._at(pages, page, const_index(which), head, slot, col)
 
+    extent_axis = 0
+
+    def row_offset(self, spec, which, table_value, slot, head, extent):
+        c, clamp = _i64_ops(table_value)
+        page = clamp(table_value, arith_d.subi(extent, c(1)))
+        half = arith_d.addi(arith_d.muli(page, c(2)), c(which))   # [P x 2, ...]
+        return 0, arith_d.muli(self._page_row(spec, half, head, slot), c(spec.d))
+
+    def _page_row(self, spec, half, head, slot):
+        """The row's index in pages viewed as [P x 2 x h_kv x page_size, d]."""
+        c = lambda n: arith_d.constant(half.type, n)  # noqa: E731
+        return arith_d.addi(arith_d.muli(arith_d.addi(arith_d.muli(half, c(spec.h_kv)), head), c(spec.page_size)), slot)
+
     def kv_bytes_per_key(self, spec) -> int:
         return spec.h_kv * (spec.d_qk + spec.d_v) * _itemsize(kv_dtype_of(spec))
 
@@ -519,6 +571,11 @@ class PagedNhdLayout(PagedLayout):
 
     def _at(self, pages, page, which, head, slot, col) -> ir.Value:
         return tensor_d.extract(pages, [page, which, slot, head, col])
+
+    def _page_row(self, spec, half, head, slot):
+        """The row's index in pages viewed as [P x 2 x page_size x h_kv, d]."""
+        c = lambda n: arith_d.constant(half.type, n)  # noqa: E731
+        return arith_d.addi(arith_d.muli(arith_d.addi(arith_d.muli(half, c(spec.page_size)), slot), c(spec.h_kv)), head)
 
 
 class LatentLayout(_PageTableLayout):

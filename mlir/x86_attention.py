@@ -314,6 +314,9 @@ class _Dispatch:
         self.acc = stack_bytes(self.s.row_block * self.acc_stride)
         self.state = stack_bytes(self.s.row_block * 8)   # (max, sum) per row
         self.q_rows = stack_bytes(self.s.row_block * d * _bytes(engine.operand))   # in the engine's order
+        #: log2(e) x the score scale (f32), and the rows the softmax steps walk (all of them here)
+        self.scale_log2 = arith_d.constant(f32(), shapes.scale_log2)
+        self.softmax_rows = self.s.row_block
 
     @staticmethod
     def row_addr(base, row, stride) -> ir.Value:
@@ -346,7 +349,7 @@ class _Dispatch:
         operand_bytes = _bytes(self.engine.operand)
         block_bytes = self.s.kv_block * s.d * operand_bytes
         q_base = self.q_rows
-        self._copy_query_rows(entry, head, first_row, rows_total, q_len)
+        self._copy_query_rows(lambda row: self._token_head(entry, head, row, q_len), first_row, rows_total)
         kv_offset = arith_d.muli(arith_d.muli(hk, kv_blocks), const_i64(block_bytes))
         k_base = at(self.p["k_tiles"], kv_offset)
         v_base = at(self.p["v_tiles"], kv_offset)
@@ -371,7 +374,7 @@ class _Dispatch:
                 self._overlapped_step(block, blocks, q_base, k_block, first_row)
             else:
                 self.engine.scores(self, q_base, k_block(block), self.scores)
-                self._softmax(block, self.scores, first_row)
+                self._softmax(self.column_of(block), self.scores, first_row)
             self.engine.accumulate(self, at(v_base, arith_d.muli(block, const_i64(block_bytes))))
             scf_d.YieldOp([])
         self._write_rows(entry, head, hk, first_row, rows_valid, q_len, rows)
@@ -391,7 +394,8 @@ class _Dispatch:
         scores rows are free again); rows [0, 32) of the first step are scored before the loop.
         Each 2 x 2 group of tiles alternates with 8 rows of softmax, so the core can run both."""
         engine, scores = self.engine, self.scores
-        self._softmax(block, scores, first_row, 0, lambda key_pair: engine.score_group(
+        start = self.column_of(block)
+        self._softmax(start, scores, first_row, 0, lambda key_pair: engine.score_group(
             self, q_base, k_block(block), scores, 1, key_pair))
         following = arith_d.addi(block, const_i64(1))
 
@@ -401,11 +405,12 @@ class _Dispatch:
                 engine.score_group(self, q_base, k_block(following), scores, 0, key_pair)
                 scf_d.YieldOp([])
 
-        self._softmax(block, scores, first_row, 32, next_step)
+        self._softmax(start, scores, first_row, 32, next_step)
 
-    def _copy_query_rows(self, entry, head, first_row, rows_total, q_len) -> None:
-        """The workgroup's query rows from q [B, Lq, h_q, d] into ``q_rows`` in the engine's order,
-        64 bytes at a time; rows past the call's are zero."""
+    def _copy_query_rows(self, source_row, first_row, rows_total) -> None:
+        """The workgroup's query rows into ``q_rows`` in the engine's order, 64 bytes at a time:
+        row r from row ``source_row(first_row + r)`` of q viewed as [*, d]; rows from
+        ``rows_total`` on are zero."""
         s, v = self.s, self.vec
         chunks = s.d * _bytes(self.engine.operand) // 64
         bits = ir.VectorType.get([16], i32())
@@ -416,8 +421,7 @@ class _Dispatch:
             dest = at(self.q_rows, self.engine.q_row_at(s.d, r))
             present = scf_d.IfOp(arith_d.cmpi(arith_d.CmpIPredicate.slt, global_row, rows_total), [], has_else=True)
             with ir.InsertionPoint(present.then_block):
-                source_row = self._token_head(entry, head, global_row, q_len)
-                source = at(self.p["q"], arith_d.muli(source_row, const_i64(s.d * _bytes(self.engine.operand))))
+                source = at(self.p["q"], arith_d.muli(source_row(global_row), const_i64(s.d * _bytes(self.engine.operand))))
                 for c in range(chunks):
                     v.store(v.load(at(source, c * 64), i32()), at(dest, c * self.engine.q_chunk_stride))
                 scf_d.YieldOp([])
@@ -447,11 +451,15 @@ class _Dispatch:
 
         self._for_rows(self.s.row_block, row)
 
-    def _softmax(self, block, scores, first_row, row_begin=0, between=None) -> None:
-        """The rows' softmax step (with ``between``: of rows [row_begin, +32) in kv_block / 32
-        groups, ``between(group)`` emitted before each); the mask is applied only where the block
-        reaches past the narrowest row end or starts before the rows' first key."""
-        block_start = arith_d.muli(block, const_i64(self.s.kv_block))
+    def column_of(self, block) -> ir.Value:
+        """The first key (column) of KV step ``block``."""
+        return arith_d.muli(block, const_i64(self.s.kv_block))
+
+    def _softmax(self, block_start, scores, first_row, row_begin=0, between=None) -> None:
+        """The rows' softmax step over keys [block_start, + kv_block) (with ``between``: of rows
+        [row_begin, +32) in kv_block / 32 groups, ``between(group)`` emitted before each); the
+        mask is applied only where the block reaches past the narrowest row end or starts before
+        the rows' first key."""
         block_end = arith_d.addi(block_start, const_i64(self.s.kv_block))
         masked = arith_d.cmpi(arith_d.CmpIPredicate.sgt, block_end, self.narrowest_end)
         if self.keys.has_lower_bound:
@@ -459,15 +467,15 @@ class _Dispatch:
         branch = scf_d.IfOp(masked, [], has_else=True)
         for masked, part in ((True, branch.then_block), (False, branch.else_block)):
             with ir.InsertionPoint(part):
-                self._softmax_rows(block, scores, first_row, masked, row_begin, between)
+                self._softmax_rows(block_start, scores, first_row, masked, row_begin, between)
                 scf_d.YieldOp([])
 
-    def _softmax_rows(self, block, scores, first_row, masked: bool, row_begin: int, between) -> None:
+    def _softmax_rows(self, block_start, scores, first_row, masked: bool, row_begin: int, between) -> None:
         s, v = self.s, self.vec
-        scale = v.const(s.scale_log2)
-        scale_scalar = arith_d.constant(f32(), s.scale_log2)
+        scale_scalar = self.scale_log2
+        scale = v.splat(scale_scalar)
         neg_inf = v.const(float("-inf"))
-        block_start = arith_d.trunci(i32(), arith_d.muli(block, const_i64(self.s.kv_block)))
+        block_start = arith_d.trunci(i32(), block_start)
         columns = [arith_d.addi(v.iota(), v.splat(arith_d.addi(block_start, arith_d.constant(i32(), 16 * c))))
                    for c in range(self.s.kv_block // 16)]
 
@@ -516,7 +524,7 @@ class _Dispatch:
                 scf_d.YieldOp([])
 
         if between is None:
-            self._for_rows(self.s.row_block, row)
+            self._for_rows(self.softmax_rows, row)
             return
         groups = self.s.kv_block // 32
         per_group = 32 // groups

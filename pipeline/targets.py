@@ -236,10 +236,11 @@ class Target:
         kernels build, on a CPU with AMX)."""
         return self.record.spec_lowering(self.arch, spec, self.lowering)
 
-    @property
-    def decode_passes(self) -> DecodePasses:
-        """The one-pass kernels of this target's lowering (mlir/decode.py: DECODE_PASSES)."""
-        return DECODE_PASSES[self.lowering]
+    def decode_passes(self, spec) -> DecodePasses:
+        """The serving passes of the KV-cache spec ``spec`` here (mlir/decode.py: DECODE_PASSES):
+        those of the lowering its passes are built in (llvm-cpu on a CPU with AMX: "x86" for the
+        passes it builds), else of this target's lowering."""
+        return DECODE_PASSES[self.lowering_of(DecodeSpec(spec, 1))]
 
     def serving_passes(self, spec) -> list[DecodeSpec]:
         """The serving passes a KV-cache kernel of ``spec`` hands its short entries to here: the
@@ -249,7 +250,7 @@ class Target:
         (runtime/kernels.py) and what the tests declare (tests/conftest.py)."""
         if isinstance(spec, DecodeSpec) or spec.kv_layout == "dense" or not mask_rule(spec).one_pass:
             return []
-        return [DecodeSpec(spec, queries) for queries in self.decode_passes.usable(spec)]
+        return [DecodeSpec(spec, queries) for queries in self.decode_passes(spec).usable(spec)]
 
 
 def target_for(backend: str | Target) -> Target:

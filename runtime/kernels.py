@@ -50,7 +50,7 @@ class Kernel:
         # a call hands its short entries to them (runtime/decode.py) and compiles nothing; without
         # them every entry runs in the main kernel.
         self._decode_kernels = dict(passes or {})
-        self._decode_passes = dataclasses.replace(target.decode_passes, loaded=tuple(sorted(self._decode_kernels)))
+        self._decode_passes = dataclasses.replace(target.decode_passes(spec), loaded=tuple(sorted(self._decode_kernels)))
         self._schedule: tuple = (None, None)  # (plan, its DecodeSchedule) of the last planned call
         self._call_schedule: tuple = (None, None)  # (schedule_key, its DecodeSchedule) of the last other call
 

@@ -234,7 +234,7 @@ def _passes(spec, target: Target, entries) -> list[int]:
     """The query counts of the serving passes of ``spec`` on ``target`` that calls of ``entries``
     ((qo_len, kv_len) per entry, rotary_mode 0) take (runtime/decode.py's pass_queries), or all
     of them for True."""
-    passes = target.decode_passes
+    passes = target.decode_passes(spec)
     usable = passes.usable(spec)
     if entries is True or not usable:
         return list(usable)

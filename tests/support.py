@@ -238,3 +238,27 @@ def structure(module) -> Op:
     root = Op("module")
     visit(module.operation, root)
     return root
+
+
+def serving_call(spec, rng, entries, window=None, fill_unused=None):
+    """Seed-ABI arguments of a KV-cache call (RoPE off, causal; runtime/examples.py) of ``entries``
+    ((qo_len, kv_len) each; ``window``: (sink tokens, window offset) each); with
+    ``fill_unused``, every page slot past an entry's rows and the unused pages hold it."""
+    rope_off = {"rotary_mode": 0} if "rotary_mode" in argument_names(spec) else {}
+    args = example_inputs(spec, rng, entries, window=window, **rope_off)
+    if fill_unused is not None:
+        named = dict(zip(argument_names(spec), args))
+        page_indptr, page_values, pages = named["page_indptr"], named["page_values"], named["pages"]
+        used = np.zeros((pages.shape[0], spec.page_size), bool)
+        for b in range(len(page_indptr) - 1):
+            used[page_values[page_indptr[b]:page_indptr[b + 1]]] = True
+            last_page = page_values[page_indptr[b + 1] - 1] if page_indptr[b + 1] > page_indptr[b] else None
+            if last_page is not None:
+                used[last_page, last_page_len(named["length_info"], b):] = False
+        slot_major = {"paged": (0, 3, 1, 2, 4), "paged_nhd": (0, 2, 1, 3, 4)}.get(spec.kv_layout)
+        (pages.transpose(*slot_major) if slot_major else pages)[~used] = fill_unused
+    return args
+
+
+def last_page_len(length_info, b) -> int:
+    return int(length_info[b] if length_info.ndim == 1 else length_info[0, b])

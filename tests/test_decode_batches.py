@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from conftest import BACKENDS, assert_matches_reference, uniform
+from support import serving_call
 from linalg_prefill.mlir import (
     DecodeSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, build_fused_module, build_module,
 )
@@ -29,7 +30,6 @@ from linalg_prefill.mlir.abi import argument_names
 from linalg_prefill.mlir.decode import NARROW_PASS_VECTORS, ROW_VECTOR, WIDE_PASS_VECTORS
 from linalg_prefill.mlir.ir import TILING_MARKER, ir, tiling_mark
 from linalg_prefill.runtime.compare import reference_call
-from linalg_prefill.runtime.examples import example_inputs
 from linalg_prefill.runtime.decode import (
     DECODE_PASSES, bucket_tiles, decode_calls, decode_schedule, kv_lengths, pass_queries,
 )
@@ -38,29 +38,6 @@ from linalg_prefill.runtime.decode import (
 # queries than keys: rows without a key under the causal mask), prefill entries, an entry with
 # one query and no KV (not a pass entry), an entry with no queries.
 MIXED = [(1, 37), (5, 20), (1, 300), (1, 1), (0, 3), (3, 260), (1, 700), (1, 0), (4, 2), (17, 40), (1, 256), (2, 9)]
-
-
-def _call(spec, rng, entries, window=None, fill_unused=None):
-    """Seed-ABI arguments of a KV-cache call (RoPE off, causal; runtime/examples.py); with
-    ``fill_unused``, every page slot past an entry's rows and the unused pages hold it."""
-    rope_off = {"rotary_mode": 0} if "rotary_mode" in argument_names(spec) else {}
-    args = example_inputs(spec, rng, entries, window=window, **rope_off)
-    if fill_unused is not None:
-        named = dict(zip(argument_names(spec), args))
-        page_indptr, page_values, pages = named["page_indptr"], named["page_values"], named["pages"]
-        used = np.zeros((pages.shape[0], spec.page_size), bool)
-        for b in range(len(page_indptr) - 1):
-            used[page_values[page_indptr[b]:page_indptr[b + 1]]] = True
-            last_page = page_values[page_indptr[b + 1] - 1] if page_indptr[b + 1] > page_indptr[b] else None
-            if last_page is not None:
-                used[last_page, _last_page_len(named["length_info"], b):] = False
-        slot_major = {"paged": (0, 3, 1, 2, 4), "paged_nhd": (0, 2, 1, 3, 4)}.get(spec.kv_layout)
-        (pages.transpose(*slot_major) if slot_major else pages)[~used] = fill_unused
-    return args
-
-
-def _last_page_len(length_info, b) -> int:
-    return int(length_info[b] if length_info.ndim == 1 else length_info[0, b])
 
 
 class _CountingPasses:
@@ -100,8 +77,8 @@ pytestmark = pytest.mark.compiles(*(spec for spec, _ in CASES.values()), passes=
 
 
 def _mixed_pass_calls(spec, backend, args) -> int:
-    """Calls of the passes on MIXED (the variant's own kernel takes the rest in one call). linalg:
-    one call per (pass, piece, blocks per chunk) among its entries, the passes the 1-, 4- and
+    """Calls of the passes on MIXED (the variant's own kernel takes the rest in one call). linalg
+    and x86: one call per (pass, band of pieces, blocks per chunk) among its entries, the passes the 1-, 4- and
     16-query ones (without the 16-query one where its scores would pass the scratch bound, d 64
     in 16-bit: then (5, 20) and (17, 40) join the rest; else (17, 40) runs in two pieces, each in
     a call of its own). fused: one call per (query count, KV bucket): 1 query
@@ -110,7 +87,7 @@ def _mixed_pass_calls(spec, backend, args) -> int:
     16-query pass (1)."""
     if _lowering(backend) == "fused":
         return 7
-    passes = DECODE_PASSES["linalg"]
+    passes = _target(backend).decode_passes(spec)   # linalg's, or x86's on a CPU with AMX
     usable = passes.usable(spec)
     calls = set()
     largest = max(passes.queries)
@@ -122,12 +99,17 @@ def _mixed_pass_calls(spec, backend, args) -> int:
             pass_spec = DecodeSpec(spec, taken)
             n = min(taken, qo_len - first)  # it sees (causal) and its table holds kv_len - qo_len + first + n keys
             keys = kv_len if pass_spec.sliding_window else max(kv_len - qo_len + first + n, 1)
-            calls.add((taken, first, pass_spec.chunk_blocks(-(-keys // pass_spec.block))))
+            band = first // (taken * passes.pieces_per_call(pass_spec))  # pieces of one call
+            calls.add((taken, band, pass_spec.chunk_blocks(-(-keys // pass_spec.block))))
     return len(calls)
 
 
 #: The lowerings' passes: llvm-cpu's own, the fused (CUDA's) on llvm-cpu, and CUDA with a GPU.
 PASS_BACKENDS = BACKENDS
+
+
+def _target(backend) -> Target:
+    return backend if isinstance(backend, Target) else Target(backend)
 
 
 def _lowering(backend) -> str:
@@ -140,7 +122,7 @@ def test_decode_pass_matches_the_reference(case, backend, cache, monkeypatch):
     spec, window = CASES[case]
     kernel = open_kernel(spec, backend, cache=cache)
     rng = np.random.default_rng(1)
-    args = _call(spec, rng, MIXED, window)
+    args = serving_call(spec, rng, MIXED, window)
     calls = _CountingPasses(kernel, monkeypatch)
     got = kernel(*args)
     assert (calls.decode, calls.rest) == (_mixed_pass_calls(spec, backend, args), 1)
@@ -155,7 +137,7 @@ def test_device_results_are_the_host_results(case, backend, cache):
     bitwise, as its numpy results, padding rows and query-less entries included."""
     spec, window = CASES[case]
     kernel = open_kernel(spec, backend, cache=cache)
-    args = _call(spec, np.random.default_rng(8), MIXED, window)
+    args = serving_call(spec, np.random.default_rng(8), MIXED, window)
     host = kernel(*args)
     device = kernel(*args, to_host=False)
     assert all(isinstance(result, rt.DeviceArray) for result in device)
@@ -171,8 +153,8 @@ def test_each_pass_call_matches_the_reference_of_its_own_arguments(case, backend
     spec, window = CASES[case]
     kernel = open_kernel(spec, backend, cache=cache)
     rng = np.random.default_rng(6)
-    args = _call(spec, rng, MIXED, window)
-    passes = DECODE_PASSES[_lowering(backend)]
+    args = serving_call(spec, rng, MIXED, window)
+    passes = _target(backend).decode_passes(spec)
     calls = decode_calls(spec, args, pass_queries(spec, args, passes), passes)
     assert len(calls) == _mixed_pass_calls(spec, backend, args)
     for call in calls:
@@ -190,7 +172,7 @@ def test_an_entry_of_one_chunk_has_the_same_bits_with_padded_chunks(queries, ent
     merges: the same check holds there)."""
     spec = PagedPrefillSpec(8, 2, 64, "float32", page_size=16)
     kernel = open_kernel(spec, "llvm-cpu", cache=cache)
-    args = _call(spec, np.random.default_rng(9), [entry])
+    args = serving_call(spec, np.random.default_rng(9), [entry])
     passes = DECODE_PASSES["linalg"]
     (call,) = decode_calls(spec, args, pass_queries(spec, args, passes), passes)
     assert call.spec.queries == queries and call.args[2].shape[1] == 1  # one chunk
@@ -213,7 +195,7 @@ def test_pass_entry_is_bitwise_the_same_alone_among_short_entries_and_in_a_mixed
     query = uniform(rng, (queries, 8, 64), spec.dtype)
     results = {}
     for name, entries in batches.items():
-        args = list(_call(spec, rng, entries))
+        args = list(serving_call(spec, rng, entries))
         position = entries.index(entry)
         ids = args[4][args[3][position] + np.arange(keys) // 16]
         args[2].transpose(0, 3, 1, 2, 4)[ids, np.arange(keys) % 16] = cache_rows
@@ -235,7 +217,7 @@ def test_a_decode_step_in_order_takes_q_and_results_as_they_are(cache, monkeypat
     kernel = open_kernel(spec, "llvm-cpu", cache=cache)
     step = [(1, 100), (1, 97), (1, 112), (1, 105)]  # 7 blocks each: one call, in batch order
     rng = np.random.default_rng(11)
-    args = _call(spec, rng, step)
+    args = serving_call(spec, rng, step)
     assert decode_schedule(spec, args, DECODE_PASSES["linalg"]).in_order
     calls = _CountingPasses(kernel, monkeypatch)
     out, lse = kernel(*args)
@@ -245,7 +227,7 @@ def test_a_decode_step_in_order_takes_q_and_results_as_they_are(cache, monkeypat
     for want, got in zip((out, lse), device):
         assert np.array_equal(np.asarray(got.to_host()), want)
 
-    longer = _call(spec, rng, step + [(2, 50)])
+    longer = serving_call(spec, rng, step + [(2, 50)])
     named = dict(zip(argument_names(spec), longer))
     named["q"][:len(step)], named["pages"][...] = args[0], 0  # the same queries over the same K/V rows
     for b in range(len(step)):
@@ -269,11 +251,11 @@ def test_a_call_without_a_plan_reuses_the_schedule_of_the_same_index_arrays(cach
     made = []
     monkeypatch.setattr(kernels, "decode_schedule", lambda *a: made.append(1) or decode_schedule(*a))
     rng = np.random.default_rng(12)
-    first = _call(spec, rng, [(1, 37), (4, 100), (20, 60)])
+    first = serving_call(spec, rng, [(1, 37), (4, 100), (20, 60)])
     layer = list(first)
     layer[0] = uniform(rng, first[0].shape, spec.dtype)  # another layer's queries and K/V
     layer[2] = uniform(rng, first[2].shape, spec.dtype)
-    other = _call(spec, rng, [(1, 38), (4, 100), (20, 60)])
+    other = serving_call(spec, rng, [(1, 38), (4, 100), (20, 60)])
     for args, schedules in ((first, 1), (layer, 1), (other, 2), (first, 3)):
         assert_matches_reference("plan-less call", kernel(*args), spec, args)
         assert len(made) == schedules
@@ -285,7 +267,7 @@ def test_pass_entries_cut_into_calls_by_scratch_give_the_same_rows(cache, monkey
     (17, 40)), each row bitwise what the single calls give."""
     spec = PagedPrefillSpec(8, 2, 64, "float32", page_size=16)
     kernel = open_kernel(spec, "llvm-cpu", cache=cache)
-    args = _call(spec, np.random.default_rng(3), MIXED)
+    args = serving_call(spec, np.random.default_rng(3), MIXED)
     whole = kernel(*args)
     monkeypatch.setattr(kernel, "_decode_passes", dataclasses.replace(kernel._decode_passes, call_scratch=1))
     calls = _CountingPasses(kernel, monkeypatch)
@@ -304,7 +286,7 @@ LONG = [(40, 10), (64, 200), (17, 30), (20, 257), (5, 20), (33, 256)]
 def test_long_entries_over_short_caches_run_in_pieces_of_the_largest_pass(causal, cache, monkeypatch):
     spec = PagedPrefillSpec(8, 2, 64, "float32", page_size=16)
     kernel = open_kernel(spec, "llvm-cpu", cache=cache)
-    args = list(_call(spec, np.random.default_rng(10), LONG))
+    args = list(serving_call(spec, np.random.default_rng(10), LONG))
     args[argument_names(spec).index("causal")] = causal
     assert pass_queries(spec, args).tolist() == [16, 16, 16, 0, 16, 16]
     for call in decode_calls(spec, args, pass_queries(spec, args), DECODE_PASSES["linalg"]):
@@ -322,7 +304,7 @@ def test_a_call_holds_as_many_pieces_of_an_entry_as_the_scratch_bound_allows():
     two pieces of each entry (2x, the bound): two 64-query entries (non-causal, so every piece
     sees all 200 keys and takes one chunk size) in two calls of four pieces."""
     spec = PagedPrefillSpec(32, 8, 128, "float32", page_size=16)
-    args = list(_call(spec, np.random.default_rng(11), [(64, 200), (64, 200)]))
+    args = list(serving_call(spec, np.random.default_rng(11), [(64, 200), (64, 200)]))
     args[argument_names(spec).index("causal")] = 0
     calls = decode_calls(spec, args, pass_queries(spec, args), DECODE_PASSES["linalg"])
     assert [len(call.rows) for call in calls] == [4, 4]
@@ -481,7 +463,7 @@ def test_a_batch_of_decode_entries_takes_a_fixed_number_of_launches(entries, bac
     kernel = open_kernel(spec, backend, cache=cache)
     rng = np.random.default_rng(3)
     kv_lens = rng.integers(1, 600, entries)
-    args = _call(spec, rng, [(1, int(n)) for n in kv_lens])  # the 1-query pass
+    args = serving_call(spec, rng, [(1, int(n)) for n in kv_lens])  # the 1-query pass
     calls = _CountingPasses(kernel, monkeypatch)
     got = kernel(*args)
     if _lowering(backend) == "fused":
@@ -507,13 +489,13 @@ def test_bucket_widths_pad_by_less_than_half():
 def test_which_entries_take_the_pass(lowering):
     spec = PagedPrefillSpec(8, 2, 64, "float32", page_size=16)
     passes = DECODE_PASSES[lowering]
-    args = _call(spec, np.random.default_rng(4), MIXED)
+    args = serving_call(spec, np.random.default_rng(4), MIXED)
     largest = max(passes.queries)
     expected = [min(q for q in passes.queries if q >= qo) if 1 <= qo <= largest and kv > 0 else
                 largest if qo > largest and kv <= passes.pieces_up_to else 0 for qo, kv in MIXED]
     assert pass_queries(spec, args, passes).tolist() == expected
-    # (5, 20) takes the 16-query pass; (17, 40) too, in pieces, where pieces_up_to allows (linalg)
-    assert expected.count(0) == (2 if lowering == "linalg" else 3)
+    # (5, 20) takes the 16-query pass; (17, 40) too, in pieces, where pieces_up_to allows (linalg, x86)
+    assert expected.count(0) == (2 if passes.pieces_up_to else 3)
     with_rope = list(args)
     with_rope[9] = 1  # rotary_mode: keys need inline RoPE, which the pass does not do
     assert not pass_queries(spec, tuple(with_rope), passes).any()
@@ -522,7 +504,7 @@ def test_which_entries_take_the_pass(lowering):
 def test_a_kernel_opened_without_serving_passes_runs_every_entry_itself(cache, monkeypatch):
     spec = CASES["paged-f32"][0]
     kernel = open_kernel(spec, cache=cache, serving_passes=False)
-    args = _call(spec, np.random.default_rng(7), MIXED)
+    args = serving_call(spec, np.random.default_rng(7), MIXED)
     calls = _CountingPasses(kernel, monkeypatch)
     got = kernel(*args)
     assert (calls.decode, calls.rest) == (0, 0)  # no split: one launch of the variant's kernel
@@ -541,7 +523,7 @@ def test_a_kernel_loads_its_passes_at_open_and_a_call_compiles_nothing(cache, mo
         raise AssertionError("a call compiled")
 
     monkeypatch.setattr(compiler, "compile_ir", no_compile)
-    args = _call(spec, np.random.default_rng(11), MIXED)
+    args = serving_call(spec, np.random.default_rng(11), MIXED)
     calls = _CountingPasses(kernel, monkeypatch)
     got = kernel(*args)
     assert calls.decode >= 2 and calls.rest == 1
@@ -556,7 +538,7 @@ def test_nan_in_unused_cache_rows_stays_out(backend, cache):
     multiplying them (0 * NaN would be NaN)."""
     spec = PagedPrefillSpec(8, 2, 64, "float32", page_size=16)
     kernel = open_kernel(spec, backend, cache=cache)
-    args = _call(spec, np.random.default_rng(5), [(1, 37), (1, 300), (1, 1)], fill_unused=np.nan)
+    args = serving_call(spec, np.random.default_rng(5), [(1, 37), (1, 300), (1, 1)], fill_unused=np.nan)
     got = kernel(*args)
     assert np.isfinite(got[0]).all()
     assert_matches_reference("NaN in unused rows", got, spec, args)
@@ -572,7 +554,7 @@ def test_a_pass_whose_scores_outweigh_the_cache_is_not_used():
     assert linalg.usable(MANY_HEADS) == (1,)
     assert linalg.usable(CASES["mla-f32"][0]) == (1, 4)
     assert DECODE_PASSES["fused"].usable(MANY_HEADS) == (1, 4, 16)  # its scores stay in tiles
-    args = _call(MANY_HEADS, np.random.default_rng(8), MIXED)
+    args = serving_call(MANY_HEADS, np.random.default_rng(8), MIXED)
     expected = [1 if 1 <= qo <= 4 and kv > 0 else 0 for qo, kv in MIXED]
     assert pass_queries(MANY_HEADS, args, linalg).tolist() == expected
 
@@ -586,7 +568,7 @@ def test_entries_of_a_pass_that_is_not_used_run_one_query_at_a_time(causal, cach
     entries shorter than, equal to and longer than one chunk."""
     kernel = open_kernel(MANY_HEADS, "llvm-cpu", cache=cache)
     entries = [(1, 700), (3, 260), (4, 2), (2, 9), (1, 5), (17, 40), (4, 256)]
-    args = list(_call(MANY_HEADS, np.random.default_rng(9), entries))
+    args = list(serving_call(MANY_HEADS, np.random.default_rng(9), entries))
     args[6] = causal
     calls = _CountingPasses(kernel, monkeypatch)
     got = kernel(*args)

@@ -1,0 +1,394 @@
+"""The x86 lowering of the serving passes (decode.DecodeSpec): one hand-written dispatch streams
+each chunk of an entry's cache once, with every query row of a KV head against it, and the chunks
+merge as the linalg pass merges them (decode.merge_chunks).
+
+The dispatch is the dense kernel's (mlir/x86_attention.py: the engines, the f32 vector softmax)
+with its K and V read from the cache in place: each KV step gathers its ``kv_block`` keys' rows
+through the pass table (the layout's ``row_offset``: ragged rows, HND or NHD pages, the sliding
+window's sink and window rows) into two stack buffers in the engine's order, K by 16 x 16 32-bit
+transposes (AMX: B tiles of bf16 pairs; FMA: the step's K^T), V by interleaving key pairs (AMX)
+or as rows (FMA); a key past the chunk, the entry or the table (a -1 block) reads a zero row.
+Shapes (n entries, h = h_kv, R = queries x G rows a KV head, c chunks of P table blocks):
+
+    q [n, h, R, d] (dtype)   table [n, c, P] i32   geometry [n, 4] i32 (kv_len, sinks, offset, qo_len)
+    products [n, c, h, R, d] f32 (unnormalised)   state [n, c, h, R, 2] f32 (max, sum; log2 domain)
+
+Workgroup (c x row groups, h, n) owns rows [g, g + 1) * row_block of one chunk; rows past R are
+not computed by the softmax (their probabilities stay 0). Keys of a row: [chunk start,
+min(chunk end, kv_len, causal end)), the KV-cache causal rule (mask_rules.KvCacheCausalRule).
+"""
+
+from __future__ import annotations
+
+from .amx import as_i64, at, const_i64, i32, i64, stack_bytes
+from .decode import DECODE_PASSES, DecodeSpec, decode_module, merge_chunks
+from .dtypes import quantized_kv
+from .ir import (
+    DYN, affine_map, arith_d, builtin_d, const_index, dim, empty, f32, flow_d, func_d, generic, ir, linalg_d, llvm_d, scf_d,
+    stream_d, tensor_d, tensor_type, vector_d,
+)
+from .kv_layouts import cache_layout
+from .mask_rules import KvCacheCausalRule, mask_rule
+from .online_softmax import LOG2E
+from .specs import PagedPrefillSpec, RaggedPrefillSpec
+from .x86_attention import (
+    ENGINES, STACK_BUDGET, KernelShapes, _bytes, _Dispatch, binding_pointer, engine_for,
+    llvm_load, llvm_store,
+)
+
+_EXECUTABLE = "x86_serving_pass"
+_ENTRY = "stream_chunks"
+#: Index scalars of the dispatch, after its tensors: the table's dims, the first KV source's extent
+#: along its layout's ``extent_axis`` and the causal flag; then sm_scale (f32).
+_SCALARS = ("entries", "chunks", "per_chunk", "extent", "causal")
+#: Keys of a KV step.
+PASS_KV_BLOCK = 64
+
+
+def pass_blocks(spec: DecodeSpec) -> tuple[int, int]:
+    """(rows of a workgroup, keys of a KV step) of the pass: AMX works on 32 or 64 rows (pairs of
+    16-row tiles), the FMA blocks on multiples of 4; 64 keys a step; buffers and the two staging
+    buffers within STACK_BUDGET."""
+    operand = 2 if spec.dtype == "bfloat16" else 4
+    amx = ENGINES[spec.dtype].uses_amx
+    rows = spec.rows
+    wanted = (32 if rows <= 32 else 64) if amx else min(64, -(-rows // 4) * 4)
+    d = spec.d_qk
+    for row_block, keys in ((wanted, PASS_KV_BLOCK), (32 if amx else 16, PASS_KV_BLOCK), *(((32, 32),) if amx else ())):
+        buffers = row_block * (keys * 4 + keys * operand + d * 4 + d * operand + 8)
+        if buffers + 2 * keys * d * operand + d * operand <= STACK_BUDGET:
+            return row_block, keys
+    raise ValueError(f"d={d}: no x86 pass blocks fit the stack budget")
+
+
+def pass_unsupported(spec: DecodeSpec) -> str | None:
+    """Why the x86 lowering has no serving pass for ``spec`` (None where it has): ragged and paged
+    caches (not MLA's latent rows) in bf16 or f32, one head dim (d_qk = d_v) of a multiple of 32,
+    no soft cap, no 8-bit KV, the KV-cache causal mask."""
+    base = spec.base
+    if type(base) not in (RaggedPrefillSpec, PagedPrefillSpec):
+        return f"{type(base).__name__} has no x86 serving pass (ragged and paged caches have)"
+    if base.dtype not in ENGINES:
+        return f"dtype {base.dtype}: the x86 passes are bf16 (AMX tiles) and f32 (FMA blocks)"
+    if spec.d_qk != spec.d_v or spec.d_qk % 32:
+        return f"d_qk={spec.d_qk}, d_v={spec.d_v}: the x86 passes need one head dim, a multiple of 32"
+    if base.logits_soft_cap or quantized_kv(base):
+        return "soft cap and 8-bit KV have no x86 serving pass"
+    if not isinstance(mask_rule(base), KvCacheCausalRule):
+        return "the x86 serving passes know the KV-cache causal mask only"
+    try:
+        pass_blocks(DecodeSpec(base, max(DECODE_PASSES["x86"].queries)))
+    except ValueError as too_wide:
+        return str(too_wide)
+    return None
+
+
+def _transposed(rows: list[ir.Value]) -> list[ir.Value]:
+    """The 16 x 16 transpose of 16 vectors of 16 32-bit lanes: at each scale m (8, 4, 2, 1) the
+    off-diagonal m x m blocks of each 2m x 2m block swap (two-source shuffles)."""
+    rows = list(rows)
+    for m in (8, 4, 2, 1):
+        low = [16 + lane - m if lane & m else lane for lane in range(16)]
+        high = [16 + lane if lane & m else lane + m for lane in range(16)]
+        for r in range(16):
+            if r & m:
+                continue
+            a, b = rows[r], rows[r + m]
+            rows[r], rows[r + m] = vector_d.shuffle(a, b, low), vector_d.shuffle(a, b, high)
+    return rows
+
+
+class AmxStaging:
+    """A KV step's keys and values in AmxEngine's order (score_tiles.PackedTiles 16 x 16 x 2):
+    K [kv_block/16, d/2, 16, 2] (a 32-bit transpose of each 16 keys x 16 dim pairs), V [d/16,
+    kv_block/2, 16, 2] (pairs of keys interleaved)."""
+
+    def keys(self, w: "_PassDispatch", group, rows: list[ir.Value]) -> None:
+        """Keys [16 group, + 16) from their 16 row pointers."""
+        d, lanes = w.s.d, ir.VectorType.get([16], i32())
+        group_at = at(w.k_stage, arith_d.muli(group, const_i64(d // 2 * 64)))
+        for chunk in range(d // 32):
+            loaded = [llvm_load(lanes, at(row, chunk * 64)) for row in rows]
+            for j, out in enumerate(_transposed(loaded)):
+                llvm_store(out, at(group_at, (16 * chunk + j) * 64))
+
+    def values(self, w: "_PassDispatch", group, rows: list[ir.Value]) -> None:
+        d, kv = w.s.d, w.s.kv_block
+        halves = ir.VectorType.get([32], ir.IntegerType.get_signless(16))
+        dim_tile = kv // 2 * 64
+        low = [i // 2 + 32 * (i % 2) for i in range(32)]          # dims 0-15 of the chunk, keys a, b
+        high = [16 + i // 2 + 32 * (i % 2) for i in range(32)]    # dims 16-31
+        for pair in range(8):
+            pair_at = at(w.v_stage, arith_d.muli(arith_d.addi(arith_d.muli(group, const_i64(8)), const_i64(pair)),
+                                                 const_i64(64)))
+            for chunk in range(d // 32):
+                a, b = (llvm_load(halves, at(rows[2 * pair + i], chunk * 64)) for i in range(2))
+                llvm_store(vector_d.shuffle(a, b, low), at(pair_at, 2 * chunk * dim_tile))
+                llvm_store(vector_d.shuffle(a, b, high), at(pair_at, (2 * chunk + 1) * dim_tile))
+
+
+class FmaStaging:
+    """A KV step's keys and values in FmaEngine's order: K^T [d, kv_block] (16 x 16 transposes),
+    V [kv_block, d] (row copies), f32."""
+
+    def keys(self, w: "_PassDispatch", group, rows: list[ir.Value]) -> None:
+        d, kv, v = w.s.d, w.s.kv_block, w.vec
+        group_at = at(w.k_stage, arith_d.muli(group, const_i64(64)))
+        for chunk in range(d // 16):
+            loaded = [v.load(at(row, chunk * 64)) for row in rows]
+            for j, out in enumerate(_transposed(loaded)):
+                v.store(out, at(group_at, (16 * chunk + j) * kv * 4))
+
+    def values(self, w: "_PassDispatch", group, rows: list[ir.Value]) -> None:
+        d, v = w.s.d, w.vec
+        group_at = at(w.v_stage, arith_d.muli(group, const_i64(16 * d * 4)))
+        for i, row in enumerate(rows):
+            for chunk in range(d // 16):
+                v.store(v.load(at(row, chunk * 64)), at(group_at, i * d * 4 + chunk * 64))
+
+
+STAGING = {"bfloat16": AmxStaging, "float32": FmaStaging}
+
+
+class _PassKeys:
+    """The keys [0, hi) a row of a chunk sees (i64 Values): below the chunk's end and kv_len and,
+    when causal, on or left of the bottom-right diagonal (steps start at the chunk's first key)."""
+
+    has_lower_bound = False
+
+    def __init__(self, kv_len, qo_len, causal, chunk_end):
+        self.end = arith_d.minsi(kv_len, chunk_end)
+        self.diag = arith_d.subi(kv_len, qo_len)
+        self.causal = causal
+
+    def lo(self):
+        return const_i64(0)
+
+    def hi(self, token):
+        diagonal = arith_d.maxsi(const_i64(0), arith_d.addi(token, arith_d.addi(self.diag, const_i64(1))))
+        return arith_d.select(self.causal, arith_d.minsi(self.end, diagonal), self.end)
+
+
+class _PassDispatch(_Dispatch):
+    """One workgroup of the pass: rows of one (entry, KV head) against one chunk."""
+
+    def __init__(self, spec: DecodeSpec, shapes: KernelShapes, engine, pointers: dict, scalars: dict, sm_scale):
+        super().__init__(shapes, engine, pointers, scalars)
+        self.spec = spec
+        stage_bytes = shapes.kv_block * shapes.d * _bytes(engine.operand)
+        self.k_stage, self.v_stage = stack_bytes(stage_bytes), stack_bytes(stage_bytes)
+        self.zero_row = stack_bytes(shapes.d * _bytes(engine.operand))
+        self.scale_log2 = arith_d.mulf(sm_scale, arith_d.constant(f32(), LOG2E))
+        self.staging = STAGING[shapes.dtype]()
+
+    def emit(self) -> None:
+        s, spec = self.s, self.spec
+        rows_per_head = spec.rows
+        row_groups = -(-rows_per_head // s.row_block)
+        wx = as_i64(stream_d.dispatch_workgroup_id(0))
+        head = as_i64(stream_d.dispatch_workgroup_id(1))
+        entry = as_i64(stream_d.dispatch_workgroup_id(2))
+        chunk = arith_d.divui(wx, const_i64(row_groups))
+        first_row = arith_d.muli(arith_d.remui(wx, const_i64(row_groups)), const_i64(s.row_block))
+        rows_valid = arith_d.minsi(const_i64(s.row_block), arith_d.subi(const_i64(rows_per_head), first_row))
+        geometry = [arith_d.extsi(i64(), llvm_load(i32(), at(self.p["geometry"], arith_d.muli(
+            arith_d.addi(arith_d.muli(entry, const_i64(4)), const_i64(k)), const_i64(4))))) for k in range(4)]
+        kv_len, sink_tokens, window_offset, qo_len = geometry
+        chunk_columns = arith_d.muli(self.n["per_chunk"], const_i64(spec.block))
+        chunk_start = arith_d.muli(chunk, chunk_columns)
+        causal = arith_d.cmpi(arith_d.CmpIPredicate.ne, self.n["causal"], const_i64(0))
+        self.keys = _PassKeys(kv_len, qo_len, causal, arith_d.addi(chunk_start, chunk_columns))
+        first_token = arith_d.divsi(first_row, const_i64(s.group))
+        last_token = arith_d.divsi(arith_d.addi(first_row, arith_d.subi(rows_valid, const_i64(1))), const_i64(s.group))
+        end, self.narrowest_end = self.keys.hi(last_token), self.keys.hi(first_token)
+        steps = ceil_div_i64(arith_d.maxsi(const_i64(0), arith_d.subi(end, chunk_start)), s.kv_block)
+        self.softmax_rows = arith_d.index_cast(ir.IndexType.get(), rows_valid)
+        self.window = (sink_tokens, window_offset) if spec.sliding_window else None
+        self.table_row = at(self.p["table"], arith_d.muli(
+            arith_d.muli(entry, arith_d.muli(self.n["chunks"], self.n["per_chunk"])), const_i64(4)))
+        self.table_blocks = arith_d.muli(self.n["chunks"], self.n["per_chunk"])
+        self.head = head
+
+        head_row = arith_d.muli(arith_d.addi(arith_d.muli(entry, const_i64(s.h_kv)), head), const_i64(rows_per_head))
+        self._copy_query_rows(lambda row: arith_d.addi(head_row, row), first_row, const_i64(rows_per_head))
+        self._init_rows()
+        self._zero(self.probs, s.row_block * self.prob_stride)
+        self._zero(self.zero_row, s.d * _bytes(self.engine.operand))
+        self._prefetch(chunk_start, steps)
+        loop = scf_d.ForOp(const_index(0), arith_d.index_cast(ir.IndexType.get(), steps), const_index(1))
+        with ir.InsertionPoint(loop.body):
+            step = as_i64(loop.induction_variable)
+            start = arith_d.addi(chunk_start, arith_d.muli(step, const_i64(s.kv_block)))
+            self._prefetch(arith_d.addi(start, const_i64(s.kv_block)), arith_d.subi(steps, arith_d.addi(step, const_i64(1))))
+            self._stage(start)
+            self.engine.scores(self, self.q_rows, self.k_stage, self.scores)
+            self._softmax(start, self.scores, first_row)
+            self.engine.accumulate(self, self.v_stage)
+            scf_d.YieldOp([])
+        place = arith_d.addi(arith_d.muli(arith_d.addi(arith_d.muli(entry, self.n["chunks"]), chunk), const_i64(s.h_kv)),
+                             head)
+        self._write_partials(arith_d.addi(arith_d.muli(place, const_i64(rows_per_head)), first_row), rows_valid)
+
+    def _zero(self, buffer, size: int) -> None:
+        zero = self.vec.const(0.0)
+        for offset in range(0, size, 64):
+            self.vec.store(zero, at(buffer, offset))
+
+    def _row_pointers(self, column) -> tuple[ir.Value, ir.Value]:
+        """(K row, V row) pointers of the entry's logical key ``column`` for this head: through
+        the table and the layout; the zero row where the column is past the chunk, the entry's
+        keys or its table (a -1 block)."""
+        spec, layout = self.spec, cache_layout(self.spec.base)
+        present = arith_d.cmpi(arith_d.CmpIPredicate.slt, column, self.keys.end)
+        physical = column
+        if self.window is not None:   # semantics §2: sinks, then the window's rows
+            sinks, offset = self.window
+            physical = arith_d.select(arith_d.cmpi(arith_d.CmpIPredicate.slt, column, sinks), column,
+                                      arith_d.addi(arith_d.subi(column, sinks), offset))
+        block = arith_d.minsi(arith_d.divsi(physical, const_i64(spec.block)),
+                              arith_d.subi(self.table_blocks, const_i64(1)))
+        block = arith_d.maxsi(block, const_i64(0))
+        slot = arith_d.remsi(physical, const_i64(spec.block))
+        table_value = arith_d.extsi(i64(), llvm_load(i32(), at(self.table_row, arith_d.muli(block, const_i64(4)))))
+        present = arith_d.andi(present, arith_d.cmpi(arith_d.CmpIPredicate.ne, table_value, const_i64(-1)))
+        operand = _bytes(self.engine.operand)
+        pointers = []
+        for which in (0, 1):
+            source, offset = layout.row_offset(spec.base, which, table_value, slot, self.head, self.n["extent"])
+            row = at(self.p[f"kv{source}"], arith_d.muli(offset, const_i64(operand)))
+            pointers.append(arith_d.select(present, row, self.zero_row))
+        return pointers[0], pointers[1]
+
+    def _prefetch(self, start, steps_left) -> None:
+        """Asks for the cache lines of the rows of keys [start, start + kv_block) (when steps are
+        left): the gathers of a step then find their rows in cache (without it, a decode pass waited
+        on each row's first load: 10 GB/s of the machine's 20)."""
+        more = scf_d.IfOp(arith_d.cmpi(arith_d.CmpIPredicate.sgt, steps_left, const_i64(0)))
+        with ir.InsertionPoint(more.then_block):
+            loop = scf_d.ForOp(const_index(0), const_index(self.s.kv_block), const_index(1))
+            with ir.InsertionPoint(loop.body):
+                column = arith_d.addi(start, as_i64(loop.induction_variable))
+                for row in self._row_pointers(column):
+                    for line in range(0, self.s.d * _bytes(self.engine.operand), 64):
+                        llvm_d.intr_prefetch(at(row, line), 0, 3, 1)
+                scf_d.YieldOp([])
+            scf_d.YieldOp([])
+
+    def _stage(self, start) -> None:
+        """Keys [start, start + kv_block) into the staging buffers, 16 at a time."""
+        loop = scf_d.ForOp(const_index(0), const_index(self.s.kv_block // 16), const_index(1))
+        with ir.InsertionPoint(loop.body):
+            group = as_i64(loop.induction_variable)
+            first = arith_d.addi(start, arith_d.muli(group, const_i64(16)))
+            pairs = [self._row_pointers(arith_d.addi(first, const_i64(i))) for i in range(16)]
+            self.staging.keys(self, group, [k for k, _ in pairs])
+            self.staging.values(self, group, [v for _, v in pairs])
+            scf_d.YieldOp([])
+
+    def _write_partials(self, first_place, rows_valid) -> None:
+        """Each valid row's acc (unnormalised f32) to products and its (max, sum) to state."""
+        v, d = self.vec, self.s.d
+
+        def row(r):
+            place = arith_d.addi(first_place, r)
+            out_at = at(self.p["products"], arith_d.muli(place, const_i64(d * 4)))
+            acc_row = self.row_addr(self.acc, r, self.acc_stride)
+            for t in range(d // 16):
+                v.store(v.load(at(acc_row, t * 64)), at(out_at, t * 64))
+            llvm_store(llvm_load(i64(), self.row_addr(self.state, r, 8)),
+                       at(self.p["state"], arith_d.muli(place, const_i64(8))))
+
+        self._for_rows(arith_d.index_cast(ir.IndexType.get(), rows_valid), row)
+
+
+def ceil_div_i64(value, divisor: int) -> ir.Value:
+    return arith_d.divsi(arith_d.addi(value, const_i64(divisor - 1)), const_i64(divisor))
+
+
+def _build_executable(spec: DecodeSpec, shapes: KernelShapes, engine, operand_types: list) -> None:
+    """The ``stream.executable`` of the pass at the insertion point: bindings of the tensors
+    (q, the KV sources, table, geometry), the dynamic dims of each, ``_SCALARS``, sm_scale, then
+    the results products and state."""
+    index = ir.IndexType.get()
+    binding = ir.Type.parse("!stream.binding")
+    executable = stream_d.ExecutableOp(_EXECUTABLE, sym_visibility="private")
+    body = executable.body.blocks.append()
+    names = ["q", *(f"kv{i}" for i in range(len(operand_types) - 3)), "table", "geometry"]
+    dynamic = [sum(1 for size in t.shape if size == DYN) for t in operand_types]
+    results = [("products", [DYN, DYN, shapes.h_kv, spec.rows, shapes.d], f32()),
+               ("state", [DYN, DYN, shapes.h_kv, spec.rows, 2], f32())]
+    with ir.InsertionPoint(body):
+        export = stream_d.ExecutableExportOp(_ENTRY, _ENTRY, sym_visibility="public")
+        count = export.workgroup_count.blocks.append(index, index, index)
+        with ir.InsertionPoint(count):
+            stream_d.ReturnOp(list(count.arguments))
+        inner = builtin_d.ModuleOp()
+        with ir.InsertionPoint(inner.body):
+            arg_types = ([binding] * len(names) + [index] * (sum(dynamic) + len(_SCALARS)) + [f32()]
+                         + [binding] * len(results))
+            fn = func_d.FuncOp(_ENTRY, (arg_types, []))
+            with ir.InsertionPoint(fn.add_entry_block()):
+                args = list(fn.arguments)
+                bindings, rest = args[:len(names)], args[len(names):]
+                dims, rest = rest[:sum(dynamic)], rest[sum(dynamic):]
+                scalars, sm_scale, outs = rest[:len(_SCALARS)], rest[len(_SCALARS)], rest[len(_SCALARS) + 1:]
+                pointers, used = {}, 0
+                for name, value, t, count_ in zip(names, bindings, operand_types, dynamic):
+                    memref = ir.MemRefType.get(list(t.shape), t.element_type)
+                    pointers[name] = binding_pointer(value, memref, dims[used:used + count_])
+                    used += count_
+                entries, chunks = scalars[0], scalars[1]
+                for (name, shape, elem), value in zip(results, outs):
+                    pointers[name] = binding_pointer(value, ir.MemRefType.get(shape, elem), [entries, chunks])
+                named = {name: as_i64(value) for name, value in zip(_SCALARS, scalars)}
+                _PassDispatch(spec, shapes, engine, pointers, named, sm_scale).emit()
+                func_d.ReturnOp([])
+        stream_d.ExecutableEndOp()
+
+
+def _emit(spec: DecodeSpec, shapes: KernelShapes, anchor: ir.Operation, q, cache, table, geometry, causal,
+          sm_scale, sinks) -> list[ir.Value]:
+    engine = engine_for(spec.dtype)
+    sources = list(cache.sources[:len(cache.sources) - (2 if quantized_kv(spec.base) else 0)])
+    tensors = [q, *sources, table, geometry]
+    types = [ir.RankedTensorType(x.type) for x in tensors]
+    with ir.InsertionPoint(anchor):
+        _build_executable(spec, shapes, engine, types)
+    entries, chunks, per_chunk = (dim(table, axis) for axis in range(3))
+    extent = dim(sources[0], cache_layout(spec.base).extent_axis)
+    causal_index = arith_d.index_cast(ir.IndexType.get(), causal)
+    dyn = [dim(x, axis) for x, t in zip(tensors, types) for axis, size in enumerate(t.shape) if size == DYN]
+    row_groups = -(-spec.rows // shapes.row_block)
+    h, d = shapes.h_kv, shapes.d
+    entry = ir.ArrayAttr.get([ir.SymbolRefAttr.get([_EXECUTABLE, _ENTRY])])
+    dispatch = flow_d.DispatchOp(
+        [tensor_type([DYN, DYN, h, spec.rows, d], f32()), tensor_type([DYN, DYN, h, spec.rows, 2], f32())],
+        [arith_d.muli(chunks, const_index(row_groups)), const_index(h), entries], entry,
+        [*tensors, *dyn, entries, chunks, per_chunk, extent, causal_index, sm_scale],
+        dyn, [entries, chunks, entries, chunks])
+    products, state = dispatch.results
+
+    def part(k):
+        return generic([], [empty([entries, chunks, h, spec.rows], f32())], [affine_map(4, range(4))], "pppp",
+                       lambda _out: [tensor_d.extract(state, [*(_loop(i) for i in range(4)), const_index(k)])])[0]
+
+    return merge_chunks(spec, part(0), part(1), products, sinks, normalised=False)
+
+
+def _loop(i: int) -> ir.Value:
+    return linalg_d.IndexOp(i).result
+
+
+def build_x86_pass(spec: DecodeSpec) -> ir.Module:
+    """The verified module of the serving pass ``spec`` (decode.decode_module's signature) with its
+    attention in one hand-written dispatch; ValueError where :func:`pass_unsupported` says why not."""
+    why = pass_unsupported(spec)
+    if why:
+        raise ValueError(f"no x86 lowering for {spec.name}: {why}")
+    shapes = KernelShapes(spec.h_q, spec.h_kv, spec.d_qk, spec.dtype, "causal", 0.0, *pass_blocks(spec))
+
+    def emit(q, cache, table, geometry, causal, sm_scale, sinks):
+        function = q.owner.owner
+        return _emit(spec, shapes, function, q, cache, table, geometry, causal, sm_scale, sinks)
+
+    return decode_module(spec, emit)

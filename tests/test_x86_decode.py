@@ -1,0 +1,113 @@
+"""The x86 serving passes (mlir/x86_decode.py): which passes and CPUs get them, their IR and objects
+on every machine, and on CPUs with AMX (where the record picks them) their numerics against the
+float64 reference: every cache layout they read (ragged NHD and HND, paged HND and NHD, the
+sliding window's sink and window rows), head sinks, GQA 1 to 8, both dtypes, the 1-, 4- and
+16-query passes on batches that mix them with prefill entries, peaked scores, NaN in a cache's
+unused rows."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import NUMPY_DTYPE, assert_matches_reference
+from linalg_prefill.mlir import DecodeSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, x86_unsupported
+from linalg_prefill.mlir.decode import DECODE_PASSES
+from linalg_prefill.pipeline import Target
+from linalg_prefill.pipeline.cpu_tiles import AMX_FEATURES, host_cpu_features
+from linalg_prefill.pipeline.tuning import tuned_ir
+from linalg_prefill.runtime import open_kernel
+from support import serving_call, spec_id
+
+HOST_HAS_AMX = AMX_FEATURES <= host_cpu_features()
+needs_amx = pytest.mark.skipif(not HOST_HAS_AMX, reason="no amx_tile/amx_bf16 on this CPU")
+AMX_CPU = Target("llvm-cpu", "sapphirerapids")
+
+#: The layouts, dtypes and groups of the x86 passes (d a multiple of 32: 64, 96, 128).
+SPECS = {
+    "paged-hnd-bf16-gqa4": PagedPrefillSpec(16, 4, 128, "bfloat16", page_size=16),
+    "paged-nhd-f32-gqa8": PagedPrefillSpec(16, 2, 64, "float32", page_size=8, kv_order="nhd"),
+    "ragged-nhd-f32-gqa1": RaggedPrefillSpec(4, 4, 96, 96, "float32"),
+    "ragged-hnd-bf16-gqa2": RaggedPrefillSpec(8, 4, 64, 64, "bfloat16", kv_order="hnd"),
+    "paged-window-bf16": PagedPrefillSpec(8, 2, 64, "bfloat16", page_size=8, sliding_window=True),
+    "paged-sinks-f32": PagedPrefillSpec(8, 2, 64, "float32", page_size=16, head_sinks=True),
+}
+#: (qo_len, kv_len): 1-query entries of 1 to 1500 keys (one chunk and many), 2-16 query entries
+#: (one with more queries than keys: rows without a key), prefill entries, an entry with one
+#: query and no KV, one without queries, 16 queries over several chunks.
+ENTRIES = [(1, 37), (5, 20), (1, 300), (1, 1), (0, 3), (3, 260), (1, 1500), (1, 0), (4, 2), (17, 40), (16, 333),
+           (2, 9)]
+#: (sink tokens, window offset) per entry of the sliding-window spec.
+WINDOW = [(3, 2), (0, 0), (40, 4), (0, 0), (0, 0), (9, 1), (5, 5), (0, 0), (0, 0), (16, 0), (7, 3), (2, 2)]
+
+pytestmark = pytest.mark.compiles(*SPECS.values(), passes=ENTRIES)
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_the_record_builds_the_passes_of_these_caches_in_x86_on_amx_cpus(name):
+    spec = SPECS[name]
+    for queries in (1, 4, 16):
+        assert AMX_CPU.lowering_of(DecodeSpec(spec, queries)) == "x86"
+        assert Target("llvm-cpu", "znver4").lowering_of(DecodeSpec(spec, queries)) == "linalg"
+    assert AMX_CPU.decode_passes(spec) == DECODE_PASSES["x86"]
+    assert [p.queries for p in AMX_CPU.serving_passes(spec)] == [1, 4, 16]   # no scratch bound leaves one out
+    assert Target("llvm-cpu", "znver4").decode_passes(spec) == DECODE_PASSES["linalg"]
+
+
+@pytest.mark.parametrize("base, why", [
+    (MlaPagedPrefillSpec(8, 64, 16, "bfloat16"), "MlaPagedPrefillSpec"),
+    (PagedPrefillSpec(8, 2, 64, "bfloat16", logits_soft_cap=30.0), "soft cap"),
+    (PagedPrefillSpec(8, 2, 64, "bfloat16", kv_dtype="float8_e4m3fn"), "8-bit KV"),
+    (RaggedPrefillSpec(8, 2, 64, 32, "float32"), "d_qk=64, d_v=32"),
+    (PagedPrefillSpec(8, 2, 64, "float16"), "dtype float16"),
+    (PagedPrefillSpec(8, 2, 256, "float32"), "stack budget"),
+], ids=lambda x: x if isinstance(x, str) else spec_id(x))
+def test_passes_without_an_x86_kernel_keep_the_linalg_lowering(base, why):
+    spec = DecodeSpec(base, 4)
+    assert why in x86_unsupported(spec)
+    assert AMX_CPU.lowering_of(spec) == "linalg"
+
+
+def test_the_pass_ir_gathers_with_prefetches_and_runs_tiles_for_bf16_only():
+    bf16 = tuned_ir(DecodeSpec(SPECS["paged-hnd-bf16-gqa4"], 4), AMX_CPU)
+    assert "flow.dispatch @x86_serving_pass::@stream_chunks" in bf16
+    assert "llvm.x86.tdpbf16ps.internal" in bf16 and "llvm.intr.prefetch" in bf16
+    f32 = tuned_ir(DecodeSpec(SPECS["paged-nhd-f32-gqa8"], 1), AMX_CPU)
+    assert "flow.dispatch @x86_serving_pass::@stream_chunks" in f32 and "llvm.x86.t" not in f32
+    assert "math.fma" in f32
+
+
+def _call(name, rng, entries=ENTRIES):
+    spec = SPECS[name]
+    return spec, serving_call(spec, rng, entries, WINDOW if getattr(spec, "sliding_window", False) else None)
+
+
+@needs_amx
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_x86_passes_match_the_reference(name, cache):
+    spec, args = _call(name, np.random.default_rng(1))
+    kernel = open_kernel(spec, cache=cache)
+    assert kernel.serving_passes == (1, 4, 16)
+    assert_matches_reference(name, kernel(*args), spec, args)
+
+
+@needs_amx
+@pytest.mark.parametrize("name", ["paged-hnd-bf16-gqa4", "paged-nhd-f32-gqa8"])
+def test_x86_passes_on_peaked_scores(name, cache):
+    """q x 40: each row's weight sits on a few keys, so a wrong scale, max, mask or row address
+    shows rather than averaging out."""
+    spec, args = _call(name, np.random.default_rng(2))
+    args = list(args)
+    args[0] = (args[0].astype(np.float32) * 40.0).astype(NUMPY_DTYPE[spec.dtype])
+    assert_matches_reference(name, open_kernel(spec, cache=cache)(*args), spec, args)
+
+
+@needs_amx
+def test_x86_passes_never_read_a_cache_slot_past_an_entry(cache):
+    """Every unused page slot holds NaN: a pass that reads one (0 x NaN is NaN) fails."""
+    spec = SPECS["paged-hnd-bf16-gqa4"]
+    args = serving_call(spec, np.random.default_rng(5), [(1, 37), (1, 300), (1, 1), (16, 100), (4, 33)],
+                        fill_unused=np.nan)
+    got = open_kernel(spec, cache=cache)(*args)
+    assert not np.isnan(np.asarray(got[0], np.float32)).any()
+    assert_matches_reference("nan-unused", got, spec, args)
