@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from .amx import as_i64, at, const_i64, i32, i64, stack_bytes
 from .decode import DECODE_PASSES, DecodeSpec, decode_module, merge_chunks
-from .dtypes import quantized_kv
+from .dtypes import kv_dtype_of, quantized_kv
 from .ir import (
     DYN, affine_map, arith_d, builtin_d, const_index, dim, empty, f32, flow_d, func_d, generic, ir, linalg_d, llvm_d, scf_d,
     stream_d, tensor_d, tensor_type, vector_d,
@@ -35,6 +35,13 @@ from .x86_attention import (
     ENGINES, STACK_BUDGET, KernelShapes, _bytes, _Dispatch, binding_pointer, engine_for,
     llvm_load, llvm_store,
 )
+
+#: The 8-bit KV formats the passes widen, as kv_layouts._widened_8_bit moves their bits into a
+#: float16's: (left shift of the byte, mask of the sign and field bits; None: the byte is the
+#: float16's high byte), and their exponent bias.
+EIGHT_BIT_SHIFTS = {"float8_e4m3fn": (7, -0x8000 | 0x7F << 7), "float8_e4m3fnuz": (7, -0x8000 | 0x7F << 7),
+                    "float8_e5m2": (8, None)}
+EIGHT_BIT_BIAS = {"float8_e4m3fn": 7, "float8_e4m3fnuz": 8, "float8_e5m2": 15}
 
 _EXECUTABLE = "x86_serving_pass"
 _ENTRY = "stream_chunks"
@@ -72,8 +79,10 @@ def pass_unsupported(spec: DecodeSpec) -> str | None:
         return f"dtype {base.dtype}: the x86 passes are bf16 (AMX tiles) and f32 (FMA blocks)"
     if spec.d_qk != spec.d_v or spec.d_qk % 32:
         return f"d_qk={spec.d_qk}, d_v={spec.d_v}: the x86 passes need one head dim, a multiple of 32"
-    if base.logits_soft_cap or quantized_kv(base):
-        return "soft cap and 8-bit KV have no x86 serving pass"
+    if base.logits_soft_cap:
+        return "soft cap has no x86 serving pass"
+    if quantized_kv(base) and kv_dtype_of(base) not in EIGHT_BIT_SHIFTS:
+        return f"8-bit KV {kv_dtype_of(base)}: the x86 passes widen {', '.join(EIGHT_BIT_SHIFTS)}"
     if not isinstance(mask_rule(base), KvCacheCausalRule):
         return "the x86 serving passes know the KV-cache causal mask only"
     try:
@@ -108,7 +117,7 @@ class AmxStaging:
         d, lanes = w.s.d, ir.VectorType.get([16], i32())
         group_at = at(w.k_stage, arith_d.muli(group, const_i64(d // 2 * 64)))
         for chunk in range(d // 32):
-            loaded = [llvm_load(lanes, at(row, chunk * 64)) for row in rows]
+            loaded = [w.chunk(0, row, chunk, lanes) for row in rows]
             for j, out in enumerate(_transposed(loaded)):
                 llvm_store(out, at(group_at, (16 * chunk + j) * 64))
 
@@ -122,7 +131,7 @@ class AmxStaging:
             pair_at = at(w.v_stage, arith_d.muli(arith_d.addi(arith_d.muli(group, const_i64(8)), const_i64(pair)),
                                                  const_i64(64)))
             for chunk in range(d // 32):
-                a, b = (llvm_load(halves, at(rows[2 * pair + i], chunk * 64)) for i in range(2))
+                a, b = (w.chunk(1, rows[2 * pair + i], chunk, halves) for i in range(2))
                 llvm_store(vector_d.shuffle(a, b, low), at(pair_at, 2 * chunk * dim_tile))
                 llvm_store(vector_d.shuffle(a, b, high), at(pair_at, (2 * chunk + 1) * dim_tile))
 
@@ -135,7 +144,7 @@ class FmaStaging:
         d, kv, v = w.s.d, w.s.kv_block, w.vec
         group_at = at(w.k_stage, arith_d.muli(group, const_i64(64)))
         for chunk in range(d // 16):
-            loaded = [v.load(at(row, chunk * 64)) for row in rows]
+            loaded = [w.chunk(0, row, chunk, v.f32x) for row in rows]
             for j, out in enumerate(_transposed(loaded)):
                 v.store(out, at(group_at, (16 * chunk + j) * kv * 4))
 
@@ -144,7 +153,7 @@ class FmaStaging:
         group_at = at(w.v_stage, arith_d.muli(group, const_i64(16 * d * 4)))
         for i, row in enumerate(rows):
             for chunk in range(d // 16):
-                v.store(v.load(at(row, chunk * 64)), at(group_at, i * d * 4 + chunk * 64))
+                v.store(w.chunk(1, row, chunk, v.f32x), at(group_at, i * d * 4 + chunk * 64))
 
 
 STAGING = {"bfloat16": AmxStaging, "float32": FmaStaging}
@@ -180,6 +189,8 @@ class _PassDispatch(_Dispatch):
         self.zero_row = stack_bytes(shapes.d * _bytes(engine.operand))
         self.scale_log2 = arith_d.mulf(sm_scale, arith_d.constant(f32(), LOG2E))
         self.staging = STAGING[shapes.dtype]()
+        self.kv_format = kv_dtype_of(spec) if quantized_kv(spec) else None
+        self.kv_bytes = 1 if self.kv_format else _bytes(engine.operand)
 
     def emit(self) -> None:
         s, spec = self.s, self.spec
@@ -208,6 +219,11 @@ class _PassDispatch(_Dispatch):
             arith_d.muli(entry, arith_d.muli(self.n["chunks"], self.n["per_chunk"])), const_i64(4)))
         self.table_blocks = arith_d.muli(self.n["chunks"], self.n["per_chunk"])
         self.head = head
+        if self.kv_format:   # 2^(15 - bias) x the head's scale, per K and V
+            exponent = 2.0 ** (15 - EIGHT_BIT_BIAS[self.kv_format])
+            self.scales = [self.vec.splat(arith_d.mulf(llvm_load(f32(), at(self.p[name], arith_d.muli(head, const_i64(4)))),
+                                                       arith_d.constant(f32(), exponent)))
+                           for name in ("k_scale", "v_scale")]
 
         head_row = arith_d.muli(arith_d.addi(arith_d.muli(entry, const_i64(s.h_kv)), head), const_i64(rows_per_head))
         self._copy_query_rows(lambda row: arith_d.addi(head_row, row), first_row, const_i64(rows_per_head))
@@ -228,6 +244,41 @@ class _PassDispatch(_Dispatch):
         place = arith_d.addi(arith_d.muli(arith_d.addi(arith_d.muli(entry, self.n["chunks"]), chunk), const_i64(s.h_kv)),
                              head)
         self._write_partials(arith_d.addi(arith_d.muli(place, const_i64(rows_per_head)), first_row), rows_valid)
+
+    def chunk(self, which: int, row, chunk: int, lanes: ir.Type) -> ir.Value:
+        """The ``chunk``-th 64 bytes of a K (``which`` 0) or V (1) row in the engine's operand
+        dtype, as ``lanes``: loaded, or from an 8-bit cache widened through the head's scale
+        (:meth:`_widened`)."""
+        if self.kv_format is None:
+            return llvm_load(lanes, at(row, chunk * 64))
+        operand = _bytes(self.engine.operand)
+        per_chunk = 64 // operand
+        parts = [self._widened(which, at(row, chunk * per_chunk + 16 * part)) for part in range(per_chunk // 16)]
+        if operand == 4:
+            return parts[0]
+        narrowed = [self.vec.narrow(part, self.engine.operand) for part in parts]
+        joined = vector_d.shuffle(narrowed[0], narrowed[1], list(range(32)))
+        return vector_d.bitcast(lanes, joined)
+
+    def _widened(self, which: int, pointer) -> ir.Value:
+        """16 8-bit elements at ``pointer`` as f32 times the head's scale: their exponent and
+        mantissa bits moved into a float16's (kv_layouts._widened_8_bit's move, a vector at a
+        time), widened by vcvtph2ps, times 2^(15 - bias) x scale (semantics §15: f32(x) x
+        scale; rounded to bf16 by the caller where the operands are bf16)."""
+        shift, mask = EIGHT_BIT_SHIFTS[self.kv_format]
+        halves = ir.VectorType.get([16], ir.IntegerType.get_signless(16))
+        raw = llvm_load(ir.VectorType.get([16], ir.IntegerType.get_signless(8)), pointer)
+
+        def splat(value: int) -> ir.Value:
+            return arith_d.constant(halves, ir.DenseElementsAttr.get_splat(
+                halves, ir.IntegerAttr.get(ir.IntegerType.get_signless(16), value)))
+
+        if mask is None:   # e5m2: the byte is a float16's high byte
+            half = arith_d.shli(arith_d.extui(halves, raw), splat(shift))
+        else:   # sign-extended, shifted, sign and field bits kept
+            half = arith_d.andi(arith_d.shli(arith_d.extsi(halves, raw), splat(shift)), splat(mask))
+        wide = arith_d.extf(self.vec.f32x, vector_d.bitcast(ir.VectorType.get([16], ir.F16Type.get()), half))
+        return arith_d.mulf(wide, self.scales[which])
 
     def _zero(self, buffer, size: int) -> None:
         zero = self.vec.const(0.0)
@@ -251,11 +302,10 @@ class _PassDispatch(_Dispatch):
         slot = arith_d.remsi(physical, const_i64(spec.block))
         table_value = arith_d.extsi(i64(), llvm_load(i32(), at(self.table_row, arith_d.muli(block, const_i64(4)))))
         present = arith_d.andi(present, arith_d.cmpi(arith_d.CmpIPredicate.ne, table_value, const_i64(-1)))
-        operand = _bytes(self.engine.operand)
         pointers = []
         for which in (0, 1):
             source, offset = layout.row_offset(spec.base, which, table_value, slot, self.head, self.n["extent"])
-            row = at(self.p[f"kv{source}"], arith_d.muli(offset, const_i64(operand)))
+            row = at(self.p[f"kv{source}"], arith_d.muli(offset, const_i64(self.kv_bytes)))
             pointers.append(arith_d.select(present, row, self.zero_row))
         return pointers[0], pointers[1]
 
@@ -269,7 +319,7 @@ class _PassDispatch(_Dispatch):
             with ir.InsertionPoint(loop.body):
                 column = arith_d.addi(start, as_i64(loop.induction_variable))
                 for row in self._row_pointers(column):
-                    for line in range(0, self.s.d * _bytes(self.engine.operand), 64):
+                    for line in range(0, self.s.d * self.kv_bytes, 64):
                         llvm_d.intr_prefetch(at(row, line), 0, 3, 1)
                 scf_d.YieldOp([])
             scf_d.YieldOp([])
@@ -313,7 +363,8 @@ def _build_executable(spec: DecodeSpec, shapes: KernelShapes, engine, operand_ty
     binding = ir.Type.parse("!stream.binding")
     executable = stream_d.ExecutableOp(_EXECUTABLE, sym_visibility="private")
     body = executable.body.blocks.append()
-    names = ["q", *(f"kv{i}" for i in range(len(operand_types) - 3)), "table", "geometry"]
+    scales = ["k_scale", "v_scale"] if quantized_kv(spec) else []
+    names = ["q", *(f"kv{i}" for i in range(len(operand_types) - 3 - len(scales))), "table", "geometry", *scales]
     dynamic = [sum(1 for size in t.shape if size == DYN) for t in operand_types]
     results = [("products", [DYN, DYN, shapes.h_kv, spec.rows, shapes.d], f32()),
                ("state", [DYN, DYN, shapes.h_kv, spec.rows, 2], f32())]
@@ -349,8 +400,9 @@ def _build_executable(spec: DecodeSpec, shapes: KernelShapes, engine, operand_ty
 def _emit(spec: DecodeSpec, shapes: KernelShapes, anchor: ir.Operation, q, cache, table, geometry, causal,
           sm_scale, sinks) -> list[ir.Value]:
     engine = engine_for(spec.dtype)
-    sources = list(cache.sources[:len(cache.sources) - (2 if quantized_kv(spec.base) else 0)])
-    tensors = [q, *sources, table, geometry]
+    scales = cache.sources[len(cache.sources) - 2:] if quantized_kv(spec.base) else []
+    sources = list(cache.sources[:len(cache.sources) - len(scales)])
+    tensors = [q, *sources, table, geometry, *scales]
     types = [ir.RankedTensorType(x.type) for x in tensors]
     with ir.InsertionPoint(anchor):
         _build_executable(spec, shapes, engine, types)
