@@ -232,19 +232,31 @@ class FmaEngine:
             scf_d.YieldOp(body(as_i64(loop.induction_variable), list(loop.inner_iter_args)))
         return list(loop.results)
 
+    @staticmethod
+    def _row_blocks(row_block: int, rows: int, body) -> None:
+        """``body(first row)`` for each block of ``rows`` rows, in an scf.for (unrolled, the
+        f32 kernels' IR grew to 1 MB and took 3 s to compile)."""
+        loop = scf_d.ForOp(const_index(0), const_index(row_block), const_index(rows))
+        with ir.InsertionPoint(loop.body):
+            body(as_i64(loop.induction_variable))
+            scf_d.YieldOp([])
+
     def scores(self, w: "_Dispatch", q_base, k_block, scores) -> None:
         d, v = w.s.d, w.vec
         rows, vectors = self.SCORE_ROWS, self.SCORE_VECTORS
-        for row0 in range(0, w.s.row_block, rows):
+
+        def row_block(row0):
+            q_rows = at(q_base, arith_d.muli(row0, const_i64(d * 4)))
+            score_rows = at(scores, arith_d.muli(row0, const_i64(w.score_stride)))
             for col0 in range(0, w.s.kv_block, 16 * vectors):
-                def step(k, acc, row0=row0, col0=col0):
+                def step(k, acc, col0=col0):
                     for u in range(self.UNROLL):
                         kk = arith_d.addi(k, const_i64(u))
                         key_row = at(k_block, arith_d.muli(kk, const_i64(w.s.kv_block * 4)))
                         keys = [v.load(at(key_row, (col0 + 16 * c) * 4)) for c in range(vectors)]
                         column = arith_d.muli(kk, const_i64(4))
                         for r in range(rows):
-                            q = v.splat(llvm_load(f32(), at(at(q_base, (row0 + r) * d * 4), column)))
+                            q = v.splat(llvm_load(f32(), at(at(q_rows, r * d * 4), column)))
                             for c in range(vectors):
                                 acc[r * vectors + c] = math_d.fma(q, keys[c], acc[r * vectors + c])
                     return acc
@@ -252,31 +264,38 @@ class FmaEngine:
                 acc = self._blocked(d, self.UNROLL, [zero] * (rows * vectors), step)
                 for r in range(rows):
                     for c in range(vectors):
-                        v.store(acc[r * vectors + c], at(scores, (row0 + r) * w.score_stride + (col0 + 16 * c) * 4))
+                        v.store(acc[r * vectors + c], at(score_rows, r * w.score_stride + (col0 + 16 * c) * 4))
+
+        self._row_blocks(w.s.row_block, rows, row_block)
 
     def accumulate(self, w: "_Dispatch", v_block) -> None:
         d, v = w.s.d, w.vec
         rows = self.ACC_ROWS
-        for row0 in range(0, w.s.row_block, rows):
+
+        def row_block(row0):
+            acc_rows = at(w.acc, arith_d.muli(row0, const_i64(w.acc_stride)))
+            prob_rows = at(w.probs, arith_d.muli(row0, const_i64(w.prob_stride)))
             for col0 in range(0, d, 16 * self.ACC_VECTORS):
                 vectors = min(self.ACC_VECTORS, (d - col0) // 16)   # d = 96: 4 vectors, then 2
-                places = [at(w.acc, (row0 + r) * w.acc_stride + (col0 + 16 * c) * 4)
+                places = [at(acc_rows, r * w.acc_stride + (col0 + 16 * c) * 4)
                           for r in range(rows) for c in range(vectors)]
 
-                def step(k, acc, row0=row0, col0=col0, vectors=vectors):
+                def step(k, acc, col0=col0, vectors=vectors):
                     for u in range(self.UNROLL):
                         kk = arith_d.addi(k, const_i64(u))
                         value_row = at(v_block, arith_d.muli(kk, const_i64(d * 4)))
                         values = [v.load(at(value_row, (col0 + 16 * c) * 4)) for c in range(vectors)]
                         column = arith_d.muli(kk, const_i64(4))
                         for r in range(rows):
-                            p = v.splat(llvm_load(f32(), at(at(w.probs, (row0 + r) * w.prob_stride), column)))
+                            p = v.splat(llvm_load(f32(), at(at(prob_rows, r * w.prob_stride), column)))
                             for c in range(vectors):
                                 acc[r * vectors + c] = math_d.fma(p, values[c], acc[r * vectors + c])
                     return acc
                 acc = self._blocked(w.s.kv_block, self.UNROLL, [v.load(p) for p in places], step)
                 for p, value in zip(places, acc):
                     v.store(value, p)
+
+        self._row_blocks(w.s.row_block, rows, row_block)
 
 
 #: The contractions of a kernel per dtype: AMX tiles for bf16, FMA blocks for f32.
@@ -533,8 +552,7 @@ class _Dispatch:
             group = as_i64(loop.induction_variable)
             between(group)
             first = arith_d.addi(const_i64(row_begin), arith_d.muli(group, const_i64(per_group)))
-            for i in range(per_group):
-                row(arith_d.addi(first, const_i64(i)))
+            self._for_rows(per_group, lambda i: row(arith_d.addi(first, i)))
             scf_d.YieldOp([])
 
     def _write_rows(self, entry, head, hk, first_row, rows_valid, q_len, rows) -> None:

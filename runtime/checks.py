@@ -94,8 +94,15 @@ def check_f32(name: str, value, *, shape: Sequence[int | None]) -> np.ndarray:
 
 def check_scale(name: str, value, *, shape: Sequence[int | None]) -> np.ndarray:
     """:func:`check_f32` whose values must also be positive (the ABI's ``scale`` kind: the
-    per-KV-head scales of an 8-bit KV cache, semantics §15)."""
-    array = check_f32(name, value, shape=shape)
+    per-KV-head scales of an 8-bit KV cache, semantics §15). One scale for every head, as vLLM and
+    FlashInfer take a per-tensor scale, is a Python number, a float32 scalar, shape [] or [1]: it
+    is repeated to ``shape`` (``[h_kv]``)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = np.float32(value)
+    array = as_array(name, on_host(value))
+    if array.shape in ((), (1,)) and len(shape) == 1 and shape[0] is not None:
+        array = np.broadcast_to(array.reshape(1), tuple(shape))
+    array = check_f32(name, array, shape=shape)
     if not np.all(array > 0):
         raise InputError(f"{name}: scales must be positive, found {array[~(array > 0)][0]}")
     return array

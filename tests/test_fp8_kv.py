@@ -159,11 +159,28 @@ def test_every_finite_bit_pattern_reads_as_its_value(case, passes, cache):
     np.testing.assert_array_equal(got, np.broadcast_to(want, got.shape))
 
 
+@pytest.mark.parametrize("form", ["number", "float32 scalar", "shape []", "shape [1]"])
+def test_one_scale_for_every_head_is_a_number_or_one_element(form, cache):
+    """A per-tensor scale as vLLM and FlashInfer take it (issue 54): the same bits as that scale
+    repeated over the KV heads; other shapes stay refused by name (below)."""
+    spec = SPECS["e5m2-bf16-nhd"]
+    args = example_inputs(spec, np.random.default_rng(4), SERVING, **_no_rope(spec))
+    kernel = open_kernel(spec, cache=cache)
+    want = kernel(*_per_tensor(args, spec))
+    as_form = {"number": float, "float32 scalar": np.float32, "shape []": lambda x: np.array(x, np.float32),
+               "shape [1]": lambda x: np.full(1, x, np.float32)}[form]
+    got = kernel(*with_arguments(spec, args, k_scale=as_form(0.75), v_scale=as_form(1.5)))
+    for a, b in zip(want, got):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
 @pytest.mark.parametrize("case, name, value, message", [
     ("e4m3-f16", "k_scale", np.zeros(2, np.float32), "k_scale: scales must be positive"),
     ("e4m3-f16", "v_scale", np.array([1.0, -2.0], np.float32), "v_scale: scales must be positive"),
     ("e4m3-f16", "k_scale", np.array([1.0, np.nan], np.float32), "k_scale: values must be finite"),
     ("e4m3-f16", "v_scale", np.ones(3, np.float32), "v_scale"),
+    ("e4m3-f16", "k_scale", np.ones((1, 1), np.float32), "k_scale"),
+    ("e4m3-f16", "k_scale", 0.0, "k_scale: scales must be positive"),
     ("e4m3-f16", "k_scale", np.ones(2, np.float16), "k_scale: expected dtype float32"),
     ("e4m3-f16", "pages", None, "pages: expected dtype float8_e4m3fn"),
     ("ragged-e4m3-f16-dv16", "v", None, "v: expected dtype float8_e4m3fn"),
