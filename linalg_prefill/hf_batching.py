@@ -36,6 +36,7 @@ Each call of :func:`varlen_attention` runs one of:
 
 from __future__ import annotations
 
+import atexit
 import threading
 import weakref
 from dataclasses import dataclass
@@ -233,6 +234,17 @@ def _window_mask(cu_q: np.ndarray, cu_k: np.ndarray, window: int | None) -> np.n
 _wrappers: dict = {}
 _plans: dict = {}
 _lock = threading.Lock()
+
+
+def _release() -> None:
+    """Drops the wrappers (and their kernels) at exit, before runtime.kernels.release_shared
+    (atexit runs the later registration first)."""
+    with _lock:
+        _wrappers.clear()
+        _plans.clear()
+
+
+atexit.register(_release)
 
 
 def _wrapper(kind, spec):

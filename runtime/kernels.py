@@ -8,7 +8,9 @@
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import gc
 import threading
 from typing import Any, Callable, Iterable
 
@@ -22,6 +24,7 @@ from .amx import request_amx_state
 from ..pipeline.targets import input_alignment
 from .checks import NUMPY_DTYPES, check_on_device
 from .decode import decode_schedule, schedule_key, split_decode
+from .devices import get_device
 from .errors import InputError
 from .interop import like_inputs, results_to_host
 from .module import LoadedKernel, as_device_arrays, device_resident, host_visible_array
@@ -210,6 +213,21 @@ def passes_at_open(spec, target: Target, serving_passes: bool | Iterable[int] = 
 
 _shared: dict = {}
 _shared_lock = threading.Lock()
+
+
+def release_shared() -> None:
+    """Drops the process's shared kernels and IREE devices (the memo below, devices.get_device),
+    then collects the cycles: run at exit (``atexit``), before the interpreter tears IREE's module
+    down, so that nanobind finds none of its objects alive (it printed a page of "leaked"
+    reports after scripts that imported the transformers integration). A kernel a caller still
+    holds stays usable until it goes."""
+    with _shared_lock:
+        _shared.clear()
+    get_device.cache_clear()
+    gc.collect()
+
+
+atexit.register(release_shared)
 
 
 def shared_kernel(spec, backend: str | Target = "llvm-cpu", *, cache: ArtifactCache | None = None,

@@ -27,7 +27,6 @@ current when it started; kernel calls are serialised by the kernel's lock.
 
 from __future__ import annotations
 
-import numbers
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -200,10 +199,7 @@ def _kv_scales(spec, k_scale, v_scale) -> dict:
     for name in ("k_scale", "v_scale"):
         if name not in given:
             raise InputError(f"{name}: {spec.name} reads {spec.kv_dtype} K/V; pass k_scale and v_scale to run")
-        value = given[name]
-        if isinstance(value, numbers.Real):
-            value = np.full(spec.h_kv, value, np.float32)
-        scales[name] = check_scale(name, value, shape=(spec.h_kv,))
+        scales[name] = check_scale(name, given[name], shape=(spec.h_kv,))   # a number: every head's
     check_one_scale(spec, scales["k_scale"], scales["v_scale"])
     return scales
 
