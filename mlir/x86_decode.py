@@ -20,7 +20,7 @@ min(chunk end, kv_len, causal end)), the KV-cache causal rule (mask_rules.KvCach
 
 from __future__ import annotations
 
-from .amx import as_i64, at, const_i64, i32, i64, stack_bytes
+from .amx import as_i64, at, const_i64, i32, i64, ptr_type, stack_bytes
 from .decode import DECODE_PASSES, DecodeSpec, decode_module, merge_chunks
 from .dtypes import kv_dtype_of, quantized_kv
 from .ir import (
@@ -187,6 +187,7 @@ class _PassDispatch(_Dispatch):
         stage_bytes = shapes.kv_block * shapes.d * _bytes(engine.operand)
         self.k_stage, self.v_stage = stack_bytes(stage_bytes), stack_bytes(stage_bytes)
         self.zero_row = stack_bytes(shapes.d * _bytes(engine.operand))
+        self.row_pointers = stack_bytes(2 * shapes.kv_block * 16)   # (K row, V row) of each key, two steps
         self.scale_log2 = arith_d.mulf(sm_scale, arith_d.constant(f32(), LOG2E))
         self.staging = STAGING[shapes.dtype]()
         self.kv_format = kv_dtype_of(spec) if quantized_kv(spec) else None
@@ -230,13 +231,14 @@ class _PassDispatch(_Dispatch):
         self._init_rows()
         self._zero(self.probs, s.row_block * self.prob_stride)
         self._zero(self.zero_row, s.d * _bytes(self.engine.operand))
-        self._prefetch(chunk_start, steps)
+        self._prefetch(chunk_start, steps, const_i64(0))
         loop = scf_d.ForOp(const_index(0), arith_d.index_cast(ir.IndexType.get(), steps), const_index(1))
         with ir.InsertionPoint(loop.body):
             step = as_i64(loop.induction_variable)
             start = arith_d.addi(chunk_start, arith_d.muli(step, const_i64(s.kv_block)))
-            self._prefetch(arith_d.addi(start, const_i64(s.kv_block)), arith_d.subi(steps, arith_d.addi(step, const_i64(1))))
-            self._stage(start)
+            following = arith_d.addi(step, const_i64(1))
+            self._prefetch(arith_d.addi(start, const_i64(s.kv_block)), arith_d.subi(steps, following), following)
+            self._stage(step)
             self.engine.scores(self, self.q_rows, self.k_stage, self.scores)
             self._softmax(start, self.scores, first_row)
             self.engine.accumulate(self, self.v_stage)
@@ -309,28 +311,40 @@ class _PassDispatch(_Dispatch):
             pointers.append(arith_d.select(present, row, self.zero_row))
         return pointers[0], pointers[1]
 
-    def _prefetch(self, start, steps_left) -> None:
-        """Asks for the cache lines of the rows of keys [start, start + kv_block) (when steps are
-        left): the gathers of a step then find their rows in cache (without it, a decode pass waited
-        on each row's first load: 10 GB/s of the machine's 20)."""
+    def _pointers_of(self, step) -> ir.Value:
+        """Step ``step``'s half of ``row_pointers`` (steps alternate halves)."""
+        return at(self.row_pointers, arith_d.muli(arith_d.remui(step, const_i64(2)), const_i64(self.s.kv_block * 16)))
+
+    def _prefetch(self, start, steps_left, step) -> None:
+        """The row pointers of keys [start, start + kv_block) (step ``step``'s) into its half of
+        ``row_pointers``, and their cache lines asked for (when steps are left): the gathers of a
+        step then find their rows in cache (without it, a decode pass waited on each row's first
+        load: 10 GB/s of the machine's 20; each pointer computed once, not again in the gather:
+        the e4m3 pass 1.11 -> 1.20x the bf16 one)."""
         more = scf_d.IfOp(arith_d.cmpi(arith_d.CmpIPredicate.sgt, steps_left, const_i64(0)))
         with ir.InsertionPoint(more.then_block):
+            half = self._pointers_of(step)
             loop = scf_d.ForOp(const_index(0), const_index(self.s.kv_block), const_index(1))
             with ir.InsertionPoint(loop.body):
-                column = arith_d.addi(start, as_i64(loop.induction_variable))
-                for row in self._row_pointers(column):
+                key = as_i64(loop.induction_variable)
+                rows = self._row_pointers(arith_d.addi(start, key))
+                for which, row in enumerate(rows):
+                    llvm_store(row, at(half, arith_d.addi(arith_d.muli(key, const_i64(16)), const_i64(8 * which))))
                     for line in range(0, self.s.d * self.kv_bytes, 64):
                         llvm_d.intr_prefetch(at(row, line), 0, 3, 1)
                 scf_d.YieldOp([])
             scf_d.YieldOp([])
 
-    def _stage(self, start) -> None:
-        """Keys [start, start + kv_block) into the staging buffers, 16 at a time."""
+    def _stage(self, step) -> None:
+        """Step ``step``'s keys (their pointers in its half of ``row_pointers``) into the staging
+        buffers, 16 at a time."""
+        half = self._pointers_of(step)
         loop = scf_d.ForOp(const_index(0), const_index(self.s.kv_block // 16), const_index(1))
         with ir.InsertionPoint(loop.body):
             group = as_i64(loop.induction_variable)
-            first = arith_d.addi(start, arith_d.muli(group, const_i64(16)))
-            pairs = [self._row_pointers(arith_d.addi(first, const_i64(i))) for i in range(16)]
+            first = at(half, arith_d.muli(group, const_i64(16 * 16)))
+            pairs = [tuple(llvm_d.load(ptr_type(), at(first, 16 * i + 8 * which), alignment=8) for which in (0, 1))
+                     for i in range(16)]
             self.staging.keys(self, group, [k for k, _ in pairs])
             self.staging.values(self, group, [v for _, v in pairs])
             scf_d.YieldOp([])
