@@ -35,6 +35,7 @@ once. Rows are written to the output [B, Lq, h_q, d] directly (normalised, in th
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -616,38 +617,49 @@ def _shaped(sizes) -> list[int]:
     return [DYN if isinstance(size, ir.Value) else size for size in sizes]
 
 
-def build_executable(shapes: KernelShapes, engine) -> None:
-    """The ``stream.executable`` @x86_attention with the dispatch @attend, at the insertion point:
-    the input bindings (:func:`_inputs`), the scalars ``_DISPATCH_SCALARS`` (index), then the
-    results out and state."""
+BINDING = "!stream.binding"
+
+
+@contextmanager
+def hand_written_dispatch(executable_name: str, entry: str, arg_types: list):
+    """A ``stream.executable`` ``executable_name`` at the insertion point whose export ``entry``
+    takes its workgroup counts as given; inside its function of ``arg_types`` (bindings, then
+    scalars, in the dispatch's operand order), yields the function's arguments for the body."""
     index = ir.IndexType.get()
-    binding = ir.Type.parse("!stream.binding")
-    executable = stream_d.ExecutableOp(_EXECUTABLE, sym_visibility="private")
+    executable = stream_d.ExecutableOp(executable_name, sym_visibility="private")
     body = executable.body.blocks.append()
     with ir.InsertionPoint(body):
-        export = stream_d.ExecutableExportOp(_ENTRY, _ENTRY, sym_visibility="public")
+        export = stream_d.ExecutableExportOp(entry, entry, sym_visibility="public")
         count = export.workgroup_count.blocks.append(index, index, index)
         with ir.InsertionPoint(count):
             stream_d.ReturnOp(list(count.arguments))
         inner = builtin_d.ModuleOp()
         with ir.InsertionPoint(inner.body):
-            inputs = _inputs(shapes)
-            arg_types = [binding] * len(inputs) + [index] * len(_DISPATCH_SCALARS) + [binding] * 2
-            fn = func_d.FuncOp(_ENTRY, (arg_types, []))
+            fn = func_d.FuncOp(entry, (arg_types, []))
             with ir.InsertionPoint(fn.add_entry_block()):
-                args = list(fn.arguments)
-                scalars = dict(zip(_DISPATCH_SCALARS, args[len(inputs):len(inputs) + len(_DISPATCH_SCALARS)]))
-                sizes = _operand_sizes(shapes, engine, scalars["batch"], scalars["q_len"], scalars["rows"],
-                                       scalars["kv_blocks"])
-                elems = {"q": engine.operand, "k_tiles": engine.operand, "v_tiles": engine.operand, "valid_lens": i32(),
-                         "out": element_type(shapes.dtype), "state": f32()}
-                bound = dict(zip((*inputs, "out", "state"), [*args[:len(inputs)], *args[-2:]]))
-                pointers = {name: binding_pointer(bound[name], ir.MemRefType.get(_shaped(sizes[name]), elems[name]),
-                                                  _dynamic(sizes[name])) for name in bound}
-                as64 = {name: as_i64(value) for name, value in scalars.items()}
-                _Dispatch(shapes, engine, pointers, as64).emit()
+                yield list(fn.arguments)
                 func_d.ReturnOp([])
         stream_d.ExecutableEndOp()
+
+
+def build_executable(shapes: KernelShapes, engine) -> None:
+    """The ``stream.executable`` @x86_attention with the dispatch @attend, at the insertion point:
+    the input bindings (:func:`_inputs`), the scalars ``_DISPATCH_SCALARS`` (index), then the
+    results out and state."""
+    index, binding = ir.IndexType.get(), ir.Type.parse(BINDING)
+    inputs = _inputs(shapes)
+    arg_types = [binding] * len(inputs) + [index] * len(_DISPATCH_SCALARS) + [binding] * 2
+    with hand_written_dispatch(_EXECUTABLE, _ENTRY, arg_types) as args:
+        scalars = dict(zip(_DISPATCH_SCALARS, args[len(inputs):len(inputs) + len(_DISPATCH_SCALARS)]))
+        sizes = _operand_sizes(shapes, engine, scalars["batch"], scalars["q_len"], scalars["rows"],
+                               scalars["kv_blocks"])
+        elems = {"q": engine.operand, "k_tiles": engine.operand, "v_tiles": engine.operand, "valid_lens": i32(),
+                 "out": element_type(shapes.dtype), "state": f32()}
+        bound = dict(zip((*inputs, "out", "state"), [*args[:len(inputs)], *args[-2:]]))
+        pointers = {name: binding_pointer(bound[name], ir.MemRefType.get(_shaped(sizes[name]), elems[name]),
+                                          _dynamic(sizes[name])) for name in bound}
+        as64 = {name: as_i64(value) for name, value in scalars.items()}
+        _Dispatch(shapes, engine, pointers, as64).emit()
 
 
 def emit_dense(shapes: KernelShapes, q: ir.Value, k: ir.Value, v: ir.Value, anchor: ir.Operation,

@@ -24,7 +24,7 @@ from .amx import as_i64, at, const_i64, i32, i64, ptr_type, stack_bytes
 from .decode import DECODE_PASSES, DecodeSpec, decode_module, merge_chunks
 from .dtypes import kv_dtype_of, quantized_kv
 from .ir import (
-    DYN, affine_map, arith_d, builtin_d, const_index, dim, empty, f32, flow_d, func_d, generic, ir, linalg_d, llvm_d, scf_d,
+    DYN, affine_map, arith_d, const_index, dim, empty, f32, flow_d, generic, ir, linalg_d, llvm_d, scf_d,
     stream_d, tensor_d, tensor_type, vector_d,
 )
 from .kv_layouts import cache_layout
@@ -32,7 +32,7 @@ from .mask_rules import KvCacheCausalRule, mask_rule
 from .online_softmax import LOG2E
 from .specs import PagedPrefillSpec, RaggedPrefillSpec
 from .x86_attention import (
-    ENGINES, STACK_BUDGET, KernelShapes, _bytes, _Dispatch, binding_pointer, engine_for,
+    BINDING, ENGINES, STACK_BUDGET, KernelShapes, _bytes, _Dispatch, binding_pointer, engine_for, hand_written_dispatch,
     llvm_load, llvm_store,
 )
 
@@ -373,42 +373,27 @@ def _build_executable(spec: DecodeSpec, shapes: KernelShapes, engine, operand_ty
     """The ``stream.executable`` of the pass at the insertion point: bindings of the tensors
     (q, the KV sources, table, geometry), the dynamic dims of each, ``_SCALARS``, sm_scale, then
     the results products and state."""
-    index = ir.IndexType.get()
-    binding = ir.Type.parse("!stream.binding")
-    executable = stream_d.ExecutableOp(_EXECUTABLE, sym_visibility="private")
-    body = executable.body.blocks.append()
+    index, binding = ir.IndexType.get(), ir.Type.parse(BINDING)
     scales = ["k_scale", "v_scale"] if quantized_kv(spec) else []
     names = ["q", *(f"kv{i}" for i in range(len(operand_types) - 3 - len(scales))), "table", "geometry", *scales]
     dynamic = [sum(1 for size in t.shape if size == DYN) for t in operand_types]
     results = [("products", [DYN, DYN, shapes.h_kv, spec.rows, shapes.d], f32()),
                ("state", [DYN, DYN, shapes.h_kv, spec.rows, 2], f32())]
-    with ir.InsertionPoint(body):
-        export = stream_d.ExecutableExportOp(_ENTRY, _ENTRY, sym_visibility="public")
-        count = export.workgroup_count.blocks.append(index, index, index)
-        with ir.InsertionPoint(count):
-            stream_d.ReturnOp(list(count.arguments))
-        inner = builtin_d.ModuleOp()
-        with ir.InsertionPoint(inner.body):
-            arg_types = ([binding] * len(names) + [index] * (sum(dynamic) + len(_SCALARS)) + [f32()]
-                         + [binding] * len(results))
-            fn = func_d.FuncOp(_ENTRY, (arg_types, []))
-            with ir.InsertionPoint(fn.add_entry_block()):
-                args = list(fn.arguments)
-                bindings, rest = args[:len(names)], args[len(names):]
-                dims, rest = rest[:sum(dynamic)], rest[sum(dynamic):]
-                scalars, sm_scale, outs = rest[:len(_SCALARS)], rest[len(_SCALARS)], rest[len(_SCALARS) + 1:]
-                pointers, used = {}, 0
-                for name, value, t, count_ in zip(names, bindings, operand_types, dynamic):
-                    memref = ir.MemRefType.get(list(t.shape), t.element_type)
-                    pointers[name] = binding_pointer(value, memref, dims[used:used + count_])
-                    used += count_
-                entries, chunks = scalars[0], scalars[1]
-                for (name, shape, elem), value in zip(results, outs):
-                    pointers[name] = binding_pointer(value, ir.MemRefType.get(shape, elem), [entries, chunks])
-                named = {name: as_i64(value) for name, value in zip(_SCALARS, scalars)}
-                _PassDispatch(spec, shapes, engine, pointers, named, sm_scale).emit()
-                func_d.ReturnOp([])
-        stream_d.ExecutableEndOp()
+    arg_types = [binding] * len(names) + [index] * (sum(dynamic) + len(_SCALARS)) + [f32()] + [binding] * len(results)
+    with hand_written_dispatch(_EXECUTABLE, _ENTRY, arg_types) as args:
+        bindings, rest = args[:len(names)], args[len(names):]
+        dims, rest = rest[:sum(dynamic)], rest[sum(dynamic):]
+        scalars, sm_scale, outs = rest[:len(_SCALARS)], rest[len(_SCALARS)], rest[len(_SCALARS) + 1:]
+        pointers, used = {}, 0
+        for name, value, t, count_ in zip(names, bindings, operand_types, dynamic):
+            memref = ir.MemRefType.get(list(t.shape), t.element_type)
+            pointers[name] = binding_pointer(value, memref, dims[used:used + count_])
+            used += count_
+        entries, chunks = scalars[0], scalars[1]
+        for (name, shape, elem), value in zip(results, outs):
+            pointers[name] = binding_pointer(value, ir.MemRefType.get(shape, elem), [entries, chunks])
+        named = {name: as_i64(value) for name, value in zip(_SCALARS, scalars)}
+        _PassDispatch(spec, shapes, engine, pointers, named, sm_scale).emit()
 
 
 def _emit(spec: DecodeSpec, shapes: KernelShapes, anchor: ir.Operation, q, cache, table, geometry, causal,
