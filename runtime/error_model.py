@@ -24,13 +24,18 @@ over their rotated dims, c the rope multiplier, K_p the largest key pair norm), 
 weights move by a factor within exp(+-2 delta_i). Then
 
     |output - reference| <= (exp(2 delta_i) - 1 + 2 gamma_n + u_P) A_id + (u + 2 u32) |o_id|
+                            + n_i t32 max_j |v_jd|
     |lse - reference|    <= log2(e) (delta_i + 2 gamma_n + 4 u32) + 2 u32 |lse_i|
 
 where A_id = sum_j p_ij |v_jd| (the reference with |v|; max |v| for MLA, whose values are part
 of its keys), n_i comes from the reference with q = 0 (its lse is log2 n_i), gamma_n =
 n u32 / (1 - n u32) (the f32 sums over n keys), u_P = u for f16/bf16 (the fused lowering feeds
 the softmax weights to the tensor cores in the dtype, the llvm-cpu packed bf16 tiles to a bf16 mmt4d) and the last output term is the result's
-rounding to the dtype. Rows without a visible key are exact (output 0, lse -5e4, §11.3) and
+rounding to the dtype; t32 = 2^-126, the smallest normal f32: a weight below it (relative to
+the row's largest, which is 1) may be flushed to 0 (the CPUs' kernels run with denormals
+flushed), which moves an output by less than t32 |v_jd| per key, invisible unless the weighted
+values are themselves that small (peaked scores over an 8-bit cache's exact zeros: an output of
+1e-38 computed as 0). Rows without a visible key are exact (output 0, lse -5e4, §11.3) and
 carry no bound.
 
 Per-head sinks (§13) add one positive term w_s = 2^(sink log2 e - m) to each row's denominator,
@@ -64,6 +69,8 @@ __all__ = ["CallFacts", "ErrorBound", "UNIT_ROUNDOFF", "bound_of_call", "merge_b
 #: Each spec dtype's unit roundoff (runtime/dtypes.py).
 UNIT_ROUNDOFF = {name: dtype.unit_roundoff for name, dtype in HOST_DTYPES.items()}
 U32 = UNIT_ROUNDOFF["float32"]
+#: The smallest normal float32: weights below it may be flushed to 0.
+TINY32 = float(np.finfo(np.float32).tiny)
 LOG2E = 1.0 / math.log(2.0)
 #: The shortest KV tile of any lowering (spec tiles, serving-pass chunks, fused bands): the
 #: online softmax rescales its running sums at most once per this many keys.
@@ -141,7 +148,8 @@ def bound_of_call(named: dict, facts: CallFacts, reference: Reference, want=None
     weights = _weighted_values(named, facts, values, reference, want_out.shape)
     u_p = 0.0 if u <= U32 else u  # probabilities rounded to the dtype: none in float32
     spread = np.expm1(2.0 * delta) + 2.0 * gamma + u_p
-    output = spread[..., None] * weights + (u + 2.0 * U32) * np.abs(want_out)
+    flushed = n[..., None] * TINY32 * float(np.nanmax(np.abs(values), initial=0.0))   # weights under TINY32
+    output = spread[..., None] * weights + (u + 2.0 * U32) * np.abs(want_out) + flushed
     lse = LOG2E * (delta + 2.0 * gamma + 4.0 * U32) + 2.0 * U32 * np.abs(want_lse)
     valid = want_lse != EMPTY_ROW_LSE
     return ErrorBound(np.where(valid[..., None], output, 0.0), np.where(valid, lse, 0.0), valid)
