@@ -47,6 +47,11 @@ def const_i64(value: int) -> ir.Value:
     return arith_d.constant(i64(), value)
 
 
+def ceil_div_i64(value: ir.Value, divisor: int) -> ir.Value:
+    """ceil(``value`` / ``divisor``) of an i64 ``value`` >= 0."""
+    return arith_d.divsi(arith_d.addi(value, const_i64(divisor - 1)), const_i64(divisor))
+
+
 def as_i64(index_value: ir.Value) -> ir.Value:
     """An ``index`` value as i64 (pointer arithmetic is in i64)."""
     return arith_d.index_cast(i64(), index_value)

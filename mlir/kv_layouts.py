@@ -220,13 +220,45 @@ def dequantized(value: ir.Value, scales: ir.Value | None, head: ir.Value, elem: 
     return narrowed(elem, _bf16_rounded(scaled) if isinstance(elem, ir.BF16Type) else scaled)
 
 
-#: Per 8-bit format: (mantissa bits, exponent bias). The fnuz formats (gfx942's) have one more
-#: bias and no negative zero; their NaN pattern 0x80 reads as a zero, as other NaN patterns read
-#: finite (quantize_pages saturates, so none is stored).
-_FORMATS = {"f8E4M3FN": (3, 7), "f8E5M2": (2, 15), "f8E4M3FNUZ": (3, 8), "f8E5M2FNUZ": (2, 16)}
-#: The formats whose bits move into a float16's as they are (below): every exponent field of
-#: theirs is a finite f16 exponent, or (e5m2) means what it means in f16.
-_THROUGH_F16 = ("f8E4M3FN", "f8E5M2", "f8E4M3FNUZ")
+#: Per 8-bit format (its dtype name): (mantissa bits, exponent bias). The fnuz formats (gfx942's)
+#: have one more bias and no negative zero; their NaN pattern 0x80 reads as a zero, as other NaN
+#: patterns read finite (quantize_pages saturates, so none is stored).
+EIGHT_BIT_FORMATS = {"float8_e4m3fn": (3, 7), "float8_e5m2": (2, 15), "float8_e4m3fnuz": (3, 8),
+                     "float8_e5m2fnuz": (2, 16)}
+#: The formats whose bits move into a float16's as they are (:func:`f16_bits`): every exponent
+#: field of theirs is a finite f16 exponent, or (e5m2) means what it means in f16.
+THROUGH_F16 = ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz")
+
+
+def _int_constant(type_: ir.Type, value: int) -> ir.Value:
+    """An integer constant of ``type_``, splat where it is a vector type."""
+    if isinstance(type_, ir.VectorType):
+        return arith_d.constant(type_, ir.DenseElementsAttr.get_splat(type_, ir.IntegerAttr.get(type_.element_type,
+                                                                                                  value)))
+    return arith_d.constant(type_, value)
+
+
+def f16_bits(byte: ir.Value, kv_dtype: str) -> ir.Value:
+    """The float16 bits (i16, or a vector of them for a vector of bytes) whose value is the 8-bit
+    float ``byte`` (i8) of format ``kv_dtype`` (one of THROUGH_F16) times 2^(bias - 15): its
+    exponent and mantissa bits moved into the float16's fields as they are, its sign to the
+    f16's (a shift of e5m2's byte, a shift and a mask of e4m3's sign-extended one: 1-9% faster
+    paged serving steps than moving sign and fields apart). The serving passes' scalar widening
+    (:func:`_widened_8_bit`) and the x86 passes' vector one (mlir/x86_decode.py) share it."""
+    mantissa, _ = EIGHT_BIT_FORMATS[kv_dtype]
+    i16 = ir.IntegerType.get_signless(16)
+    halves = ir.VectorType.get(ir.VectorType(byte.type).shape, i16) if isinstance(byte.type, ir.VectorType) else i16
+    shift = 10 - mantissa
+    if shift == 8:  # e5m2: x is a float16's high byte
+        return arith_d.shli(arith_d.extui(halves, byte), _int_constant(halves, 8))
+    # the sign extension carries x's sign to bit 15; the mask keeps it and the 7 field bits
+    return arith_d.andi(arith_d.shli(arith_d.extsi(halves, byte), _int_constant(halves, shift)),
+                        _int_constant(halves, -0x8000 | 0x7F << shift))
+
+
+def _format_of(x: ir.Value) -> str:
+    """The 8-bit format (dtype name) of ``x``'s element type, in an open context."""
+    return next(name for name in EIGHT_BIT_FORMATS if ir_dtype(name).element_type() == x.type)
 
 
 def _widened_8_bit(x: ir.Value, scale: ir.Value) -> ir.Value:
@@ -234,24 +266,17 @@ def _widened_8_bit(x: ir.Value, scale: ir.Value) -> ir.Value:
     f8 runs element by element: the 8-bit serving step 2x slower than the bf16 one).
 
     e4m3fn, e4m3fnuz and e5m2: x's exponent and mantissa bits move into a float16's fields as
-    they are (its sign to the f16's: a shift of e5m2's byte, a shift and a mask of e4m3's
-    sign-extended one: 1-9% faster paged serving steps than moving sign and fields apart), which
-    the CPU widens to f32 in one instruction, subnormals included; the f16 is then x times
-    2^(bias - 15), so it is scaled by 2^(15 - bias), exactly.
+    they are (:func:`f16_bits`), which the CPU widens to f32 in one instruction, subnormals
+    included; the f16 is then x times 2^(bias - 15), so it is scaled by 2^(15 - bias), exactly.
     e5m2's inf and NaN patterns stay inf and NaN; e4m3's top patterns read finite (448 for
     e4m3fn's largest, 480 for its NaN pattern). e5m2fnuz, whose top exponent is finite: a normal
     x's fields move into an f32's, the exponent rebiased; a subnormal x (exponent bits 0: the CPU
     flushes f32 subnormals, so not through the same move) is its mantissa times 2^(1 - bias -
     mantissa bits); then the sign."""
-    mantissa, bias = _FORMATS[str(x.type)]
-    if str(x.type) in _THROUGH_F16:
-        i16 = ir.IntegerType.get_signless(16)
-        byte, shift = arith_d.bitcast(ir.IntegerType.get_signless(8), x), 10 - mantissa
-        if shift == 8:  # e5m2: x is a float16's high byte
-            half = arith_d.shli(arith_d.extui(i16, byte), arith_d.constant(i16, 8))
-        else:  # the sign extension carries x's sign to bit 15; the mask keeps it and the 7 field bits
-            half = arith_d.andi(arith_d.shli(arith_d.extsi(i16, byte), arith_d.constant(i16, shift)),
-                                arith_d.constant(i16, -0x8000 | 0x7F << shift))
+    name = _format_of(x)
+    mantissa, bias = EIGHT_BIT_FORMATS[name]
+    if name in THROUGH_F16:
+        half = f16_bits(arith_d.bitcast(ir.IntegerType.get_signless(8), x), name)
         value = arith_d.extf(f32(), arith_d.bitcast(ir.F16Type.get(), half))
         if bias != 15:
             value = arith_d.mulf(value, arith_d.constant(f32(), 2.0 ** (15 - bias)))
@@ -554,7 +579,7 @@ class PagedLayout(_PageTableLayout):
 
     def _page_row(self, spec, half, head, slot):
         """The row's index in pages viewed as [P x 2 x h_kv x page_size, d]."""
-        c = lambda n: arith_d.constant(half.type, n)  # noqa: E731
+        c, _ = _i64_ops(half)
         return arith_d.addi(arith_d.muli(arith_d.addi(arith_d.muli(half, c(spec.h_kv)), head), c(spec.page_size)), slot)
 
     def kv_bytes_per_key(self, spec) -> int:
@@ -574,7 +599,7 @@ class PagedNhdLayout(PagedLayout):
 
     def _page_row(self, spec, half, head, slot):
         """The row's index in pages viewed as [P x 2 x page_size x h_kv, d]."""
-        c = lambda n: arith_d.constant(half.type, n)  # noqa: E731
+        c, _ = _i64_ops(half)
         return arith_d.addi(arith_d.muli(arith_d.addi(arith_d.muli(half, c(spec.page_size)), slot), c(spec.h_kv)), head)
 
 

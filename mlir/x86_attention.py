@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .amx import Tiles, Vec, as_i64, at, binding_pointer, const_i64, i32, i64, stack_bytes
+from .amx import Tiles, Vec, as_i64, at, binding_pointer, ceil_div_i64, const_i64, i32, i64, stack_bytes
 from .ir import (
     DYN, affine_map, arith_d, builtin_d, ceil_div, const_f32, const_index, dim, element_type, empty, f32, flow_d,
     func_d, generic, ir, linalg_d, llvm_d, math_d, scf_d, stream_d, tensor_d, tensor_type, vector_d,
@@ -60,12 +60,18 @@ def blocks_for(dtype: str, d: int) -> tuple[int, int]:
     """(query rows of a workgroup, keys of a KV step): the largest of 64 and 32 rows (64 read K and
     V half as often: 1.1x at L = 8192) and of 128 and 64 keys (128 against 64: 0.84x against 0.72x
     torch SDPA, bf16 L = 2048, 32 rows) whose buffers fit STACK_BUDGET, rows first."""
-    operand = 2 if dtype == "bfloat16" else 4
     for rows in (64, 32):
         for keys in (128, 64):
-            if rows * (keys * 4 + keys * operand + d * 4 + d * operand + 8) <= STACK_BUDGET:
+            if workgroup_bytes(dtype, rows, keys, d) <= STACK_BUDGET:
                 return rows, keys
     return 32, 64
+
+
+def workgroup_bytes(dtype: str, rows: int, keys: int, d: int) -> int:
+    """Stack bytes of a workgroup's buffers (:class:`_Dispatch`) of ``rows`` rows and KV steps of
+    ``keys`` keys: scores and acc in f32, probs and q rows in the operand dtype, (max, sum) a row."""
+    operand = 2 if dtype == "bfloat16" else 4
+    return rows * (keys * 4 + keys * operand + d * 4 + d * operand + 8)
 
 _EXECUTABLE = "x86_attention"
 _ENTRY = "attend"
@@ -80,6 +86,12 @@ _DISPATCH_SCALARS = ("batch", "q_len", "kv_len", "rows", "kv_blocks")
 #:   padded              [0, min(kv_len, vl)) where t < vl, else none
 #:   causal_padded_left  [kv_len - vl, min(kv_len, t + diag + 1)) where t >= q_len - vl, else none
 MASKS = ("full", "causal", "padded", "causal_padded_left")
+
+
+def causal_end(token, diag, end) -> ir.Value:
+    """min(end, max(0, token + diag + 1)): the end of the keys query token ``token`` sees under
+    the bottom-right causal mask (diag = kv_len - q_len), within ``end`` (i64 Values)."""
+    return arith_d.minsi(end, arith_d.maxsi(const_i64(0), arith_d.addi(token, arith_d.addi(diag, const_i64(1)))))
 
 
 class _KeyRange:
@@ -99,8 +111,7 @@ class _KeyRange:
         return arith_d.maxsi(const_i64(0), arith_d.subi(self.kv_len, self.valid_len))
 
     def _causal_end(self, token):
-        return arith_d.minsi(self.kv_len, arith_d.maxsi(
-            const_i64(0), arith_d.addi(token, arith_d.addi(self.diag, const_i64(1)))))
+        return causal_end(token, self.diag, self.kv_len)
 
     def hi(self, token):
         if self.mask == "full":
@@ -364,7 +375,7 @@ class _Dispatch:
         end, self.narrowest_end = arith_d.maxsi(*ends), arith_d.minsi(*ends)
         self.keys = keys
         first_block = arith_d.divsi(keys.lo(), const_i64(s.kv_block))
-        blocks = arith_d.divsi(arith_d.addi(end, const_i64(self.s.kv_block - 1)), const_i64(self.s.kv_block))
+        blocks = ceil_div_i64(end, self.s.kv_block)
         hk = arith_d.addi(arith_d.muli(entry, const_i64(s.h_kv)), head)   # (b, h) flattened
         operand_bytes = _bytes(self.engine.operand)
         block_bytes = self.s.kv_block * s.d * operand_bytes

@@ -20,28 +20,21 @@ min(chunk end, kv_len, causal end)), the KV-cache causal rule (mask_rules.KvCach
 
 from __future__ import annotations
 
-from .amx import as_i64, at, const_i64, i32, i64, ptr_type, stack_bytes
+from .amx import as_i64, at, ceil_div_i64, const_i64, i32, i64, ptr_type, stack_bytes
 from .decode import DECODE_PASSES, DecodeSpec, decode_module, merge_chunks
 from .dtypes import kv_dtype_of, quantized_kv
 from .ir import (
     DYN, affine_map, arith_d, const_index, dim, empty, f32, flow_d, generic, ir, linalg_d, llvm_d, scf_d,
     stream_d, tensor_d, tensor_type, vector_d,
 )
-from .kv_layouts import cache_layout
+from .kv_layouts import EIGHT_BIT_FORMATS, THROUGH_F16, cache_layout, f16_bits
 from .mask_rules import KvCacheCausalRule, mask_rule
 from .online_softmax import LOG2E
 from .specs import PagedPrefillSpec, RaggedPrefillSpec
 from .x86_attention import (
     BINDING, ENGINES, STACK_BUDGET, KernelShapes, _bytes, _Dispatch, binding_pointer, engine_for, hand_written_dispatch,
-    llvm_load, llvm_store,
+    causal_end, llvm_load, llvm_store, workgroup_bytes,
 )
-
-#: The 8-bit KV formats the passes widen, as kv_layouts._widened_8_bit moves their bits into a
-#: float16's: (left shift of the byte, mask of the sign and field bits; None: the byte is the
-#: float16's high byte), and their exponent bias.
-EIGHT_BIT_SHIFTS = {"float8_e4m3fn": (7, -0x8000 | 0x7F << 7), "float8_e4m3fnuz": (7, -0x8000 | 0x7F << 7),
-                    "float8_e5m2": (8, None)}
-EIGHT_BIT_BIAS = {"float8_e4m3fn": 7, "float8_e4m3fnuz": 8, "float8_e5m2": 15}
 
 _EXECUTABLE = "x86_serving_pass"
 _ENTRY = "stream_chunks"
@@ -62,8 +55,8 @@ def pass_blocks(spec: DecodeSpec) -> tuple[int, int]:
     wanted = (32 if rows <= 32 else 64) if amx else min(64, -(-rows // 4) * 4)
     d = spec.d_qk
     for row_block, keys in ((wanted, PASS_KV_BLOCK), (32 if amx else 16, PASS_KV_BLOCK), *(((32, 32),) if amx else ())):
-        buffers = row_block * (keys * 4 + keys * operand + d * 4 + d * operand + 8)
-        if buffers + 2 * keys * d * operand + d * operand <= STACK_BUDGET:
+        staging = 2 * keys * d * operand + d * operand + 2 * keys * 16   # K, V, the zero row, row pointers
+        if workgroup_bytes(spec.dtype, row_block, keys, d) + staging <= STACK_BUDGET:
             return row_block, keys
     raise ValueError(f"d={d}: no x86 pass blocks fit the stack budget")
 
@@ -81,8 +74,8 @@ def pass_unsupported(spec: DecodeSpec) -> str | None:
         return f"d_qk={spec.d_qk}, d_v={spec.d_v}: the x86 passes need one head dim, a multiple of 32"
     if base.logits_soft_cap:
         return "soft cap has no x86 serving pass"
-    if quantized_kv(base) and kv_dtype_of(base) not in EIGHT_BIT_SHIFTS:
-        return f"8-bit KV {kv_dtype_of(base)}: the x86 passes widen {', '.join(EIGHT_BIT_SHIFTS)}"
+    if quantized_kv(base) and kv_dtype_of(base) not in THROUGH_F16:
+        return f"8-bit KV {kv_dtype_of(base)}: the x86 passes widen {', '.join(THROUGH_F16)}"
     if not isinstance(mask_rule(base), KvCacheCausalRule):
         return "the x86 serving passes know the KV-cache causal mask only"
     try:
@@ -174,8 +167,7 @@ class _PassKeys:
         return const_i64(0)
 
     def hi(self, token):
-        diagonal = arith_d.maxsi(const_i64(0), arith_d.addi(token, arith_d.addi(self.diag, const_i64(1))))
-        return arith_d.select(self.causal, arith_d.minsi(self.end, diagonal), self.end)
+        return arith_d.select(self.causal, causal_end(token, self.diag, self.end), self.end)
 
 
 class _PassDispatch(_Dispatch):
@@ -221,7 +213,7 @@ class _PassDispatch(_Dispatch):
         self.table_blocks = arith_d.muli(self.n["chunks"], self.n["per_chunk"])
         self.head = head
         if self.kv_format:   # 2^(15 - bias) x the head's scale, per K and V
-            exponent = 2.0 ** (15 - EIGHT_BIT_BIAS[self.kv_format])
+            exponent = 2.0 ** (15 - EIGHT_BIT_FORMATS[self.kv_format][1])
             self.scales = [self.vec.splat(arith_d.mulf(llvm_load(f32(), at(self.p[name], arith_d.muli(head, const_i64(4)))),
                                                        arith_d.constant(f32(), exponent)))
                            for name in ("k_scale", "v_scale")]
@@ -263,22 +255,12 @@ class _PassDispatch(_Dispatch):
         return vector_d.bitcast(lanes, joined)
 
     def _widened(self, which: int, pointer) -> ir.Value:
-        """16 8-bit elements at ``pointer`` as f32 times the head's scale: their exponent and
-        mantissa bits moved into a float16's (kv_layouts._widened_8_bit's move, a vector at a
-        time), widened by vcvtph2ps, times 2^(15 - bias) x scale (semantics §15: f32(x) x
-        scale; rounded to bf16 by the caller where the operands are bf16)."""
-        shift, mask = EIGHT_BIT_SHIFTS[self.kv_format]
-        halves = ir.VectorType.get([16], ir.IntegerType.get_signless(16))
+        """16 8-bit elements at ``pointer`` as f32 times the head's scale: their bits moved into
+        float16s (kv_layouts.f16_bits, the linalg passes' move, a vector at a time), widened by
+        vcvtph2ps, times 2^(15 - bias) x scale (semantics §15: f32(x) x scale; rounded to bf16
+        by the caller where the operands are bf16)."""
         raw = llvm_load(ir.VectorType.get([16], ir.IntegerType.get_signless(8)), pointer)
-
-        def splat(value: int) -> ir.Value:
-            return arith_d.constant(halves, ir.DenseElementsAttr.get_splat(
-                halves, ir.IntegerAttr.get(ir.IntegerType.get_signless(16), value)))
-
-        if mask is None:   # e5m2: the byte is a float16's high byte
-            half = arith_d.shli(arith_d.extui(halves, raw), splat(shift))
-        else:   # sign-extended, shifted, sign and field bits kept
-            half = arith_d.andi(arith_d.shli(arith_d.extsi(halves, raw), splat(shift)), splat(mask))
+        half = f16_bits(raw, self.kv_format)
         wide = arith_d.extf(self.vec.f32x, vector_d.bitcast(ir.VectorType.get([16], ir.F16Type.get()), half))
         return arith_d.mulf(wide, self.scales[which])
 
@@ -363,10 +345,6 @@ class _PassDispatch(_Dispatch):
                        at(self.p["state"], arith_d.muli(place, const_i64(8))))
 
         self._for_rows(arith_d.index_cast(ir.IndexType.get(), rows_valid), row)
-
-
-def ceil_div_i64(value, divisor: int) -> ir.Value:
-    return arith_d.divsi(arith_d.addi(value, const_i64(divisor - 1)), const_i64(divisor))
 
 
 def _build_executable(spec: DecodeSpec, shapes: KernelShapes, engine, operand_types: list) -> None:

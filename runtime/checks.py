@@ -6,6 +6,7 @@ caller can pass it straight to the kernel. Non-contiguous arrays are accepted an
 
 from __future__ import annotations
 
+import numbers
 from typing import Sequence
 
 import iree.runtime as rt
@@ -97,7 +98,7 @@ def check_scale(name: str, value, *, shape: Sequence[int | None]) -> np.ndarray:
     per-KV-head scales of an 8-bit KV cache, semantics §15). One scale for every head, as vLLM and
     FlashInfer take a per-tensor scale, is a Python number, a float32 scalar, shape [] or [1]: it
     is repeated to ``shape`` (``[h_kv]``)."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
+    if isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)):   # numpy's scalars too
         value = np.float32(value)
     array = as_array(name, on_host(value))
     if array.shape in ((), (1,)) and len(shape) == 1 and shape[0] is not None:

@@ -15,18 +15,27 @@ from typing import Iterable
 
 import ml_dtypes
 import numpy as np
+import pytest
 
 from linalg_prefill.mlir import (
     MaskedSequencePrefillSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec,
 )
 from linalg_prefill.mlir.abi import argument_names, ordered
-from linalg_prefill.pipeline import target_for
+from linalg_prefill.pipeline import Target, target_for
+from linalg_prefill.pipeline.cpu_tiles import AMX_FEATURES, host_cpu_features
 from linalg_prefill.runtime import kernels, open_kernel
 from linalg_prefill.runtime.compare import error_bound, reference_for
 from linalg_prefill.runtime.examples import example_inputs
 from linalg_prefill.runtime.reference import EMPTY_ROW_LSE
 
 NUMPY_DTYPE = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+
+#: The x86 lowering's tests (tests/test_x86_*.py): whether this CPU has AMX (where the record picks
+#: the lowering, and its numerics run; elsewhere they skip like the GPU tests), and a named AMX
+#: CPU for the structure checks that run everywhere.
+HOST_HAS_AMX = AMX_FEATURES <= host_cpu_features()
+needs_amx = pytest.mark.skipif(not HOST_HAS_AMX, reason="no amx_tile/amx_bf16 on this CPU")
+AMX_CPU = Target("llvm-cpu", "sapphirerapids")
 
 # ------------------------------------------------------------------------------ rope configs
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

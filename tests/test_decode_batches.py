@@ -22,7 +22,7 @@ from support import serving_call
 from linalg_prefill.mlir import (
     DecodeSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, build_fused_module, build_module,
 )
-from linalg_prefill.pipeline import Target, compiler
+from linalg_prefill.pipeline import Target, compiler, target_for
 from linalg_prefill.pipeline.cpu_tiles import CPU_GENERIC_TILINGS
 from linalg_prefill.pipeline.tuning import apply_tuning
 from linalg_prefill.runtime import open_kernel, reference
@@ -87,7 +87,7 @@ def _mixed_pass_calls(spec, backend, args) -> int:
     16-query pass (1)."""
     if _lowering(backend) == "fused":
         return 7
-    passes = _target(backend).decode_passes(spec)   # linalg's, or x86's on a CPU with AMX
+    passes = target_for(backend).decode_passes(spec)   # linalg's, or x86's on a CPU with AMX
     usable = passes.usable(spec)
     calls = set()
     largest = max(passes.queries)
@@ -108,12 +108,8 @@ def _mixed_pass_calls(spec, backend, args) -> int:
 PASS_BACKENDS = BACKENDS
 
 
-def _target(backend) -> Target:
-    return backend if isinstance(backend, Target) else Target(backend)
-
-
 def _lowering(backend) -> str:
-    return Target(backend).lowering if isinstance(backend, str) else backend.lowering
+    return target_for(backend).lowering
 
 
 @pytest.mark.parametrize("backend", PASS_BACKENDS)
@@ -154,7 +150,7 @@ def test_each_pass_call_matches_the_reference_of_its_own_arguments(case, backend
     kernel = open_kernel(spec, backend, cache=cache)
     rng = np.random.default_rng(6)
     args = serving_call(spec, rng, MIXED, window)
-    passes = _target(backend).decode_passes(spec)
+    passes = target_for(backend).decode_passes(spec)
     calls = decode_calls(spec, args, pass_queries(spec, args, passes), passes)
     assert len(calls) == _mixed_pass_calls(spec, backend, args)
     for call in calls:

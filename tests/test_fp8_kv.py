@@ -159,7 +159,7 @@ def test_every_finite_bit_pattern_reads_as_its_value(case, passes, cache):
     np.testing.assert_array_equal(got, np.broadcast_to(want, got.shape))
 
 
-@pytest.mark.parametrize("form", ["number", "float32 scalar", "shape []", "shape [1]"])
+@pytest.mark.parametrize("form", ["number", "float32 scalar", "float16 scalar", "shape []", "shape [1]"])
 def test_one_scale_for_every_head_is_a_number_or_one_element(form, cache):
     """A per-tensor scale as vLLM and FlashInfer take it (issue 54): the same bits as that scale
     repeated over the KV heads; other shapes stay refused by name (below)."""
@@ -167,7 +167,8 @@ def test_one_scale_for_every_head_is_a_number_or_one_element(form, cache):
     args = example_inputs(spec, np.random.default_rng(4), SERVING, **_no_rope(spec))
     kernel = open_kernel(spec, cache=cache)
     want = kernel(*_per_tensor(args, spec))
-    as_form = {"number": float, "float32 scalar": np.float32, "shape []": lambda x: np.array(x, np.float32),
+    as_form = {"number": float, "float32 scalar": np.float32, "float16 scalar": np.float16,  # numbers: any numpy one
+               "shape []": lambda x: np.array(x, np.float32),
                "shape [1]": lambda x: np.full(1, x, np.float32)}[form]
     got = kernel(*with_arguments(spec, args, k_scale=as_form(0.75), v_scale=as_form(1.5)))
     for a, b in zip(want, got):

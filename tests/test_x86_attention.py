@@ -15,15 +15,10 @@ from linalg_prefill.mlir import MaskedSequencePrefillSpec, SequencePrefillSpec, 
 from linalg_prefill.mlir.amx import EXP2_COEFFICIENTS
 from linalg_prefill.pipeline import Target
 from linalg_prefill.pipeline.compiler import compile_ir
-from linalg_prefill.pipeline.cpu_tiles import AMX_FEATURES, host_cpu_features
 from linalg_prefill.pipeline.tuning import tuned_ir
 from linalg_prefill.runtime import kernels, open_kernel
-from support import run_against_reference, spec_id
+from support import AMX_CPU, HOST_HAS_AMX, needs_amx, run_against_reference, spec_id
 
-HOST_HAS_AMX = AMX_FEATURES <= host_cpu_features()
-needs_amx = pytest.mark.skipif(not HOST_HAS_AMX, reason="no amx_tile/amx_bf16 on this CPU")
-
-AMX_CPU = Target("llvm-cpu", "sapphirerapids")
 TILE_INTRINSICS = ("llvm.x86.tileloadd64.internal", "llvm.x86.tdpbf16ps.internal", "llvm.x86.tilestored64.internal")
 
 

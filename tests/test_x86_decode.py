@@ -14,14 +14,9 @@ from conftest import NUMPY_DTYPE, assert_matches_reference
 from linalg_prefill.mlir import DecodeSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, x86_unsupported
 from linalg_prefill.mlir.decode import DECODE_PASSES
 from linalg_prefill.pipeline import Target
-from linalg_prefill.pipeline.cpu_tiles import AMX_FEATURES, host_cpu_features
 from linalg_prefill.pipeline.tuning import tuned_ir
 from linalg_prefill.runtime import open_kernel
-from support import serving_call, spec_id
-
-HOST_HAS_AMX = AMX_FEATURES <= host_cpu_features()
-needs_amx = pytest.mark.skipif(not HOST_HAS_AMX, reason="no amx_tile/amx_bf16 on this CPU")
-AMX_CPU = Target("llvm-cpu", "sapphirerapids")
+from support import AMX_CPU, needs_amx, serving_call, spec_id
 
 #: The layouts, dtypes, groups, 8-bit formats and head sinks of the x86 passes (d a multiple of 32:
 #: 64, 96, 128), five specs for the suite's compile time.
