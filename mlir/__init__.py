@@ -2,6 +2,7 @@
 
 from .x86_attention import build_x86_sequence_prefill, unsupported as _dense_x86_unsupported, uses_amx as x86_uses_amx
 from .x86_decode import build_x86_pass, pass_unsupported as _pass_x86_unsupported
+from .x86_kv_cache import build_x86_kv_cache_prefill, kv_cache_unsupported as _kv_cache_x86_unsupported
 from .fused_kernels import build_fused_kv_cache_prefill, build_fused_sequence_prefill
 from .decode import NARROW_PASS_VECTORS, DecodeSpec, PassVectors, build_decode
 from .fused_decode import build_fused_decode
@@ -48,16 +49,32 @@ def build_module(spec, *, row_chunk: int | None = None, score_tiles: RowTiles = 
     return builder(spec, row_chunk=row_chunk, score_tiles=score_tiles)
 
 
+#: The x86 lowering's builders (hand-written dispatches) and why each has no kernel for a spec.
+_X86_BUILDERS = {
+    SequencePrefillSpec: (build_x86_sequence_prefill, _dense_x86_unsupported),
+    MaskedSequencePrefillSpec: (build_x86_sequence_prefill, _dense_x86_unsupported),
+    RaggedPrefillSpec: (build_x86_kv_cache_prefill, _kv_cache_x86_unsupported),
+    PagedPrefillSpec: (build_x86_kv_cache_prefill, _kv_cache_x86_unsupported),
+    DecodeSpec: (build_x86_pass, _pass_x86_unsupported),
+}
+
+
 def x86_unsupported(spec) -> str | None:
     """Why the x86 lowering has no kernel for ``spec`` (None where it has one): the dense sequence
-    prefills (mlir/x86_attention.py) and the serving passes (mlir/x86_decode.py)."""
-    return (_pass_x86_unsupported if isinstance(spec, DecodeSpec) else _dense_x86_unsupported)(spec)
+    prefills (mlir/x86_attention.py), the ragged and paged KV-cache prefills (mlir/x86_kv_cache.py)
+    and their serving passes (mlir/x86_decode.py)."""
+    if type(spec) not in _X86_BUILDERS:
+        return f"{type(spec).__name__} has no x86 kernel"
+    return _X86_BUILDERS[type(spec)][1](spec)
 
 
 def build_x86_module(spec):
-    """The verified MLIR module of the x86 lowering (mlir/x86_attention.py, mlir/x86_decode.py);
-    ValueError naming why for a spec it has no kernel for (:func:`x86_unsupported`)."""
-    return (build_x86_pass if isinstance(spec, DecodeSpec) else build_x86_sequence_prefill)(spec)
+    """The verified MLIR module of the x86 lowering; ValueError naming why for a spec it has no
+    kernel for (:func:`x86_unsupported`)."""
+    why = x86_unsupported(spec)
+    if why:
+        raise ValueError(f"no x86 lowering for {spec.name}: {why}")
+    return _X86_BUILDERS[type(spec)][0](spec)
 
 
 def build_fused_module(spec):

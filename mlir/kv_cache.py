@@ -57,10 +57,10 @@ class RopeArgs:
 def rotated_if(rope: RopeArgs | None, x: ir.Value, positions: ir.Value) -> ir.Value:
     """``x`` [N, H, D] with RoPE applied when ``rotary_mode == 1`` (``positions``: [N] i32 or a
     scalar i32 first position)."""
-    return _then_rotated_if(rope, lambda: x, positions, lambda value: [value], [x.type], [sizes_of(x)])[0]
+    return then_rotated_if(rope, lambda: x, positions, lambda value: [value], [x.type], [sizes_of(x)])[0]
 
 
-def _then_rotated_if(rope: RopeArgs | None, build_x: Callable[[], ir.Value], positions: ir.Value,
+def then_rotated_if(rope: RopeArgs | None, build_x: Callable[[], ir.Value], positions: ir.Value,
                      then: Callable[[ir.Value], list[ir.Value]], result_types: list, sizes: list) -> list[ir.Value]:
     """``then(x)`` for ``x = build_x()``, with RoPE applied to ``x`` first when ``rotary_mode == 1``
     (see ``rotated_if``); ``result_types`` and ``sizes`` describe ``then``'s results.
@@ -102,7 +102,7 @@ def _laid_out_kv(spec: KvCacheSpec, kv: EntryKv, rope: RopeArgs | None, d_qk: in
                 layout.token_major_tiles(kv.load_values(), kv.kv_len, stored_tiles, spec.kv_tile, False)]
 
     storage = [layout.kv_storage(keys, 1, h_kv, stored_tiles, d, spec.kv_tile) for keys, d in ((True, d_qk), (False, d_v))]
-    return _then_rotated_if(
+    return then_rotated_if(
         rope, kv.load_keys, kv.rope_offset, kv_tiles,
         [tensor_type([DYN if isinstance(x, ir.Value) else x for x in s.sizes], s.elem) for s in storage],
         [s.sizes for s in storage])

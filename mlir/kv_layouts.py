@@ -43,7 +43,7 @@ class EntryKv:
 
     ``load_keys()`` and ``load_values()`` build keys [kv_pad, h_kv, d_qk] and values
     [kv_pad, h_kv, d_v] where they are called (inside each RoPE branch, see
-    kv_cache.``_then_rotated_if``), token-major, with ``kv_pad = storage_tiles(kv_len, kv_tile) *
+    kv_cache.``then_rotated_if``), token-major, with ``kv_pad = storage_tiles(kv_len, kv_tile) *
     kv_tile``; rows at or past ``kv_len`` may hold anything finite or not (they are zeroed before
     use). ``rope_offset`` is the i32 RoPE position of row 0, or None for variants without RoPE.
     """

@@ -125,6 +125,25 @@ class _KeyRange:
         return arith_d.select(seen, self._causal_end(token), const_i64(0))
 
 
+class FlagCausalKeys:
+    """The keys [0, hi) a row sees under the KV-cache causal rule with the call's runtime
+    ``causal`` flag (i1; mask_rules.KvCacheCausalRule): below ``end`` (a serving pass's chunk end
+    or kv_len) and kv_len and, when causal, on or left of the bottom-right diagonal (i64 Values)."""
+
+    has_lower_bound = False
+
+    def __init__(self, kv_len, qo_len, causal, end):
+        self.end = arith_d.minsi(kv_len, end)
+        self.diag = arith_d.subi(kv_len, qo_len)
+        self.causal = causal
+
+    def lo(self):
+        return const_i64(0)
+
+    def hi(self, token):
+        return arith_d.select(self.causal, causal_end(token, self.diag, self.end), self.end)
+
+
 @dataclass(frozen=True)
 class KernelShapes:
     """The static facts of one kernel: heads, head dim, operand dtype, the mask (:data:`MASKS`),
@@ -360,13 +379,11 @@ class _Dispatch:
         head = as_i64(stream_d.dispatch_workgroup_id(1))
         entry = as_i64(stream_d.dispatch_workgroup_id(2))
         q_len, kv_len = self.n["q_len"], self.n["kv_len"]
-        rows, kv_blocks = self.n["rows"], self.n["kv_blocks"]
+        kv_blocks = self.n["kv_blocks"]
         first_row = arith_d.muli(wx, const_i64(self.s.row_block))
         rows_total = arith_d.muli(q_len, const_i64(s.group))
         rows_valid = arith_d.minsi(const_i64(self.s.row_block), arith_d.subi(rows_total, first_row))
-        valid_len = llvm_load(i32(), at(self.p["valid_lens"], arith_d.muli(entry, const_i64(4)))) \
-            if "valid_lens" in self.p else None
-        keys = _KeyRange(s.mask, q_len, kv_len, None if valid_len is None else arith_d.extsi(i64(), valid_len))
+        keys = self.key_range(entry, q_len, kv_len)
         # hi grows (causal), is one value or 0 for a prefix of rows (padded) or a suffix
         # (left-padded): the rows' widest and narrowest ends are those of the first and last row
         first_token = arith_d.divsi(first_row, const_i64(s.group))
@@ -408,7 +425,24 @@ class _Dispatch:
                 self._softmax(self.column_of(block), self.scores, first_row)
             self.engine.accumulate(self, at(v_base, arith_d.muli(block, const_i64(block_bytes))))
             scf_d.YieldOp([])
-        self._write_rows(entry, head, hk, first_row, rows_valid, q_len, rows)
+        self._write_rows(entry, head, hk, first_row, rows_valid, q_len)
+
+    def key_range(self, entry, q_len, kv_len):
+        """The keys each row of entry ``entry`` sees (:class:`_KeyRange` of the kernel's mask)."""
+        valid_len = llvm_load(i32(), at(self.p["valid_lens"], arith_d.muli(entry, const_i64(4)))) \
+            if "valid_lens" in self.p else None
+        return _KeyRange(self.s.mask, q_len, kv_len, None if valid_len is None else arith_d.extsi(i64(), valid_len))
+
+    def state_at(self, hk, global_row, out_row) -> ir.Value:
+        """Where row ``global_row`` of (entry, KV head) ``hk`` keeps its (max, sum): state
+        [B, h_kv, rows, 2] (``out_row``: its row of the output)."""
+        return at(self.p["state"], arith_d.muli(arith_d.addi(arith_d.muli(hk, self.n["rows"]), global_row),
+                                                const_i64(8)))
+
+    def normaliser(self, total, row_max, head, global_row) -> ir.Value:
+        """1 / the row's denominator (its ``total`` of weights), 0 for a row that saw no key."""
+        zero, one = arith_d.constant(f32(), 0.0), arith_d.constant(f32(), 1.0)
+        return arith_d.select(arith_d.cmpf(arith_d.CmpFPredicate.OGT, total, zero), arith_d.divf(one, total), zero)
 
     def _token_head(self, entry, head, global_row, q_len) -> ir.Value:
         """The row of q or the output [B * Lq * h_q, d] that row ``global_row`` of KV head ``head``
@@ -567,26 +601,21 @@ class _Dispatch:
             self._for_rows(per_group, lambda i: row(arith_d.addi(first, i)))
             scf_d.YieldOp([])
 
-    def _write_rows(self, entry, head, hk, first_row, rows_valid, q_len, rows) -> None:
+    def _write_rows(self, entry, head, hk, first_row, rows_valid, q_len) -> None:
         s, v = self.s, self.vec
-        zero = arith_d.constant(f32(), 0.0)
-        one = arith_d.constant(f32(), 1.0)
 
         def row(r):
             global_row = arith_d.addi(first_row, r)
             state_at = self.row_addr(self.state, r, 8)
-            total = llvm_load(f32(), at(state_at, 4))
-            inv = arith_d.select(arith_d.cmpf(arith_d.CmpFPredicate.OGT, total, zero), arith_d.divf(one, total), zero)
-            inv_v = v.splat(inv)
-            out_at = at(self.p["out"], arith_d.muli(self._token_head(entry, head, global_row, q_len),
-                                                    const_i64(s.d * _bytes(self.elem))))
+            inv_v = v.splat(self.normaliser(llvm_load(f32(), at(state_at, 4)), llvm_load(f32(), state_at), head,
+                                            global_row))
+            out_row = self._token_head(entry, head, global_row, q_len)
+            out_at = at(self.p["out"], arith_d.muli(out_row, const_i64(s.d * _bytes(self.elem))))
             acc_row = self.row_addr(self.acc, r, self.acc_stride)
             for t in range(s.d // 16):
                 value = arith_d.mulf(v.load(at(acc_row, t * 64)), inv_v)
                 v.store(v.narrow(value, self.elem), at(out_at, t * 16 * _bytes(self.elem)))
-            # (max, sum) of the row at state [b, h, first_row + r]
-            state_row = arith_d.addi(arith_d.muli(hk, rows), global_row)
-            llvm_store(llvm_load(i64(), state_at), at(self.p["state"], arith_d.muli(state_row, const_i64(8))))
+            llvm_store(llvm_load(i64(), state_at), self.state_at(hk, global_row, out_row))
 
         self._for_rows(arith_d.index_cast(ir.IndexType.get(), rows_valid), row)
 

@@ -33,7 +33,7 @@ from .online_softmax import LOG2E
 from .specs import PagedPrefillSpec, RaggedPrefillSpec
 from .x86_attention import (
     BINDING, ENGINES, STACK_BUDGET, KernelShapes, _bytes, _Dispatch, binding_pointer, engine_for, hand_written_dispatch,
-    causal_end, llvm_load, llvm_store, workgroup_bytes,
+    FlagCausalKeys, llvm_load, llvm_store, workgroup_bytes,
 )
 
 _EXECUTABLE = "x86_serving_pass"
@@ -152,24 +152,6 @@ class FmaStaging:
 STAGING = {"bfloat16": AmxStaging, "float32": FmaStaging}
 
 
-class _PassKeys:
-    """The keys [0, hi) a row of a chunk sees (i64 Values): below the chunk's end and kv_len and,
-    when causal, on or left of the bottom-right diagonal (steps start at the chunk's first key)."""
-
-    has_lower_bound = False
-
-    def __init__(self, kv_len, qo_len, causal, chunk_end):
-        self.end = arith_d.minsi(kv_len, chunk_end)
-        self.diag = arith_d.subi(kv_len, qo_len)
-        self.causal = causal
-
-    def lo(self):
-        return const_i64(0)
-
-    def hi(self, token):
-        return arith_d.select(self.causal, causal_end(token, self.diag, self.end), self.end)
-
-
 class _PassDispatch(_Dispatch):
     """One workgroup of the pass: rows of one (entry, KV head) against one chunk."""
 
@@ -201,7 +183,7 @@ class _PassDispatch(_Dispatch):
         chunk_columns = arith_d.muli(self.n["per_chunk"], const_i64(spec.block))
         chunk_start = arith_d.muli(chunk, chunk_columns)
         causal = arith_d.cmpi(arith_d.CmpIPredicate.ne, self.n["causal"], const_i64(0))
-        self.keys = _PassKeys(kv_len, qo_len, causal, arith_d.addi(chunk_start, chunk_columns))
+        self.keys = FlagCausalKeys(kv_len, qo_len, causal, arith_d.addi(chunk_start, chunk_columns))
         first_token = arith_d.divsi(first_row, const_i64(s.group))
         last_token = arith_d.divsi(arith_d.addi(first_row, arith_d.subi(rows_valid, const_i64(1))), const_i64(s.group))
         end, self.narrowest_end = self.keys.hi(last_token), self.keys.hi(first_token)

@@ -1,0 +1,230 @@
+"""The x86 lowering of the KV-cache prefill kernels (``batch_prefill_ragged_kv``,
+``batch_prefill_paged_kv[_sliding_window]``): the dense kernel's dispatch (mlir/x86_attention.py:
+AMX tiles for bf16, FMA blocks for f32, the f32 vector softmax) once per batch entry, over all of
+its query rows, fed by the entry's K and V packed once into the engine's order.
+
+Per entry (an ``scf.for`` on the host side, as the linalg kernels walk their entries; an entry
+without queries is skipped):
+
+1. its KV rows are read by the variant's layout (kv_layouts.py, ``entry_loader``: a ragged slice,
+   a page-table gather, the sliding window's sinks then window; 8-bit caches dequantised), keys
+   rotated at ``k_rope_pos_offset[b] + row`` when ``rotary_mode == 1`` (kv_cache.then_rotated_if),
+   and packed as the engine reads them (``DENSE.stored``: zero past kv_len);
+2. one dispatch, workgroups (row blocks of the entry's qo_len x G rows, h_kv), reads the entry's
+   query rows from the call's q (already rotated) in place and writes its output rows and their
+   (max, sum) in token order into the call's output [Lq, h_q, d] and state [Lq, h_q, 2], which
+   the loop carries and the dispatch updates in place (tied operands: no copy of either).
+
+Keys a row sees: the KV-cache causal rule with the call's runtime ``causal`` flag
+(x86_attention.FlagCausalKeys); ``sm_scale`` is the call's. With ``head_sinks`` each row's
+denominator gets 2^(sink - max) (semantics §13). After the loop one generic turns the state into
+lse [Lq, h_q] (base 2; EMPTY_ROW_LSE for a row that saw no key).
+"""
+
+from __future__ import annotations
+
+from .abi import function_module, operands
+from .amx import as_i64, at, binding_pointer, const_i64
+from .ir import (
+    DYN, affine_map, arith_d, ceil_div, const_f32, const_index, dim, element_type, empty, expand, f32, flow_d, generic, ir,
+    linalg_d, lt, math_d, on_target_device, scf_d, tensor_d, tensor_type, tie_dims,
+)
+from .kv_cache import rope_arguments, rotated_if, then_rotated_if
+from .kv_layouts import DENSE
+from .mask_rules import KvCacheCausalRule, mask_rule
+from .online_softmax import LOG2E, sink_lse
+from .paging import index_at
+from .specs import EMPTY_ROW_LSE, PagedPrefillSpec, RaggedPrefillSpec
+from .x86_attention import (
+    BINDING, ENGINES, FlagCausalKeys, KernelShapes, _Dispatch, blocks_for, engine_for, hand_written_dispatch,
+    llvm_load, vector_extract,
+)
+
+_EXECUTABLE = "x86_kv_cache"
+_ENTRY = "attend_entry"
+#: Index scalars of the dispatch: the call's tokens, the entry's first token, queries and keys,
+#: its packed KV steps and the causal flag; then sm_scale (f32).
+_SCALARS = ("tokens", "q_start", "q_len", "kv_len", "kv_blocks", "causal")
+
+
+def kv_cache_unsupported(spec) -> str | None:
+    """Why the x86 lowering has no kernel for the KV-cache variant ``spec`` (None where it has):
+    ragged and paged caches (not MLA's latent rows) in bf16 or f32, one head dim (d_qk = d_v) of
+    a multiple of 32, no soft cap, the KV-cache causal mask (not a custom one)."""
+    if type(spec) not in (RaggedPrefillSpec, PagedPrefillSpec):
+        return f"{type(spec).__name__} has no x86 kernel"
+    if spec.dtype not in ENGINES:
+        return f"dtype {spec.dtype}: the kernels are bf16 (AMX tiles) and f32 (FMA blocks)"
+    if spec.d_qk != spec.d_v or spec.d_qk % 32:
+        return f"d_qk={spec.d_qk}, d_v={spec.d_v}: the x86 kernels need one head dim, a multiple of 32"
+    if spec.logits_soft_cap:
+        return "soft cap has no x86 kernel"
+    if not isinstance(mask_rule(spec), KvCacheCausalRule):
+        return "the x86 kernels know the KV-cache causal mask only"
+    return None
+
+
+class _EntryDispatch(_Dispatch):
+    """One workgroup: a row block of one KV head of the entry, its rows at tokens q_start + t of
+    the call's q, output and state."""
+
+    def __init__(self, shapes: KernelShapes, engine, pointers: dict, scalars: dict, sm_scale):
+        super().__init__(shapes, engine, pointers, scalars)
+        self.scale_log2 = arith_d.mulf(sm_scale, arith_d.constant(f32(), LOG2E))
+
+    def key_range(self, entry, q_len, kv_len):
+        causal = arith_d.cmpi(arith_d.CmpIPredicate.ne, self.n["causal"], const_i64(0))
+        return FlagCausalKeys(kv_len, q_len, causal, kv_len)
+
+    def _token_head(self, entry, head, global_row, q_len) -> ir.Value:
+        group = const_i64(self.s.group)
+        token = arith_d.addi(self.n["q_start"], arith_d.divsi(global_row, group))
+        return arith_d.addi(arith_d.muli(token, const_i64(self.s.h_q)), self._query_head(head, global_row))
+
+    def _query_head(self, head, global_row) -> ir.Value:
+        group = const_i64(self.s.group)
+        return arith_d.addi(arith_d.muli(head, group), arith_d.remsi(global_row, group))
+
+    def state_at(self, hk, global_row, out_row) -> ir.Value:
+        return at(self.p["state"], arith_d.muli(out_row, const_i64(8)))
+
+    def normaliser(self, total, row_max, head, global_row) -> ir.Value:
+        if "sinks" not in self.p:
+            return super().normaliser(total, row_max, head, global_row)
+        sink = llvm_load(f32(), at(self.p["sinks"], arith_d.muli(self._query_head(head, global_row), const_i64(4))))
+        exponent = arith_d.subf(arith_d.mulf(sink, arith_d.constant(f32(), LOG2E)), row_max)
+        with_sink = arith_d.addf(total, vector_extract(self.vec.exp2(self.vec.splat(exponent))))
+        zero, one = arith_d.constant(f32(), 0.0), arith_d.constant(f32(), 1.0)
+        return arith_d.select(arith_d.cmpf(arith_d.CmpFPredicate.OGT, total, zero), arith_d.divf(one, with_sink), zero)
+
+
+def _tensor_sizes(shapes: KernelShapes, engine, tokens, kv_blocks) -> dict:
+    """The sizes (ints or index Values) of the dispatch's tensors by binding name."""
+    s = shapes
+    return {"q": [tokens, s.h_q, s.d],
+            "k_tiles": engine.layout.kv_storage(True, 1, s.h_kv, kv_blocks, s.d, s.kv_block).sizes,
+            "v_tiles": engine.layout.kv_storage(False, 1, s.h_kv, kv_blocks, s.d, s.kv_block).sizes,
+            "sinks": [s.h_q], "out": [tokens, s.h_q, s.d], "state": [tokens, s.h_q, 2]}
+
+
+def _names(sinks: bool) -> list[str]:
+    """The dispatch's bindings in operand order (out and state are updated in place)."""
+    return ["q", "k_tiles", "v_tiles", *(["sinks"] if sinks else []), "out", "state"]
+
+
+def _build_executable(shapes: KernelShapes, engine, sinks: bool) -> None:
+    """The ``stream.executable`` of the entry dispatch at the insertion point: one binding per
+    operand (:func:`_names`; the results out and state are tied to their operands, so written
+    through those), then ``_SCALARS`` (index) and sm_scale (f32)."""
+    names = _names(sinks)
+    arg_types = [ir.Type.parse(BINDING)] * len(names) + [ir.IndexType.get()] * len(_SCALARS) + [f32()]
+    elems = {"q": engine.operand, "k_tiles": engine.operand, "v_tiles": engine.operand, "sinks": f32(),
+             "out": element_type(shapes.dtype), "state": f32()}
+    with hand_written_dispatch(_EXECUTABLE, _ENTRY, arg_types) as args:
+        scalars = dict(zip(_SCALARS, args[len(names):len(names) + len(_SCALARS)]))
+        sizes = _tensor_sizes(shapes, engine, scalars["tokens"], scalars["kv_blocks"])
+        pointers = {}
+        for name, binding in zip(names, args):
+            static = [DYN if isinstance(size, ir.Value) else size for size in sizes[name]]
+            pointers[name] = binding_pointer(binding, ir.MemRefType.get(static, elems[name]),
+                                             [size for size in sizes[name] if isinstance(size, ir.Value)])
+        _EntryDispatch(shapes, engine, pointers, {name: as_i64(value) for name, value in scalars.items()},
+                       args[-1]).emit()
+
+
+def _packed_kv(shapes: KernelShapes, engine, kv, rope, kv_blocks) -> list[ir.Value]:
+    """The entry's keys (rotated where the call rotates) and values in the engine's order."""
+    s, elem = shapes, element_type(shapes.dtype)
+    storage = [engine.layout.kv_storage(keys, 1, s.h_kv, kv_blocks, s.d, s.kv_block) for keys in (True, False)]
+
+    def packed(keys):
+        values = kv.load_values()
+        return [DENSE.stored(expand(x, [[0, 1], [2], [3]], [1, dim(x, 0), s.h_kv, s.d]), kv.kv_len, st.sizes,
+                             st.source, None, elem, st.elem) for x, st in zip((keys, values), storage)]
+
+    types = [tensor_type([DYN if isinstance(x, ir.Value) else x for x in st.sizes], st.elem) for st in storage]
+    return then_rotated_if(rope, kv.load_keys, kv.rope_offset, packed, types, [st.sizes for st in storage])
+
+
+def _attend_entry(shapes: KernelShapes, engine, q, q_start, qo_len, kv, rope, causal, sm_scale, sinks,
+                  carried: list[ir.Value]) -> list[ir.Value]:
+    """The carried (output, state) with entry's rows written by its dispatch."""
+    s = shapes
+    tokens = dim(q, 0)
+    kv_blocks = ceil_div(kv.kv_len, s.kv_block)
+    k_tiles, v_tiles = _packed_kv(s, engine, kv, rope, kv_blocks)
+    sizes = _tensor_sizes(s, engine, tokens, kv_blocks)
+    names = _names(sinks is not None)
+    tensors = dict(q=q, k_tiles=k_tiles, v_tiles=v_tiles, sinks=sinks, out=carried[0], state=carried[1])
+    row_blocks = ceil_div(arith_d.muli(qo_len, const_index(s.group)), s.row_block)
+    causal_index = arith_d.index_cast(ir.IndexType.get(), causal)
+    entry = ir.ArrayAttr.get([ir.SymbolRefAttr.get([_EXECUTABLE, _ENTRY])])
+    tied = ir.ArrayAttr.get([ir.IntegerAttr.get(ir.IndexType.get(), names.index(name)) for name in ("out", "state")])
+    result_types = [carried[0].type, carried[1].type]
+    dispatch = flow_d.DispatchOp(
+        result_types, [row_blocks, const_index(s.h_kv), const_index(1)], entry,
+        [*(tensors[name] for name in names), tokens, q_start, qo_len, kv.kv_len, kv_blocks, causal_index, sm_scale],
+        [size for name in names for size in sizes[name] if isinstance(size, ir.Value)],
+        [tokens, tokens], tied_operands=tied)
+    return [tie_dims(dispatch.results[0], sizes["out"]), tie_dims(dispatch.results[1], sizes["state"])]
+
+
+def _lse(shapes: KernelShapes, state: ir.Value, sinks: ir.Value | None) -> ir.Value:
+    """lse [Lq, h_q] f32 (base 2) of the rows' (max, sum) ``state`` [Lq, h_q, 2], with the heads'
+    ``sinks`` [h_q] (natural log) where given; EMPTY_ROW_LSE for a row that saw no key."""
+    tokens = dim(state, 0)
+    zero, empty_lse = const_f32(0.0), const_f32(EMPTY_ROW_LSE)
+
+    def body(_out):
+        t, h = (linalg_d.IndexOp(i).result for i in range(2))
+        best = tensor_d.extract(state, [t, h, const_index(0)])
+        total = tensor_d.extract(state, [t, h, const_index(1)])
+        if sinks is not None:
+            sink = arith_d.mulf(tensor_d.extract(sinks, [h]), const_f32(LOG2E))
+            return [sink_lse(best, total, sink, zero, empty_lse)]
+        seen = arith_d.cmpf(arith_d.CmpFPredicate.OGT, total, zero)
+        return [arith_d.select(seen, arith_d.addf(best, math_d.log2(total)), empty_lse)]
+
+    return generic([], [empty([tokens, shapes.h_q], f32())], [affine_map(2, range(2))], "pp", body)[0]
+
+
+def build_x86_kv_cache_prefill(spec: RaggedPrefillSpec | PagedPrefillSpec) -> ir.Module:
+    """The verified module of the KV-cache variant ``spec`` (kv_cache.build_kv_cache_prefill's
+    signature) with each entry's attention in one hand-written dispatch; ValueError where
+    :func:`kv_cache_unsupported` says why not."""
+    why = kv_cache_unsupported(spec)
+    if why:
+        raise ValueError(f"no x86 lowering for {spec.name}: {why}")
+    shapes = KernelShapes(spec.h_q, spec.h_kv, spec.d_qk, spec.dtype, "causal", 0.0, *blocks_for(spec.dtype, spec.d_qk))
+
+    def emit(args):
+        engine = engine_for(spec.dtype)
+        sinks = args.get("sinks")
+        with ir.InsertionPoint(args["q"].owner.owner):   # the kernel's func.func: the executable goes before it
+            _build_executable(shapes, engine, sinks is not None)
+        rope = rope_arguments(spec, args)
+        q = args["q"] if rope is None else rotated_if(rope, args["q"], args["q_rope_position"])
+        load_entry = spec.layout.entry_loader(spec, **operands(spec.layout, args))
+        q_indptr = args["q_indptr"]
+        tokens = dim(q, 0)
+        sizes = [[tokens, spec.h_q, spec.d_qk], [tokens, spec.h_q, 2]]
+        initial = [on_target_device(empty(sizes[0], element_type(spec.dtype)), sizes[0]),
+                   on_target_device(empty(sizes[1], f32()), sizes[1])]
+        batch = arith_d.subi(dim(q_indptr, 0), const_index(1))
+        loop = scf_d.ForOp(const_index(0), batch, const_index(1), initial)
+        with ir.InsertionPoint(loop.body):
+            b = loop.induction_variable
+            carried = [tie_dims(x, size) for x, size in zip(loop.inner_iter_args, sizes)]
+            q_start = index_at(q_indptr, b)
+            qo_len = arith_d.subi(index_at(q_indptr, arith_d.addi(b, const_index(1))), q_start)
+            branch = scf_d.IfOp(lt(const_index(0), qo_len), [x.type for x in carried], has_else=True)
+            with ir.InsertionPoint(branch.then_block):
+                scf_d.YieldOp(_attend_entry(shapes, engine, q, q_start, qo_len, load_entry(b), rope, args["causal"],
+                                            args["sm_scale"], sinks, carried))
+            with ir.InsertionPoint(branch.else_block):
+                scf_d.YieldOp(carried)
+            scf_d.YieldOp([tie_dims(x, size) for x, size in zip(branch.results, sizes)])
+        out, state = (tie_dims(x, size) for x, size in zip(loop.results, sizes))
+        return [out, _lse(shapes, state, sinks)]
+
+    return function_module(spec, emit)
