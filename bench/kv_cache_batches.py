@@ -1,9 +1,10 @@
 """Mixed-length batches through the ragged and paged kernels against the dense kernel (llvm-cpu).
 
-    .venv/bin/python bench/kv_cache_batches.py [--lengths 37,512,1024,96,2048,5] [--repeat 3] [--tvm]
+    .venv/bin/python bench/kv_cache_batches.py [--lengths 37,512,1024,96,2048,5] [--dtype bfloat16]
+                                               [--repeat 3] [--tvm]
 
 Causal self-attention of every entry (q_indptr == kv_indptr, the prefill of new tokens), h_q=32,
-h_kv=8, d=128, float32, RoPE off. Effective GFLOP/s counts only unmasked (query, key) pairs:
+h_kv=8, d=128, float32 (or --dtype bfloat16), RoPE off. Effective GFLOP/s counts only unmasked (query, key) pairs:
 4 * d * h_q * sum_b n_b (n_b + 1) / 2. The dense kernel runs one sequence of --dense-length
 tokens with the same heads; the ratios say whether a ragged batch costs what its tokens cost.
 torch SDPA (2 threads), looping over the entries, is timed in the same run as the CPU peer, and
@@ -23,7 +24,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 from linalg_prefill.mlir import PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec  # noqa: E402
 from linalg_prefill.bench import best_time  # noqa: E402
 from linalg_prefill.runtime import open_kernel  # noqa: E402
+from linalg_prefill.runtime.checks import NUMPY_DTYPES  # noqa: E402
 from linalg_prefill.runtime.examples import page_table  # noqa: E402
+from serving_batches import cpu_model  # noqa: E402
 
 H_Q, H_KV, D, PAGE_SIZE = 32, 8, 128, 16
 
@@ -36,12 +39,10 @@ def gflops(pairs: int, seconds: float) -> float:
     return 4.0 * D * H_Q * pairs / seconds / 1e9
 
 
-def ragged_inputs(lengths, rng):
+def ragged_inputs(lengths, rng, dtype):
     indptr = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     total = int(indptr[-1])
-    q = rng.uniform(-1, 1, (total, H_Q, D)).astype(np.float32)
-    k = rng.uniform(-1, 1, (total, H_KV, D)).astype(np.float32)
-    v = rng.uniform(-1, 1, (total, H_KV, D)).astype(np.float32)
+    q, k, v = (rng.uniform(-1, 1, (total, h, D)).astype(dtype) for h in (H_Q, H_KV, H_KV))
     return q, indptr, k, v
 
 
@@ -49,7 +50,7 @@ def paged_inputs(k, v, indptr, lengths, rng):
     """The same KV written into shuffled pages: (pages, page_indptr, page_values, last_page_len)."""
     table = page_table(rng, lengths, PAGE_SIZE, spare_pages=0)
     page_indptr, page_values = table.page_indptr, table.page_values
-    pages = np.zeros((table.num_pages, 2, H_KV, PAGE_SIZE, D), np.float32)
+    pages = np.zeros((table.num_pages, 2, H_KV, PAGE_SIZE, D), k.dtype)
     for b, n in enumerate(lengths):
         rows = np.arange(n)
         ids = page_values[page_indptr[b] + rows // PAGE_SIZE]
@@ -62,8 +63,13 @@ def torch_loop(q, k, v, indptr):
     import torch
     import torch.nn.functional as F
 
+    def torch_tensor(x):  # numpy bfloat16 (ml_dtypes) has no torch twin: through its bits
+        if x.dtype == np.float32:
+            return torch.from_numpy(x)
+        return torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
+
     def heads_major(x):  # [n, h, d] -> [1, h, n, d]: the 4-D layout SDPA's fast CPU path takes
-        return torch.from_numpy(np.ascontiguousarray(x.transpose(1, 0, 2)[None]))
+        return torch_tensor(np.ascontiguousarray(x.transpose(1, 0, 2)[None]))
 
     entries = [(heads_major(q[a:b]), heads_major(k[a:b]), heads_major(v[a:b])) for a, b in zip(indptr[:-1], indptr[1:])]
 
@@ -94,6 +100,7 @@ def main() -> None:
     parser.add_argument("--lengths", default="37,512,1024,96,2048,5")
     parser.add_argument("--dense-length", type=int, default=1024)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--tvm", action="store_true", help="also time the seed's CPU ragged kernel")
     args = parser.parse_args()
     import torch
@@ -101,18 +108,16 @@ def main() -> None:
     torch.set_num_threads(2)
     lengths = [int(x) for x in args.lengths.split(",")]
     rng = np.random.default_rng(0)
-    q, indptr, k, v = ragged_inputs(lengths, rng)
+    q, indptr, k, v = ragged_inputs(lengths, rng, NUMPY_DTYPES[args.dtype])
     pages, page_indptr, page_values, last = paged_inputs(k, v, indptr, lengths, rng)
     batch = len(lengths)
     zeros_b, zeros_q = np.zeros(batch, np.int32), np.zeros(q.shape[0], np.int32)
     scalars = (1, 0, 1.0, 1e4, D ** -0.5)  # causal, rotary_mode, rope_scale, rope_theta, sm_scale
 
-    ragged = open_kernel(RaggedPrefillSpec(H_Q, H_KV, D, D, "float32"))
-    paged = open_kernel(PagedPrefillSpec(H_Q, H_KV, D, "float32", page_size=PAGE_SIZE))
-    dense = open_kernel(SequencePrefillSpec(H_Q, H_KV, D, "float32", causal=True, sm_scale=D ** -0.5))
-    dk = rng.uniform(-1, 1, (1, args.dense_length, H_KV, D)).astype(np.float32)
-    dv = rng.uniform(-1, 1, (1, args.dense_length, H_KV, D)).astype(np.float32)
-    dq = rng.uniform(-1, 1, (1, args.dense_length, H_Q, D)).astype(np.float32)
+    ragged = open_kernel(RaggedPrefillSpec(H_Q, H_KV, D, D, args.dtype))
+    paged = open_kernel(PagedPrefillSpec(H_Q, H_KV, D, args.dtype, page_size=PAGE_SIZE))
+    dense = open_kernel(SequencePrefillSpec(H_Q, H_KV, D, args.dtype, causal=True, sm_scale=D ** -0.5))
+    dq, dk, dv = (rng.uniform(-1, 1, (1, args.dense_length, h, D)).astype(q.dtype) for h in (H_Q, H_KV, H_KV))
 
     pairs = causal_pairs(lengths)
     timings = {
@@ -126,7 +131,8 @@ def main() -> None:
     }
     if args.tvm:
         timings["seed TVM ragged (cpu)"] = (best_time(tvm_ragged(q, indptr, k, v), 1), pairs)
-    print(f"causal prefill, lengths {lengths} ({q.shape[0]} tokens), h_q={H_Q} h_kv={H_KV} d={D} float32, llvm-cpu")
+    print(f"causal prefill, lengths {lengths} ({q.shape[0]} tokens), h_q={H_Q} h_kv={H_KV} d={D} {args.dtype}, "
+          f"llvm-cpu; CPU: {cpu_model()}")
     dense_rate = None
     print(f"{'kernel':<26} {'ms':>9} {'GFLOP/s':>9} {'vs dense':>9}")
     for name, (seconds, n_pairs) in timings.items():

@@ -26,14 +26,14 @@ from __future__ import annotations
 from .abi import function_module, operands
 from .amx import as_i64, at, binding_pointer, const_i64
 from .ir import (
-    DYN, affine_map, arith_d, ceil_div, const_f32, const_index, dim, element_type, empty, expand, f32, flow_d, generic, ir,
-    linalg_d, lt, math_d, on_target_device, scf_d, tensor_d, tensor_type, tie_dims,
+    DYN, HostReadable, affine_map, arith_d, ceil_div, const_f32, const_index, dim, element_type, empty, f32, flow_d,
+    generic, i32, ir, is_one, linalg_d, lt, math_d, on_target_device, scf_d, tensor_d, tensor_type, tie_dims,
 )
-from .kv_cache import rope_arguments, rotated_if, then_rotated_if
-from .kv_layouts import DENSE
+from .kv_cache import rope_arguments, rotated_if
+from .kv_layouts import BatchKv, host_read
 from .mask_rules import KvCacheCausalRule, mask_rule
 from .online_softmax import LOG2E, sink_lse
-from .paging import index_at
+from .rope import apply_rope
 from .specs import EMPTY_ROW_LSE, PagedPrefillSpec, RaggedPrefillSpec
 from .x86_attention import (
     BINDING, ENGINES, FlagCausalKeys, KernelShapes, _Dispatch, blocks_for, engine_for, hand_written_dispatch,
@@ -132,27 +132,58 @@ def _build_executable(shapes: KernelShapes, engine, sinks: bool) -> None:
                        args[-1]).emit()
 
 
-def _packed_kv(shapes: KernelShapes, engine, kv, rope, kv_blocks) -> list[ir.Value]:
-    """The entry's keys (rotated where the call rotates) and values in the engine's order."""
-    s, elem = shapes, element_type(shapes.dtype)
+def _packed_kv(shapes: KernelShapes, engine, kv: BatchKv, b, kv_len, kv_blocks, rope) -> list[ir.Value]:
+    """Entry ``b``'s keys (rotated where the call rotates) and values in the engine's order, one
+    generic each from the cache (kv_blocks x kv_block rows, zero past kv_len)."""
+    s = shapes
     storage = [engine.layout.kv_storage(keys, 1, s.h_kv, kv_blocks, s.d, s.kv_block) for keys in (True, False)]
-
-    def packed(keys):
-        values = kv.load_values()
-        return [DENSE.stored(expand(x, [[0, 1], [2], [3]], [1, dim(x, 0), s.h_kv, s.d]), kv.kv_len, st.sizes,
-                             st.source, None, elem, st.elem) for x, st in zip((keys, values), storage)]
-
     types = [tensor_type([DYN if isinstance(x, ir.Value) else x for x in st.sizes], st.elem) for st in storage]
-    return then_rotated_if(rope, kv.load_keys, kv.rope_offset, packed, types, [st.sizes for st in storage])
+
+    def from_cache(source):
+        def read(h, row, j):
+            clamped = arith_d.maxsi(arith_d.minsi(row, arith_d.subi(kv_len, const_index(1))), const_index(0))
+            return arith_d.select(lt(row, kv_len), source(b, clamped, [h, j]), arith_d.constant(engine.operand, 0.0))
+        return read
+
+    def packed(st, read):
+        loops = len(st.sizes)
+
+        def body(_out):
+            _, h, row, j = st.source([linalg_d.IndexOp(i).result for i in range(loops)])
+            return [read(h, row, j)]
+
+        return generic([], [empty(st.sizes, st.elem)], [affine_map(loops, range(loops))], "p" * loops, body)[0]
+
+    values = packed(storage[1], from_cache(kv.values))
+    if rope is None:
+        return [packed(storage[0], from_cache(kv.keys)), values]
+    branch = scf_d.IfOp(is_one(rope.rotary_mode), [types[0]], has_else=True)
+    with ir.InsertionPoint(branch.then_block):
+        rows = arith_d.muli(kv_blocks, const_index(s.kv_block))
+        token_major = generic([], [empty([rows, s.h_kv, s.d], engine.operand)], [affine_map(3, range(3))], "ppp",
+                              lambda _out: [from_cache(kv.keys)(*(linalg_d.IndexOp(i).result for i in (1, 0, 2)))])[0]
+        positions = generic([], [empty([rows], i32())], [affine_map(1, (0,))], "p", lambda _out: [arith_d.addi(
+            tensor_d.extract(kv.rope_offset, [b]), arith_d.index_cast(i32(), linalg_d.IndexOp(0).result))])[0]
+        rotated = apply_rope(token_major, positions, theta=rope.theta, scale=rope.scale,
+                             rope_scaling=rope.rope_scaling, rotary_dim=rope.rotary_dim)
+        scf_d.YieldOp([packed(storage[0], lambda h, row, j: tensor_d.extract(rotated, [row, h, j]))])
+    with ir.InsertionPoint(branch.else_block):
+        scf_d.YieldOp([packed(storage[0], from_cache(kv.keys))])
+    return [tie_dims(branch.results[0], storage[0].sizes), values]
 
 
-def _attend_entry(shapes: KernelShapes, engine, q, q_start, qo_len, kv, rope, causal, sm_scale, sinks,
-                  carried: list[ir.Value]) -> list[ir.Value]:
-    """The carried (output, state) with entry's rows written by its dispatch."""
+def _attend_entry(shapes: KernelShapes, engine, q, q_indptr: HostReadable, kv: BatchKv, b, rope, causal, sm_scale,
+                  sinks, carried: list[ir.Value]) -> list[ir.Value]:
+    """The carried (output, state) with entry ``b``'s rows written by its dispatch; every size
+    and offset read on the host (no wait on the device). An entry without queries packs no KV
+    and runs no workgroup."""
     s = shapes
     tokens = dim(q, 0)
-    kv_blocks = ceil_div(kv.kv_len, s.kv_block)
-    k_tiles, v_tiles = _packed_kv(s, engine, kv, rope, kv_blocks)
+    q_start = q_indptr.load([b])
+    qo_len = arith_d.subi(q_indptr.load([arith_d.addi(b, const_index(1))]), q_start)
+    kv_len = kv.kv_len(host_read, b)
+    kv_blocks = arith_d.select(lt(const_index(0), qo_len), ceil_div(kv_len, s.kv_block), const_index(0))
+    k_tiles, v_tiles = _packed_kv(s, engine, kv, b, kv_len, kv_blocks, rope)
     sizes = _tensor_sizes(s, engine, tokens, kv_blocks)
     names = _names(sinks is not None)
     tensors = dict(q=q, k_tiles=k_tiles, v_tiles=v_tiles, sinks=sinks, out=carried[0], state=carried[1])
@@ -160,10 +191,9 @@ def _attend_entry(shapes: KernelShapes, engine, q, q_start, qo_len, kv, rope, ca
     causal_index = arith_d.index_cast(ir.IndexType.get(), causal)
     entry = ir.ArrayAttr.get([ir.SymbolRefAttr.get([_EXECUTABLE, _ENTRY])])
     tied = ir.ArrayAttr.get([ir.IntegerAttr.get(ir.IndexType.get(), names.index(name)) for name in ("out", "state")])
-    result_types = [carried[0].type, carried[1].type]
     dispatch = flow_d.DispatchOp(
-        result_types, [row_blocks, const_index(s.h_kv), const_index(1)], entry,
-        [*(tensors[name] for name in names), tokens, q_start, qo_len, kv.kv_len, kv_blocks, causal_index, sm_scale],
+        [carried[0].type, carried[1].type], [row_blocks, const_index(s.h_kv), const_index(1)], entry,
+        [*(tensors[name] for name in names), tokens, q_start, qo_len, kv_len, kv_blocks, causal_index, sm_scale],
         [size for name in names for size in sizes[name] if isinstance(size, ir.Value)],
         [tokens, tokens], tied_operands=tied)
     return [tie_dims(dispatch.results[0], sizes["out"]), tie_dims(dispatch.results[1], sizes["state"])]
@@ -204,27 +234,18 @@ def build_x86_kv_cache_prefill(spec: RaggedPrefillSpec | PagedPrefillSpec) -> ir
             _build_executable(shapes, engine, sinks is not None)
         rope = rope_arguments(spec, args)
         q = args["q"] if rope is None else rotated_if(rope, args["q"], args["q_rope_position"])
-        load_entry = spec.layout.entry_loader(spec, **operands(spec.layout, args))
-        q_indptr = args["q_indptr"]
+        q_indptr = HostReadable(args["q_indptr"], 1, "q_indptr")
+        kv = spec.layout.batch_kv(spec, **operands(spec.layout, args))
         tokens = dim(q, 0)
         sizes = [[tokens, spec.h_q, spec.d_qk], [tokens, spec.h_q, 2]]
         initial = [on_target_device(empty(sizes[0], element_type(spec.dtype)), sizes[0]),
                    on_target_device(empty(sizes[1], f32()), sizes[1])]
-        batch = arith_d.subi(dim(q_indptr, 0), const_index(1))
-        loop = scf_d.ForOp(const_index(0), batch, const_index(1), initial)
+        loop = scf_d.ForOp(const_index(0), kv.batch, const_index(1), initial)
         with ir.InsertionPoint(loop.body):
-            b = loop.induction_variable
             carried = [tie_dims(x, size) for x, size in zip(loop.inner_iter_args, sizes)]
-            q_start = index_at(q_indptr, b)
-            qo_len = arith_d.subi(index_at(q_indptr, arith_d.addi(b, const_index(1))), q_start)
-            branch = scf_d.IfOp(lt(const_index(0), qo_len), [x.type for x in carried], has_else=True)
-            with ir.InsertionPoint(branch.then_block):
-                scf_d.YieldOp(_attend_entry(shapes, engine, q, q_start, qo_len, load_entry(b), rope, args["causal"],
-                                            args["sm_scale"], sinks, carried))
-            with ir.InsertionPoint(branch.else_block):
-                scf_d.YieldOp(carried)
-            scf_d.YieldOp([tie_dims(x, size) for x, size in zip(branch.results, sizes)])
+            scf_d.YieldOp(_attend_entry(shapes, engine, q, q_indptr, kv, loop.induction_variable, rope, args["causal"],
+                                        args["sm_scale"], sinks, carried))
         out, state = (tie_dims(x, size) for x, size in zip(loop.results, sizes))
         return [out, _lse(shapes, state, sinks)]
 
-    return function_module(spec, emit)
+    return function_module(spec, emit, host_readable=("q_indptr", *spec.layout.host_readable))
