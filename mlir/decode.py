@@ -267,7 +267,7 @@ DECODE_PASSES = {"linalg": DecodePasses((1, 4, 16), bucketed=False, scratch_boun
                  "fused": DecodePasses((1, 4, 16), bucketed=True),
                  # llvm-cpu on CPUs with AMX (mlir/x86_decode.py): its scratch is each chunk's
                  # products, no scores, so no pass is left out; calls cut as the linalg pass's
-                 "x86": DecodePasses((1, 4, 16), bucketed=False, call_scratch=256 << 20, pieces_up_to=256)}
+                 "x86": DecodePasses((1, 4, 16), bucketed=False, call_scratch=256 << 20)}
 
 
 def _index(i: int) -> ir.Value:
