@@ -1,0 +1,101 @@
+"""The x86 KV-cache prefill kernels (mlir/x86_kv_cache.py): which specs and CPUs get them, their IR
+on every machine, and on CPUs with AMX (where the record picks them) their numerics against the
+float64 reference: the five cache specs of the x86 passes (ragged NHD and HND, paged HND and NHD,
+the sliding window's sink and window rows; e4m3 and e5m2 caches; head sinks; GQA 1 to 8; both
+dtypes) on batches whose entries are longer than any pass (more queries than keys, no key, no
+query, hundreds of keys), with inline RoPE on and off, causal and not, peaked scores, and NaN in
+every unused page slot."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import NUMPY_DTYPE, assert_matches_reference
+from linalg_prefill.mlir import MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, build_x86_module
+from linalg_prefill.pipeline import Target
+from linalg_prefill.pipeline.tuning import tuned_ir
+from linalg_prefill.runtime import open_kernel
+from support import AMX_CPU, needs_amx, serving_call, spec_id, with_arguments
+from test_x86_decode import SPECS
+
+#: (qo_len, kv_len): prefill entries of the kernel (17 to 300 queries over 0 to 700 keys, one with
+#: more queries than keys: rows without a key under the causal mask), an entry without queries,
+#: and decode entries that the passes take in the same call.
+ENTRIES = [(40, 300), (1, 37), (17, 5), (0, 9), (100, 0), (300, 300), (3, 260), (64, 700), (20, 20)]
+#: (sink tokens, window offset) per entry of the sliding-window spec.
+WINDOW = [(3, 2), (0, 0), (2, 1), (0, 0), (0, 0), (40, 4), (9, 1), (5, 5), (7, 3)]
+
+pytestmark = pytest.mark.compiles(*SPECS.values(), passes=ENTRIES)
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_the_record_builds_these_kv_cache_kernels_in_x86_on_amx_cpus_only(name):
+    spec = SPECS[name]
+    assert AMX_CPU.lowering_of(spec) == "x86"
+    assert Target("llvm-cpu", "graniterapids").lowering_of(spec) == "x86"
+    assert Target("llvm-cpu", "znver4").lowering_of(spec) == "linalg"
+
+
+@pytest.mark.parametrize("spec, why", [
+    (MlaPagedPrefillSpec(8, 64, 16, "bfloat16"), "MlaPagedPrefillSpec"),
+    (PagedPrefillSpec(8, 2, 64, "bfloat16", logits_soft_cap=30.0), "soft cap"),
+    (RaggedPrefillSpec(8, 2, 64, 32, "float32"), "d_qk=64, d_v=32"),
+    (PagedPrefillSpec(8, 2, 64, "float16"), "dtype float16"),
+    (PagedPrefillSpec(8, 2, 80, "bfloat16"), "multiple of 32"),
+    (RaggedPrefillSpec(8, 2, 64, 64, "bfloat16", custom_mask=True), "causal mask only"),
+], ids=lambda x: x if isinstance(x, str) else spec_id(x))
+def test_kv_cache_specs_without_an_x86_kernel_keep_the_linalg_lowering(spec, why):
+    assert AMX_CPU.lowering_of(spec) == "linalg"
+    with pytest.raises(ValueError, match=why):
+        build_x86_module(spec)
+
+
+def test_the_kernel_ir_reads_its_index_arrays_on_the_host_and_writes_in_place():
+    """One entry dispatch, its output and state tied to the carried buffers (no copy per
+    entry), q_indptr and the page table's arrays host-readable (no wait per entry), tiles for
+    bf16 only."""
+    bf16 = tuned_ir(SPECS["paged-hnd-bf16-gqa4"], AMX_CPU)
+    dispatch = next(line for line in bf16.splitlines() if "flow.dispatch @x86_kv_cache::@attend_entry" in line)
+    assert dispatch.count("->") == 1 and "-> (%" in dispatch   # both results are tied operands
+    assert bf16.count("hal.buffer.load") >= 2 and "llvm.x86.tdpbf16ps.internal" in bf16
+    f32 = tuned_ir(SPECS["paged-nhd-f32-gqa8-sinks"], AMX_CPU)
+    assert "flow.dispatch @x86_kv_cache::@attend_entry" in f32 and "llvm.x86.t" not in f32
+
+
+def _call(name, seed, entries=ENTRIES, **scalars):
+    spec = SPECS[name]
+    window = WINDOW if getattr(spec, "sliding_window", False) else None
+    return spec, with_arguments(spec, serving_call(spec, np.random.default_rng(seed), entries, window), **scalars)
+
+
+@needs_amx
+@pytest.mark.parametrize("rotary_mode", [0, 1])
+@pytest.mark.parametrize("causal", [1, 0])
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_x86_kv_cache_kernels_match_the_reference(name, causal, rotary_mode, cache):
+    spec, args = _call(name, 1, causal=causal, rotary_mode=rotary_mode)
+    assert_matches_reference(f"{name} causal {causal} rope {rotary_mode}", open_kernel(spec, cache=cache)(*args),
+                             spec, args)
+
+
+@needs_amx
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_x86_kv_cache_kernels_on_peaked_scores(name, cache):
+    """q x 40 with inline RoPE: each row's weight sits on a few keys, so a wrong scale, rotation,
+    mask, sink or row address shows rather than averaging out."""
+    spec, args = _call(name, 2, rotary_mode=1)
+    args = list(args)
+    args[0] = (args[0].astype(np.float32) * 40.0).astype(NUMPY_DTYPE[spec.dtype])
+    assert_matches_reference(name, open_kernel(spec, cache=cache)(*args), spec, args)
+
+
+@needs_amx
+def test_x86_kv_cache_kernels_never_read_a_cache_slot_past_an_entry(cache):
+    """Every unused page slot holds NaN: a kernel that reads one (0 x NaN is NaN) fails."""
+    spec = SPECS["paged-hnd-bf16-gqa4"]
+    args = serving_call(spec, np.random.default_rng(5), [(40, 37), (17, 300), (33, 1), (100, 100)],
+                        fill_unused=np.nan)
+    got = open_kernel(spec, cache=cache)(*args)
+    assert not np.isnan(np.asarray(got[0], np.float32)).any()
+    assert_matches_reference("nan-unused", got, spec, args)
