@@ -266,7 +266,9 @@ DECODE_PASSES = {"linalg": DecodePasses((1, 4, 16), bucketed=False, scratch_boun
                                        pieces_up_to=256),
                  "fused": DecodePasses((1, 4, 16), bucketed=True),
                  # llvm-cpu on CPUs with AMX (mlir/x86_decode.py): its scratch is each chunk's
-                 # products, no scores, so no pass is left out; calls cut as the linalg pass's
+                 # products, no scores, so no pass is left out; calls cut as the linalg pass's;
+                 # no entry in pieces: the x86 kernel (mlir/x86_kv_cache.py) runs a 96 x 96 bf16
+                 # entry in 0.89 ms against 2.31 in 16-query pieces (200 x 200: 1.49 against 5.59)
                  "x86": DecodePasses((1, 4, 16), bucketed=False, call_scratch=256 << 20)}
 
 

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from linalg_prefill.mlir import (
-    PagedPrefillSpec, decode, kv_layouts, mask_rules, online_softmax,
+    PagedPrefillSpec, decode, kv_layouts, mask_rules, online_softmax, x86_kv_cache,
 )
 from linalg_prefill.mlir import rope as rope_builder
-from linalg_prefill.mlir.ir import arith_d, const_index
+from linalg_prefill.mlir.ir import arith_d, const_index, f32
 from linalg_prefill.runtime import open_kernel
 from linalg_prefill.pipeline.compiler import keyed_ir
 from linalg_prefill.runtime.compare import error_bound, reference_for
@@ -63,13 +63,18 @@ def _wrong_rope_position():
 
 
 def _missing_scale():
-    """Scores not multiplied by sm_scale."""
+    """Scores not multiplied by sm_scale (in the linalg emitters and the x86 entry dispatch)."""
     original = online_softmax.score_transform
 
     def unscaled(_sm_scale, soft_cap):
         return original(1.0, soft_cap)
 
-    return [(online_softmax, "score_transform", unscaled), (decode, "score_transform", unscaled)]
+    class UnscaledEntries(x86_kv_cache._EntryDispatch):
+        def __init__(self, shapes, engine, pointers, scalars, _sm_scale):
+            super().__init__(shapes, engine, pointers, scalars, arith_d.constant(f32(), 1.0))
+
+    return [(online_softmax, "score_transform", unscaled), (decode, "score_transform", unscaled),
+            (x86_kv_cache, "_EntryDispatch", UnscaledEntries)]
 
 
 #: (patches, the arguments that make the bug reachable). RoPE is on in every call: the serving
