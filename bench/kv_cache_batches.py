@@ -1,10 +1,12 @@
 """Mixed-length batches through the ragged and paged kernels against the dense kernel (llvm-cpu).
 
     .venv/bin/python bench/kv_cache_batches.py [--lengths 37,512,1024,96,2048,5] [--dtype bfloat16]
-                                               [--repeat 3] [--tvm]
+                                               [--arch cooperlake] [--repeat 3] [--tvm]
 
 Causal self-attention of every entry (q_indptr == kv_indptr, the prefill of new tokens), h_q=32,
-h_kv=8, d=128, float32 (or --dtype bfloat16), RoPE off. Effective GFLOP/s counts only unmasked (query, key) pairs:
+h_kv=8, d=128, float32 (or --dtype bfloat16), RoPE off; ``--arch``: the CPU the kernels are built
+for (default the host; ``cooperlake`` on an AMX host builds the linalg lowering it had before the
+x86 one). Effective GFLOP/s counts only unmasked (query, key) pairs:
 4 * d * h_q * sum_b n_b (n_b + 1) / 2. The dense kernel runs one sequence of --dense-length
 tokens with the same heads; the ratios say whether a ragged batch costs what its tokens cost.
 torch SDPA (2 threads), looping over the entries, is timed in the same run as the CPU peer, and
@@ -23,6 +25,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from linalg_prefill.mlir import PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec  # noqa: E402
 from linalg_prefill.bench import best_time  # noqa: E402
+from linalg_prefill.pipeline import Target  # noqa: E402
 from linalg_prefill.runtime import open_kernel  # noqa: E402
 from linalg_prefill.runtime.checks import NUMPY_DTYPES  # noqa: E402
 from linalg_prefill.runtime.examples import page_table  # noqa: E402
@@ -101,6 +104,7 @@ def main() -> None:
     parser.add_argument("--dense-length", type=int, default=1024)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--arch", default="host")
     parser.add_argument("--tvm", action="store_true", help="also time the seed's CPU ragged kernel")
     args = parser.parse_args()
     import torch
@@ -114,9 +118,10 @@ def main() -> None:
     zeros_b, zeros_q = np.zeros(batch, np.int32), np.zeros(q.shape[0], np.int32)
     scalars = (1, 0, 1.0, 1e4, D ** -0.5)  # causal, rotary_mode, rope_scale, rope_theta, sm_scale
 
-    ragged = open_kernel(RaggedPrefillSpec(H_Q, H_KV, D, D, args.dtype))
-    paged = open_kernel(PagedPrefillSpec(H_Q, H_KV, D, args.dtype, page_size=PAGE_SIZE))
-    dense = open_kernel(SequencePrefillSpec(H_Q, H_KV, D, args.dtype, causal=True, sm_scale=D ** -0.5))
+    target = Target("llvm-cpu", args.arch)
+    ragged = open_kernel(RaggedPrefillSpec(H_Q, H_KV, D, D, args.dtype), target)
+    paged = open_kernel(PagedPrefillSpec(H_Q, H_KV, D, args.dtype, page_size=PAGE_SIZE), target)
+    dense = open_kernel(SequencePrefillSpec(H_Q, H_KV, D, args.dtype, causal=True, sm_scale=D ** -0.5), target)
     dq, dk, dv = (rng.uniform(-1, 1, (1, args.dense_length, h, D)).astype(q.dtype) for h in (H_Q, H_KV, H_KV))
 
     pairs = causal_pairs(lengths)
@@ -132,7 +137,7 @@ def main() -> None:
     if args.tvm:
         timings["seed TVM ragged (cpu)"] = (best_time(tvm_ragged(q, indptr, k, v), 1), pairs)
     print(f"causal prefill, lengths {lengths} ({q.shape[0]} tokens), h_q={H_Q} h_kv={H_KV} d={D} {args.dtype}, "
-          f"llvm-cpu; CPU: {cpu_model()}")
+          f"llvm-cpu {args.arch} ({target.lowering_of(ragged.spec)} lowering); CPU: {cpu_model()}")
     dense_rate = None
     print(f"{'kernel':<26} {'ms':>9} {'GFLOP/s':>9} {'vs dense':>9}")
     for name, (seconds, n_pairs) in timings.items():
