@@ -329,6 +329,92 @@ class FmaEngine:
         self._row_blocks(w.s.row_block, rows, row_block)
 
 
+class DotEngine(FmaEngine):
+    """Q.K^T and P.V for few rows (a decode step's queries x G) in avx512_bf16 pair dot products
+    (vdpbf16ps), on the operands as AmxEngine lays them out but q rows [row_block, d] bf16: each
+    16-lane step multiplies a broadcast pair of a row's bf16 (query dims, or probabilities of two
+    keys) into 16 keys' (or dims') pairs of a B tile row. An AMX tile product costs the same for 4
+    rows as for 16 (and the pairs of tiles AmxEngine blocks in, for 32): a decode step of 1 query
+    x G 4 ran its tiles at 8x the work its rows need. Blocks of 4 rows x 64 keys (scores) and 4
+    rows x 64 dims (P.V), 16 accumulators each."""
+
+    def __init__(self, dtype: str):
+        self.operand = element_type(dtype)
+        self.prob_elem = self.operand
+        self.layout = PackedTiles(dtype=dtype, m0=16, n0=16, k0=2)
+
+    def q_row_at(self, d: int, row: ir.Value) -> ir.Value:
+        """Byte offset of row ``row`` in the workgroup's rows [row_block, d] bf16."""
+        return arith_d.muli(row, const_i64(d * 2))
+
+    @staticmethod
+    def _pairs(vector32: ir.Value) -> ir.Value:
+        return vector_d.bitcast(ir.VectorType.get([32], ir.BF16Type.get()), vector32)
+
+    def _dot(self, acc, pair_at, lanes) -> ir.Value:
+        """acc + the 16 pair products of the bf16 pair at ``pair_at`` (broadcast) with ``lanes``."""
+        pair = self._pairs(vector_d.broadcast(ir.VectorType.get([16], i32()), llvm_load(i32(), pair_at)))
+        return llvm_d.call_intrinsic(acc.type, "llvm.x86.avx512bf16.dpbf16ps.512", [acc, pair, lanes], [], [])
+
+    def scores(self, w: "_Dispatch", q_base, k_block, scores) -> None:
+        d, v = w.s.d, w.vec
+        rows, vectors = self.SCORE_ROWS, self.SCORE_VECTORS
+        key_tile = d // 2 * 64   # bytes of one key tile's d/2 pair rows
+
+        def row_block(row0):
+            q_rows = at(q_base, arith_d.muli(row0, const_i64(d * 2)))
+            score_rows = at(scores, arith_d.muli(row0, const_i64(w.score_stride)))
+            for col0 in range(0, w.s.kv_block, 16 * vectors):
+                def step(i, acc, col0=col0):
+                    for u in range(self.UNROLL):
+                        pair = arith_d.addi(i, const_i64(u))
+                        row_of_pairs = arith_d.muli(pair, const_i64(64))
+                        keys = [self._pairs(v.load(at(at(k_block, (col0 // 16 + c) * key_tile), row_of_pairs), i32()))
+                                for c in range(vectors)]
+                        for r in range(rows):
+                            q_at = at(at(q_rows, r * d * 2), arith_d.muli(pair, const_i64(4)))
+                            for c in range(vectors):
+                                acc[r * vectors + c] = self._dot(acc[r * vectors + c], q_at, keys[c])
+                    return acc
+                zero = v.const(0.0)
+                acc = self._blocked(d // 2, self.UNROLL, [zero] * (rows * vectors), step)
+                for r in range(rows):
+                    for c in range(vectors):
+                        v.store(acc[r * vectors + c], at(score_rows, r * w.score_stride + (col0 + 16 * c) * 4))
+
+        self._row_blocks(w.s.row_block, rows, row_block)
+
+    def accumulate(self, w: "_Dispatch", v_block) -> None:
+        d, v = w.s.d, w.vec
+        rows = self.ACC_ROWS
+        dim_tile = w.s.kv_block // 2 * 64   # bytes of one dim tile's key-pair rows
+
+        def row_block(row0):
+            acc_rows = at(w.acc, arith_d.muli(row0, const_i64(w.acc_stride)))
+            prob_rows = at(w.probs, arith_d.muli(row0, const_i64(w.prob_stride)))
+            for col0 in range(0, d, 16 * self.ACC_VECTORS):
+                vectors = min(self.ACC_VECTORS, (d - col0) // 16)
+                places = [at(acc_rows, r * w.acc_stride + (col0 + 16 * c) * 4)
+                          for r in range(rows) for c in range(vectors)]
+
+                def step(j, acc, col0=col0, vectors=vectors):
+                    for u in range(self.UNROLL):
+                        pair = arith_d.addi(j, const_i64(u))
+                        row_of_pairs = arith_d.muli(pair, const_i64(64))
+                        values = [self._pairs(v.load(at(at(v_block, (col0 // 16 + c) * dim_tile), row_of_pairs), i32()))
+                                  for c in range(vectors)]
+                        for r in range(rows):
+                            p_at = at(at(prob_rows, r * w.prob_stride), arith_d.muli(pair, const_i64(4)))
+                            for c in range(vectors):
+                                acc[r * vectors + c] = self._dot(acc[r * vectors + c], p_at, values[c])
+                    return acc
+                acc = self._blocked(w.s.kv_block // 2, self.UNROLL, [v.load(p) for p in places], step)
+                for p, value in zip(places, acc):
+                    v.store(value, p)
+
+        self._row_blocks(w.s.row_block, rows, row_block)
+
+
 #: The contractions of a kernel per dtype: AMX tiles for bf16, FMA blocks for f32.
 ENGINES = {"bfloat16": AmxEngine, "float32": FmaEngine}
 

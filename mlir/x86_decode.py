@@ -32,7 +32,8 @@ from .mask_rules import KvCacheCausalRule, mask_rule
 from .online_softmax import LOG2E
 from .specs import PagedPrefillSpec, RaggedPrefillSpec
 from .x86_attention import (
-    BINDING, ENGINES, STACK_BUDGET, KernelShapes, _bytes, _Dispatch, binding_pointer, engine_for, hand_written_dispatch,
+    BINDING, ENGINES, STACK_BUDGET, DotEngine, KernelShapes, _bytes, _Dispatch, binding_pointer, engine_for,
+    hand_written_dispatch,
     FlagCausalKeys, llvm_load, llvm_store, workgroup_bytes,
 )
 
@@ -45,12 +46,24 @@ _SCALARS = ("entries", "chunks", "per_chunk", "extent", "causal")
 PASS_KV_BLOCK = 64
 
 
+#: A bf16 pass of at most this many rows (queries x G) runs DotEngine (vdpbf16ps) rather than AMX
+#: tiles, whose products cost as much for 4 rows as for 32.
+DOT_ROWS_UP_TO = 8
+
+
+def pass_engine(spec: DecodeSpec):
+    """The contraction engine of the pass (build inside an MLIR context)."""
+    if spec.dtype == "bfloat16" and spec.rows <= DOT_ROWS_UP_TO:
+        return DotEngine(spec.dtype)
+    return engine_for(spec.dtype)
+
+
 def pass_blocks(spec: DecodeSpec) -> tuple[int, int]:
     """(rows of a workgroup, keys of a KV step) of the pass: AMX works on 32 or 64 rows (pairs of
-    16-row tiles), the FMA blocks on multiples of 4; 64 keys a step; buffers and the two staging
-    buffers within STACK_BUDGET."""
+    16-row tiles), the FMA and dot blocks on multiples of 4; 64 keys a step; buffers and the two
+    staging buffers within STACK_BUDGET."""
     operand = 2 if spec.dtype == "bfloat16" else 4
-    amx = ENGINES[spec.dtype].uses_amx
+    amx = spec.dtype == "bfloat16" and spec.rows > DOT_ROWS_UP_TO
     rows = spec.rows
     wanted = (32 if rows <= 32 else 64) if amx else min(64, -(-rows // 4) * 4)
     d = spec.d_qk
@@ -358,7 +371,7 @@ def _build_executable(spec: DecodeSpec, shapes: KernelShapes, engine, operand_ty
 
 def _emit(spec: DecodeSpec, shapes: KernelShapes, anchor: ir.Operation, q, cache, table, geometry, causal,
           sm_scale, sinks) -> list[ir.Value]:
-    engine = engine_for(spec.dtype)
+    engine = pass_engine(spec)
     scales = cache.sources[len(cache.sources) - 2:] if quantized_kv(spec.base) else []
     sources = list(cache.sources[:len(cache.sources) - len(scales)])
     tensors = [q, *sources, table, geometry, *scales]

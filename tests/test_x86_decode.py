@@ -68,6 +68,9 @@ def test_the_pass_ir_gathers_with_prefetches_and_runs_tiles_for_bf16_only():
     bf16 = tuned_ir(DecodeSpec(SPECS["paged-hnd-bf16-gqa4"], 4), AMX_CPU)
     assert "flow.dispatch @x86_serving_pass::@stream_chunks" in bf16
     assert "llvm.x86.tdpbf16ps.internal" in bf16 and "llvm.intr.prefetch" in bf16
+    # 1 query x G 4 = 4 rows: pair dot products, not tiles sized for 32 rows
+    few_rows = tuned_ir(DecodeSpec(SPECS["paged-hnd-bf16-gqa4"], 1), AMX_CPU)
+    assert "llvm.x86.avx512bf16.dpbf16ps.512" in few_rows and "llvm.x86.tdpbf16ps.internal" not in few_rows
     f32 = tuned_ir(DecodeSpec(SPECS["paged-nhd-f32-gqa8-sinks"], 1), AMX_CPU)
     assert "flow.dispatch @x86_serving_pass::@stream_chunks" in f32 and "llvm.x86.t" not in f32
     assert "math.fma" in f32
