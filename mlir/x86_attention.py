@@ -147,8 +147,8 @@ class FlagCausalKeys:
 @dataclass(frozen=True)
 class KernelShapes:
     """The static facts of one kernel: heads, head dim, operand dtype, the mask (:data:`MASKS`),
-    the score scale (sm_scale * log2(e), the log2-domain factor), the workgroup's rows and a KV
-    step's keys."""
+    the score scale (sm_scale * log2(e), the log2-domain factor), the workgroup's rows, a KV
+    step's keys and the logits soft cap (0: none; semantics §11: cap * tanh(sm_scale s / cap))."""
 
     h_q: int
     h_kv: int
@@ -158,6 +158,7 @@ class KernelShapes:
     scale_log2: float
     row_block: int
     kv_block: int
+    soft_cap: float = 0.0
 
     @property
     def group(self) -> int:
@@ -623,7 +624,11 @@ class _Dispatch:
 
     def _softmax_rows(self, block_start, scores, first_row, masked: bool, row_begin: int, between) -> None:
         s, v = self.s, self.vec
-        scale_scalar = self.scale_log2
+        capped = s.soft_cap > 0
+        if capped:   # scores become cap log2(e) tanh(sm_scale s / cap), in the log2 domain already
+            inner = v.splat(arith_d.mulf(self.scale_log2, arith_d.constant(f32(), 1.0 / (LOG2E * s.soft_cap))))
+            outer = v.const(s.soft_cap * LOG2E)
+        scale_scalar = arith_d.constant(f32(), 1.0) if capped else self.scale_log2
         scale = v.splat(scale_scalar)
         neg_inf = v.const(float("-inf"))
         block_start = arith_d.trunci(i32(), block_start)
@@ -639,6 +644,8 @@ class _Dispatch:
             chunks = []   # raw q.k; the scale enters the row max and, fused, the exponents
             for c in range(self.s.kv_block // 16):
                 raw = v.load(at(score_row, c * 64))
+                if capped:
+                    raw = arith_d.mulf(v.tanh(arith_d.mulf(raw, inner)), outer)
                 if masked:
                     valid = arith_d.cmpi(arith_d.CmpIPredicate.slt, columns[c], limit)
                     if lower is not None:
@@ -833,7 +840,7 @@ def emit_dense(shapes: KernelShapes, q: ir.Value, k: ir.Value, v: ir.Value, anch
 def unsupported(spec) -> str | None:
     """Why the x86 lowering cannot build ``spec`` (None where it can): the dense sequence prefill,
     plain or masked (padded, causal_padded_left; not a custom mask), in bf16 or f32 with a head dim
-    that divides into 32-column tiles, no soft cap, sinks or 8-bit KV."""
+    that divides into 32-column tiles, no sinks or 8-bit KV."""
     if type(spec) not in (SequencePrefillSpec, MaskedSequencePrefillSpec):
         return f"{type(spec).__name__} has no x86 kernel (the dense sequence prefills have)"
     if _mask(spec) not in MASKS:
@@ -842,8 +849,8 @@ def unsupported(spec) -> str | None:
         return f"dtype {spec.dtype}: the kernels are bf16 (AMX tiles) and f32 (FMA blocks)"
     if spec.d % 32:
         return f"d={spec.d}: the x86 kernels need a multiple of 32"
-    if spec.logits_soft_cap or spec.head_sinks or spec.kv_dtype:
-        return "soft cap, head sinks and 8-bit KV have no x86 kernel"
+    if spec.head_sinks or spec.kv_dtype:
+        return "head sinks and 8-bit KV have no x86 kernel"
     return None
 
 
@@ -861,7 +868,7 @@ def build_x86_sequence_prefill(spec: SequencePrefillSpec | MaskedSequencePrefill
     if why:
         raise ValueError(f"no x86 lowering for {spec.name}: {why}")
     shapes = KernelShapes(spec.h_q, spec.h_kv, spec.d, spec.dtype, _mask(spec), spec.sm_scale * LOG2E,
-                          *blocks_for(spec.dtype, spec.d))
+                          *blocks_for(spec.dtype, spec.d), spec.logits_soft_cap)
 
     def emit(args):
         function = args["q"].owner.owner   # the kernel's func.func: the executable goes before it

@@ -77,7 +77,7 @@ def pass_blocks(spec: DecodeSpec) -> tuple[int, int]:
 def pass_unsupported(spec: DecodeSpec) -> str | None:
     """Why the x86 lowering has no serving pass for ``spec`` (None where it has): ragged and paged
     caches (not MLA's latent rows) in bf16 or f32, one head dim (d_qk = d_v) of a multiple of 32,
-    no soft cap, no 8-bit KV, the KV-cache causal mask."""
+    8-bit KV widened through float16 (THROUGH_F16), the KV-cache causal mask."""
     base = spec.base
     if type(base) not in (RaggedPrefillSpec, PagedPrefillSpec):
         return f"{type(base).__name__} has no x86 serving pass (ragged and paged caches have)"
@@ -85,8 +85,6 @@ def pass_unsupported(spec: DecodeSpec) -> str | None:
         return f"dtype {base.dtype}: the x86 passes are bf16 (AMX tiles) and f32 (FMA blocks)"
     if spec.d_qk != spec.d_v or spec.d_qk % 32:
         return f"d_qk={spec.d_qk}, d_v={spec.d_v}: the x86 passes need one head dim, a multiple of 32"
-    if base.logits_soft_cap:
-        return "soft cap has no x86 serving pass"
     if quantized_kv(base) and kv_dtype_of(base) not in THROUGH_F16:
         return f"8-bit KV {kv_dtype_of(base)}: the x86 passes widen {', '.join(THROUGH_F16)}"
     if not isinstance(mask_rule(base), KvCacheCausalRule):
@@ -409,7 +407,8 @@ def build_x86_pass(spec: DecodeSpec) -> ir.Module:
     why = pass_unsupported(spec)
     if why:
         raise ValueError(f"no x86 lowering for {spec.name}: {why}")
-    shapes = KernelShapes(spec.h_q, spec.h_kv, spec.d_qk, spec.dtype, "causal", 0.0, *pass_blocks(spec))
+    shapes = KernelShapes(spec.h_q, spec.h_kv, spec.d_qk, spec.dtype, "causal", 0.0, *pass_blocks(spec),
+                          spec.base.logits_soft_cap)
 
     def emit(q, cache, table, geometry, causal, sm_scale, sinks):
         function = q.owner.owner

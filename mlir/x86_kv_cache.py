@@ -50,15 +50,13 @@ _SCALARS = ("tokens", "q_start", "q_len", "kv_len", "kv_blocks", "causal")
 def kv_cache_unsupported(spec) -> str | None:
     """Why the x86 lowering has no kernel for the KV-cache variant ``spec`` (None where it has):
     ragged and paged caches (not MLA's latent rows) in bf16 or f32, one head dim (d_qk = d_v) of
-    a multiple of 32, no soft cap, the KV-cache causal mask (not a custom one)."""
+    a multiple of 32, the KV-cache causal mask (not a custom one)."""
     if type(spec) not in (RaggedPrefillSpec, PagedPrefillSpec):
         return f"{type(spec).__name__} has no x86 kernel"
     if spec.dtype not in ENGINES:
         return f"dtype {spec.dtype}: the kernels are bf16 (AMX tiles) and f32 (FMA blocks)"
     if spec.d_qk != spec.d_v or spec.d_qk % 32:
         return f"d_qk={spec.d_qk}, d_v={spec.d_v}: the x86 kernels need one head dim, a multiple of 32"
-    if spec.logits_soft_cap:
-        return "soft cap has no x86 kernel"
     if not isinstance(mask_rule(spec), KvCacheCausalRule):
         return "the x86 kernels know the KV-cache causal mask only"
     return None
@@ -225,7 +223,8 @@ def build_x86_kv_cache_prefill(spec: RaggedPrefillSpec | PagedPrefillSpec) -> ir
     why = kv_cache_unsupported(spec)
     if why:
         raise ValueError(f"no x86 lowering for {spec.name}: {why}")
-    shapes = KernelShapes(spec.h_q, spec.h_kv, spec.d_qk, spec.dtype, "causal", 0.0, *blocks_for(spec.dtype, spec.d_qk))
+    shapes = KernelShapes(spec.h_q, spec.h_kv, spec.d_qk, spec.dtype, "causal", 0.0, *blocks_for(spec.dtype, spec.d_qk),
+                          spec.logits_soft_cap)
 
     def emit(args):
         engine = engine_for(spec.dtype)
