@@ -213,7 +213,7 @@ def _cos_sin_table(
     c = const_f32(multiplier)
 
     def body(*args):
-        pos, freq = args[:2] if per_row else (_row_position(positions), args[0])
+        pos, freq = args[:2] if per_row else (row_position(positions), args[0])
         s = arith_d.mulf(arith_d.sitofp(f32(), pos), scale)
         angle = _reduce_two_pi(arith_d.mulf(s, freq))
         cos, sin = math_d.cos(angle), math_d.sin(angle)
@@ -247,7 +247,7 @@ def _reduce_two_pi(angle: ir.Value) -> ir.Value:
     return angle
 
 
-def _row_position(first: ir.Value) -> ir.Value:
+def row_position(first: ir.Value) -> ir.Value:
     """i32 ``first + n`` inside a generic whose loop 0 is the row ``n``."""
     return arith_d.addi(first, arith_d.index_cast(i32(), linalg_d.IndexOp(0).result))
 

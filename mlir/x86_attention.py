@@ -416,8 +416,10 @@ class DotEngine(FmaEngine):
         self._row_blocks(w.s.row_block, rows, row_block)
 
 
-#: The contractions of a kernel per dtype: AMX tiles for bf16, FMA blocks for f32.
-ENGINES = {"bfloat16": AmxEngine, "float32": FmaEngine}
+#: The contractions of a kernel per dtype: AMX tiles for bf16, FMA blocks for f32 and for f16
+#: (widened to f32 as it is packed: these CPUs have no amx_fp16; the linalg lowering ran f16 at
+#: 0.64-0.70x torch SDPA there).
+ENGINES = {"bfloat16": AmxEngine, "float32": FmaEngine, "float16": FmaEngine}
 
 
 def engine_for(dtype: str):
@@ -573,9 +575,13 @@ class _Dispatch:
             dest = at(self.q_rows, self.engine.q_row_at(s.d, r))
             present = scf_d.IfOp(arith_d.cmpi(arith_d.CmpIPredicate.slt, global_row, rows_total), [], has_else=True)
             with ir.InsertionPoint(present.then_block):
-                source = at(self.p["q"], arith_d.muli(source_row(global_row), const_i64(s.d * _bytes(self.engine.operand))))
+                source = at(self.p["q"], arith_d.muli(source_row(global_row), const_i64(s.d * _bytes(self.elem))))
                 for c in range(chunks):
-                    v.store(v.load(at(source, c * 64), i32()), at(dest, c * self.engine.q_chunk_stride))
+                    if self.elem == self.engine.operand:
+                        chunk = v.load(at(source, c * 64), i32())
+                    else:   # f16 rows of the FMA engine, widened 16 at a time
+                        chunk = arith_d.extf(v.f32x, v.load(at(source, c * 32), self.elem))
+                    v.store(chunk, at(dest, c * self.engine.q_chunk_stride))
                 scf_d.YieldOp([])
             with ir.InsertionPoint(present.else_block):
                 for c in range(chunks):
@@ -786,7 +792,7 @@ def build_executable(shapes: KernelShapes, engine) -> None:
         scalars = dict(zip(_DISPATCH_SCALARS, args[len(inputs):len(inputs) + len(_DISPATCH_SCALARS)]))
         sizes = _operand_sizes(shapes, engine, scalars["batch"], scalars["q_len"], scalars["rows"],
                                scalars["kv_blocks"])
-        elems = {"q": engine.operand, "k_tiles": engine.operand, "v_tiles": engine.operand, "valid_lens": i32(),
+        elems = {"q": element_type(shapes.dtype), "k_tiles": engine.operand, "v_tiles": engine.operand, "valid_lens": i32(),
                  "out": element_type(shapes.dtype), "state": f32()}
         bound = dict(zip((*inputs, "out", "state"), [*args[:len(inputs)], *args[-2:]]))
         pointers = {name: binding_pointer(bound[name], ir.MemRefType.get(_shaped(sizes[name]), elems[name]),
@@ -846,7 +852,7 @@ def unsupported(spec) -> str | None:
     if _mask(spec) not in MASKS:
         return f"mask_mode {spec.mask_mode!r} has no x86 kernel"
     if spec.dtype not in ENGINES:
-        return f"dtype {spec.dtype}: the kernels are bf16 (AMX tiles) and f32 (FMA blocks)"
+        return f"dtype {spec.dtype}: the kernels are bf16 (AMX tiles), f32 and f16 (FMA blocks)"
     if spec.d % 32:
         return f"d={spec.d}: the x86 kernels need a multiple of 32"
     if spec.head_sinks or spec.kv_dtype:

@@ -32,7 +32,7 @@ from .mask_rules import KvCacheCausalRule, mask_rule
 from .online_softmax import LOG2E
 from .specs import PagedPrefillSpec, RaggedPrefillSpec
 from .x86_attention import (
-    BINDING, ENGINES, STACK_BUDGET, DotEngine, KernelShapes, _bytes, _Dispatch, binding_pointer, engine_for,
+    BINDING, STACK_BUDGET, DotEngine, KernelShapes, _bytes, _Dispatch, binding_pointer, engine_for,
     hand_written_dispatch,
     FlagCausalKeys, llvm_load, llvm_store, workgroup_bytes,
 )
@@ -81,7 +81,7 @@ def pass_unsupported(spec: DecodeSpec) -> str | None:
     base = spec.base
     if type(base) not in (RaggedPrefillSpec, PagedPrefillSpec):
         return f"{type(base).__name__} has no x86 serving pass (ragged and paged caches have)"
-    if base.dtype not in ENGINES:
+    if base.dtype not in ("bfloat16", "float32"):
         return f"dtype {base.dtype}: the x86 passes are bf16 (AMX tiles) and f32 (FMA blocks)"
     if spec.d_qk != spec.d_v or spec.d_qk % 32:
         return f"d_qk={spec.d_qk}, d_v={spec.d_v}: the x86 passes need one head dim, a multiple of 32"

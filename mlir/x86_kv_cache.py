@@ -33,6 +33,7 @@ from .kv_cache import rope_arguments, rotated_if
 from .kv_layouts import BatchKv, host_read
 from .mask_rules import KvCacheCausalRule, mask_rule
 from .online_softmax import LOG2E, sink_lse
+from . import rope as rope_builder
 from .rope import apply_rope
 from .specs import EMPTY_ROW_LSE, PagedPrefillSpec, RaggedPrefillSpec
 from .x86_attention import (
@@ -54,7 +55,7 @@ def kv_cache_unsupported(spec) -> str | None:
     if type(spec) not in (RaggedPrefillSpec, PagedPrefillSpec):
         return f"{type(spec).__name__} has no x86 kernel"
     if spec.dtype not in ENGINES:
-        return f"dtype {spec.dtype}: the kernels are bf16 (AMX tiles) and f32 (FMA blocks)"
+        return f"dtype {spec.dtype}: the kernels are bf16 (AMX tiles), f32 and f16 (FMA blocks)"
     if spec.d_qk != spec.d_v or spec.d_qk % 32:
         return f"d_qk={spec.d_qk}, d_v={spec.d_v}: the x86 kernels need one head dim, a multiple of 32"
     if not isinstance(mask_rule(spec), KvCacheCausalRule):
@@ -116,7 +117,7 @@ def _build_executable(shapes: KernelShapes, engine, sinks: bool) -> None:
     through those), then ``_SCALARS`` (index) and sm_scale (f32)."""
     names = _names(sinks)
     arg_types = [ir.Type.parse(BINDING)] * len(names) + [ir.IndexType.get()] * len(_SCALARS) + [f32()]
-    elems = {"q": engine.operand, "k_tiles": engine.operand, "v_tiles": engine.operand, "sinks": f32(),
+    elems = {"q": element_type(shapes.dtype), "k_tiles": engine.operand, "v_tiles": engine.operand, "sinks": f32(),
              "out": element_type(shapes.dtype), "state": f32()}
     with hand_written_dispatch(_EXECUTABLE, _ENTRY, arg_types) as args:
         scalars = dict(zip(_SCALARS, args[len(names):len(names) + len(_SCALARS)]))
@@ -137,10 +138,16 @@ def _packed_kv(shapes: KernelShapes, engine, kv: BatchKv, b, kv_len, kv_blocks, 
     storage = [engine.layout.kv_storage(keys, 1, s.h_kv, kv_blocks, s.d, s.kv_block) for keys in (True, False)]
     types = [tensor_type([DYN if isinstance(x, ir.Value) else x for x in st.sizes], st.elem) for st in storage]
 
+    elem = element_type(s.dtype)
+
+    def widened(value):   # f16 into the FMA engine's f32
+        return value if value.type == engine.operand else arith_d.extf(engine.operand, value)
+
     def from_cache(source):
+        """Row ``row`` of head ``h``, column ``j`` of the entry (in the spec's dtype; 0 past kv_len)."""
         def read(h, row, j):
             clamped = arith_d.maxsi(arith_d.minsi(row, arith_d.subi(kv_len, const_index(1))), const_index(0))
-            return arith_d.select(lt(row, kv_len), source(b, clamped, [h, j]), arith_d.constant(engine.operand, 0.0))
+            return arith_d.select(lt(row, kv_len), source(b, clamped, [h, j]), arith_d.constant(elem, 0.0))
         return read
 
     def packed(st, read):
@@ -148,7 +155,7 @@ def _packed_kv(shapes: KernelShapes, engine, kv: BatchKv, b, kv_len, kv_blocks, 
 
         def body(_out):
             _, h, row, j = st.source([linalg_d.IndexOp(i).result for i in range(loops)])
-            return [read(h, row, j)]
+            return [widened(read(h, row, j))]
 
         return generic([], [empty(st.sizes, st.elem)], [affine_map(loops, range(loops))], "p" * loops, body)[0]
 
@@ -156,12 +163,12 @@ def _packed_kv(shapes: KernelShapes, engine, kv: BatchKv, b, kv_len, kv_blocks, 
     if rope is None:
         return [packed(storage[0], from_cache(kv.keys)), values]
     branch = scf_d.IfOp(is_one(rope.rotary_mode), [types[0]], has_else=True)
-    with ir.InsertionPoint(branch.then_block):
+    with ir.InsertionPoint(branch.then_block):   # rotated keys rounded to the dtype (rope.py), then packed
         rows = arith_d.muli(kv_blocks, const_index(s.kv_block))
-        token_major = generic([], [empty([rows, s.h_kv, s.d], engine.operand)], [affine_map(3, range(3))], "ppp",
+        token_major = generic([], [empty([rows, s.h_kv, s.d], elem)], [affine_map(3, range(3))], "ppp",
                               lambda _out: [from_cache(kv.keys)(*(linalg_d.IndexOp(i).result for i in (1, 0, 2)))])[0]
-        positions = generic([], [empty([rows], i32())], [affine_map(1, (0,))], "p", lambda _out: [arith_d.addi(
-            tensor_d.extract(kv.rope_offset, [b]), arith_d.index_cast(i32(), linalg_d.IndexOp(0).result))])[0]
+        positions = generic([], [empty([rows], i32())], [affine_map(1, (0,))], "p",
+                            lambda _out: [rope_builder.row_position(tensor_d.extract(kv.rope_offset, [b]))])[0]
         rotated = apply_rope(token_major, positions, theta=rope.theta, scale=rope.scale,
                              rope_scaling=rope.rope_scaling, rotary_dim=rope.rotary_dim)
         scf_d.YieldOp([packed(storage[0], lambda h, row, j: tensor_d.extract(rotated, [row, h, j]))])

@@ -23,15 +23,16 @@ with S_i = scale |q~_i| max_j |k~_j| (Cauchy-Schwarz over the rotated rows; S_ro
 over their rotated dims, c the rope multiplier, K_p the largest key pair norm), and the softmax
 weights move by a factor within exp(+-2 delta_i). Then
 
-    |output - reference| <= (exp(2 delta_i) - 1 + 2 gamma_n + u_P) A_id + (u + 2 u32) |o_id|
+    |output - reference| <= (exp(2 delta_i) - 1 + 2 gamma_n + u_P) A_id + (u + 2 u32) |o_id| + s/2
                             + n_i t32 max_j |v_jd|
     |lse - reference|    <= log2(e) (delta_i + 2 gamma_n + 4 u32) + 2 u32 |lse_i|
 
 where A_id = sum_j p_ij |v_jd| (the reference with |v|; max |v| for MLA, whose values are part
 of its keys), n_i comes from the reference with q = 0 (its lse is log2 n_i), gamma_n =
 n u32 / (1 - n u32) (the f32 sums over n keys), u_P = u for f16/bf16 (the fused lowering feeds
-the softmax weights to the tensor cores in the dtype, the llvm-cpu packed bf16 tiles to a bf16 mmt4d) and the last output term is the result's
-rounding to the dtype; t32 = 2^-126, the smallest normal f32: a weight below it (relative to
+the softmax weights to the tensor cores in the dtype, the llvm-cpu packed bf16 tiles to a bf16 mmt4d), (u + 2 u32) |o_id| + s/2 is the
+result's rounding to the dtype (s its smallest subnormal: float16's 2^-24, so a float16 output
+of 9e-11 is stored as 0); t32 = 2^-126, the smallest normal f32: a weight below it (relative to
 the row's largest, which is 1) may be flushed to 0 (the CPUs' kernels run with denormals
 flushed), which moves an output by less than t32 |v_jd| per key, invisible unless the weighted
 values are themselves that small (peaked scores over an 8-bit cache's exact zeros: an output of
@@ -149,10 +150,19 @@ def bound_of_call(named: dict, facts: CallFacts, reference: Reference, want=None
     u_p = 0.0 if u <= U32 else u  # probabilities rounded to the dtype: none in float32
     spread = np.expm1(2.0 * delta) + 2.0 * gamma + u_p
     flushed = n[..., None] * TINY32 * float(np.nanmax(np.abs(values), initial=0.0))   # weights under TINY32
-    output = spread[..., None] * weights + (u + 2.0 * U32) * np.abs(want_out) + flushed
+    rounded = (u + 2.0 * U32) * np.abs(want_out) + _half_subnormal(facts.dtype)   # to the dtype, gradual underflow
+    output = spread[..., None] * weights + rounded + flushed
     lse = LOG2E * (delta + 2.0 * gamma + 4.0 * U32) + 2.0 * U32 * np.abs(want_lse)
     valid = want_lse != EMPTY_ROW_LSE
     return ErrorBound(np.where(valid[..., None], output, 0.0), np.where(valid, lse, 0.0), valid)
+
+
+def _half_subnormal(dtype: str) -> float:
+    """Half the smallest positive subnormal of ``dtype``: the absolute error of rounding a value
+    below its normal range (float16's 2^-25: an output of 9e-11 is stored as 0)."""
+    import ml_dtypes   # its finfo knows bfloat16 too; imported when a bound is asked for, as dtypes.py does
+
+    return float(ml_dtypes.finfo(HOST_DTYPES[dtype].numpy).smallest_subnormal) / 2.0
 
 
 # ----------------------------------------------------------------------------- the call's pieces

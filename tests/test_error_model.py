@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from linalg_prefill.mlir import (
-    PagedPrefillSpec, decode, kv_layouts, mask_rules, online_softmax, x86_kv_cache,
+    PagedPrefillSpec, decode, kv_layouts, mask_rules, online_softmax, x86_attention, x86_kv_cache,
 )
 from linalg_prefill.mlir import rope as rope_builder
 from linalg_prefill.mlir.ir import arith_d, const_index, f32
@@ -38,7 +38,12 @@ def _off_by_one_mask():
         moved = mask_rules.Lengths(lengths.q_len, lengths.kv_len, arith_d.addi(lengths.diagonal, const_index(1)))
         return original(self, values, moved, row, col)
 
-    return [(mask_rules.KvCacheCausalRule, "valid", shifted)]
+    original_end = x86_attention.causal_end
+
+    def shifted_end(token, diag, end):   # the x86 lowering's key range
+        return original_end(token, arith_d.addi(diag, arith_d.constant(diag.type, 1)), end)
+
+    return [(mask_rules.KvCacheCausalRule, "valid", shifted), (x86_attention, "causal_end", shifted_end)]
 
 
 def _wrong_page():
@@ -53,13 +58,13 @@ def _wrong_page():
 
 def _wrong_rope_position():
     """Keys rotated at their position + 1."""
-    original = rope_builder._row_position
+    original = rope_builder.row_position
 
     def later(first):
         position = original(first)
         return arith_d.addi(position, arith_d.constant(position.type, 1))
 
-    return [(rope_builder, "_row_position", later)]
+    return [(rope_builder, "row_position", later)]
 
 
 def _missing_scale():
