@@ -276,24 +276,25 @@ class FmaEngine:
     def scores(self, w: "_Dispatch", q_base, k_block, scores) -> None:
         d, v = w.s.d, w.vec
         rows, vectors = self.SCORE_ROWS, self.SCORE_VECTORS
+        row_bytes = d * _bytes(self.operand)
 
         def row_block(row0):
-            q_rows = at(q_base, arith_d.muli(row0, const_i64(d * 4)))
+            q_rows = at(q_base, arith_d.muli(row0, const_i64(row_bytes)))
             score_rows = at(scores, arith_d.muli(row0, const_i64(w.score_stride)))
             for col0 in range(0, w.s.kv_block, 16 * vectors):
                 def step(k, acc, col0=col0):
                     for u in range(self.UNROLL):
                         kk = arith_d.addi(k, const_i64(u))
-                        key_row = at(k_block, arith_d.muli(kk, const_i64(w.s.kv_block * 4)))
-                        keys = [v.load(at(key_row, (col0 + 16 * c) * 4)) for c in range(vectors)]
+                        key_step = self._key_step(w, k_block, kk)
+                        keys = [self._lanes(w, key_step, col0 + 16 * c, keys=True) for c in range(vectors)]
                         column = arith_d.muli(kk, const_i64(4))
                         for r in range(rows):
-                            q = v.splat(llvm_load(f32(), at(at(q_rows, r * d * 4), column)))
+                            q = self._broadcast(at(at(q_rows, r * row_bytes), column))
                             for c in range(vectors):
-                                acc[r * vectors + c] = math_d.fma(q, keys[c], acc[r * vectors + c])
+                                acc[r * vectors + c] = self._mac(acc[r * vectors + c], q, keys[c])
                     return acc
                 zero = v.const(0.0)
-                acc = self._blocked(d, self.UNROLL, [zero] * (rows * vectors), step)
+                acc = self._blocked(self._depth(d), self.UNROLL, [zero] * (rows * vectors), step)
                 for r in range(rows):
                     for c in range(vectors):
                         v.store(acc[r * vectors + c], at(score_rows, r * w.score_stride + (col0 + 16 * c) * 4))
@@ -315,19 +316,50 @@ class FmaEngine:
                 def step(k, acc, col0=col0, vectors=vectors):
                     for u in range(self.UNROLL):
                         kk = arith_d.addi(k, const_i64(u))
-                        value_row = at(v_block, arith_d.muli(kk, const_i64(d * 4)))
-                        values = [v.load(at(value_row, (col0 + 16 * c) * 4)) for c in range(vectors)]
+                        value_step = self._value_step(w, v_block, kk)
+                        values = [self._lanes(w, value_step, col0 + 16 * c, keys=False) for c in range(vectors)]
                         column = arith_d.muli(kk, const_i64(4))
                         for r in range(rows):
-                            p = v.splat(llvm_load(f32(), at(at(prob_rows, r * w.prob_stride), column)))
+                            p = self._broadcast(at(at(prob_rows, r * w.prob_stride), column))
                             for c in range(vectors):
-                                acc[r * vectors + c] = math_d.fma(p, values[c], acc[r * vectors + c])
+                                acc[r * vectors + c] = self._mac(acc[r * vectors + c], p, values[c])
                     return acc
-                acc = self._blocked(w.s.kv_block, self.UNROLL, [v.load(p) for p in places], step)
+                acc = self._blocked(self._depth(w.s.kv_block), self.UNROLL, [v.load(p) for p in places], step)
                 for p, value in zip(places, acc):
                     v.store(value, p)
 
         self._row_blocks(w.s.row_block, rows, row_block)
+
+    # One step of the blocks: step kk reads 16 lanes of keys (scores; key columns from ``col``)
+    # or values (P.V; dims from ``col``) and multiplies them by the 4 bytes of a q row or a probs
+    # row at ``kk * 4``: one f32 here, a pair of bf16 in DotEngine.
+
+    @staticmethod
+    def _depth(size: int) -> int:
+        """Steps over a contraction of ``size`` elements."""
+        return size
+
+    @staticmethod
+    def _key_step(w: "_Dispatch", k_block, step) -> ir.Value:
+        """Where step ``step``'s keys start (K^T [d, kv_block]: row ``step``)."""
+        return at(k_block, arith_d.muli(step, const_i64(w.s.kv_block * 4)))
+
+    @staticmethod
+    def _value_step(w: "_Dispatch", v_block, step) -> ir.Value:
+        """Where step ``step``'s values start (V [kv_block, d]: row ``step``)."""
+        return at(v_block, arith_d.muli(step, const_i64(w.s.d * 4)))
+
+    def _lanes(self, w: "_Dispatch", step_at, col: int, keys: bool) -> ir.Value:
+        """16 lanes of a step from column ``col``."""
+        return w.vec.load(at(step_at, col * 4))
+
+    @staticmethod
+    def _broadcast(scalar_at) -> ir.Value:
+        return Vec().splat(llvm_load(f32(), scalar_at))
+
+    @staticmethod
+    def _mac(acc, broadcast, lanes) -> ir.Value:
+        return math_d.fma(broadcast, lanes, acc)
 
 
 class DotEngine(FmaEngine):
@@ -336,8 +368,7 @@ class DotEngine(FmaEngine):
     16-lane step multiplies a broadcast pair of a row's bf16 (query dims, or probabilities of two
     keys) into 16 keys' (or dims') pairs of a B tile row. An AMX tile product costs the same for 4
     rows as for 16 (and the pairs of tiles AmxEngine blocks in, for 32): a decode step of 1 query
-    x G 4 ran its tiles at 8x the work its rows need. Blocks of 4 rows x 64 keys (scores) and 4
-    rows x 64 dims (P.V), 16 accumulators each."""
+    x G 4 ran its tiles at 8x the work its rows need. FmaEngine's blocks, a pair a step."""
 
     def __init__(self, dtype: str):
         self.operand = element_type(dtype)
@@ -349,71 +380,29 @@ class DotEngine(FmaEngine):
         return arith_d.muli(row, const_i64(d * 2))
 
     @staticmethod
-    def _pairs(vector32: ir.Value) -> ir.Value:
-        return vector_d.bitcast(ir.VectorType.get([32], ir.BF16Type.get()), vector32)
+    def _depth(size: int) -> int:
+        return size // 2
 
-    def _dot(self, acc, pair_at, lanes) -> ir.Value:
-        """acc + the 16 pair products of the bf16 pair at ``pair_at`` (broadcast) with ``lanes``."""
-        pair = self._pairs(vector_d.broadcast(ir.VectorType.get([16], i32()), llvm_load(i32(), pair_at)))
-        return llvm_d.call_intrinsic(acc.type, "llvm.x86.avx512bf16.dpbf16ps.512", [acc, pair, lanes], [], [])
+    @staticmethod
+    def _key_step(w: "_Dispatch", k_block, step) -> ir.Value:
+        return at(k_block, arith_d.muli(step, const_i64(64)))   # K [kv_block/16, d/2, 16, 2]: pair row
 
-    def scores(self, w: "_Dispatch", q_base, k_block, scores) -> None:
-        d, v = w.s.d, w.vec
-        rows, vectors = self.SCORE_ROWS, self.SCORE_VECTORS
-        key_tile = d // 2 * 64   # bytes of one key tile's d/2 pair rows
+    _value_step = _key_step                                     # V [d/16, kv_block/2, 16, 2]: key-pair row
 
-        def row_block(row0):
-            q_rows = at(q_base, arith_d.muli(row0, const_i64(d * 2)))
-            score_rows = at(scores, arith_d.muli(row0, const_i64(w.score_stride)))
-            for col0 in range(0, w.s.kv_block, 16 * vectors):
-                def step(i, acc, col0=col0):
-                    for u in range(self.UNROLL):
-                        pair = arith_d.addi(i, const_i64(u))
-                        row_of_pairs = arith_d.muli(pair, const_i64(64))
-                        keys = [self._pairs(v.load(at(at(k_block, (col0 // 16 + c) * key_tile), row_of_pairs), i32()))
-                                for c in range(vectors)]
-                        for r in range(rows):
-                            q_at = at(at(q_rows, r * d * 2), arith_d.muli(pair, const_i64(4)))
-                            for c in range(vectors):
-                                acc[r * vectors + c] = self._dot(acc[r * vectors + c], q_at, keys[c])
-                    return acc
-                zero = v.const(0.0)
-                acc = self._blocked(d // 2, self.UNROLL, [zero] * (rows * vectors), step)
-                for r in range(rows):
-                    for c in range(vectors):
-                        v.store(acc[r * vectors + c], at(score_rows, r * w.score_stride + (col0 + 16 * c) * 4))
+    def _lanes(self, w: "_Dispatch", step_at, col: int, keys: bool) -> ir.Value:
+        """16 pairs of bf16 of the B tile of columns [col, col + 16) at the step's row."""
+        tile = w.s.d // 2 * 64 if keys else w.s.kv_block // 2 * 64
+        lanes = llvm_d.load(ir.VectorType.get([16], i32()), at(step_at, (col // 16) * tile), alignment=4)
+        return vector_d.bitcast(ir.VectorType.get([32], ir.BF16Type.get()), lanes)
 
-        self._row_blocks(w.s.row_block, rows, row_block)
+    @staticmethod
+    def _broadcast(scalar_at) -> ir.Value:
+        pair = vector_d.broadcast(ir.VectorType.get([16], i32()), llvm_load(i32(), scalar_at))
+        return vector_d.bitcast(ir.VectorType.get([32], ir.BF16Type.get()), pair)
 
-    def accumulate(self, w: "_Dispatch", v_block) -> None:
-        d, v = w.s.d, w.vec
-        rows = self.ACC_ROWS
-        dim_tile = w.s.kv_block // 2 * 64   # bytes of one dim tile's key-pair rows
-
-        def row_block(row0):
-            acc_rows = at(w.acc, arith_d.muli(row0, const_i64(w.acc_stride)))
-            prob_rows = at(w.probs, arith_d.muli(row0, const_i64(w.prob_stride)))
-            for col0 in range(0, d, 16 * self.ACC_VECTORS):
-                vectors = min(self.ACC_VECTORS, (d - col0) // 16)
-                places = [at(acc_rows, r * w.acc_stride + (col0 + 16 * c) * 4)
-                          for r in range(rows) for c in range(vectors)]
-
-                def step(j, acc, col0=col0, vectors=vectors):
-                    for u in range(self.UNROLL):
-                        pair = arith_d.addi(j, const_i64(u))
-                        row_of_pairs = arith_d.muli(pair, const_i64(64))
-                        values = [self._pairs(v.load(at(at(v_block, (col0 // 16 + c) * dim_tile), row_of_pairs), i32()))
-                                  for c in range(vectors)]
-                        for r in range(rows):
-                            p_at = at(at(prob_rows, r * w.prob_stride), arith_d.muli(pair, const_i64(4)))
-                            for c in range(vectors):
-                                acc[r * vectors + c] = self._dot(acc[r * vectors + c], p_at, values[c])
-                    return acc
-                acc = self._blocked(w.s.kv_block // 2, self.UNROLL, [v.load(p) for p in places], step)
-                for p, value in zip(places, acc):
-                    v.store(value, p)
-
-        self._row_blocks(w.s.row_block, rows, row_block)
+    @staticmethod
+    def _mac(acc, broadcast, lanes) -> ir.Value:
+        return llvm_d.call_intrinsic(acc.type, "llvm.x86.avx512bf16.dpbf16ps.512", [acc, broadcast, lanes], [], [])
 
 
 #: The contractions of a kernel per dtype: AMX tiles for bf16, FMA blocks for f32 and for f16
