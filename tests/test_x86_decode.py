@@ -13,6 +13,7 @@ import pytest
 from conftest import NUMPY_DTYPE, assert_matches_reference
 from linalg_prefill.mlir import DecodeSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, x86_unsupported
 from linalg_prefill.mlir.decode import DECODE_PASSES
+from linalg_prefill.mlir.x86_decode import pass_blocks
 from linalg_prefill.pipeline import Target
 from linalg_prefill.pipeline.tuning import tuned_ir
 from linalg_prefill.runtime import open_kernel
@@ -73,6 +74,16 @@ def test_the_pass_ir_gathers_with_prefetches_and_runs_tiles_for_bf16_only():
     f32 = tuned_ir(DecodeSpec(SPECS["paged-nhd-f32-gqa8-sinks"], 1), AMX_CPU)
     assert "flow.dispatch @x86_serving_pass::@stream_chunks" in f32 and "llvm.x86.t" not in f32
     assert "math.fma" in f32
+
+
+def test_f32_passes_read_values_in_place_and_fit_32_row_workgroups():
+    """f32 values are read where the cache holds them (no staged copy), which leaves the stack
+    room for 32-row workgroups in the 16-query pass (d 128); 8-bit values are widened into a
+    staged copy, as bf16 ones are interleaved for their engines."""
+    spec = PagedPrefillSpec(32, 8, 128, "float32", page_size=16)
+    assert pass_blocks(DecodeSpec(spec, 16)) == (32, 64)
+    assert pass_blocks(DecodeSpec(PagedPrefillSpec(32, 8, 128, "float32", page_size=16,
+                                                   kv_dtype="float8_e4m3fn"), 16)) == (16, 64)
 
 
 def _call(name, rng, entries=ENTRIES):
