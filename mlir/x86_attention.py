@@ -1,7 +1,10 @@
 """The x86 lowering of the dense sequence prefill: one hand-written dispatch per call runs the whole
-online softmax, Q.K^T and P.V in an engine per dtype (bf16: AMX tiles, :class:`AmxEngine`; f32:
-AVX-512 FMA register blocks, :class:`FmaEngine`) and the softmax in f32 vector code (mlir/amx.py:
-``Vec``), fed by K and V packed into the engine's order once per call by linalg generics.
+online softmax, Q.K^T and P.V in an engine per dtype (bf16: AMX tiles, :class:`AmxEngine`; f32
+and f16: AVX-512 FMA register blocks, :class:`FmaEngine`, f16 widened as it is copied and
+packed; a serving pass of few bf16 rows: pair dot products, :class:`DotEngine`) and the softmax
+in f32 vector code (mlir/amx.py: ``Vec``; a soft cap applied to each score block first), fed by
+K and V packed into the engine's order once per call by linalg generics. The KV-cache kernels
+(mlir/x86_kv_cache.py) and serving passes (mlir/x86_decode.py) run the same dispatch body.
 IREE 3.13's llvm-cpu codegen emits no AMX and runs f32 contractions load-bound (docs/performance.md,
 the x86 lowering), so the backend record picks this lowering on Intel Xeons with AMX
 (pipeline/cpu_tiles.py: cpu_spec_lowering).

@@ -5,9 +5,11 @@ merge as the linalg pass merges them (decode.merge_chunks).
 The dispatch is the dense kernel's (mlir/x86_attention.py: the engines, the f32 vector softmax)
 with its K and V read from the cache in place: each KV step gathers its ``kv_block`` keys' rows
 through the pass table (the layout's ``row_offset``: ragged rows, HND or NHD pages, the sliding
-window's sink and window rows) into two stack buffers in the engine's order, K by 16 x 16 32-bit
-transposes (AMX: B tiles of bf16 pairs; FMA: the step's K^T), V by interleaving key pairs (AMX)
-or as rows (FMA); a key past the chunk, the entry or the table (a -1 block) reads a zero row.
+window's sink and window rows) into stack buffers in the engine's order, K by 16 x 16 32-bit
+transposes (AMX and dot: B tiles of bf16 pairs; FMA: the step's K^T), V by interleaving key pairs
+(AMX and dot) or, for f32 caches, not at all (the FMA blocks read each value row where the cache
+holds it: :class:`InPlaceValues`); a key past the chunk, the entry or the table (a -1 block)
+reads a zero row. Passes of at most DOT_ROWS_UP_TO bf16 rows run :class:`DotEngine`.
 Shapes (n entries, h = h_kv, R = queries x G rows a KV head, c chunks of P table blocks):
 
     q [n, h, R, d] (dtype)   table [n, c, P] i32   geometry [n, 4] i32 (kv_len, sinks, offset, qo_len)
@@ -164,7 +166,7 @@ class AmxStaging:
 
 class FmaStaging:
     """A KV step's keys and values in FmaEngine's order: K^T [d, kv_block] (16 x 16 transposes),
-    V [kv_block, d] (row copies), f32."""
+    V [kv_block, d] (row copies, for 8-bit caches widened; f32 values are read in place), f32."""
 
     def keys(self, w: "_PassDispatch", group, rows: list[ir.Value]) -> None:
         d, kv, v = w.s.d, w.s.kv_block, w.vec
