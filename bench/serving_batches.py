@@ -17,8 +17,9 @@ call with a boolean mask (q [B, h_q, new, d], k/v [B, h_kv, L_max, d], ``enable_
 numpy-pool call, ``np/dev`` its time over the uploaded one's.
 
 Bandwidth columns: KV bytes the step must read (sum of kv_len_b rows of K and V) per second, for
-ours and torch, and the machine's streaming bandwidth measured in the same run (numpy ``copyto``
-of the same bytes, capped at 512 MiB, into a buffer already touched). Rows whose padded torch
+ours and torch, and the machine's read bandwidth measured in the same run (torch's ``sum`` over
+as many bytes, capped at 512 MiB, already touched). First line: the time of a call with almost
+no work (1 x 1 vs 16 cached) and of its plan, the fixed cost every layer's call pays. Rows whose padded torch
 inputs would exceed ``--max-gib`` are skipped and listed. Needs the ``bench`` extra (torch).
 """
 
@@ -121,16 +122,33 @@ def torch_call(step: dict, new: int, dtype: str):
 
 
 def streaming_gbps(nbytes: int) -> float:
-    """numpy copy bandwidth (GB/s of bytes read) over ``min(nbytes, 512 MiB)``, buffers pre-touched."""
-    size = max(min(nbytes, STREAM_CAP_BYTES) // 4, 1 << 20)
-    src = np.ones(size, np.float32)
-    dst = np.zeros_like(src)
+    """The machine's read bandwidth: GB/s of torch's ``sum`` (2 threads, reads only) over
+    ``min(nbytes, 512 MiB)`` of float32 already touched, best of 3. (A numpy copy, read and
+    written, gave 7-14 GB/s on the Intel VM, below what the passes read.)"""
+    import torch
+
+    data = torch.ones(max(min(nbytes, STREAM_CAP_BYTES) // 4, 1 << 20), dtype=torch.float32)
     best = float("inf")
     for _ in range(3):
         start = time.perf_counter()
-        np.copyto(dst, src)
+        data.sum()
         best = min(best, time.perf_counter() - start)
-    return src.nbytes / best / 1e9
+    return data.numel() * 4 / best / 1e9
+
+
+def fixed_cost_ms(wrapper: PagedPrefillWrapper, dtype: str, rng: np.random.Generator) -> tuple[float, float]:
+    """(ms of a call with almost no work: 1 sequence x 1 new token vs 16 cached, planned; ms of
+    its host plan): what every layer's call pays before its keys (issue: decode at memory speed)."""
+    step = serving_step(1, 1, np.array([16]), dtype, rng)
+    plan = lambda: wrapper.plan(step["q_indptr"], step["page_indptr"], step["page_values"],  # noqa: E731
+                                step["last_page_len"], causal=True)
+    plan()   # the first opens the kernels
+    start = time.perf_counter()
+    plan()
+    plan_s = time.perf_counter() - start
+    call = lambda: wrapper.run(step["q"], step["pages"])  # noqa: E731
+    call()
+    return best_times([call], 5, 200)[0] * 1e3, plan_s * 1e3
 
 
 def padded_torch_bytes(batch: int, new: int, kv_lens: np.ndarray) -> int:
@@ -214,6 +232,8 @@ def main() -> None:
     rng = np.random.default_rng(0)
     print(f"serving steps, paged KV, h_q={H_Q} h_kv={H_KV} d={D} page={PAGE_SIZE} {args.dtype}, llvm-cpu; "
           f"CPU: {cpu_model()}")
+    fixed, plan = fixed_cost_ms(wrapper, args.dtype, rng)
+    print(f"a call with almost no work (1 x 1 vs 16 cached): {fixed:.3f} ms; its plan on the host {plan:.3f} ms")
     print(HEADER, flush=True)
     rows, skipped = [], []
     for batch in (int(x) for x in args.batches.split(",")):
