@@ -837,8 +837,8 @@ def emit_dense(shapes: KernelShapes, q: ir.Value, k: ir.Value, v: ir.Value, anch
 
 def unsupported(spec) -> str | None:
     """Why the x86 lowering cannot build ``spec`` (None where it can): the dense sequence prefill,
-    plain or masked (padded, causal_padded_left; not a custom mask), in bf16 or f32 with a head dim
-    that divides into 32-column tiles, no sinks or 8-bit KV."""
+    plain or masked (padded, causal_padded_left; not a custom mask), in bf16, f32 or f16 with a
+    head dim that divides into 32-column tiles, no sinks or 8-bit KV."""
     if type(spec) not in (SequencePrefillSpec, MaskedSequencePrefillSpec):
         return f"{type(spec).__name__} has no x86 kernel (the dense sequence prefills have)"
     if _mask(spec) not in MASKS:

@@ -50,8 +50,8 @@ _SCALARS = ("tokens", "q_start", "q_len", "kv_len", "kv_blocks", "causal")
 
 def kv_cache_unsupported(spec) -> str | None:
     """Why the x86 lowering has no kernel for the KV-cache variant ``spec`` (None where it has):
-    ragged and paged caches (not MLA's latent rows) in bf16 or f32, one head dim (d_qk = d_v) of
-    a multiple of 32, the KV-cache causal mask (not a custom one)."""
+    ragged and paged caches (not MLA's latent rows) in bf16, f32 or f16, one head dim (d_qk =
+    d_v) of a multiple of 32, the KV-cache causal mask (not a custom one)."""
     if type(spec) not in (RaggedPrefillSpec, PagedPrefillSpec):
         return f"{type(spec).__name__} has no x86 kernel"
     if spec.dtype not in ENGINES:
