@@ -30,7 +30,7 @@ from .abi import function_module, operands
 from .attention_op import TILE, attend_band
 from .ir import (
     DYN, HostReadable, affine_map, arith_d, ceil_div, collapse, const_index, dim, element_type,
-    empty, expand, extract_slice, f32, generic, i32, index, insert_slice, ir, le, linalg_d, lt,
+    empty, expand, extract_slice, f32, generic, i32, index, insert_slice, ir, le, linalg_d,
     one_of, own_dispatch, sizes_of, storage_tiles, tensor_d, tensor_type, tie_dims,
 )
 from .kv_cache import RopeArgs, rope_arguments, rotated_if
@@ -209,10 +209,11 @@ def _batch_rows(kv: BatchKv, source: RowSource, columns: int, entries: ir.Value,
 
     def gather(_out):
         e, local = _locate(kv, entries)
-        kv_len = kv.kv_len(device_read, e)
-        clamped = arith_d.maxsi(arith_d.minsi(local, arith_d.subi(kv_len, const_index(1))), const_index(0))
-        value = source(e, clamped, [linalg_d.IndexOp(1).result, linalg_d.IndexOp(2).result])
-        return [arith_d.select(lt(local, kv_len), value, _zero(elem))]
+
+        def head_and_column():
+            return [linalg_d.IndexOp(1).result, linalg_d.IndexOp(2).result]
+
+        return [kv.row_or_zero(source, e, local, head_and_column, kv.kv_len(device_read, e), elem)]
 
     rows = arith_d.muli(num_tiles, const_index(TILE))
     return generic([], [empty([rows, kv.heads, columns], elem)], [affine_map(3, range(3))], "ppp", gather)[0]

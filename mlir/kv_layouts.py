@@ -91,6 +91,16 @@ class BatchKv:
     d_v: int
     rope_offset: ir.Value | None
 
+    @staticmethod
+    def row_or_zero(source: RowSource, e: ir.Value, row: ir.Value, rest: Callable[[], list], kv_len: ir.Value,
+                    elem: ir.Type) -> ir.Value:
+        """``source``'s (keys' or values') element ``rest()`` of entry ``e``'s row ``row``, inside a
+        generic: the row read clamped into [0, kv_len) (nothing out of bounds), 0 at or past
+        ``kv_len`` (nothing another entry holds, NaN included, reaches this one)."""
+        clamped = arith_d.maxsi(arith_d.minsi(row, arith_d.subi(kv_len, const_index(1))), const_index(0))
+        value = source(e, clamped, rest())
+        return arith_d.select(lt(row, kv_len), value, arith_d.constant(elem, 0.0))
+
 
 class KvLayout:
     """A layout: ``name`` is how specs, the host half and the artifacts' facts spell it.

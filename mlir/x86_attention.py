@@ -179,6 +179,9 @@ class AmxEngine:
     in bf16."""
 
     uses_amx = True
+    #: Whether the P.V step reads value rows where a serving pass's cache holds them (its row
+    #: pointers) instead of a staged copy (x86_decode.InPlaceValues).
+    values_in_place = False
 
     def __init__(self, dtype: str):
         self.operand = element_type(dtype)
@@ -243,6 +246,7 @@ class FmaEngine:
     query element broadcast per row and step), P.V in blocks of 4 rows x 64 dims."""
 
     uses_amx = False
+    values_in_place = False
     SCORE_ROWS, SCORE_VECTORS = 4, 4
     ACC_ROWS, ACC_VECTORS = 4, 4
     UNROLL = 4
@@ -522,16 +526,31 @@ class _Dispatch:
 
     def normaliser(self, total, row_max, head, global_row) -> ir.Value:
         """1 / the row's denominator (its ``total`` of weights), 0 for a row that saw no key."""
+        return self.inverse(total, total)
+
+    @staticmethod
+    def inverse(total, denominator) -> ir.Value:
+        """1 / ``denominator``, 0 for a row that saw no key (its ``total`` of weights not above 0)."""
         zero, one = arith_d.constant(f32(), 0.0), arith_d.constant(f32(), 1.0)
-        return arith_d.select(arith_d.cmpf(arith_d.CmpFPredicate.OGT, total, zero), arith_d.divf(one, total), zero)
+        return arith_d.select(arith_d.cmpf(arith_d.CmpFPredicate.OGT, total, zero), arith_d.divf(one, denominator), zero)
 
     def _token_head(self, entry, head, global_row, q_len) -> ir.Value:
-        """The row of q or the output [B * Lq * h_q, d] that row ``global_row`` of KV head ``head``
-        of entry ``entry`` is: token global_row // G, query head head * G + global_row % G."""
+        """The row of q or the output [*, d] that row ``global_row`` of KV head ``head`` of entry
+        ``entry`` is: token first_token + global_row // G, query head head * G + global_row % G."""
         group = const_i64(self.s.group)
         token = arith_d.divsi(global_row, group)
-        q_head = arith_d.addi(arith_d.muli(head, group), arith_d.remsi(global_row, group))
-        return arith_d.addi(arith_d.muli(arith_d.addi(arith_d.muli(entry, q_len), token), const_i64(self.s.h_q)), q_head)
+        q_head = self.query_head(head, global_row, group)
+        return arith_d.addi(arith_d.muli(arith_d.addi(self.first_token(entry, q_len), token), const_i64(self.s.h_q)),
+                            q_head)
+
+    def query_head(self, head, global_row, group: ir.Value | None = None) -> ir.Value:
+        """The query head of row ``global_row`` of KV head ``head``: head * G + global_row % G."""
+        group = group or const_i64(self.s.group)
+        return arith_d.addi(arith_d.muli(head, group), arith_d.remsi(global_row, group))
+
+    def first_token(self, entry, q_len) -> ir.Value:
+        """Entry ``entry``'s first token in q and the output [B * Lq, ...]: entry * Lq."""
+        return arith_d.muli(entry, q_len)
 
     def _overlapped_step(self, block, blocks, q_base, k_block, first_row) -> None:
         """The scores and softmax of KV step ``block`` with AMX and vector work interleaved (64-row
@@ -828,11 +847,17 @@ def emit_dense(shapes: KernelShapes, q: ir.Value, k: ir.Value, v: ir.Value, anch
         row = arith_d.addi(arith_d.muli(t, const_index(s.group)), arith_d.remui(hq, const_index(s.group)))
         best = tensor_d.extract(state, [b, head, row, const_index(0)])
         total = tensor_d.extract(state, [b, head, row, const_index(1)])
-        seen = arith_d.cmpf(arith_d.CmpFPredicate.OGT, total, const_f32(0.0))
-        return [arith_d.select(seen, arith_d.addf(best, math_d.log2(total)), const_f32(EMPTY_ROW_LSE))]
+        return [state_lse(best, total)]
 
     lse = generic([], [empty([batch, q_len, s.h_q], f32())], [affine_map(3, range(3))], "ppp", lse_body)[0]
     return [out, lse]
+
+
+def state_lse(best, total) -> ir.Value:
+    """A row's base-2 lse from its (max, sum) state (f32 scalars): max + log2(sum), EMPTY_ROW_LSE
+    for a row that saw no key (sum not above 0, as :meth:`_Dispatch.inverse` reads it)."""
+    seen = arith_d.cmpf(arith_d.CmpFPredicate.OGT, total, const_f32(0.0))
+    return arith_d.select(seen, arith_d.addf(best, math_d.log2(total)), const_f32(EMPTY_ROW_LSE))
 
 
 def unsupported(spec) -> str | None:

@@ -34,7 +34,7 @@ from .mask_rules import KvCacheCausalRule, mask_rule
 from .online_softmax import LOG2E
 from .specs import PagedPrefillSpec, RaggedPrefillSpec
 from .x86_attention import (
-    BINDING, STACK_BUDGET, DotEngine, FmaEngine, KernelShapes, _bytes, _Dispatch, binding_pointer, engine_for,
+    BINDING, ENGINES, STACK_BUDGET, DotEngine, FmaEngine, KernelShapes, _bytes, _Dispatch, binding_pointer,
     hand_written_dispatch,
     FlagCausalKeys, llvm_load, llvm_store, workgroup_bytes,
 )
@@ -67,17 +67,14 @@ class InPlaceValues(FmaEngine):
                            alignment=8)
 
 
-def _values_in_place(spec: DecodeSpec) -> bool:
-    return spec.dtype == "float32" and not quantized_kv(spec.base)
-
-
-def pass_engine(spec: DecodeSpec):
-    """The contraction engine of the pass (build inside an MLIR context)."""
+def pass_engine_type(spec: DecodeSpec) -> type:
+    """The contraction engine class of the pass: DotEngine for few bf16 rows, InPlaceValues for an
+    f32 cache, else the dtype's (x86_attention.ENGINES)."""
     if spec.dtype == "bfloat16" and spec.rows <= DOT_ROWS_UP_TO:
-        return DotEngine(spec.dtype)
-    if _values_in_place(spec):
-        return InPlaceValues(spec.dtype)
-    return engine_for(spec.dtype)
+        return DotEngine
+    if spec.dtype == "float32" and not quantized_kv(spec.base):
+        return InPlaceValues
+    return ENGINES[spec.dtype]
 
 
 def pass_blocks(spec: DecodeSpec) -> tuple[int, int]:
@@ -85,11 +82,12 @@ def pass_blocks(spec: DecodeSpec) -> tuple[int, int]:
     16-row tiles), the FMA and dot blocks on multiples of 4; 64 keys a step; buffers and the two
     staging buffers within STACK_BUDGET."""
     operand = 2 if spec.dtype == "bfloat16" else 4
-    amx = spec.dtype == "bfloat16" and spec.rows > DOT_ROWS_UP_TO
+    engine = pass_engine_type(spec)
+    amx = engine.uses_amx
     rows = spec.rows
     wanted = (32 if rows <= 32 else 64) if amx else min(64, -(-rows // 4) * 4)
     d = spec.d_qk
-    staged = 1 if _values_in_place(spec) else 2   # K, and V unless read in place
+    staged = 1 if engine.values_in_place else 2   # K, and V unless read in place
     smaller = ((32, PASS_KV_BLOCK), (32, 32)) if amx else ((min(wanted, 32), PASS_KV_BLOCK), (16, PASS_KV_BLOCK))
     for row_block, keys in ((wanted, PASS_KV_BLOCK), *smaller):
         staging = staged * keys * d * operand + d * operand + 2 * keys * 16   # K (V), the zero row, row pointers
@@ -195,7 +193,7 @@ class _PassDispatch(_Dispatch):
         self.spec = spec
         stage_bytes = shapes.kv_block * shapes.d * _bytes(engine.operand)
         self.k_stage = stack_bytes(stage_bytes)
-        self.v_stage = None if getattr(engine, "values_in_place", False) else stack_bytes(stage_bytes)
+        self.v_stage = None if engine.values_in_place else stack_bytes(stage_bytes)
         self.zero_row = stack_bytes(shapes.d * _bytes(engine.operand))
         self.row_pointers = stack_bytes(2 * shapes.kv_block * 16)   # (K row, V row) of each key, two steps
         self.scale_log2 = arith_d.mulf(sm_scale, arith_d.constant(f32(), LOG2E))
@@ -395,7 +393,7 @@ def _build_executable(spec: DecodeSpec, shapes: KernelShapes, engine, operand_ty
 
 def _emit(spec: DecodeSpec, shapes: KernelShapes, anchor: ir.Operation, q, cache, table, geometry, causal,
           sm_scale, sinks) -> list[ir.Value]:
-    engine = pass_engine(spec)
+    engine = pass_engine_type(spec)(spec.dtype)
     scales = cache.sources[len(cache.sources) - 2:] if quantized_kv(spec.base) else []
     sources = list(cache.sources[:len(cache.sources) - len(scales)])
     tensors = [q, *sources, table, geometry, *scales]

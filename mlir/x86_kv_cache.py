@@ -27,7 +27,7 @@ from .abi import function_module, operands
 from .amx import as_i64, at, binding_pointer, const_i64
 from .ir import (
     DYN, HostReadable, affine_map, arith_d, ceil_div, const_f32, const_index, dim, element_type, empty, f32, flow_d,
-    generic, i32, ir, is_one, linalg_d, lt, math_d, on_target_device, scf_d, tensor_d, tensor_type, tie_dims,
+    generic, i32, ir, is_one, linalg_d, lt, on_target_device, scf_d, tensor_d, tensor_type, tie_dims,
 )
 from .kv_cache import rope_arguments, rotated_if
 from .kv_layouts import BatchKv, host_read
@@ -38,7 +38,7 @@ from .rope import apply_rope
 from .specs import EMPTY_ROW_LSE, PagedPrefillSpec, RaggedPrefillSpec
 from .x86_attention import (
     BINDING, ENGINES, FlagCausalKeys, KernelShapes, _Dispatch, blocks_for, engine_for, hand_written_dispatch,
-    llvm_load, vector_extract,
+    llvm_load, state_lse, vector_extract,
 )
 
 _EXECUTABLE = "x86_kv_cache"
@@ -75,14 +75,8 @@ class _EntryDispatch(_Dispatch):
         causal = arith_d.cmpi(arith_d.CmpIPredicate.ne, self.n["causal"], const_i64(0))
         return FlagCausalKeys(kv_len, q_len, causal, kv_len)
 
-    def _token_head(self, entry, head, global_row, q_len) -> ir.Value:
-        group = const_i64(self.s.group)
-        token = arith_d.addi(self.n["q_start"], arith_d.divsi(global_row, group))
-        return arith_d.addi(arith_d.muli(token, const_i64(self.s.h_q)), self._query_head(head, global_row))
-
-    def _query_head(self, head, global_row) -> ir.Value:
-        group = const_i64(self.s.group)
-        return arith_d.addi(arith_d.muli(head, group), arith_d.remsi(global_row, group))
+    def first_token(self, entry, q_len) -> ir.Value:
+        return self.n["q_start"]
 
     def state_at(self, hk, global_row, out_row) -> ir.Value:
         return at(self.p["state"], arith_d.muli(out_row, const_i64(8)))
@@ -90,11 +84,9 @@ class _EntryDispatch(_Dispatch):
     def normaliser(self, total, row_max, head, global_row) -> ir.Value:
         if "sinks" not in self.p:
             return super().normaliser(total, row_max, head, global_row)
-        sink = llvm_load(f32(), at(self.p["sinks"], arith_d.muli(self._query_head(head, global_row), const_i64(4))))
+        sink = llvm_load(f32(), at(self.p["sinks"], arith_d.muli(self.query_head(head, global_row), const_i64(4))))
         exponent = arith_d.subf(arith_d.mulf(sink, arith_d.constant(f32(), LOG2E)), row_max)
-        with_sink = arith_d.addf(total, vector_extract(self.vec.exp2(self.vec.splat(exponent))))
-        zero, one = arith_d.constant(f32(), 0.0), arith_d.constant(f32(), 1.0)
-        return arith_d.select(arith_d.cmpf(arith_d.CmpFPredicate.OGT, total, zero), arith_d.divf(one, with_sink), zero)
+        return self.inverse(total, arith_d.addf(total, vector_extract(self.vec.exp2(self.vec.splat(exponent)))))
 
 
 def _tensor_sizes(shapes: KernelShapes, engine, tokens, kv_blocks) -> dict:
@@ -145,10 +137,7 @@ def _packed_kv(shapes: KernelShapes, engine, kv: BatchKv, b, kv_len, kv_blocks, 
 
     def from_cache(source):
         """Row ``row`` of head ``h``, column ``j`` of the entry (in the spec's dtype; 0 past kv_len)."""
-        def read(h, row, j):
-            clamped = arith_d.maxsi(arith_d.minsi(row, arith_d.subi(kv_len, const_index(1))), const_index(0))
-            return arith_d.select(lt(row, kv_len), source(b, clamped, [h, j]), arith_d.constant(elem, 0.0))
-        return read
+        return lambda h, row, j: kv.row_or_zero(source, b, row, lambda: [h, j], kv_len, elem)
 
     def packed(st, read):
         loops = len(st.sizes)
@@ -208,17 +197,15 @@ def _lse(shapes: KernelShapes, state: ir.Value, sinks: ir.Value | None) -> ir.Va
     """lse [Lq, h_q] f32 (base 2) of the rows' (max, sum) ``state`` [Lq, h_q, 2], with the heads'
     ``sinks`` [h_q] (natural log) where given; EMPTY_ROW_LSE for a row that saw no key."""
     tokens = dim(state, 0)
-    zero, empty_lse = const_f32(0.0), const_f32(EMPTY_ROW_LSE)
 
     def body(_out):
         t, h = (linalg_d.IndexOp(i).result for i in range(2))
         best = tensor_d.extract(state, [t, h, const_index(0)])
         total = tensor_d.extract(state, [t, h, const_index(1)])
-        if sinks is not None:
-            sink = arith_d.mulf(tensor_d.extract(sinks, [h]), const_f32(LOG2E))
-            return [sink_lse(best, total, sink, zero, empty_lse)]
-        seen = arith_d.cmpf(arith_d.CmpFPredicate.OGT, total, zero)
-        return [arith_d.select(seen, arith_d.addf(best, math_d.log2(total)), empty_lse)]
+        if sinks is None:
+            return [state_lse(best, total)]
+        sink = arith_d.mulf(tensor_d.extract(sinks, [h]), const_f32(LOG2E))
+        return [sink_lse(best, total, sink, const_f32(0.0), const_f32(EMPTY_ROW_LSE))]
 
     return generic([], [empty([tokens, shapes.h_q], f32())], [affine_map(2, range(2))], "pp", body)[0]
 
