@@ -29,6 +29,7 @@ from linalg_prefill.pipeline import Target  # noqa: E402
 from linalg_prefill.runtime import open_kernel  # noqa: E402
 from linalg_prefill.runtime.checks import NUMPY_DTYPES  # noqa: E402
 from linalg_prefill.runtime.examples import page_table  # noqa: E402
+from linalg_prefill.runtime.interop import to_torch  # noqa: E402
 from serving_batches import cpu_model  # noqa: E402
 
 H_Q, H_KV, D, PAGE_SIZE = 32, 8, 128, 16
@@ -63,16 +64,10 @@ def paged_inputs(k, v, indptr, lengths, rng):
 
 
 def torch_loop(q, k, v, indptr):
-    import torch
     import torch.nn.functional as F
 
-    def torch_tensor(x):  # numpy bfloat16 (ml_dtypes) has no torch twin: through its bits
-        if x.dtype == np.float32:
-            return torch.from_numpy(x)
-        return torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
-
     def heads_major(x):  # [n, h, d] -> [1, h, n, d]: the 4-D layout SDPA's fast CPU path takes
-        return torch_tensor(np.ascontiguousarray(x.transpose(1, 0, 2)[None]))
+        return to_torch(x.transpose(1, 0, 2)[None])
 
     entries = [(heads_major(q[a:b]), heads_major(k[a:b]), heads_major(v[a:b])) for a, b in zip(indptr[:-1], indptr[1:])]
 
