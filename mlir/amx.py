@@ -150,14 +150,16 @@ class Vec:
         llvm_d.store(value, pointer, alignment=2)
 
     def reduce(self, kind: str, value: ir.Value) -> ir.Value:
-        """A horizontal ``add`` or ``maximumf`` of 16 lanes (no NaN reaches these: ``nnan``
-        lets x86 use plain vmaxps instead of NaN-propagating compare-and-blend sequences)."""
+        """A horizontal ``add`` or ``maximumf`` of 16 lanes (no NaN reaches these, and the sign of
+        a zero maximum changes no exponent: ``nnan`` and ``nsz`` let x86 use a plain vmaxps
+        instead of NaN- and signed-zero-ordering compare-and-blend sequences: each max was two
+        instructions, the dense bf16 kernel 8-10% slower, docs/performance.md)."""
         attr = ir.Attribute.parse(f"#vector.kind<{kind}>")
-        return vector_d.reduction(f32(), attr, value, fastmath=_no_nan())
+        return vector_d.reduction(f32(), attr, value, fastmath=_plain_max())
 
     def max(self, a: ir.Value, b: ir.Value) -> ir.Value:
-        """The larger of two f32 vectors (or scalars); ``nnan`` as :meth:`reduce`."""
-        return arith_d.maximumf(a, b, fastmath=_no_nan())
+        """The larger of two f32 vectors (or scalars); ``nnan`` and ``nsz`` as :meth:`reduce`."""
+        return arith_d.maximumf(a, b, fastmath=_plain_max())
 
     def narrow(self, value: ir.Value, elem: ir.Type) -> ir.Value:
         """16 f32 lanes rounded to ``elem`` (f32: as they are; bf16 or f16: nearest-even, bf16 through
@@ -194,5 +196,6 @@ class Vec:
         return arith_d.subf(self.const(1.0), arith_d.divf(self.const(2.0), arith_d.addf(exp, self.const(1.0))))
 
 
-def _no_nan() -> ir.Attribute:
-    return ir.Attribute.parse("#arith.fastmath<nnan>")
+def _plain_max() -> ir.Attribute:
+    """``nnan, nsz``: :meth:`Vec.reduce`'s reasons."""
+    return ir.Attribute.parse("#arith.fastmath<nnan,nsz>")
