@@ -139,14 +139,16 @@ def _generate_specs(family: str) -> list:
     decode steps and its 1-query pass."""
     cap = {"logits_soft_cap": 20.0} if family == "gemma2" else {}
     decode = RaggedPrefillSpec(4, 2, 16, 16, "float32", kv_order="hnd", **cap)
-    return [*_prefill_specs(family, "float32"), decode, DecodeSpec(decode)]
+    folded = [RaggedPrefillSpec(8, 4, 16, 16, "float32", kv_order="hnd", **cap)] if family == "gemma2" else []
+    return [*_prefill_specs(family, "float32"), decode, DecodeSpec(decode), *folded, *map(DecodeSpec, folded)]
 
 
 @pytest.mark.parametrize("family", [pytest.param(family, marks=pytest.mark.compiles(*_generate_specs(family)))
                                     for family in FAMILIES])
 def test_greedy_generate_gives_eager_tokens(family):
     """Left-padded batch, 10 new tokens: a prefill, then decode steps (S_q = 1 against the cache),
-    each batch row's step on its own cache tensors (no copy), its padding left out."""
+    each batch row's step on its own cache tensors (no copy), its padding left out (Gemma 2's
+    sliding layer: one call, the batch folded into the heads)."""
     model = tiny_model(family)
     ids = torch.randint(0, 96, (2, 19), generator=torch.Generator().manual_seed(2))
     mask = torch.ones_like(ids)
@@ -159,7 +161,9 @@ def test_greedy_generate_gives_eager_tokens(family):
     assert torch.equal(tokens[CHECKED], tokens["eager"])
     assert any(q_len == 1 for *_, q_len, _kv in calls)
     steps = [shares for layout, shares in sources if layout == "ragged_hnd"]
-    assert len(steps) == 2 * 2 * 9 and all(steps)  # 2 rows x 2 layers x 9 decode steps, in place
+    # 2 rows x 2 layers x 9 decode steps, in place; Gemma 2's sliding layer (a window of 8) leaves
+    # the padding out, so both rows see the same keys there: one call a step, the batch folded
+    assert len(steps) == (2 * 9 + 9 if family == "gemma2" else 2 * 2 * 9) and all(steps)
 
 
 DECODE_HND = RaggedPrefillSpec(4, 2, 16, 16, "float32", kv_order="hnd")
@@ -181,6 +185,38 @@ def test_decode_steps_read_the_dynamic_cache_in_place():
     steps = [shares for layout, shares in sources if layout == "ragged_hnd"]
     assert len(steps) == 2 * 11 and all(steps)  # 2 layers x 11 decode steps, each on the cache's memory
     assert hf.kernel_for(DECODE_HND).bytes_copied == 0
+
+
+def _folded_specs(family: str) -> list:
+    """The head-major ragged kernel of a two-row batch's decode steps, the batch folded into the
+    heads (8 query heads on 4 KV heads), its 1-query pass, and the prefill's kernels."""
+    options = {"gemma2": {"logits_soft_cap": 20.0}, "gpt_oss": {"head_sinks": True}}.get(family, {})
+    folded = RaggedPrefillSpec(8, 4, 16, 16, "float32", kv_order="hnd", **options)
+    sm_scale = (32 if family == "gemma2" else 16) ** -0.5
+    prefill = [SequencePrefillSpec(4, 2, 16, "float32", causal=True, sm_scale=sm_scale, **options)]
+    if family != "llama3":  # the sliding layers' prefill (21 tokens, a window of 8)
+        prefill.append(PagedPrefillSpec(4, 2, 16, "float32", page_size=hf.PAGE_SIZE, sliding_window=True, **options))
+    return [*prefill, folded, DecodeSpec(folded)]
+
+
+@pytest.mark.parametrize("family", [pytest.param(family, marks=pytest.mark.compiles(*_folded_specs(family)))
+                                    for family in ("llama3", "gemma2", "gpt_oss")])
+def test_a_batch_without_padding_decodes_in_one_call_a_layer(family):
+    """Two sequences without padding through generate: each decode step of a layer is one call with
+    the batch folded into the heads (8 query heads over 4 KV heads: query head b H_q + h sees row
+    b's KV heads only) on the cache's own memory, tokens as eager's: Gemma 2's sliding layers (a
+    window of 8 binding every row alike) and soft cap, gpt-oss's sinks (each row's heads keep
+    their sink) and window."""
+    model = tiny_model(family)
+    ids = torch.randint(0, 96, (2, 21), generator=torch.Generator().manual_seed(11))
+    tokens = {}
+    for implementation in ("eager", CHECKED):
+        model.set_attn_implementation(implementation)
+        tokens[implementation] = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=9,
+                                                do_sample=False, pad_token_id=0, eos_token_id=96)
+    assert torch.equal(tokens[CHECKED], tokens["eager"])
+    in_place = [shares for layout, shares in sources if layout == "ragged_hnd"]
+    assert len(in_place) == 2 * 8 and all(in_place)  # 2 layers x 8 steps, one call each, on the cache's memory
 
 
 DECODE_FP8 = RaggedPrefillSpec(4, 2, 16, 16, "float32", kv_order="hnd", kv_dtype="float8_e4m3fn")
