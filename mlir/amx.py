@@ -175,7 +175,10 @@ class Vec:
         """2^x for x <= 0 (the online softmax's exponents), exactly 0 for -inf and far below:
         AVX-512's vscalefps(p(f), n) = p(f) * 2^n, n = floor(x), f = x - n in [0, 1), p a
         degree-6 polynomial; x is first raised to EXP2_ZERO_BELOW, whose 2^x rounds to +0."""
-        clamped = self.max(x, self.const(EXP2_ZERO_BELOW))
+        # vmaxps(floor, x) gives x where x is NaN (x86 returns the second operand then): a NaN
+        # score stays NaN through its weight, whatever the plain maxima (:meth:`max`) dropped
+        clamped = llvm_d.call_intrinsic(self.f32x, "llvm.x86.avx512.max.ps.512",
+                                        [self.const(EXP2_ZERO_BELOW), x, arith_d.constant(i32(), 4)], [], [])
         whole = math_d.floor(clamped)
         frac = arith_d.subf(clamped, whole)
         poly = self.const(EXP2_COEFFICIENTS[-1])
