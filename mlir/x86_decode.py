@@ -98,13 +98,13 @@ def pass_blocks(spec: DecodeSpec) -> tuple[int, int]:
 
 def pass_unsupported(spec: DecodeSpec) -> str | None:
     """Why the x86 lowering has no serving pass for ``spec`` (None where it has): ragged and paged
-    caches (not MLA's latent rows) in bf16 or f32, one head dim (d_qk = d_v) of a multiple of 32,
+    caches (not MLA's latent rows) in bf16, f32 or f16, one head dim (d_qk = d_v) of a multiple of 32,
     8-bit KV widened through float16 (THROUGH_F16), the KV-cache causal mask."""
     base = spec.base
     if type(base) not in (RaggedPrefillSpec, PagedPrefillSpec):
         return f"{type(base).__name__} has no x86 serving pass (ragged and paged caches have)"
-    if base.dtype not in ("bfloat16", "float32"):
-        return f"dtype {base.dtype}: the x86 passes are bf16 (AMX tiles) and f32 (FMA blocks)"
+    if base.dtype not in STAGING:
+        return f"dtype {base.dtype}: the x86 passes are bf16 (AMX tiles, pair dot products), f32 and f16 (FMA blocks)"
     if spec.d_qk != spec.d_v or spec.d_qk % 32:
         return f"d_qk={spec.d_qk}, d_v={spec.d_v}: the x86 passes need one head dim, a multiple of 32"
     if quantized_kv(base) and kv_dtype_of(base) not in THROUGH_F16:
@@ -182,7 +182,9 @@ class FmaStaging:
                 v.store(w.chunk(1, row, chunk, v.f32x), at(group_at, i * d * 4 + chunk * 64))
 
 
-STAGING = {"bfloat16": AmxStaging, "float32": FmaStaging}
+#: The staging of each dtype's passes: f16 caches widen to f32 as they are staged (FmaEngine: these
+#: CPUs have no amx_fp16; the linalg passes ran 16 x 16 vs 1024 f16 at 0.39x torch).
+STAGING = {"bfloat16": AmxStaging, "float32": FmaStaging, "float16": FmaStaging}
 
 
 class _PassDispatch(_Dispatch):
@@ -199,7 +201,7 @@ class _PassDispatch(_Dispatch):
         self.scale_log2 = arith_d.mulf(sm_scale, arith_d.constant(f32(), LOG2E))
         self.staging = STAGING[shapes.dtype]()
         self.kv_format = kv_dtype_of(spec) if quantized_kv(spec) else None
-        self.kv_bytes = 1 if self.kv_format else _bytes(engine.operand)
+        self.kv_bytes = 1 if self.kv_format else _bytes(self.elem)   # of a cache element
 
     def emit(self) -> None:
         s, spec = self.s, self.spec
@@ -257,13 +259,18 @@ class _PassDispatch(_Dispatch):
 
     def chunk(self, which: int, row, chunk: int, lanes: ir.Type) -> ir.Value:
         """The ``chunk``-th 64 bytes of a K (``which`` 0) or V (1) row in the engine's operand
-        dtype, as ``lanes``: loaded, or from an 8-bit cache widened through the head's scale
-        (:meth:`_widened`)."""
+        dtype, as ``lanes``: loaded, from an f16 cache widened (16 elements), or from an 8-bit
+        cache widened through the head's scale (:meth:`_widened`) and rounded to the compute
+        dtype where that is narrower than the operands (f16 on the FMA blocks)."""
+        if self.kv_format is None and self.elem != self.engine.operand:   # f16 rows, f32 operands
+            return arith_d.extf(lanes, self.vec.load(at(row, chunk * 32), self.elem))
         if self.kv_format is None:
             return llvm_load(lanes, at(row, chunk * 64))
         operand = _bytes(self.engine.operand)
         per_chunk = 64 // operand
         parts = [self._widened(which, at(row, chunk * per_chunk + 16 * part)) for part in range(per_chunk // 16)]
+        if operand == 4 and self.elem != self.engine.operand:   # f16: f16(f32(x) x scale), semantics §15
+            return arith_d.extf(lanes, arith_d.truncf(ir.VectorType.get([16], self.elem), parts[0]))
         if operand == 4:
             return parts[0]
         narrowed = [self.vec.narrow(part, self.engine.operand) for part in parts]
