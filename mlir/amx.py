@@ -150,10 +150,12 @@ class Vec:
         llvm_d.store(value, pointer, alignment=2)
 
     def reduce(self, kind: str, value: ir.Value) -> ir.Value:
-        """A horizontal ``add`` or ``maximumf`` of 16 lanes (no NaN reaches these, and the sign of
-        a zero maximum changes no exponent: ``nnan`` and ``nsz`` let x86 use a plain vmaxps
-        instead of NaN- and signed-zero-ordering compare-and-blend sequences: each max was two
-        instructions, the dense bf16 kernel 8-10% slower, docs/performance.md)."""
+        """A horizontal ``add`` or ``maximumf`` of 16 lanes. ``nnan`` and ``nsz`` let x86 use a
+        plain vmaxps instead of NaN- and signed-zero-ordering compare-and-blend sequences (each
+        max was two instructions, the dense bf16 kernel 8-10% slower, docs/performance.md): the
+        sign of a zero maximum changes no exponent, and a NaN score these may drop (q and sinks
+        are checked finite on the host, caches are not) still reaches its row through
+        :meth:`exp2`, which keeps NaN."""
         attr = ir.Attribute.parse(f"#vector.kind<{kind}>")
         return vector_d.reduction(f32(), attr, value, fastmath=_plain_max())
 
