@@ -30,14 +30,13 @@ from .ir import (
     stream_d, tensor_d, tensor_type, vector_d,
 )
 from .kv_layouts import EIGHT_BIT_FORMATS, THROUGH_F16, cache_layout, f16_bits
-from .mask_rules import KvCacheCausalRule, mask_rule
 from .online_softmax import LOG2E
-from .specs import PagedPrefillSpec, RaggedPrefillSpec
 from .x86_attention import (
     BINDING, ENGINES, STACK_BUDGET, DotEngine, FmaEngine, KernelShapes, _bytes, _Dispatch, binding_pointer,
     hand_written_dispatch,
     FlagCausalKeys, llvm_load, llvm_store, workgroup_bytes,
 )
+from .x86_kv_cache import kv_cache_unsupported
 
 _EXECUTABLE = "x86_serving_pass"
 _ENTRY = "stream_chunks"
@@ -97,20 +96,16 @@ def pass_blocks(spec: DecodeSpec) -> tuple[int, int]:
 
 
 def pass_unsupported(spec: DecodeSpec) -> str | None:
-    """Why the x86 lowering has no serving pass for ``spec`` (None where it has): ragged and paged
-    caches (not MLA's latent rows) in bf16, f32 or f16, one head dim (d_qk = d_v) of a multiple of 32,
-    8-bit KV widened through float16 (THROUGH_F16), the KV-cache causal mask."""
+    """Why the x86 lowering has no serving pass for ``spec`` (None where it has): its variant's
+    x86 kernel's conditions (x86_kv_cache.kv_cache_unsupported: ragged and paged caches in bf16,
+    f32 or f16, one head dim of a multiple of 32, the KV-cache causal mask), and 8-bit KV widened
+    through float16 (THROUGH_F16), blocks within the stack budget."""
     base = spec.base
-    if type(base) not in (RaggedPrefillSpec, PagedPrefillSpec):
-        return f"{type(base).__name__} has no x86 serving pass (ragged and paged caches have)"
-    if base.dtype not in STAGING:
-        return f"dtype {base.dtype}: the x86 passes are bf16 (AMX tiles, pair dot products), f32 and f16 (FMA blocks)"
-    if spec.d_qk != spec.d_v or spec.d_qk % 32:
-        return f"d_qk={spec.d_qk}, d_v={spec.d_v}: the x86 passes need one head dim, a multiple of 32"
+    why = kv_cache_unsupported(base)
+    if why:
+        return why
     if quantized_kv(base) and kv_dtype_of(base) not in THROUGH_F16:
         return f"8-bit KV {kv_dtype_of(base)}: the x86 passes widen {', '.join(THROUGH_F16)}"
-    if not isinstance(mask_rule(base), KvCacheCausalRule):
-        return "the x86 serving passes know the KV-cache causal mask only"
     try:
         pass_blocks(DecodeSpec(base, max(DECODE_PASSES["x86"].queries)))
     except ValueError as too_wide:
