@@ -255,28 +255,41 @@ def _decode_call(query, key, value, causal: bool, scale: float, cap: float, sink
     cache per layer per step), one entry, the batch folded into the heads (:func:`_folded`), which
     the serving passes run."""
     _, _, q_len, _ = query.shape
-    kv_len = key.shape[2]
-    spec, q, k, v, scales, sinks_arg = _folded(query, key, value, cap, sinks)
-    args = (q, np.array([0, q_len], np.int32), k, v, np.array([0, kv_len], np.int32),
-            np.zeros(q_len, np.int32), np.zeros(1, np.int32), int(causal), 0, 1.0, 1.0e4, scale, *scales, *sinks_arg)
+    spec, q, k, v, tail = _folded(query, key, value, cap, sinks)
+    args = _ragged_args(q, [0, q_len], k, v, [0, key.shape[2]], causal, scale, tail)
     return KernelCall(spec, args, (query.shape[0], q_len, query.shape[1], query.shape[3]))
 
 
+def _hnd_spec(query, key, heads: int, kv_heads: int, cap: float, sinks) -> RaggedPrefillSpec:
+    """The head-major ragged spec of a call over ``heads`` query heads and ``kv_heads`` KV heads
+    of the model's ``query`` / ``key`` dtypes (an 8-bit key: its ``kv_dtype``)."""
+    d = query.shape[3]
+    return RaggedPrefillSpec(heads, kv_heads, d, d, DTYPES[query.dtype], logits_soft_cap=cap,
+                             head_sinks=sinks is not None, kv_order="hnd", kv_dtype=_EIGHT_BIT.get(key.dtype))
+
+
+def _ragged_args(q, q_indptr, k, v, kv_indptr, causal, scale: float, tail: tuple) -> tuple:
+    """The ragged kernel's arguments in the seed's order with RoPE off (the model rotated q and
+    k): query positions and key offsets 0, then ``tail`` (the 8-bit scales, the sinks)."""
+    q_indptr, kv_indptr = np.array(q_indptr, np.int32), np.array(kv_indptr, np.int32)
+    return (q, q_indptr, k, v, kv_indptr, np.zeros(int(q_indptr[-1]), np.int32), np.zeros(len(kv_indptr) - 1, np.int32),
+            int(causal), 0, 1.0, 1.0e4, scale, *tail)
+
+
 def _folded(query, key, value, cap: float, sinks) -> tuple:
-    """``(spec, q [S_q, B H_q, D], k, v [B H_kv, S_kv, D], scales, sinks)`` of a ragged HND call
+    """``(spec, q [S_q, B H_q, D], k, v [B H_kv, S_kv, D], tail)`` of a ragged HND call
     over the batch's rows with the batch folded into the heads: query head ``b H_q + h`` is row
     b's head h, and with G = H_q / H_kv it sees KV head ``(b H_q + h) / G = b H_kv + h / G``, row
     b's own; K/V as the cache lies (a view where it is contiguous). B = 1 or S_q = 1, so that
-    q token-major ``[B, S_q, H_q, D]`` reads as ``[S_q, B H_q, D]``. One call for the batch, not one per row: a
-    bf16 step of 4 sequences over 2048 cached keys spent 19 ms in attention, 4 calls a layer."""
+    q token-major ``[B, S_q, H_q, D]`` reads as ``[S_q, B H_q, D]``; ``tail``: the 8-bit scales
+    and the sinks, per folded head. One call for the batch, not one per row: a bf16 step of 4
+    sequences over 2048 cached keys spent 19 ms in attention, 4 calls a layer."""
     batch, h_q, q_len, d = query.shape
     heads, kv_heads, kv_len = batch * h_q, batch * key.shape[1], key.shape[2]
-    spec = RaggedPrefillSpec(heads, kv_heads, d, d, DTYPES[query.dtype], logits_soft_cap=cap,
-                             head_sinks=sinks is not None, kv_order="hnd", kv_dtype=_EIGHT_BIT.get(key.dtype))
     q = _token_major(query).view(q_len, heads, d)
     k, v = (x.reshape(kv_heads, kv_len, d) for x in (key, value))
-    return (spec, q, k, v, _scales_arg(key, value, kv_heads),
-            _sinks_arg(None if sinks is None else np.tile(sinks, batch)))
+    tail = (*_scales_arg(key, value, kv_heads), *_sinks_arg(None if sinks is None else np.tile(sinks, batch)))
+    return _hnd_spec(query, key, heads, kv_heads, cap, sinks), q, k, v, tail
 
 
 def _decode_rows_call(query, key, value, lo, hi, scale: float, cap: float, sinks) -> KernelCall:
@@ -288,18 +301,14 @@ def _decode_rows_call(query, key, value, lo, hi, scale: float, cap: float, sinks
     ``value[b] [H_kv, S_kv, D]`` (no copy)."""
     batch, h_q, _, d = query.shape
     if np.all(lo == lo[0]) and np.all(hi == hi[0]):
-        spec, q, k, v, scales, sinks_arg = _folded(query, key, value, cap, sinks)
-        args = (q, np.array([0, 0, 1], np.int32), k, v, np.array([0, lo[0], max(hi[0], lo[0])], np.int32),
-                np.zeros(1, np.int32), np.zeros(2, np.int32), 1, 0, 1.0, 1.0e4, scale, *scales, *sinks_arg)
+        spec, q, k, v, tail = _folded(query, key, value, cap, sinks)
+        args = _ragged_args(q, [0, 0, 1], k, v, [0, lo[0], max(hi[0], lo[0])], True, scale, tail)
         return KernelCall(spec, args, (batch, 1, h_q, d))
     h_kv = key.shape[1]
-    spec = RaggedPrefillSpec(h_q, h_kv, d, d, DTYPES[query.dtype], logits_soft_cap=cap, head_sinks=sinks is not None,
-                             kv_order="hnd", kv_dtype=_EIGHT_BIT.get(key.dtype))
-    q, scales = _token_major(query), _scales_arg(key, value, h_kv)
-    rows = tuple((q[b], np.array([0, 0, 1], np.int32), key[b], value[b],
-                  np.array([0, lo[b], max(hi[b], lo[b])], np.int32), np.zeros(1, np.int32), np.zeros(2, np.int32),
-                  1, 0, 1.0, 1.0e4, scale, *scales, *_sinks_arg(sinks)) for b in range(batch))
-    return KernelCall(spec, (), (batch, 1, h_q, d), rows)
+    q, tail = _token_major(query), (*_scales_arg(key, value, h_kv), *_sinks_arg(sinks))
+    rows = tuple(_ragged_args(q[b], [0, 0, 1], key[b], value[b], [0, lo[b], max(hi[b], lo[b])], True, scale, tail)
+                 for b in range(batch))
+    return KernelCall(_hnd_spec(query, key, h_q, h_kv, cap, sinks), (), (batch, 1, h_q, d), rows)
 
 
 def _sinks_arg(sinks) -> tuple:
