@@ -55,13 +55,14 @@ _X86_BUILDERS = {
     MaskedSequencePrefillSpec: (build_x86_sequence_prefill, _dense_x86_unsupported),
     RaggedPrefillSpec: (build_x86_kv_cache_prefill, _kv_cache_x86_unsupported),
     PagedPrefillSpec: (build_x86_kv_cache_prefill, _kv_cache_x86_unsupported),
+    MlaPagedPrefillSpec: (build_x86_kv_cache_prefill, _kv_cache_x86_unsupported),
     DecodeSpec: (build_x86_pass, _pass_x86_unsupported),
 }
 
 
 def x86_unsupported(spec) -> str | None:
     """Why the x86 lowering has no kernel for ``spec`` (None where it has one): the dense sequence
-    prefills (mlir/x86_attention.py), the ragged and paged KV-cache prefills (mlir/x86_kv_cache.py)
+    prefills (mlir/x86_attention.py), the ragged, paged and MLA KV-cache prefills (mlir/x86_kv_cache.py)
     and their serving passes (mlir/x86_decode.py)."""
     if type(spec) not in _X86_BUILDERS:
         return f"{type(spec).__name__} has no x86 kernel"

@@ -657,6 +657,13 @@ class LatentLayout(_PageTableLayout):
     def _page_element(self, pages, page, which, head, slot, col):
         return tensor_d.extract(pages, [page, slot, col])  # values are the first d_v columns
 
+    extent_axis = 0
+
+    def row_offset(self, spec, which, table_value, slot, head, extent):
+        c, clamp = _i64_ops(table_value)   # K and V: the same row (values its first d_v columns)
+        page = clamp(table_value, arith_d.subi(extent, c(1)))
+        return 0, arith_d.muli(arith_d.addi(arith_d.muli(page, c(spec.page_size)), slot), c(spec.d_qk))
+
     def kv_bytes_per_key(self, spec) -> int:
         return spec.d_qk * _itemsize(kv_dtype_of(spec))  # one latent row, values included
 

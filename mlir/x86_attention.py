@@ -54,27 +54,32 @@ from .online_softmax import LOG2E, NO_KEY_MAX
 from .score_tiles import ROW_TILES, PackedTiles
 from .specs import EMPTY_ROW_LSE, MaskedSequencePrefillSpec, SequencePrefillSpec
 
-#: A workgroup's buffers live on its stack, which IREE's workers keep at 128 KiB (a kernel whose
-#: buffers took 144 KiB crashed); blocks are chosen to keep them under this.
-STACK_BUDGET = 100 * 1024
+#: A workgroup's buffers live on its stack. IREE's workers keep 128 KiB by default (a kernel whose
+#: buffers took 144 KiB crashed); the runtime gives them WORKER_STACK_BYTES (runtime/devices.py,
+#: ``--task_worker_stack_size``, before its first CPU device), and blocks are chosen to keep the
+#: buffers within STACK_BUDGET of it (the rest: the dispatch's frames and spills).
+WORKER_STACK_BYTES = 1 << 20
+STACK_BUDGET = 512 * 1024
 
 
-def blocks_for(dtype: str, d: int) -> tuple[int, int]:
-    """(query rows of a workgroup, keys of a KV step): the largest of 64 and 32 rows (64 read K and
-    V half as often: 1.1x at L = 8192) and of 128 and 64 keys (128 against 64: 0.84x against 0.72x
-    torch SDPA, bf16 L = 2048, 32 rows) whose buffers fit STACK_BUDGET, rows first."""
+def blocks_for(dtype: str, d: int, d_v: int | None = None) -> tuple[int, int]:
+    """(query rows of a workgroup, keys of a KV step) for head dims ``d`` (q, k) and ``d_v``
+    (values; default d): the largest of 64 and 32 rows (64 read K and V half as often: 1.1x at
+    L = 8192) and of 128 and 64 keys (128 against 64: 0.84x against 0.72x torch SDPA, bf16
+    L = 2048, 32 rows) whose buffers fit STACK_BUDGET, rows first."""
     for rows in (64, 32):
         for keys in (128, 64):
-            if workgroup_bytes(dtype, rows, keys, d) <= STACK_BUDGET:
+            if workgroup_bytes(dtype, rows, keys, d, d_v) <= STACK_BUDGET:
                 return rows, keys
     return 32, 64
 
 
-def workgroup_bytes(dtype: str, rows: int, keys: int, d: int) -> int:
+def workgroup_bytes(dtype: str, rows: int, keys: int, d: int, d_v: int | None = None) -> int:
     """Stack bytes of a workgroup's buffers (:class:`_Dispatch`) of ``rows`` rows and KV steps of
-    ``keys`` keys: scores and acc in f32, probs and q rows in the operand dtype, (max, sum) a row."""
+    ``keys`` keys: scores and acc [rows, d_v] in f32, probs and q rows [rows, d] in the operand
+    dtype, (max, sum) a row."""
     operand = 2 if dtype == "bfloat16" else 4
-    return rows * (keys * 4 + keys * operand + d * 4 + d * operand + 8)
+    return rows * (keys * 4 + keys * operand + (d if d_v is None else d_v) * 4 + d * operand + 8)
 
 _EXECUTABLE = "x86_attention"
 _ENTRY = "attend"
@@ -149,9 +154,11 @@ class FlagCausalKeys:
 
 @dataclass(frozen=True)
 class KernelShapes:
-    """The static facts of one kernel: heads, head dim, operand dtype, the mask (:data:`MASKS`),
-    the score scale (sm_scale * log2(e), the log2-domain factor), the workgroup's rows, a KV
-    step's keys and the logits soft cap (0: none; semantics §11: cap * tanh(sm_scale s / cap))."""
+    """The static facts of one kernel: heads, the head dim of q and k (``d``), operand dtype, the
+    mask (:data:`MASKS`), the score scale (sm_scale * log2(e), the log2-domain factor), the
+    workgroup's rows, a KV step's keys, the logits soft cap (0: none; semantics §11: cap *
+    tanh(sm_scale s / cap)) and the head dim of v and the output (``d_v``; 0: d. MLA: d_latent
+    of d_latent + d_rope; a ragged cache's d_v may differ from its d_qk)."""
 
     h_q: int
     h_kv: int
@@ -162,6 +169,11 @@ class KernelShapes:
     row_block: int
     kv_block: int
     soft_cap: float = 0.0
+    d_v: int = 0
+
+    def __post_init__(self):
+        if not self.d_v:
+            object.__setattr__(self, "d_v", self.d)
 
     @property
     def group(self) -> int:
@@ -222,8 +234,8 @@ class AmxEngine:
                         acc[2 * i + j])
 
     def accumulate(self, w: "_Dispatch", v_block) -> None:
-        """acc[row_block, d] += probs[row_block, kv_block] . values, two dim tiles at a time."""
-        d, t = w.s.d, Tiles()
+        """acc[row_block, d_v] += probs[row_block, kv_block] . values, two dim tiles at a time."""
+        d, t = w.s.d_v, Tiles()
         v_dim_tile = w.s.kv_block // 2 * 64      # bytes of one dim tile's key-pair rows
         for rows in range(0, w.s.row_block // 16, 2):   # pairs of row tiles
             for pair in range(d // 32):
@@ -309,7 +321,7 @@ class FmaEngine:
         self._row_blocks(w.s.row_block, rows, row_block)
 
     def accumulate(self, w: "_Dispatch", v_block) -> None:
-        d, v = w.s.d, w.vec
+        d, v = w.s.d_v, w.vec
         rows = self.ACC_ROWS
 
         def row_block(row0):
@@ -353,8 +365,8 @@ class FmaEngine:
 
     @staticmethod
     def _value_step(w: "_Dispatch", v_block, step) -> ir.Value:
-        """Where step ``step``'s values start (V [kv_block, d]: row ``step``)."""
-        return at(v_block, arith_d.muli(step, const_i64(w.s.d * 4)))
+        """Where step ``step``'s values start (V [kv_block, d_v]: row ``step``)."""
+        return at(v_block, arith_d.muli(step, const_i64(w.s.d_v * 4)))
 
     def _lanes(self, w: "_Dispatch", step_at, col: int, keys: bool) -> ir.Value:
         """16 lanes of a step from column ``col``."""
@@ -442,7 +454,7 @@ class _Dispatch:
         d = shapes.d
         self.score_stride = self.s.kv_block * 4
         self.prob_stride = self.s.kv_block * _bytes(engine.prob_elem)
-        self.acc_stride = d * 4
+        self.acc_stride = shapes.d_v * 4
         self.score_bytes = self.s.row_block * self.score_stride
         self.scores = stack_bytes(self.score_bytes)
         self.probs = stack_bytes(self.s.row_block * self.prob_stride)
@@ -481,11 +493,12 @@ class _Dispatch:
         hk = arith_d.addi(arith_d.muli(entry, const_i64(s.h_kv)), head)   # (b, h) flattened
         operand_bytes = _bytes(self.engine.operand)
         block_bytes = self.s.kv_block * s.d * operand_bytes
+        v_block_bytes = self.s.kv_block * s.d_v * operand_bytes
         q_base = self.q_rows
         self._copy_query_rows(lambda row: self._token_head(entry, head, row, q_len), first_row, rows_total)
-        kv_offset = arith_d.muli(arith_d.muli(hk, kv_blocks), const_i64(block_bytes))
-        k_base = at(self.p["k_tiles"], kv_offset)
-        v_base = at(self.p["v_tiles"], kv_offset)
+        blocks_before = arith_d.muli(hk, kv_blocks)
+        k_base = at(self.p["k_tiles"], arith_d.muli(blocks_before, const_i64(block_bytes)))
+        v_base = at(self.p["v_tiles"], arith_d.muli(blocks_before, const_i64(v_block_bytes)))
 
         self._init_rows()
 
@@ -508,7 +521,7 @@ class _Dispatch:
             else:
                 self.engine.scores(self, q_base, k_block(block), self.scores)
                 self._softmax(self.column_of(block), self.scores, first_row)
-            self.engine.accumulate(self, at(v_base, arith_d.muli(block, const_i64(block_bytes))))
+            self.engine.accumulate(self, at(v_base, arith_d.muli(block, const_i64(v_block_bytes))))
             scf_d.YieldOp([])
         self._write_rows(entry, head, hk, first_row, rows_valid, q_len)
 
@@ -614,7 +627,7 @@ class _Dispatch:
 
         def row(r):
             acc_row = self.row_addr(self.acc, r, self.acc_stride)
-            for t in range(self.s.d // 16):
+            for t in range(self.s.d_v // 16):
                 self.vec.store(zero, at(acc_row, t * 64))
             llvm_store(init, self.row_addr(self.state, r, 8))
 
@@ -693,7 +706,7 @@ class _Dispatch:
             grew = scf_d.IfOp(arith_d.cmpf(arith_d.CmpFPredicate.OGT, new_max, old_max))
             with ir.InsertionPoint(grew.then_block):
                 acc_row = self.row_addr(self.acc, r, self.acc_stride)
-                for t in range(s.d // 16):
+                for t in range(s.d_v // 16):
                     where = at(acc_row, t * 64)
                     v.store(arith_d.mulf(v.load(where), alpha_v), where)
                 scf_d.YieldOp([])
@@ -720,9 +733,9 @@ class _Dispatch:
             inv_v = v.splat(self.normaliser(llvm_load(f32(), at(state_at, 4)), llvm_load(f32(), state_at), head,
                                             global_row))
             out_row = self._token_head(entry, head, global_row, q_len)
-            out_at = at(self.p["out"], arith_d.muli(out_row, const_i64(s.d * _bytes(self.elem))))
+            out_at = at(self.p["out"], arith_d.muli(out_row, const_i64(s.d_v * _bytes(self.elem))))
             acc_row = self.row_addr(self.acc, r, self.acc_stride)
-            for t in range(s.d // 16):
+            for t in range(s.d_v // 16):
                 value = arith_d.mulf(v.load(at(acc_row, t * 64)), inv_v)
                 v.store(v.narrow(value, self.elem), at(out_at, t * 16 * _bytes(self.elem)))
             llvm_store(llvm_load(i64(), state_at), self.state_at(hk, global_row, out_row))
@@ -753,9 +766,9 @@ def _operand_sizes(s: KernelShapes, engine, batch, q_len, rows, kv_blocks) -> di
     ``engine``, the output and the rows' (max, sum) state."""
     return {"q": [batch, q_len, s.h_q, s.d],
             "k_tiles": engine.layout.kv_storage(True, batch, s.h_kv, kv_blocks, s.d, s.kv_block).sizes,
-            "v_tiles": engine.layout.kv_storage(False, batch, s.h_kv, kv_blocks, s.d, s.kv_block).sizes,
+            "v_tiles": engine.layout.kv_storage(False, batch, s.h_kv, kv_blocks, s.d_v, s.kv_block).sizes,
             "valid_lens": [batch],
-            "out": [batch, q_len, s.h_q, s.d],
+            "out": [batch, q_len, s.h_q, s.d_v],
             "state": [batch, s.h_kv, rows, 2]}
 
 
@@ -827,7 +840,8 @@ def emit_dense(shapes: KernelShapes, q: ir.Value, k: ir.Value, v: ir.Value, anch
     rows = arith_d.muli(row_blocks, const_index(s.row_block))
     kv_blocks = ceil_div(kv_len, s.kv_block)
     sizes = _operand_sizes(s, engine, batch, q_len, rows, kv_blocks)
-    stored = [engine.layout.kv_storage(keys, batch, s.h_kv, kv_blocks, s.d, s.kv_block) for keys in (True, False)]
+    stored = [engine.layout.kv_storage(keys, batch, s.h_kv, kv_blocks, s.d if keys else s.d_v, s.kv_block)
+              for keys in (True, False)]
     k_tiles, v_tiles = (DENSE.stored(x, kv_len, st.sizes, st.source, None, elem, st.elem)
                         for x, st in zip((k, v), stored))
 

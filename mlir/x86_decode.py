@@ -12,8 +12,8 @@ holds it: :class:`InPlaceValues`); a key past the chunk, the entry or the table 
 reads a zero row. Passes of at most DOT_ROWS_UP_TO bf16 rows run :class:`DotEngine`.
 Shapes (n entries, h = h_kv, R = queries x G rows a KV head, c chunks of P table blocks):
 
-    q [n, h, R, d] (dtype)   table [n, c, P] i32   geometry [n, 4] i32 (kv_len, sinks, offset, qo_len)
-    products [n, c, h, R, d] f32 (unnormalised)   state [n, c, h, R, 2] f32 (max, sum; log2 domain)
+    q [n, h, R, d_qk] (dtype)   table [n, c, P] i32   geometry [n, 4] i32 (kv_len, sinks, offset, qo_len)
+    products [n, c, h, R, d_v] f32 (unnormalised)   state [n, c, h, R, 2] f32 (max, sum; log2 domain)
 
 Workgroup (c x row groups, h, n) owns rows [g, g + 1) * row_block of one chunk; rows past R are
 not computed by the softmax (their probabilities stay 0). Keys of a row: [chunk start,
@@ -85,14 +85,14 @@ def pass_blocks(spec: DecodeSpec) -> tuple[int, int]:
     amx = engine.uses_amx
     rows = spec.rows
     wanted = (32 if rows <= 32 else 64) if amx else min(64, -(-rows // 4) * 4)
-    d = spec.d_qk
-    staged = 1 if engine.values_in_place else 2   # K, and V unless read in place
+    d, d_v = spec.d_qk, spec.d_v
+    staged = d + (0 if engine.values_in_place else d_v)   # columns of a staged key: K, and V unless read in place
     smaller = ((32, PASS_KV_BLOCK), (32, 32)) if amx else ((min(wanted, 32), PASS_KV_BLOCK), (16, PASS_KV_BLOCK))
     for row_block, keys in ((wanted, PASS_KV_BLOCK), *smaller):
-        staging = staged * keys * d * operand + d * operand + 2 * keys * 16   # K (V), the zero row, row pointers
-        if workgroup_bytes(spec.dtype, row_block, keys, d) + staging <= STACK_BUDGET:
+        staging = keys * staged * operand + d * operand + 2 * keys * 16   # K (V), the zero row, row pointers
+        if workgroup_bytes(spec.dtype, row_block, keys, d, d_v) + staging <= STACK_BUDGET:
             return row_block, keys
-    raise ValueError(f"d={d}: no x86 pass blocks fit the stack budget")
+    raise ValueError(f"d_qk={d}, d_v={d_v}: no x86 pass blocks fit the stack budget")
 
 
 def pass_unsupported(spec: DecodeSpec) -> str | None:
@@ -143,7 +143,7 @@ class AmxStaging:
                 llvm_store(out, at(group_at, (16 * chunk + j) * 64))
 
     def values(self, w: "_PassDispatch", group, rows: list[ir.Value]) -> None:
-        d, kv = w.s.d, w.s.kv_block
+        d, kv = w.s.d_v, w.s.kv_block
         halves = ir.VectorType.get([32], ir.IntegerType.get_signless(16))
         dim_tile = kv // 2 * 64
         low = [i // 2 + 32 * (i % 2) for i in range(32)]          # dims 0-15 of the chunk, keys a, b
@@ -159,7 +159,7 @@ class AmxStaging:
 
 class FmaStaging:
     """A KV step's keys and values in FmaEngine's order: K^T [d, kv_block] (16 x 16 transposes),
-    V [kv_block, d] (row copies, for 8-bit caches widened; f32 values are read in place), f32."""
+    V [kv_block, d_v] (row copies, for 8-bit caches widened; f32 values are read in place), f32."""
 
     def keys(self, w: "_PassDispatch", group, rows: list[ir.Value]) -> None:
         d, kv, v = w.s.d, w.s.kv_block, w.vec
@@ -170,7 +170,7 @@ class FmaStaging:
                 v.store(out, at(group_at, (16 * chunk + j) * kv * 4))
 
     def values(self, w: "_PassDispatch", group, rows: list[ir.Value]) -> None:
-        d, v = w.s.d, w.vec
+        d, v = w.s.d_v, w.vec
         group_at = at(w.v_stage, arith_d.muli(group, const_i64(16 * d * 4)))
         for i, row in enumerate(rows):
             for chunk in range(d // 16):
@@ -188,9 +188,8 @@ class _PassDispatch(_Dispatch):
     def __init__(self, spec: DecodeSpec, shapes: KernelShapes, engine, pointers: dict, scalars: dict, sm_scale):
         super().__init__(shapes, engine, pointers, scalars)
         self.spec = spec
-        stage_bytes = shapes.kv_block * shapes.d * _bytes(engine.operand)
-        self.k_stage = stack_bytes(stage_bytes)
-        self.v_stage = None if engine.values_in_place else stack_bytes(stage_bytes)
+        self.k_stage = stack_bytes(shapes.kv_block * shapes.d * _bytes(engine.operand))
+        self.v_stage = None if engine.values_in_place else stack_bytes(shapes.kv_block * shapes.d_v * _bytes(engine.operand))
         self.zero_row = stack_bytes(shapes.d * _bytes(engine.operand))
         self.row_pointers = stack_bytes(2 * shapes.kv_block * 16)   # (K row, V row) of each key, two steps
         self.scale_log2 = arith_d.mulf(sm_scale, arith_d.constant(f32(), LOG2E))
@@ -352,7 +351,7 @@ class _PassDispatch(_Dispatch):
 
     def _write_partials(self, first_place, rows_valid) -> None:
         """Each valid row's acc (unnormalised f32) to products and its (max, sum) to state."""
-        v, d = self.vec, self.s.d
+        v, d = self.vec, self.s.d_v
 
         def row(r):
             place = arith_d.addi(first_place, r)
@@ -374,7 +373,7 @@ def _build_executable(spec: DecodeSpec, shapes: KernelShapes, engine, operand_ty
     scales = ["k_scale", "v_scale"] if quantized_kv(spec) else []
     names = ["q", *(f"kv{i}" for i in range(len(operand_types) - 3 - len(scales))), "table", "geometry", *scales]
     dynamic = [sum(1 for size in t.shape if size == DYN) for t in operand_types]
-    results = [("products", [DYN, DYN, shapes.h_kv, spec.rows, shapes.d], f32()),
+    results = [("products", [DYN, DYN, shapes.h_kv, spec.rows, shapes.d_v], f32()),
                ("state", [DYN, DYN, shapes.h_kv, spec.rows, 2], f32())]
     arg_types = [binding] * len(names) + [index] * (sum(dynamic) + len(_SCALARS)) + [f32()] + [binding] * len(results)
     with hand_written_dispatch(_EXECUTABLE, _ENTRY, arg_types) as args:
@@ -407,7 +406,7 @@ def _emit(spec: DecodeSpec, shapes: KernelShapes, anchor: ir.Operation, q, cache
     causal_index = arith_d.index_cast(ir.IndexType.get(), causal)
     dyn = [dim(x, axis) for x, t in zip(tensors, types) for axis, size in enumerate(t.shape) if size == DYN]
     row_groups = -(-spec.rows // shapes.row_block)
-    h, d = shapes.h_kv, shapes.d
+    h, d = shapes.h_kv, shapes.d_v
     entry = ir.ArrayAttr.get([ir.SymbolRefAttr.get([_EXECUTABLE, _ENTRY])])
     dispatch = flow_d.DispatchOp(
         [tensor_type([DYN, DYN, h, spec.rows, d], f32()), tensor_type([DYN, DYN, h, spec.rows, 2], f32())],
@@ -434,7 +433,7 @@ def build_x86_pass(spec: DecodeSpec) -> ir.Module:
     if why:
         raise ValueError(f"no x86 lowering for {spec.name}: {why}")
     shapes = KernelShapes(spec.h_q, spec.h_kv, spec.d_qk, spec.dtype, "causal", 0.0, *pass_blocks(spec),
-                          spec.base.logits_soft_cap)
+                          spec.base.logits_soft_cap, spec.d_v)
 
     def emit(q, cache, table, geometry, causal, sm_scale, sinks):
         function = q.owner.owner

@@ -1,7 +1,9 @@
 """The x86 lowering of the KV-cache prefill kernels (``batch_prefill_ragged_kv``,
-``batch_prefill_paged_kv[_sliding_window]``): the dense kernel's dispatch (mlir/x86_attention.py:
-AMX tiles for bf16, FMA blocks for f32, the f32 vector softmax) once per batch entry, over all of
-its query rows, fed by the entry's K and V packed once into the engine's order.
+``batch_prefill_paged_kv[_sliding_window]``, ``batch_prefill_paged_kv_mla[_sliding_window]``):
+the dense kernel's dispatch (mlir/x86_attention.py: AMX tiles for bf16, FMA blocks for f32, the
+f32 vector softmax) once per batch entry, over all of its query rows, fed by the entry's K and V
+packed once into the engine's order. d_v may differ from d_qk (a ragged cache's; MLA: one KV head
+of d_latent + d_rope key columns, the first d_latent of them its values).
 
 Per entry (an ``scf.for`` on the host side, as the linalg kernels walk their entries; an entry
 without queries is skipped):
@@ -35,7 +37,7 @@ from .mask_rules import KvCacheCausalRule, mask_rule
 from .online_softmax import LOG2E, sink_lse
 from . import rope as rope_builder
 from .rope import apply_rope
-from .specs import EMPTY_ROW_LSE, PagedPrefillSpec, RaggedPrefillSpec
+from .specs import EMPTY_ROW_LSE, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec
 from .x86_attention import (
     BINDING, ENGINES, FlagCausalKeys, KernelShapes, _Dispatch, blocks_for, engine_for, hand_written_dispatch,
     llvm_load, state_lse, vector_extract,
@@ -50,14 +52,14 @@ _SCALARS = ("tokens", "q_start", "q_len", "kv_len", "kv_blocks", "causal")
 
 def kv_cache_unsupported(spec) -> str | None:
     """Why the x86 lowering has no kernel for the KV-cache variant ``spec`` (None where it has):
-    ragged and paged caches (not MLA's latent rows) in bf16, f32 or f16, one head dim (d_qk =
-    d_v) of a multiple of 32, the KV-cache causal mask (not a custom one)."""
-    if type(spec) not in (RaggedPrefillSpec, PagedPrefillSpec):
+    ragged, paged and MLA's latent caches in bf16, f32 or f16, head dims d_qk and d_v multiples
+    of 32, the KV-cache causal mask (not a custom one)."""
+    if type(spec) not in (RaggedPrefillSpec, PagedPrefillSpec, MlaPagedPrefillSpec):
         return f"{type(spec).__name__} has no x86 kernel"
     if spec.dtype not in ENGINES:
         return f"dtype {spec.dtype}: the kernels are bf16 (AMX tiles), f32 and f16 (FMA blocks)"
-    if spec.d_qk != spec.d_v or spec.d_qk % 32:
-        return f"d_qk={spec.d_qk}, d_v={spec.d_v}: the x86 kernels need one head dim, a multiple of 32"
+    if spec.d_qk % 32 or spec.d_v % 32:
+        return f"d_qk={spec.d_qk}, d_v={spec.d_v}: the x86 kernels need head dims of a multiple of 32"
     if not isinstance(mask_rule(spec), KvCacheCausalRule):
         return "the x86 kernels know the KV-cache causal mask only"
     return None
@@ -94,8 +96,8 @@ def _tensor_sizes(shapes: KernelShapes, engine, tokens, kv_blocks) -> dict:
     s = shapes
     return {"q": [tokens, s.h_q, s.d],
             "k_tiles": engine.layout.kv_storage(True, 1, s.h_kv, kv_blocks, s.d, s.kv_block).sizes,
-            "v_tiles": engine.layout.kv_storage(False, 1, s.h_kv, kv_blocks, s.d, s.kv_block).sizes,
-            "sinks": [s.h_q], "out": [tokens, s.h_q, s.d], "state": [tokens, s.h_q, 2]}
+            "v_tiles": engine.layout.kv_storage(False, 1, s.h_kv, kv_blocks, s.d_v, s.kv_block).sizes,
+            "sinks": [s.h_q], "out": [tokens, s.h_q, s.d_v], "state": [tokens, s.h_q, 2]}
 
 
 def _names(sinks: bool) -> list[str]:
@@ -125,9 +127,11 @@ def _build_executable(shapes: KernelShapes, engine, sinks: bool) -> None:
 
 def _packed_kv(shapes: KernelShapes, engine, kv: BatchKv, b, kv_len, kv_blocks, rope) -> list[ir.Value]:
     """Entry ``b``'s keys (rotated where the call rotates) and values in the engine's order, one
-    generic each from the cache (kv_blocks x kv_block rows, zero past kv_len)."""
+    generic each from the cache (kv_blocks x kv_block rows, zero past kv_len; MLA's values are
+    the first d_v columns of its key rows)."""
     s = shapes
-    storage = [engine.layout.kv_storage(keys, 1, s.h_kv, kv_blocks, s.d, s.kv_block) for keys in (True, False)]
+    storage = [engine.layout.kv_storage(keys, 1, s.h_kv, kv_blocks, s.d if keys else s.d_v, s.kv_block)
+               for keys in (True, False)]
     types = [tensor_type([DYN if isinstance(x, ir.Value) else x for x in st.sizes], st.elem) for st in storage]
 
     elem = element_type(s.dtype)
@@ -217,8 +221,8 @@ def build_x86_kv_cache_prefill(spec: RaggedPrefillSpec | PagedPrefillSpec) -> ir
     why = kv_cache_unsupported(spec)
     if why:
         raise ValueError(f"no x86 lowering for {spec.name}: {why}")
-    shapes = KernelShapes(spec.h_q, spec.h_kv, spec.d_qk, spec.dtype, "causal", 0.0, *blocks_for(spec.dtype, spec.d_qk),
-                          spec.logits_soft_cap)
+    shapes = KernelShapes(spec.h_q, spec.h_kv, spec.d_qk, spec.dtype, "causal", 0.0,
+                          *blocks_for(spec.dtype, spec.d_qk, spec.d_v), spec.logits_soft_cap, spec.d_v)
 
     def emit(args):
         engine = engine_for(spec.dtype)
@@ -230,7 +234,7 @@ def build_x86_kv_cache_prefill(spec: RaggedPrefillSpec | PagedPrefillSpec) -> ir
         q_indptr = HostReadable(args["q_indptr"], 1, "q_indptr")
         kv = spec.layout.batch_kv(spec, **operands(spec.layout, args))
         tokens = dim(q, 0)
-        sizes = [[tokens, spec.h_q, spec.d_qk], [tokens, spec.h_q, 2]]
+        sizes = [[tokens, spec.h_q, spec.d_v], [tokens, spec.h_q, 2]]
         initial = [on_target_device(empty(sizes[0], element_type(spec.dtype)), sizes[0]),
                    on_target_device(empty(sizes[1], f32()), sizes[1])]
         loop = scf_d.ForOp(const_index(0), kv.batch, const_index(1), initial)

@@ -10,6 +10,7 @@ import os
 
 import iree.runtime as rt
 
+from ..mlir.x86_attention import WORKER_STACK_BYTES
 from ..pipeline.quiet_logging import root_logger_left_alone
 from ..pipeline.targets import Target, target_for
 from .errors import InputError
@@ -41,6 +42,7 @@ def get_device(driver: str) -> rt.HalDevice:
         with root_logger_left_alone():
             if driver.startswith("local-"):
                 keep_host_memory()
+                give_workers_stack()
                 return rt.get_driver(driver).create_default_device(allocators=CPU_ALLOCATORS)
             return rt.get_device(driver)
     except (RuntimeError, ValueError) as err:
@@ -60,6 +62,14 @@ def pin_cpu_threads(cpu_ids) -> list[int]:
         raise RuntimeError("pin_cpu_threads: an IREE device exists already; call it before the first kernel opens")
     rt.flags.parse_flags(f"--task_topology_cpu_ids={','.join(map(str, ids))}")
     return ids
+
+
+def give_workers_stack() -> None:
+    """Gives the CPU device's worker threads WORKER_STACK_BYTES of stack (IREE's
+    ``--task_worker_stack_size``; its default, 128 KiB, is less than the x86 kernels' workgroup
+    buffers of wide heads take: mlir/x86_attention.py, STACK_BUDGET). Process-wide, read when a
+    local-task device is created; a device created before keeps its workers."""
+    rt.flags.parse_flags(f"--task_worker_stack_size={WORKER_STACK_BYTES}")
 
 
 def keep_host_memory() -> bool:
