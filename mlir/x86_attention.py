@@ -66,12 +66,12 @@ def blocks_for(dtype: str, d: int, d_v: int | None = None) -> tuple[int, int]:
     """(query rows of a workgroup, keys of a KV step) for head dims ``d`` (q, k) and ``d_v``
     (values; default d): the largest of 64 and 32 rows (64 read K and V half as often: 1.1x at
     L = 8192) and of 128 and 64 keys (128 against 64: 0.84x against 0.72x torch SDPA, bf16
-    L = 2048, 32 rows) whose buffers fit STACK_BUDGET, rows first."""
+    L = 2048, 32 rows) whose buffers fit STACK_BUDGET, rows first; ValueError where none do."""
     for rows in (64, 32):
         for keys in (128, 64):
             if workgroup_bytes(dtype, rows, keys, d, d_v) <= STACK_BUDGET:
                 return rows, keys
-    return 32, 64
+    raise ValueError(f"d={d}, d_v={d_v or d}: no x86 blocks fit the stack budget")
 
 
 def workgroup_bytes(dtype: str, rows: int, keys: int, d: int, d_v: int | None = None) -> int:
@@ -877,7 +877,7 @@ def state_lse(best, total) -> ir.Value:
 def unsupported(spec) -> str | None:
     """Why the x86 lowering cannot build ``spec`` (None where it can): the dense sequence prefill,
     plain or masked (padded, causal_padded_left; not a custom mask), in bf16, f32 or f16 with a
-    head dim that divides into 32-column tiles, no sinks or 8-bit KV."""
+    head dim that divides into 32-column tiles, no sinks or 8-bit KV, blocks within the stack budget."""
     if type(spec) not in (SequencePrefillSpec, MaskedSequencePrefillSpec):
         return f"{type(spec).__name__} has no x86 kernel (the dense sequence prefills have)"
     if _mask(spec) not in MASKS:
@@ -888,6 +888,16 @@ def unsupported(spec) -> str | None:
         return f"d={spec.d}: the x86 kernels need a multiple of 32"
     if spec.head_sinks or spec.kv_dtype:
         return "head sinks and 8-bit KV have no x86 kernel"
+    return blocks_unfit(spec.dtype, spec.d)
+
+
+def blocks_unfit(dtype: str, d: int, d_v: int | None = None) -> str | None:
+    """Why no workgroup blocks of head dims ``d``, ``d_v`` fit the stack budget (None where some
+    do: :func:`blocks_for`)."""
+    try:
+        blocks_for(dtype, d, d_v)
+    except ValueError as too_wide:
+        return str(too_wide)
     return None
 
 

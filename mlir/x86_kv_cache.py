@@ -39,8 +39,8 @@ from . import rope as rope_builder
 from .rope import apply_rope
 from .specs import EMPTY_ROW_LSE, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec
 from .x86_attention import (
-    BINDING, ENGINES, FlagCausalKeys, KernelShapes, _Dispatch, blocks_for, engine_for, hand_written_dispatch,
-    llvm_load, state_lse, vector_extract,
+    BINDING, ENGINES, FlagCausalKeys, KernelShapes, _Dispatch, blocks_for, blocks_unfit, engine_for,
+    hand_written_dispatch, llvm_load, state_lse, vector_extract,
 )
 
 _EXECUTABLE = "x86_kv_cache"
@@ -53,7 +53,7 @@ _SCALARS = ("tokens", "q_start", "q_len", "kv_len", "kv_blocks", "causal")
 def kv_cache_unsupported(spec) -> str | None:
     """Why the x86 lowering has no kernel for the KV-cache variant ``spec`` (None where it has):
     ragged, paged and MLA's latent caches in bf16, f32 or f16, head dims d_qk and d_v multiples
-    of 32, the KV-cache causal mask (not a custom one)."""
+    of 32, the KV-cache causal mask (not a custom one), workgroup blocks within the stack budget."""
     if type(spec) not in (RaggedPrefillSpec, PagedPrefillSpec, MlaPagedPrefillSpec):
         return f"{type(spec).__name__} has no x86 kernel"
     if spec.dtype not in ENGINES:
@@ -62,7 +62,7 @@ def kv_cache_unsupported(spec) -> str | None:
         return f"d_qk={spec.d_qk}, d_v={spec.d_v}: the x86 kernels need head dims of a multiple of 32"
     if not isinstance(mask_rule(spec), KvCacheCausalRule):
         return "the x86 kernels know the KV-cache causal mask only"
-    return None
+    return blocks_unfit(spec.dtype, spec.d_qk, spec.d_v)
 
 
 class _EntryDispatch(_Dispatch):

@@ -13,7 +13,8 @@ import pytest
 from conftest import NUMPY_DTYPE, assert_matches_reference
 from linalg_prefill.mlir import DecodeSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, x86_unsupported
 from linalg_prefill.mlir.decode import DECODE_PASSES
-from linalg_prefill.mlir.x86_decode import pass_blocks
+from linalg_prefill.mlir.x86_attention import STACK_BUDGET, WORKER_STACK_BYTES, FmaEngine, workgroup_bytes
+from linalg_prefill.mlir.x86_decode import InPlaceValues, pass_blocks, pass_engine_type
 from linalg_prefill.pipeline import Target
 from linalg_prefill.pipeline.tuning import tuned_ir
 from linalg_prefill.runtime import open_kernel
@@ -37,12 +38,23 @@ ENTRIES = [(1, 37), (5, 20), (1, 300), (1, 1), (0, 3), (3, 260), (1, 1500), (1, 
 #: (sink tokens, window offset) per entry of the sliding-window spec.
 WINDOW = [(3, 2), (0, 0), (40, 4), (0, 0), (0, 0), (9, 1), (5, 5), (0, 0), (0, 0), (16, 0), (7, 3), (2, 2)]
 
-pytestmark = pytest.mark.compiles(*SPECS.values(), passes=ENTRIES)
+#: Head dims apart (d_v != d_qk) and wide: MLA's latent cache at DeepSeek's dims (16 heads of 576
+#: key columns, the first 512 the values; workgroup buffers of ~250 KiB, twice IREE's default
+#: worker stack: runtime/devices.py gives the workers more), MLA over an e4m3 cache with a
+#: sliding window in f32, and a ragged cache of d_qk 192 and d_v 128 (DeepSeek's prefill heads).
+WIDE_SPECS = {
+    "mla-bf16-h16": MlaPagedPrefillSpec(16, 512, 64, "bfloat16", page_size=16),
+    "mla-window-e4m3-f32": MlaPagedPrefillSpec(8, 128, 32, "float32", page_size=8, sliding_window=True,
+                                               kv_dtype="float8_e4m3fn"),
+    "ragged-dv128-bf16-gqa4": RaggedPrefillSpec(8, 2, 192, 128, "bfloat16"),
+}
+
+pytestmark = pytest.mark.compiles(*SPECS.values(), *WIDE_SPECS.values(), passes=ENTRIES)
 
 
-@pytest.mark.parametrize("name", sorted(SPECS))
+@pytest.mark.parametrize("name", sorted(SPECS) + sorted(WIDE_SPECS))
 def test_the_record_builds_the_passes_of_these_caches_in_x86_on_amx_cpus(name):
-    spec = SPECS[name]
+    spec = {**SPECS, **WIDE_SPECS}[name]
     for queries in (1, 4, 16):
         assert AMX_CPU.lowering_of(DecodeSpec(spec, queries)) == "x86"
         assert Target("llvm-cpu", "znver4").lowering_of(DecodeSpec(spec, queries)) == "linalg"
@@ -52,10 +64,10 @@ def test_the_record_builds_the_passes_of_these_caches_in_x86_on_amx_cpus(name):
 
 
 @pytest.mark.parametrize("base, why", [
-    (MlaPagedPrefillSpec(8, 64, 16, "bfloat16"), "MlaPagedPrefillSpec"),
+    (MlaPagedPrefillSpec(8, 64, 16, "bfloat16"), "d_qk=80, d_v=64"),
     (PagedPrefillSpec(8, 2, 64, "bfloat16", kv_dtype="float8_e5m2fnuz"), "8-bit KV float8_e5m2fnuz"),
-    (RaggedPrefillSpec(8, 2, 64, 32, "float32"), "d_qk=64, d_v=32"),
-    (PagedPrefillSpec(8, 2, 256, "float32"), "stack budget"),
+    (RaggedPrefillSpec(8, 2, 64, 48, "float32"), "d_qk=64, d_v=48"),
+    (PagedPrefillSpec(8, 2, 2048, "float32"), "stack budget"),
 ], ids=lambda x: x if isinstance(x, str) else spec_id(x))
 def test_passes_without_an_x86_kernel_keep_the_linalg_lowering(base, why):
     spec = DecodeSpec(base, 4)
@@ -75,23 +87,33 @@ def test_the_pass_ir_gathers_with_prefetches_and_runs_tiles_for_bf16_only():
     assert "math.fma" in f32
 
 
-def test_f32_passes_read_values_in_place_and_fit_32_row_workgroups():
-    """f32 values are read where the cache holds them (no staged copy), which leaves the stack
-    room for 32-row workgroups in the 16-query pass (d 128); 8-bit values are widened into a
-    staged copy, as bf16 ones are interleaved for their engines."""
-    spec = PagedPrefillSpec(32, 8, 128, "float32", page_size=16)
-    assert pass_blocks(DecodeSpec(spec, 16)) == (32, 64)
-    assert pass_blocks(DecodeSpec(PagedPrefillSpec(32, 8, 128, "float32", page_size=16,
-                                                   kv_dtype="float8_e4m3fn"), 16)) == (16, 64)
+def test_f32_passes_read_values_in_place_and_every_pass_fits_the_workers_stack():
+    """f32 values are read where the cache holds them (no staged copy); 8-bit values are widened
+    into a staged copy, as bf16 ones are interleaved for their engines. The workgroup buffers of
+    every pass, MLA's 576-column keys and 512-column values included, fit STACK_BUDGET, which
+    leaves the dispatch half the stack the runtime gives the workers."""
+    f32 = PagedPrefillSpec(32, 8, 128, "float32", page_size=16)
+    assert pass_engine_type(DecodeSpec(f32, 16)) is InPlaceValues
+    e4m3 = PagedPrefillSpec(32, 8, 128, "float32", page_size=16, kv_dtype="float8_e4m3fn")
+    assert pass_engine_type(DecodeSpec(e4m3, 16)) is FmaEngine
+    assert STACK_BUDGET <= WORKER_STACK_BYTES // 2
+    for base in (f32, e4m3, *WIDE_SPECS.values()):
+        for queries in (1, 4, 16):
+            spec = DecodeSpec(base, queries)
+            rows, keys = pass_blocks(spec)
+            staged = base.d_qk + (0 if pass_engine_type(spec).values_in_place else base.d_v)
+            operand = 2 if base.dtype == "bfloat16" else 4
+            assert workgroup_bytes(base.dtype, rows, keys, base.d_qk, base.d_v) + keys * staged * operand \
+                <= STACK_BUDGET
 
 
 def _call(name, rng, entries=ENTRIES):
-    spec = SPECS[name]
+    spec = {**SPECS, **WIDE_SPECS}[name]
     return spec, serving_call(spec, rng, entries, WINDOW if getattr(spec, "sliding_window", False) else None)
 
 
 @needs_amx
-@pytest.mark.parametrize("name", sorted(SPECS))
+@pytest.mark.parametrize("name", sorted(SPECS) + sorted(WIDE_SPECS))
 def test_x86_passes_match_the_reference(name, cache):
     spec, args = _call(name, np.random.default_rng(1))
     kernel = open_kernel(spec, cache=cache)
@@ -101,7 +123,7 @@ def test_x86_passes_match_the_reference(name, cache):
 
 @needs_amx
 @pytest.mark.parametrize("name", ["paged-hnd-bf16-gqa4", "paged-nhd-f32-gqa8-sinks", "ragged-nhd-e5m2-f32-gqa1",
-                                  "paged-window-e4m3-bf16", "ragged-hnd-f16-gqa2-cap"])
+                                  "paged-window-e4m3-bf16", "ragged-hnd-f16-gqa2-cap", *sorted(WIDE_SPECS)])
 def test_x86_passes_on_peaked_scores(name, cache):
     """q x 40: each row's weight sits on a few keys, so a wrong scale, max, mask or row address
     shows rather than averaging out (over the e4m3 cache's exact zeros some outputs are 1e-38,

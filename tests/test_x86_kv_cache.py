@@ -17,7 +17,7 @@ from linalg_prefill.pipeline import Target
 from linalg_prefill.pipeline.tuning import tuned_ir
 from linalg_prefill.runtime import open_kernel
 from support import AMX_CPU, needs_amx, serving_call, spec_id, with_arguments
-from test_x86_decode import SPECS
+from test_x86_decode import SPECS, WIDE_SPECS
 
 #: (qo_len, kv_len): prefill entries of the kernel (17 to 300 queries over 0 to 700 keys, one with
 #: more queries than keys: rows without a key under the causal mask), an entry without queries,
@@ -26,21 +26,22 @@ ENTRIES = [(40, 300), (1, 37), (17, 5), (0, 9), (100, 0), (300, 300), (3, 260), 
 #: (sink tokens, window offset) per entry of the sliding-window spec.
 WINDOW = [(3, 2), (0, 0), (2, 1), (0, 0), (0, 0), (40, 4), (9, 1), (5, 5), (7, 3)]
 
-pytestmark = pytest.mark.compiles(*SPECS.values(), passes=ENTRIES)
+pytestmark = pytest.mark.compiles(*SPECS.values(), *WIDE_SPECS.values(), passes=ENTRIES)
 
 
-@pytest.mark.parametrize("name", sorted(SPECS))
+@pytest.mark.parametrize("name", sorted(SPECS) + sorted(WIDE_SPECS))
 def test_the_record_builds_these_kv_cache_kernels_in_x86_on_amx_cpus_only(name):
-    spec = SPECS[name]
+    spec = {**SPECS, **WIDE_SPECS}[name]
     assert AMX_CPU.lowering_of(spec) == "x86"
     assert Target("llvm-cpu", "graniterapids").lowering_of(spec) == "x86"
     assert Target("llvm-cpu", "znver4").lowering_of(spec) == "linalg"
 
 
 @pytest.mark.parametrize("spec, why", [
-    (MlaPagedPrefillSpec(8, 64, 16, "bfloat16"), "MlaPagedPrefillSpec"),
-    (RaggedPrefillSpec(8, 2, 64, 32, "float32"), "d_qk=64, d_v=32"),
+    (MlaPagedPrefillSpec(8, 64, 16, "bfloat16"), "d_qk=80, d_v=64"),
+    (RaggedPrefillSpec(8, 2, 64, 48, "float32"), "d_qk=64, d_v=48"),
     (PagedPrefillSpec(8, 2, 80, "bfloat16"), "multiple of 32"),
+    (PagedPrefillSpec(8, 2, 2048, "float32"), "stack budget"),
     (RaggedPrefillSpec(8, 2, 64, 64, "bfloat16", custom_mask=True), "causal mask only"),
 ], ids=lambda x: x if isinstance(x, str) else spec_id(x))
 def test_kv_cache_specs_without_an_x86_kernel_keep_the_linalg_lowering(spec, why):
@@ -62,7 +63,7 @@ def test_the_kernel_ir_reads_its_index_arrays_on_the_host_and_writes_in_place():
 
 
 def _call(name, seed, entries=ENTRIES, **scalars):
-    spec = SPECS[name]
+    spec = {**SPECS, **WIDE_SPECS}[name]
     window = WINDOW if getattr(spec, "sliding_window", False) else None
     return spec, with_arguments(spec, serving_call(spec, np.random.default_rng(seed), entries, window), **scalars)
 
@@ -86,6 +87,20 @@ def test_x86_kv_cache_kernels_on_peaked_scores(name, cache):
     args = list(args)
     args[0] = (args[0].astype(np.float32) * 40.0).astype(NUMPY_DTYPE[spec.dtype])
     assert_matches_reference(name, open_kernel(spec, cache=cache)(*args), spec, args)
+
+
+@needs_amx
+@pytest.mark.parametrize("causal", [1, 0])
+@pytest.mark.parametrize("name", sorted(WIDE_SPECS))
+def test_x86_kv_cache_kernels_with_d_v_apart_match_the_reference(name, causal, cache):
+    """MLA's latent cache (values the first d_latent columns of the key rows; no RoPE inside) and
+    a ragged cache of d_v 128 under d_qk 192, on the long entries, and with q x 20 (peaked)."""
+    spec, args = _call(name, 3, causal=causal)
+    kernel = open_kernel(spec, cache=cache)
+    assert_matches_reference(f"{name} causal {causal}", kernel(*args), spec, args)
+    args = list(args)
+    args[0] = (args[0].astype(np.float32) * 20.0).astype(NUMPY_DTYPE[spec.dtype])
+    assert_matches_reference(f"{name} causal {causal} peaked", kernel(*args), spec, args)
 
 
 #: f16 (the FMA blocks, widened as packed; its passes stay linalg): paged, and ragged over an e4m3 cache.
