@@ -28,6 +28,9 @@ import zipfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EMPTY_ROW_LSE = -5.0e4
+#: The CPU workers' stack, as the library's runtime gives it (mlir/x86_attention.py:
+#: WORKER_STACK_BYTES; IREE's default, 128 KiB, is less than some x86 kernels' buffers take).
+WORKER_STACK_BYTES = 1 << 20
 
 
 def _importable(module: str) -> bool:
@@ -268,6 +271,8 @@ def main() -> int:
     _ensure_deps()
     import iree.runtime as rt
 
+    if args.driver.startswith("local-"):   # the x86 kernels' workgroup buffers (runtime/devices.py)
+        rt.flags.parse_flags(f"--task_worker_stack_size={WORKER_STACK_BYTES}")
     if args.runtime_flag:
         rt.flags.parse_flags(*args.runtime_flag)
     device = rt.get_device(args.driver)

@@ -28,6 +28,7 @@ from test_sequence_prefill import DENSE_CASES
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 from gpu_bundle import bench_cases  # noqa: E402
+import gpu_runner  # noqa: E402
 
 #: Two recorded tests: dense causal float32 on llvm-cpu (B=2, 300 x 300 included) and ragged with
 #: RoPE on and off.
@@ -53,6 +54,13 @@ def _run(command, **kwargs) -> subprocess.CompletedProcess:
 
 def _runner(bundle: Path, *options: str) -> subprocess.CompletedProcess:
     return _run([sys.executable, str(bundle / "gpu_runner.py"), "--driver", "local-task", "--repeat", "1", *options])
+
+
+def test_the_runner_gives_cpu_workers_the_librarys_stack():
+    """The runner stands alone (no import of the package): its CPU workers' stack is a copy of
+    the library's, which the x86 kernels' buffers are sized by."""
+    from linalg_prefill.mlir.x86_attention import WORKER_STACK_BYTES
+    assert gpu_runner.WORKER_STACK_BYTES == WORKER_STACK_BYTES
 
 
 @pytest.mark.compiles(*BUNDLE_SPECS)
