@@ -1,8 +1,7 @@
 """The x86 lowering of the dense sequence prefill: one hand-written dispatch per call runs the whole
 online softmax, Q.K^T and P.V in an engine per dtype (bf16: AMX tiles, :class:`AmxEngine`; f32
 and f16: AVX-512 FMA register blocks, :class:`FmaEngine`, f16 widened as it is copied and
-packed; a serving pass of few bf16 rows: pair dot products, :class:`DotEngine`) and the softmax
-in f32 vector code (mlir/amx.py: ``Vec``; a soft cap applied to each score block first), fed by
+packed) and the softmax in f32 vector code (mlir/amx.py: ``Vec``; a soft cap applied to each score block first), fed by
 K and V packed into the engine's order once per call by linalg generics. The KV-cache kernels
 (mlir/x86_kv_cache.py) and serving passes (mlir/x86_decode.py) run the same dispatch body.
 IREE 3.13's llvm-cpu codegen emits no AMX and runs f32 contractions load-bound (docs/performance.md,
@@ -351,7 +350,7 @@ class FmaEngine:
 
     # One step of the blocks: step kk reads 16 lanes of keys (scores; key columns from ``col``)
     # or values (P.V; dims from ``col``) and multiplies them by the 4 bytes of a q row or a probs
-    # row at ``kk * 4``: one f32 here, a pair of bf16 in DotEngine.
+    # row at ``kk * 4``: one f32.
 
     @staticmethod
     def _depth(size: int) -> int:
@@ -379,49 +378,6 @@ class FmaEngine:
     @staticmethod
     def _mac(acc, broadcast, lanes) -> ir.Value:
         return math_d.fma(broadcast, lanes, acc)
-
-
-class DotEngine(FmaEngine):
-    """Q.K^T and P.V for few rows (a decode step's queries x G) in avx512_bf16 pair dot products
-    (vdpbf16ps), on the operands as AmxEngine lays them out but q rows [row_block, d] bf16: each
-    16-lane step multiplies a broadcast pair of a row's bf16 (query dims, or probabilities of two
-    keys) into 16 keys' (or dims') pairs of a B tile row. An AMX tile product costs the same for 4
-    rows as for 16 (and the pairs of tiles AmxEngine blocks in, for 32): a decode step of 1 query
-    x G 4 ran its tiles at 8x the work its rows need. FmaEngine's blocks, a pair a step."""
-
-    def __init__(self, dtype: str):
-        self.operand = element_type(dtype)
-        self.prob_elem = self.operand
-        self.layout = PackedTiles(dtype=dtype, m0=16, n0=16, k0=2)
-
-    def q_row_at(self, d: int, row: ir.Value) -> ir.Value:
-        """Byte offset of row ``row`` in the workgroup's rows [row_block, d] bf16."""
-        return arith_d.muli(row, const_i64(d * 2))
-
-    @staticmethod
-    def _depth(size: int) -> int:
-        return size // 2
-
-    @staticmethod
-    def _key_step(w: "_Dispatch", k_block, step) -> ir.Value:
-        return at(k_block, arith_d.muli(step, const_i64(64)))   # K [kv_block/16, d/2, 16, 2]: pair row
-
-    _value_step = _key_step                                     # V [d/16, kv_block/2, 16, 2]: key-pair row
-
-    def _lanes(self, w: "_Dispatch", step_at, col: int, keys: bool) -> ir.Value:
-        """16 pairs of bf16 of the B tile of columns [col, col + 16) at the step's row."""
-        tile = w.s.d // 2 * 64 if keys else w.s.kv_block // 2 * 64
-        lanes = llvm_d.load(ir.VectorType.get([16], i32()), at(step_at, (col // 16) * tile), alignment=4)
-        return vector_d.bitcast(ir.VectorType.get([32], ir.BF16Type.get()), lanes)
-
-    @staticmethod
-    def _broadcast(scalar_at) -> ir.Value:
-        pair = vector_d.broadcast(ir.VectorType.get([16], i32()), llvm_load(i32(), scalar_at))
-        return vector_d.bitcast(ir.VectorType.get([32], ir.BF16Type.get()), pair)
-
-    @staticmethod
-    def _mac(acc, broadcast, lanes) -> ir.Value:
-        return llvm_d.call_intrinsic(acc.type, "llvm.x86.avx512bf16.dpbf16ps.512", [acc, broadcast, lanes], [], [])
 
 
 #: The contractions of a kernel per dtype: AMX tiles for bf16, FMA blocks for f32 and for f16

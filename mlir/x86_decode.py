@@ -6,10 +6,11 @@ The dispatch is the dense kernel's (mlir/x86_attention.py: the engines, the f32 
 with its K and V read from the cache in place: each KV step gathers its ``kv_block`` keys' rows
 through the pass table (the layout's ``row_offset``: ragged rows, HND or NHD pages, the sliding
 window's sink and window rows) into stack buffers in the engine's order, K by 16 x 16 32-bit
-transposes (AMX and dot: B tiles of bf16 pairs; FMA: the step's K^T), V by interleaving key pairs
-(AMX and dot) or, for f32 caches, not at all (the FMA blocks read each value row where the cache
-holds it: :class:`InPlaceValues`); a key past the chunk, the entry or the table (a -1 block)
-reads a zero row. Passes of at most DOT_ROWS_UP_TO bf16 rows run :class:`DotEngine`.
+transposes (AMX: B tiles of bf16 pairs; FMA: the step's K^T) or as rows (bf16 passes of at most
+KEY_ROWS_UP_TO rows: :class:`KeyRowsEngine`, whose scores are transposed instead), V by
+interleaving key pairs (AMX) or, for f32 caches, not at all (the FMA blocks read each value row
+where the cache holds it: :class:`InPlaceValues`); a key past the chunk, the entry or the table
+(a -1 block) reads a zero row.
 Shapes (n entries, h = h_kv, R = queries x G rows a KV head, c chunks of P table blocks):
 
     q [n, h, R, d_qk] (dtype)   table [n, c, P] i32   geometry [n, 4] i32 (kv_len, sinks, offset, qo_len)
@@ -22,7 +23,7 @@ min(chunk end, kv_len, causal end)), the KV-cache causal rule (mask_rules.KvCach
 
 from __future__ import annotations
 
-from .amx import as_i64, at, ceil_div_i64, const_i64, i32, i64, ptr_type, stack_bytes
+from .amx import Tiles, as_i64, at, ceil_div_i64, const_i64, i32, i64, ptr_type, stack_bytes
 from .decode import DECODE_PASSES, DecodeSpec, decode_module, merge_chunks
 from .dtypes import kv_dtype_of, quantized_kv
 from .ir import (
@@ -32,7 +33,7 @@ from .ir import (
 from .kv_layouts import EIGHT_BIT_FORMATS, THROUGH_F16, cache_layout, f16_bits
 from .online_softmax import LOG2E
 from .x86_attention import (
-    BINDING, ENGINES, STACK_BUDGET, DotEngine, FmaEngine, KernelShapes, _bytes, _Dispatch, binding_pointer,
+    BINDING, ENGINES, STACK_BUDGET, AmxEngine, FmaEngine, KernelShapes, _bytes, _Dispatch, binding_pointer,
     hand_written_dispatch,
     FlagCausalKeys, llvm_load, llvm_store, workgroup_bytes,
 )
@@ -47,9 +48,57 @@ _SCALARS = ("entries", "chunks", "per_chunk", "extent", "causal")
 PASS_KV_BLOCK = 64
 
 
-#: A bf16 pass of at most this many rows (queries x G) runs DotEngine (vdpbf16ps) rather than AMX
-#: tiles, whose products cost as much for 4 rows as for 32.
-DOT_ROWS_UP_TO = 8
+#: A bf16 pass of at most this many rows (queries x G) runs KeyRowsEngine (one row tile) rather
+#: than AmxEngine's pairs of row tiles, whose products cost as much for 4 rows as for 32.
+KEY_ROWS_UP_TO = 16
+
+
+class KeyRowsEngine(AmxEngine):
+    """AMX products for a pass of at most 16 rows (a decode step's queries x G), its keys staged
+    as rows (a copy, no transposes): the scores transposed, S^T [16 keys, 16 rows] = K . Q^T, with
+    16 keys' rows as an A tile and the workgroup's queries as one B tile per 32 dims (its q rows,
+    copied as A tiles, transposed in place once as 32-bit pairs: :meth:`prepare_queries`); each
+    S^T tile goes through a 16 x 16 transpose into the rows' scores. P.V: one row tile of probs
+    against AmxEngine's value tiles."""
+
+    ROWS = 16
+
+    def prepare_queries(self, w: "_PassDispatch") -> None:
+        """The q rows' A tiles [d/32, 16 rows, 16 pairs] into B tiles [d/32, 16 pairs, 16 rows]
+        (bf16 pairs: one 32-bit lane each), in place."""
+        lanes = ir.VectorType.get([16], i32())
+        for chunk in range(w.s.d // 32):
+            tile = at(w.q_rows, chunk * 1024)
+            pairs = _transposed([llvm_load(lanes, at(tile, row * 64)) for row in range(16)])
+            for pair, vector in enumerate(pairs):
+                llvm_store(vector, at(tile, pair * 64))
+
+    def scores(self, w: "_PassDispatch", q_base, k_block, scores) -> None:
+        """scores[16, kv_block] from the staged key rows k_block [kv_block, d]."""
+        d, t, v = w.s.d, Tiles(), w.vec
+        for group in range(w.s.kv_block // 16):
+            acc = t.zero()
+            for step in range(d // 32):
+                keys = t.load(at(k_block, group * 16 * d * 2 + step * 64), d * 2)
+                acc = t.dot(acc, keys, t.load(at(q_base, step * 1024), 64))
+            t.store(w.score_tile, 64, acc)
+            rows = _transposed([v.load(at(w.score_tile, key * 64)) for key in range(16)])
+            for row, vector in enumerate(rows):
+                v.store(vector, at(scores, row * w.score_stride + group * 64))
+
+    def accumulate(self, w: "_PassDispatch", v_block) -> None:
+        """acc[16, d_v] += probs[16, kv_block] . values, two dim tiles at a time."""
+        t = Tiles()
+        v_dim_tile = w.s.kv_block // 2 * 64
+        for pair in range(w.s.d_v // 32):
+            c_at = [at(w.acc, (2 * pair + j) * 64) for j in range(2)]
+            acc = [t.load(p, w.acc_stride) for p in c_at]
+            for step in range(w.s.kv_block // 32):
+                probs = t.load(at(w.probs, step * 64), w.prob_stride)
+                values = [t.load(at(v_block, (2 * pair + j) * v_dim_tile + step * 1024), 64) for j in range(2)]
+                acc = [t.dot(acc[j], probs, values[j]) for j in range(2)]
+            for p, tile in zip(c_at, acc):
+                t.store(p, w.acc_stride, tile)
 
 
 class InPlaceValues(FmaEngine):
@@ -67,29 +116,34 @@ class InPlaceValues(FmaEngine):
 
 
 def pass_engine_type(spec: DecodeSpec) -> type:
-    """The contraction engine class of the pass: DotEngine for few bf16 rows, InPlaceValues for an
-    f32 cache, else the dtype's (x86_attention.ENGINES)."""
-    if spec.dtype == "bfloat16" and spec.rows <= DOT_ROWS_UP_TO:
-        return DotEngine
+    """The contraction engine class of the pass: KeyRowsEngine for few bf16 rows, InPlaceValues
+    for an f32 cache, else the dtype's (x86_attention.ENGINES)."""
+    if spec.dtype == "bfloat16" and spec.rows <= KEY_ROWS_UP_TO:
+        return KeyRowsEngine
     if spec.dtype == "float32" and not quantized_kv(spec.base):
         return InPlaceValues
     return ENGINES[spec.dtype]
 
 
 def pass_blocks(spec: DecodeSpec) -> tuple[int, int]:
-    """(rows of a workgroup, keys of a KV step) of the pass: AMX works on 32 or 64 rows (pairs of
-    16-row tiles), the FMA and dot blocks on multiples of 4; 64 keys a step; buffers and the two
-    staging buffers within STACK_BUDGET."""
+    """(rows of a workgroup, keys of a KV step) of the pass: KeyRowsEngine works on one 16-row
+    tile, AmxEngine on 32 or 64 rows (pairs of 16-row tiles), the FMA blocks on multiples of 4;
+    64 keys a step; buffers and the two staging buffers within STACK_BUDGET."""
     operand = 2 if spec.dtype == "bfloat16" else 4
     engine = pass_engine_type(spec)
-    amx = engine.uses_amx
     rows = spec.rows
-    wanted = (32 if rows <= 32 else 64) if amx else min(64, -(-rows // 4) * 4)
+    if engine is KeyRowsEngine:
+        wanted, smaller = KeyRowsEngine.ROWS, ((KeyRowsEngine.ROWS, 32),)
+    elif engine.uses_amx:
+        wanted, smaller = 32 if rows <= 32 else 64, ((32, PASS_KV_BLOCK), (32, 32))
+    else:
+        wanted = min(64, -(-rows // 4) * 4)
+        smaller = ((min(wanted, 32), PASS_KV_BLOCK), (16, PASS_KV_BLOCK))
     d, d_v = spec.d_qk, spec.d_v
     staged = d + (0 if engine.values_in_place else d_v)   # columns of a staged key: K, and V unless read in place
-    smaller = ((32, PASS_KV_BLOCK), (32, 32)) if amx else ((min(wanted, 32), PASS_KV_BLOCK), (16, PASS_KV_BLOCK))
     for row_block, keys in ((wanted, PASS_KV_BLOCK), *smaller):
-        staging = keys * staged * operand + d * operand + 2 * keys * 16   # K (V), the zero row, row pointers
+        # K (V), the zero row, row pointers, a score tile
+        staging = keys * staged * operand + d * operand + 2 * keys * 16 + 1024
         if workgroup_bytes(spec.dtype, row_block, keys, d, d_v) + staging <= STACK_BUDGET:
             return row_block, keys
     raise ValueError(f"d_qk={d}, d_v={d_v}: no x86 pass blocks fit the stack budget")
@@ -177,9 +231,21 @@ class FmaStaging:
                 v.store(w.chunk(1, row, chunk, v.f32x), at(group_at, i * d * 4 + chunk * 64))
 
 
-#: The staging of each dtype's passes: f16 caches widen to f32 as they are staged (FmaEngine: these
+class KeyRowsStaging(AmxStaging):
+    """KeyRowsEngine's order: K [kv_block, d] as the rows are (copied; 8-bit caches widened), V
+    as AmxStaging interleaves it."""
+
+    def keys(self, w: "_PassDispatch", group, rows: list[ir.Value]) -> None:
+        d, lanes = w.s.d, ir.VectorType.get([16], i32())
+        group_at = at(w.k_stage, arith_d.muli(group, const_i64(16 * d * 2)))
+        for i, row in enumerate(rows):
+            for chunk in range(d // 32):
+                llvm_store(w.chunk(0, row, chunk, lanes), at(group_at, i * d * 2 + chunk * 64))
+
+
+#: The staging of each engine's passes: f16 caches widen to f32 as they are staged (FmaEngine: these
 #: CPUs have no amx_fp16; the linalg passes ran 16 x 16 vs 1024 f16 at 0.39x torch).
-STAGING = {"bfloat16": AmxStaging, "float32": FmaStaging, "float16": FmaStaging}
+STAGING = {AmxEngine: AmxStaging, KeyRowsEngine: KeyRowsStaging, FmaEngine: FmaStaging, InPlaceValues: FmaStaging}
 
 
 class _PassDispatch(_Dispatch):
@@ -193,7 +259,8 @@ class _PassDispatch(_Dispatch):
         self.zero_row = stack_bytes(shapes.d * _bytes(engine.operand))
         self.row_pointers = stack_bytes(2 * shapes.kv_block * 16)   # (K row, V row) of each key, two steps
         self.scale_log2 = arith_d.mulf(sm_scale, arith_d.constant(f32(), LOG2E))
-        self.staging = STAGING[shapes.dtype]()
+        self.staging = STAGING[type(engine)]()
+        self.score_tile = stack_bytes(1024) if isinstance(engine, KeyRowsEngine) else None   # one S^T tile
         self.kv_format = kv_dtype_of(spec) if quantized_kv(spec) else None
         self.kv_bytes = 1 if self.kv_format else _bytes(self.elem)   # of a cache element
 
@@ -232,6 +299,8 @@ class _PassDispatch(_Dispatch):
 
         head_row = arith_d.muli(arith_d.addi(arith_d.muli(entry, const_i64(s.h_kv)), head), const_i64(rows_per_head))
         self._copy_query_rows(lambda row: arith_d.addi(head_row, row), first_row, const_i64(rows_per_head))
+        if isinstance(self.engine, KeyRowsEngine):
+            self.engine.prepare_queries(self)
         self._init_rows()
         self._zero(self.probs, s.row_block * self.prob_stride)
         self._zero(self.zero_row, s.d * _bytes(self.engine.operand))

@@ -7,14 +7,16 @@ entries, peaked scores, NaN in a cache's unused rows."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
 from conftest import NUMPY_DTYPE, assert_matches_reference
 from linalg_prefill.mlir import DecodeSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, x86_unsupported
 from linalg_prefill.mlir.decode import DECODE_PASSES
-from linalg_prefill.mlir.x86_attention import STACK_BUDGET, WORKER_STACK_BYTES, FmaEngine, workgroup_bytes
-from linalg_prefill.mlir.x86_decode import InPlaceValues, pass_blocks, pass_engine_type
+from linalg_prefill.mlir.x86_attention import STACK_BUDGET, WORKER_STACK_BYTES, AmxEngine, FmaEngine, workgroup_bytes
+from linalg_prefill.mlir.x86_decode import InPlaceValues, KeyRowsEngine, pass_blocks, pass_engine_type
 from linalg_prefill.pipeline import Target
 from linalg_prefill.pipeline.tuning import tuned_ir
 from linalg_prefill.runtime import open_kernel
@@ -79,9 +81,14 @@ def test_the_pass_ir_gathers_with_prefetches_and_runs_tiles_for_bf16_only():
     bf16 = tuned_ir(DecodeSpec(SPECS["paged-hnd-bf16-gqa4"], 4), AMX_CPU)
     assert "flow.dispatch @x86_serving_pass::@stream_chunks" in bf16
     assert "llvm.x86.tdpbf16ps.internal" in bf16 and "llvm.intr.prefetch" in bf16
-    # 1 query x G 4 = 4 rows: pair dot products, not tiles sized for 32 rows
-    few_rows = tuned_ir(DecodeSpec(SPECS["paged-hnd-bf16-gqa4"], 1), AMX_CPU)
-    assert "llvm.x86.avx512bf16.dpbf16ps.512" in few_rows and "llvm.x86.tdpbf16ps.internal" not in few_rows
+    # 1 query x G 4 = 4 rows and 4 x 4 = 16: one row tile, the keys as A tiles of their staged
+    # rows (stride d x 2 bytes); 16 queries x 4 = 64 rows: pairs of row tiles
+    base = SPECS["paged-hnd-bf16-gqa4"]
+    assert [pass_engine_type(DecodeSpec(base, q)) for q in (1, 4, 16)] == [KeyRowsEngine, KeyRowsEngine, AmxEngine]
+    assert pass_blocks(DecodeSpec(base, 1)) == (16, 64)
+    few_rows = tuned_ir(DecodeSpec(base, 1), AMX_CPU)
+    assert "llvm.x86.tdpbf16ps.internal" in few_rows and "llvm.x86.avx512bf16.dpbf16ps.512" not in few_rows
+    assert re.search(r'tileloadd64\.internal"\([^)]*%c256_i64', few_rows)
     f32 = tuned_ir(DecodeSpec(SPECS["paged-nhd-f32-gqa8-sinks"], 1), AMX_CPU)
     assert "flow.dispatch @x86_serving_pass::@stream_chunks" in f32 and "llvm.x86.t" not in f32
     assert "math.fma" in f32
