@@ -208,8 +208,11 @@ class DecodePasses:
     ``call_scratch``: the most scratch bytes one call of a pass takes; a pass's entries, in
     order of KV length, are cut into calls within it (None: no bound). An entry with more
     queries than the largest pass and at most ``pieces_up_to`` keys runs in that pass, in
-    pieces of its queries (0: none does). ``loaded``: the passes a kernel loaded at open, the
-    only usable ones (None: every one)."""
+    pieces of its queries (0: none does). ``chunk_columns``: where set, every entry's chunks
+    hold this many columns (or the spec's DecodeSpec.chunk_columns, if more), for a pass that
+    reads no key past its entry's, so that padding a short entry costs it nothing (None: each
+    entry's chunks sized by DecodeSpec.chunk_blocks). ``loaded``: the passes a kernel loaded at
+    open, the only usable ones (None: every one)."""
 
     queries: tuple[int, ...]
     bucketed: bool
@@ -217,7 +220,15 @@ class DecodePasses:
     split_up_to: int = 4
     call_scratch: int | None = None
     pieces_up_to: int = 0
+    chunk_columns: int | None = None
     loaded: tuple[int, ...] | None = None
+
+    def chunk_blocks(self, pass_spec: DecodeSpec, blocks: int) -> int:
+        """P, the table blocks per chunk of an entry of ``blocks`` blocks in ``pass_spec``: one
+        for every entry with ``chunk_columns``, else the entry's own (DecodeSpec.chunk_blocks)."""
+        if self.chunk_columns is None:
+            return pass_spec.chunk_blocks(blocks)
+        return max(1, max(self.chunk_columns, pass_spec.chunk_columns) // pass_spec.block)
 
     def usable(self, spec) -> tuple[int, ...]:
         """The query counts of the passes that keep ``spec``'s scratch within the bound (and
@@ -268,8 +279,14 @@ DECODE_PASSES = {"linalg": DecodePasses((1, 4, 16), bucketed=False, scratch_boun
                  # llvm-cpu on CPUs with AMX (mlir/x86_decode.py): its scratch is each chunk's
                  # products, no scores, so no pass is left out; calls cut as the linalg pass's;
                  # no entry in pieces: the x86 kernel (mlir/x86_kv_cache.py) runs a 96 x 96 bf16
-                 # entry in 0.89 ms against 2.31 in 16-query pieces (200 x 200: 1.49 against 5.59)
-                 "x86": DecodePasses((1, 4, 16), bucketed=False, call_scratch=256 << 20)}
+                 # entry in 0.89 ms against 2.31 in 16-query pieces (200 x 200: 1.49 against 5.59).
+                 # Chunks of 1024 columns for every entry (a workgroup reads no key past its
+                 # entry's, so a short entry padded to one chunk costs nothing, and a batch of
+                 # any lengths takes one chunk size): a workgroup's fixed work (its queries copied
+                 # and transposed, its partial results written and merged) is over 8x the keys of
+                 # 128; 32 x 4 vs 4096 bf16 49.0 -> 40.2 ms (512: 42.1, 2048: 40.1), 32 x 1 38.9
+                 # -> 36.6 (docs/performance.md)
+                 "x86": DecodePasses((1, 4, 16), bucketed=False, call_scratch=256 << 20, chunk_columns=1024)}
 
 
 def _index(i: int) -> ir.Value:

@@ -351,7 +351,7 @@ def _calls_of(pass_spec: DecodeSpec, lengths: np.ndarray, passes: DecodePasses) 
     """The pass entries (indices into ``lengths`` [m], each one's table length in keys) of each
     call of a pass, and the call's table blocks per chunk P. Bucketed (the fused pass): one call
     per KV-length bucket (:func:`bucket_tiles`), P a KV tile. Else the entries of each P
-    (``DecodeSpec.chunk_blocks`` of each entry) in calls cut by :func:`_within_scratch`; an
+    (``DecodePasses.chunk_blocks`` of each entry) in calls cut by :func:`_within_scratch`; an
     empty list when there are no entries."""
     if not len(lengths):
         return []
@@ -359,7 +359,7 @@ def _calls_of(pass_spec: DecodeSpec, lengths: np.ndarray, passes: DecodePasses) 
     if passes.bucketed:
         buckets = bucket_tiles(-(-lengths // TILE))
         return [(entries[buckets == width], max(1, TILE // pass_spec.block)) for width in np.unique(buckets)]
-    chunk_blocks = np.array([pass_spec.chunk_blocks(b) for b in -(-lengths // pass_spec.block)], np.int64)
+    chunk_blocks = np.array([passes.chunk_blocks(pass_spec, b) for b in -(-lengths // pass_spec.block)], np.int64)
     return [(cut, int(per_chunk)) for per_chunk in np.unique(chunk_blocks)
             for cut in _within_scratch(pass_spec, entries[chunk_blocks == per_chunk], lengths, int(per_chunk), passes)]
 

@@ -100,7 +100,7 @@ def _mixed_pass_calls(spec, backend, args) -> int:
             n = min(taken, qo_len - first)  # it sees (causal) and its table holds kv_len - qo_len + first + n keys
             keys = kv_len if pass_spec.sliding_window else max(kv_len - qo_len + first + n, 1)
             band = first // (taken * passes.pieces_per_call(pass_spec))  # pieces of one call
-            calls.add((taken, band, pass_spec.chunk_blocks(-(-keys // pass_spec.block))))
+            calls.add((taken, band, passes.chunk_blocks(pass_spec, -(-keys // pass_spec.block))))
     return len(calls)
 
 
@@ -456,7 +456,8 @@ def test_fused_decode_module_is_one_attention_op_without_a_loop(queries):
 def test_a_batch_of_decode_entries_takes_a_fixed_number_of_launches(entries, backend, cache, monkeypatch):
     """Launches bounded whatever the batch: linalg, at least one per chunk size P (blocks per
     chunk, under 2T) and at most one per (P, chunk count) (1 to 600 keys: at most 5 chunks);
-    fused, one per KV bucket (1 to 600 keys fall in at most the 7 buckets of 1-12 tiles)."""
+    x86, one (every entry's chunks of 1024 columns: 1 to 600 keys are one chunk); fused, one per
+    KV bucket (1 to 600 keys fall in at most the 7 buckets of 1-12 tiles)."""
     spec = PagedPrefillSpec(8, 2, 64, "float32", page_size=16)
     kernel = open_kernel(spec, backend, cache=cache)
     rng = np.random.default_rng(3)
@@ -467,10 +468,12 @@ def test_a_batch_of_decode_entries_takes_a_fixed_number_of_launches(entries, bac
     if _lowering(backend) == "fused":
         assert calls.decode == len(np.unique(bucket_tiles(-(-kv_lens // 64)))) <= 7
     else:
-        pass_spec = DecodeSpec(spec, 1)
-        sizes = {(chunk_blocks := pass_spec.chunk_blocks(blocks), -(-blocks // chunk_blocks))
+        pass_spec, passes = DecodeSpec(spec, 1), target_for(backend).decode_passes(spec)
+        sizes = {(chunk_blocks := passes.chunk_blocks(pass_spec, blocks), -(-blocks // chunk_blocks))
                  for blocks in -(-kv_lens // 16)}
         assert len({size for size, _ in sizes}) <= calls.decode <= len(sizes)
+        if passes.chunk_columns:
+            assert calls.decode == 1
     assert calls.rest == 0
     assert_matches_reference("decode batch", got, spec, args)
 
