@@ -296,6 +296,8 @@ class _PassDispatch(_Dispatch):
             self.scales = [self.vec.splat(arith_d.mulf(llvm_load(f32(), at(self.p[name], arith_d.muli(head, const_i64(4)))),
                                                        arith_d.constant(f32(), exponent)))
                            for name in ("k_scale", "v_scale")]
+            if self.engine.operand == ir.BF16Type.get():
+                self.tables = [self._bf16_table(which) for which in (0, 1)]
 
         head_row = arith_d.muli(arith_d.addi(arith_d.muli(entry, const_i64(s.h_kv)), head), const_i64(rows_per_head))
         self._copy_query_rows(lambda row: arith_d.addi(head_row, row), first_row, const_i64(rows_per_head))
@@ -330,22 +332,66 @@ class _PassDispatch(_Dispatch):
         if self.kv_format is None:
             return llvm_load(lanes, at(row, chunk * 64))
         operand = _bytes(self.engine.operand)
+        if operand == 2:
+            return vector_d.bitcast(lanes, self._looked_up(which, at(row, chunk * 32)))
         per_chunk = 64 // operand
         parts = [self._widened(which, at(row, chunk * per_chunk + 16 * part)) for part in range(per_chunk // 16)]
         if operand == 4 and self.elem != self.engine.operand:   # f16: f16(f32(x) x scale), semantics §15
             return arith_d.extf(lanes, arith_d.truncf(ir.VectorType.get([16], self.elem), parts[0]))
-        if operand == 4:
-            return parts[0]
-        narrowed = [self.vec.narrow(part, self.engine.operand) for part in parts]
-        joined = vector_d.shuffle(narrowed[0], narrowed[1], list(range(32)))
-        return vector_d.bitcast(lanes, joined)
+        return parts[0]
+
+    def _bf16_table(self, which: int) -> tuple:
+        """The K (``which`` 0) or V (1) table of bf16(f32(x) x the head's scale) for the 128
+        magnitudes x of the 8-bit format (sign bit clear), as (low bytes, high bytes), each two
+        halves of 64 bytes: the widening of :meth:`_widened`, once a workgroup."""
+        i8, i16 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(16)
+        low, high = [], []
+        for part in range(8):
+            magnitudes = arith_d.trunci(ir.VectorType.get([16], i8),
+                                        arith_d.addi(self.vec.iota(), self.vec.splat(arith_d.constant(i32(), 16 * part))))
+            value = self.vec.narrow(self._scaled(which, magnitudes), ir.BF16Type.get())
+            bits = vector_d.bitcast(ir.VectorType.get([16], i16), value)
+            low.append(arith_d.trunci(ir.VectorType.get([16], i8), bits))
+            high.append(arith_d.trunci(ir.VectorType.get([16], i8),
+                                       arith_d.shrui(bits, arith_d.constant(bits.type, ir.DenseElementsAttr.get_splat(
+                                           bits.type, ir.IntegerAttr.get(i16, 8))))))
+
+        def halves(parts):
+            pairs = [vector_d.shuffle(parts[i], parts[i + 1], list(range(32))) for i in range(0, 8, 2)]
+            return tuple(vector_d.shuffle(pairs[i], pairs[i + 1], list(range(64))) for i in (0, 2))
+
+        return halves(low), halves(high)
+
+    def _looked_up(self, which: int, pointer) -> ir.Value:
+        """32 8-bit elements at ``pointer`` as 32 bf16 (as 64 i8): each magnitude's two bytes
+        from the head's tables (vpermi2b: 128 entries a byte of index), its sign bit flipped by
+        x's. Equal to :meth:`_widened` then rounded to bf16 (bf16 rounding is symmetric in the
+        sign), in a few byte shuffles instead of the f16 move, two vcvtph2ps, two multiplies and
+        two vcvtneps2bf16."""
+        i8 = ir.IntegerType.get_signless(8)
+        bytes64 = ir.VectorType.get([64], i8)
+        raw = llvm_load(ir.VectorType.get([32], i8), pointer)
+        index = vector_d.shuffle(raw, raw, list(range(64)))   # the upper half unused
+
+        def lookup(table):
+            return llvm_d.call_intrinsic(bytes64, "llvm.x86.avx512.vpermi2var.qi.512", [table[0], index, table[1]],
+                                         [], [])
+
+        low_table, high_table = self.tables[which]
+        sign = arith_d.andi(index, arith_d.constant(bytes64, ir.DenseElementsAttr.get_splat(
+            bytes64, ir.IntegerAttr.get(i8, -0x80))))
+        low, high = lookup(low_table), arith_d.xori(lookup(high_table), sign)
+        return vector_d.shuffle(low, high, [i // 2 + (64 if i % 2 else 0) for i in range(64)])
 
     def _widened(self, which: int, pointer) -> ir.Value:
-        """16 8-bit elements at ``pointer`` as f32 times the head's scale: their bits moved into
+        """16 8-bit elements at ``pointer`` as f32 times the head's scale (:meth:`_scaled`)."""
+        return self._scaled(which, llvm_load(ir.VectorType.get([16], ir.IntegerType.get_signless(8)), pointer))
+
+    def _scaled(self, which: int, raw) -> ir.Value:
+        """16 8-bit elements ``raw`` as f32 times the head's scale: their bits moved into
         float16s (kv_layouts.f16_bits, the linalg passes' move, a vector at a time), widened by
         vcvtph2ps, times 2^(15 - bias) x scale (semantics §15: f32(x) x scale; rounded to bf16
-        by the caller where the operands are bf16)."""
-        raw = llvm_load(ir.VectorType.get([16], ir.IntegerType.get_signless(8)), pointer)
+        through the tables where the operands are bf16: :meth:`_bf16_table`)."""
         half = f16_bits(raw, self.kv_format)
         wide = arith_d.extf(self.vec.f32x, vector_d.bitcast(ir.VectorType.get([16], ir.F16Type.get()), half))
         return arith_d.mulf(wide, self.scales[which])
