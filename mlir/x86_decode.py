@@ -74,12 +74,18 @@ class KeyRowsEngine(AmxEngine):
                 llvm_store(vector, at(tile, pair * 64))
 
     def scores(self, w: "_PassDispatch", q_base, k_block, scores) -> None:
-        """scores[16, kv_block] from the staged key rows k_block [kv_block, d]."""
+        """scores[16, kv_block] from the key rows of each 16 keys: staged in k_block [kv_block,
+        d], or where :class:`KeyRowsStaging` found them in the cache (``w.key_tiles``)."""
         d, t, v = w.s.d, Tiles(), w.vec
         for group in range(w.s.kv_block // 16):
+            if w.key_tiles is None:
+                first, stride = at(k_block, group * 16 * d * 2), const_i64(d * 2)
+            else:
+                first = llvm_d.load(ptr_type(), at(w.key_tiles, group * 16), alignment=8)
+                stride = llvm_load(i64(), at(w.key_tiles, group * 16 + 8))
             acc = t.zero()
             for step in range(d // 32):
-                keys = t.load(at(k_block, group * 16 * d * 2 + step * 64), d * 2)
+                keys = t.load(at(first, step * 64), stride)
                 acc = t.dot(acc, keys, t.load(at(q_base, step * 1024), 64))
             t.store(w.score_tile, 64, acc)
             rows = _transposed([v.load(at(w.score_tile, key * 64)) for key in range(16)])
@@ -233,9 +239,34 @@ class FmaStaging:
 
 class KeyRowsStaging(AmxStaging):
     """KeyRowsEngine's order: K [kv_block, d] as the rows are (copied; 8-bit caches widened), V
-    as AmxStaging interleaves it."""
+    as AmxStaging interleaves it. A bf16 cache's 16 keys whose rows lie at one stride (a page's
+    rows of a head, consecutive ragged rows) are not copied: the scores load them where they
+    are (``w.key_tiles``: each 16 keys' first row and stride)."""
 
     def keys(self, w: "_PassDispatch", group, rows: list[ir.Value]) -> None:
+        if w.key_tiles is None:
+            self._copied(w, group, rows)
+            return
+        slot = at(w.key_tiles, arith_d.muli(group, const_i64(16)))
+        addresses = [llvm_d.ptrtoint(i64(), row) for row in rows]
+        stride = arith_d.subi(addresses[1], addresses[0])
+        strided = arith_d.constant(ir.IntegerType.get_signless(1), 1)
+        for i, address in enumerate(addresses[2:], start=2):
+            expected = arith_d.addi(addresses[0], arith_d.muli(stride, const_i64(i)))
+            strided = arith_d.andi(strided, arith_d.cmpi(arith_d.CmpIPredicate.eq, address, expected))
+        branch = scf_d.IfOp(strided, [], has_else=True)
+        with ir.InsertionPoint(branch.then_block):
+            llvm_d.store(rows[0], slot, alignment=8)
+            llvm_store(stride, at(slot, 8))
+            scf_d.YieldOp([])
+        with ir.InsertionPoint(branch.else_block):
+            self._copied(w, group, rows)
+            llvm_d.store(at(w.k_stage, arith_d.muli(group, const_i64(16 * w.s.d * 2))), slot, alignment=8)
+            llvm_store(const_i64(w.s.d * 2), at(slot, 8))
+            scf_d.YieldOp([])
+
+    @staticmethod
+    def _copied(w: "_PassDispatch", group, rows: list[ir.Value]) -> None:
         d, lanes = w.s.d, ir.VectorType.get([16], i32())
         group_at = at(w.k_stage, arith_d.muli(group, const_i64(16 * d * 2)))
         for i, row in enumerate(rows):
@@ -262,6 +293,9 @@ class _PassDispatch(_Dispatch):
         self.staging = STAGING[type(engine)]()
         self.score_tile = stack_bytes(1024) if isinstance(engine, KeyRowsEngine) else None   # one S^T tile
         self.kv_format = kv_dtype_of(spec) if quantized_kv(spec) else None
+        # each 16 keys' rows in the cache (first, stride), for rows the cache holds in the operand dtype
+        in_cache = isinstance(engine, KeyRowsEngine) and self.kv_format is None and self.elem == engine.operand
+        self.key_tiles = stack_bytes(shapes.kv_block) if in_cache else None
         self.kv_bytes = 1 if self.kv_format else _bytes(self.elem)   # of a cache element
 
     def emit(self) -> None:
