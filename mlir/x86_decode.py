@@ -54,9 +54,9 @@ KEY_ROWS_UP_TO = 16
 
 
 class KeyRowsEngine(AmxEngine):
-    """AMX products for a pass of at most 16 rows (a decode step's queries x G), its keys staged
-    as rows (a copy, no transposes): the scores transposed, S^T [16 keys, 16 rows] = K . Q^T, with
-    16 keys' rows as an A tile and the workgroup's queries as one B tile per 32 dims (its q rows,
+    """AMX products for a pass of at most 16 rows (a decode step's queries x G), its keys read as
+    rows (where the cache holds them, or a copy; no transposes: :class:`KeyRowsStaging`): the
+    scores transposed, S^T [16 keys, 16 rows] = K . Q^T, with 16 keys' rows as an A tile and the workgroup's queries as one B tile per 32 dims (its q rows,
     copied as A tiles, transposed in place once as 32-bit pairs: :meth:`prepare_queries`); each
     S^T tile goes through a 16 x 16 transpose into the rows' scores. P.V: one row tile of probs
     against AmxEngine's value tiles."""
