@@ -135,6 +135,14 @@ def const_i32(value: int) -> ir.Value:
     return arith_d.constant(i32(), value)
 
 
+def const_int(type_: ir.Type, value: int) -> ir.Value:
+    """An integer constant of ``type_``, splat where it is a vector type."""
+    if isinstance(type_, ir.VectorType):
+        return arith_d.constant(type_, ir.DenseElementsAttr.get_splat(type_, ir.IntegerAttr.get(type_.element_type,
+                                                                                                  value)))
+    return arith_d.constant(type_, value)
+
+
 def to_index(value: IndexLike) -> ir.Value:
     """An index Value from a Python int, an index Value, or an i32 Value."""
     if isinstance(value, int):

@@ -28,8 +28,8 @@ from typing import Callable
 
 from .dtypes import ir_dtype, kv_dtype_of
 from .ir import (
-    DYN, HostReadable, affine_map, arith_d, const_index, dim, element_type, empty, extract_slice, f32, fill, generic,
-    ir, linalg_d, lt, narrowed, scf_d, sizes_of, storage_tiles, tensor_d, tensor_type, tie_dims, widened,
+    DYN, HostReadable, affine_map, arith_d, const_index, const_int, dim, element_type, empty, extract_slice, f32, fill,
+    generic, ir, linalg_d, lt, narrowed, scf_d, sizes_of, storage_tiles, tensor_d, tensor_type, tie_dims, widened,
 )
 from .paging import clamped_page, gather_rows, index_at, page_bounds, page_table, physical_row, read_element
 
@@ -240,14 +240,6 @@ EIGHT_BIT_FORMATS = {"float8_e4m3fn": (3, 7), "float8_e5m2": (2, 15), "float8_e4
 THROUGH_F16 = ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz")
 
 
-def _int_constant(type_: ir.Type, value: int) -> ir.Value:
-    """An integer constant of ``type_``, splat where it is a vector type."""
-    if isinstance(type_, ir.VectorType):
-        return arith_d.constant(type_, ir.DenseElementsAttr.get_splat(type_, ir.IntegerAttr.get(type_.element_type,
-                                                                                                  value)))
-    return arith_d.constant(type_, value)
-
-
 def f16_bits(byte: ir.Value, kv_dtype: str) -> ir.Value:
     """The float16 bits (i16, or a vector of them for a vector of bytes) whose value is the 8-bit
     float ``byte`` (i8) of format ``kv_dtype`` (one of THROUGH_F16) times 2^(bias - 15): its
@@ -260,10 +252,10 @@ def f16_bits(byte: ir.Value, kv_dtype: str) -> ir.Value:
     halves = ir.VectorType.get(ir.VectorType(byte.type).shape, i16) if isinstance(byte.type, ir.VectorType) else i16
     shift = 10 - mantissa
     if shift == 8:  # e5m2: x is a float16's high byte
-        return arith_d.shli(arith_d.extui(halves, byte), _int_constant(halves, 8))
+        return arith_d.shli(arith_d.extui(halves, byte), const_int(halves, 8))
     # the sign extension carries x's sign to bit 15; the mask keeps it and the 7 field bits
-    return arith_d.andi(arith_d.shli(arith_d.extsi(halves, byte), _int_constant(halves, shift)),
-                        _int_constant(halves, -0x8000 | 0x7F << shift))
+    return arith_d.andi(arith_d.shli(arith_d.extsi(halves, byte), const_int(halves, shift)),
+                        const_int(halves, -0x8000 | 0x7F << shift))
 
 
 def _format_of(x: ir.Value) -> str:

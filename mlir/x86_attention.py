@@ -1,8 +1,9 @@
 """The x86 lowering of the dense sequence prefill: one hand-written dispatch per call runs the whole
 online softmax, Q.K^T and P.V in an engine per dtype (bf16: AMX tiles, :class:`AmxEngine`; f32
 and f16: AVX-512 FMA register blocks, :class:`FmaEngine`, f16 widened as it is copied and
-packed) and the softmax in f32 vector code (mlir/amx.py: ``Vec``; a soft cap applied to each score block first), fed by
-K and V packed into the engine's order once per call by linalg generics. The KV-cache kernels
+packed) and the softmax in f32 vector code (mlir/amx.py: ``Vec``; a soft cap applied to each
+score block first), fed by K and V packed into the engine's order once per call by linalg
+generics. The KV-cache kernels
 (mlir/x86_kv_cache.py) and serving passes (mlir/x86_decode.py) run the same dispatch body.
 IREE 3.13's llvm-cpu codegen emits no AMX and runs f32 contractions load-bound (docs/performance.md,
 the x86 lowering), so the backend record picks this lowering on Intel Xeons with AMX
@@ -44,8 +45,8 @@ import numpy as np
 
 from .amx import Tiles, Vec, as_i64, at, binding_pointer, ceil_div_i64, const_i64, i32, i64, stack_bytes
 from .ir import (
-    DYN, affine_map, arith_d, builtin_d, ceil_div, const_f32, const_index, dim, element_type, empty, f32, flow_d,
-    func_d, generic, ir, linalg_d, llvm_d, math_d, scf_d, stream_d, tensor_d, tensor_type, vector_d,
+    DYN, affine_map, arith_d, builtin_d, ceil_div, const_f32, const_index, const_int, dim, element_type, empty, f32,
+    flow_d, func_d, generic, ir, linalg_d, llvm_d, math_d, scf_d, stream_d, tensor_d, tensor_type, vector_d,
 )
 from .abi import function_module
 from .kv_layouts import DENSE
@@ -548,7 +549,7 @@ class _Dispatch:
         s, v = self.s, self.vec
         chunks = s.d * _bytes(self.engine.operand) // 64
         bits = ir.VectorType.get([16], i32())
-        zero = arith_d.constant(bits, ir.DenseElementsAttr.get_splat(bits, ir.IntegerAttr.get(i32(), 0)))
+        zero = const_int(bits, 0)
 
         def row(r):
             global_row = arith_d.addi(first_row, r)

@@ -27,7 +27,7 @@ from .amx import Tiles, as_i64, at, ceil_div_i64, const_i64, i32, i64, ptr_type,
 from .decode import DECODE_PASSES, DecodeSpec, decode_module, merge_chunks
 from .dtypes import kv_dtype_of, quantized_kv
 from .ir import (
-    DYN, affine_map, arith_d, const_index, dim, empty, f32, flow_d, generic, ir, linalg_d, llvm_d, scf_d,
+    DYN, affine_map, arith_d, const_index, const_int, dim, empty, f32, flow_d, generic, ir, linalg_d, llvm_d, scf_d,
     stream_d, tensor_d, tensor_type, vector_d,
 )
 from .kv_layouts import EIGHT_BIT_FORMATS, THROUGH_F16, cache_layout, f16_bits
@@ -56,9 +56,10 @@ KEY_ROWS_UP_TO = 16
 class KeyRowsEngine(AmxEngine):
     """AMX products for a pass of at most 16 rows (a decode step's queries x G), its keys read as
     rows (where the cache holds them, or a copy; no transposes: :class:`KeyRowsStaging`): the
-    scores transposed, S^T [16 keys, 16 rows] = K . Q^T, with 16 keys' rows as an A tile and the workgroup's queries as one B tile per 32 dims (its q rows,
-    copied as A tiles, transposed in place once as 32-bit pairs: :meth:`prepare_queries`); each
-    S^T tile goes through a 16 x 16 transpose into the rows' scores. P.V: one row tile of probs
+    scores transposed, S^T [16 keys, 16 rows] = K . Q^T, with 16 keys' rows as an A tile and the
+    workgroup's queries as one B tile per 32 dims (its q rows, copied as A tiles, transposed in
+    place once as 32-bit pairs: :meth:`prepare_queries`); each S^T tile goes through a 16 x 16
+    transpose into the rows' scores. P.V: one row tile of probs
     against AmxEngine's value tiles."""
 
     ROWS = 16
@@ -157,9 +158,9 @@ def pass_blocks(spec: DecodeSpec) -> tuple[int, int]:
 
 def pass_unsupported(spec: DecodeSpec) -> str | None:
     """Why the x86 lowering has no serving pass for ``spec`` (None where it has): its variant's
-    x86 kernel's conditions (x86_kv_cache.kv_cache_unsupported: ragged and paged caches in bf16,
-    f32 or f16, one head dim of a multiple of 32, the KV-cache causal mask), and 8-bit KV widened
-    through float16 (THROUGH_F16), blocks within the stack budget."""
+    x86 kernel's conditions (x86_kv_cache.kv_cache_unsupported: ragged, paged and MLA caches in
+    bf16, f32 or f16, head dims of a multiple of 32, the KV-cache causal mask), and 8-bit KV
+    widened through float16 (THROUGH_F16), blocks within the stack budget."""
     base = spec.base
     why = kv_cache_unsupported(base)
     if why:
@@ -260,18 +261,19 @@ class KeyRowsStaging(AmxStaging):
             llvm_store(stride, at(slot, 8))
             scf_d.YieldOp([])
         with ir.InsertionPoint(branch.else_block):
-            self._copied(w, group, rows)
-            llvm_d.store(at(w.k_stage, arith_d.muli(group, const_i64(16 * w.s.d * 2))), slot, alignment=8)
+            llvm_d.store(self._copied(w, group, rows), slot, alignment=8)
             llvm_store(const_i64(w.s.d * 2), at(slot, 8))
             scf_d.YieldOp([])
 
     @staticmethod
-    def _copied(w: "_PassDispatch", group, rows: list[ir.Value]) -> None:
+    def _copied(w: "_PassDispatch", group, rows: list[ir.Value]) -> ir.Value:
+        """The 16 keys' ``rows`` copied into their place in k_stage, which is returned."""
         d, lanes = w.s.d, ir.VectorType.get([16], i32())
         group_at = at(w.k_stage, arith_d.muli(group, const_i64(16 * d * 2)))
         for i, row in enumerate(rows):
             for chunk in range(d // 32):
                 llvm_store(w.chunk(0, row, chunk, lanes), at(group_at, i * d * 2 + chunk * 64))
+        return group_at
 
 
 #: The staging of each engine's passes: f16 caches widen to f32 as they are staged (FmaEngine: these
@@ -285,8 +287,9 @@ class _PassDispatch(_Dispatch):
     def __init__(self, spec: DecodeSpec, shapes: KernelShapes, engine, pointers: dict, scalars: dict, sm_scale):
         super().__init__(shapes, engine, pointers, scalars)
         self.spec = spec
-        self.k_stage = stack_bytes(shapes.kv_block * shapes.d * _bytes(engine.operand))
-        self.v_stage = None if engine.values_in_place else stack_bytes(shapes.kv_block * shapes.d_v * _bytes(engine.operand))
+        stage_bytes = shapes.kv_block * _bytes(engine.operand)   # a column of a step's keys
+        self.k_stage = stack_bytes(stage_bytes * shapes.d)
+        self.v_stage = None if engine.values_in_place else stack_bytes(stage_bytes * shapes.d_v)
         self.zero_row = stack_bytes(shapes.d * _bytes(engine.operand))
         self.row_pointers = stack_bytes(2 * shapes.kv_block * 16)   # (K row, V row) of each key, two steps
         self.scale_log2 = arith_d.mulf(sm_scale, arith_d.constant(f32(), LOG2E))
@@ -365,14 +368,12 @@ class _PassDispatch(_Dispatch):
             return arith_d.extf(lanes, self.vec.load(at(row, chunk * 32), self.elem))
         if self.kv_format is None:
             return llvm_load(lanes, at(row, chunk * 64))
-        operand = _bytes(self.engine.operand)
-        if operand == 2:
+        if self.engine.operand == ir.BF16Type.get():   # 32 elements through the head's tables
             return vector_d.bitcast(lanes, self._looked_up(which, at(row, chunk * 32)))
-        per_chunk = 64 // operand
-        parts = [self._widened(which, at(row, chunk * per_chunk + 16 * part)) for part in range(per_chunk // 16)]
-        if operand == 4 and self.elem != self.engine.operand:   # f16: f16(f32(x) x scale), semantics §15
-            return arith_d.extf(lanes, arith_d.truncf(ir.VectorType.get([16], self.elem), parts[0]))
-        return parts[0]
+        wide = self._widened(which, at(row, chunk * 16))   # f32 operands: 16 elements
+        if self.elem != self.engine.operand:   # f16: f16(f32(x) x scale), semantics §15
+            return arith_d.extf(lanes, arith_d.truncf(ir.VectorType.get([16], self.elem), wide))
+        return wide
 
     def _bf16_table(self, which: int) -> tuple:
         """The K (``which`` 0) or V (1) table of bf16(f32(x) x the head's scale) for the 128
@@ -381,14 +382,13 @@ class _PassDispatch(_Dispatch):
         i8, i16 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(16)
         low, high = [], []
         for part in range(8):
-            magnitudes = arith_d.trunci(ir.VectorType.get([16], i8),
-                                        arith_d.addi(self.vec.iota(), self.vec.splat(arith_d.constant(i32(), 16 * part))))
+            lanes = self.vec.iota()
+            index = arith_d.addi(lanes, self.vec.splat(arith_d.constant(i32(), 16 * part)))
+            magnitudes = arith_d.trunci(ir.VectorType.get([16], i8), index)
             value = self.vec.narrow(self._scaled(which, magnitudes), ir.BF16Type.get())
             bits = vector_d.bitcast(ir.VectorType.get([16], i16), value)
             low.append(arith_d.trunci(ir.VectorType.get([16], i8), bits))
-            high.append(arith_d.trunci(ir.VectorType.get([16], i8),
-                                       arith_d.shrui(bits, arith_d.constant(bits.type, ir.DenseElementsAttr.get_splat(
-                                           bits.type, ir.IntegerAttr.get(i16, 8))))))
+            high.append(arith_d.trunci(ir.VectorType.get([16], i8), arith_d.shrui(bits, const_int(bits.type, 8))))
 
         def halves(parts):
             pairs = [vector_d.shuffle(parts[i], parts[i + 1], list(range(32))) for i in range(0, 8, 2)]
@@ -412,8 +412,7 @@ class _PassDispatch(_Dispatch):
                                          [], [])
 
         low_table, high_table = self.tables[which]
-        sign = arith_d.andi(index, arith_d.constant(bytes64, ir.DenseElementsAttr.get_splat(
-            bytes64, ir.IntegerAttr.get(i8, -0x80))))
+        sign = arith_d.andi(index, const_int(bytes64, -0x80))
         low, high = lookup(low_table), arith_d.xori(lookup(high_table), sign)
         return vector_d.shuffle(low, high, [i // 2 + (64 if i % 2 else 0) for i in range(64)])
 
