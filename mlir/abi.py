@@ -13,6 +13,7 @@ cache takes ``k_scale, v_scale [h_kv]`` after its table's arguments (semantics Â
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Callable, Union
@@ -70,7 +71,9 @@ SINKS = Arg("sinks", "f32", ("h_q",))
 KV_SCALES = (Arg("k_scale", "scale", ("h_kv",)), Arg("v_scale", "scale", ("h_kv",)))
 
 
+@functools.cache
 def arguments(spec) -> tuple[Arg, ...]:
+    """The variant's argument table (kept per spec: a serving call reads it several times)."""
     try:
         table = ARGUMENTS[type(spec)]
     except KeyError:

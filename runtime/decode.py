@@ -209,6 +209,7 @@ class DecodeSchedule:
 def decode_schedule(spec, args: tuple, decode_passes: DecodePasses) -> DecodeSchedule | None:
     """The schedule of a KV-cache call (``args`` checked, in the seed's order), or None when no
     entry takes a pass."""
+    args = tuple(on_host(value) if arg.kind == "index" else value for arg, value in zip(arguments(spec), args))
     passes = pass_queries(spec, args, decode_passes)
     if not passes.any():
         return None
@@ -258,8 +259,11 @@ def _pass_calls(spec, args: tuple, passes: np.ndarray, decode_passes: DecodePass
     causal = int(named["causal"]) == 1
     calls = []
     for queries in decode_passes.queries:
+        taking = np.flatnonzero(passes == queries)
+        if not len(taking):
+            continue
         pass_spec = DecodeSpec(spec, queries)
-        entries, first, counts, visible = _pieces(np.flatnonzero(passes == queries), kv_lens, qo_lens, causal, queries)
+        entries, first, counts, visible = _pieces(taking, kv_lens, qo_lens, causal, queries)
         # a piece's table holds the keys it sees (with a sliding window all of its entry's: the
         # logical rows it sees are not a prefix of its table)
         table_lens = kv_lens[entries] if pass_spec.sliding_window else np.maximum(visible, 1)

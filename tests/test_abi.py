@@ -171,8 +171,9 @@ def test_a_permuted_table_is_read_by_name_everywhere(monkeypatch, cache, request
         return tuple(original)
 
     monkeypatch.setitem(ARGUMENTS, RaggedPrefillSpec, swapped)
-    keyed_ir.cache_clear()  # the permuted table's IR, not one built before (and none kept after)
-    request.addfinalizer(keyed_ir.cache_clear)
+    for memo in (arguments, keyed_ir):  # the permuted table and its IR, not ones kept before (or after)
+        memo.cache_clear()
+        request.addfinalizer(memo.cache_clear)
     assert argument_names(PERMUTED).index("k_rope_pos_offset") < argument_names(PERMUTED).index("q_rope_position")
     kernel = open_kernel(PERMUTED, cache=cache)
     want = reference_for(PERMUTED, tuple(named[name] for name in argument_names(PERMUTED)))
