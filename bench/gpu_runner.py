@@ -196,7 +196,7 @@ def _torch_seconds(meta, args, repeat: int):
         return None
     dtype = getattr(torch, meta["dtype"])
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    if meta["symbol"] == "decode_entries":
+    if meta["symbol"].startswith("decode_entries"):  # a serving pass (decode_entries, decode_entries_q4, ...)
         return _torch_serving_seconds(torch, dtype, meta["group"], args, repeat)
     if meta["symbol"] == "batch_sequence_prefill_kv":
         q, k, v = (torch.tensor(a.astype("float32")).to("cuda", dtype).transpose(1, 2) for a in args[:3])

@@ -109,7 +109,12 @@ class DecodeSpec:
     base: KvCacheSpec
     queries: int = 1
 
-    symbol = "decode_entries"
+    @property
+    def symbol(self) -> str:
+        """The entry point: ``decode_entries`` for one query, ``decode_entries_q4`` for 4, ...
+        (as the artifacts are named), distinct among a variant's passes so that a kernel and its
+        passes compile as one module (mlir/bundle.py)."""
+        return "decode_entries" if self.queries == 1 else f"decode_entries_q{self.queries}"
 
     # What the pass has as its variant has it (``d`` and ``page_size``: the variants that have them).
     dtype = _from_base("dtype")

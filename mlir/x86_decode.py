@@ -41,6 +41,15 @@ from .x86_kv_cache import kv_cache_unsupported
 
 _EXECUTABLE = "x86_serving_pass"
 _ENTRY = "stream_chunks"
+
+
+def dispatch_names(spec: DecodeSpec) -> tuple[str, str]:
+    """(executable, entry) of the pass's hand-written dispatch, named after its query count as
+    its symbol is (``x86_serving_pass::stream_chunks``, ``x86_serving_pass_q4::stream_chunks_q4``):
+    a variant's passes then share one module (mlir/bundle.py), where IREE links every entry of
+    the target into one library."""
+    suffix = spec.symbol.removeprefix("decode_entries")
+    return _EXECUTABLE + suffix, _ENTRY + suffix
 #: Index scalars of the dispatch, after its tensors: the table's dims, the first KV source's extent
 #: along its layout's ``extent_axis`` and the causal flag; then sm_scale (f32).
 _SCALARS = ("entries", "chunks", "per_chunk", "extent", "causal")
@@ -524,7 +533,7 @@ def _build_executable(spec: DecodeSpec, shapes: KernelShapes, engine, operand_ty
     results = [("products", [DYN, DYN, shapes.h_kv, spec.rows, shapes.d_v], f32()),
                ("state", [DYN, DYN, shapes.h_kv, spec.rows, 2], f32())]
     arg_types = [binding] * len(names) + [index] * (sum(dynamic) + len(_SCALARS)) + [f32()] + [binding] * len(results)
-    with hand_written_dispatch(_EXECUTABLE, _ENTRY, arg_types) as args:
+    with hand_written_dispatch(*dispatch_names(spec), arg_types) as args:
         bindings, rest = args[:len(names)], args[len(names):]
         dims, rest = rest[:sum(dynamic)], rest[sum(dynamic):]
         scalars, sm_scale, outs = rest[:len(_SCALARS)], rest[len(_SCALARS)], rest[len(_SCALARS) + 1:]
@@ -555,7 +564,7 @@ def _emit(spec: DecodeSpec, shapes: KernelShapes, anchor: ir.Operation, q, cache
     dyn = [dim(x, axis) for x, t in zip(tensors, types) for axis, size in enumerate(t.shape) if size == DYN]
     row_groups = -(-spec.rows // shapes.row_block)
     h, d = shapes.h_kv, shapes.d_v
-    entry = ir.ArrayAttr.get([ir.SymbolRefAttr.get([_EXECUTABLE, _ENTRY])])
+    entry = ir.ArrayAttr.get([ir.SymbolRefAttr.get(list(dispatch_names(spec)))])
     dispatch = flow_d.DispatchOp(
         [tensor_type([DYN, DYN, h, spec.rows, d], f32()), tensor_type([DYN, DYN, h, spec.rows, 2], f32())],
         [arith_d.muli(chunks, const_index(row_groups)), const_index(h), entries], entry,

@@ -11,6 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 from iree.compiler import tools as iree_tools
 from iree.compiler.version import VERSION as COMPILER_VERSION  # noqa: F401 (re-exported)
 
+from ..mlir.bundle import NotBundled, bundled
+from ..mlir.decode import DecodeSpec
 from .cache import ArtifactCache, default_cache
 from .quiet_logging import root_logger_left_alone
 from .targets import Target, target_for
@@ -54,6 +56,10 @@ def compile_specs(specs, backend: str | Target = "llvm-cpu", *, cache: ArtifactC
     results = {i: store.cached(spec, target, keyed_ir(spec, target)) for i, spec in enumerate(specs)}
     missing = [i for i, vmfb in results.items() if vmfb is None]  # each read once; these compile
     located = {i: tuned_ir(specs[i], target, locations=True) for i in missing}
+    if len(missing) > (os.cpu_count() or 1):  # more artifacts than cores: one run costs least (cached_bundle)
+        built = cached_bundle([specs[i] for i in missing], target, store, [located[i] for i in missing])
+        results.update(zip(missing, (vmfb for vmfb, _ in built)))
+        return [results[i] for i in range(len(specs))]
 
     def build(i: int) -> bytes:
         return cached_build(specs[i], target, store, located[i])[0]
@@ -61,6 +67,53 @@ def compile_specs(specs, backend: str | Target = "llvm-cpu", *, cache: ArtifactC
     with ThreadPoolExecutor(max_workers=max(1, min(len(missing), os.cpu_count() or 1))) as pool:
         results.update(zip(missing, pool.map(build, missing)))
     return [results[i] for i in range(len(specs))]
+
+
+def cached_bundle(specs, target: Target, cache: ArtifactCache, located: list | None = None) -> list[tuple[bytes, bool]]:
+    """(vmfb bytes, whether IREE ran) for each of ``specs`` on ``target`` through ``cache``, those
+    missing compiled as one module (mlir/bundle.py: a kernel and its passes in one iree-compile
+    run, about two thirds of the CPU time of one run each), whose vmfb each of them then keeps.
+    Where they cannot share a module, or the bundle fails to compile, each compiles alone (a
+    CompileError then names its spec). ``located``: their IR with locations, where built."""
+    keys = [keyed_ir(spec, target) for spec in specs]
+    vmfbs = [cache.cached(spec, target, key) for spec, key in zip(specs, keys)]
+    missing = [i for i, vmfb in enumerate(vmfbs) if vmfb is None]
+    built, bundle = {}, {}
+    if len(missing) > 1:
+        def build() -> bytes:   # under the first missing member's lock: another process waits for it
+            texts = [located[i] if located else tuned_ir(specs[i], target, locations=True) for i in missing]
+            bundle["vmfb"] = compile_ir(bundled(texts), target, " + ".join(specs[i].name for i in missing))
+            return bundle["vmfb"]
+
+        try:
+            first = cache.get_or_build(specs[missing[0]], target, keys[missing[0]], build)
+        except (NotBundled, CompileError) as err:
+            log.info("compiling %d specs one by one (%s)", len(missing), str(err).splitlines()[0])
+        else:
+            built[missing[0]] = first
+            if "vmfb" in bundle:  # compiled here (else another process did, and stores the others)
+                built.update({i: cache.get_or_build(specs[i], target, keys[i], lambda: bundle["vmfb"])
+                              for i in missing[1:]})
+    results = []
+    for i, spec in enumerate(specs):
+        if i in built:
+            results.append((built[i], "vmfb" in bundle))
+        elif vmfbs[i] is not None:
+            results.append((vmfbs[i], False))
+        else:
+            results.append(cached_build(spec, target, cache, located[i] if located else None))
+    return results
+
+
+def bundle_tasks(tasks) -> list[tuple[Target, list]]:
+    """``tasks`` ((spec, target) pairs) as (target, specs) groups that compile together
+    (:func:`cached_bundle`): a kernel with its serving passes (DecodeSpec of it), in the order
+    the pairs first appear; every other spec alone."""
+    groups: dict = {}
+    for spec, target in tasks:
+        target = target_for(target)
+        groups.setdefault((getattr(spec, "base", spec) if isinstance(spec, DecodeSpec) else spec, target), []).append(spec)
+    return [(target, list(dict.fromkeys(specs))) for (_, target), specs in groups.items()]
 
 
 def cached_build(spec, target: Target, cache: ArtifactCache, located: str | None = None) -> tuple[bytes, bool]:

@@ -63,7 +63,7 @@ from xdist.scheduler import LoadGroupScheduling
 from linalg_prefill.mlir.decode import DecodeSpec
 from linalg_prefill.pipeline import ArtifactCache, CompileError, Target, compiler, target_for
 from linalg_prefill.pipeline.artifacts import CacheFill, fill_cache
-from linalg_prefill.pipeline.compiler import cached_build
+from linalg_prefill.pipeline.compiler import bundle_tasks, cached_bundle
 from linalg_prefill.pipeline.targets import BACKENDS as TARGET_BACKENDS, LOWERINGS
 from linalg_prefill.runtime import examples, kernels
 from linalg_prefill.distributed import pin_rank_threads, rank_cpus
@@ -454,19 +454,21 @@ def prebuilt(request, cache):
 
 def _fill_share(tasks, cache: ArtifactCache, worker: int, workers: int):
     """One xdist worker's part of the pre-build, in this process: its share (every ``workers``-th
-    task), then the others' from the end (compiled here if nobody has started them yet)."""
+    bundle: a kernel with its passes, compiled as one module), then the others' from the end
+    (compiled here if nobody has started them yet)."""
     start = time.perf_counter()
     allowed = os.sched_getaffinity(0)
     os.sched_setaffinity(0, rank_cpus(worker, workers))  # its compiles, one at a time, on its CPUs (pytest_configure)
-    own = tasks[worker::workers]
-    rest = [task for i, task in enumerate(tasks) if i % workers != worker][::-1]
+    bundles = bundle_tasks(tasks)
+    own = bundles[worker::workers]
+    rest = [bundle for i, bundle in enumerate(bundles) if i % workers != worker][::-1]
     compiled = 0
     try:
-        for spec, target in own + rest:
+        for target, specs in own + rest:
             try:
-                compiled += cached_build(spec, target, cache)[1]
+                compiled += sum(ran for _, ran in cached_bundle(specs, target, cache))
             except CompileError as err:
-                warnings.warn(f"pre-build of {spec.name} for {target.tag}: {err}")
+                warnings.warn(f"pre-build of {', '.join(spec.name for spec in specs)} for {target.tag}: {err}")
     finally:
         os.sched_setaffinity(0, allowed)
     return CacheFill(compiled, len(tasks) - compiled, time.perf_counter() - start)

@@ -77,7 +77,7 @@ def test_passes_without_an_x86_kernel_keep_the_linalg_lowering(base, why):
 
 def test_the_pass_ir_gathers_with_prefetches_and_runs_tiles_for_bf16_only():
     bf16 = tuned_ir(DecodeSpec(SPECS["paged-hnd-bf16-gqa4"], 4), AMX_CPU)
-    assert "flow.dispatch @x86_serving_pass::@stream_chunks" in bf16
+    assert "flow.dispatch @x86_serving_pass_q4::@stream_chunks_q4" in bf16   # named as its pass (mlir/bundle.py)
     assert "llvm.x86.tdpbf16ps.internal" in bf16 and "llvm.intr.prefetch" in bf16
     # 1 query x G 4 = 4 rows and 4 x 4 = 16: one row tile, the keys as A tiles of their rows
     # (where the cache holds 16 of them at one stride, else staged); 16 queries x 4 = 64 rows:

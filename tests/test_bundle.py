@@ -1,0 +1,73 @@
+"""A kernel and its serving passes compiled as one module (mlir/bundle.py, pipeline/compiler.py:
+cached_bundle): the module keeps every member's function, the vmfb serves each member, and the
+calls that take the passes match the reference."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from linalg_prefill.mlir import PagedPrefillSpec
+from linalg_prefill.mlir.bundle import NotBundled, bundled
+from linalg_prefill.mlir.decode import DecodeSpec
+from linalg_prefill.pipeline import ArtifactCache, Target
+from linalg_prefill.pipeline.compiler import bundle_tasks, cached_bundle, keyed_ir
+from linalg_prefill.pipeline.tuning import tuned_ir
+from linalg_prefill.runtime import open_kernel
+from linalg_prefill.runtime.kernels import passes_at_open
+
+from support import assert_matches_reference, with_arguments
+from linalg_prefill.runtime.examples import example_inputs
+
+KERNEL = PagedPrefillSpec(8, 2, 32, "float32", page_size=8)
+PASSES = [DecodeSpec(KERNEL, queries) for queries in (1, 4)]
+#: An AMX CPU's lowering (the x86 passes, whose hand-written dispatches must not clash) and the
+#: linalg one, whatever this machine is.
+TARGETS = [Target("llvm-cpu", "sapphirerapids"), Target("llvm-cpu", "znver4")]
+
+
+def _public_functions(text: str) -> list[str]:
+    return re.findall(r"func\.func @(\w+)\(", text) + re.findall(r"util\.func public @(\w+)\(", text)
+
+
+@pytest.mark.parametrize("target", TARGETS, ids=lambda t: t.arch)
+def test_the_bundle_keeps_every_members_function_and_renames_the_symbols_they_share(target):
+    texts = [tuned_ir(spec, target) for spec in (KERNEL, *PASSES)]
+    text = bundled(texts)
+    for symbol in ("batch_prefill_paged_kv", "decode_entries", "decode_entries_q4"):
+        assert re.search(rf"func\.func @{symbol}\(", text), symbol
+    # every top-level symbol once: a second member's private symbol of a taken name is renamed
+    top_level = re.findall(r"^  (?:stream\.executable|func\.func|util\.func|util\.global)\s+(?:\w+ )*@(\w+)",
+                           text, flags=re.MULTILINE)
+    assert len(top_level) == len(set(top_level)) and len(top_level) >= 3
+
+
+def test_two_public_functions_of_one_name_are_not_bundled():
+    text = tuned_ir(KERNEL, TARGETS[1])
+    with pytest.raises(NotBundled, match="batch_prefill_paged_kv"):
+        bundled([text, text])
+
+
+def test_tasks_group_a_kernel_with_its_passes_per_target():
+    other = PagedPrefillSpec(8, 2, 32, "float16", page_size=8)
+    cpu, fused = TARGETS[1], Target("llvm-cpu", "znver4", lowering="fused")
+    tasks = [(PASSES[0], cpu), (other, cpu), (KERNEL, cpu), (PASSES[1], cpu), (KERNEL, fused)]
+    assert bundle_tasks(tasks) == [(cpu, [PASSES[0], KERNEL, PASSES[1]]), (cpu, [other]), (fused, [KERNEL])]
+
+
+def test_a_bundle_serves_the_kernel_and_its_passes(tmp_path):
+    """The kernel and the passes it opens with, compiled as one module into an empty cache: one
+    vmfb for all, and a batch whose entries take the passes and the kernel (1, 3 and 20 queries)
+    matches the reference."""
+    cache, target = ArtifactCache(tmp_path / "artifacts"), Target("llvm-cpu")
+    members = [KERNEL, *passes_at_open(KERNEL, target)]
+    built = cached_bundle(members, target, cache)
+    assert len(members) >= 3 and all(ran for _, ran in built) and len({vmfb for vmfb, _ in built}) == 1
+    assert [cache.cached(spec, target, keyed_ir(spec, target)) for spec in members] == [built[0][0]] * len(members)
+    kernel = open_kernel(KERNEL, target, cache=cache, serving_passes=[spec.queries for spec in members[1:]])
+    assert kernel.serving_passes == tuple(spec.queries for spec in members[1:])
+    args = example_inputs(KERNEL, np.random.default_rng(3), [(1, 40), (3, 77), (20, 20)])
+    call = with_arguments(KERNEL, args, causal=1)
+    assert_matches_reference("bundle", kernel(*call), KERNEL, call)
