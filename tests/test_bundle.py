@@ -53,7 +53,7 @@ def test_two_public_functions_of_one_name_are_not_bundled():
 def test_tasks_group_a_kernel_with_its_passes_per_target():
     other = PagedPrefillSpec(8, 2, 32, "float16", page_size=8)
     cpu, fused = TARGETS[1], Target("llvm-cpu", "znver4", lowering="fused")
-    tasks = [(PASSES[0], cpu), (other, cpu), (KERNEL, cpu), (PASSES[1], cpu), (KERNEL, fused)]
+    tasks = [(PASSES[0], cpu), (other, cpu), (KERNEL, cpu), (PASSES[1], cpu), (KERNEL, fused), (PASSES[0], cpu)]
     assert bundle_tasks(tasks) == [(cpu, [PASSES[0], KERNEL, PASSES[1]]), (cpu, [other]), (fused, [KERNEL])]
 
 
