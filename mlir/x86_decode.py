@@ -42,6 +42,12 @@ from .x86_kv_cache import kv_cache_unsupported
 _EXECUTABLE = "x86_serving_pass"
 _ENTRY = "stream_chunks"
 
+#: Index scalars of the dispatch, after its tensors: the table's dims, the first KV source's extent
+#: along its layout's ``extent_axis`` and the causal flag; then sm_scale (f32).
+_SCALARS = ("entries", "chunks", "per_chunk", "extent", "causal")
+#: Keys of a KV step.
+PASS_KV_BLOCK = 64
+
 
 def dispatch_names(spec: DecodeSpec) -> tuple[str, str]:
     """(executable, entry) of the pass's hand-written dispatch, named after its query count as
@@ -50,11 +56,6 @@ def dispatch_names(spec: DecodeSpec) -> tuple[str, str]:
     the target into one library."""
     suffix = spec.symbol.removeprefix("decode_entries")
     return _EXECUTABLE + suffix, _ENTRY + suffix
-#: Index scalars of the dispatch, after its tensors: the table's dims, the first KV source's extent
-#: along its layout's ``extent_axis`` and the causal flag; then sm_scale (f32).
-_SCALARS = ("entries", "chunks", "per_chunk", "extent", "causal")
-#: Keys of a KV step.
-PASS_KV_BLOCK = 64
 
 
 #: A bf16 pass of at most this many rows (queries x G) runs KeyRowsEngine (one row tile) rather

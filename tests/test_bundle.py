@@ -16,20 +16,16 @@ from linalg_prefill.pipeline import ArtifactCache, Target
 from linalg_prefill.pipeline.compiler import bundle_tasks, cached_bundle, keyed_ir
 from linalg_prefill.pipeline.tuning import tuned_ir
 from linalg_prefill.runtime import open_kernel
+from linalg_prefill.runtime.examples import example_inputs
 from linalg_prefill.runtime.kernels import passes_at_open
 
 from support import assert_matches_reference, with_arguments
-from linalg_prefill.runtime.examples import example_inputs
 
 KERNEL = PagedPrefillSpec(8, 2, 32, "float32", page_size=8)
 PASSES = [DecodeSpec(KERNEL, queries) for queries in (1, 4)]
 #: An AMX CPU's lowering (the x86 passes, whose hand-written dispatches must not clash) and the
 #: linalg one, whatever this machine is.
 TARGETS = [Target("llvm-cpu", "sapphirerapids"), Target("llvm-cpu", "znver4")]
-
-
-def _public_functions(text: str) -> list[str]:
-    return re.findall(r"func\.func @(\w+)\(", text) + re.findall(r"util\.func public @(\w+)\(", text)
 
 
 @pytest.mark.parametrize("target", TARGETS, ids=lambda t: t.arch)
