@@ -55,6 +55,7 @@ import subprocess
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -174,6 +175,19 @@ def pytest_runtest_setup(item):
 def pytest_unconfigure(config):
     compiler.compile_ir = _PREBUILD["compile_ir"]
     compiler.cached_build = _PREBUILD["cached_build"]
+    _release_kernels()
+
+
+def _release_kernels() -> None:
+    """Drops the kernels the tests kept (support's memo, the malformed catalogue's) and the
+    library's shared ones before the interpreter tears IREE's module down, so that a test run
+    ends without nanobind's "leaked" reports (as a script does: runtime.kernels.release_shared)."""
+    support._KERNELS.clear()
+    catalogue = sys.modules.get("malformed_catalogue")
+    if catalogue is not None:
+        catalogue._KERNELS.clear()
+        catalogue._WRAPPED.clear()
+    kernels.release_shared()
 
 
 @pytest.hookimpl(trylast=True)
@@ -433,7 +447,7 @@ def cache(request, tmp_path_factory) -> ArtifactCache:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def prebuilt(request, cache):
+def prebuilt(request, cache, tmp_path_factory):
     """The session's cache as the environment's, filled with every declared spec (module docstring)."""
     os.environ["LINALG_PREFILL_CACHE_DIR"] = str(cache.root)
     tasks = _PREBUILD["tasks"]
@@ -443,7 +457,8 @@ def prebuilt(request, cache):
     try:
         worker = xdist_worker(request.config)
         if worker:
-            _PREBUILD["result"] = _fill_share(tasks, cache, *worker)
+            claims = tmp_path_factory.getbasetemp().parent / "prebuild-claims"  # the run's, shared by its workers
+            _PREBUILD["result"] = _fill_share(tasks, cache, claims, *worker)
         else:
             _PREBUILD["result"] = fill_cache(tasks, cache=cache, progress=False)
     except CompileError as err:  # the tests that need these compile them again and fail there
@@ -452,26 +467,34 @@ def prebuilt(request, cache):
         _PREBUILD["running"] = False
 
 
-def _fill_share(tasks, cache: ArtifactCache, worker: int, workers: int):
+def _fill_share(tasks, cache: ArtifactCache, claims: Path, worker: int, workers: int):
     """One xdist worker's part of the pre-build, in this process: its share (every ``workers``-th
-    bundle: a kernel with its passes, compiled as one module), then the others' from the end
-    (compiled here if nobody has started them yet)."""
+    bundle: a kernel with its passes, compiled as one module), then the others' from the end.
+    A worker claims a bundle before it builds its IR (a file named by the bundle's index in
+    ``claims``, created exclusively) and passes over one another worker has claimed: it neither
+    builds that bundle's IR again to look it up in the cache nor waits on a compile in progress."""
     start = time.perf_counter()
     allowed = os.sched_getaffinity(0)
     os.sched_setaffinity(0, rank_cpus(worker, workers))  # its compiles, one at a time, on its CPUs (pytest_configure)
-    bundles = bundle_tasks(tasks)
+    claims.mkdir(exist_ok=True)
+    bundles = list(enumerate(bundle_tasks(tasks)))
     own = bundles[worker::workers]
-    rest = [bundle for i, bundle in enumerate(bundles) if i % workers != worker][::-1]
-    compiled = 0
+    rest = [bundle for bundle in bundles if bundle[0] % workers != worker][::-1]
+    compiled = taken = 0
     try:
-        for target, specs in own + rest:
+        for index, (target, specs) in own + rest:
+            try:
+                os.close(os.open(claims / str(index), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                continue
+            taken += len(specs)
             try:
                 compiled += sum(ran for _, ran in cached_bundle(specs, target, cache))
             except CompileError as err:
                 warnings.warn(f"pre-build of {', '.join(spec.name for spec in specs)} for {target.tag}: {err}")
     finally:
         os.sched_setaffinity(0, allowed)
-    return CacheFill(compiled, len(tasks) - compiled, time.perf_counter() - start)
+    return CacheFill(compiled, taken - compiled, time.perf_counter() - start)
 
 
 def uniform(rng: np.random.Generator, shape, dtype: str) -> np.ndarray:

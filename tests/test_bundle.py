@@ -53,6 +53,27 @@ def test_tasks_group_a_kernel_with_its_passes_per_target():
     assert bundle_tasks(tasks) == [(cpu, [PASSES[0], KERNEL, PASSES[1]]), (cpu, [other]), (fused, [KERNEL])]
 
 
+def test_the_workers_shares_build_each_bundle_once(tmp_path, monkeypatch):
+    """tests/conftest.py's pre-build: each worker claims a bundle before it builds it, so two
+    workers build every bundle once between them, and a bundle claimed already (by a worker
+    still compiling it) is passed over, not built or waited for."""
+    import conftest
+
+    built = []
+    monkeypatch.setattr(conftest, "cached_bundle",
+                        lambda specs, target, cache: built.append(specs[0]) or [(b"", True)] * len(specs))
+    other = PagedPrefillSpec(8, 2, 32, "float16", page_size=8)
+    cpu = TARGETS[1]
+    tasks = [(KERNEL, cpu), (PASSES[0], cpu), (other, cpu), (KERNEL, Target("llvm-cpu", "znver3"))]
+    claims = tmp_path / "claims"
+    claims.mkdir()
+    (claims / "1").touch()  # the bundle of `other`, claimed by a worker that is compiling it
+    first = conftest._fill_share(tasks, ArtifactCache(tmp_path / "cache"), claims, 0, 2)
+    second = conftest._fill_share(tasks, ArtifactCache(tmp_path / "cache"), claims, 1, 2)
+    assert built == [KERNEL, KERNEL]  # bundles 0 and 2, worker 0's share; 1 claimed before; none left for worker 1
+    assert (first.compiled, second.compiled) == (3, 0)
+
+
 def test_a_bundle_serves_the_kernel_and_its_passes(tmp_path):
     """The kernel and the passes it opens with, compiled as one module into an empty cache: one
     vmfb for all, and a batch whose entries take the passes and the kernel (1, 3 and 20 queries)
