@@ -2,12 +2,16 @@
 linalg_prefill vs sdpa vs eager, in the same run.
 
     python bench/hf_decode.py [--cached 2048] [--steps 16] [--dtypes float32,bfloat16] [--batch 1]
-        [--cache dynamic|fp8]
+        [--cache dynamic|fp8|inplace]
 
 ``--cache fp8``: transformers' 8-bit cache (``QuantizedCache("fp8")``: e4m3 states, one scale per
 tensor) for sdpa and eager, which it dequantises whole every step, and ``hf.Fp8KvCache`` (the
 same cache, its decode steps read in place) for linalg_prefill; the step time is the comparison
-(transformers' dequantisation runs in its cache update, outside the attention).
+(transformers' dequantisation runs in its cache update, outside the attention). ``--cache
+inplace``: ``hf.KvCache`` (a DynamicCache whose steps write their keys into buffers with room,
+linalg_prefill/hf_cache.py) for linalg_prefill, transformers' DynamicCache (what ``generate``
+makes) for sdpa and eager, and sdpa on a KvCache too (``sdpa+KvCache``: the same cache under
+torch's attention, which reads its views as they lie).
 
 A Llama-3-8B-shaped model cut to 2 layers (hidden 4096, 32 query / 8 KV heads, head dim 128) with
 a thin MLP (1024) and a 4096-token vocabulary, random weights: attention and its cache dominate a
@@ -64,10 +68,13 @@ def register_timed() -> dict:
 
 
 def new_cache(label: str, kind: str, config):
-    """The cache ``label``'s implementation decodes over: DynamicCache, or an 8-bit one."""
-    if kind == "dynamic":
-        return transformers.DynamicCache(config=config)
-    return hf.Fp8KvCache(config) if label == "linalg_prefill" else transformers.QuantizedCache("fp8", config)
+    """The cache ``label``'s implementation decodes over: DynamicCache, an 8-bit one, or a
+    KvCache (for linalg_prefill and sdpa+KvCache under ``inplace``)."""
+    if kind == "fp8":
+        return hf.Fp8KvCache(config) if label == "linalg_prefill" else transformers.QuantizedCache("fp8", config)
+    if kind == "inplace" and label in ("linalg_prefill", "sdpa+KvCache"):
+        return hf.KvCache(config)
+    return transformers.DynamicCache(config=config)
 
 
 def decode(model, names: dict, prompt: torch.Tensor, steps: int, cache_kind: str = "dynamic") -> dict:
@@ -103,9 +110,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--cache", default="dynamic", choices=["dynamic", "fp8"])
+    parser.add_argument("--cache", default="dynamic", choices=["dynamic", "fp8", "inplace"])
     args = parser.parse_args()
     names = register_timed()
+    if args.cache == "inplace":
+        names = {"linalg_prefill": names["linalg_prefill"], "sdpa": names["sdpa"], "sdpa+KvCache": names["sdpa"],
+                 "eager": names["eager"]}
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads; "
           f"decode steps at {args.cached} cached, batch {args.batch}, {args.cache} cache, median of {args.steps}")
     print("dtype     impl            step_ms  attention_ms  step_ratio  attn_ratio  tokens_as_eager")

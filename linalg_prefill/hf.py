@@ -35,6 +35,10 @@ Which kernel runs (RoPE off: the model rotated q and k already):
   per-pair boolean mask): the ragged kernel with ``custom_mask`` (semantics §14), one entry per
   batch row whose mask block is that row's ``[S_q, S_kv]`` mask, over K/V copied token-major.
 
+:class:`KvCache` (linalg_prefill/hf_cache.py), a DynamicCache whose decode steps write their
+keys into buffers with room instead of copying the cache: the decode paths above read its views
+where they lie (the rows past the tokens an entry without queries).
+
 An 8-bit cache (:class:`Fp8KvCache`, transformers' fp8 ``QuantizedCache`` whose layers hand over
 their stored e4m3 states with the scale): the decode paths above read them in place (the ragged
 kernel with ``kv_dtype``, semantics §15); the others widen them first, as transformers does.
@@ -68,6 +72,7 @@ except ImportError:  # pragma: no cover - a transformers before its fp8 cache (5
 import numpy as np
 
 from . import hf_batching
+from .hf_cache import KvCache
 from .mlir import PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec
 from .mlir.specs import KV_DTYPES, SMALL_Q_TILE
 from .runtime import InputError
@@ -75,7 +80,7 @@ from .runtime.key_ranges import Entries, key_ranges, paged_arguments, plan_entri
 from .torch_ops import DTYPES, kernel_for
 
 __all__ = ["register", "attention", "attention_mask", "plan_call", "KernelCall", "kernel_for", "DEFAULT_NAME",
-           "Fp8KvCache"]
+           "Fp8KvCache", "KvCache"]
 
 DEFAULT_NAME = "linalg_prefill"
 #: Page size of the paged copy of K/V the masked path reads (a compile-time field of its kernel).
@@ -255,8 +260,8 @@ def _decode_call(query, key, value, causal: bool, scale: float, cap: float, sink
     cache per layer per step), one entry, the batch folded into the heads (:func:`_folded`), which
     the serving passes run."""
     _, _, q_len, _ = query.shape
-    spec, q, k, v, tail = _folded(query, key, value, cap, sinks)
-    args = _ragged_args(q, [0, q_len], k, v, [0, key.shape[2]], causal, scale, tail)
+    spec, q, k, v, rows, tail = _folded(query, key, value, cap, sinks)
+    args = _ragged_args(q, *_with_room([0, q_len], [0, key.shape[2]], rows), k, v, causal, scale, tail)
     return KernelCall(spec, args, (query.shape[0], q_len, query.shape[1], query.shape[3]))
 
 
@@ -268,7 +273,7 @@ def _hnd_spec(query, key, heads: int, kv_heads: int, cap: float, sinks) -> Ragge
                              head_sinks=sinks is not None, kv_order="hnd", kv_dtype=_EIGHT_BIT.get(key.dtype))
 
 
-def _ragged_args(q, q_indptr, k, v, kv_indptr, causal, scale: float, tail: tuple) -> tuple:
+def _ragged_args(q, q_indptr, kv_indptr, k, v, causal, scale: float, tail: tuple) -> tuple:
     """The ragged kernel's arguments in the seed's order with RoPE off (the model rotated q and
     k): query positions and key offsets 0, then ``tail`` (the 8-bit scales, the sinks)."""
     q_indptr, kv_indptr = np.array(q_indptr, np.int32), np.array(kv_indptr, np.int32)
@@ -277,19 +282,56 @@ def _ragged_args(q, q_indptr, k, v, kv_indptr, causal, scale: float, tail: tuple
 
 
 def _folded(query, key, value, cap: float, sinks) -> tuple:
-    """``(spec, q [S_q, B H_q, D], k, v [B H_kv, S_kv, D], tail)`` of a ragged HND call
-    over the batch's rows with the batch folded into the heads: query head ``b H_q + h`` is row
-    b's head h, and with G = H_q / H_kv it sees KV head ``(b H_q + h) / G = b H_kv + h / G``, row
-    b's own; K/V as the cache lies (a view where it is contiguous). B = 1 or S_q = 1, so that
-    q token-major ``[B, S_q, H_q, D]`` reads as ``[S_q, B H_q, D]``; ``tail``: the 8-bit scales
-    and the sinks, per folded head. One call for the batch, not one per row: a bf16 step of 4
-    sequences over 2048 cached keys spent 19 ms in attention, 4 calls a layer."""
+    """``(spec, q [S_q, B H_q, D], k, v [B H_kv, C, D], C, tail)`` of a ragged HND call over the
+    batch's rows with the batch folded into the heads: query head ``b H_q + h`` is row b's head
+    h, and with G = H_q / H_kv it sees KV head ``(b H_q + h) / G = b H_kv + h / G``, row b's own;
+    K/V as the cache lies (:func:`_head_rows`: C rows a head, C >= S_kv). B = 1 or S_q = 1, so
+    that q token-major ``[B, S_q, H_q, D]`` reads as ``[S_q, B H_q, D]``; ``tail``: the 8-bit
+    scales and the sinks, per folded head. One call for the batch, not one per row: a bf16 step
+    of 4 sequences over 2048 cached keys spent 19 ms in attention, 4 calls a layer."""
     batch, h_q, q_len, d = query.shape
-    heads, kv_heads, kv_len = batch * h_q, batch * key.shape[1], key.shape[2]
+    heads, kv_heads = batch * h_q, batch * key.shape[1]
     q = _token_major(query).view(q_len, heads, d)
-    k, v = (x.reshape(kv_heads, kv_len, d) for x in (key, value))
+    k, v, rows = _kv_rows(key, value)
     tail = (*_scales_arg(key, value, kv_heads), *_sinks_arg(None if sinks is None else np.tile(sinks, batch)))
-    return _hnd_spec(query, key, heads, kv_heads, cap, sinks), q, k, v, tail
+    return _hnd_spec(query, key, heads, kv_heads, cap, sinks), q, k, v, rows, tail
+
+
+def _kv_rows(key, value) -> tuple:
+    """``(k, v [B H_kv, C, D], C)``: :func:`_head_rows` of both, or copies of both's S_kv rows
+    where their rows a head differ."""
+    (k, rows), (v, value_rows) = _head_rows(key), _head_rows(value)
+    if value_rows == rows:
+        return k, v, rows
+    batch, heads, tokens, d = key.shape
+    return key.reshape(batch * heads, tokens, d), value.reshape(batch * heads, tokens, d), tokens
+
+
+def _head_rows(states) -> tuple:
+    """``(rows [N, C, D], C)`` of head-major ``states [B, H, S, D]`` (N = B H) in their own
+    memory: the states themselves where they are contiguous (C = S); the C rows a head of the
+    buffer ``[B, H, C, D]`` whose first S rows a head they are (a :class:`KvCache` layer's view,
+    or any such slice), read in place; else a copy (C = S)."""
+    batch, heads, tokens, d = states.shape
+    if states.is_contiguous():
+        return states.view(batch * heads, tokens, d), tokens
+    head_stride = states.stride()[1] if heads > 1 else states.stride()[0]
+    rows = head_stride // d
+    if (states.stride()[2:] == (d, 1) and head_stride == rows * d and rows >= tokens
+            and (batch == 1 or heads == 1 or states.stride()[0] == heads * head_stride)
+            and states.storage_offset() + batch * heads * head_stride
+            <= states.untyped_storage().nbytes() // states.element_size()):
+        return states.as_strided((batch * heads, rows, d), (head_stride, d, 1)), rows
+    return states.reshape(batch * heads, tokens, d), tokens
+
+
+def _with_room(q_indptr, kv_indptr, rows: int) -> tuple:
+    """``(q_indptr, kv_indptr)`` of a call whose K/V hold ``rows`` rows a head, past the entries'
+    ``kv_indptr[-1]``: the room (a :class:`KvCache` buffer's rows past its tokens) one more entry,
+    without queries (which no kernel reads)."""
+    if rows == kv_indptr[-1]:
+        return q_indptr, kv_indptr
+    return [*q_indptr, q_indptr[-1]], [*kv_indptr, rows]
 
 
 def _decode_rows_call(query, key, value, lo, hi, scale: float, cap: float, sinks) -> KernelCall:
@@ -301,14 +343,17 @@ def _decode_rows_call(query, key, value, lo, hi, scale: float, cap: float, sinks
     ``value[b] [H_kv, S_kv, D]`` (no copy)."""
     batch, h_q, _, d = query.shape
     if np.all(lo == lo[0]) and np.all(hi == hi[0]):
-        spec, q, k, v, tail = _folded(query, key, value, cap, sinks)
-        args = _ragged_args(q, [0, 0, 1], k, v, [0, lo[0], max(hi[0], lo[0])], True, scale, tail)
+        spec, q, k, v, rows, tail = _folded(query, key, value, cap, sinks)
+        args = _ragged_args(q, *_with_room([0, 0, 1], [0, lo[0], max(hi[0], lo[0])], rows), k, v, True, scale, tail)
         return KernelCall(spec, args, (batch, 1, h_q, d))
     h_kv = key.shape[1]
     q, tail = _token_major(query), (*_scales_arg(key, value, h_kv), *_sinks_arg(sinks))
-    rows = tuple(_ragged_args(q[b], [0, 0, 1], key[b], value[b], [0, lo[b], max(hi[b], lo[b])], True, scale, tail)
-                 for b in range(batch))
-    return KernelCall(_hnd_spec(query, key, h_q, h_kv, cap, sinks), (), (batch, 1, h_q, d), rows)
+    rows = []
+    for b in range(batch):
+        k, v, kv_rows = _kv_rows(key[b:b + 1], value[b:b + 1])
+        rows.append(_ragged_args(q[b], *_with_room([0, 0, 1], [0, lo[b], max(hi[b], lo[b])], kv_rows), k, v, True,
+                                 scale, tail))
+    return KernelCall(_hnd_spec(query, key, h_q, h_kv, cap, sinks), (), (batch, 1, h_q, d), tuple(rows))
 
 
 def _sinks_arg(sinks) -> tuple:

@@ -34,6 +34,7 @@ LOGIT_TOLERANCE = 1e-4
 calls: list = []  # (kernel variant, batch, S_q, S_kv) of every checked call of the running test
 kv_dtypes: list = []  # the KV-cache dtype of every checked call's spec (None: the compute dtype)
 sources: list = []  # (KV layout, whether the kernel's k is the model's key tensor's memory) of each call
+rows_read: list = []  # (the kernel's K rows a head, the keys the model handed over) of each head-major call
 
 
 def checked_attention(module, query, key, value, attention_mask, **kwargs):
@@ -50,6 +51,8 @@ def checked_attention(module, query, key, value, attention_mask, **kwargs):
         kernel_k = args[2]
         sources.append((call.spec.kv_layout, isinstance(kernel_k, torch.Tensor)
                         and kernel_k.untyped_storage().data_ptr() == key.untyped_storage().data_ptr()))
+        if call.spec.kv_layout == "ragged_hnd":
+            rows_read.append((kernel_k.shape[1], key.shape[2]))
         outputs.append(output)
     calls.append((call.spec.symbol, query.shape[0], query.shape[2], key.shape[2]))
     kv_dtypes.append(getattr(call.spec, "kv_dtype", None))
@@ -68,6 +71,7 @@ def fresh_calls():
     calls.clear()
     sources.clear()
     kv_dtypes.clear()
+    rows_read.clear()
 
 
 def _logits(model, implementation: str, ids, **kwargs):
@@ -244,6 +248,71 @@ def test_generate_on_an_fp8_cache_reads_its_8_bit_states_in_place(rows):
     assert kv_dtypes == [None] * 2 + ["float8_e4m3fn"] * 2 * 11
     steps = [shares for layout, shares in sources if layout == "ragged_hnd"]
     assert len(steps) == rows * 2 * 11 and all(steps)  # each row's call on the stored states' memory
+
+
+@pytest.mark.compiles(DECODE_HND, DecodeSpec(DECODE_HND), *_prefill_specs("llama3", "float32"))
+@pytest.mark.parametrize("rows", [1, 2], ids=["one-sequence", "left-padded-pair"])
+def test_generate_on_a_kv_cache_reads_its_buffers_in_place(rows, monkeypatch):
+    """generate over hf.KvCache (a DynamicCache whose steps write into buffers with room): each
+    decode step's call reads the layer's buffer where it lies, its rows past the keys an entry
+    without queries (each call within its float64 reference's bound), through a buffer that
+    fills and is replaced by a larger one (8 rows of room here); the tokens are eager
+    attention's over transformers' DynamicCache, and eager's over a KvCache are the same."""
+    from linalg_prefill import hf_cache
+
+    monkeypatch.setattr(hf_cache, "ROOM_ROWS", 8)
+    model = tiny_model("llama3")
+    ids = torch.randint(0, 96, (rows, 23), generator=torch.Generator().manual_seed(8))
+    mask = torch.ones_like(ids)
+    mask[1:, :5] = 0
+    tokens, buffers = {}, set()
+    for implementation, cache in (("eager", transformers.DynamicCache(config=model.config)),
+                                  ("eager", hf.KvCache(model.config)), (CHECKED, hf.KvCache(model.config))):
+        model.set_attn_implementation(implementation)
+        for layer in cache.layers:
+            layer.update = _noting_buffers(layer.update, buffers)
+        tokens[implementation, type(cache).__name__] = model.generate(
+            ids, attention_mask=mask, cache=cache, max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=96)
+        layer = cache.layers[0]
+        # 23 tokens in a buffer of 32 rows, full at the 33rd: a buffer of 48 since
+        assert layer.keys.shape[2] == 23 + 11 and (type(cache) is not hf.KvCache or layer.keys._base.shape[2] == 48)
+    want = tokens["eager", "DynamicCache"]
+    assert torch.equal(tokens["eager", "KvCache"], want) and torch.equal(tokens[CHECKED, "KvCache"], want)
+    steps = [shares for layout, shares in sources if layout == "ragged_hnd"]
+    assert len(steps) == rows * 2 * 11 and all(steps)  # each row's call on the buffer's memory
+    assert any(kernel_rows > keys for kernel_rows, keys in rows_read)  # the room, read in place
+    assert len(buffers) > 2 * 2 * 2  # K and V of 2 layers, in both KvCaches, each replaced at least once
+
+
+def _noting_buffers(update, buffers: set):
+    """A cache layer's ``update`` that adds the memory of the states it returns to ``buffers``."""
+    def noted(*args, **kwargs):
+        states = update(*args, **kwargs)
+        buffers.update(tensor.untyped_storage().data_ptr() for tensor in states)
+        return states
+    return noted
+
+
+def test_a_kv_cache_writes_each_step_into_its_buffer():
+    """hf_cache.appended: a step's rows written into the buffer's room (the same memory); a full
+    buffer, or states that are not a buffer's view (beam reordering's copy), start a new one
+    holding every row so far."""
+    from linalg_prefill.hf_cache import appended, capacity
+
+    rows = [torch.randn(2, 3, n, 4) for n in (5, 1, 1)]
+    states = appended(torch.tensor([]), rows[0])
+    assert states.shape == (2, 3, 5, 4) and states._base.shape == (2, 3, capacity(5), 4)
+    grown = appended(appended(states, rows[1]), rows[2])
+    assert grown.data_ptr() == states.data_ptr() and torch.equal(grown, torch.cat(rows, dim=2))
+    full = appended(grown[:, :, :0].new_empty(0), rows[0])  # empty states: a new buffer
+    assert full.data_ptr() != grown.data_ptr()
+    crowded = states._base[:, :, :capacity(5)]  # a buffer with no room left
+    moved = appended(crowded, rows[1])
+    assert moved.data_ptr() != crowded.data_ptr() and torch.equal(moved[:, :, :-1], crowded)
+    reordered = grown.index_select(0, torch.tensor([1, 0]))
+    again = appended(reordered, rows[1])
+    assert torch.equal(again, torch.cat([reordered, rows[1].to(reordered.dtype)], dim=2))
+    assert again.data_ptr() not in (reordered.data_ptr(), grown.data_ptr())
 
 
 def test_8_bit_states_without_their_scale_are_refused():
