@@ -48,7 +48,7 @@ def appended(states: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
             or buffer.shape[3] != states.shape[3] or buffer.dtype != new.dtype
             or buffer.shape[2] < tokens + new.shape[2]):
         batch, heads, _, dim = new.shape
-        buffer = new.new_empty((batch, heads, capacity(tokens + new.shape[2]), dim))
+        buffer = new.new_zeros((batch, heads, capacity(tokens + new.shape[2]), dim))  # the room holds zeros
         if tokens:
             buffer[:, :, :tokens].copy_(states)
     buffer[:, :, tokens:tokens + new.shape[2]].copy_(new)
