@@ -72,7 +72,7 @@ except ImportError:  # pragma: no cover - a transformers before its fp8 cache (5
 import numpy as np
 
 from . import hf_batching
-from .hf_cache import KvCache
+from .hf_cache import KvCache, appended
 from .mlir import PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec
 from .mlir.specs import KV_DTYPES, SMALL_Q_TILE
 from .runtime import InputError
@@ -388,8 +388,9 @@ def _widened(states, dtype):
 class _InPlaceFp8Layer(Fp8QuantizedLayer):
     """transformers' fp8 layer (per-tensor e4m3 scales, frozen at the first update) whose decode
     updates hand the attention the stored 8-bit states, with their scale as ``SCALE_ATTRIBUTE``,
-    instead of a dequantised copy of the whole cache each step; the first update (the prefill)
-    returns the states as they came, as transformers' does."""
+    instead of a dequantised copy of the whole cache each step, the step's rows written into
+    buffers with room (:func:`linalg_prefill.hf_cache.appended`, as :class:`KvCache`'s); the
+    first update (the prefill) returns the states as they came, as transformers' does."""
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
@@ -398,7 +399,7 @@ class _InPlaceFp8Layer(Fp8QuantizedLayer):
         stored = []
         for states, (quantized, scale) in ((key_states, self._quantized_keys), (value_states, self._quantized_values)):
             new, _ = self._quantize(states, scale=scale)
-            quantized = torch.cat([quantized, new], dim=-2)
+            quantized = appended(quantized, new)
             setattr(quantized, SCALE_ATTRIBUTE, scale)
             stored.append((quantized, scale))
         self._quantized_keys, self._quantized_values = stored
