@@ -2,7 +2,7 @@
 linalg_prefill vs sdpa vs eager, in the same run.
 
     python bench/hf_decode.py [--cached 2048] [--steps 16] [--dtypes float32,bfloat16] [--batch 1]
-        [--cache dynamic|fp8|inplace]
+        [--cache dynamic|fp8|inplace] [--per-module]
 
 ``--cache fp8``: transformers' 8-bit cache (``QuantizedCache("fp8")``: e4m3 states, one scale per
 tensor) for sdpa and eager, which it dequantises whole every step, and ``hf.Fp8KvCache`` (the
@@ -21,7 +21,8 @@ cache=cache)``, the cache appending each step's keys), the implementations takin
 step, so that a slow phase of a noisy machine hits each of them. Printed: the median ms a step,
 the attention calls' share of it (the attention function timed per call), and ``ratio`` = peer
 ms / ours (above 1: ours is faster). The greedy tokens of every implementation are compared with
-eager's.
+eager's. ``--per-module``: also each module's median ms a step (forward hooks down to the
+projections) and each attention call's, per implementation: where a step's difference lies.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections import defaultdict
 
 import torch
 import transformers
@@ -77,10 +79,45 @@ def new_cache(label: str, kind: str, config):
     return transformers.DynamicCache(config=config)
 
 
-def decode(model, names: dict, prompt: torch.Tensor, steps: int, cache_kind: str = "dynamic") -> dict:
+class ModuleTimes:
+    """Seconds of each module's forward in the timed steps, per implementation (``label``, set
+    before each step; None: not timed): forward hooks on the model's modules down to
+    ``depth`` dots in their names (a layer's projections)."""
+
+    def __init__(self, model, depth: int = 5):
+        self.label, self.seconds, self.order, self._start = None, defaultdict(list), [], {}
+        for name, module in model.named_modules():
+            if name and name.count(".") < depth:
+                self.order.append(name)
+                module.register_forward_pre_hook(lambda _m, _a, name=name: self._start.__setitem__(name, time.perf_counter()))
+                module.register_forward_hook(lambda _m, _a, _o, name=name: self._stop(name))
+
+    def _stop(self, name: str) -> None:
+        if self.label is not None:
+            self.seconds[self.label, name].append(time.perf_counter() - self._start[name])
+
+    def note_calls(self, calls: list) -> None:
+        """Each attention call's seconds of the step just run, by its index in the step."""
+        for i, seconds in enumerate(calls):
+            self.seconds[self.label, f"attention call {i}"].append(seconds)
+
+    def print(self, labels) -> None:
+        calls = sorted({name for _, name in self.seconds if name not in self.order})
+        names = calls + [name for name in self.order if any(self.seconds[label, name] for label in labels)]
+        print("  per module, median ms a step: " + "  ".join(f"{label:>14}" for label in labels))
+        for name in names:
+            medians = [statistics.median(self.seconds[label, name]) * 1e3 if self.seconds[label, name] else 0.0
+                       for label in labels]
+            if max(medians) >= 0.05:
+                print(f"  {name:42}" + "  ".join(f"{m:14.3f}" for m in medians))
+
+
+def decode(model, names: dict, prompt: torch.Tensor, steps: int, cache_kind: str = "dynamic",
+           timer: ModuleTimes | None = None) -> dict:
     """label -> (median step seconds, median attention seconds a step, greedy tokens) of ``steps``
     decode steps after a prefill of ``prompt``, the implementations (``names``: label -> registered
-    name) taking turns step by step, after one untimed step each."""
+    name) taking turns step by step, after one untimed step each; ``timer`` times the modules of
+    the timed steps."""
     state = {}
     with torch.no_grad():
         for label, name in names.items():
@@ -93,12 +130,16 @@ def decode(model, names: dict, prompt: torch.Tensor, steps: int, cache_kind: str
                 run = state[label]
                 model.set_attn_implementation(name)
                 attention_seconds.clear()
+                if timer is not None:
+                    timer.label = label if step else None
                 start = time.perf_counter()
                 out = model(run["token"], cache=run["cache"], use_cache=True)
                 run["token"] = out.logits[:, -1:].argmax(-1)
                 if step:
                     run["step_s"].append(time.perf_counter() - start)
                     run["attention_s"].append(sum(attention_seconds))
+                    if timer is not None:
+                        timer.note_calls(list(attention_seconds))
                 run["tokens"].append(int(run["token"][0, 0]))
     return {label: (statistics.median(run["step_s"]), statistics.median(run["attention_s"]), run["tokens"])
             for label, run in state.items()}
@@ -111,6 +152,7 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--cache", default="dynamic", choices=["dynamic", "fp8", "inplace"])
+    parser.add_argument("--per-module", action="store_true", help="each module's and attention call's ms a step")
     args = parser.parse_args()
     names = register_timed()
     if args.cache == "inplace":
@@ -123,12 +165,15 @@ def main() -> None:
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(model_config()).to(getattr(torch, dtype)).eval()
         prompt = torch.randint(0, model.config.vocab_size, (args.batch, args.cached))
-        results = decode(model, names, prompt, args.steps, args.cache)
+        timer = ModuleTimes(model) if args.per_module else None
+        results = decode(model, names, prompt, args.steps, args.cache, timer)
         ours = results["linalg_prefill"]
         for label, (step, attention, tokens) in results.items():
             ratio = "" if label == "linalg_prefill" else f"{step / ours[0]:10.2f}  {attention / ours[1]:10.2f}"
             print(f"{dtype:9} {label:15} {step * 1e3:7.2f}  {attention * 1e3:12.2f}  {ratio:22}  "
                   f"{tokens == results['eager'][2]}", flush=True)
+        if timer is not None:
+            timer.print(list(results))
         del model
 
 
