@@ -81,16 +81,19 @@ def new_cache(label: str, kind: str, config):
 
 class ModuleTimes:
     """Seconds of each module's forward in the timed steps, per implementation (``label``, set
-    before each step; None: not timed): forward hooks on the model's modules down to
-    ``depth`` dots in their names (a layer's projections)."""
+    before each step; None: not timed): forward hooks on the model's modules whose names have
+    fewer than ``depth`` dots (down to a layer's projections)."""
 
     def __init__(self, model, depth: int = 5):
         self.label, self.seconds, self.order, self._start = None, defaultdict(list), [], {}
         for name, module in model.named_modules():
             if name and name.count(".") < depth:
                 self.order.append(name)
-                module.register_forward_pre_hook(lambda _m, _a, name=name: self._start.__setitem__(name, time.perf_counter()))
+                module.register_forward_pre_hook(lambda _m, _a, name=name: self._begin(name))
                 module.register_forward_hook(lambda _m, _a, _o, name=name: self._stop(name))
+
+    def _begin(self, name: str) -> None:
+        self._start[name] = time.perf_counter()
 
     def _stop(self, name: str) -> None:
         if self.label is not None:

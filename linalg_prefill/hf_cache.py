@@ -2,8 +2,7 @@
 
 transformers' ``DynamicCache`` grows each layer's ``[B, H_kv, S, D]`` keys and values by
 ``torch.cat`` at every step: a copy of the whole cache per layer per step (two 4 MiB copies a
-layer for 2048 cached bf16 keys of 8 heads of 128), and the copy's lines lie dirty in the caches
-of the cores that wrote them when the attention reads them next (docs/performance.md). A
+layer for 2048 cached bf16 keys of 8 heads of 128; docs/performance.md). A
 :class:`KvCache` layer keeps its states in buffers ``[B, H_kv, C, D]`` with room for more tokens
 and hands the attention views ``[B, H_kv, S, D]`` of their first S rows: a step writes its own
 rows only. :func:`linalg_prefill.hf.attention` reads such a view where it lies (the ragged
