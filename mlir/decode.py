@@ -30,7 +30,7 @@ the call (tests/test_decode_batches.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Union, get_args
 
 from .ir import (
@@ -216,8 +216,9 @@ class DecodePasses:
     pieces of its queries (0: none does). ``chunk_columns``: where set, every entry's chunks
     hold this many columns (or the spec's DecodeSpec.chunk_columns, if more), for a pass that
     reads no key past its entry's, so that padding a short entry costs it nothing (None: each
-    entry's chunks sized by DecodeSpec.chunk_blocks). ``loaded``: the passes a kernel loaded at
-    open, the only usable ones (None: every one)."""
+    entry's chunks sized by DecodeSpec.chunk_blocks); ``few_workers_chunk_columns``, the wider
+    chunks of a device with few workers (:meth:`for_workers`). ``loaded``: the passes a kernel
+    loaded at open, the only usable ones (None: every one)."""
 
     queries: tuple[int, ...]
     bucketed: bool
@@ -227,6 +228,19 @@ class DecodePasses:
     pieces_up_to: int = 0
     chunk_columns: int | None = None
     loaded: tuple[int, ...] | None = None
+    few_workers_chunk_columns: int | None = None
+
+    def for_workers(self, spec, workers: int) -> "DecodePasses":
+        """These passes for a kernel of ``spec`` whose device runs ``workers`` threads: chunks of
+        ``few_workers_chunk_columns`` where one sequence's KV heads alone give every worker two
+        workgroups (h_kv >= 2 workers), else as they are. An entry is split into chunks so that
+        few sequences still fill the workers; where its heads already do, more chunks only add
+        each workgroup's fixed work and the merge's (docs/performance.md, eighth session: one
+        sequence of h 32/8 over 2049 keys on 2 workers, 0.74-0.80 -> 0.65-0.69 ms a call). An
+        entry's chunks still depend on its own length only, never on its batch."""
+        if self.few_workers_chunk_columns is None or spec.h_kv < 2 * max(1, workers):
+            return self
+        return replace(self, chunk_columns=max(self.chunk_columns or 0, self.few_workers_chunk_columns))
 
     def chunk_blocks(self, pass_spec: DecodeSpec, blocks: int) -> int:
         """P, the table blocks per chunk of an entry of ``blocks`` blocks in ``pass_spec``: one
@@ -291,7 +305,9 @@ DECODE_PASSES = {"linalg": DecodePasses((1, 4, 16), bucketed=False, scratch_boun
                  # and transposed, its partial results written and merged) is over 8x the keys of
                  # 128; 32 x 4 vs 4096 bf16 49.0 -> 40.2 ms (512: 42.1, 2048: 40.1), 32 x 1 38.9
                  # -> 36.6 (docs/performance.md)
-                 "x86": DecodePasses((1, 4, 16), bucketed=False, call_scratch=256 << 20, chunk_columns=1024)}
+                 # (4096 where a sequence's KV heads fill the workers twice over: for_workers)
+                 "x86": DecodePasses((1, 4, 16), bucketed=False, call_scratch=256 << 20, chunk_columns=1024,
+                                     few_workers_chunk_columns=4096)}
 
 
 def _index(i: int) -> ir.Value:

@@ -49,6 +49,17 @@ def get_device(driver: str) -> rt.HalDevice:
         raise RuntimeError(f"cannot create IREE device {driver!r}: {err}") from None
 
 
+def cpu_workers() -> int:
+    """How many worker threads the CPU devices run, at most: one per CPU of
+    :func:`pin_cpu_threads`' ids when they were given, else one per CPU this process may run on
+    (IREE's default topology takes one per physical core, so with SMT this counts more workers
+    than there are, never fewer)."""
+    return len(_pinned_ids) or len(os.sched_getaffinity(0))
+
+
+_pinned_ids: list[int] = []
+
+
 def pin_cpu_threads(cpu_ids) -> list[int]:
     """Runs the CPU devices' worker threads on ``cpu_ids``, one thread on each (IREE's
     ``--task_topology_cpu_ids``). IREE's default places a process's workers on the host's first
@@ -61,6 +72,7 @@ def pin_cpu_threads(cpu_ids) -> list[int]:
     if get_device.cache_info().currsize:
         raise RuntimeError("pin_cpu_threads: an IREE device exists already; call it before the first kernel opens")
     rt.flags.parse_flags(f"--task_topology_cpu_ids={','.join(map(str, ids))}")
+    _pinned_ids[:] = ids
     return ids
 
 

@@ -24,10 +24,10 @@ from .amx import request_amx_state
 from ..pipeline.targets import input_alignment
 from .checks import NUMPY_DTYPES, check_on_device
 from .decode import decode_schedule, schedule_key, split_decode
-from .devices import get_device
+from .devices import cpu_workers, get_device
 from .errors import InputError
 from .interop import like_inputs, results_to_host
-from .module import LoadedKernel, as_device_arrays, device_resident, host_visible_array
+from .module import LoadedKernel, as_device_arrays, device_resident, host_visible_array, is_local
 from .outputs import Outputs, caller_outputs
 from .variants import call_arguments, checked, variant
 
@@ -53,7 +53,10 @@ class Kernel:
         # a call hands its short entries to them (runtime/decode.py) and compiles nothing; without
         # them every entry runs in the main kernel.
         self._decode_kernels = dict(passes or {})
-        self._decode_passes = dataclasses.replace(target.decode_passes(spec), loaded=tuple(sorted(self._decode_kernels)))
+        decode_passes = target.decode_passes(spec)
+        if is_local(loaded.device):  # chunks sized for the CPU's workers (DecodePasses.for_workers)
+            decode_passes = decode_passes.for_workers(spec, cpu_workers())
+        self._decode_passes = dataclasses.replace(decode_passes, loaded=tuple(sorted(self._decode_kernels)))
         self._schedule: tuple = (None, None)  # (plan, its DecodeSchedule) of the last planned call
         self._call_schedule: tuple = (None, None)  # (schedule_key, its DecodeSchedule) of the last other call
 

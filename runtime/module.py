@@ -44,14 +44,14 @@ class LoadedKernel:
             self._function = self._context.modules[self._vm_module.name][symbol]
         self._lock = threading.Lock()
         # A device with memory of its own: int32 index arrays go host-local (see host_readable).
-        self._index_arrays_host_local = not _is_local(self.device)
+        self._index_arrays_host_local = not is_local(self.device)
         # On the CPU drivers no result buffer of a call outlives it: IREE 3.13's local-task device
         # leaks memory when one call's result buffers are alive during the next call and freed
         # after it (a 128 x 64 vs 128 serving step grew by 64 MiB a step, heap in use, for good),
         # so results are copied out (to numpy, or into arrays uploaded anew with to_host=False).
-        self._results_detached = _is_local(self.device)
+        self._results_detached = is_local(self.device)
         # On the CPU drivers numpy arrays at addresses the executables accept are used in place.
-        self._alignment = alignment if _is_local(self.device) else None
+        self._alignment = alignment if is_local(self.device) else None
         #: Bytes of numpy arguments that had to be copied into new buffers, over every call.
         self.bytes_copied = 0
 
@@ -115,7 +115,7 @@ def host_visible_array(device: rt.HalDevice, shape: tuple, dtype) -> tuple[Any, 
     a numpy array instead copies it into a fresh buffer on every call); elsewhere a numpy array
     (argument and view the same), which the call uploads."""
     dtype = np.dtype(dtype)
-    if not _is_local(device):
+    if not is_local(device):
         return host_array(shape, dtype)
     buffer = device.allocator.allocate_buffer(memory_type=_MAPPED_MEMORY, allowed_usage=_MAPPED_USAGE,
                                               allocation_size=max(math.prod(shape) * dtype.itemsize, 1))
@@ -152,7 +152,7 @@ def _to_numpy(value, copy: bool = False) -> np.ndarray:
 def as_device_arrays(device: rt.HalDevice, arrays: Sequence[np.ndarray]) -> list:
     """Uploads arrays once so repeated calls reuse them without a host-to-device copy; int32 index
     arrays go host-local on a device with memory of its own (see :func:`host_readable`)."""
-    local = _is_local(device)
+    local = is_local(device)
     return [host_readable(device, a) if _is_index_array(a) and not local
             else rt.asdevicearray(device, a, implicit_host_transfer=True) for a in arrays]
 
@@ -179,6 +179,6 @@ def _is_index_array(value) -> bool:
     return isinstance(value, np.ndarray) and value.dtype == np.int32
 
 
-def _is_local(device: rt.HalDevice) -> bool:
+def is_local(device: rt.HalDevice) -> bool:
     """The CPU drivers' devices (local-task, local-sync) share the host's memory."""
     return "local" in str(device).lower()

@@ -478,6 +478,37 @@ def test_a_batch_of_decode_entries_takes_a_fixed_number_of_launches(entries, bac
     assert_matches_reference("decode batch", got, spec, args)
 
 
+def test_chunks_widen_where_one_sequences_kv_heads_fill_the_workers():
+    """x86 passes take chunks of 4096 columns where h_kv >= 2 x the device's workers (one
+    sequence then gives each worker two workgroups), 1024 otherwise; the other lowerings' passes
+    do not depend on the workers."""
+    spec = PagedPrefillSpec(32, 8, 128, "bfloat16", page_size=16)
+    x86 = DECODE_PASSES["x86"]
+    assert [x86.for_workers(spec, workers).chunk_columns for workers in (1, 2, 4, 5, 64)] == [4096] * 3 + [1024] * 2
+    for lowering in ("linalg", "fused"):
+        assert DECODE_PASSES[lowering].for_workers(spec, 1) is DECODE_PASSES[lowering]
+
+
+@pytest.mark.parametrize("workers", [1, 64])
+def test_a_kernel_chunks_its_entries_for_its_devices_workers(workers, cache, monkeypatch):
+    """A kernel's passes are the target's for its CPU's workers (runtime/devices.py: cpu_workers):
+    on 1 worker the x86 passes split an entry of 4100 keys into two chunks of 4096 columns (256
+    blocks each), on 64 into five of 1024; the rows match the reference either way."""
+    import linalg_prefill.runtime.kernels as kernels
+
+    monkeypatch.setattr(kernels, "cpu_workers", lambda: workers)
+    spec = PagedPrefillSpec(8, 2, 64, "float32", page_size=16)
+    kernel = open_kernel(spec, "llvm-cpu", cache=cache)
+    expected = target_for("llvm-cpu").decode_passes(spec).for_workers(spec, workers)
+    assert dataclasses.replace(kernel._decode_passes, loaded=None) == expected
+    args = serving_call(spec, np.random.default_rng(21), [(1, 4100), (1, 17), (1, 1500)])
+    if expected.chunk_columns:
+        calls = kernel._decode_schedule(args, None).calls
+        assert {call.table.shape[2] * 16 for call in calls} == {4096 if workers == 1 else 1024}
+        assert max(call.table.shape[1] for call in calls) == (2 if workers == 1 else 5)   # chunks of 4100 keys
+    assert_matches_reference("chunks for the workers", kernel(*args), spec, args)
+
+
 def test_bucket_widths_pad_by_less_than_half():
     tiles = np.arange(1, 5000)
     widths = bucket_tiles(tiles)
