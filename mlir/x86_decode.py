@@ -47,6 +47,12 @@ _ENTRY = "stream_chunks"
 _SCALARS = ("entries", "chunks", "per_chunk", "extent", "causal")
 #: Keys of a KV step.
 PASS_KV_BLOCK = 64
+#: The locality hint of the passes' prefetches: 1, ``prefetcht2`` (0 would be ``prefetchnta``,
+#: 3 ``prefetcht0``). A pass waits on its lines more than it computes (a core keeps 16 of them
+#: in flight); with the hint for the outer caches, the bf16 pass over pages of 16 keys ran 7-9%
+#: faster than with ``prefetcht0``, the others within 2% (two builds in one process, calls
+#: alternating; docs/performance.md, eighth session).
+PREFETCH_LOCALITY = 1
 
 
 def dispatch_names(spec: DecodeSpec) -> tuple[str, str]:
@@ -477,7 +483,7 @@ class _PassDispatch(_Dispatch):
         ``row_pointers``, and their cache lines asked for (when steps are left): the gathers of a
         step then find their rows in cache (without it, a decode pass waited on each row's first
         load: 10 GB/s of the machine's 20; each pointer computed once, not again in the gather:
-        the e4m3 pass 1.11 -> 1.20x the bf16 one)."""
+        the e4m3 pass 1.11 -> 1.20x the bf16 one), as PREFETCH_LOCALITY says."""
         more = scf_d.IfOp(arith_d.cmpi(arith_d.CmpIPredicate.sgt, steps_left, const_i64(0)))
         with ir.InsertionPoint(more.then_block):
             half = self._pointers_of(step)
@@ -488,7 +494,7 @@ class _PassDispatch(_Dispatch):
                 for which, row in enumerate(rows):
                     llvm_store(row, at(half, arith_d.addi(arith_d.muli(key, const_i64(16)), const_i64(8 * which))))
                     for line in range(0, self.s.d * self.kv_bytes, 64):
-                        llvm_d.intr_prefetch(at(row, line), 0, 3, 1)
+                        llvm_d.intr_prefetch(at(row, line), 0, PREFETCH_LOCALITY, 1)
                 scf_d.YieldOp([])
             scf_d.YieldOp([])
 
