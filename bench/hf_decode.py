@@ -23,11 +23,17 @@ the attention calls' share of it (the attention function timed per call), and ``
 ms / ours (above 1: ours is faster). The greedy tokens of every implementation are compared with
 eager's. ``--per-module``: also each module's median ms a step (forward hooks down to the
 projections) and each attention call's, per implementation: where a step's difference lies.
+
+torch's OpenMP threads spin for a while after each parallel op (libgomp's default wait), on the
+cores the kernels' IREE workers then need; ``OMP_WAIT_POLICY=PASSIVE`` or ``GOMP_SPINCOUNT``
+change that for the whole run (torch's own ops included) and the header says which is set
+(docs/performance.md, eighth session, measures both).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections import defaultdict
@@ -161,8 +167,10 @@ def main() -> None:
     if args.cache == "inplace":
         names = {"linalg_prefill": names["linalg_prefill"], "sdpa": names["sdpa"], "sdpa+KvCache": names["sdpa"],
                  "eager": names["eager"]}
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads; "
-          f"decode steps at {args.cached} cached, batch {args.batch}, {args.cache} cache, median of {args.steps}")
+    waits = ", ".join(f"{name}={os.environ[name]}" for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if name in os.environ)
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads"
+          f" ({waits or 'OpenMP waits as by default'}); decode steps at {args.cached} cached, batch {args.batch}, "
+          f"{args.cache} cache, median of {args.steps}")
     print("dtype     impl            step_ms  attention_ms  step_ratio  attn_ratio  tokens_as_eager")
     for dtype in args.dtypes.split(","):
         torch.manual_seed(0)
