@@ -64,19 +64,43 @@ def kv_lengths(spec, args: tuple) -> np.ndarray:
     return host_layout(spec).kv_lengths(spec, _index_arrays(spec, args))
 
 
+@dataclass(frozen=True)
+class _CallIndex:
+    """What a schedule reads of a call, read once: its arguments by name (``named``, the index
+    arrays on the host), its index arrays (``index``), and each entry's query rows and logical
+    KV length (``qo_lens``, ``kv_lens`` int64 [B])."""
+
+    named: dict
+    index: dict
+    qo_lens: np.ndarray
+    kv_lens: np.ndarray
+
+    @classmethod
+    def of(cls, spec, args: tuple) -> "_CallIndex":
+        named, index = {}, {}
+        for arg, value in zip(arguments(spec), args):
+            if arg.kind == "index":
+                value = index[arg.name] = on_host(value)
+            named[arg.name] = value
+        qo_lens = np.diff(index["q_indptr"].astype(np.int64))
+        return cls(named, index, qo_lens, host_layout(spec).kv_lengths(spec, index))
+
+
 def pass_queries(spec, args: tuple, passes: DecodePasses = DECODE_PASSES["linalg"]) -> np.ndarray:
     """int [B]: the query count of the pass each entry takes (the smallest of the usable
     ``passes.queries`` that holds its queries; 1 for an entry with more queries that runs one
     query at a time because its own pass is not usable: DecodePasses.taken; the largest for
     an entry with more queries than it and at most ``passes.pieces_up_to`` keys, in pieces), or
     0 for the variant's own kernel."""
-    named = _named(spec, args)
-    qo_lens = np.diff(on_host(named["q_indptr"]).astype(np.int64))
+    return _pass_queries(spec, _CallIndex.of(spec, args), passes)
+
+
+def _pass_queries(spec, call: "_CallIndex", passes: DecodePasses) -> np.ndarray:
+    qo_lens, kv_lens = call.qo_lens, call.kv_lens
     chosen = np.zeros(len(qo_lens), np.int64)
     usable = passes.usable(spec)
-    if not usable or int(named.get("rotary_mode", 0)) != 0:
+    if not usable or int(call.named.get("rotary_mode", 0)) != 0:
         return chosen
-    kv_lens = kv_lengths(spec, args)
     eligible = (kv_lens >= 1) & (qo_lens >= 1)
     largest = max(passes.queries)
     if largest in usable:  # long entries over short caches: in pieces of the largest pass
@@ -86,15 +110,15 @@ def pass_queries(spec, args: tuple, passes: DecodePasses = DECODE_PASSES["linalg
     return chosen
 
 
-def block_table(spec: DecodeSpec, args: tuple, entries: np.ndarray, kv_lens: np.ndarray, visible: np.ndarray,
+def block_table(spec: DecodeSpec, index: dict, entries: np.ndarray, kv_lens: np.ndarray, visible: np.ndarray,
                 qo_lens: np.ndarray, width_multiple: int) -> tuple[np.ndarray, np.ndarray]:
     """The decode kernel's ``table`` [n, W / P, P] and ``geometry`` [n, 4] (kv_len, sink,
     window_offset, qo_len) for pass entries that read batch entries ``entries`` (indices into
-    the batch, int [n]) with ``kv_lens`` keys, of which the first ``visible`` count, and
-    ``qo_lens`` queries (int [n] each); P = ``width_multiple`` blocks a chunk."""
+    the batch, int [n]) of a call whose index arrays are ``index`` (by name, on the host) with
+    ``kv_lens`` keys, of which the first ``visible`` count, and ``qo_lens`` queries (int [n]
+    each); P = ``width_multiple`` blocks a chunk."""
     base = spec.base
-    first_blocks, blocks, sink, offset = host_layout(base).table_rows(base, _index_arrays(base, args), entries,
-                                                                      kv_lens, spec.block)
+    first_blocks, blocks, sink, offset = host_layout(base).table_rows(base, index, entries, kv_lens, spec.block)
     width = -(-max(int(blocks.max()), 1) // width_multiple) * width_multiple
     table = np.full((len(entries), width), NO_BLOCK, np.int32)
     for row, (ids, count) in enumerate(zip(first_blocks, blocks)):
@@ -209,17 +233,15 @@ class DecodeSchedule:
 def decode_schedule(spec, args: tuple, decode_passes: DecodePasses) -> DecodeSchedule | None:
     """The schedule of a KV-cache call (``args`` checked, in the seed's order), or None when no
     entry takes a pass."""
-    args = tuple(on_host(value) if arg.kind == "index" else value for arg, value in zip(arguments(spec), args))
-    passes = pass_queries(spec, args, decode_passes)
+    call = _CallIndex.of(spec, args)
+    passes = _pass_queries(spec, call, decode_passes)
     if not passes.any():
         return None
-    named = _named(spec, args)
-    qo_lens = np.diff(on_host(named["q_indptr"]).astype(np.int64))
+    qo_lens = call.qo_lens
     in_pass = passes > 0
     rest_rows = np.repeat(~in_pass, qo_lens)  # [Lq]: rows of the other entries
-    rest_index = host_layout(spec).rest_arguments(spec, _index_arrays(spec, args), in_pass, qo_lens) \
-        if rest_rows.any() else None
-    calls = tuple(_pass_calls(spec, args, passes, decode_passes))
+    rest_index = host_layout(spec).rest_arguments(spec, call.index, in_pass, qo_lens) if rest_rows.any() else None
+    calls = tuple(_pass_calls(spec, call, passes, decode_passes))
     in_order = rest_index is None and len(calls) == 1 and calls[0].in_order(len(rest_rows))
     return DecodeSchedule(passes, calls, rest_rows, rest_index, in_order)
 
@@ -247,16 +269,14 @@ def decode_calls(spec, args: tuple, passes: np.ndarray, decode_passes: DecodePas
     are checked, in the seed's order."""
     named = _named(spec, args)
     q = np.asarray(on_host(named["q"]))
-    return [call.call(named, q) for call in _pass_calls(spec, args, passes, decode_passes)]
+    return [call.call(named, q) for call in _pass_calls(spec, _CallIndex.of(spec, args), passes, decode_passes)]
 
 
-def _pass_calls(spec, args: tuple, passes: np.ndarray, decode_passes: DecodePasses) -> list[PassCall]:
+def _pass_calls(spec, call: _CallIndex, passes: np.ndarray, decode_passes: DecodePasses) -> list[PassCall]:
     """:func:`decode_calls`' calls without their per-layer tensors."""
-    named = _named(spec, args)
-    q_indptr = on_host(named["q_indptr"]).astype(np.int64)
-    qo_lens = np.diff(q_indptr)
-    kv_lens = kv_lengths(spec, args)
-    causal = int(named["causal"]) == 1
+    q_indptr = call.index["q_indptr"].astype(np.int64)
+    qo_lens, kv_lens = call.qo_lens, call.kv_lens
+    causal = int(call.named["causal"]) == 1
     calls = []
     for queries in decode_passes.queries:
         taking = np.flatnonzero(passes == queries)
@@ -277,7 +297,7 @@ def _pass_calls(spec, args: tuple, passes: np.ndarray, decode_passes: DecodePass
             token = np.arange(queries)
             rows = (q_indptr[entries[chosen]] + first[chosen])[:, None] + token  # [n, queries]: the query rows
             real = token < counts[chosen][:, None]  # the rest are padding
-            table, geometry = block_table(pass_spec, args, entries[chosen], table_lens[chosen], visible[chosen],
+            table, geometry = block_table(pass_spec, call.index, entries[chosen], table_lens[chosen], visible[chosen],
                                           counts[chosen], multiple)
             calls.append(PassCall.of(pass_spec, table, geometry, rows, real))
     return calls

@@ -122,7 +122,11 @@ class Kernel:
         if plan is not None:
             planned, schedule = self._schedule
             if planned is not plan:
-                schedule = decode_schedule(self.spec, checked_args, self._decode_passes)
+                # the plan's host copies of its arrays (a wrapper's Plan.arrays) rather than its
+                # device arrays read back
+                host = getattr(plan, "arrays", None) or {}
+                args = tuple(host.get(name, value) for name, value in zip(self._arg_names, checked_args))
+                schedule = decode_schedule(self.spec, args, self._decode_passes)
                 self._schedule = (plan, schedule)
             return schedule
         key = (self._decode_passes, schedule_key(self.spec, checked_args))
