@@ -20,7 +20,8 @@ Bandwidth columns: KV bytes the step must read (sum of kv_len_b rows of K and V)
 ours and torch, and the machine's read bandwidth measured in the same run (torch's ``sum`` over
 as many bytes, capped at 512 MiB, already touched). First line: the time of a call with almost
 no work (1 x 1 vs 16 cached) and of a step's planning (the plan and its serving schedule), the
-fixed costs every layer's call and every step pay. Rows whose padded torch inputs would exceed ``--max-gib`` are skipped and listed. Needs the ``bench`` extra (torch).
+fixed costs every layer's call and every step pay. Rows whose padded torch inputs would exceed
+``--max-gib`` are skipped and listed. Needs the ``bench`` extra (torch).
 """
 
 from __future__ import annotations
