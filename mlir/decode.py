@@ -233,7 +233,7 @@ class DecodePasses:
     def for_workers(self, spec, workers: int) -> "DecodePasses":
         """These passes for a kernel of ``spec`` whose device runs ``workers`` threads: chunks of
         ``few_workers_chunk_columns`` where one sequence's KV heads alone give every worker two
-        workgroups (h_kv >= 2 workers), else as they are. An entry is split into chunks so that
+        workgroups (h_kv >= 2 x workers), else as they are. An entry is split into chunks so that
         few sequences still fill the workers; where its heads already do, more chunks only add
         each workgroup's fixed work and the merge's (docs/performance.md, eighth session: one
         sequence of h 32/8 over 2049 keys on 2 workers, 0.74-0.80 -> 0.65-0.69 ms a call). An

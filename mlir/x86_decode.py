@@ -48,8 +48,8 @@ _SCALARS = ("entries", "chunks", "per_chunk", "extent", "causal")
 #: Keys of a KV step.
 PASS_KV_BLOCK = 64
 #: The locality hint of the passes' prefetches: 1, ``prefetcht2`` (0 would be ``prefetchnta``,
-#: 3 ``prefetcht0``). A pass waits on its lines more than it computes (a core keeps 16 of them
-#: in flight); with the hint for the outer caches, the bf16 pass over pages of 16 keys ran 7-9%
+#: 3 ``prefetcht0``). A pass's core keeps about 16 lines in flight and waits on them between its
+#: steps' work; with the hint for the outer caches, the bf16 pass over pages of 16 keys ran 7-9%
 #: faster than with ``prefetcht0``, the others within 2% (two builds in one process, calls
 #: alternating; docs/performance.md, eighth session).
 PREFETCH_LOCALITY = 1
