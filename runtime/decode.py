@@ -54,14 +54,9 @@ def _named(spec, args: tuple) -> dict:
     return dict(zip(argument_names(spec), args))
 
 
-def _index_arrays(spec, args: tuple) -> dict:
-    """The call's index arrays (mlir/abi.py: kind ``index``) by name, on the host."""
-    return {arg.name: on_host(value) for arg, value in zip(arguments(spec), args) if arg.kind == "index"}
-
-
 def kv_lengths(spec, args: tuple) -> np.ndarray:
     """int64 [B]: each entry's logical KV length (semantics §2)."""
-    return host_layout(spec).kv_lengths(spec, _index_arrays(spec, args))
+    return _CallIndex.of(spec, args).kv_lens
 
 
 @dataclass(frozen=True)
@@ -95,7 +90,7 @@ def pass_queries(spec, args: tuple, passes: DecodePasses = DECODE_PASSES["linalg
     return _pass_queries(spec, _CallIndex.of(spec, args), passes)
 
 
-def _pass_queries(spec, call: "_CallIndex", passes: DecodePasses) -> np.ndarray:
+def _pass_queries(spec, call: _CallIndex, passes: DecodePasses) -> np.ndarray:
     qo_lens, kv_lens = call.qo_lens, call.kv_lens
     chosen = np.zeros(len(qo_lens), np.int64)
     usable = passes.usable(spec)
@@ -267,9 +262,9 @@ def decode_calls(spec, args: tuple, passes: np.ndarray, decode_passes: DecodePas
     bucket when ``decode_passes.bucketed``; an entry of more queries than its pass runs in
     pieces (:func:`_pieces`), each a pass entry whose table holds the keys it sees. ``args``
     are checked, in the seed's order."""
-    named = _named(spec, args)
-    q = np.asarray(on_host(named["q"]))
-    return [call.call(named, q) for call in _pass_calls(spec, _CallIndex.of(spec, args), passes, decode_passes)]
+    read = _CallIndex.of(spec, args)
+    q = np.asarray(on_host(read.named["q"]))
+    return [call.call(read.named, q) for call in _pass_calls(spec, read, passes, decode_passes)]
 
 
 def _pass_calls(spec, call: _CallIndex, passes: np.ndarray, decode_passes: DecodePasses) -> list[PassCall]:
