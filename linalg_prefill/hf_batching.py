@@ -189,6 +189,16 @@ def planned_decode(spec: RaggedPrefillSpec, args: tuple):
     return output
 
 
+def planned_lane(spec: RaggedPrefillSpec) -> tuple | None:
+    """``(wrapper, plan, lane)``: ``spec``'s decode wrapper (:func:`planned_decode`), its
+    current plan and its kernel's PassLane of that plan (runtime/pass_lane.py), or None where it
+    has none (no call under the plan ran as one in-order pass call)."""
+    wrapper = _wrappers.get(spec)
+    plan = None if wrapper is None else wrapper.current_plan
+    lane = None if plan is None else wrapper.kernel.lane(plan)
+    return None if lane is None else (wrapper, plan, lane)
+
+
 def _int32(name: str, tensor) -> np.ndarray:
     if not isinstance(tensor, torch.Tensor) or tensor.dim() != 1:
         raise InputError(f"{name}: expected a 1-D tensor of cumulative lengths, got {getattr(tensor, 'shape', tensor)}")
@@ -256,8 +266,9 @@ def _wrapper(kind, spec):
 
 
 def _plan(wrapper, key, make) -> None:
-    """Plans ``wrapper`` for the batch ``key`` stands for, unless its current plan is that batch's
-    (every layer of a forward shares one plan)."""
-    if _plans.get(id(wrapper)) != key or wrapper.current_plan is None:
+    """Plans ``wrapper`` for the batch ``key`` stands for, unless its current plan is the one
+    made for that batch (every layer of a forward shares one plan)."""
+    kept = _plans.get(id(wrapper))
+    if kept is None or kept[0] != key or kept[1] is not wrapper.current_plan:
         make()
-        _plans[id(wrapper)] = key
+        _plans[id(wrapper)] = (key, wrapper.current_plan)

@@ -29,6 +29,7 @@ from .errors import InputError
 from .interop import like_inputs, results_to_host
 from .module import LoadedKernel, as_device_arrays, device_resident, host_visible_array, is_local
 from .outputs import Outputs, caller_outputs
+from .pass_lane import PassLane
 from .variants import call_arguments, checked, variant
 
 
@@ -59,6 +60,7 @@ class Kernel:
         self._decode_passes = dataclasses.replace(decode_passes, loaded=tuple(sorted(self._decode_kernels)))
         self._schedule: tuple = (None, None)  # (plan, its DecodeSchedule) of the last planned call
         self._call_schedule: tuple = (None, None)  # (schedule_key, its DecodeSchedule) of the last other call
+        self._lane: tuple = (None, None)  # (plan, its PassLane) of the last planned in-order call
 
     @property
     def serving_passes(self) -> tuple[int, ...]:
@@ -103,9 +105,12 @@ class Kernel:
         IREE device arrays (used in place) and Python scalars, in the seed's order. No checks.
         ``plan``: an immutable object that stands for the call's index arrays and scalars (a
         wrapper's Plan): the host schedule of its serving passes is then worked out once per plan
-        instead of on every call. ``outputs``: the caller's arrays for the results (host results
+        instead of on every call, and a plan that is one pass call over its rows in order runs
+        host results on its :class:`PassLane` (:meth:`lane`). ``outputs``: the caller's arrays for the results (host results
         only), which the call then returns (Outputs.given)."""
         schedule = self._decode_schedule(checked_args, plan) if self._decode_kernels else None
+        if schedule is not None and schedule.in_order and plan is not None and outputs is None and to_host:
+            return self._lane_of(plan, schedule, checked_args).run_args(checked_args)
         if schedule is not None:
             return split_decode(self.spec, checked_args, schedule, self._run_decode, self._run_rest,
                                 lambda shape, dtype: host_visible_array(self.device, shape, dtype),
@@ -135,6 +140,21 @@ class Kernel:
             schedule = decode_schedule(self.spec, checked_args, self._decode_passes)
             self._call_schedule = (key, schedule)
         return schedule
+
+    def lane(self, plan: Any) -> PassLane | None:
+        """The :class:`PassLane` of ``plan`` (a planned call that is one pass call over its rows
+        in order) once a call under it has run, else None: the plan's later calls (a decode
+        step's other layers) may run on it with their checked q and KV sources."""
+        planned, lane = self._lane
+        return lane if planned is plan else None
+
+    def _lane_of(self, plan: Any, schedule, checked_args: tuple) -> PassLane:
+        planned, lane = self._lane
+        if planned is not plan:
+            scheduled = schedule.calls[0]
+            lane = PassLane.of(self.spec, self._decode_kernels[scheduled.rows.shape[1]], scheduled, checked_args)
+            self._lane = (plan, lane)
+        return lane
 
     def _run_decode(self, queries: int, *args, use: Callable | None = None):
         """The one-pass kernel for entries of up to ``queries`` queries (runtime/decode.py):

@@ -52,7 +52,7 @@ from .kv_checks import (
     check_rope_scalars, check_indptr, kv_shape, natural_positions, page_shape, paged_kv_lengths,
 )
 from .interop import returns_like_inputs
-from .module import as_device_arrays
+from .module import as_device_arrays, is_local
 from .outputs import caller_outputs
 
 __all__ = ["MaskedSequencePrefillWrapper", "MlaPagedPrefillWrapper", "PagedPrefillWrapper", "Plan",
@@ -67,7 +67,7 @@ class Plan:
 
     ``arrays``: read-only copies of the checked host arrays by ABI name (int32 index arrays, the
     int8 ``custom_mask``, float32 ``sinks`` when ``plan`` took them); ``device``: the same arrays on
-    the kernel's device; ``scalars``: the runtime scalars by ABI name; ``qo_lens`` and
+    the kernel's device (on the CPU drivers, private numpy copies its calls read in place); ``scalars``: the runtime scalars by ABI name; ``qo_lens`` and
     ``kv_lens``: int64 [B] query rows and (logical) KV rows per entry (the masked wrapper: both
     are valid_lens, or Lq and Lk of a custom mask); ``rows``: Lq, the query rows of a layer;
     ``kv_rows``: Lk (ragged) or the fewest pages a layer's cache may have (paged, MLA: the largest
@@ -134,14 +134,21 @@ class _Wrapper:
 
     def _new_plan(self, arrays: dict, scalars: dict, qo_lens, kv_lens, rows: int, kv_rows: int) -> Plan:
         """Freezes copies of ``arrays``, uploads them to the kernel's device once, and makes the
-        result the current plan (one assignment, so concurrent runs see the old or the new plan)."""
+        result the current plan (one assignment, so concurrent runs see the old or the new plan).
+        On the CPU drivers the device's memory is the host's: the calls read private numpy copies
+        in place (runtime/module.py: in_place, which takes writeable arrays only) instead of new
+        device buffers, four allocations less a plan, which a decode step makes once."""
         frozen = {}
         for name, array in arrays.items():
             frozen[name] = np.array(array, copy=True)
             frozen[name].setflags(write=False)
         for lens in (qo_lens, kv_lens):
             lens.setflags(write=False)
-        device = dict(zip(frozen, as_device_arrays(self.kernel.device, list(frozen.values()))))
+        device = self.kernel.device
+        if is_local(device):
+            device = {name: np.array(array) for name, array in frozen.items()}
+        else:
+            device = dict(zip(frozen, as_device_arrays(device, list(frozen.values()))))
         self._plan = Plan(MappingProxyType(frozen), MappingProxyType(device), MappingProxyType(scalars), qo_lens,
                           kv_lens, rows, kv_rows)
         return self._plan

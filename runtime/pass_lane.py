@@ -1,0 +1,74 @@
+"""The least host work for a planned call that is one serving pass call over its rows in order
+(runtime/decode.py: ``DecodeSchedule.in_order``; a decode step, one query an entry): what the plan
+fixes (the pass, its table and geometry in the device's memory, the scalars, where each argument
+sits) is prepared once per plan, and a layer's call is its q reshaped, its K/V sources, the IREE
+call and one copy of each result.
+
+A decode step through transformers runs one such call per layer under the same plan; the general
+path (the call's arguments by name, the schedule looked up, the pass's arguments gathered, its
+table and geometry imported again) cost each layer's call about 0.1 ms of host work between the
+model's layers, where the host code runs several times slower than in a loop
+(docs/performance.md, ninth session).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..mlir.abi import argument_names, kv_sources
+from .checks import on_host
+from .decode import PassCall
+from .module import LoadedKernel, as_device_arrays
+
+
+@dataclass(frozen=True)
+class PassLane:
+    """One plan's in-order pass call, ready to run a layer: ``loaded`` the pass, ``q_shape`` its q
+    ``[n, h_kv, R, d_qk]`` (the call's q ``[tokens, h_q, d_qk]`` reshaped), ``fixed`` its
+    arguments after the KV sources (table and geometry as device arrays, causal, sm_scale),
+    ``head_sinks`` whether sinks follow them; ``out_shape`` ``[tokens, h_q, d_v]`` and ``lse_shape``
+    ``[tokens, h_q]``; ``positions``: where q, the KV sources and the sinks sit in the seed's
+    argument order (:meth:`run_args`)."""
+
+    loaded: LoadedKernel
+    q_shape: tuple
+    fixed: tuple
+    head_sinks: bool
+    out_shape: tuple
+    lse_shape: tuple
+    positions: tuple
+
+    @classmethod
+    def of(cls, spec, loaded: LoadedKernel, scheduled: PassCall, args: tuple) -> "PassLane":
+        """The lane of ``scheduled`` (an in-order PassCall of a plan) for a call of ``spec`` whose
+        checked arguments in the seed's order are ``args`` (their scalars are the plan's)."""
+        names = argument_names(spec)
+        named = dict(zip(names, args))
+        q = on_host(named["q"])
+        tokens = q.shape[0]
+        n, queries = scheduled.rows.shape
+        table, geometry = as_device_arrays(loaded.device, [scheduled.table, scheduled.geometry])
+        sources = tuple(names.index(arg.name) for arg in kv_sources(spec))
+        sinks = (names.index("sinks"),) if spec.head_sinks else ()
+        return cls(loaded, (n, spec.h_kv, queries * spec.group_size, q.shape[-1]),
+                   (table, geometry, int(named["causal"]), float(named["sm_scale"])), spec.head_sinks,
+                   (tokens, spec.h_q, spec.d_v), (tokens, spec.h_q), (names.index("q"), sources, sinks))
+
+    def run(self, q: np.ndarray, sources: tuple, sinks=None) -> tuple[np.ndarray, np.ndarray]:
+        """``(output [tokens, h_q, d_v], lse [tokens, h_q] float32)``, numpy arrays of their own,
+        for ``q [tokens, h_q, d_qk]`` and the KV sources in the variant's order (its KV tensors,
+        then an 8-bit cache's scales) and, for a ``head_sinks`` spec, ``sinks``: every one
+        checked by the caller, as Kernel.launch takes them (no checks here)."""
+        args = (q.reshape(self.q_shape), *sources, *self.fixed, *((sinks,) if self.head_sinks else ()))
+        return self.loaded.consume(self._copied, *args)
+
+    def run_args(self, args: tuple) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`run` for a call's checked arguments in the seed's order."""
+        q_at, sources, sinks = self.positions
+        return self.run(np.asarray(on_host(args[q_at])), tuple(args[i] for i in sources),
+                        args[sinks[0]] if sinks else None)
+
+    def _copied(self, output: np.ndarray, lse: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return np.array(output.reshape(self.out_shape)), np.array(lse.reshape(self.lse_shape))
