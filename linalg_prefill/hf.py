@@ -144,16 +144,20 @@ class KernelCall:
         output, _lse = kernel_for(self.spec)(*self.args)
         return output.view(self.output_shape)
 
-    def step_lane(self, signature: tuple) -> "_StepLane | None":
+    def step_lane(self, signature: tuple, window) -> "_StepLane | None":
         """The :class:`_StepLane` this call leaves for the later calls of ``signature`` (a
-        planned decode call that ran on its kernel's PassLane), else None."""
+        planned decode call that ran on its kernel's PassLane; ``window`` its sliding window),
+        else None."""
         if self.rows or not (isinstance(self.spec, RaggedPrefillSpec) and self.spec.kv_order == "hnd"):
             return None
         planned = hf_batching.planned_lane(self.spec)
         if planned is None:
             return None
-        q, k = self.args[0], self.args[2]
-        return _StepLane(signature, *planned, tuple(q.shape), k.shape[1], self.output_shape)
+        q, q_indptr, k, _v, kv_indptr, *_rest = self.args
+        wrapper, _plan, lane = planned
+        return _StepLane(signature, wrapper, lane, int(kv_indptr[1]) - int(kv_indptr[0]), k.shape[1],
+                         tuple(q.shape), self.output_shape, self.args[7], self.args[11],
+                         int(window) if window else None)
 
 
 def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
@@ -175,41 +179,67 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
                      sliding_window=sliding_window, is_causal=is_causal, s_aux=s_aux)
     output = call.run()
     if signature is not None:
-        _step_lane[0] = call.step_lane(signature)
+        _step_lane[0] = call.step_lane(signature, sliding_window)
     return output, None
 
 
-@dataclass(frozen=True)
 class _StepLane:
-    """A decode step's layers after its first, on the first's plan and its kernel's PassLane
-    (runtime/pass_lane.py): a call whose :func:`_lane_signature` is ``signature`` runs as
-    ``lane.run`` while ``plan`` is still ``wrapper``'s (no other batch planned since), over its own
-    K/V rows (:func:`_kv_rows`: read in place, within their storage, ``rows`` a head as the plan
-    read them); ``q_shape`` the folded q ``[S_q, B H_q, D]``, ``output_shape`` ``[B, S_q, H_q, D]``.
-    The first call took every check; a call of the same signature has the same shapes, dtypes,
-    strides and device, so the plan's index arrays and the pass's checks hold for it too. A
-    layer's host work between the model's layers: about 0.27 ms less (docs/performance.md,
-    ninth session)."""
+    """Decode calls after a step's first, on its plan's PassLane (runtime/pass_lane.py): a call
+    whose :func:`_lane_signature` is ``signature`` (its shapes but the key length, dtypes,
+    strides, device, scale, cap, window, causality) runs as a PassLane's ``run`` over its own K/V
+    rows (:func:`_kv_rows`: read in place, within their storage, ``rows`` a head, as the plans
+    read them). The lanes come from plans of ``wrapper`` whose index arrays are
+    :func:`_decode_call`'s for each key length (one entry of that many keys, the buffer's room
+    another), made with the wrapper's checks; a length without a lane plans it and the
+    AHEAD - 1 lengths the next steps will have (each step ``q_len`` keys more) in one go: a plan
+    and its serving schedule cost about 0.5 ms of host work at a step's first layer (the model's
+    weights have just streamed through the caches) and a few times less each right after one
+    another. The first call took every check; a call of the same signature has the same shapes
+    but the key length, the same dtypes, strides and device, so they hold for it too
+    (docs/performance.md, ninth session).
 
-    signature: tuple
-    wrapper: object
-    plan: object
-    lane: object
-    q_shape: tuple
-    rows: int
-    output_shape: tuple
+    ``q_shape``: the folded q ``[S_q, B H_q, D]``; ``output_shape`` ``[B, S_q, H_q, D]``;
+    ``causal`` and ``scale`` the plans'; ``window`` the sliding window (a key length past it
+    takes the full path)."""
+
+    #: Key lengths planned at once (the call's and the next steps').
+    AHEAD = 8
+
+    def __init__(self, signature: tuple, wrapper, lane, length: int, rows: int, q_shape: tuple,
+                 output_shape: tuple, causal: int, scale: float, window: int | None):
+        self.signature, self.wrapper, self.rows, self.q_shape = signature, wrapper, rows, q_shape
+        self.output_shape, self.causal, self.scale, self.window = output_shape, causal, scale, window
+        self._lanes = {length: lane}
 
     def run(self, query, key, value):
-        """``output [B, S_q, H_q, D]``, or None where the plan moved on or the rows differ
-        (the caller then takes the full path)."""
-        if self.wrapper.current_plan is not self.plan:
-            return None
+        """``output [B, S_q, H_q, D]``, or None where this lane cannot take the call (the caller
+        then takes the full path)."""
         k, v, rows = _kv_rows(key, value)
         if rows != self.rows:
             return None
+        lane = self._lane(key.shape[2])
+        if lane is None:
+            return None
         q = _token_major(query).view(self.q_shape)
-        output, _ = self.lane.run(as_array("query", q), (as_array("key", k), as_array("value", v)))
+        output, _ = lane.run(as_array("query", q), (as_array("key", k), as_array("value", v)), with_lse=False)
         return to_torch(output).view(self.output_shape)
+
+    def _lane(self, length: int):
+        """The PassLane for ``length`` keys (planning it and the next steps' lengths where it has
+        none), or None (a binding window, or calls that are not one pass)."""
+        lane = self._lanes.get(length)
+        if lane is None:
+            lengths = [n for n in range(length, length + self.AHEAD * self.q_shape[0], self.q_shape[0])
+                       if n <= self.rows and (self.window is None or n <= self.window)]
+            self._lanes = {n: self._planned(n) for n in lengths}
+            lane = self._lanes.get(length)
+        return lane
+
+    def _planned(self, length: int):
+        q_indptr, kv_indptr = _with_room([0, self.q_shape[0]], [0, length], self.rows)
+        plan = self.wrapper.plan(np.array(q_indptr, np.int32), np.array(kv_indptr, np.int32),
+                                 causal=bool(self.causal), sm_scale=self.scale)
+        return self.wrapper.kernel.lane(plan)
 
 
 #: The last decode call's :class:`_StepLane` (or None): one slot, replaced by every full call.
@@ -224,8 +254,9 @@ def _lane_signature(module, query, key, value, attention_mask, dropout, scaling,
             or not all(isinstance(t, torch.Tensor) for t in (query, key, value)) or key.dtype != query.dtype):
         return None
     causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
-    return (query.shape, query.dtype, query.device, key.shape, key.stride(), key.dtype, key.device, value.shape,
-            value.stride(), value.dtype, value.device, scaling, softcap, sliding_window, causal)
+    return (query.shape, query.dtype, query.device, key.shape[:2], key.shape[3:], key.stride(), key.dtype,
+            key.device, value.shape[:2], value.shape[3:], value.stride(), value.dtype, value.device,
+            key.shape[2] == value.shape[2], scaling, softcap, sliding_window, causal)
 
 
 def _varlen(module, query, key, value, dropout, scaling, softcap, sliding_window, s_aux, kwargs):

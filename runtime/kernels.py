@@ -142,17 +142,27 @@ class Kernel:
         return schedule
 
     def lane(self, plan: Any) -> PassLane | None:
-        """The :class:`PassLane` of ``plan`` (a planned call that is one pass call over its rows
-        in order) once a call under it has run, else None: the plan's later calls (a decode
-        step's other layers) may run on it with their checked q and KV sources."""
+        """The :class:`PassLane` of ``plan`` (a wrapper's Plan: its host ``arrays``, ``scalars``
+        and ``rows``), or None where its calls are not one pass call over their rows in order:
+        the plan's calls (a decode step's layers) may run on it with their checked q and KV
+        sources. Kept for the last plan asked about."""
         planned, lane = self._lane
-        return lane if planned is plan else None
+        if planned is plan:
+            return lane
+        if not self._decode_kernels:
+            return None
+        args = tuple(plan.arrays.get(name, plan.scalars.get(name)) for name in self._arg_names)
+        schedule = self._decode_schedule(args, plan)
+        return self._lane_of(plan, schedule, args) if schedule is not None and schedule.in_order else None
 
-    def _lane_of(self, plan: Any, schedule, checked_args: tuple) -> PassLane:
+    def _lane_of(self, plan: Any, schedule, args: tuple) -> PassLane:
+        """``plan``'s lane given its (in-order) ``schedule``; ``args`` a call's, in the seed's order."""
         planned, lane = self._lane
         if planned is not plan:
             scheduled = schedule.calls[0]
-            lane = PassLane.of(self.spec, self._decode_kernels[scheduled.rows.shape[1]], scheduled, checked_args)
+            named = dict(zip(self._arg_names, args))
+            lane = PassLane.of(self.spec, self._decode_kernels[scheduled.rows.shape[1]], scheduled,
+                               len(schedule.rest_rows), named)
             self._lane = (plan, lane)
         return lane
 

@@ -41,28 +41,26 @@ class PassLane:
     positions: tuple
 
     @classmethod
-    def of(cls, spec, loaded: LoadedKernel, scheduled: PassCall, args: tuple) -> "PassLane":
-        """The lane of ``scheduled`` (an in-order PassCall of a plan) for a call of ``spec`` whose
-        checked arguments in the seed's order are ``args`` (their scalars are the plan's)."""
+    def of(cls, spec, loaded: LoadedKernel, scheduled: PassCall, tokens: int, scalars: dict) -> "PassLane":
+        """The lane of ``scheduled`` (an in-order PassCall of a plan) for calls of ``spec`` with
+        ``tokens`` query rows under the plan's ``scalars`` (by ABI name: causal, sm_scale)."""
         names = argument_names(spec)
-        named = dict(zip(names, args))
-        q = on_host(named["q"])
-        tokens = q.shape[0]
         n, queries = scheduled.rows.shape
         table, geometry = as_device_arrays(loaded.device, [scheduled.table, scheduled.geometry])
         sources = tuple(names.index(arg.name) for arg in kv_sources(spec))
         sinks = (names.index("sinks"),) if spec.head_sinks else ()
-        return cls(loaded, (n, spec.h_kv, queries * spec.group_size, q.shape[-1]),
-                   (table, geometry, int(named["causal"]), float(named["sm_scale"])), spec.head_sinks,
+        return cls(loaded, (n, spec.h_kv, queries * spec.group_size, spec.d_qk),
+                   (table, geometry, int(scalars["causal"]), float(scalars["sm_scale"])), spec.head_sinks,
                    (tokens, spec.h_q, spec.d_v), (tokens, spec.h_q), (names.index("q"), sources, sinks))
 
-    def run(self, q: np.ndarray, sources: tuple, sinks=None) -> tuple[np.ndarray, np.ndarray]:
-        """``(output [tokens, h_q, d_v], lse [tokens, h_q] float32)``, numpy arrays of their own,
-        for ``q [tokens, h_q, d_qk]`` and the KV sources in the variant's order (its KV tensors,
-        then an 8-bit cache's scales) and, for a ``head_sinks`` spec, ``sinks``: every one
-        checked by the caller, as Kernel.launch takes them (no checks here)."""
+    def run(self, q: np.ndarray, sources: tuple, sinks=None, with_lse: bool = True) -> tuple:
+        """``(output [tokens, h_q, d_v], lse [tokens, h_q] float32)``, numpy arrays of their own
+        (lse None unless ``with_lse``), for ``q [tokens, h_q, d_qk]`` and the KV sources in the
+        variant's order (its KV tensors, then an 8-bit cache's scales) and, for a ``head_sinks``
+        spec, ``sinks``: every one checked by the caller, as Kernel.launch takes them (no checks
+        here)."""
         args = (q.reshape(self.q_shape), *sources, *self.fixed, *((sinks,) if self.head_sinks else ()))
-        return self.loaded.consume(self._copied, *args)
+        return self.loaded.consume(self._copied if with_lse else self._output, *args)
 
     def run_args(self, args: tuple) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`run` for a call's checked arguments in the seed's order."""
@@ -72,3 +70,6 @@ class PassLane:
 
     def _copied(self, output: np.ndarray, lse: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return np.array(output.reshape(self.out_shape)), np.array(lse.reshape(self.lse_shape))
+
+    def _output(self, output: np.ndarray, _lse: np.ndarray) -> tuple[np.ndarray, None]:
+        return np.array(output.reshape(self.out_shape)), None

@@ -203,31 +203,35 @@ def _decode_layer(generator, length: int, room: int) -> tuple:
 @pytest.mark.parametrize("room", [0, 11], ids=["contiguous", "buffer-with-room"])
 def test_a_steps_later_layers_run_on_its_first_layers_plan(monkeypatch, room):
     """hf.attention's decode calls of one step: the first plans and checks (plan_call), the later
-    ones of the same shapes (their own q and K/V: other layers) run on its kernel's PassLane, each
-    output equal to the checked kernel call's on the same inputs; a call of another length, or
-    one after the wrapper planned another batch, takes the full path again."""
+    ones of the same shapes (their own q and K/V: other layers) run on its kernel's PassLane; the
+    next step's (one key more) on the same buffers plans its index arrays through the lane, and so
+    does a call after the wrapper planned another batch; a contiguous cache's strides change with
+    its length, so its next step takes the full path. Every output equals the checked kernel
+    call's on the same inputs."""
     planned = []
     plan_call = hf.plan_call
     monkeypatch.setattr(hf, "plan_call", lambda *a, **k: planned.append(1) or plan_call(*a, **k))
     generator = torch.Generator().manual_seed(3)
-    layers = [_decode_layer(generator, 37, 37 + room) for _ in range(3)]
-    outputs = [hf.attention(_Module(), *layer, None)[0] for layer in layers]
-    assert len(planned) == 1, "the step's later layers planned again"
-    for layer, output in zip(layers, outputs):
+
+    def assert_checked(layer, output):
         call = plan_call(_Module(), *layer, None)
         want, lse = hf.kernel_for(call.spec)(*call.args)
         host_args = tuple(as_array(str(i), a) if isinstance(a, torch.Tensor) else a for i, a in enumerate(call.args))
         assert_matches_reference(call.spec.name, (as_array("output", want), as_array("lse", lse)), call.spec, host_args)
         assert torch.equal(output, want.view(call.output_shape))
-    hf.attention(_Module(), *_decode_layer(generator, 38, 38 + room), None)
-    assert len(planned) == 2, "a call of another length must plan"
-    wrapper = hf.hf_batching._wrappers[DECODE_HND]
-    wrapper.plan(np.array([0, 2], np.int32), np.array([0, 5], np.int32))   # another batch on the same wrapper
-    layer = _decode_layer(generator, 38, 38 + room)
-    output = hf.attention(_Module(), *layer, None)[0]
-    assert len(planned) == 3, "a call after another plan must plan again"
-    call = plan_call(_Module(), *layer, None)
-    assert torch.equal(output, hf.kernel_for(call.spec)(*call.args)[0].view(call.output_shape))
+
+    layers = [_decode_layer(generator, 37, 37 + room) for _ in range(3)]
+    for layer in layers:
+        assert_checked(layer, hf.attention(_Module(), *layer, None)[0])
+    assert len(planned) == 1, "the step's later layers planned again"
+    next_step = 1 if room else 2   # a contiguous cache's next step: other strides, the full path
+    layer = _decode_layer(generator, 38, max(38, 37 + room))
+    assert_checked(layer, hf.attention(_Module(), *layer, None)[0])
+    assert len(planned) == next_step
+    hf.hf_batching._wrappers[DECODE_HND].plan(np.array([0, 2], np.int32), np.array([0, 5], np.int32))  # another batch
+    layer = _decode_layer(generator, 38, max(38, 37 + room))
+    assert_checked(layer, hf.attention(_Module(), *layer, None)[0])
+    assert len(planned) == next_step
 
 
 def _folded_specs(family: str) -> list:
