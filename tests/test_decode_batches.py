@@ -236,6 +236,42 @@ def test_a_decode_step_in_order_takes_q_and_results_as_they_are(cache, monkeypat
         np.testing.assert_array_equal(got[:len(step)], want)
 
 
+def test_a_planned_in_order_step_runs_on_its_plans_lane(cache):
+    """A wrapper's planned step that is one in-order pass call runs on its plan's PassLane
+    (runtime/pass_lane.py, Kernel.lane): one lane a plan, the wrapper's rows those of the call
+    without a plan, bitwise, and the reference's; the lane run straight on another layer's q and
+    pages gives the wrapper's rows for them; a plan of more than one pass call has no lane."""
+    from linalg_prefill.runtime import PagedPrefillWrapper
+
+    spec = PagedPrefillSpec(8, 2, 64, "float32", page_size=16)
+    kernel = open_kernel(spec, "llvm-cpu", cache=cache)
+    wrapper = PagedPrefillWrapper(spec, kernel=kernel)
+    rng = np.random.default_rng(13)
+
+    def planned(entries):
+        args = serving_call(spec, rng, entries)
+        named = dict(zip(argument_names(spec), args))
+        plan = wrapper.plan(named["q_indptr"], named["page_indptr"], named["page_values"], named["length_info"],
+                            causal=bool(named["causal"]), sm_scale=float(named["sm_scale"]))
+        return args, named, plan
+
+    args, named, plan = planned([(1, 100), (1, 97), (1, 112), (1, 105)])
+    out, lse = wrapper.run(named["q"], named["pages"])
+    lane = kernel.lane(plan)
+    assert lane is not None and kernel.lane(plan) is lane
+    assert_matches_reference("planned in-order step", (out, lse), spec, args)
+    for want, got in zip(kernel(*args), (out, lse)):
+        np.testing.assert_array_equal(got, want)
+    q, pages = uniform(rng, named["q"].shape, spec.dtype), uniform(rng, named["pages"].shape, spec.dtype)
+    want = wrapper.run(q, pages)
+    got = lane.run(q, (pages,))
+    for w, g in zip(want, got):
+        np.testing.assert_array_equal(g, w)
+    assert lane.run(q, (pages,), with_lse=False)[1] is None
+    _, _, mixed = planned([(1, 100), (1, 97), (2, 50)])
+    assert kernel.lane(mixed) is None
+
+
 def test_a_call_without_a_plan_reuses_the_schedule_of_the_same_index_arrays(cache, monkeypatch):
     """Kernel.__call__ works a call's schedule out again only when its index arrays or scalars
     change (runtime/decode.py: schedule_key): a second call with the same ones (the next layer)
