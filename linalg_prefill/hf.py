@@ -61,6 +61,7 @@ except ImportError as err:  # pragma: no cover - exercised by tests/test_hf_impo
     raise ImportError("linalg_prefill.hf needs torch and transformers: pip install 'linalg-prefill[hf]' "
                       f"({err})") from err
 
+import atexit
 from dataclasses import dataclass
 import weakref
 
@@ -244,6 +245,13 @@ class _StepLane:
 
 #: The last decode call's :class:`_StepLane` (or None): one slot, replaced by every full call.
 _step_lane: list = [None]
+
+
+@atexit.register
+def _release_lane() -> None:
+    """Drops the lane (its IREE buffers and kernel) at exit, before runtime.kernels.release_shared
+    (atexit runs the later registration first)."""
+    _step_lane[0] = None
 
 
 def _lane_signature(module, query, key, value, attention_mask, dropout, scaling, softcap, sliding_window,
