@@ -188,16 +188,17 @@ class _StepLane:
     """Decode calls after a step's first, on its plan's PassLane (runtime/pass_lane.py): a call
     whose :func:`_lane_signature` is ``signature`` (its shapes but the key length, dtypes,
     strides, device, scale, cap, window, causality) runs as a PassLane's ``run`` over its own K/V
-    rows (:func:`_kv_rows`: read in place, within their storage, ``rows`` a head, as the plans
-    read them). The lanes come from plans of ``wrapper`` whose index arrays are
-    :func:`_decode_call`'s for each key length (one entry of that many keys, the buffer's room
-    another), made with the wrapper's checks; a length without a lane plans it and the
-    AHEAD - 1 lengths the next steps will have (each step ``q_len`` keys more) in one go: a plan
-    and its serving schedule cost about 0.5 ms of host work at a step's first layer (the model's
-    weights have just streamed through the caches) and a few times less each right after one
-    another. The first call took every check; a call of the same signature has the same shapes
-    but the key length, the same dtypes, strides and device, so they hold for it too
-    (docs/performance.md, ninth session).
+    rows (:func:`_kv_rows`: read in place, within their storage). The lanes come from plans of
+    ``wrapper`` whose index arrays are :func:`_decode_call`'s for a key length and the K/V's rows
+    a head (one entry of that many keys, a buffer's room another), made with the wrapper's
+    checks; a (length, rows) without a lane plans it and the AHEAD - 1 the next steps will have
+    (each step ``q_len`` keys more, on the same rows: a KvCache's buffers; or on as many rows as
+    keys: a DynamicCache's tensors, new each step) in one go: a plan and its serving schedule
+    cost about 0.5 ms of host work at a step's first layer (the model's weights have just
+    streamed through the caches) and a few times less each right after one another. The first
+    call took every check; a call of the same signature has the same shapes but the key length,
+    the same dtypes, strides and device, so they hold for it too (docs/performance.md, ninth
+    session).
 
     ``q_shape``: the folded q ``[S_q, B H_q, D]``; ``output_shape`` ``[B, S_q, H_q, D]``;
     ``causal`` and ``scale`` the plans'; ``window`` the sliding window (a key length past it
@@ -208,36 +209,36 @@ class _StepLane:
 
     def __init__(self, signature: tuple, wrapper, lane, length: int, rows: int, q_shape: tuple,
                  output_shape: tuple, causal: int, scale: float, window: int | None):
-        self.signature, self.wrapper, self.rows, self.q_shape = signature, wrapper, rows, q_shape
+        self.signature, self.wrapper, self.q_shape = signature, wrapper, q_shape
         self.output_shape, self.causal, self.scale, self.window = output_shape, causal, scale, window
-        self._lanes = {length: lane}
+        self._lanes = {(length, rows): lane}
 
     def run(self, query, key, value):
         """``output [B, S_q, H_q, D]``, or None where this lane cannot take the call (the caller
         then takes the full path)."""
         k, v, rows = _kv_rows(key, value)
-        if rows != self.rows:
-            return None
-        lane = self._lane(key.shape[2])
+        lane = self._lane(key.shape[2], rows)
         if lane is None:
             return None
         q = _token_major(query).view(self.q_shape)
         output, _ = lane.run(as_array("query", q), (as_array("key", k), as_array("value", v)), with_lse=False)
         return to_torch(output).view(self.output_shape)
 
-    def _lane(self, length: int):
-        """The PassLane for ``length`` keys (planning it and the next steps' lengths where it has
-        none), or None (a binding window, or calls that are not one pass)."""
-        lane = self._lanes.get(length)
+    def _lane(self, length: int, rows: int):
+        """The PassLane for ``length`` keys in K/V of ``rows`` rows a head (planning it and the
+        next steps' where it has none), or None (a binding window, or calls that are not one
+        pass)."""
+        lane = self._lanes.get((length, rows))
         if lane is None:
-            lengths = [n for n in range(length, length + self.AHEAD * self.q_shape[0], self.q_shape[0])
-                       if n <= self.rows and (self.window is None or n <= self.window)]
-            self._lanes = {n: self._planned(n) for n in lengths}
-            lane = self._lanes.get(length)
+            step, grows = self.q_shape[0], rows == length
+            wanted = [(n, n if grows else rows) for n in range(length, length + self.AHEAD * step, step)]
+            self._lanes = {(n, r): self._planned(n, r) for n, r in wanted
+                           if n <= r and (self.window is None or n <= self.window)}
+            lane = self._lanes.get((length, rows))
         return lane
 
-    def _planned(self, length: int):
-        q_indptr, kv_indptr = _with_room([0, self.q_shape[0]], [0, length], self.rows)
+    def _planned(self, length: int, rows: int):
+        q_indptr, kv_indptr = _with_room([0, self.q_shape[0]], [0, length], rows)
         plan = self.wrapper.plan(np.array(q_indptr, np.int32), np.array(kv_indptr, np.int32),
                                  causal=bool(self.causal), sm_scale=self.scale)
         return self.wrapper.kernel.lane(plan)
@@ -262,9 +263,16 @@ def _lane_signature(module, query, key, value, attention_mask, dropout, scaling,
             or not all(isinstance(t, torch.Tensor) for t in (query, key, value)) or key.dtype != query.dtype):
         return None
     causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
-    return (query.shape, query.dtype, query.device, key.shape[:2], key.shape[3:], key.stride(), key.dtype,
-            key.device, value.shape[:2], value.shape[3:], value.stride(), value.dtype, value.device,
+    return (query.shape, query.dtype, query.device, key.shape[:2], key.shape[3:], _strides(key), key.dtype,
+            key.device, value.shape[:2], value.shape[3:], _strides(value), value.dtype, value.device,
             key.shape[2] == value.shape[2], scaling, softcap, sliding_window, causal)
+
+
+def _strides(tensor) -> tuple | str:
+    """A K/V tensor's layout in a lane's signature: "contiguous" (a DynamicCache's, whose strides
+    change with its length), or its strides (a KvCache's views keep theirs while the buffer
+    does)."""
+    return "contiguous" if tensor.is_contiguous() else tensor.stride()
 
 
 def _varlen(module, query, key, value, dropout, scaling, softcap, sliding_window, s_aux, kwargs):

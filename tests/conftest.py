@@ -138,9 +138,14 @@ def pytest_addoption(parser):
 
 def xdist_worker(config) -> tuple[int, int] | None:
     """(this worker's index, the number of workers) in a pytest-xdist worker, else None (also in a
-    pytest that a worker's test starts, which inherits the worker's environment)."""
+    pytest that a worker's test starts, which inherits the worker's environment). A worker that
+    replaces a crashed one (``--max-worker-restart``) comes with the next id (gw2 of 2 workers):
+    it takes index ``id % workers``, a share of the cores, instead of failing its configure."""
     worker = getattr(config, "workerinput", None)
-    return None if worker is None else (int(worker["workerid"].removeprefix("gw")), int(worker["workercount"]))
+    if worker is None:
+        return None
+    count = int(worker["workercount"])
+    return int(worker["workerid"].removeprefix("gw")) % count, count
 
 
 #: What xdist's workers (one per core) inherit: one thread each for torch's OpenMP pool and
