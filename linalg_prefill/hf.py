@@ -77,7 +77,7 @@ from .hf_cache import KvCache, appended
 from .mlir import PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec
 from .mlir.specs import KV_DTYPES, SMALL_Q_TILE
 from .runtime import InputError
-from .runtime.checks import as_array
+from .runtime.checks import as_array, check_scale
 from .runtime.interop import to_torch
 from .runtime.key_ranges import Entries, key_ranges, paged_arguments, plan_entries, rule_ranges
 from .torch_ops import DTYPES, kernel_for
@@ -202,7 +202,7 @@ class _StepLane:
 
     ``q_shape``: the folded q ``[S_q, B H_q, D]``; ``output_shape`` ``[B, S_q, H_q, D]``;
     ``causal`` and ``scale`` the plans'; ``window`` the sliding window (a key length past it
-    takes the full path)."""
+    takes the full path). 8-bit K/V (an Fp8KvCache's) come with each layer's scales, checked."""
 
     #: Key lengths planned at once (the call's and the next steps').
     AHEAD = 8
@@ -211,6 +211,7 @@ class _StepLane:
                  output_shape: tuple, causal: int, scale: float, window: int | None):
         self.signature, self.wrapper, self.q_shape = signature, wrapper, q_shape
         self.output_shape, self.causal, self.scale, self.window = output_shape, causal, scale, window
+        self.eight_bit = wrapper.spec.kv_dtype is not None   # K/V of an 8-bit cache, with their scales
         self._lanes = {(length, rows): lane}
 
     def run(self, query, key, value):
@@ -221,7 +222,12 @@ class _StepLane:
         if lane is None:
             return None
         q = _token_major(query).view(self.q_shape)
-        output, _ = lane.run(as_array("query", q), (as_array("key", k), as_array("value", v)), with_lse=False)
+        sources = (as_array("key", k), as_array("value", v))
+        if self.eight_bit:   # each layer's own scales, checked as the wrapper checks them
+            scales = _scales_arg(key, value, k.shape[0])
+            sources += tuple(check_scale(name, scale, shape=(k.shape[0],))
+                             for name, scale in zip(("k_scale", "v_scale"), scales))
+        output, _ = lane.run(as_array("query", q), sources, with_lse=False)
         return to_torch(output).view(self.output_shape)
 
     def _lane(self, length: int, rows: int):
@@ -258,9 +264,13 @@ def _release_lane() -> None:
 def _lane_signature(module, query, key, value, attention_mask, dropout, scaling, softcap, sliding_window,
                     is_causal, s_aux) -> tuple | None:
     """What decides an :func:`attention` call's checks, plan and kernel, or None for a call no
-    :class:`_StepLane` takes (a mask, dropout, sinks, an 8-bit cache, anything but tensors)."""
+    :class:`_StepLane` takes (a mask, dropout, sinks, 8-bit K/V without their scales, anything
+    but tensors)."""
     if (attention_mask is not None or dropout or s_aux is not None
-            or not all(isinstance(t, torch.Tensor) for t in (query, key, value)) or key.dtype != query.dtype):
+            or not all(isinstance(t, torch.Tensor) for t in (query, key, value))):
+        return None
+    if key.dtype != query.dtype and not (key.dtype in _EIGHT_BIT and value.dtype == key.dtype
+                                         and hasattr(key, SCALE_ATTRIBUTE) and hasattr(value, SCALE_ATTRIBUTE)):
         return None
     causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
     return (query.shape, query.dtype, query.device, key.shape[:2], key.shape[3:], _strides(key), key.dtype,

@@ -447,6 +447,36 @@ def test_masks_with_holes_run_the_custom_mask_kernel(family):
     assert {symbol for symbol, *_ in calls} == {"batch_prefill_paged_kv_sliding_window"}
 
 
+@pytest.mark.compiles(DECODE_FP8, DecodeSpec(DECODE_FP8))
+def test_a_steps_later_layers_on_an_8_bit_cache_take_their_own_scales(monkeypatch):
+    """The step lane over e4m3 K/V (an Fp8KvCache's states, each layer's scale on its tensors):
+    the later layers run on the first's plan with their own scales, each output equal to the
+    checked kernel call's; a layer whose scale is not positive is refused by name."""
+    planned = []
+    plan_call = hf.plan_call
+    monkeypatch.setattr(hf, "plan_call", lambda *a, **k: planned.append(1) or plan_call(*a, **k))
+    generator = torch.Generator().manual_seed(4)
+    layers = []
+    for scale in (0.25, 0.5, 0.125):
+        query, key, value = _decode_layer(generator, 29, 40)
+        key, value = ((x._base / scale).to(torch.float8_e4m3fn)[:, :, :29] for x in (key, value))
+        for x in (key, value):
+            setattr(x, hf.SCALE_ATTRIBUTE, scale)
+        layers.append((query, key, value))
+    for layer in layers:
+        output = hf.attention(_Module(), *layer, None)[0]
+        call = plan_call(_Module(), *layer, None)
+        want, lse = hf.kernel_for(call.spec)(*call.args)
+        host_args = tuple(as_array(str(i), a) if isinstance(a, torch.Tensor) else a for i, a in enumerate(call.args))
+        assert_matches_reference(call.spec.name, (as_array("output", want), as_array("lse", lse)), call.spec, host_args)
+        assert torch.equal(output, want.view(call.output_shape))
+    assert len(planned) == 1 and call.spec == DECODE_FP8
+    query, key, value = layers[0]
+    setattr(key, hf.SCALE_ATTRIBUTE, -1.0)
+    with pytest.raises(InputError, match="k_scale"):
+        hf.attention(_Module(), query, key, value, None)
+
+
 def _qkv(batch: int, length: int) -> tuple:
     """Zero query, key and value ``[B, heads, S, 16]`` of the tiny models' head counts."""
     return torch.zeros(batch, 4, length, 16), torch.zeros(batch, 2, length, 16), torch.zeros(batch, 2, length, 16)
