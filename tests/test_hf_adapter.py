@@ -447,6 +447,21 @@ def test_masks_with_holes_run_the_custom_mask_kernel(family):
     assert {symbol for symbol, *_ in calls} == {"batch_prefill_paged_kv_sliding_window"}
 
 
+@pytest.mark.compiles(DECODE_HND, DecodeSpec(DECODE_HND))
+def test_a_binding_window_leaves_no_lane():
+    """A decode call whose sliding window binds runs the keys before the window as an entry of
+    their own: it leaves no lane, so a later call of the same shapes whose key length is that
+    entry's (a new sequence on buffers of the same size) runs its own keys, as the checked kernel
+    call does."""
+    generator = torch.Generator().manual_seed(5)
+    for length in (20, 12, 12, 7):   # a window of 8: 20 keys see their last 8 (an entry of 12 before them)
+        layer = _decode_layer(generator, length, 40)
+        output = hf.attention(_Module(), *layer, None, sliding_window=8)[0]
+        call = hf.plan_call(_Module(), *layer, None, sliding_window=8)
+        want, _ = hf.kernel_for(call.spec)(*call.args)
+        assert torch.equal(output, want.view(call.output_shape)), length
+
+
 @pytest.mark.compiles(DECODE_FP8, DecodeSpec(DECODE_FP8))
 def test_a_steps_later_layers_on_an_8_bit_cache_take_their_own_scales(monkeypatch):
     """The step lane over e4m3 K/V (an Fp8KvCache's states, each layer's scale on its tensors):
