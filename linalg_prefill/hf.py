@@ -39,6 +39,10 @@ Which kernel runs (RoPE off: the model rotated q and k already):
 keys into buffers with room instead of copying the cache: the decode paths above read its views
 where they lie (the rows past the tokens an entry without queries).
 
+A decode call's later calls of the same shapes (the step's other layers, and the next steps')
+run on the first one's plan and its serving pass's prepared arguments, without its planning and
+checks again (:class:`_StepLane`).
+
 An 8-bit cache (:class:`Fp8KvCache`, transformers' fp8 ``QuantizedCache`` whose layers hand over
 their stored e4m3 states with the scale): the decode paths above read them in place (the ragged
 kernel with ``kv_dtype``, semantics §15); the others widen them first, as transformers does.
@@ -133,7 +137,8 @@ class KernelCall:
     def run(self):
         """``output [B, S_q, H_q, D]``, contiguous. A decode step of one sequence runs as a
         wrapper's plan and run (hf_batching.planned_decode): every layer of a step shares the
-        plan, so the index arrays are checked and the serving schedule worked out once a step."""
+        plan, so the index arrays are checked and the serving schedule worked out once a step
+        (and the calls after it of the same shapes take :meth:`step_lane`'s lane instead)."""
         if self.rows:
             kernel = kernel_for(self.spec)
             output = self.rows[0][0].new_empty(self.output_shape)
