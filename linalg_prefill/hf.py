@@ -162,7 +162,7 @@ class KernelCall:
         q, q_indptr, k, _v, kv_indptr, *_rest = self.args
         if int(q_indptr[1]) != q.shape[0]:   # not _decode_call's index arrays (a window's keys before the queries)
             return None
-        wrapper, _plan, lane = planned
+        wrapper, lane = planned
         return _StepLane(signature, wrapper, lane, int(kv_indptr[1]) - int(kv_indptr[0]), k.shape[1],
                          tuple(q.shape), self.output_shape, self.args[7], self.args[11],
                          int(window) if window else None)

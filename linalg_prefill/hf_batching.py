@@ -190,13 +190,13 @@ def planned_decode(spec: RaggedPrefillSpec, args: tuple):
 
 
 def planned_lane(spec: RaggedPrefillSpec) -> tuple | None:
-    """``(wrapper, plan, lane)``: ``spec``'s decode wrapper (:func:`planned_decode`), its
-    current plan and its kernel's PassLane of that plan (runtime/pass_lane.py), or None where it
-    has none (no call under the plan ran as one in-order pass call)."""
+    """``(wrapper, lane)``: ``spec``'s decode wrapper (:func:`planned_decode`) and its kernel's
+    PassLane of the wrapper's current plan (runtime/pass_lane.py), or None where it has none (its
+    plan's calls are not one in-order pass call)."""
     wrapper = _wrappers.get(spec)
     plan = None if wrapper is None else wrapper.current_plan
     lane = None if plan is None else wrapper.kernel.lane(plan)
-    return None if lane is None else (wrapper, plan, lane)
+    return None if lane is None else (wrapper, lane)
 
 
 def _int32(name: str, tensor) -> np.ndarray:

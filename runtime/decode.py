@@ -183,11 +183,8 @@ class PassCall:
         """The call for one layer: ``named`` its arguments by ABI name, ``q`` [tokens, h_q, d] its
         queries on the host; the pass's q is written through ``new_array(shape, dtype) -> (argument,
         view)`` (module.host_visible_array; default a numpy array), zero in padding rows."""
-        spec = self.spec.base
-        n, queries = self.rows.shape
-        h_kv, group = spec.h_kv, spec.group_size
-        d = q.shape[-1]
-        q_arg, q_pass = (new_array or host_array)((n, h_kv, queries * group, d), q.dtype)
+        group, d = self.spec.base.group_size, q.shape[-1]
+        q_arg, q_pass = (new_array or host_array)(self.q_shape(d), q.dtype)
         by_head = np.ascontiguousarray(q).reshape(-1, group * d)  # [tokens x h_kv, G x d]
         pass_rows = q_pass.reshape(-1, group * d)  # [n x h_kv x queries, G x d]
         if self.every_row:
@@ -197,11 +194,24 @@ class PassCall:
             pass_rows[self.real_head_rows] = by_head[self.head_rows[self.real_head_rows]]
         return DecodeCall(self.spec, self.arguments(named, q_arg), self.rows, self.real)
 
+    def q_shape(self, d: int) -> tuple:
+        """The pass's q ``[n, h_kv, R, d]`` (R = queries x G rows a KV head)."""
+        n, queries = self.rows.shape
+        return n, self.spec.base.h_kv, queries * self.spec.base.group_size, d
+
     def arguments(self, named: dict, q_pass) -> tuple:
         """The pass's arguments for one layer given its q (``q_pass`` [n, h_kv, R, d_qk])."""
         spec = self.spec.base
-        return (q_pass, *(named[arg.name] for arg in kv_sources(spec)), self.table, self.geometry,
-                int(named["causal"]), float(named["sm_scale"]), *((named["sinks"],) if spec.head_sinks else ()))
+        return (q_pass, *(named[arg.name] for arg in kv_sources(spec)),
+                *self.fixed_arguments(named, self.table, self.geometry),
+                *((named["sinks"],) if spec.head_sinks else ()))
+
+    @staticmethod
+    def fixed_arguments(named: dict, table, geometry) -> tuple:
+        """The pass's arguments between its KV sources and its sinks: ``table``, ``geometry``
+        (as given: this call's arrays, or copies of them on the device) and the call's causal flag
+        and sm_scale from ``named``."""
+        return table, geometry, int(named["causal"]), float(named["sm_scale"])
 
     def in_order(self, tokens: int) -> bool:
         """Whether the pass's rows are a call's ``tokens`` query rows in order, all real (one query
@@ -353,8 +363,7 @@ def _in_order(spec, named: dict, q: np.ndarray, scheduled: PassCall, run_decode:
     copied out once, reshaped (no pass q built, no scatter: 8 x 1 vs 128 cached, the step's host
     work about 100 -> 60 us, `run` min 0.394-0.406 -> 0.348 ms against 0.29 for the pass call
     alone, docs/performance.md)."""
-    n, queries = scheduled.rows.shape
-    q_pass = q.reshape(n, spec.h_kv, queries * spec.group_size, q.shape[-1])
+    q_pass = q.reshape(scheduled.q_shape(q.shape[-1]))
     out_shape, lse_shape = (q.shape[0], spec.h_q, spec.d_v), (q.shape[0], spec.h_q)
 
     def copied(out_pass, lse_pass):
@@ -363,7 +372,7 @@ def _in_order(spec, named: dict, q: np.ndarray, scheduled: PassCall, run_decode:
         output, lse = out_pass.reshape(out_shape), lse_pass.reshape(lse_shape)
         return (np.array(output), np.array(lse)) if to_host else device_results([output, lse])
 
-    return run_decode(queries, *scheduled.arguments(named, q_pass), use=copied)
+    return run_decode(scheduled.rows.shape[1], *scheduled.arguments(named, q_pass), use=copied)
 
 
 def _calls_of(pass_spec: DecodeSpec, lengths: np.ndarray, passes: DecodePasses) -> list[tuple[np.ndarray, int]]:

@@ -106,8 +106,8 @@ class Kernel:
         ``plan``: an immutable object that stands for the call's index arrays and scalars (a
         wrapper's Plan): the host schedule of its serving passes is then worked out once per plan
         instead of on every call, and a plan that is one pass call over its rows in order runs
-        host results on its :class:`PassLane` (:meth:`lane`). ``outputs``: the caller's arrays for the results (host results
-        only), which the call then returns (Outputs.given)."""
+        host results on its :class:`PassLane` (:meth:`lane`). ``outputs``: the caller's arrays
+        for the results (host results only), which the call then returns (Outputs.given)."""
         schedule = self._decode_schedule(checked_args, plan) if self._decode_kernels else None
         if schedule is not None and schedule.in_order and plan is not None and outputs is None and to_host:
             return self._lane_of(plan, schedule, checked_args).run_args(checked_args)

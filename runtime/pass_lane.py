@@ -46,13 +46,12 @@ class PassLane:
         """The lane of ``scheduled`` (an in-order PassCall of a plan) for calls of ``spec`` with
         ``tokens`` query rows under the plan's ``scalars`` (by ABI name: causal, sm_scale)."""
         names = argument_names(spec)
-        n, queries = scheduled.rows.shape
         table, geometry = as_device_arrays(loaded.device, [scheduled.table, scheduled.geometry])
         sources = tuple(names.index(arg.name) for arg in kv_sources(spec))
         sinks = (names.index("sinks"),) if spec.head_sinks else ()
-        return cls(loaded, (n, spec.h_kv, queries * spec.group_size, spec.d_qk),
-                   (table, geometry, int(scalars["causal"]), float(scalars["sm_scale"])), spec.head_sinks,
-                   (tokens, spec.h_q, spec.d_v), (tokens, spec.h_q), (names.index("q"), sources, sinks))
+        return cls(loaded, scheduled.q_shape(spec.d_qk), PassCall.fixed_arguments(scalars, table, geometry),
+                   spec.head_sinks, (tokens, spec.h_q, spec.d_v), (tokens, spec.h_q),
+                   (names.index("q"), sources, sinks))
 
     def run(self, q: np.ndarray, sources: tuple, sinks=None, with_lse: bool = True) -> tuple:
         """``(output [tokens, h_q, d_v], lse [tokens, h_q] float32)``, numpy arrays of their own
