@@ -254,13 +254,16 @@ class AmxEngine:
 class FmaEngine:
     """Q.K^T and P.V in f32 AVX-512 FMAs on register blocks: the workgroup's q rows [row_block, d],
     k tiles transposed [B, h_kv, T, d, kv_block] and values [B, h_kv, T * kv_block, d] (the row
-    tiles of score_tiles.ROW_TILES), probs f32. Scores in blocks of 4 rows x 64 keys (16 accumulators, one
-    query element broadcast per row and step), P.V in blocks of 4 rows x 64 dims."""
+    tiles of score_tiles.ROW_TILES), probs f32. Scores in blocks of 6 rows x 64 keys (24 accumulators, one
+    query element broadcast per row and step: 24 FMAs to 10 loads), P.V in blocks of 6 rows x 64 dims;
+    a block's last rows in one of row_block % 6. Against 4 x 4 (16 FMAs to 8 loads): dense causal
+    f32 L = 512 / 2048 1.2x / 1.05x, f16 1.06x; 7 rows (28 accumulators) spill
+    (docs/performance.md, tenth session)."""
 
     uses_amx = False
     values_in_place = False
-    SCORE_ROWS, SCORE_VECTORS = 4, 4
-    ACC_ROWS, ACC_VECTORS = 4, 4
+    SCORE_ROWS, SCORE_VECTORS = 6, 4
+    ACC_ROWS, ACC_VECTORS = 6, 4
     UNROLL = 4
 
     def __init__(self, dtype: str):
@@ -285,23 +288,28 @@ class FmaEngine:
 
     @staticmethod
     def _row_blocks(row_block: int, rows: int, body) -> None:
-        """``body(first row)`` for each block of ``rows`` rows, in an scf.for (unrolled, the
-        f32 kernels' IR grew to 1 MB and took 3 s to compile)."""
-        loop = scf_d.ForOp(const_index(0), const_index(row_block), const_index(rows))
-        with ir.InsertionPoint(loop.body):
-            body(as_i64(loop.induction_variable))
-            scf_d.YieldOp([])
+        """``body(first row, rows)`` for each block of ``rows`` rows, in an scf.for (unrolled, the
+        f32 kernels' IR grew to 1 MB and took 3 s to compile), then once for the last
+        ``row_block % rows`` rows."""
+        full = row_block - row_block % rows
+        if full:
+            loop = scf_d.ForOp(const_index(0), const_index(full), const_index(rows))
+            with ir.InsertionPoint(loop.body):
+                body(as_i64(loop.induction_variable), rows)
+                scf_d.YieldOp([])
+        if row_block % rows:
+            body(const_i64(full), row_block % rows)
 
     def scores(self, w: "_Dispatch", q_base, k_block, scores) -> None:
         d, v = w.s.d, w.vec
-        rows, vectors = self.SCORE_ROWS, self.SCORE_VECTORS
+        vectors = self.SCORE_VECTORS
         row_bytes = d * _bytes(self.operand)
 
-        def row_block(row0):
+        def row_block(row0, rows):
             q_rows = at(q_base, arith_d.muli(row0, const_i64(row_bytes)))
             score_rows = at(scores, arith_d.muli(row0, const_i64(w.score_stride)))
             for col0 in range(0, w.s.kv_block, 16 * vectors):
-                def step(k, acc, col0=col0):
+                def step(k, acc, col0=col0, rows=rows):
                     for u in range(self.UNROLL):
                         kk = arith_d.addi(k, const_i64(u))
                         key_step = self._key_step(w, k_block, kk)
@@ -318,13 +326,12 @@ class FmaEngine:
                     for c in range(vectors):
                         v.store(acc[r * vectors + c], at(score_rows, r * w.score_stride + (col0 + 16 * c) * 4))
 
-        self._row_blocks(w.s.row_block, rows, row_block)
+        self._row_blocks(w.s.row_block, self.SCORE_ROWS, row_block)
 
     def accumulate(self, w: "_Dispatch", v_block) -> None:
         d, v = w.s.d_v, w.vec
-        rows = self.ACC_ROWS
 
-        def row_block(row0):
+        def row_block(row0, rows):
             acc_rows = at(w.acc, arith_d.muli(row0, const_i64(w.acc_stride)))
             prob_rows = at(w.probs, arith_d.muli(row0, const_i64(w.prob_stride)))
             for col0 in range(0, d, 16 * self.ACC_VECTORS):
@@ -332,7 +339,7 @@ class FmaEngine:
                 places = [at(acc_rows, r * w.acc_stride + (col0 + 16 * c) * 4)
                           for r in range(rows) for c in range(vectors)]
 
-                def step(k, acc, col0=col0, vectors=vectors):
+                def step(k, acc, col0=col0, vectors=vectors, rows=rows):
                     for u in range(self.UNROLL):
                         kk = arith_d.addi(k, const_i64(u))
                         value_step = self._value_step(w, v_block, kk)
@@ -347,7 +354,7 @@ class FmaEngine:
                 for p, value in zip(places, acc):
                     v.store(value, p)
 
-        self._row_blocks(w.s.row_block, rows, row_block)
+        self._row_blocks(w.s.row_block, self.ACC_ROWS, row_block)
 
     # One step of the blocks: step kk reads 16 lanes of keys (scores; key columns from ``col``)
     # or values (P.V; dims from ``col``) and multiplies them by the 4 bytes of a q row or a probs
