@@ -65,13 +65,22 @@ STACK_BUDGET = 512 * 1024
 def blocks_for(dtype: str, d: int, d_v: int | None = None) -> tuple[int, int]:
     """(query rows of a workgroup, keys of a KV step) for head dims ``d`` (q, k) and ``d_v``
     (values; default d): the largest of 64 and 32 rows (64 read K and V half as often: 1.1x at
-    L = 8192) and of 128 and 64 keys (128 against 64: 0.84x against 0.72x torch SDPA, bf16
-    L = 2048, 32 rows) whose buffers fit STACK_BUDGET, rows first; ValueError where none do."""
+    L = 8192) and of the engine's KV steps (:data:`KV_STEPS`) whose buffers fit STACK_BUDGET,
+    rows first; ValueError where none do."""
     for rows in (64, 32):
-        for keys in (128, 64):
+        for keys in KV_STEPS[ENGINES[dtype].uses_amx]:
             if workgroup_bytes(dtype, rows, keys, d, d_v) <= STACK_BUDGET:
                 return rows, keys
     raise ValueError(f"d={d}, d_v={d_v or d}: no x86 blocks fit the stack budget")
+
+
+#: The KV steps a kernel's engine tries, widest first, by whether it runs on AMX tiles. AMX: 256
+#: keys against 128 (a step's acc tiles loaded and stored, and its rows' softmax state updated,
+#: half as often a key): dense causal bf16, 64-row workgroups, same process, L = 512 / 2048 /
+#: 8192 3.4-3.5 / 26.7-29.2 / 383-440 ms against 3.4-3.6 / 28.5-31.0 / 421-495 (512 keys: 32.1
+#: and 405 against 256's 30.8 and 388 at 2048 and 8192). FMA: 128 keys (256: f32 L = 2048 118 ->
+#: 124 ms).
+KV_STEPS = {True: (256, 128, 64), False: (128, 64)}
 
 
 def workgroup_bytes(dtype: str, rows: int, keys: int, d: int, d_v: int | None = None) -> int:
