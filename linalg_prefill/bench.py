@@ -50,7 +50,11 @@ def best_time(fn, repeat: int) -> float:
     return best_times([fn], repeat)[0]
 
 
-def best_times(fns, repeat: int, burst: int = 1) -> list[float]:
+#: Seconds :func:`best_times` sleeps before each burst.
+SETTLE_S = 0.01
+
+
+def best_times(fns, repeat: int, burst: int = 1, settle_s: float = SETTLE_S) -> list[float]:
     """Seconds of the fastest call of each of ``fns`` over ``repeat`` rounds, after one warm-up
     call each. Each round runs every fn ``burst`` times in a row, fn after fn, so that a slow phase
     of a noisy machine hits every contender rather than whichever ran during it.
@@ -58,13 +62,18 @@ def best_times(fns, repeat: int, burst: int = 1) -> list[float]:
     Use bursts of some tens of calls for calls under a few milliseconds: right after another
     library's call, a call finds its own worker threads asleep and the other's still spinning
     (torch's small prefill halves in bursts; ours took 10 calls of 0.6 ms to recover:
-    docs/performance.md, timing in bursts).
+    docs/performance.md, timing in bursts). Before each burst the process sleeps ``settle_s``,
+    longer than torch's OpenMP workers spin after a parallel region (3-4 ms here), so that a
+    contender timed after torch does not share its CPUs with them: a dense bf16 call of 1024
+    tokens took 10.7 ms right after SDPA and 8.9 after another of ours (IREE's workers do not
+    spin, so torch's calls paid nothing the other way; docs/performance.md, tenth session).
     """
     for fn in fns:
         fn()
     times = [[] for _ in fns]
     for _ in range(repeat):
         for fn, spent in zip(fns, times):
+            time.sleep(settle_s)
             for _ in range(burst):
                 start = time.perf_counter()
                 fn()
