@@ -16,9 +16,11 @@ stores through pointers, splats, reductions and a polynomial ``exp2`` (no libm i
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import numpy as np
 
-from .ir import arith_d, f32, i32, i8, ir, llvm_d, math_d, memref_d, stream_d, vector_d
+from .ir import arith_d, builtin_d, f32, func_d, i32, i8, ir, llvm_d, math_d, memref_d, stream_d, vector_d
 
 #: Bytes of one AMX tile row, and rows of a tile: every tile of this lowering is full.
 TILE_BYTES_PER_ROW = 64
@@ -62,6 +64,31 @@ def binding_pointer(binding: ir.Value, memref_type: ir.Type, dims) -> ir.Value:
     view = stream_d.binding_subspan(memref_type, binding, arith_d.constant(ir.IndexType.get(), 0), list(dims))
     address = memref_d.extract_aligned_pointer_as_index(view)
     return llvm_d.inttoptr(ptr_type(), as_i64(address))
+
+
+BINDING = "!stream.binding"
+
+
+@contextmanager
+def hand_written_dispatch(executable_name: str, entry: str, arg_types: list):
+    """A ``stream.executable`` ``executable_name`` at the insertion point whose export ``entry``
+    takes its workgroup counts as given; inside its function of ``arg_types`` (bindings, then
+    scalars, in the dispatch's operand order), yields the function's arguments for the body."""
+    index = ir.IndexType.get()
+    executable = stream_d.ExecutableOp(executable_name, sym_visibility="private")
+    body = executable.body.blocks.append()
+    with ir.InsertionPoint(body):
+        export = stream_d.ExecutableExportOp(entry, entry, sym_visibility="public")
+        count = export.workgroup_count.blocks.append(index, index, index)
+        with ir.InsertionPoint(count):
+            stream_d.ReturnOp(list(count.arguments))
+        inner = builtin_d.ModuleOp()
+        with ir.InsertionPoint(inner.body):
+            fn = func_d.FuncOp(entry, (arg_types, []))
+            with ir.InsertionPoint(fn.add_entry_block()):
+                yield list(fn.arguments)
+                func_d.ReturnOp([])
+        stream_d.ExecutableEndOp()
 
 
 def at(pointer: ir.Value, byte_offset: ir.Value | int) -> ir.Value:
