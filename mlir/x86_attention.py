@@ -2,8 +2,8 @@
 online softmax, Q.K^T and P.V in an engine per dtype (bf16: AMX tiles, :class:`AmxEngine`; f32
 and f16: AVX-512 FMA register blocks, :class:`FmaEngine`, f16 widened as it is copied and
 packed) and the softmax in f32 vector code (mlir/amx.py: ``Vec``; a soft cap applied to each
-score block first), fed by K and V packed into the engine's order once per call (bf16 by a
-packing dispatch of its own, mlir/x86_packing.py; f32 and f16 by linalg generics). The KV-cache kernels
+score block first), fed by K and V packed into the engine's order once per call by a packing
+dispatch of its own (mlir/x86_packing.py). The KV-cache kernels
 (mlir/x86_kv_cache.py) and serving passes (mlir/x86_decode.py) run the same dispatch body.
 IREE 3.13's llvm-cpu codegen emits no AMX and runs f32 contractions load-bound (docs/performance.md,
 the x86 lowering), so the backend record picks this lowering on Intel Xeons with AMX
@@ -48,11 +48,10 @@ from .ir import (
     flow_d, generic, ir, linalg_d, llvm_d, math_d, scf_d, stream_d, tensor_d, tensor_type, vector_d,
 )
 from .abi import function_module
-from .kv_layouts import DENSE
 from .online_softmax import LOG2E, NO_KEY_MAX
 from .score_tiles import ROW_TILES, PackedTiles
 from .specs import EMPTY_ROW_LSE, MaskedSequencePrefillSpec, SequencePrefillSpec
-from .x86_packing import emit_packed_kv, packs
+from .x86_packing import emit_packed_kv
 
 #: A workgroup's buffers live on its stack. IREE's workers keep 128 KiB by default (a kernel whose
 #: buffers took 144 KiB crashed); the runtime gives them WORKER_STACK_BYTES (runtime/devices.py,
@@ -788,13 +787,7 @@ def emit_dense(shapes: KernelShapes, q: ir.Value, k: ir.Value, v: ir.Value, anch
     rows = arith_d.muli(row_blocks, const_index(s.row_block))
     kv_blocks = ceil_div(kv_len, s.kv_block)
     sizes = _operand_sizes(s, engine, batch, q_len, rows, kv_blocks)
-    if packs(engine):   # bf16 B tiles: a packing dispatch of 64-byte vectors
-        k_tiles, v_tiles = emit_packed_kv(s, engine, k, v, anchor)
-    else:
-        stored = [engine.layout.kv_storage(keys, batch, s.h_kv, kv_blocks, s.d if keys else s.d_v, s.kv_block)
-                  for keys in (True, False)]
-        k_tiles, v_tiles = (DENSE.stored(x, kv_len, st.sizes, st.source, None, elem, st.elem)
-                            for x, st in zip((k, v), stored))
+    k_tiles, v_tiles = emit_packed_kv(s, engine, k, v, anchor)
 
     entry = ir.ArrayAttr.get([ir.SymbolRefAttr.get([_EXECUTABLE, _ENTRY])])
     operands = [q, k_tiles, v_tiles, *([valid_lens] if "valid_lens" in _inputs(s) else [])]

@@ -1,22 +1,30 @@
-"""K and V packed into AMX B tiles by a hand-written dispatch (the x86 dense kernel's bf16 path).
+"""K and V packed into the x86 dense kernel's engine order by a hand-written dispatch.
 
-The dense x86 kernel (mlir/x86_attention.py) reads K and V as bf16 B tiles, packed once per call:
+The dense x86 kernel (mlir/x86_attention.py) reads K and V packed once per call (N = kv_block
+keys a step, T steps; keys past the call's are zero):
 
-    k_tiles [B, h_kv, T, N/16, d/2, 16, 2]    element (b, h, t, n1, k1, n0, k0) = k[b, t N + 16 n1 + n0, h, 2 k1 + k0]
-    v_tiles [B, h_kv, T, d_v/16, N/2, 16, 2]  element (b, h, t, d1, k1, d0, k0) = v[b, t N + 2 k1 + k0, h, 16 d1 + d0]
+    AMX (bf16 B tiles)
+      k_tiles [B, h_kv, T, N/16, d/2, 16, 2]    element (b, h, t, n1, k1, n0, k0) = k[b, t N + 16 n1 + n0, h, 2 k1 + k0]
+      v_tiles [B, h_kv, T, d_v/16, N/2, 16, 2]  element (b, h, t, d1, k1, d0, k0) = v[b, t N + 2 k1 + k0, h, 16 d1 + d0]
+    FMA (f32 rows; f16 widened)
+      k_tiles [B, h_kv, T, d, N]                element (b, h, t, j, n) = k[b, t N + n, h, j]
+      v_tiles [B, h_kv, T N, d_v]               element (b, h, r, j) = v[b, r, h, j]
 
-(N = kv_block keys a step, T steps; keys past the call's are zero). As a linalg generic that reads
-k and v element by element (kv_layouts.DENSE.stored) IREE packs them at 6-7 GB/s: 2.2 ms of a
-28 ms bf16 call of 2048 tokens (h 32/8, d 128; Intel Xeon model 167). Here workgroup (t, h, b)
-packs step t of KV head h of entry b with 64-byte vectors: each 16 keys x 32 dims of k is a 16 x 16
-transpose of dim pairs (four rounds of two-source shuffles), each two keys of v one interleave of
-their 32 dims (two shuffles).
+As linalg generics that read k and v element by element (kv_layouts.DENSE.stored) IREE packed them
+at 6-7 GB/s: 2.2 ms of a 28 ms bf16 call of 2048 tokens (h 32/8, d 128; Intel Xeon model 167).
+Here workgroup (t, h, b) packs step t of KV head h of entry b with 64-byte vectors: each 16 keys x
+16 lanes of k (bf16 dim pairs, or f32 dims) is a 16 x 16 transpose (four rounds of two-source
+shuffles); each two bf16 keys of v one interleave of their 32 dims (two shuffles), each f32 key's
+row of v a copy.
 """
 
 from __future__ import annotations
 
 from .amx import BINDING, as_i64, at, binding_pointer, const_i64, hand_written_dispatch, i16
-from .ir import DYN, arith_d, ceil_div, const_index, dim, flow_d, i32, ir, llvm_d, scf_d, stream_d, tensor_type, vector_d
+from .ir import (
+    DYN, arith_d, ceil_div, const_index, dim, element_type, f32, flow_d, i32, ir, llvm_d, scf_d, stream_d, tensor_type,
+    vector_d,
+)
 
 _EXECUTABLE = "x86_pack_kv"
 _ENTRY = "pack"
@@ -25,17 +33,11 @@ _SCALARS = ("batch", "kv_len", "kv_blocks")
 _VECTOR = 64
 
 
-def packs(engine) -> bool:
-    """Whether ``engine``'s K and V are packed by this dispatch (bf16 B tiles of 16 x 16 x 2)."""
-    layout = engine.layout
-    return bool(getattr(layout, "packed", False)) and layout.dtype == "bfloat16" \
-        and (layout.n0, layout.k0) == (16, 2)
-
-
 def emit_packed_kv(shapes, engine, k: ir.Value, v: ir.Value, anchor: ir.Operation) -> tuple[ir.Value, ir.Value]:
-    """(k_tiles, v_tiles) of k [B, L, h_kv, d], v [B, L, h_kv, d_v] (bf16) in ``engine``'s layout
-    (module docstring), through the packing dispatch; its executable is built before ``anchor``."""
-    elem = ir.BF16Type.get()
+    """(k_tiles, v_tiles) of k [B, L, h_kv, d], v [B, L, h_kv, d_v] (the kernel's dtype) in
+    ``engine``'s layout (module docstring), through the packing dispatch; its executable is built
+    before ``anchor``."""
+    elem = engine.operand
     with ir.InsertionPoint(anchor):
         _build_executable(shapes, engine)
     batch, kv_len = dim(k, 0), dim(k, 1)
@@ -70,7 +72,7 @@ def _build_executable(shapes, engine) -> None:
     the scalars ``_SCALARS`` (index), then bindings k_tiles, v_tiles."""
     index, binding = ir.IndexType.get(), ir.Type.parse(BINDING)
     arg_types = [binding] * 2 + [index] * len(_SCALARS) + [binding] * 2
-    elem = ir.BF16Type.get()
+    elem, operand = element_type(shapes.dtype), engine.operand
     with hand_written_dispatch(_EXECUTABLE, _ENTRY, arg_types) as args:
         scalars = dict(zip(_SCALARS, args[2:2 + len(_SCALARS)]))
         sizes = _sizes(shapes, engine, scalars["batch"], scalars["kv_blocks"])
@@ -79,13 +81,19 @@ def _build_executable(shapes, engine) -> None:
                                           [scalars["batch"], scalars["kv_len"]])
                     for name, bound in zip(("k", "v"), args[:2])}
         for name, bound in zip(("k_tiles", "v_tiles"), args[-2:]):
-            pointers[name] = binding_pointer(bound, ir.MemRefType.get(_shaped(sizes[name]), elem),
+            pointers[name] = binding_pointer(bound, ir.MemRefType.get(_shaped(sizes[name]), operand),
                                              _dynamic(sizes[name]))
-        _Packing(shapes, pointers, {name: as_i64(value) for name, value in scalars.items()}).emit()
+        packing = _TilePacking if getattr(engine.layout, "packed", False) else _RowPacking
+        packing(shapes, pointers, {name: as_i64(value) for name, value in scalars.items()}).emit()
 
 
 class _Packing:
-    """The packing dispatch's body: workgroup (t, h, b) packs KV step t of head h of entry b."""
+    """The packing dispatch's body: workgroup (t, h, b) packs KV step t of head h of entry b
+    (the layouts' ``_keys`` and ``_values``)."""
+
+    #: Bytes of a k or v element in the call, and in the packed tiles.
+    source_bytes = 2
+    packed_bytes = 2
 
     def __init__(self, shapes, pointers: dict, scalars: dict):
         self.s, self.p, self.n = shapes, pointers, scalars
@@ -103,20 +111,26 @@ class _Packing:
                                    step)
         first_row = arith_d.muli(entry, kv_len)   # entry's key 0 in k and v viewed as [B * L, h_kv, d]
         for name, width, pack in (("k", s.d, self._keys), ("v", s.d_v, self._values)):
-            row_bytes = s.h_kv * width * 2   # between two keys of one head
+            row_bytes = s.h_kv * width * self.source_bytes   # between two keys of one head
             head_at = at(self.p[name], arith_d.muli(arith_d.addi(arith_d.muli(first_row, const_i64(s.h_kv)), head),
-                                                    const_i64(width * 2)))
-            out = at(self.p[f"{name}_tiles"], arith_d.muli(packed_step, const_i64(s.kv_block * width * 2)))
+                                                    const_i64(width * self.source_bytes)))
+            out = at(self.p[f"{name}_tiles"], arith_d.muli(packed_step, const_i64(s.kv_block * width * self.packed_bytes)))
             pack(head_at, row_bytes, out, width)
 
-    def _row(self, head_at, row_bytes: int, key, chunk: int, vector_type) -> ir.Value:
-        """64 bytes ``chunk`` of key ``key``'s row (its row clamped to the last key, zero past it)."""
+    def _row(self, head_at, row_bytes: int, key, offset: int, vector_type) -> ir.Value:
+        """A vector of key ``key``'s row from byte ``offset`` (the row clamped to the last key,
+        zero past it)."""
         row = arith_d.minsi(key, self.last_key)
         loaded = llvm_d.load(vector_type, at(head_at, arith_d.addi(arith_d.muli(row, const_i64(row_bytes)),
-                                                                     const_i64(chunk * _VECTOR))), alignment=2)
-        zero = arith_d.constant(vector_type, ir.DenseElementsAttr.get_splat(
-            vector_type, ir.IntegerAttr.get(vector_type.element_type, 0)))
-        return arith_d.select(arith_d.cmpi(arith_d.CmpIPredicate.slt, key, self.kv_len), loaded, zero)
+                                                                     const_i64(offset))), alignment=2)
+        element = vector_type.element_type
+        zero = ir.FloatAttr.get(element, 0.0) if isinstance(element, ir.FloatType) else ir.IntegerAttr.get(element, 0)
+        zeros = arith_d.constant(vector_type, ir.DenseElementsAttr.get_splat(vector_type, zero))
+        return arith_d.select(arith_d.cmpi(arith_d.CmpIPredicate.slt, key, self.kv_len), loaded, zeros)
+
+
+class _TilePacking(_Packing):
+    """AMX B tiles from bf16 k and v."""
 
     def _keys(self, head_at, row_bytes: int, out, d: int) -> None:
         """Each 16 keys' 16 x 32 dims: rows of 16 dim pairs (i32) transposed to 16 rows of keys."""
@@ -127,7 +141,7 @@ class _Packing:
             first = arith_d.addi(self.first_key, arith_d.muli(group, const_i64(16)))
             group_out = at(out, arith_d.muli(group, const_i64(d // 2 * _VECTOR)))
             for chunk in range(d // 32):
-                rows = [self._row(head_at, row_bytes, arith_d.addi(first, const_i64(i)), chunk, pairs)
+                rows = [self._row(head_at, row_bytes, arith_d.addi(first, const_i64(i)), chunk * _VECTOR, pairs)
                         for i in range(16)]
                 for r, column in enumerate(_transposed(rows)):
                     llvm_d.store(column, at(group_out, (16 * chunk + r) * _VECTOR), alignment=64)
@@ -145,12 +159,53 @@ class _Packing:
             first = arith_d.addi(self.first_key, arith_d.muli(pair, const_i64(2)))
             second = arith_d.addi(first, const_i64(1))
             for chunk in range(d_v // 32):
-                a = self._row(head_at, row_bytes, first, chunk, halves)
-                b = self._row(head_at, row_bytes, second, chunk, halves)
+                a = self._row(head_at, row_bytes, first, chunk * _VECTOR, halves)
+                b = self._row(head_at, row_bytes, second, chunk * _VECTOR, halves)
                 for half, mask in enumerate((low, high)):
                     place = arith_d.addi(arith_d.muli(const_i64(2 * chunk + half), const_i64(pair_rows * _VECTOR)),
                                          arith_d.muli(pair, const_i64(_VECTOR)))
                     llvm_d.store(vector_d.shuffle(a, b, mask), at(out, place), alignment=64)
+            scf_d.YieldOp([])
+
+
+class _RowPacking(_Packing):
+    """f32 row tiles from f32 or f16 k and v (f16 widened)."""
+
+    def __init__(self, shapes, pointers: dict, scalars: dict):
+        super().__init__(shapes, pointers, scalars)
+        self.source = element_type(shapes.dtype)
+        self.source_bytes = 2 if self.source != f32() else 4
+        self.packed_bytes = 4
+
+    def _lanes(self, head_at, row_bytes: int, key, dim: int) -> ir.Value:
+        """16 f32 lanes of key ``key``'s dims [dim, dim + 16) (f16 widened)."""
+        lanes = self._row(head_at, row_bytes, key, dim * self.source_bytes, ir.VectorType.get([16], self.source))
+        return lanes if self.source == f32() else arith_d.extf(ir.VectorType.get([16], f32()), lanes)
+
+    def _keys(self, head_at, row_bytes: int, out, d: int) -> None:
+        """Each 16 keys x 16 dims transposed to 16 rows (dims) of 16 keys."""
+        n = self.s.kv_block
+        loop = scf_d.ForOp(const_index(0), const_index(n // 16), const_index(1))
+        with ir.InsertionPoint(loop.body):
+            group = as_i64(loop.induction_variable)
+            first = arith_d.addi(self.first_key, arith_d.muli(group, const_i64(16)))
+            group_out = at(out, arith_d.muli(group, const_i64(_VECTOR)))
+            for chunk in range(d // 16):
+                rows = [self._lanes(head_at, row_bytes, arith_d.addi(first, const_i64(i)), 16 * chunk)
+                        for i in range(16)]
+                for r, column in enumerate(_transposed(rows)):
+                    llvm_d.store(column, at(group_out, (16 * chunk + r) * n * 4), alignment=64)
+            scf_d.YieldOp([])
+
+    def _values(self, head_at, row_bytes: int, out, d_v: int) -> None:
+        """Each key's row, in f32."""
+        loop = scf_d.ForOp(const_index(0), const_index(self.s.kv_block), const_index(1))
+        with ir.InsertionPoint(loop.body):
+            key = as_i64(loop.induction_variable)
+            row_out = at(out, arith_d.muli(key, const_i64(d_v * 4)))
+            for chunk in range(d_v // 16):
+                lanes = self._lanes(head_at, row_bytes, arith_d.addi(self.first_key, key), 16 * chunk)
+                llvm_d.store(lanes, at(row_out, chunk * _VECTOR), alignment=64)
             scf_d.YieldOp([])
 
 
