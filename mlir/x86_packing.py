@@ -117,12 +117,13 @@ class _Packing:
             out = at(self.p[f"{name}_tiles"], arith_d.muli(packed_step, const_i64(s.kv_block * width * self.packed_bytes)))
             pack(head_at, row_bytes, out, width)
 
-    def _row(self, head_at, row_bytes: int, key, offset: int, vector_type) -> ir.Value:
-        """A vector of key ``key``'s row from byte ``offset`` (the row clamped to the last key,
-        zero past it)."""
+    def _row(self, head_at, row_bytes: int, key, offset, vector_type) -> ir.Value:
+        """A vector of key ``key``'s row from byte ``offset`` (an int or an i64 Value; the row
+        clamped to the last key, zero past it)."""
         row = arith_d.minsi(key, self.last_key)
-        loaded = llvm_d.load(vector_type, at(head_at, arith_d.addi(arith_d.muli(row, const_i64(row_bytes)),
-                                                                     const_i64(offset))), alignment=2)
+        offset = const_i64(offset) if isinstance(offset, int) else offset
+        loaded = llvm_d.load(vector_type, at(head_at, arith_d.addi(arith_d.muli(row, const_i64(row_bytes)), offset)),
+                             alignment=2)
         element = vector_type.element_type
         zero = ir.FloatAttr.get(element, 0.0) if isinstance(element, ir.FloatType) else ir.IntegerAttr.get(element, 0)
         zeros = arith_d.constant(vector_type, ir.DenseElementsAttr.get_splat(vector_type, zero))
@@ -135,17 +136,17 @@ class _TilePacking(_Packing):
     def _keys(self, head_at, row_bytes: int, out, d: int) -> None:
         """Each 16 keys' 16 x 32 dims: rows of 16 dim pairs (i32) transposed to 16 rows of keys."""
         pairs = ir.VectorType.get([16], i32())
-        loop = scf_d.ForOp(const_index(0), const_index(self.s.kv_block // 16), const_index(1))
-        with ir.InsertionPoint(loop.body):
-            group = as_i64(loop.induction_variable)
+
+        def chunk(group, chunk):
             first = arith_d.addi(self.first_key, arith_d.muli(group, const_i64(16)))
-            group_out = at(out, arith_d.muli(group, const_i64(d // 2 * _VECTOR)))
-            for chunk in range(d // 32):
-                rows = [self._row(head_at, row_bytes, arith_d.addi(first, const_i64(i)), chunk * _VECTOR, pairs)
-                        for i in range(16)]
-                for r, column in enumerate(_transposed(rows)):
-                    llvm_d.store(column, at(group_out, (16 * chunk + r) * _VECTOR), alignment=64)
-            scf_d.YieldOp([])
+            chunk_out = at(out, arith_d.addi(arith_d.muli(group, const_i64(d // 2 * _VECTOR)),
+                                             arith_d.muli(chunk, const_i64(16 * _VECTOR))))
+            offset = arith_d.muli(chunk, const_i64(_VECTOR))
+            rows = [self._row(head_at, row_bytes, arith_d.addi(first, const_i64(i)), offset, pairs) for i in range(16)]
+            for r, column in enumerate(_transposed(rows)):
+                llvm_d.store(column, at(chunk_out, r * _VECTOR), alignment=64)
+
+        _loops(self.s.kv_block // 16, d // 32, chunk)
 
     def _values(self, head_at, row_bytes: int, out, d_v: int) -> None:
         """Each two keys' 32 dims interleaved: two rows of 16 (dim, key pair) elements."""
@@ -177,25 +178,25 @@ class _RowPacking(_Packing):
         self.source_bytes = 2 if self.source != f32() else 4
         self.packed_bytes = 4
 
-    def _lanes(self, head_at, row_bytes: int, key, dim: int) -> ir.Value:
-        """16 f32 lanes of key ``key``'s dims [dim, dim + 16) (f16 widened)."""
-        lanes = self._row(head_at, row_bytes, key, dim * self.source_bytes, ir.VectorType.get([16], self.source))
+    def _lanes(self, head_at, row_bytes: int, key, offset) -> ir.Value:
+        """16 f32 lanes of key ``key``'s row from byte ``offset`` (f16 widened)."""
+        lanes = self._row(head_at, row_bytes, key, offset, ir.VectorType.get([16], self.source))
         return lanes if self.source == f32() else arith_d.extf(ir.VectorType.get([16], f32()), lanes)
 
     def _keys(self, head_at, row_bytes: int, out, d: int) -> None:
         """Each 16 keys x 16 dims transposed to 16 rows (dims) of 16 keys."""
         n = self.s.kv_block
-        loop = scf_d.ForOp(const_index(0), const_index(n // 16), const_index(1))
-        with ir.InsertionPoint(loop.body):
-            group = as_i64(loop.induction_variable)
+
+        def chunk(group, chunk):
             first = arith_d.addi(self.first_key, arith_d.muli(group, const_i64(16)))
-            group_out = at(out, arith_d.muli(group, const_i64(_VECTOR)))
-            for chunk in range(d // 16):
-                rows = [self._lanes(head_at, row_bytes, arith_d.addi(first, const_i64(i)), 16 * chunk)
-                        for i in range(16)]
-                for r, column in enumerate(_transposed(rows)):
-                    llvm_d.store(column, at(group_out, (16 * chunk + r) * n * 4), alignment=64)
-            scf_d.YieldOp([])
+            chunk_out = at(out, arith_d.addi(arith_d.muli(group, const_i64(_VECTOR)),
+                                             arith_d.muli(chunk, const_i64(16 * n * 4))))
+            offset = arith_d.muli(chunk, const_i64(16 * self.source_bytes))
+            rows = [self._lanes(head_at, row_bytes, arith_d.addi(first, const_i64(i)), offset) for i in range(16)]
+            for r, column in enumerate(_transposed(rows)):
+                llvm_d.store(column, at(chunk_out, r * n * 4), alignment=64)
+
+        _loops(n // 16, d // 16, chunk)
 
     def _values(self, head_at, row_bytes: int, out, d_v: int) -> None:
         """Each key's row, in f32."""
@@ -204,9 +205,22 @@ class _RowPacking(_Packing):
             key = as_i64(loop.induction_variable)
             row_out = at(out, arith_d.muli(key, const_i64(d_v * 4)))
             for chunk in range(d_v // 16):
-                lanes = self._lanes(head_at, row_bytes, arith_d.addi(self.first_key, key), 16 * chunk)
+                lanes = self._lanes(head_at, row_bytes, arith_d.addi(self.first_key, key), 16 * chunk * self.source_bytes)
                 llvm_d.store(lanes, at(row_out, chunk * _VECTOR), alignment=64)
             scf_d.YieldOp([])
+
+
+def _loops(outer: int, inner: int, body) -> None:
+    """``body(i, j)`` (i64 Values) over [0, outer) x [0, inner), in two scf.for (the 16 x 16
+    transposes inside are unrolled already: the chunks in a loop keep a d = 256 kernel's
+    packing at a few hundred operations)."""
+    outer_loop = scf_d.ForOp(const_index(0), const_index(outer), const_index(1))
+    with ir.InsertionPoint(outer_loop.body):
+        inner_loop = scf_d.ForOp(const_index(0), const_index(inner), const_index(1))
+        with ir.InsertionPoint(inner_loop.body):
+            body(as_i64(outer_loop.induction_variable), as_i64(inner_loop.induction_variable))
+            scf_d.YieldOp([])
+        scf_d.YieldOp([])
 
 
 def _transposed(rows: list) -> list:

@@ -67,6 +67,18 @@ def test_x86_ir_has_tile_contractions_for_bf16_only():
         assert "llvm.x86.t" not in tuned_ir(spec, other)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float16"])
+def test_x86_kv_is_packed_by_a_dispatch_of_vectors(dtype):
+    """K and V reach the attention through the packing dispatch (mlir/x86_packing.py: 64-byte
+    vector loads, shuffles and stores), not a generic reading them element by element."""
+    text = tuned_ir(_dense(dtype=dtype), AMX_CPU)
+    packing = text[text.index("stream.executable private @x86_pack_kv"):text.index("func.func @batch_sequence")]
+    kernel = text[text.index("func.func @batch_sequence"):]
+    assert "vector.shuffle" in packing and "linalg" not in packing
+    assert "flow.dispatch @x86_pack_kv::@pack" in kernel and "](%arg1, %arg2, " in kernel   # k and v as given
+    assert kernel.count("linalg.generic") == 1   # the lse from the rows' (max, sum), no K/V generic
+
+
 def _assembly(spec, target, tmp_path) -> str:
     dump = tmp_path / target.tag
     dumping = Target(target.backend, target.arch, (f"--iree-hal-dump-executable-intermediates-to={dump}",),
