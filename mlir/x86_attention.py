@@ -63,11 +63,11 @@ STACK_BUDGET = 512 * 1024
 
 def blocks_for(dtype: str, d: int, d_v: int | None = None) -> tuple[int, int]:
     """(query rows of a workgroup, keys of a KV step) for head dims ``d`` (q, k) and ``d_v``
-    (values; default d): the largest of 64 and 32 rows (64 read K and V half as often: 1.1x at
-    L = 8192) and of the engine's KV steps (:data:`KV_STEPS`) whose buffers fit STACK_BUDGET,
-    rows first; ValueError where none do."""
-    for rows in (64, 32):
-        for keys in KV_STEPS[ENGINES[dtype].uses_amx]:
+    (values; default d): the largest of the engine's rows (:data:`ROW_BLOCKS`) and KV steps
+    (:data:`KV_STEPS`) whose buffers fit STACK_BUDGET, rows first; ValueError where none do."""
+    amx = ENGINES[dtype].uses_amx
+    for rows in ROW_BLOCKS[amx]:
+        for keys in KV_STEPS[amx]:
             if workgroup_bytes(dtype, rows, keys, d, d_v) <= STACK_BUDGET:
                 return rows, keys
     raise ValueError(f"d={d}, d_v={d_v or d}: no x86 blocks fit the stack budget")
@@ -80,6 +80,12 @@ def blocks_for(dtype: str, d: int, d_v: int | None = None) -> tuple[int, int]:
 #: and 405 against 256's 30.8 and 388 at 2048 and 8192). FMA: 128 keys (256: f32 L = 2048 118 ->
 #: 124 ms).
 KV_STEPS = {True: (256, 128, 64), False: (128, 64)}
+#: A workgroup's query rows, widest first, by whether its engine runs on AMX tiles: AMX 64 (K and V
+#: read half as often as with 32: 1.1x at L = 8192; the interleaved step takes 64), FMA 96 or 48,
+#: whole blocks of FmaEngine's 6 rows (64 left a block of 4 whose code doubled the blocks', the
+#: kernel's compile 14% longer; dense causal f32 L = 2048 96 rows 118.9 / 126.1 ms against 64
+#: rows' 120.9 / 126.7).
+ROW_BLOCKS = {True: (64, 32), False: (96, 48)}
 
 
 def workgroup_bytes(dtype: str, rows: int, keys: int, d: int, d_v: int | None = None) -> int:
