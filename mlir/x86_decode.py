@@ -131,6 +131,10 @@ class InPlaceValues(FmaEngine):
     the copy its 32-row workgroups fit the stack (16-row ones staged the keys of a step 4 times)."""
 
     values_in_place = True
+    #: A pass's rows (queries x group) are rarely whole blocks of FmaEngine's 6: blocks of 4 leave
+    #: no block of the rest, whose code doubled the pass's (the f32 serving grid ran the same with
+    #: either, docs/performance.md, tenth session).
+    SCORE_ROWS = ACC_ROWS = 4
 
     @staticmethod
     def _value_step(w: "_PassDispatch", row_pointers, step) -> ir.Value:
