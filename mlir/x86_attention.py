@@ -42,7 +42,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .amx import BINDING, Tiles, Vec, as_i64, at, binding_pointer, ceil_div_i64, const_i64, hand_written_dispatch, i32, i64, stack_bytes
+from .amx import (
+    BINDING, Tiles, Vec, as_i64, at, binding_pointer, ceil_div_i64, const_i64, hand_written_dispatch, i32, i64,
+    stack_bytes,
+)
 from .ir import (
     DYN, affine_map, arith_d, ceil_div, const_f32, const_index, const_int, dim, element_type, empty, f32,
     flow_d, generic, ir, linalg_d, llvm_d, math_d, scf_d, stream_d, tensor_d, tensor_type, vector_d,
@@ -268,10 +271,11 @@ class AmxEngine:
 class FmaEngine:
     """Q.K^T and P.V in f32 AVX-512 FMAs on register blocks: the workgroup's q rows [row_block, d],
     k tiles transposed [B, h_kv, T, d, kv_block] and values [B, h_kv, T * kv_block, d] (the row
-    tiles of score_tiles.ROW_TILES), probs f32. Scores in blocks of 6 rows x 64 keys (24 accumulators, one
-    query element broadcast per row and step: 24 FMAs to 10 loads), P.V in blocks of 6 rows x 64 dims;
-    a block's last rows in one of row_block % 6. Against 4 x 4 (16 FMAs to 8 loads): dense causal
-    f32 L = 512 / 2048 1.2x / 1.05x, f16 1.06x; 7 rows (28 accumulators) spill
+    tiles of score_tiles.ROW_TILES), probs f32. Scores in blocks of 6 rows x 64 keys (24
+    accumulators, one query element broadcast per row and step: 24 FMAs to 10 loads), P.V in
+    blocks of 6 rows x 64 dims; a pass's last row_block % 6 rows in one block of their own (the
+    prefill kernels' 96 or 48 rows leave none: ROW_BLOCKS). Against 4 x 4 (16 FMAs to 8 loads):
+    dense causal f32 L = 512 / 2048 1.2x / 1.05x, f16 1.06x; 7 rows (28 accumulators) spill
     (docs/performance.md, tenth session)."""
 
     uses_amx = False

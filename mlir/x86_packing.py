@@ -114,7 +114,8 @@ class _Packing:
             row_bytes = s.h_kv * width * self.source_bytes   # between two keys of one head
             head_at = at(self.p[name], arith_d.muli(arith_d.addi(arith_d.muli(first_row, const_i64(s.h_kv)), head),
                                                     const_i64(width * self.source_bytes)))
-            out = at(self.p[f"{name}_tiles"], arith_d.muli(packed_step, const_i64(s.kv_block * width * self.packed_bytes)))
+            step_bytes = s.kv_block * width * self.packed_bytes
+            out = at(self.p[f"{name}_tiles"], arith_d.muli(packed_step, const_i64(step_bytes)))
             pack(head_at, row_bytes, out, width)
 
     def _row(self, head_at, row_bytes: int, key, offset, vector_type) -> ir.Value:
@@ -205,7 +206,8 @@ class _RowPacking(_Packing):
             key = as_i64(loop.induction_variable)
             row_out = at(out, arith_d.muli(key, const_i64(d_v * 4)))
             for chunk in range(d_v // 16):
-                lanes = self._lanes(head_at, row_bytes, arith_d.addi(self.first_key, key), 16 * chunk * self.source_bytes)
+                offset = 16 * chunk * self.source_bytes
+                lanes = self._lanes(head_at, row_bytes, arith_d.addi(self.first_key, key), offset)
                 llvm_d.store(lanes, at(row_out, chunk * _VECTOR), alignment=64)
             scf_d.YieldOp([])
 
