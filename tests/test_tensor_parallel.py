@@ -56,6 +56,8 @@ if dist.get_rank() == 0:
     with open(out_path, "w") as out:
         json.dump(dict(logits=logits.tolist(), tokens=tokens.tolist(), world=dist.get_world_size(),
                        heads=sorted(heads)), out)
+dist.barrier()
+dist.destroy_process_group()  # a rank that left gloo's group to the interpreter's exit once aborted
 """
 
 
