@@ -20,7 +20,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from .ir import arith_d, builtin_d, f32, func_d, i32, i8, ir, llvm_d, math_d, memref_d, stream_d, vector_d
+from .ir import DYN, arith_d, builtin_d, f32, func_d, i32, i8, ir, llvm_d, math_d, memref_d, stream_d, vector_d
 
 #: Bytes of one AMX tile row, and rows of a tile: every tile of this lowering is full.
 TILE_BYTES_PER_ROW = 64
@@ -67,6 +67,21 @@ def binding_pointer(binding: ir.Value, memref_type: ir.Type, dims) -> ir.Value:
 
 
 BINDING = "!stream.binding"
+
+
+def workgroup_ids() -> tuple[ir.Value, ir.Value, ir.Value]:
+    """The dispatch's workgroup ids (x, y, z) as i64 values (for pointer arithmetic)."""
+    return tuple(as_i64(stream_d.dispatch_workgroup_id(axis)) for axis in range(3))
+
+
+def dynamic_dims(sizes) -> list:
+    """The index Values among a tensor's ``sizes`` (ints or index Values): its dynamic dims."""
+    return [size for size in sizes if isinstance(size, ir.Value)]
+
+
+def static_shape(sizes) -> list[int]:
+    """A tensor's ``sizes`` as a shape, dynamic (DYN) where a size is an index Value."""
+    return [DYN if isinstance(size, ir.Value) else size for size in sizes]
 
 
 @contextmanager

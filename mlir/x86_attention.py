@@ -43,18 +43,18 @@ from dataclasses import dataclass
 import numpy as np
 
 from .amx import (
-    BINDING, Tiles, Vec, as_i64, at, binding_pointer, ceil_div_i64, const_i64, hand_written_dispatch, i32, i64,
-    stack_bytes,
+    BINDING, Tiles, Vec, as_i64, at, binding_pointer, ceil_div_i64, const_i64, dynamic_dims, hand_written_dispatch, i32,
+    i64, stack_bytes, static_shape, workgroup_ids,
 )
 from .ir import (
-    DYN, affine_map, arith_d, ceil_div, const_f32, const_index, const_int, dim, element_type, empty, f32,
-    flow_d, generic, ir, linalg_d, llvm_d, math_d, scf_d, stream_d, tensor_d, tensor_type, vector_d,
+    affine_map, arith_d, ceil_div, const_f32, const_index, const_int, dim, element_type, empty, f32, flow_d, generic,
+    ir, linalg_d, llvm_d, math_d, scf_d, tensor_d, tensor_type, vector_d,
 )
 from .abi import function_module
 from .online_softmax import LOG2E, NO_KEY_MAX
 from .score_tiles import ROW_TILES, PackedTiles
 from .specs import EMPTY_ROW_LSE, MaskedSequencePrefillSpec, SequencePrefillSpec
-from .x86_packing import emit_packed_kv
+from .x86_packing import emit_packed_kv, kv_tile_sizes
 
 #: A workgroup's buffers live on its stack. IREE's workers keep 128 KiB by default (a kernel whose
 #: buffers took 144 KiB crashed); the runtime gives them WORKER_STACK_BYTES (runtime/devices.py,
@@ -454,9 +454,7 @@ class _Dispatch:
 
     def emit(self) -> None:
         s = self.s
-        wx = as_i64(stream_d.dispatch_workgroup_id(0))
-        head = as_i64(stream_d.dispatch_workgroup_id(1))
-        entry = as_i64(stream_d.dispatch_workgroup_id(2))
+        wx, head, entry = workgroup_ids()
         q_len, kv_len = self.n["q_len"], self.n["kv_len"]
         kv_blocks = self.n["kv_blocks"]
         first_row = arith_d.muli(wx, const_i64(self.s.row_block))
@@ -746,20 +744,10 @@ def _inputs(s: KernelShapes) -> tuple[str, ...]:
 def _operand_sizes(s: KernelShapes, engine, batch, q_len, rows, kv_blocks) -> dict:
     """The sizes (ints, or index Values) of the dispatch's tensors: the packed q, k and v of
     ``engine``, the output and the rows' (max, sum) state."""
-    return {"q": [batch, q_len, s.h_q, s.d],
-            "k_tiles": engine.layout.kv_storage(True, batch, s.h_kv, kv_blocks, s.d, s.kv_block).sizes,
-            "v_tiles": engine.layout.kv_storage(False, batch, s.h_kv, kv_blocks, s.d_v, s.kv_block).sizes,
+    return {"q": [batch, q_len, s.h_q, s.d], **kv_tile_sizes(s, engine, batch, kv_blocks),
             "valid_lens": [batch],
             "out": [batch, q_len, s.h_q, s.d_v],
             "state": [batch, s.h_kv, rows, 2]}
-
-
-def _dynamic(sizes) -> list:
-    return [size for size in sizes if isinstance(size, ir.Value)]
-
-
-def _shaped(sizes) -> list[int]:
-    return [DYN if isinstance(size, ir.Value) else size for size in sizes]
 
 
 def build_executable(shapes: KernelShapes, engine) -> None:
@@ -776,8 +764,8 @@ def build_executable(shapes: KernelShapes, engine) -> None:
         elems = {"q": element_type(shapes.dtype), "k_tiles": engine.operand, "v_tiles": engine.operand, "valid_lens": i32(),
                  "out": element_type(shapes.dtype), "state": f32()}
         bound = dict(zip((*inputs, "out", "state"), [*args[:len(inputs)], *args[-2:]]))
-        pointers = {name: binding_pointer(bound[name], ir.MemRefType.get(_shaped(sizes[name]), elems[name]),
-                                          _dynamic(sizes[name])) for name in bound}
+        pointers = {name: binding_pointer(bound[name], ir.MemRefType.get(static_shape(sizes[name]), elems[name]),
+                                          dynamic_dims(sizes[name])) for name in bound}
         as64 = {name: as_i64(value) for name, value in scalars.items()}
         _Dispatch(shapes, engine, pointers, as64).emit()
 
@@ -802,11 +790,11 @@ def emit_dense(shapes: KernelShapes, q: ir.Value, k: ir.Value, v: ir.Value, anch
     entry = ir.ArrayAttr.get([ir.SymbolRefAttr.get([_EXECUTABLE, _ENTRY])])
     operands = [q, k_tiles, v_tiles, *([valid_lens] if "valid_lens" in _inputs(s) else [])]
     dispatch = flow_d.DispatchOp(
-        [tensor_type(_shaped(sizes["out"]), elem), tensor_type(_shaped(sizes["state"]), f32())],
+        [tensor_type(static_shape(sizes["out"]), elem), tensor_type(static_shape(sizes["state"]), f32())],
         [row_blocks, const_index(s.h_kv), batch], entry,
         [*operands, batch, q_len, kv_len, rows, kv_blocks],
-        [dyn for name in _inputs(s) for dyn in _dynamic(sizes[name])],
-        [*_dynamic(sizes["out"]), *_dynamic(sizes["state"])])
+        [dyn for name in _inputs(s) for dyn in dynamic_dims(sizes[name])],
+        [*dynamic_dims(sizes["out"]), *dynamic_dims(sizes["state"])])
     out, state = dispatch.results
 
     def lse_body(_out):

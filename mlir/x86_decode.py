@@ -23,12 +23,12 @@ min(chunk end, kv_len, causal end)), the KV-cache causal rule (mask_rules.KvCach
 
 from __future__ import annotations
 
-from .amx import Tiles, as_i64, at, ceil_div_i64, const_i64, i32, i64, ptr_type, stack_bytes
+from .amx import Tiles, as_i64, at, ceil_div_i64, const_i64, i32, i64, ptr_type, stack_bytes, workgroup_ids
 from .decode import DECODE_PASSES, DecodeSpec, decode_module, merge_chunks
 from .dtypes import kv_dtype_of, quantized_kv
 from .ir import (
     DYN, affine_map, arith_d, const_index, const_int, dim, empty, f32, flow_d, generic, ir, linalg_d, llvm_d, scf_d,
-    stream_d, tensor_d, tensor_type, vector_d,
+    tensor_d, tensor_type, vector_d,
 )
 from .kv_layouts import EIGHT_BIT_FORMATS, THROUGH_F16, cache_layout, f16_bits
 from .online_softmax import LOG2E
@@ -325,9 +325,7 @@ class _PassDispatch(_Dispatch):
         s, spec = self.s, self.spec
         rows_per_head = spec.rows
         row_groups = -(-rows_per_head // s.row_block)
-        wx = as_i64(stream_d.dispatch_workgroup_id(0))
-        head = as_i64(stream_d.dispatch_workgroup_id(1))
-        entry = as_i64(stream_d.dispatch_workgroup_id(2))
+        wx, head, entry = workgroup_ids()
         chunk = arith_d.divui(wx, const_i64(row_groups))
         first_row = arith_d.muli(arith_d.remui(wx, const_i64(row_groups)), const_i64(s.row_block))
         rows_valid = arith_d.minsi(const_i64(s.row_block), arith_d.subi(const_i64(rows_per_head), first_row))

@@ -26,9 +26,9 @@ lse [Lq, h_q] (base 2; EMPTY_ROW_LSE for a row that saw no key).
 from __future__ import annotations
 
 from .abi import function_module, operands
-from .amx import as_i64, at, binding_pointer, const_i64
+from .amx import as_i64, at, binding_pointer, const_i64, dynamic_dims, static_shape
 from .ir import (
-    DYN, HostReadable, affine_map, arith_d, ceil_div, const_f32, const_index, dim, element_type, empty, f32, flow_d,
+    HostReadable, affine_map, arith_d, ceil_div, const_f32, const_index, dim, element_type, empty, f32, flow_d,
     generic, i32, ir, is_one, linalg_d, lt, on_target_device, scf_d, tensor_d, tensor_type, tie_dims,
 )
 from .kv_cache import rope_arguments, rotated_if
@@ -42,6 +42,7 @@ from .x86_attention import (
     BINDING, ENGINES, FlagCausalKeys, KernelShapes, _Dispatch, blocks_for, blocks_unfit, engine_for,
     hand_written_dispatch, llvm_load, state_lse, vector_extract,
 )
+from .x86_packing import kv_tile_sizes
 
 _EXECUTABLE = "x86_kv_cache"
 _ENTRY = "attend_entry"
@@ -94,9 +95,7 @@ class _EntryDispatch(_Dispatch):
 def _tensor_sizes(shapes: KernelShapes, engine, tokens, kv_blocks) -> dict:
     """The sizes (ints or index Values) of the dispatch's tensors by binding name."""
     s = shapes
-    return {"q": [tokens, s.h_q, s.d],
-            "k_tiles": engine.layout.kv_storage(True, 1, s.h_kv, kv_blocks, s.d, s.kv_block).sizes,
-            "v_tiles": engine.layout.kv_storage(False, 1, s.h_kv, kv_blocks, s.d_v, s.kv_block).sizes,
+    return {"q": [tokens, s.h_q, s.d], **kv_tile_sizes(s, engine, 1, kv_blocks),
             "sinks": [s.h_q], "out": [tokens, s.h_q, s.d_v], "state": [tokens, s.h_q, 2]}
 
 
@@ -118,9 +117,8 @@ def _build_executable(shapes: KernelShapes, engine, sinks: bool) -> None:
         sizes = _tensor_sizes(shapes, engine, scalars["tokens"], scalars["kv_blocks"])
         pointers = {}
         for name, binding in zip(names, args):
-            static = [DYN if isinstance(size, ir.Value) else size for size in sizes[name]]
-            pointers[name] = binding_pointer(binding, ir.MemRefType.get(static, elems[name]),
-                                             [size for size in sizes[name] if isinstance(size, ir.Value)])
+            pointers[name] = binding_pointer(binding, ir.MemRefType.get(static_shape(sizes[name]), elems[name]),
+                                             dynamic_dims(sizes[name]))
         _EntryDispatch(shapes, engine, pointers, {name: as_i64(value) for name, value in scalars.items()},
                        args[-1]).emit()
 
@@ -132,7 +130,7 @@ def _packed_kv(shapes: KernelShapes, engine, kv: BatchKv, b, kv_len, kv_blocks, 
     s = shapes
     storage = [engine.layout.kv_storage(keys, 1, s.h_kv, kv_blocks, s.d if keys else s.d_v, s.kv_block)
                for keys in (True, False)]
-    types = [tensor_type([DYN if isinstance(x, ir.Value) else x for x in st.sizes], st.elem) for st in storage]
+    types = [tensor_type(static_shape(st.sizes), st.elem) for st in storage]
 
     elem = element_type(s.dtype)
 
@@ -192,7 +190,7 @@ def _attend_entry(shapes: KernelShapes, engine, q, q_indptr: HostReadable, kv: B
     dispatch = flow_d.DispatchOp(
         [carried[0].type, carried[1].type], [row_blocks, const_index(s.h_kv), const_index(1)], entry,
         [*(tensors[name] for name in names), tokens, q_start, qo_len, kv_len, kv_blocks, causal_index, sm_scale],
-        [size for name in names for size in sizes[name] if isinstance(size, ir.Value)],
+        [size for name in names for size in dynamic_dims(sizes[name])],
         [tokens, tokens], tied_operands=tied)
     return [tie_dims(dispatch.results[0], sizes["out"]), tie_dims(dispatch.results[1], sizes["state"])]
 

@@ -20,10 +20,12 @@ row of v a copy.
 
 from __future__ import annotations
 
-from .amx import BINDING, as_i64, at, binding_pointer, const_i64, hand_written_dispatch, i16
+from .amx import (
+    BINDING, as_i64, at, binding_pointer, const_i64, dynamic_dims, hand_written_dispatch, i16, static_shape,
+    workgroup_ids,
+)
 from .ir import (
-    DYN, arith_d, ceil_div, const_index, dim, element_type, f32, flow_d, i32, ir, llvm_d, scf_d, stream_d, tensor_type,
-    vector_d,
+    DYN, arith_d, ceil_div, const_index, dim, element_type, f32, flow_d, i32, ir, llvm_d, scf_d, tensor_type, vector_d,
 )
 
 _EXECUTABLE = "x86_pack_kv"
@@ -42,29 +44,23 @@ def emit_packed_kv(shapes, engine, k: ir.Value, v: ir.Value, anchor: ir.Operatio
         _build_executable(shapes, engine)
     batch, kv_len = dim(k, 0), dim(k, 1)
     kv_blocks = ceil_div(kv_len, shapes.kv_block)
-    sizes = _sizes(shapes, engine, batch, kv_blocks)
+    sizes = kv_tile_sizes(shapes, engine, batch, kv_blocks)
     entry = ir.ArrayAttr.get([ir.SymbolRefAttr.get([_EXECUTABLE, _ENTRY])])
     dispatch = flow_d.DispatchOp(
-        [tensor_type(_shaped(sizes[name]), elem) for name in ("k_tiles", "v_tiles")],
+        [tensor_type(static_shape(sizes[name]), elem) for name in ("k_tiles", "v_tiles")],
         [kv_blocks, const_index(shapes.h_kv), batch], entry,
         [k, v, batch, kv_len, kv_blocks],
         [batch, kv_len, batch, kv_len],
-        [dyn for name in ("k_tiles", "v_tiles") for dyn in _dynamic(sizes[name])])
+        [dyn for name in ("k_tiles", "v_tiles") for dyn in dynamic_dims(sizes[name])])
     return dispatch.results[0], dispatch.results[1]
 
 
-def _sizes(shapes, engine, batch, kv_blocks) -> dict:
+def kv_tile_sizes(shapes, engine, batch, kv_blocks) -> dict:
+    """The sizes (ints or index Values) of ``engine``'s packed k_tiles and v_tiles (module
+    docstring) for ``batch`` entries of ``kv_blocks`` KV steps."""
     layout = engine.layout
     return {"k_tiles": layout.kv_storage(True, batch, shapes.h_kv, kv_blocks, shapes.d, shapes.kv_block).sizes,
             "v_tiles": layout.kv_storage(False, batch, shapes.h_kv, kv_blocks, shapes.d_v, shapes.kv_block).sizes}
-
-
-def _dynamic(sizes) -> list:
-    return [size for size in sizes if isinstance(size, ir.Value)]
-
-
-def _shaped(sizes) -> list[int]:
-    return [DYN if isinstance(size, ir.Value) else size for size in sizes]
 
 
 def _build_executable(shapes, engine) -> None:
@@ -75,14 +71,14 @@ def _build_executable(shapes, engine) -> None:
     elem, operand = element_type(shapes.dtype), engine.operand
     with hand_written_dispatch(_EXECUTABLE, _ENTRY, arg_types) as args:
         scalars = dict(zip(_SCALARS, args[2:2 + len(_SCALARS)]))
-        sizes = _sizes(shapes, engine, scalars["batch"], scalars["kv_blocks"])
+        sizes = kv_tile_sizes(shapes, engine, scalars["batch"], scalars["kv_blocks"])
         sources = {"k": shapes.d, "v": shapes.d_v}
         pointers = {name: binding_pointer(bound, ir.MemRefType.get([DYN, DYN, shapes.h_kv, sources[name]], elem),
                                           [scalars["batch"], scalars["kv_len"]])
                     for name, bound in zip(("k", "v"), args[:2])}
         for name, bound in zip(("k_tiles", "v_tiles"), args[-2:]):
-            pointers[name] = binding_pointer(bound, ir.MemRefType.get(_shaped(sizes[name]), operand),
-                                             _dynamic(sizes[name]))
+            pointers[name] = binding_pointer(bound, ir.MemRefType.get(static_shape(sizes[name]), operand),
+                                             dynamic_dims(sizes[name]))
         packing = _TilePacking if getattr(engine.layout, "packed", False) else _RowPacking
         packing(shapes, pointers, {name: as_i64(value) for name, value in scalars.items()}).emit()
 
@@ -100,9 +96,7 @@ class _Packing:
 
     def emit(self) -> None:
         s = self.s
-        step = as_i64(stream_d.dispatch_workgroup_id(0))
-        head = as_i64(stream_d.dispatch_workgroup_id(1))
-        entry = as_i64(stream_d.dispatch_workgroup_id(2))
+        step, head, entry = workgroup_ids()
         kv_len, kv_blocks = self.n["kv_len"], self.n["kv_blocks"]
         self.last_key = arith_d.subi(kv_len, const_i64(1))
         self.kv_len = kv_len
