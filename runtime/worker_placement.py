@@ -1,0 +1,126 @@
+"""Where the CPU device's worker threads run relative to the thread that calls a kernel.
+
+IREE's local-task device pins one worker a CPU (``iree-worker-0`` on the first of its CPUs,
+``iree-worker-1`` on the next, ...). A kernel's calling thread runs wherever the OS puts it, and
+inside a torch model it shares the cores with torch's OpenMP workers, which keep spinning for a
+few milliseconds after each parallel op (libgomp's default wait). Measured on a 2-core Intel Xeon
+(model 207; docs/performance.md, eleventh session), a decode step of a Llama-3-shaped model
+through transformers, f32, 2048 cached: the attention's calls took 3.7-4.2 ms a step when the
+caller ran on the CPU of the last worker and 6.8-7.5 ms when it ran on ``iree-worker-0``'s, with
+the threads placed by hand either way and with the workers' CPUs swapped (the slow case follows
+the caller, not the CPU). Which CPU the caller lands on is the OS's choice, fixed for most of a
+process's life, so one process in two was the slow one.
+
+:class:`WorkerPlacement` keeps the first worker off the caller's CPU: before a call it reads the
+caller's CPU (``sched_getcpu``, no system call) and, when that is the first worker's, swaps the
+CPUs of the first and the last worker (two ``sched_setaffinity`` calls, only when the caller has
+moved). Only where every worker is pinned to one CPU of its own and there are at least two;
+elsewhere (another OS, no glibc, threads not found) it does nothing.
+``LINALG_PREFILL_WORKER_PLACEMENT=0`` switches it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import threading
+from pathlib import Path
+
+#: How many calls may pass before the workers are found (IREE starts them with the device, but
+#: they may not be listed yet at its first call); then the placement gives up.
+FIND_ATTEMPTS = 8
+WORKER_NAME = "iree-worker-"
+
+
+def _sched_getcpu():
+    """glibc's ``sched_getcpu`` (the vDSO's: no system call), or None without it."""
+    try:
+        function = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").sched_getcpu
+    except (OSError, AttributeError):
+        return None
+    function.restype = ctypes.c_int
+    function.argtypes = []
+    return function
+
+
+def iree_workers(task_dir: Path = Path("/proc/self/task")) -> list[tuple[int, int]]:
+    """(thread id, index) of this process's IREE worker threads (named ``iree-worker-<index>``),
+    by index; empty where /proc has none."""
+    workers = []
+    try:
+        tasks = list(task_dir.iterdir())
+    except OSError:
+        return []
+    for task in tasks:
+        try:
+            name = (task / "comm").read_text().strip()
+        except OSError:
+            continue
+        if name.startswith(WORKER_NAME) and name[len(WORKER_NAME):].isdigit():
+            workers.append((int(task.name), int(name[len(WORKER_NAME):])))
+    return sorted(workers, key=lambda worker: worker[1])
+
+
+class WorkerPlacement:
+    """Keeps ``iree-worker-0`` off the calling thread's CPU (module docstring); one per process,
+    :data:`PLACEMENT`, called by every CPU kernel call (runtime/module.py)."""
+
+    def __init__(self, enabled: bool = True):
+        self._getcpu = _sched_getcpu() if enabled else None
+        self._lock = threading.Lock()
+        self._first = self._last = None   # [thread id, CPU] of the first and the last worker
+        self._attempts = 0
+        self.swaps = 0
+
+    @property
+    def active(self) -> bool:
+        return self._getcpu is not None
+
+    def before_call(self) -> None:
+        """Moves the first worker off the caller's CPU if it is on it (module docstring)."""
+        if self._getcpu is None:
+            return
+        cpu = self._getcpu()
+        if self._first is None:
+            if not self._find():
+                return
+        if cpu != self._first[1]:
+            return
+        with self._lock:
+            if cpu != self._first[1]:
+                return
+            first, last = self._first, self._last
+            try:
+                os.sched_setaffinity(first[0], {last[1]})
+                os.sched_setaffinity(last[0], {first[1]})
+            except OSError:   # a worker gone or not ours to move: leave IREE's placement
+                self._getcpu = None
+                return
+            first[1], last[1] = last[1], first[1]
+            self.swaps += 1
+
+    def _find(self) -> bool:
+        """Finds the first and last worker and their CPUs; gives up (inactive) after
+        FIND_ATTEMPTS calls without them or where they are not one CPU each on distinct CPUs."""
+        with self._lock:
+            if self._first is not None:
+                return True
+            self._attempts += 1
+            workers = iree_workers()
+            try:
+                cpus = [os.sched_getaffinity(tid) for tid, _ in workers]
+            except OSError:
+                cpus = []
+            usable = (len(workers) >= 2 and all(len(c) == 1 for c in cpus)
+                      and len(set().union(*cpus)) == len(cpus))
+            if not usable:
+                if self._attempts >= FIND_ATTEMPTS or workers:
+                    self._getcpu = None
+                return False
+            self._first = [workers[0][0], next(iter(cpus[0]))]
+            self._last = [workers[-1][0], next(iter(cpus[-1]))]
+            return True
+
+
+PLACEMENT = WorkerPlacement(os.environ.get("LINALG_PREFILL_WORKER_PLACEMENT", "1") != "0")
