@@ -27,8 +27,9 @@ import os
 import threading
 from pathlib import Path
 
-#: How many calls may pass before the workers are found (IREE starts them with the device, but
-#: they may not be listed yet at its first call); then the placement gives up.
+#: How many calls may pass before two workers or more are found (IREE may not have started them
+#: all at the first call; a process whose device has one worker never finds two); then the
+#: placement gives up.
 FIND_ATTEMPTS = 8
 WORKER_NAME = "iree-worker-"
 
@@ -112,11 +113,12 @@ class WorkerPlacement:
                 cpus = [os.sched_getaffinity(tid) for tid, _ in workers]
             except OSError:
                 cpus = []
-            usable = (len(workers) >= 2 and all(len(c) == 1 for c in cpus)
-                      and len(set().union(*cpus)) == len(cpus))
-            if not usable:
-                if self._attempts >= FIND_ATTEMPTS or workers:
+            if len(cpus) < 2:   # none or one listed yet (IREE may still be starting them)
+                if self._attempts >= FIND_ATTEMPTS:
                     self._getcpu = None
+                return False
+            if not all(len(c) == 1 for c in cpus) or len(set().union(*cpus)) < len(cpus):
+                self._getcpu = None   # not one CPU each: IREE's placement is not ours to adjust
                 return False
             self._first = [workers[0][0], next(iter(cpus[0]))]
             self._last = [workers[-1][0], next(iter(cpus[-1]))]
