@@ -14,8 +14,9 @@ process's life, so one process in two was the slow one.
 :class:`WorkerPlacement` keeps the first worker off the caller's CPU: before a call it reads the
 caller's CPU (``sched_getcpu``, no system call) and, when that is the first worker's, swaps the
 CPUs of the first and the last worker (two ``sched_setaffinity`` calls, only when the caller has
-moved). Only where every worker is pinned to one CPU of its own and there are at least two;
-elsewhere (another OS, no glibc, threads not found) it does nothing.
+moved, at most once every :data:`MIN_SWAP_INTERVAL_S`: callers on different CPUs do not move the
+workers back and forth at every call). Only where every worker is pinned to one CPU of its own
+and there are at least two; elsewhere (another OS, no glibc, threads not found) it does nothing.
 ``LINALG_PREFILL_WORKER_PLACEMENT=0`` switches it off.
 """
 
@@ -25,6 +26,7 @@ import ctypes
 import ctypes.util
 import os
 import threading
+import time
 from pathlib import Path
 
 #: How many calls may pass before two workers or more are found (IREE may not have started them
@@ -32,6 +34,9 @@ from pathlib import Path
 #: placement gives up.
 FIND_ATTEMPTS = 8
 WORKER_NAME = "iree-worker-"
+#: The shortest time between two swaps: threads calling kernels at once from different CPUs
+#: would otherwise swap the workers at every call (a decode step's calls come from one thread).
+MIN_SWAP_INTERVAL_S = 0.05
 
 
 def _sched_getcpu():
@@ -72,6 +77,7 @@ class WorkerPlacement:
         self._lock = threading.Lock()
         self._first = self._last = None   # [thread id, CPU] of the first and the last worker
         self._attempts = 0
+        self._last_swap = float("-inf")
         self.swaps = 0
 
     @property
@@ -89,7 +95,8 @@ class WorkerPlacement:
         if cpu != self._first[1]:
             return
         with self._lock:
-            if cpu != self._first[1]:
+            now = time.monotonic()
+            if cpu != self._first[1] or now - self._last_swap < MIN_SWAP_INTERVAL_S:
                 return
             first, last = self._first, self._last
             try:
@@ -99,6 +106,7 @@ class WorkerPlacement:
                 self._getcpu = None
                 return
             first[1], last[1] = last[1], first[1]
+            self._last_swap = now
             self.swaps += 1
 
     def _find(self) -> bool:

@@ -84,3 +84,50 @@ def test_the_first_worker_leaves_the_callers_cpu_once_and_the_results_stay(cache
 def test_the_environment_switches_it_off(cache):
     got = _run(cache, LINALG_PREFILL_WORKER_PLACEMENT="0")
     assert not got["active"] and got["swaps"] == 0 and got["same"] and got["after"] == got["before"]
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: nothing to swap")
+def test_callers_on_two_cpus_swap_the_workers_at_most_once_an_interval(monkeypatch):
+    """Two threads stand in for the workers (pinned to two CPUs); a caller reported on the first
+    one's CPU swaps them, the next call (now on the other's) within MIN_SWAP_INTERVAL_S does not,
+    one after it does."""
+    import threading
+
+    from linalg_prefill.runtime import worker_placement
+
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    stop, tids, ready = threading.Event(), [], threading.Barrier(3)
+
+    def idle():
+        tids.append(threading.get_native_id())
+        ready.wait()
+        stop.wait()
+
+    threads = [threading.Thread(target=idle) for _ in cpus]
+    for thread in threads:
+        thread.start()
+    ready.wait()
+    try:
+        for tid, cpu in zip(tids, cpus):
+            os.sched_setaffinity(tid, {cpu})
+        clock = [1000.0]
+        monkeypatch.setattr(worker_placement.time, "monotonic", lambda: clock[0])
+        monkeypatch.setattr(worker_placement, "iree_workers", lambda: [(tids[0], 0), (tids[1], 1)])
+        placement = WorkerPlacement()
+        if not placement.active:
+            pytest.skip("no sched_getcpu in this C library")
+        caller = [cpus[0]]
+        placement._getcpu = lambda: caller[0]
+        placement.before_call()   # the caller on the first worker's CPU: swapped
+        assert placement.swaps == 1 and os.sched_getaffinity(tids[0]) == {cpus[1]}
+        assert os.sched_getaffinity(tids[1]) == {cpus[0]}
+        caller[0] = cpus[1]   # another caller, on the first worker's new CPU, at once: no swap
+        placement.before_call()
+        assert placement.swaps == 1 and os.sched_getaffinity(tids[0]) == {cpus[1]}
+        clock[0] += 2 * worker_placement.MIN_SWAP_INTERVAL_S
+        placement.before_call()   # after the interval: swapped back
+        assert placement.swaps == 2 and os.sched_getaffinity(tids[0]) == {cpus[0]}
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
