@@ -84,14 +84,22 @@ def give_workers_stack() -> None:
     rt.flags.parse_flags(f"--task_worker_stack_size={WORKER_STACK_BYTES}")
 
 
+@functools.cache
+def c_library() -> ctypes.CDLL | None:
+    """This process's C library through ctypes, or None where it cannot be loaded."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
 def keep_host_memory() -> bool:
     """Raise glibc's mmap and trim thresholds to HOST_MEMORY_KEPT (see there); False where that
     is switched off or the C library has no ``mallopt`` (not glibc)."""
     if os.environ.get("LINALG_PREFILL_KEEP_HOST_MEMORY", "1") == "0":
         return False
-    try:
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
-    except (OSError, AttributeError):
+    mallopt = getattr(c_library(), "mallopt", None)
+    if mallopt is None:
         return False
     return all(mallopt(parameter, HOST_MEMORY_KEPT) == 1 for parameter in _MALLOPT.values())
 

@@ -23,11 +23,12 @@ and there are at least two; elsewhere (another OS, no glibc, threads not found) 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import threading
 import time
 from pathlib import Path
+
+from .devices import c_library
 
 #: How many calls may pass before two workers or more are found (IREE may not have started them
 #: all at the first call; a process whose device has one worker never finds two); then the
@@ -41,9 +42,8 @@ MIN_SWAP_INTERVAL_S = 0.05
 
 def _sched_getcpu():
     """glibc's ``sched_getcpu`` (the vDSO's: no system call), or None without it."""
-    try:
-        function = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").sched_getcpu
-    except (OSError, AttributeError):
+    function = getattr(c_library(), "sched_getcpu", None)
+    if function is None:
         return None
     function.restype = ctypes.c_int
     function.argtypes = []

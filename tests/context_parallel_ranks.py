@@ -14,6 +14,7 @@ import numpy as np
 
 from linalg_prefill.mlir import RaggedPrefillSpec, SequencePrefillSpec
 from linalg_prefill.runtime.checks import NUMPY_DTYPES
+from linalg_prefill.runtime.worker_placement import iree_workers
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 8192}
@@ -93,8 +94,7 @@ def main(out_dir: str) -> None:
         refusal = ""
     except InputError as err:
         refusal = str(err)
-    workers = {path.name: _allowed_cpus(path) for path in Path("/proc/self/task").iterdir()
-               if (path / "comm").read_text().startswith("iree-worker")}
+    workers = {tid: _allowed_cpus(Path("/proc/self/task") / str(tid)) for tid, _ in iree_workers()}
     np.savez(Path(out_dir) / f"threads-rank{rank}.npz", pinned=np.array(cpus),
              workers=np.array(sorted(workers.values())), refusal=np.array(refusal))
     dist.barrier()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -64,7 +65,6 @@ PROGRAM = textwrap.dedent("""
 
 
 def _run(cache, **env) -> dict:
-    import json
     done = subprocess.run([sys.executable, "-c", PROGRAM], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "LINALG_PREFILL_CACHE_DIR": str(cache.root), **env})
     assert done.returncode == 0, done.stderr[-3000:]
