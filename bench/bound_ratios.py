@@ -20,11 +20,11 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
+from linalg_prefill.bench import cpu_description  # noqa: E402
 from linalg_prefill.mlir.abi import argument_names  # noqa: E402
 from linalg_prefill.runtime import open_kernel  # noqa: E402
 from linalg_prefill.runtime.compare import error_bound, reference_for  # noqa: E402
 from linalg_prefill.runtime.examples import example_inputs  # noqa: E402
-from serving_batches import cpu_model  # noqa: E402
 from support import DENSE_SPECS, KV_SPECS, THOROUGH_DENSE_SPECS, THOROUGH_KV_SPECS  # noqa: E402
 
 QUERY_LENS, KV_LENS = (0, 1, 2, 5, 9, 16, 17, 24), (0, 1, 3, 8, 16, 33, 40)
@@ -51,7 +51,7 @@ def main() -> None:
             want = reference_for(spec, args)
             rotated = dict(zip(argument_names(spec), args)).get("rotary_mode", 0) == 1
             ratios[spec.dtype, rotated].append(error_bound(spec, args, want).ratio(kernel(*args), want))
-    print(f"CPU: {cpu_model()}; {options.draws} calls per spec, {len(specs)} specs")
+    print(f"CPU: {cpu_description()}; {options.draws} calls per spec, {len(specs)} specs")
     print(f"{'dtype':<9} {'RoPE':<5} {'calls':>5} {'output max':>10} {'median':>7} {'lse max':>8} {'median':>7}")
     for (dtype, rotated), rows in sorted(ratios.items()):
         out, lse = np.array(rows).T

@@ -18,7 +18,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 
 from linalg_prefill.mlir import SequencePrefillSpec  # noqa: E402
-from linalg_prefill.bench import best_time  # noqa: E402
+from linalg_prefill.bench import best_time, cpu_description  # noqa: E402
 from linalg_prefill.runtime import open_kernel  # noqa: E402
 from linalg_prefill.runtime.checks import NUMPY_DTYPES  # noqa: E402
 
@@ -89,6 +89,7 @@ def main() -> None:
     args = parser.parse_args()
     H_Q, H_KV = (int(x) for x in args.heads.split("/"))
     lengths = [int(x) for x in args.lengths.split(",")]
+    print(f"CPU: {cpu_description()}")
     print(f"dense causal prefill, B=1 h_q={H_Q} h_kv={H_KV} d={D} {args.dtype}, llvm-cpu vs torch SDPA (2 threads)")
     print(f"{'L':>6} {'ours ms':>9} {'torch ms':>9} {'ours GFLOP/s':>13} {'torch GFLOP/s':>14} {'ratio':>6}")
     for r in bench_dense(lengths, args.dtype, args.repeat):

@@ -27,14 +27,14 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from linalg_prefill.bench import best_times  # noqa: E402
+from linalg_prefill.bench import best_times, cpu_description  # noqa: E402
 from linalg_prefill.mlir import MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec  # noqa: E402
 from linalg_prefill.runtime import MlaPagedPrefillWrapper, PagedPrefillWrapper, RaggedPrefillWrapper  # noqa: E402
 from linalg_prefill.runtime.kv_quant import quantize_kv, quantize_latent, quantize_pages  # noqa: E402
 from mla_serving import D_LATENT as MLA_D_LATENT, D_QK as MLA_D_QK, H_Q as MLA_H_Q  # noqa: E402
 from mla_serving import SM_SCALE as MLA_SM_SCALE, step_inputs as mla_step  # noqa: E402
 from serving_batches import (  # noqa: E402
-    D, H_KV, H_Q, PAGE_SIZE, burst_for, cached_lengths, cpu_model, gathered_kv, serving_step,
+    D, H_KV, H_Q, PAGE_SIZE, burst_for, cached_lengths, gathered_kv, serving_step,
 )
 
 
@@ -124,7 +124,7 @@ def main() -> None:
         wrapper = MlaPagedPrefillWrapper
     wrappers = (wrapper(spec), wrapper(dataclasses.replace(spec, kv_dtype=args.kv_dtype)))
     rng = np.random.default_rng(0)
-    print(f"serving steps, {args.variant} KV ({spec.name}), KV bf16 vs {args.kv_dtype}, llvm-cpu; CPU: {cpu_model()}")
+    print(f"serving steps, {args.variant} KV ({spec.name}), KV bf16 vs {args.kv_dtype}, llvm-cpu; CPU: {cpu_description()}")
     print(HEADER, flush=True)
     rows = []
     for batch in (int(x) for x in args.batches.split(",")):
@@ -137,7 +137,7 @@ def main() -> None:
                       flush=True)
     if args.json:
         with open(args.json, "w") as out:
-            json.dump(dict(cpu=cpu_model(), rows=rows), out, indent=1)
+            json.dump(dict(cpu=cpu_description(), rows=rows), out, indent=1)
 
 
 if __name__ == "__main__":

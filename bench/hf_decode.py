@@ -44,6 +44,7 @@ from transformers.masking_utils import eager_mask, sdpa_mask
 from transformers.models.llama import modeling_llama
 
 import linalg_prefill.hf as hf
+from linalg_prefill.bench import cpu_description
 
 attention_seconds: list[float] = []
 
@@ -168,6 +169,7 @@ def main() -> None:
         names = {"linalg_prefill": names["linalg_prefill"], "sdpa": names["sdpa"], "sdpa+KvCache": names["sdpa"],
                  "eager": names["eager"]}
     waits = ", ".join(f"{name}={os.environ[name]}" for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if name in os.environ)
+    print(f"CPU: {cpu_description()}")
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads"
           f" ({waits or 'OpenMP waits as by default'}); decode steps at {args.cached} cached, batch {args.batch}, "
           f"{args.cache} cache, median of {args.steps}")

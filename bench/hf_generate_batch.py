@@ -26,6 +26,7 @@ import transformers
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 import linalg_prefill.hf as hf
+from linalg_prefill.bench import cpu_description
 
 
 def model_config() -> transformers.LlamaConfig:
@@ -65,6 +66,7 @@ def main() -> None:
     lengths = rng.integers(shortest, longest, args.requests, endpoint=True)
     blocks = int(sum(-(-(n + args.new) // args.page_size) for n in lengths)) + 8
     batching = dict(page_size=args.page_size, max_batch_tokens=args.max_batch_tokens, num_blocks=blocks)
+    print(f"CPU: {cpu_description()}")
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads; "
           f"{args.requests} requests, prompts {shortest}-{longest} ({int(lengths.sum())} tokens), {args.new} new "
           f"tokens each; {batching}")

@@ -26,6 +26,7 @@ from transformers.models.gemma2 import modeling_gemma2
 from transformers.models.llama import modeling_llama
 
 import linalg_prefill.hf as hf
+from linalg_prefill.bench import cpu_description
 
 MODELS = {
     "llama": lambda: transformers.LlamaConfig(
@@ -91,6 +92,7 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--models", default="llama,gemma2")
     args = parser.parse_args()
+    print(f"CPU: {cpu_description()}")
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads, "
           f"{args.tokens} tokens, median of {args.reps}")
     print("model   dtype     impl            forward_s  attention_s  fwd_ratio  attn_ratio")

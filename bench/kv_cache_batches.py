@@ -24,13 +24,12 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 
 from linalg_prefill.mlir import PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec  # noqa: E402
-from linalg_prefill.bench import best_time  # noqa: E402
+from linalg_prefill.bench import best_time, cpu_description  # noqa: E402
 from linalg_prefill.pipeline import Target  # noqa: E402
 from linalg_prefill.runtime import open_kernel  # noqa: E402
 from linalg_prefill.runtime.checks import NUMPY_DTYPES  # noqa: E402
 from linalg_prefill.runtime.examples import page_table  # noqa: E402
 from linalg_prefill.runtime.interop import to_torch  # noqa: E402
-from serving_batches import cpu_model  # noqa: E402
 
 H_Q, H_KV, D, PAGE_SIZE = 32, 8, 128, 16
 
@@ -132,7 +131,7 @@ def main() -> None:
     if args.tvm:
         timings["seed TVM ragged (cpu)"] = (best_time(tvm_ragged(q, indptr, k, v), 1), pairs)
     print(f"causal prefill, lengths {lengths} ({q.shape[0]} tokens), h_q={H_Q} h_kv={H_KV} d={D} {args.dtype}, "
-          f"llvm-cpu {args.arch} ({target.lowering_of(ragged.spec)} lowering); CPU: {cpu_model()}")
+          f"llvm-cpu {args.arch} ({target.lowering_of(ragged.spec)} lowering); CPU: {cpu_description()}")
     dense_rate = None
     print(f"{'kernel':<26} {'ms':>9} {'GFLOP/s':>9} {'vs dense':>9}")
     for name, (seconds, n_pairs) in timings.items():

@@ -25,11 +25,11 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from linalg_prefill.bench import best_times  # noqa: E402
+from linalg_prefill.bench import best_times, cpu_description  # noqa: E402
 from linalg_prefill.mlir import MlaPagedPrefillSpec  # noqa: E402
 from linalg_prefill.runtime import MlaPagedPrefillWrapper  # noqa: E402
 from linalg_prefill.runtime.examples import page_table, uniform  # noqa: E402
-from serving_batches import burst_for, cpu_model  # noqa: E402
+from serving_batches import burst_for  # noqa: E402
 
 H_Q, D_LATENT, D_ROPE, PAGE_SIZE = 16, 512, 64, 16
 D_QK = D_LATENT + D_ROPE
@@ -112,7 +112,7 @@ def main() -> None:
     wrapper = MlaPagedPrefillWrapper(MlaPagedPrefillSpec(H_Q, D_LATENT, D_ROPE, args.dtype, page_size=PAGE_SIZE))
     rng = np.random.default_rng(0)
     print(f"MLA serving steps, h_q={H_Q} d_latent={D_LATENT} d_rope={D_ROPE} page={PAGE_SIZE} {args.dtype}, "
-          f"llvm-cpu vs torch SDPA (2 threads); CPU: {cpu_model()}")
+          f"llvm-cpu vs torch SDPA (2 threads); CPU: {cpu_description()}")
     print(f"{'batch':>5} {'new':>4} {'cached':>7} {'ours ms':>9} {'sdpa ms':>9} {'ratio':>6} {'matmul ms':>9} "
           f"{'ratio':>6} {'ours GB/s':>9} {'max|diff|':>9}", flush=True)
     rows = []
@@ -126,7 +126,7 @@ def main() -> None:
                       f"{r['max_abs_diff']:>9.1e}", flush=True)
     if args.json:
         with open(args.json, "w") as out:
-            json.dump(dict(cpu=cpu_model(), rows=rows), out, indent=1)
+            json.dump(dict(cpu=cpu_description(), rows=rows), out, indent=1)
 
 
 if __name__ == "__main__":

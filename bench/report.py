@@ -45,8 +45,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 
 from linalg_prefill.mlir import PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec  # noqa: E402
-from linalg_prefill.bench import best_time, best_times  # noqa: E402
-from linalg_prefill.pipeline.cpu_tiles import AMX_FEATURES, host_cpu_features  # noqa: E402
+from linalg_prefill.bench import best_time, best_times, cpu_description  # noqa: E402
 from linalg_prefill.runtime import open_kernel  # noqa: E402
 from linalg_prefill.runtime.checks import NUMPY_DTYPES  # noqa: E402
 from serving_batches import burst_for  # noqa: E402
@@ -62,21 +61,6 @@ def causal_pairs(q_len: int, kv_len: int) -> int:
     """Unmasked pairs of a bottom-right causal q_len x kv_len block."""
     rows = np.arange(q_len)
     return int(np.clip(rows + kv_len - q_len + 1, 0, kv_len).sum())
-
-
-def cpu_name() -> str:
-    """The CPU the figures are from: /proc/cpuinfo's model name and model number, and whether it
-    has AMX tiles (pipeline/cpu_tiles.py: AMX_FEATURES; the dense rows then run the x86 lowering)."""
-    fields = {}
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                key, _, value = line.partition(":")
-                fields.setdefault(key.strip(), value.strip())
-    except OSError:
-        return "unknown CPU"
-    amx = AMX_FEATURES <= host_cpu_features()
-    return f"{fields.get('model name', 'unknown CPU')} (model {fields.get('model', '?')}), AMX {'yes' if amx else 'no'}"
 
 
 def to_torch(x: np.ndarray, dtype: str):
@@ -318,7 +302,7 @@ def main() -> None:
     torch.set_num_threads(2)
     rng = np.random.default_rng(0)
     os.makedirs(args.out, exist_ok=True)
-    cpu = cpu_name()
+    cpu = cpu_description()
     print(f"CPU: {cpu}; torch {torch.__version__} on 2 threads", flush=True)
     print(HEADER, flush=True)
     rows = dense_rows([int(x) for x in args.lengths.split(",")], args.dtypes.split(","), rng)

@@ -19,11 +19,11 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from linalg_prefill.bench import cpu_description  # noqa: E402
 from linalg_prefill.mlir import PagedPrefillSpec  # noqa: E402
 from linalg_prefill.runtime import open_kernel, reference  # noqa: E402
 from linalg_prefill.runtime.compare import error_bound, reference_for  # noqa: E402
 from linalg_prefill.runtime.examples import example_inputs  # noqa: E402
-from serving_batches import cpu_model  # noqa: E402
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 32, "beta_slow": 1}
 SPEC = PagedPrefillSpec(4, 2, 32, "bfloat16", page_size=8, sliding_window=True, rope_scaling=YARN)
@@ -77,7 +77,7 @@ def main() -> None:
                      error_bound(SPEC, args, want).ratio(got, want)[1]))
     errors, against_rounded, ratios = (np.array(column) for column in zip(*rows))
     large = errors >= 0.011
-    print(f"CPU: {cpu_model()}; {SPEC.name}")
+    print(f"CPU: {cpu_description()}; {SPEC.name}")
     print(f"{len(rows)} calls with a valid row; lse error vs the reference: median {np.median(errors):.4f}, "
           f"max {errors.max():.4f}; {large.sum()} calls at 0.011 or more")
     print(f"the same calls vs the reference with rotated q/k rounded to bf16: median {np.median(against_rounded):.1e}, "

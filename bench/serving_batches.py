@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 
@@ -38,7 +37,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 
 from linalg_prefill.mlir import PagedPrefillSpec  # noqa: E402
-from linalg_prefill.bench import best_times  # noqa: E402
+from linalg_prefill.bench import best_times, cpu_description  # noqa: E402
 from linalg_prefill.runtime import PagedPrefillWrapper  # noqa: E402
 from linalg_prefill.runtime.checks import NUMPY_DTYPES  # noqa: E402
 from linalg_prefill.runtime.examples import page_table, uniform  # noqa: E402
@@ -47,23 +46,6 @@ from linalg_prefill.runtime.module import as_device_arrays  # noqa: E402
 H_Q, H_KV, D, PAGE_SIZE = 32, 8, 128, 16
 MIXED_RANGE = (16, 4096)
 STREAM_CAP_BYTES = 512 << 20
-
-
-def cpu_model() -> str:
-    """The CPU's model name and its widest x86 vector extension, e.g. ``AMD EPYC (avx2, 2 cores)``."""
-    name, flags = platform.processor() or "unknown CPU", set()
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name":
-                    name = value.strip()
-                elif key.strip() == "flags":
-                    flags = set(value.split())
-    except OSError:
-        pass
-    isa = "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "no avx2"
-    return f"{name} ({isa}, {os.cpu_count()} cores)"
 
 
 def cached_lengths(batch: int, cached: str, rng: np.random.Generator) -> np.ndarray:
@@ -232,7 +214,7 @@ def main() -> None:
     wrapper = PagedPrefillWrapper(PagedPrefillSpec(H_Q, H_KV, D, args.dtype, page_size=PAGE_SIZE))
     rng = np.random.default_rng(0)
     print(f"serving steps, paged KV, h_q={H_Q} h_kv={H_KV} d={D} page={PAGE_SIZE} {args.dtype}, llvm-cpu; "
-          f"CPU: {cpu_model()}")
+          f"CPU: {cpu_description()}")
     fixed, plan = fixed_cost_ms(wrapper, args.dtype, rng)
     print(f"a call with almost no work (1 x 1 vs 16 cached): {fixed:.3f} ms; a step's planning on the host (plan, "
           f"serving schedule) {plan:.3f} ms")
@@ -253,7 +235,7 @@ def main() -> None:
         print(f"skipped (over --max-gib {args.max_gib}): {', '.join(skipped)}")
     if args.json:
         with open(args.json, "w") as out:
-            json.dump(dict(cpu=cpu_model(), rows=rows, skipped=skipped), out, indent=1)
+            json.dump(dict(cpu=cpu_description(), rows=rows, skipped=skipped), out, indent=1)
 
 
 if __name__ == "__main__":

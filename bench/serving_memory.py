@@ -23,8 +23,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_bundle import serving_batch  # noqa: E402
-from serving_batches import cpu_model  # noqa: E402
 
+from linalg_prefill.bench import cpu_description  # noqa: E402
 from linalg_prefill.mlir import DecodeSpec, MlaPagedPrefillSpec, PagedPrefillSpec  # noqa: E402
 from linalg_prefill.pipeline import Target, compile_spec  # noqa: E402
 from linalg_prefill.runtime.decode import DECODE_PASSES, decode_calls, kv_lengths, pass_queries  # noqa: E402
@@ -89,7 +89,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lowerings", default="linalg,fused")
     options = parser.parse_args()
-    print(f"CPU: {cpu_model()}; scratch = peak RSS of iree-run-module - input bytes")
+    print(f"CPU: {cpu_description()}; scratch = peak RSS of iree-run-module - input bytes")
     print(f"{'configuration':<41} {'step':<16} {'lowering':<8} {'calls':>5} {'K/V MiB':>8} {'scratch MiB':>11} "
           f"{'ratio':>6}")
     with tempfile.TemporaryDirectory() as folder:

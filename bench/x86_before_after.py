@@ -4,7 +4,7 @@
 
 Dense causal prefill, h_q 32, h_kv 8, d 128, bf16 and f32, best of 3 calls each; the linalg
 lowering is built for ``cooperlake`` (avx512_bf16 without AMX: the packed tiles an AMX host got
-before the x86 lowering), ours for the host. Prints the CPU (bench/report.py: cpu_name) first.
+before the x86 lowering), ours for the host. Prints the CPU (linalg_prefill/bench.py: cpu_description) first.
 """
 import argparse
 import os
@@ -17,17 +17,16 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from linalg_prefill.bench import best_time  # noqa: E402
+from linalg_prefill.bench import best_time, cpu_description  # noqa: E402
 from linalg_prefill.mlir import SequencePrefillSpec  # noqa: E402
 from linalg_prefill.pipeline import Target  # noqa: E402
 from linalg_prefill.runtime import open_kernel  # noqa: E402
-from report import cpu_name  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--length", type=int, default=2048)
 L = parser.parse_args().length
 torch.set_num_threads(2)
-print(f"CPU: {cpu_name()}; torch {torch.__version__} on 2 threads; L = {L}")
+print(f"CPU: {cpu_description()}; torch {torch.__version__} on 2 threads; L = {L}")
 rng = np.random.default_rng(0)
 
 

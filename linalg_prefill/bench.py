@@ -12,10 +12,13 @@ time over ours (above 1: we are faster). Times are the best of ``repeat`` calls 
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
+
+from .pipeline.cpu_tiles import AMX_FEATURES, host_cpu_features
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,26 @@ class BenchRow:
     gflops: float
     torch_ms: float | None
     ratio: float | None
+
+
+def cpu_description() -> str:
+    """The CPU a bench's figures are from, for its first line: /proc/cpuinfo's model name and
+    model number, the widest x86 vector extension, whether it has AMX tiles (the x86 lowering's
+    condition, pipeline/cpu_tiles.py) and the cores, e.g. ``Intel(R) Xeon(R) Processor (model
+    207; avx512, AMX yes; 2 cores)``."""
+    fields: dict = {}
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    flags = set(fields.get("flags", "").split())
+    isa = "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "no avx2"
+    amx = "yes" if AMX_FEATURES <= host_cpu_features() else "no"
+    return (f"{fields.get('model name', 'unknown CPU')} (model {fields.get('model', '?')}; {isa}, AMX {amx}; "
+            f"{os.cpu_count()} cores)")
 
 
 def is_causal(spec) -> bool:
