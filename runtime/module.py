@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import math
 import threading
+import time
 from typing import Any, Callable, Sequence, TypeVar
 
 import iree.runtime as rt
@@ -13,7 +14,7 @@ from iree.runtime.array_interop import map_dtype_to_element_type
 
 from ..pipeline.quiet_logging import root_logger_left_alone
 from .devices import get_device
-from .worker_placement import PLACEMENT
+from .worker_placement import BATCH_WAIT_FROM_S, PLACEMENT, waiting_as_batch
 
 T = TypeVar("T")
 
@@ -53,9 +54,11 @@ class LoadedKernel:
         self._results_detached = is_local(self.device)
         # On the CPU drivers numpy arrays at addresses the executables accept are used in place.
         self._alignment = alignment if is_local(self.device) else None
-        # On the CPU drivers the first IREE worker is kept off the calling thread's CPU
-        # (runtime/worker_placement.py: inside a torch model a call took twice as long there).
+        # On the CPU drivers the first IREE worker is kept off the calling thread's CPU, and after
+        # a call of BATCH_WAIT_FROM_S or longer the caller waits for the workers as SCHED_BATCH
+        # (runtime/worker_placement.py: inside a torch model a call took twice as long either way).
         self._placement = PLACEMENT if is_local(self.device) else None
+        self._last_call_s = 0.0
         #: Bytes of numpy arguments that had to be copied into new buffers, over every call.
         self.bytes_copied = 0
 
@@ -80,9 +83,16 @@ class LoadedKernel:
         elif self._alignment is not None:
             args = tuple(self._in_place(a) if isinstance(a, np.ndarray) else a for a in args)
         with self._lock:
-            if self._placement is not None:
+            if self._placement is None:
+                results = self._function(*args)
+            else:
                 self._placement.before_call()
-            results = self._function(*args)
+                start = time.perf_counter()
+                if self._last_call_s >= BATCH_WAIT_FROM_S:
+                    results = waiting_as_batch(lambda: self._function(*args))
+                else:
+                    results = self._function(*args)
+                self._last_call_s = time.perf_counter() - start
         return tuple(results) if isinstance(results, (tuple, list)) else (results,)
 
 

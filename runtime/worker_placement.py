@@ -18,6 +18,18 @@ moved, at most once every :data:`MIN_SWAP_INTERVAL_S`: callers on different CPUs
 workers back and forth at every call). Only where every worker is pinned to one CPU of its own
 and there are at least two; elsewhere (another OS, no glibc, threads not found) it does nothing.
 ``LINALG_PREFILL_WORKER_PLACEMENT=0`` switches it off.
+
+:func:`waiting_as_batch` runs a call with the calling thread under ``SCHED_BATCH`` (Linux: no
+wakeup preemption) and then puts it back to ``SCHED_OTHER``. The caller waits for the workers in
+IREE's runtime, and inside a torch model that wait spun: a decode step of 4 sequences (bf16, 2048
+cached, ``bench/hf_decode.py``'s model), per call of 5.3 ms the calling thread used 3.5 ms of CPU
+and torch's OpenMP worker 3.1, on the two CPUs the two IREE workers needed for their 1.7 ms each;
+with the caller as ``SCHED_BATCH``, 2.3 ms a call, the caller 0.2 ms of CPU (docs/performance.md,
+twelfth session). A short call gains nothing (one sequence's decode call, 0.5-0.8 ms, did not
+spin) and pays for the later wakeup (3-4% of its time), so a kernel call waits this way only
+where the kernel's previous call took :data:`BATCH_WAIT_FROM_S` or longer (runtime/module.py). A
+thread under another policy (FIFO, RR, IDLE, BATCH already) is left as it is.
+``LINALG_PREFILL_BATCH_WAIT=0`` switches it off.
 """
 
 from __future__ import annotations
@@ -27,8 +39,11 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import Callable, TypeVar
 
 from .devices import c_library
+
+T = TypeVar("T")
 
 #: How many calls may pass before two workers or more are found (IREE may not have started them
 #: all at the first call; a process whose device has one worker never finds two); then the
@@ -134,3 +149,29 @@ class WorkerPlacement:
 
 
 PLACEMENT = WorkerPlacement(os.environ.get("LINALG_PREFILL_WORKER_PLACEMENT", "1") != "0")
+
+#: The shortest previous call of a kernel after which its next call waits as SCHED_BATCH.
+BATCH_WAIT_FROM_S = 1e-3
+#: Whether :func:`waiting_as_batch` switches the caller's policy (``LINALG_PREFILL_BATCH_WAIT=0``:
+#: not), and the parameters of the switch (Linux only).
+BATCH_WAIT = (os.environ.get("LINALG_PREFILL_BATCH_WAIT", "1") != "0" and hasattr(os, "SCHED_BATCH")
+              and hasattr(os, "sched_setscheduler"))
+_NO_PRIORITY = os.sched_param(0) if BATCH_WAIT else None
+
+
+def waiting_as_batch(call: Callable[[], T]) -> T:
+    """``call()`` with the calling thread under ``SCHED_BATCH`` while it runs, when the thread is
+    under ``SCHED_OTHER`` (module docstring); three system calls, about 1 us."""
+    if not BATCH_WAIT:
+        return call()
+    try:
+        switched = os.sched_getscheduler(0) == os.SCHED_OTHER
+        if switched:
+            os.sched_setscheduler(0, os.SCHED_BATCH, _NO_PRIORITY)
+    except OSError:
+        switched = False
+    try:
+        return call()
+    finally:
+        if switched:
+            os.sched_setscheduler(0, os.SCHED_OTHER, _NO_PRIORITY)

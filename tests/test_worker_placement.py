@@ -1,4 +1,5 @@
-"""runtime/worker_placement.py: the first IREE worker kept off the calling thread's CPU."""
+"""runtime/worker_placement.py: the first IREE worker kept off the calling thread's CPU, and the
+caller waiting for the workers as SCHED_BATCH."""
 
 from __future__ import annotations
 
@@ -9,10 +10,13 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from linalg_prefill.mlir import SequencePrefillSpec
-from linalg_prefill.runtime.worker_placement import WorkerPlacement, iree_workers
+from linalg_prefill.runtime import open_kernel, worker_placement
+from linalg_prefill.runtime.examples import example_inputs
+from linalg_prefill.runtime.worker_placement import WorkerPlacement, iree_workers, waiting_as_batch
 
 SPEC = SequencePrefillSpec(4, 2, 64, "float32", causal=True, sm_scale=0.125)
 
@@ -133,3 +137,66 @@ def test_callers_on_two_cpus_swap_the_workers_at_most_once_an_interval(monkeypat
         stop.set()
         for thread in threads:
             thread.join()
+
+
+LINUX_POLICIES = pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="no Linux scheduling policies here")
+
+
+@LINUX_POLICIES
+def test_a_call_waits_as_batch_and_the_caller_is_put_back(monkeypatch):
+    monkeypatch.setattr(worker_placement, "BATCH_WAIT", True)
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER
+    seen = []
+    assert waiting_as_batch(lambda: seen.append(os.sched_getscheduler(0)) or 7) == 7
+    assert seen == [os.SCHED_BATCH] and os.sched_getscheduler(0) == os.SCHED_OTHER
+    with pytest.raises(ZeroDivisionError):
+        waiting_as_batch(lambda: 1 / 0)
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER
+
+
+@LINUX_POLICIES
+def test_a_caller_under_another_policy_or_switched_off_stays_as_it_is(monkeypatch):
+    monkeypatch.setattr(worker_placement, "BATCH_WAIT", True)
+    os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))   # the caller's own choice
+    try:
+        assert waiting_as_batch(lambda: os.sched_getscheduler(0)) == os.SCHED_BATCH
+        assert os.sched_getscheduler(0) == os.SCHED_BATCH   # not put to SCHED_OTHER after
+    finally:
+        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+    monkeypatch.setattr(worker_placement, "BATCH_WAIT", False)
+    assert waiting_as_batch(lambda: os.sched_getscheduler(0)) == os.SCHED_OTHER
+
+
+@LINUX_POLICIES
+@pytest.mark.compiles(SPEC)
+def test_a_cpu_kernel_call_after_a_long_one_waits_as_batch(cache, monkeypatch):
+    """The wiring in runtime/module.py: after a call of BATCH_WAIT_FROM_S or more the loaded
+    function runs inside waiting_as_batch, after a shorter one as the caller is; the results are
+    the same either way."""
+    from linalg_prefill.runtime import module
+
+    monkeypatch.setattr(worker_placement, "BATCH_WAIT", True)
+    monkeypatch.setattr(module, "BATCH_WAIT_FROM_S", 60.0)   # every real call here is shorter
+    kernel = open_kernel(SPEC, cache=cache, serving_passes=False)
+    args = example_inputs(SPEC, np.random.default_rng(0))
+    loaded, seen = kernel._loaded, []
+    function = loaded._function
+
+    def recorded(*call_args):
+        seen.append(os.sched_getscheduler(0))
+        return function(*call_args)
+
+    monkeypatch.setattr(loaded, "_function", recorded)
+    loaded._last_call_s = 60.0   # as after a long call
+    after_long = kernel(*args)
+    assert 0 < loaded._last_call_s < 60.0
+    after_short = kernel(*args)
+    assert seen == [os.SCHED_BATCH, os.SCHED_OTHER] and os.sched_getscheduler(0) == os.SCHED_OTHER
+    assert all(np.array_equal(a, b) for a, b in zip(after_long, after_short))
+
+
+def test_the_environment_switches_the_batch_wait_off():
+    done = subprocess.run([sys.executable, "-c", "from linalg_prefill.runtime import worker_placement as w; "
+                           "print(w.BATCH_WAIT)"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "LINALG_PREFILL_BATCH_WAIT": "0"})
+    assert done.returncode == 0 and done.stdout.strip() == "False", done.stderr[-2000:]
