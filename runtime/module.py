@@ -70,12 +70,14 @@ class LoadedKernel:
             return tuple(as_device_arrays(self.device, [_to_numpy(r) for r in results]))
         return tuple(results)
 
-    def consume(self, use: Callable[..., T], *args: Any) -> T:
+    def consume(self, use: Callable[..., T], *args: Any, results: int | None = None) -> T:
         """``use(*results)`` with the call's results as numpy arrays that are valid only inside
         ``use`` (on the CPU drivers the result buffers mapped in place, no copy): ``use`` copies
-        what it keeps, and the buffers go when it returns. Returns what ``use`` returns."""
-        results = self._invoke(args)
-        return use(*(_to_numpy(r) for r in results))
+        what it keeps, and the buffers go when it returns. Returns what ``use`` returns. With
+        ``results=n`` only the first n are mapped and handed to ``use`` (a mapping costs 0.03 ms
+        between a model's layers)."""
+        returned = self._invoke(args)
+        return use(*(_to_numpy(r) for r in returned[:results]))
 
     def _invoke(self, args: tuple) -> tuple:
         if self._index_arrays_host_local:

@@ -60,7 +60,9 @@ class PassLane:
         spec, ``sinks``: every one checked by the caller, as Kernel.launch takes them (no checks
         here)."""
         args = (q.reshape(self.q_shape), *sources, *self.fixed, *((sinks,) if self.head_sinks else ()))
-        return self.loaded.consume(self._copied if with_lse else self._output, *args)
+        if with_lse:
+            return self.loaded.consume(self._copied, *args)
+        return self.loaded.consume(self._output, *args, results=1), None
 
     def run_args(self, args: tuple) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`run` for a call's checked arguments in the seed's order."""
@@ -71,5 +73,5 @@ class PassLane:
     def _copied(self, output: np.ndarray, lse: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return np.array(output.reshape(self.out_shape)), np.array(lse.reshape(self.lse_shape))
 
-    def _output(self, output: np.ndarray, _lse: np.ndarray) -> tuple[np.ndarray, None]:
-        return np.array(output.reshape(self.out_shape)), None
+    def _output(self, output: np.ndarray) -> np.ndarray:
+        return np.array(output.reshape(self.out_shape))
