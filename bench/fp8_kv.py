@@ -124,7 +124,8 @@ def main() -> None:
         wrapper = MlaPagedPrefillWrapper
     wrappers = (wrapper(spec), wrapper(dataclasses.replace(spec, kv_dtype=args.kv_dtype)))
     rng = np.random.default_rng(0)
-    print(f"serving steps, {args.variant} KV ({spec.name}), KV bf16 vs {args.kv_dtype}, llvm-cpu; CPU: {cpu_description()}")
+    print(f"serving steps, {args.variant} KV ({spec.name}), KV bf16 vs {args.kv_dtype}, llvm-cpu; "
+          f"CPU: {cpu_description()}")
     print(HEADER, flush=True)
     rows = []
     for batch in (int(x) for x in args.batches.split(",")):

@@ -49,9 +49,9 @@ def cpu_description() -> str:
                 fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    flags = set(fields.get("flags", "").split())
+    flags = host_cpu_features()
     isa = "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "no avx2"
-    amx = "yes" if AMX_FEATURES <= host_cpu_features() else "no"
+    amx = "yes" if AMX_FEATURES <= flags else "no"
     return (f"{fields.get('model name', 'unknown CPU')} (model {fields.get('model', '?')}; {isa}, AMX {amx}; "
             f"{os.cpu_count()} cores)")
 
