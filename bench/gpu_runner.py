@@ -113,8 +113,46 @@ class Kernels:
             with open(os.path.join(HERE, meta["file"]), "rb") as f:
                 module = self.rt.VmModule.copy_buffer(context.instance, f.read())
             context.add_vm_module(module)
-            self.functions[key] = (context, context.modules[module.name][meta["symbol"]])
+            function = context.modules[module.name][meta["symbol"]]
+            if "iree.abi.output" in function.vm_function.reflection.get("iree.abi.declaration", ""):
+                function = _WithStorage(self.rt, self.device, context, function.vm_function, meta)
+            self.functions[key] = (context, function)
         return self.functions[key][1]
+
+
+class _WithStorage:
+    """A function that takes storage for its results (the CPU artifacts: iree.abi.output, after
+    its arguments; mlir/abi.py: with_output_storage), called as IREE's invoker is: buffers for
+    (output, lse) allocated per call from the query's shape and passed after the arguments,
+    which iree.runtime's invoker does not pack. Returns the results as device arrays."""
+
+    ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+    def __init__(self, rt, device, context, vm_function, meta):
+        from iree.runtime._binding import ArgumentPacker, _invoke_statics
+
+        self.rt, self.device, self.context, self.vm_function = rt, device, context, vm_function
+        self.packer = ArgumentPacker(_invoke_statics, None)
+        self.q_position, self.d_v, self.itemsize = meta["q_position"], meta["d_v"], self.ITEMSIZE[meta["dtype"]]
+
+    def __call__(self, *args):
+        from iree.runtime._binding import InvokeContext
+
+        rt = self.rt
+        rows = 1
+        for extent in args[self.q_position].shape[:-1]:
+            rows *= extent
+        buffers = [self.device.allocator.allocate_buffer(
+            memory_type=rt.MemoryType.DEVICE_LOCAL | rt.MemoryType.HOST_VISIBLE,
+            allowed_usage=rt.BufferUsage.DEFAULT | rt.BufferUsage.MAPPING, allocation_size=max(size, 64))
+            for size in (rows * self.d_v * self.itemsize, rows * 4)]
+        arguments = self.packer.pack(InvokeContext(self.device), list(args), {})
+        for buffer in buffers:
+            arguments.push_ref(buffer)
+        results = rt.VmVariantList(2)
+        self.context.vm_context.invoke(self.vm_function, arguments, results)
+        return tuple(rt.DeviceArray(self.device, results.get_as_object(i, rt.HalBufferView), implicit_host_transfer=True)
+                     for i in range(2))
 
 
 def _request_amx_state() -> None:

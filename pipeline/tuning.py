@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..mlir import build_x86_module, build_fused_module, build_module
+from ..mlir.abi import with_output_storage
 from ..mlir.attention_op import ATTENTION_MARKER, TILE
 from ..mlir.ir import TILING_MARKER, ir, tiling_mark
 from ..mlir.score_tiles import CONTRACTION_MARKER
@@ -275,6 +276,8 @@ def tuned_module(spec, target: Target) -> ir.Module:
         module = build_module(spec, row_chunk=target.record.row_chunk,
                               score_tiles=target.record.score_tiles(target.arch, spec.dtype),
                               pass_vectors=target.record.pass_vectors(target.arch))
+    if target.record.output_storage:
+        with_output_storage(module)
     return apply_tuning(module, target)
 
 

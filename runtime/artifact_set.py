@@ -23,6 +23,7 @@ from ..pipeline.artifacts import ArtifactError, load_manifest, verify_artifact
 from ..pipeline.targets import input_alignment
 from .kernels import Kernel, compiled_kernels, open_kernel, ready_to_load
 from .module import LoadedKernel
+from .outputs import result_shapes
 
 __all__ = ["ArtifactSet", "open_artifacts", "spec_from_entry"]
 
@@ -93,7 +94,7 @@ class ArtifactSet:
         """The folder's artifact of ``spec`` (a variant or a serving pass), sha256-checked, loaded."""
         ready_to_load(spec, target)
         return LoadedKernel(verify_artifact(entry, self.root).read_bytes(), spec.symbol, target.driver,
-                            alignment=input_alignment(entry["flags"]))
+                            alignment=input_alignment(entry["flags"]), results=result_shapes(spec))
 
     def __repr__(self) -> str:
         return f"ArtifactSet({self.root}, {target_for(self.backend).tag}, {len(self.entries)} artifacts)"

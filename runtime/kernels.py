@@ -28,7 +28,7 @@ from .devices import cpu_workers, get_device
 from .errors import InputError
 from .interop import like_inputs, results_to_host
 from .module import LoadedKernel, as_device_arrays, device_resident, host_visible_array, is_local
-from .outputs import Outputs, caller_outputs
+from .outputs import Outputs, caller_outputs, result_shapes
 from .pass_lane import PassLane
 from .variants import call_arguments, checked, variant
 
@@ -116,7 +116,7 @@ class Kernel:
                                 lambda shape, dtype: host_visible_array(self.device, shape, dtype),
                                 lambda results: device_resident(self.device, results), to_host, outputs)
         if outputs is not None:
-            return self._loaded.consume(outputs.store, *checked_args)
+            return self._loaded.consume(outputs.store, *checked_args, into=outputs.arrays)
         return self._loaded(*checked_args, to_host=to_host)
 
     def _decode_schedule(self, checked_args: tuple, plan: Any):
@@ -221,7 +221,8 @@ def compiled_kernels(specs, target: Target, driver: str, cache: ArtifactCache | 
     vmfbs = compile_specs(specs, target, cache=cache)
     for spec in specs:
         ready_to_load(spec, target)
-    return [LoadedKernel(vmfb, spec.symbol, driver, alignment=alignment) for spec, vmfb in zip(specs, vmfbs)]
+    return [LoadedKernel(vmfb, spec.symbol, driver, alignment=alignment, results=result_shapes(spec))
+            for spec, vmfb in zip(specs, vmfbs)]
 
 
 def ready_to_load(spec, target: Target) -> None:

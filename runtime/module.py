@@ -30,11 +30,16 @@ class LoadedKernel:
     address that is a multiple of ``alignment``, the input alignment the artifact was compiled
     for (pipeline.targets.input_alignment: 64 unless its flags lower it); any other array is
     copied into a new buffer, and :attr:`bytes_copied` counts those bytes.
-    On the CPU drivers the results are copies: no buffer of a call outlives it (see __init__);
-    :meth:`consume` hands them to a function in place instead, with no copy.
+    A function that takes storage for its results (mlir/abi.py: with_output_storage; the CPU
+    artifacts) writes them into arrays this object allocates, or into the caller's (``into``):
+    ``results`` (:class:`ResultShapes`) gives their shapes from a call's arguments, and the
+    results a call returns are those arrays, no copy (:attr:`writes_in_place`). Otherwise, on
+    the CPU drivers, the results are copies: no buffer of IREE's outlives a call (see
+    __init__); :meth:`consume` hands them to a function in place instead, with no copy.
     """
 
-    def __init__(self, vmfb: bytes, symbol: str, driver: str, *, alignment: int = 64):
+    def __init__(self, vmfb: bytes, symbol: str, driver: str, *, alignment: int = 64,
+                 results: "ResultShapes | None" = None):
         self.driver = driver
         self.symbol = symbol
         self.device = get_device(driver)
@@ -44,6 +49,13 @@ class LoadedKernel:
         self._context.add_vm_module(self._vm_module)
         with root_logger_left_alone():
             self._function = self._context.modules[self._vm_module.name][symbol]
+        self._storage = results if takes_output_storage(self._function.vm_function) else None
+        if self._storage is not None:   # its results go into storage the call passes
+            if not is_local(self.device):
+                raise ValueError(f"{symbol}: takes storage for its results, which only the CPU drivers pass")
+            self._function = _StorageCall(self._context.vm_context, self.device, self._function.vm_function)
+        elif takes_output_storage(self._function.vm_function):
+            raise ValueError(f"{symbol}: takes storage for its results; open it with their shapes (results=)")
         self._lock = threading.Lock()
         # A device with memory of its own: int32 index arrays go host-local (see host_readable).
         self._index_arrays_host_local = not is_local(self.device)
@@ -62,7 +74,16 @@ class LoadedKernel:
         #: Bytes of numpy arguments that had to be copied into new buffers, over every call.
         self.bytes_copied = 0
 
+    @property
+    def writes_in_place(self) -> bool:
+        """Whether a call's results are arrays of their own (written where the call put them,
+        valid after :meth:`consume`'s ``use`` too), not mapped buffers of IREE's."""
+        return self._storage is not None
+
     def __call__(self, *args: Any, to_host: bool = True) -> tuple:
+        if self._storage is not None:
+            arrays = self._call_into(args)
+            return arrays if to_host else tuple(as_device_arrays(self.device, arrays))
         results = self._invoke(args)
         if to_host:
             return tuple(_to_numpy(r, copy=self._results_detached) for r in results)
@@ -70,12 +91,15 @@ class LoadedKernel:
             return tuple(as_device_arrays(self.device, [_to_numpy(r) for r in results]))
         return tuple(results)
 
-    def consume(self, use: Callable[..., T], *args: Any, results: int | None = None) -> T:
+    def consume(self, use: Callable[..., T], *args: Any, results: int | None = None, into: tuple = ()) -> T:
         """``use(*results)`` with the call's results as numpy arrays that are valid only inside
         ``use`` (on the CPU drivers the result buffers mapped in place, no copy): ``use`` copies
         what it keeps, and the buffers go when it returns. Returns what ``use`` returns. With
         ``results=n`` only the first n are mapped and handed to ``use`` (a mapping costs 0.03 ms
-        between a model's layers)."""
+        between a model's layers). ``into``: arrays for the results of a function that takes
+        storage for them, used where they can be (:meth:`_call_into`)."""
+        if self._storage is not None:
+            return use(*self._call_into(args, into)[:results])
         returned = self._invoke(args)
         return use(*(_to_numpy(r) for r in returned[:results]))
 
@@ -97,6 +121,19 @@ class LoadedKernel:
                 self._last_call_s = time.perf_counter() - start
         return tuple(results) if isinstance(results, (tuple, list)) else (results,)
 
+
+    def _call_into(self, args: tuple, into: tuple = ()) -> tuple:
+        """The results of a call of a function that takes their storage, written into ``into``'s
+        arrays where each is the result's C-contiguous writeable array of its shape and dtype at
+        a 64-byte boundary, else into new arrays (also 64-byte aligned); returns the arrays."""
+        arrays = []
+        for i, (shape, dtype) in enumerate(self._storage.shapes(args)):
+            given = into[i] if i < len(into) else None
+            arrays.append(given if _takes(given, shape, dtype) else aligned_empty(shape, dtype))
+        buffers = tuple(self.device.allocator.import_host_allocation(_at_least_a_line(a), _IMPORTED_MEMORY,
+                                                                      _MAPPED_USAGE) for a in arrays)
+        self._invoke((*args, *buffers))
+        return tuple(arrays)
 
     def _in_place(self, array: np.ndarray):
         """``array`` as a buffer view over its own memory, or as it is (IREE then copies it into
@@ -125,6 +162,75 @@ def in_place(device: rt.HalDevice, array: np.ndarray, alignment: int) -> rt.HalB
 
 
 _IMPORTED_MEMORY = rt.MemoryType.HOST_LOCAL | rt.MemoryType.DEVICE_VISIBLE
+#: The byte boundary of the arrays results are written into.
+RESULT_ALIGNMENT = 64
+
+
+class ResultShapes:
+    """The shapes and dtypes of a kernel's (output, lse) from a call's arguments: the output is
+    the query's shape (argument ``q_position``) with ``d_v`` columns in ``dtype``, lse the
+    query's shape without its last axis, float32 (mlir/abi.py: result_dims)."""
+
+    def __init__(self, q_position: int, d_v: int, dtype):
+        self.q_position, self.d_v, self.dtype = q_position, d_v, np.dtype(dtype)
+
+    def shapes(self, args: tuple) -> tuple:
+        rows = tuple(args[self.q_position].shape[:-1])
+        return ((*rows, self.d_v), self.dtype), (rows, np.dtype(np.float32))
+
+
+def takes_output_storage(vm_function) -> bool:
+    """Whether a loaded function takes storage for its results (mlir/abi.py: with_output_storage),
+    read from the signature IREE records in its reflection."""
+    return "iree.abi.output" in vm_function.reflection.get("iree.abi.declaration", "")
+
+
+def aligned_empty(shape: tuple, dtype) -> np.ndarray:
+    """An uninitialised C-contiguous array at a RESULT_ALIGNMENT boundary."""
+    dtype = np.dtype(dtype)
+    size = math.prod(shape) * dtype.itemsize
+    raw = np.empty(size + RESULT_ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % RESULT_ALIGNMENT
+    return raw[start:start + size].view(dtype).reshape(shape)
+
+
+def _takes(array, shape: tuple, dtype) -> bool:
+    """Whether ``array`` can be written in place as a result of ``shape`` and ``dtype``."""
+    return (isinstance(array, np.ndarray) and array.shape == tuple(shape) and array.dtype == dtype
+            and array.flags.c_contiguous and array.flags.writeable and array.size > 0
+            and array.ctypes.data % RESULT_ALIGNMENT == 0)
+
+
+def _at_least_a_line(array: np.ndarray) -> np.ndarray:
+    """``array`` as flat bytes to import, or a line of its own for an empty result (IREE imports
+    no empty allocation; the result's view then has no element)."""
+    flat = array.reshape(-1).view(np.uint8)
+    return flat if flat.size else aligned_empty((RESULT_ALIGNMENT,), np.uint8)
+
+
+class _StorageCall:
+    """Calls a VM function whose trailing arguments are its results' storage (``!hal.buffer``,
+    which iree.runtime's FunctionInvoker does not pack): the other arguments packed as the
+    invoker packs them (numpy arrays, buffer views, DeviceArrays, Python scalars), the buffers
+    pushed after them. The results (views of the storage) are dropped."""
+
+    def __init__(self, vm_context, device: rt.HalDevice, vm_function):
+        # iree's binding objects held by instances only, never by this module's globals: a
+        # global one outlives nanobind's check at exit, which then reports leaks (the kernels'
+        # instances go at exit: runtime/kernels.py, release_shared)
+        from iree.runtime import _binding
+
+        self._vm_context, self._device, self._vm_function = vm_context, device, vm_function
+        self._packer = _binding.ArgumentPacker(_binding._invoke_statics, None)
+        self._context_type = _binding.InvokeContext
+
+    def __call__(self, *args) -> tuple:
+        values = [a for a in args if not isinstance(a, rt.HalBuffer)]
+        arguments = self._packer.pack(self._context_type(self._device), values, {})
+        for buffer in args[len(values):]:
+            arguments.push_ref(buffer)
+        self._vm_context.invoke(self._vm_function, arguments, rt.VmVariantList(2))
+        return ()
 
 
 def host_visible_array(device: rt.HalDevice, shape: tuple, dtype) -> tuple[Any, np.ndarray]:

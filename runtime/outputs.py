@@ -14,8 +14,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..mlir.abi import argument_names
 from .checks import NUMPY_DTYPES, as_array
 from .errors import InputError
+from .module import ResultShapes
 
 
 @dataclass(frozen=True)
@@ -28,10 +30,19 @@ class Outputs:
     given: tuple
 
     def store(self, output: np.ndarray, lse: np.ndarray) -> tuple:
-        """Copies a call's results into the caller's arrays; returns :attr:`given`."""
-        np.copyto(self.arrays[0], output.reshape(self.arrays[0].shape))
-        np.copyto(self.arrays[1], lse.reshape(self.arrays[1].shape))
+        """Copies a call's results into the caller's arrays (not where the call wrote them there
+        already: LoadedKernel.consume's ``into``); returns :attr:`given`."""
+        for mine, result in zip(self.arrays, (output, lse)):
+            if result.ctypes.data != mine.ctypes.data or result.size != mine.size:
+                np.copyto(mine, result.reshape(mine.shape))
         return self.given
+
+
+def result_shapes(spec) -> ResultShapes:
+    """How a call of ``spec`` (a variant or a serving pass) shapes its (output, lse) from its
+    arguments (mlir/abi.py: result_dims): q's shape with d_v columns in the spec's dtype, and
+    without its last axis in float32."""
+    return ResultShapes(argument_names(spec).index("q"), spec.d_v, NUMPY_DTYPES[spec.dtype])
 
 
 def caller_outputs(spec, q_shape: tuple, out, lse) -> Outputs | None:

@@ -71,7 +71,12 @@ class PassLane:
                         args[sinks[0]] if sinks else None)
 
     def _copied(self, output: np.ndarray, lse: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return np.array(output.reshape(self.out_shape)), np.array(lse.reshape(self.lse_shape))
+        return self._own(output.reshape(self.out_shape)), self._own(lse.reshape(self.lse_shape))
 
     def _output(self, output: np.ndarray) -> np.ndarray:
-        return np.array(output.reshape(self.out_shape))
+        return self._own(output.reshape(self.out_shape))
+
+    def _own(self, result: np.ndarray) -> np.ndarray:
+        """``result`` as an array the caller may keep: itself where the call wrote it into an
+        array of its own (LoadedKernel.writes_in_place), else a copy of IREE's buffer."""
+        return result if self.loaded.writes_in_place else np.array(result)

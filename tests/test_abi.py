@@ -18,6 +18,8 @@ from linalg_prefill.mlir import (
 )
 from linalg_prefill.mlir.abi import ARGUMENTS, argument_names, arguments, position, result_dims, spelled
 from linalg_prefill.pipeline.compiler import keyed_ir
+from linalg_prefill.pipeline.targets import Target
+from linalg_prefill.pipeline.tuning import tuned_module
 from linalg_prefill.runtime.compare import error_bound, reference_for
 from linalg_prefill.runtime.errors import InputError
 from linalg_prefill.runtime.examples import example_inputs
@@ -92,6 +94,24 @@ def test_the_mlir_signature_is_the_tables(spec):
 
 
 HOST_READABLE = ("q_indptr", "kv_indptr", "page_indptr", "length_info")
+
+
+@pytest.mark.parametrize("spec", WITH_PASSES, ids=lambda s: s.name)
+def test_cpu_functions_take_storage_for_their_results_and_gpu_ones_do_not(spec):
+    """llvm-cpu's modules (its record's output_storage): the table's arguments, then one
+    ``!hal.buffer`` per result marked as its storage (iree.abi.output = i), in every lowering
+    the CPU builds (x86 where this CPU has AMX, linalg, fused); CUDA's: the table's arguments
+    only."""
+    for target in (Target("llvm-cpu"), Target("llvm-cpu", lowering="linalg"), Target("llvm-cpu", lowering="fused"),
+                   Target("cuda")):
+        functions = [op for op in tuned_module(spec, target).body.operations if op.operation.name == "func.func"]
+        (function,) = [op for op in functions if "sym_visibility" not in op.attributes]
+        inputs, storage = list(function.type.inputs), target.record.output_storage
+        assert len(inputs) == len(arguments(spec)) + (2 if storage else 0), target.tag
+        if storage:
+            assert [str(t) for t in inputs[-2:]] == ["!hal.buffer"] * 2
+            assert [str(a) for a in list(function.arg_attrs)[-2:]] == ["{iree.abi.output = 0 : index}",
+                                                                         "{iree.abi.output = 1 : index}"]
 
 
 @pytest.mark.parametrize("spec", WITH_PASSES, ids=lambda s: s.name)

@@ -37,7 +37,7 @@ def test_every_record_is_complete_and_an_incomplete_one_is_named():
         Backend(**{name: value for name, value in fields.items() if name != "row_chunk"})
     for field, value, why in [("lowering", "tiles", "must be one of"), ("driver", "", "non-empty"),
                               ("tune_attention", None, "callable"), ("structure_checks", [], "tuple"),
-                              ("default_arch", "sm_70", "not in archs")]:
+                              ("default_arch", "sm_70", "not in archs"), ("output_storage", True, "host driver")]:
         record = dataclasses.replace(BACKENDS["cuda"], **{field: value})
         with pytest.raises(TypeError, match=rf"BACKENDS\['cuda'\]\.{field}: .*{why}"):
             check_backend("cuda", record)

@@ -18,6 +18,7 @@ from linalg_prefill.runtime import open_kernel
 from linalg_prefill.runtime.decode import decode_calls, pass_queries
 from linalg_prefill.runtime.devices import keep_host_memory
 from linalg_prefill.runtime.module import LoadedKernel
+from linalg_prefill.runtime.outputs import result_shapes
 from linalg_prefill.runtime.examples import example_inputs
 
 SPEC = PagedPrefillSpec(8, 2, 64, "float32", page_size=16)
@@ -77,10 +78,12 @@ def test_results_held_across_calls_leave_no_memory_behind(cache, to_host):
     """IREE 3.13 (local-task) kept 64 MiB for good on every step of two calls of the 16-query
     pass over 1024 entries (32 MiB of results, about 200 MiB of scratch) whose first results were
     alive during the second and freed after it (none with 16 keys an entry, or 256 entries);
-    runtime/module.py copies the results out of the call, so no buffer of it outlives it."""
+    runtime/module.py has the call write its results into arrays of its own (the CPU artifacts
+    take storage for them) or copies them out, so no buffer of IREE's outlives it."""
     target = target_for("llvm-cpu")
     pass_spec = DecodeSpec(SPEC, 16)
-    loaded = LoadedKernel(compile_spec(pass_spec, target, cache=cache), pass_spec.symbol, target.driver)
+    loaded = LoadedKernel(compile_spec(pass_spec, target, cache=cache), pass_spec.symbol, target.driver,
+                          results=result_shapes(pass_spec))
     args = example_inputs(SPEC, np.random.default_rng(1), HELD_ENTRIES, rotary_mode=0)
     passes = DECODE_PASSES[target.lowering]
     (call,) = decode_calls(SPEC, args, pass_queries(SPEC, args, passes), passes)

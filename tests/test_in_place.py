@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from linalg_prefill.mlir import PagedPrefillSpec
+from linalg_prefill.pipeline import compile_spec
 from linalg_prefill.runtime import InputError, PagedPrefillWrapper, open_kernel
 from linalg_prefill.runtime.examples import example_inputs, page_table
 
@@ -70,6 +71,7 @@ _POOL_SCRIPT = """
 import json, sys
 import numpy as np
 from linalg_prefill.mlir import PagedPrefillSpec
+from linalg_prefill.pipeline import compile_spec
 from linalg_prefill.runtime import PagedPrefillWrapper
 
 spec = PagedPrefillSpec(8, 2, 64, "float32", page_size=16)
@@ -143,6 +145,37 @@ def test_results_land_in_the_callers_arrays(cache, entries):
     assert got[0] is out
     np.testing.assert_array_equal(out.numpy(), want[0])
     np.testing.assert_array_equal(got[1], want[1])
+
+
+def test_a_cpu_call_writes_its_results_where_it_returns_them(cache, monkeypatch):
+    """The CPU artifacts take storage for their results (mlir/abi.py: with_output_storage): a
+    call's results are arrays the runtime allocated and IREE wrote (no copy out), 64-byte
+    aligned; a caller's aligned out/lse are written in place (no copy into them), misaligned
+    ones through a copy; the same bits every way. An artifact that takes storage cannot be
+    opened without the results' shapes."""
+    from linalg_prefill.runtime import module, outputs
+
+    rng = np.random.default_rng(3)
+    kernel = open_kernel(SPEC, cache=cache)
+    args = example_inputs(SPEC, rng, [(30, 70), (20, 90)], rotary_mode=0)   # no pass takes them
+    assert kernel._loaded.writes_in_place
+    want = kernel(*args)
+    assert all(r.ctypes.data % module.RESULT_ALIGNMENT == 0 for r in want)
+    copies = []
+    real_copyto = np.copyto
+    monkeypatch.setattr(outputs.np, "copyto", lambda *a, **k: copies.append(1) or real_copyto(*a, **k))
+    aligned = [module.aligned_empty(r.shape, r.dtype) for r in want]
+    got = kernel(*args, out=aligned[0], lse=aligned[1])
+    assert got[0] is aligned[0] and got[1] is aligned[1] and not copies
+    misaligned = [module.aligned_empty((r.size * r.itemsize + 16,), np.uint8)[16:].view(r.dtype).reshape(r.shape)
+                  for r in want]
+    kernel(*args, out=misaligned[0], lse=misaligned[1])
+    assert len(copies) == 2
+    for results in (aligned, misaligned):
+        np.testing.assert_array_equal(results[0], want[0])
+        np.testing.assert_array_equal(results[1], want[1])
+    with pytest.raises(ValueError, match="takes storage for its results"):
+        module.LoadedKernel(compile_spec(SPEC, kernel.target, cache=cache), SPEC.symbol, "local-task")
 
 
 def test_bad_result_arrays_are_refused_before_the_kernel_runs(cache):
