@@ -218,7 +218,7 @@ class Vec:
             return llvm_d.call_intrinsic(narrow_type, "llvm.x86.avx512bf16.cvtneps2bf16.512", [value], [], [])
         return arith_d.truncf(narrow_type, value)
 
-    def exp2(self, x: ir.Value, coefficients: tuple = None) -> ir.Value:
+    def exp2(self, x: ir.Value) -> ir.Value:
         """2^x for x <= 0 (the online softmax's exponents), exactly 0 for -inf and far below:
         AVX-512's vscalefps(p(f), x) = p(f) * 2^floor(x), f = x - floor(x) in [0, 1) from one
         vreduceps (against vrndscaleps and a subtraction: dense causal bf16 L = 2048 26.0-27.0 ->
@@ -233,9 +233,8 @@ class Vec:
         fraction = llvm_d.call_intrinsic(self.f32x, "llvm.x86.avx512.mask.reduce.ps.512",
                                          [clamped, arith_d.constant(i32(), _FRACTION_BELOW), clamped, every_lane,
                                           current_rounding], [], [])
-        coefficients = coefficients or EXP2_COEFFICIENTS
-        poly = self.const(coefficients[-1])
-        for coeff in reversed(coefficients[:-1]):
+        poly = self.const(EXP2_COEFFICIENTS[-1])
+        for coeff in reversed(EXP2_COEFFICIENTS[:-1]):
             poly = math_d.fma(poly, fraction, self.const(coeff))
         return llvm_d.call_intrinsic(self.f32x, "llvm.x86.avx512.mask.scalef.ps.512",
                                      [poly, clamped, poly, every_lane, current_rounding], [], [])

@@ -268,9 +268,6 @@ class AmxEngine:
                     t.store(p, w.acc_stride, tile)
 
 
-PROB_EXP2 = {}
-
-
 class FmaEngine:
     """Q.K^T and P.V in f32 AVX-512 FMAs on register blocks: the workgroup's q rows [row_block, d],
     k tiles transposed [B, h_kv, T, d, kv_block] and values [B, h_kv, T * kv_block, d] (the row
@@ -673,8 +670,7 @@ class _Dispatch:
             old_sum = llvm_load(f32(), at(state_at, 4))
             new_max = v.max(old_max, arith_d.mulf(v.reduce("maximumf", widest), scale_scalar))
             less_max = v.splat(arith_d.negf(new_max))
-            coefficients = PROB_EXP2.get(self.engine.prob_elem == ir.BF16Type.get())
-            weights = [v.exp2(math_d.fma(chunk, scale, less_max), coefficients) for chunk in chunks]
+            weights = [v.exp2(math_d.fma(chunk, scale, less_max)) for chunk in chunks]
             total = weights[0]
             for w in weights[1:]:
                 total = arith_d.addf(total, w)
