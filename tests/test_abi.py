@@ -104,8 +104,9 @@ def test_cpu_functions_take_storage_for_their_results_and_gpu_ones_do_not(spec):
     only."""
     for target in (Target("llvm-cpu"), Target("llvm-cpu", lowering="linalg"), Target("llvm-cpu", lowering="fused"),
                    Target("cuda")):
-        functions = [op for op in tuned_module(spec, target).body.operations if op.operation.name == "func.func"]
-        (function,) = [op for op in functions if "sym_visibility" not in op.attributes]
+        module = tuned_module(spec, target)   # held: its ops are read below
+        (function,) = [op for op in module.body.operations
+                       if op.operation.name == "func.func" and "sym_visibility" not in op.attributes]
         inputs, storage = list(function.type.inputs), target.record.output_storage
         assert len(inputs) == len(arguments(spec)) + (2 if storage else 0), target.tag
         if storage:
