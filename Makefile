@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 PIP_INSTALL := $(PY) -m pip install --quiet --no-compile -c constraints.txt
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: demo test test-all bench bench-report gpu-bundle venv clean
+.PHONY: demo test test-all bench bench-report gpu-bundle gpu-sweep venv clean
 
 venv: $(STAMP)
 
@@ -48,6 +48,11 @@ gpu-bundle: $(STAMP)
 		tests/test_sequence_prefill.py tests/test_kv_cache_prefill.py -k "llvm-cpu and not fused"
 	$(PY) bench/gpu_bundle.py --out build/gpu-bundle --recorded build/recorded-calls
 	$(PY) bench/gpu_bundle.py --backend rocm --out build/gpu-bundle-rocm --recorded build/recorded-calls
+
+# The CUDA sweep (bench/gpu_sweep.py: candidate configurations of the fused lowering, dense cases) in
+# build/gpu-sweep; on the GPU machine, inside it: python3 gpu_runner.py --repeat 10 --log sweep.log
+gpu-sweep: $(STAMP)
+	$(PY) bench/gpu_sweep.py --out build/gpu-sweep
 
 clean:
 	rm -rf $(VENV) build *.egg-info

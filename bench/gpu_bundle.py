@@ -211,6 +211,28 @@ def save_case(path, name, spec, file, args, flops=0.0, amx=False) -> None:
     np.savez_compressed(path, meta=json.dumps(meta), **arrays)
 
 
+def prepare_folder(out: str, target: Target) -> None:
+    """``out`` emptied of artifacts, cases and reference, with the runner, the run script, the
+    reference package (numpy only) and ``backend.json`` (the driver gpu_check.sh runs on)."""
+    for sub in ("artifacts", "cases", "reference"):
+        shutil.rmtree(os.path.join(out, sub), ignore_errors=True)
+        os.makedirs(os.path.join(out, sub))
+    for tool in ("gpu_runner.py", "gpu_check.sh"):
+        shutil.copy(os.path.join(HERE, tool), out)
+    with open(os.path.join(out, "backend.json"), "w") as f:  # read by gpu_check.sh
+        json.dump({"backend": target.backend, "target": target.tag, "driver": target.driver}, f)
+    for file in REFERENCE_FILES:
+        shutil.copy(os.path.join(ROOT, "runtime", file), os.path.join(out, "reference"))
+    open(os.path.join(out, "reference", "__init__.py"), "w").close()
+
+
+def download_wheels(out: str) -> None:
+    """The cp312 wheels the runner unpacks on a machine without a registry, into ``out/wheels``."""
+    subprocess.run([sys.executable, "-m", "pip", "download", *WHEELS, "--only-binary=:all:",
+                    "--python-version", "3.12", "--platform", "manylinux_2_28_x86_64",
+                    "--platform", "manylinux_2_17_x86_64", "-d", os.path.join(out, "wheels")], check=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.path.join(ROOT, "build", "gpu-bundle"))
@@ -225,16 +247,7 @@ def main() -> None:
                         help="timed serving rows, SEQUENCESxNEW_TOKENS against 1024 cached")
     args = parser.parse_args()
     target = Target(args.backend)
-    for sub in ("artifacts", "cases", "reference"):
-        shutil.rmtree(os.path.join(args.out, sub), ignore_errors=True)
-        os.makedirs(os.path.join(args.out, sub))
-    for tool in ("gpu_runner.py", "gpu_check.sh"):
-        shutil.copy(os.path.join(HERE, tool), args.out)
-    with open(os.path.join(args.out, "backend.json"), "w") as f:  # read by gpu_check.sh
-        json.dump({"backend": target.backend, "target": target.tag, "driver": target.driver}, f)
-    for file in REFERENCE_FILES:  # the reference package: numpy only
-        shutil.copy(os.path.join(ROOT, "runtime", file), os.path.join(args.out, "reference"))
-    open(os.path.join(args.out, "reference", "__init__.py"), "w").close()
+    prepare_folder(args.out, target)
     rng = np.random.default_rng(0)
     specs = {}
     for model in args.models:
@@ -261,9 +274,7 @@ def main() -> None:
         save_case(os.path.join(args.out, "cases", f"{name}.npz"), name, spec, file, call, flops,
                   amx=target.lowering_of(spec) == "x86" and x86_uses_amx(spec))
     if not args.no_wheels:
-        subprocess.run([sys.executable, "-m", "pip", "download", *WHEELS, "--only-binary=:all:",
-                        "--python-version", "3.12", "--platform", "manylinux_2_28_x86_64",
-                        "--platform", "manylinux_2_17_x86_64", "-d", os.path.join(args.out, "wheels")], check=True)
+        download_wheels(args.out)
     print(f"bundle ready: {args.out} ({len(cases)} cases, {len(built)} artifacts for {target.tag}); on the GPU "
           f"machine run `python3 gpu_runner.py` inside it")
 

@@ -111,7 +111,7 @@ CUDA_CORES = MatrixCores(qk={t: f"#iree_gpu.mma_layout<{k}>" for t, k in CUDA_MM
                          subgroup_size=32, subgroups=CUDA_ATTENTION_WARPS)
 
 
-def _gpu_attention_config(op: ir.Operation, loops: tuple[str, ...], cores: MatrixCores,
+def gpu_attention_config(op: ir.Operation, loops: tuple[str, ...], cores: MatrixCores,
                           tiling_of) -> dict[str, ir.Attribute] | None:
     """compilation_info + decomposition_config of one online_attention op with ``loops`` (named
     as in ``attention_op.ALL_LOOPS`` or ``ENTRY_LOOPS``) on ``cores``, the tiling
@@ -151,7 +151,7 @@ def cuda_attention_config(op: ir.Operation, loops: tuple[str, ...]) -> dict[str,
     """The tensor-core configuration of one online_attention op (:func:`cuda_attention_tiling`),
     or for f32 operands (no tensor cores on this target) :func:`cuda_f32_attention_config`: the
     ``tune_attention`` hook of ``BACKENDS["cuda"]``."""
-    return _gpu_attention_config(op, loops, CUDA_CORES, cuda_attention_tiling) or cuda_f32_attention_config(op, loops)
+    return gpu_attention_config(op, loops, CUDA_CORES, cuda_attention_tiling) or cuda_f32_attention_config(op, loops)
 
 
 #: f32 on CUDA (SIMT, 8 warps of 32): IREE 3.13's own choice for d 128, one query row and 32 value
@@ -227,7 +227,7 @@ def rocm_attention_config(op: ir.Operation, loops: tuple[str, ...]) -> dict[str,
     """The MFMA configuration of one online_attention op (:func:`rocm_attention_tiling`), or None
     for IREE's own (f32 operands, d 64/128 bands: MFMA either way, checked by the rocm record's
     structure checks): the ``tune_attention`` hook of ``BACKENDS["rocm"]``."""
-    return _gpu_attention_config(op, loops, ROCM_CORES, rocm_attention_tiling)
+    return gpu_attention_config(op, loops, ROCM_CORES, rocm_attention_tiling)
 
 
 def _marked(module: ir.Module, marker: str) -> list[ir.Operation]:

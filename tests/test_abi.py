@@ -79,7 +79,8 @@ WITH_PASSES = SPECS + [DecodeSpec(SPECS[2], 4), DecodeSpec(SPECS[3], 1), DecodeS
 
 @pytest.mark.parametrize("spec", WITH_PASSES, ids=lambda s: s.name)
 def test_the_mlir_signature_is_the_tables(spec):
-    (function,) = [op for op in build_module(spec).body.operations]
+    module = build_module(spec)   # held while its function is read (a freed module's ops crash)
+    (function,) = list(module.body.operations)
     inputs = function.type.inputs
     assert len(inputs) == len(arguments(spec))
     for arg, type_ in zip(arguments(spec), inputs):
@@ -119,7 +120,8 @@ def test_cpu_functions_take_storage_for_their_results_and_gpu_ones_do_not(spec):
 def test_the_fused_signature_is_the_tables(spec):
     """The fused lowering takes the same arguments; the index arrays it reads on the host are
     ``!hal.buffer_view``s."""
-    (function,) = [op for op in build_fused_module(spec).body.operations]
+    module = build_fused_module(spec)   # held while its function is read
+    (function,) = list(module.body.operations)
     inputs = function.type.inputs
     assert len(inputs) == len(arguments(spec))
     for arg, type_ in zip(arguments(spec), inputs):

@@ -1,0 +1,172 @@
+"""Builds the CUDA sweep: candidate configurations of the fused lowering, compiled offline for a
+fixed set of dense cases, timed and checked on the GPU machine in one command (the CUDA issue's
+item 3; docs/cuda.md). The winners go into the CUDA backend record by a commit, not at run time.
+
+    .venv/bin/python bench/gpu_sweep.py [--out build/gpu-sweep] [--lengths 2048,8192]
+        [--dtypes float16,bfloat16] [--candidates default,r16-w1,...] [--no-wheels]
+
+A candidate (:data:`CANDIDATES`) sets what pipeline/tuning.py's ``cuda_attention_tiling`` and
+``CUDA_ATTENTION_WARPS`` give every online_attention op of a kernel (query rows a workgroup, warps,
+keys a step, operands staged in shared memory, which loop the warps split) and the query tiles
+of a band (mlir/fused_kernels.py: ``BAND_TILES``: a band's workgroups run at once, bands one
+after another, so a band of 4 tiles of 64 rows over 32 query heads is 128 workgroups of 4 warps,
+about one an SM of an H200). ``default`` is the record as committed.
+
+The folder is a GPU bundle (bench/gpu_bundle.py: the same runner, run script, reference package
+and wheels). For each candidate and dtype: ``bench-sweep-dense-L{L}-{dtype}-{candidate}``, dense
+causal h_q 32, h_kv 8, d 128, timed next to torch SDPA on the same inputs (GFLOP/s and the ratio
+torch time / ours); ``sweep-check-{dtype}-{candidate}``, a small dense causal call (mixed
+lengths of ``runtime.examples.example_inputs``) checked against the float64 reference within its
+error bound. A candidate IREE does not compile is left out and named in ``sweep.json``. On the GPU
+machine, inside the folder (at most 6 minutes for the default set)::
+
+    python3 gpu_runner.py --repeat 10 --log sweep.log
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from gpu_bundle import _in_dtype, bench_cases, download_wheels, prepare_folder, save_case  # noqa: E402
+from linalg_prefill.mlir import SequencePrefillSpec, fused_kernels  # noqa: E402
+from linalg_prefill.pipeline import CompileError, Target, compile_ir, compiler, targets, tuning  # noqa: E402
+from linalg_prefill.runtime.examples import example_inputs  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration: ``tiling`` (None: the record's own per head dim), ``warps`` a
+    workgroup, ``band_tiles`` query tiles (of 64 rows) a band."""
+
+    label: str
+    tiling: tuning.AttentionTiling | None = None
+    warps: int = tuning.CUDA_ATTENTION_WARPS
+    band_tiles: int = fused_kernels.BAND_TILES
+
+
+def _tiling(rows: int, keys: int = 64, promote: bool = True, qk: str = "qi", pv: str = "qi") -> tuning.AttentionTiling:
+    return tuning.AttentionTiling(rows=rows, qk_split=qk, pv_split=pv, promote_steps=promote, keys=keys)
+
+
+#: The sweep's candidates: the record's own; smaller workgroups (more of them a band); the warps
+#: splitting the keys and the value columns instead of the rows; fewer keys a step; unstaged
+#: steps; longer bands (more workgroups at once, more masked work on the causal diagonal).
+CANDIDATES = (
+    Candidate("default"),
+    Candidate("r64-w4-nopromote", _tiling(64, promote=False)),
+    Candidate("r64-w4-k32", _tiling(64, keys=32)),
+    Candidate("r32-w2", _tiling(32), warps=2),
+    Candidate("r16-w1", _tiling(16), warps=1),
+    Candidate("r16-w4-split", _tiling(16, promote=False, qk="ki", pv="n"), warps=4),
+    Candidate("r64-w4-band8", band_tiles=8),
+    Candidate("r64-w4-band16", band_tiles=16),
+    Candidate("r32-w2-band8", _tiling(32), warps=2, band_tiles=8),
+    Candidate("r16-w1-band16", _tiling(16), warps=1, band_tiles=16),
+)
+
+
+@contextlib.contextmanager
+def configured(candidate: Candidate):
+    """CUDA's record and the fused lowering's band size as ``candidate`` sets them, while the
+    context lasts (the IR built inside it, through pipeline.compiler.keyed_ir, is the
+    candidate's)."""
+    record, band_tiles = targets.BACKENDS["cuda"], fused_kernels.BAND_TILES
+    cores = dataclasses.replace(tuning.CUDA_CORES, subgroups=candidate.warps)
+
+    def tiling_of(d_qk: int, d_v: int, query_rows: int = tuning.TILE):
+        return candidate.tiling or tuning.cuda_attention_tiling(d_qk, d_v, query_rows)
+
+    def tune_attention(op, loops):
+        return (tuning.gpu_attention_config(op, loops, cores, tiling_of)
+                or tuning.cuda_f32_attention_config(op, loops))
+
+    targets.BACKENDS["cuda"] = dataclasses.replace(record, tune_attention=tune_attention)
+    fused_kernels.BAND_TILES = candidate.band_tiles
+    compiler.keyed_ir.cache_clear()
+    try:
+        yield
+    finally:
+        targets.BACKENDS["cuda"], fused_kernels.BAND_TILES = record, band_tiles
+        compiler.keyed_ir.cache_clear()
+
+
+def candidate_ir(spec, candidate: Candidate, target: Target) -> str:
+    """The IR of ``spec`` on ``target`` under ``candidate``."""
+    with configured(candidate):
+        return compiler.keyed_ir(spec, target)
+
+
+def build(out: str, lengths, dtypes, candidates, target: Target) -> dict:
+    """The sweep's artifacts and cases into ``out`` (prepared as a GPU bundle); returns what was
+    built and what did not compile (also written to ``out/sweep.json``)."""
+    prepare_folder(out, target)
+    rng = np.random.default_rng(0)
+    dense = {case[1].dtype: [] for case in bench_cases(lengths)}
+    for name, spec, args, flops in bench_cases(lengths):
+        if name.startswith("bench-dense-") and spec.dtype in dtypes:
+            dense[spec.dtype].append((name, spec, args, flops))
+    report = {"target": target.tag, "candidates": {}, "failed": {}}
+    for candidate in candidates:
+        for dtype in dtypes:
+            spec = SequencePrefillSpec(32, 8, 128, dtype, causal=True, sm_scale=128 ** -0.5)
+            file = os.path.join("artifacts", f"{spec.name}-{candidate.label}.vmfb")
+            try:
+                vmfb = compile_ir(candidate_ir(spec, candidate, target), target, f"{spec.name} ({candidate.label})")
+            except CompileError as error:
+                report["failed"][f"{candidate.label}/{dtype}"] = str(error).splitlines()[-1][:300]
+                print(f"{candidate.label} {dtype}: did not compile", file=sys.stderr)
+                continue
+            with open(os.path.join(out, file), "wb") as f:
+                f.write(vmfb)
+            for name, _spec, args, flops in dense[dtype]:
+                case = f"bench-sweep-{name.removeprefix('bench-')}-{candidate.label}"
+                save_case(os.path.join(out, "cases", f"{case}.npz"), case, spec, file,
+                          [("value", _in_dtype(a, spec)) for a in args], flops)
+            check = f"sweep-check-{dtype}-{candidate.label}"
+            save_case(os.path.join(out, "cases", f"{check}.npz"), check, spec, file,
+                      [("value", a) for a in example_inputs(spec, rng)])
+            report["candidates"].setdefault(candidate.label, {"warps": candidate.warps,
+                                                              "band_tiles": candidate.band_tiles,
+                                                              "tiling": candidate.tiling and dataclasses.asdict(candidate.tiling),
+                                                              "dtypes": []})["dtypes"].append(dtype)
+            print(f"built {file}", file=sys.stderr)
+    with open(os.path.join(out, "sweep.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=os.path.join(ROOT, "build", "gpu-sweep"))
+    parser.add_argument("--lengths", default="2048,8192")
+    parser.add_argument("--dtypes", default="float16,bfloat16")
+    parser.add_argument("--candidates", default=",".join(c.label for c in CANDIDATES))
+    parser.add_argument("--no-wheels", action="store_true", help="skip downloading the cp312 wheels")
+    args = parser.parse_args()
+    known = {c.label: c for c in CANDIDATES}
+    wanted = args.candidates.split(",")
+    unknown = [label for label in wanted if label not in known]
+    if unknown:
+        parser.error(f"--candidates: unknown {unknown}; known: {', '.join(known)}")
+    report = build(args.out, [int(n) for n in args.lengths.split(",")], args.dtypes.split(","),
+                   [known[label] for label in wanted], Target("cuda"))
+    if not args.no_wheels:
+        download_wheels(args.out)
+    print(f"sweep ready: {args.out} ({len(report['candidates'])} candidates built, {len(report['failed'])} "
+          f"did not compile); on the GPU machine run `python3 gpu_runner.py --repeat 10 --log sweep.log` inside it")
+
+
+if __name__ == "__main__":
+    main()

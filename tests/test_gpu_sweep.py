@@ -1,0 +1,75 @@
+"""The CUDA sweep (bench/gpu_sweep.py), offline: each candidate builds the IR it names, the record
+and the band size come back after it, and the folder holds a timed and a checked case per
+candidate and dtype, each naming its own artifact (run on the GPU machine by bench/gpu_runner.py,
+which tests/test_gpu_bundle.py runs for the CPU)."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from linalg_prefill.mlir import SequencePrefillSpec, fused_kernels
+from linalg_prefill.pipeline import Target, compiler, targets
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+import gpu_sweep  # noqa: E402
+
+SPEC = SequencePrefillSpec(32, 8, 128, "float16", causal=True, sm_scale=128 ** -0.5)
+CANDIDATES = {c.label: c for c in gpu_sweep.CANDIDATES}
+
+
+def _settings(text: str) -> tuple:
+    """((keys a step, query rows a workgroup) of every online_attention op in ``text``: the
+    largest entries of its reduction and workgroup tiles), (threads a workgroup, ...)."""
+    tiles = re.findall(r"reduction = (\[[^\]]*\]), workgroup = (\[[^\]]*\])", text)
+    return (tuple((max(json.loads(r)), max(json.loads(w))) for r, w in tiles),
+            tuple(re.findall(r"workgroup_size = \[(\d+), 1, 1\]", text)))
+
+
+def test_each_candidate_builds_the_configuration_it_names():
+    """default is the committed record's IR; a candidate's rows, keys and warps reach every
+    attention op; a longer band changes the host loop, not the ops' tiles; the record and the band
+    size are the committed ones again afterwards, also after an error inside the context."""
+    target = Target("cuda")
+    record, band_tiles = targets.BACKENDS["cuda"], fused_kernels.BAND_TILES
+    committed = compiler.keyed_ir(SPEC, target)
+    assert gpu_sweep.candidate_ir(SPEC, CANDIDATES["default"], target) == committed
+    tiles, sizes = _settings(committed)
+    assert tiles and set(tiles) == {(64, 64)} and set(sizes) == {"128"}
+    assert _settings(gpu_sweep.candidate_ir(SPEC, CANDIDATES["r16-w1"], target)) == (((64, 16),) * len(tiles),
+                                                                                       ("32",) * len(sizes))
+    keys = _settings(gpu_sweep.candidate_ir(SPEC, CANDIDATES["r64-w4-k32"], target))
+    assert keys == (((32, 64),) * len(tiles), sizes)
+    band = gpu_sweep.candidate_ir(SPEC, CANDIDATES["r64-w4-band16"], target)
+    assert band != committed and _settings(band) == _settings(committed)
+    with pytest.raises(RuntimeError):
+        with gpu_sweep.configured(CANDIDATES["r16-w1"]):
+            raise RuntimeError
+    assert targets.BACKENDS["cuda"] is record and fused_kernels.BAND_TILES == band_tiles
+    assert compiler.keyed_ir(SPEC, target) == committed
+
+
+def test_the_sweep_folder_holds_each_candidates_cases(tmp_path):
+    """Two candidates compiled for sm_80 at one length: per candidate a timed dense case (its
+    inputs drawn by the runner) and a checked one (stored inputs, the reference call), both on
+    the candidate's own artifact; sweep.json lists what was built."""
+    chosen = [CANDIDATES["default"], CANDIDATES["r16-w1"]]
+    report = gpu_sweep.build(str(tmp_path), [256], ["float16"], chosen, Target("cuda"))
+    assert sorted(report["candidates"]) == ["default", "r16-w1"] and not report["failed"]
+    assert json.loads((tmp_path / "sweep.json").read_text()) == report
+    artifacts = sorted(p.name for p in (tmp_path / "artifacts").iterdir())
+    assert artifacts == [f"{SPEC.name}-default.vmfb", f"{SPEC.name}-r16-w1.vmfb"]
+    assert (tmp_path / "artifacts" / artifacts[0]).read_bytes() != (tmp_path / "artifacts" / artifacts[1]).read_bytes()
+    for label in ("default", "r16-w1"):
+        timed = json.loads(str(np.load(tmp_path / "cases" / f"bench-sweep-dense-causal-L256-float16-{label}.npz")["meta"]))
+        checked = json.loads(str(np.load(tmp_path / "cases" / f"sweep-check-float16-{label}.npz")["meta"]))
+        assert timed["file"] == checked["file"] == f"artifacts/{SPEC.name}-{label}.vmfb"
+        assert timed["flops"] > 0 and [a[0] for a in timed["args"]] == ["random"] * 3
+        assert "reference" in checked and "reference" not in timed
+    assert (tmp_path / "gpu_runner.py").exists() and (tmp_path / "reference" / "error_model.py").exists()
