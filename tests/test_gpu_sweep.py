@@ -15,6 +15,7 @@ import pytest
 
 from linalg_prefill.mlir import SequencePrefillSpec, fused_kernels
 from linalg_prefill.pipeline import Target, compiler, targets
+from linalg_prefill.pipeline.vm_structure import tensor_core_instructions
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -56,17 +57,16 @@ def test_each_candidate_builds_the_configuration_it_names():
 
 
 def test_the_sweep_folder_holds_each_candidates_cases(tmp_path):
-    """Two candidates compiled for sm_80 at one length: per candidate a timed dense case (its
-    inputs drawn by the runner) and a checked one (stored inputs, the reference call), both on
-    the candidate's own artifact; sweep.json lists what was built."""
-    chosen = [CANDIDATES["default"], CANDIDATES["r16-w1"]]
-    report = gpu_sweep.build(str(tmp_path), [256], ["float16"], chosen, Target("cuda"))
-    assert sorted(report["candidates"]) == ["default", "r16-w1"] and not report["failed"]
+    """A candidate compiled for sm_80 at one length: a timed dense case (its inputs drawn by the
+    runner) and a checked one (stored inputs, the reference call), both on the candidate's own
+    artifact, which has tensor-core instructions; sweep.json lists what was built."""
+    report = gpu_sweep.build(str(tmp_path), [256], ["float16"], [CANDIDATES["r16-w1"]], Target("cuda"))
+    assert list(report["candidates"]) == ["r16-w1"] and not report["failed"]
     assert json.loads((tmp_path / "sweep.json").read_text()) == report
     artifacts = sorted(p.name for p in (tmp_path / "artifacts").iterdir())
-    assert artifacts == [f"{SPEC.name}-default.vmfb", f"{SPEC.name}-r16-w1.vmfb"]
-    assert (tmp_path / "artifacts" / artifacts[0]).read_bytes() != (tmp_path / "artifacts" / artifacts[1]).read_bytes()
-    for label in ("default", "r16-w1"):
+    assert artifacts == [f"{SPEC.name}-r16-w1.vmfb"]
+    assert tensor_core_instructions((tmp_path / "artifacts" / artifacts[0]).read_bytes()) > 0
+    for label in ("r16-w1",):
         timed = json.loads(str(np.load(tmp_path / "cases" / f"bench-sweep-dense-causal-L256-float16-{label}.npz")["meta"]))
         checked = json.loads(str(np.load(tmp_path / "cases" / f"sweep-check-float16-{label}.npz")["meta"]))
         assert timed["file"] == checked["file"] == f"artifacts/{SPEC.name}-{label}.vmfb"

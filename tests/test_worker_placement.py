@@ -51,7 +51,7 @@ PROGRAM = textwrap.dedent("""
     from linalg_prefill.mlir import SequencePrefillSpec
     from linalg_prefill.runtime import open_kernel
     from linalg_prefill.runtime.examples import example_inputs
-    from linalg_prefill.runtime.worker_placement import MIN_SWAP_INTERVAL_S, PLACEMENT, iree_workers
+    from linalg_prefill.runtime.worker_placement import BATCH_WAIT, MIN_SWAP_INTERVAL_S, PLACEMENT, iree_workers
 
     spec = SequencePrefillSpec(4, 2, 64, "float32", causal=True, sm_scale=0.125)
     kernel = open_kernel(spec, serving_passes=False)
@@ -64,7 +64,7 @@ PROGRAM = textwrap.dedent("""
     outputs = [kernel(*args) for _ in range(3)]
     same = all(np.array_equal(a, b) for out in outputs for a, b in zip(first, out))
     print(json.dumps(dict(active=PLACEMENT.active, swaps=PLACEMENT.swaps - swaps, before=before, after=cpus(),
-                          caller=sorted(os.sched_getaffinity(0)), same=same)))
+                          caller=sorted(os.sched_getaffinity(0)), same=same, batch_wait=BATCH_WAIT)))
 """)
 
 
@@ -80,6 +80,7 @@ def _run(cache, **env) -> dict:
 def test_the_first_worker_leaves_the_callers_cpu_once_and_the_results_stay(cache):
     got = _run(cache)
     assert got["active"] and got["swaps"] == 1 and got["same"]
+    assert got["batch_wait"] == (os.environ.get("LINALG_PREFILL_BATCH_WAIT", "1") != "0")
     before, after = ({int(k): v for k, v in got[key].items()} for key in ("before", "after"))
     assert after[0] != got["caller"] and after[0] == before[max(before)] and after[max(after)] == before[0]
     assert sorted(map(tuple, after.values())) == sorted(map(tuple, before.values()))   # the same CPUs
@@ -88,8 +89,11 @@ def test_the_first_worker_leaves_the_callers_cpu_once_and_the_results_stay(cache
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: one IREE worker, nothing to place")
 @pytest.mark.compiles(SPEC)
 def test_the_environment_switches_it_off(cache):
-    got = _run(cache, LINALG_PREFILL_WORKER_PLACEMENT="0")
+    """LINALG_PREFILL_WORKER_PLACEMENT=0: no placement; LINALG_PREFILL_BATCH_WAIT=0: no batch
+    wait (on by default: test_the_first_worker_leaves_the_callers_cpu_once_and_the_results_stay)."""
+    got = _run(cache, LINALG_PREFILL_WORKER_PLACEMENT="0", LINALG_PREFILL_BATCH_WAIT="0")
     assert not got["active"] and got["swaps"] == 0 and got["same"] and got["after"] == got["before"]
+    assert got["batch_wait"] is False
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: nothing to swap")
@@ -195,8 +199,3 @@ def test_a_cpu_kernel_call_after_a_long_one_waits_as_batch(cache, monkeypatch):
     assert all(np.array_equal(a, b) for a, b in zip(after_long, after_short))
 
 
-def test_the_environment_switches_the_batch_wait_off():
-    done = subprocess.run([sys.executable, "-c", "from linalg_prefill.runtime import worker_placement as w; "
-                           "print(w.BATCH_WAIT)"], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "LINALG_PREFILL_BATCH_WAIT": "0"})
-    assert done.returncode == 0 and done.stdout.strip() == "False", done.stderr[-2000:]
