@@ -62,7 +62,9 @@ def _tiling(rows: int, keys: int = 64, promote: bool = True, qk: str = "qi", pv:
 
 #: The sweep's candidates: the record's own; smaller workgroups (more of them a band); the warps
 #: splitting the keys and the value columns instead of the rows; fewer keys a step; unstaged
-#: steps; longer bands (more workgroups at once, more masked work on the causal diagonal).
+#: steps; longer bands (more workgroups at once, more masked work on the causal diagonal: a band
+#: sees the keys up to its last row); bands of 32 tiles (2048 rows: L = 2048 in one dispatch, its
+#: masked half computed).
 CANDIDATES = (
     Candidate("default"),
     Candidate("r64-w4-nopromote", _tiling(64, promote=False)),
@@ -74,6 +76,8 @@ CANDIDATES = (
     Candidate("r64-w4-band16", band_tiles=16),
     Candidate("r32-w2-band8", _tiling(32), warps=2, band_tiles=8),
     Candidate("r16-w1-band16", _tiling(16), warps=1, band_tiles=16),
+    Candidate("r64-w4-band32", band_tiles=32),
+    Candidate("r16-w1-band32", _tiling(16), warps=1, band_tiles=32),
 )
 
 
