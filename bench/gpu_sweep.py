@@ -1,9 +1,11 @@
 """Builds the CUDA sweep: candidate configurations of the fused lowering, compiled offline for a
-fixed set of dense cases, timed and checked on the GPU machine in one command (the CUDA issue's
-item 3; docs/cuda.md). The winners go into the CUDA backend record by a commit, not at run time.
+fixed set of dense and serving cases, timed and checked on the GPU machine in one command (the
+CUDA issue's item 3; docs/cuda.md). The winners go into the CUDA backend record by a commit, not
+at run time.
 
     .venv/bin/python bench/gpu_sweep.py [--out build/gpu-sweep] [--lengths 2048,8192]
-        [--dtypes float16,bfloat16] [--candidates default,r16-w1,...] [--no-wheels]
+        [--dtypes float16,bfloat16] [--candidates default,r16-w1,...]
+        [--pass-candidates default,p16-w1,...] [--serving-rows 32x1,128x1,32x4] [--no-wheels]
 
 A candidate (:data:`CANDIDATES`) sets what pipeline/tuning.py's ``cuda_attention_tiling`` and
 ``CUDA_ATTENTION_WARPS`` give every online_attention op of a kernel (query rows a workgroup, warps,
@@ -17,8 +19,11 @@ and wheels). For each candidate and dtype: ``bench-sweep-dense-L{L}-{dtype}-{can
 causal h_q 32, h_kv 8, d 128, timed next to torch SDPA on the same inputs (GFLOP/s and the ratio
 torch time / ours); ``sweep-check-{dtype}-{candidate}``, a small dense causal call (mixed
 lengths of ``runtime.examples.example_inputs``) checked against the float64 reference within its
-error bound. A candidate IREE does not compile is left out and named in ``sweep.json``. On the GPU
-machine, inside the folder (at most 6 minutes for the default set)::
+error bound. The serving passes' candidates (:data:`PASS_CANDIDATES`) the same over paged f16
+passes: ``bench-sweep-serving-{B}x{N}-vs-1024-float16-{candidate}`` timed (torch SDPA on the same
+cache gathered and padded, with a mask) and the mixed step's pass calls checked. A candidate IREE
+does not compile is left out and named in ``sweep.json``. On the GPU machine, inside the folder
+(``--max-seconds`` bounds it; `--only L2048` or `--only serving` runs a part)::
 
     python3 gpu_runner.py --repeat 10 --log sweep.log
 """
@@ -37,7 +42,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from gpu_bundle import _in_dtype, bench_cases, download_wheels, prepare_folder, save_case  # noqa: E402
+from gpu_bundle import _in_dtype, bench_cases, download_wheels, prepare_folder, save_case, serving_cases  # noqa: E402
 from linalg_prefill.mlir import SequencePrefillSpec, fused_kernels  # noqa: E402
 from linalg_prefill.pipeline import CompileError, Target, compile_ir, compiler, targets, tuning  # noqa: E402
 from linalg_prefill.runtime.examples import example_inputs  # noqa: E402
@@ -79,6 +84,18 @@ CANDIDATES = (
     Candidate("r64-w4-band32", band_tiles=32),
     Candidate("r16-w1-band32", _tiling(16), warps=1, band_tiles=32),
 )
+#: The serving passes' candidates (their query rows, queries x group, come in 16-row tiles):
+#: the record's own (16 rows, 4 warps splitting the keys and the value columns, unstaged); one
+#: warp on the 16 rows; 2 and 8 warps splitting; 32 keys a step.
+PASS_CANDIDATES = (
+    Candidate("default"),
+    Candidate("p16-w1", _tiling(16, promote=False), warps=1),
+    Candidate("p16-w2-split", _tiling(16, promote=False, qk="ki", pv="n"), warps=2),
+    Candidate("p16-w8-split", _tiling(16, promote=False, qk="ki", pv="n"), warps=8),
+    Candidate("p16-w4-split-k32", _tiling(16, keys=32, promote=False, qk="ki", pv="n"), warps=4),
+)
+#: Timed serving rows (sequences x new tokens against 1024 cached, paged f16; bench/gpu_bundle.py).
+SERVING_ROWS = ("32x1", "128x1", "32x4")
 
 
 @contextlib.contextmanager
@@ -112,40 +129,60 @@ def candidate_ir(spec, candidate: Candidate, target: Target) -> str:
         return compiler.keyed_ir(spec, target)
 
 
-def build(out: str, lengths, dtypes, candidates, target: Target) -> dict:
-    """The sweep's artifacts and cases into ``out`` (prepared as a GPU bundle); returns what was
-    built and what did not compile (also written to ``out/sweep.json``)."""
+def build(out: str, lengths, dtypes, candidates, target: Target, pass_candidates=(), serving_rows=()) -> dict:
+    """The sweep's artifacts and cases into ``out`` (prepared as a GPU bundle): the dense cases
+    under ``candidates``, the serving passes' (timed ``serving_rows``, checked mixed steps) under
+    ``pass_candidates``; returns what was built and what did not compile (also written to
+    ``out/sweep.json``)."""
     prepare_folder(out, target)
     rng = np.random.default_rng(0)
-    dense = {case[1].dtype: [] for case in bench_cases(lengths)}
-    for name, spec, args, flops in bench_cases(lengths):
-        if name.startswith("bench-dense-") and spec.dtype in dtypes:
-            dense[spec.dtype].append((name, spec, args, flops))
     report = {"target": target.tag, "candidates": {}, "failed": {}}
-    for candidate in candidates:
-        for dtype in dtypes:
-            spec = SequencePrefillSpec(32, 8, 128, dtype, causal=True, sm_scale=128 ** -0.5)
-            file = os.path.join("artifacts", f"{spec.name}-{candidate.label}.vmfb")
+    built = {}
+
+    def artifact(spec, candidate: Candidate) -> str | None:
+        """The file of ``spec`` under ``candidate`` in ``out``, compiled once; None where IREE
+        refuses it (named in the report)."""
+        file = os.path.join("artifacts", f"{spec.name}-{candidate.label}.vmfb")
+        if file not in built:
             try:
                 vmfb = compile_ir(candidate_ir(spec, candidate, target), target, f"{spec.name} ({candidate.label})")
             except CompileError as error:
-                report["failed"][f"{candidate.label}/{dtype}"] = str(error).splitlines()[-1][:300]
-                print(f"{candidate.label} {dtype}: did not compile", file=sys.stderr)
-                continue
-            with open(os.path.join(out, file), "wb") as f:
-                f.write(vmfb)
-            for name, _spec, args, flops in dense[dtype]:
-                case = f"bench-sweep-{name.removeprefix('bench-')}-{candidate.label}"
-                save_case(os.path.join(out, "cases", f"{case}.npz"), case, spec, file,
-                          [("value", _in_dtype(a, spec)) for a in args], flops)
-            check = f"sweep-check-{dtype}-{candidate.label}"
-            save_case(os.path.join(out, "cases", f"{check}.npz"), check, spec, file,
-                      [("value", a) for a in example_inputs(spec, rng)])
-            report["candidates"].setdefault(candidate.label, {"warps": candidate.warps,
-                                                              "band_tiles": candidate.band_tiles,
-                                                              "tiling": candidate.tiling and dataclasses.asdict(candidate.tiling),
-                                                              "dtypes": []})["dtypes"].append(dtype)
-            print(f"built {file}", file=sys.stderr)
+                report["failed"][f"{candidate.label}/{spec.name}"] = str(error).splitlines()[-1][:300]
+                print(f"{candidate.label} {spec.name}: did not compile", file=sys.stderr)
+                vmfb = None
+            if vmfb is not None:
+                with open(os.path.join(out, file), "wb") as f:
+                    f.write(vmfb)
+                report["candidates"].setdefault(candidate.label, {
+                    "warps": candidate.warps, "band_tiles": candidate.band_tiles,
+                    "tiling": candidate.tiling and dataclasses.asdict(candidate.tiling), "specs": []})["specs"].append(
+                        spec.name)
+                print(f"built {file}", file=sys.stderr)
+            built[file] = vmfb is not None
+        return file if built[file] else None
+
+    def save(name: str, spec, candidate: Candidate, args, flops: float = 0.0) -> None:
+        file = artifact(spec, candidate)
+        if file is not None:
+            case = f"{name}-{candidate.label}"
+            save_case(os.path.join(out, "cases", f"{case}.npz"), case, spec, file, args, flops)
+
+    dense = [(name, spec, args, flops) for name, spec, args, flops in bench_cases(lengths)
+             if name.startswith("bench-dense-") and spec.dtype in dtypes]
+    for candidate in candidates:
+        for dtype in dtypes:
+            spec = SequencePrefillSpec(32, 8, 128, dtype, causal=True, sm_scale=128 ** -0.5)
+            for name, _spec, args, flops in (case for case in dense if case[1].dtype == dtype):
+                save(f"bench-sweep-{name.removeprefix('bench-')}", spec, candidate,
+                     [("value", _in_dtype(a, spec)) for a in args], flops)
+            save(f"sweep-check-{dtype}", spec, candidate, [("value", a) for a in example_inputs(spec, rng)])
+    serving = list(serving_cases(target, rng, ("paged-f16",), serving_rows)) if pass_candidates else []
+    for candidate in pass_candidates:
+        for name, spec, args, flops in serving:
+            if flops is None:   # a checked pass call of a mixed step (its arguments drawn again)
+                save(f"sweep-check-{name}", spec, candidate, args)
+            else:
+                save(f"bench-sweep-{name.removeprefix('bench-')}", spec, candidate, [("value", a) for a in args], flops)
     with open(os.path.join(out, "sweep.json"), "w") as f:
         json.dump(report, f, indent=1)
     return report
@@ -157,15 +194,21 @@ def main() -> None:
     parser.add_argument("--lengths", default="2048,8192")
     parser.add_argument("--dtypes", default="float16,bfloat16")
     parser.add_argument("--candidates", default=",".join(c.label for c in CANDIDATES))
+    parser.add_argument("--pass-candidates", default=",".join(c.label for c in PASS_CANDIDATES),
+                        help="the serving passes' candidates ('' for none)")
+    parser.add_argument("--serving-rows", default=",".join(SERVING_ROWS))
     parser.add_argument("--no-wheels", action="store_true", help="skip downloading the cp312 wheels")
     args = parser.parse_args()
-    known = {c.label: c for c in CANDIDATES}
-    wanted = args.candidates.split(",")
-    unknown = [label for label in wanted if label not in known]
-    if unknown:
-        parser.error(f"--candidates: unknown {unknown}; known: {', '.join(known)}")
+    chosen = {}
+    for option, listed in (("candidates", CANDIDATES), ("pass_candidates", PASS_CANDIDATES)):
+        known = {c.label: c for c in listed}
+        wanted = [label for label in getattr(args, option).split(",") if label]
+        unknown = [label for label in wanted if label not in known]
+        if unknown:
+            parser.error(f"--{option.replace('_', '-')}: unknown {unknown}; known: {', '.join(known)}")
+        chosen[option] = [known[label] for label in wanted]
     report = build(args.out, [int(n) for n in args.lengths.split(",")], args.dtypes.split(","),
-                   [known[label] for label in wanted], Target("cuda"))
+                   chosen["candidates"], Target("cuda"), chosen["pass_candidates"], args.serving_rows.split(","))
     if not args.no_wheels:
         download_wheels(args.out)
     print(f"sweep ready: {args.out} ({len(report['candidates'])} candidates built, {len(report['failed'])} "

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from linalg_prefill.mlir import SequencePrefillSpec, fused_kernels
+from linalg_prefill.mlir import DecodeSpec, PagedPrefillSpec, SequencePrefillSpec, fused_kernels
 from linalg_prefill.pipeline import Target, compiler, targets
 from linalg_prefill.pipeline.vm_structure import tensor_core_instructions
 
@@ -54,6 +54,21 @@ def test_each_candidate_builds_the_configuration_it_names():
             raise RuntimeError
     assert targets.BACKENDS["cuda"] is record and fused_kernels.BAND_TILES == band_tiles
     assert compiler.keyed_ir(SPEC, target) == committed
+
+
+def test_a_pass_candidate_reaches_the_serving_pass():
+    """The serving passes' candidates set their attention op's warps and keys a step (16 query
+    rows a workgroup, the passes' tiles); default keeps the record's."""
+    target = Target("cuda")
+    pass_spec = DecodeSpec(PagedPrefillSpec(32, 8, 128, "float16", page_size=16), 4)
+    passes = {c.label: c for c in gpu_sweep.PASS_CANDIDATES}
+    committed = compiler.keyed_ir(pass_spec, target)
+    assert gpu_sweep.candidate_ir(pass_spec, passes["default"], target) == committed
+    tiles, sizes = _settings(committed)
+    assert tiles and {rows for _, rows in tiles} == {16} and set(sizes) == {"128"}
+    assert _settings(gpu_sweep.candidate_ir(pass_spec, passes["p16-w8-split"], target))[1] == ("256",) * len(sizes)
+    assert _settings(gpu_sweep.candidate_ir(pass_spec, passes["p16-w4-split-k32"], target)) == (
+        tuple((32, rows) for _, rows in tiles), sizes)
 
 
 def test_the_sweep_folder_holds_each_candidates_cases(tmp_path):
