@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 PIP_INSTALL := $(PY) -m pip install --quiet --no-compile -c constraints.txt
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: demo test test-all bench bench-report gpu-bundle gpu-sweep venv clean
+.PHONY: demo test test-all bench bench-report gpu-bundle gpu-sweep gpu-session venv clean
 
 venv: $(STAMP)
 
@@ -53,6 +53,11 @@ gpu-bundle: $(STAMP)
 # build/gpu-sweep; on the GPU machine, inside it: python3 gpu_runner.py --repeat 10 --log sweep.log
 gpu-sweep: $(STAMP)
 	$(PY) bench/gpu_sweep.py --out build/gpu-sweep
+
+# Both folders for one device call (bench/gpu_session.sh): the sweep without wheels (it uses the
+# bundle's), so that the two travel within a device call's 64 MiB
+gpu-session: gpu-bundle
+	$(PY) bench/gpu_sweep.py --out build/gpu-sweep --no-wheels
 
 clean:
 	rm -rf $(VENV) build *.egg-info

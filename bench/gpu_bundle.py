@@ -138,12 +138,13 @@ def serving_cases(target: Target, rng, variants=SERVING_VARIANTS, rows=SERVING_R
         yield f"bench-serving-{batch}x{new}-vs-1024-float16", call.spec, call.args, flops
 
 
-def _redrawn(a, seed=20261204):
-    """An argument of a checked serving call as a (kind, value) pair: a float array of over 1 MiB
-    (the page pool every pass call reads in place) as the PCG64 state that draws other values of
-    its shape and dtype (``redraw``; any values do: the runner computes the reference from the
-    redrawn ones), so that a variant's calls do not each carry its pool; the rest as it is."""
-    if not (isinstance(a, np.ndarray) and a.dtype.name in ("float32", "float16", "bfloat16") and a.nbytes > 1 << 20):
+def _redrawn(a, seed=20261204, min_bytes=1 << 20):
+    """An argument of a checked serving call as a (kind, value) pair: a float array of over
+    ``min_bytes`` (1 MiB: the page pool every pass call reads in place) as the PCG64 state that
+    draws other values of its shape and dtype (``redraw``; any values do: the runner computes the
+    reference from the redrawn ones), so that a variant's calls do not each carry its pool; the
+    rest as it is."""
+    if not (isinstance(a, np.ndarray) and a.dtype.name in ("float32", "float16", "bfloat16") and a.nbytes > min_bytes):
         return "value", a
     draw = {"state": np.random.Generator(np.random.PCG64(seed)).bit_generator.state,
             "shape": list(a.shape), "dtype": a.dtype.name}

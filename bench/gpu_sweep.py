@@ -42,7 +42,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from gpu_bundle import _in_dtype, bench_cases, download_wheels, prepare_folder, save_case, serving_cases  # noqa: E402
+from gpu_bundle import _in_dtype, _redrawn, bench_cases, download_wheels, prepare_folder, save_case, serving_cases  # noqa: E402
 from linalg_prefill.mlir import SequencePrefillSpec, fused_kernels  # noqa: E402
 from linalg_prefill.pipeline import CompileError, Target, compile_ir, compiler, targets, tuning  # noqa: E402
 from linalg_prefill.runtime.examples import example_inputs  # noqa: E402
@@ -175,7 +175,8 @@ def build(out: str, lengths, dtypes, candidates, target: Target, pass_candidates
             for name, _spec, args, flops in (case for case in dense if case[1].dtype == dtype):
                 save(f"bench-sweep-{name.removeprefix('bench-')}", spec, candidate,
                      [("value", _in_dtype(a, spec)) for a in args], flops)
-            save(f"sweep-check-{dtype}", spec, candidate, [("value", a) for a in example_inputs(spec, rng)])
+            save(f"sweep-check-{dtype}", spec, candidate,   # its floats drawn again by the runner: small files
+                 [_redrawn(a, min_bytes=0) for a in example_inputs(spec, rng)])
     serving = list(serving_cases(target, rng, ("paged-f16",), serving_rows)) if pass_candidates else []
     for candidate in pass_candidates:
         for name, spec, args, flops in serving:
