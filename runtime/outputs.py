@@ -5,7 +5,9 @@ A caller that keeps its own output buffers (an engine's activation arena, a prea
 tensor) passes them as ``out`` (the output's shape and the spec's dtype) and ``lse`` (float32,
 the output's shape without its last axis); the call writes its results there, once, and returns
 the caller's objects as they were given. Either may be left out (a new array is made for it).
-Both are checked before any kernel runs (InputError naming the argument).
+Both are checked before any kernel runs (InputError naming the argument). On the CPU drivers a
+kernel writes straight into an array at a 64-byte boundary (its function takes storage for its
+results: runtime/module.py), and through one copy into any other.
 """
 
 from __future__ import annotations
