@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import statistics
 import time
 from collections import defaultdict
@@ -127,8 +128,11 @@ def decode(model, names: dict, prompt: torch.Tensor, steps: int, cache_kind: str
            timer: ModuleTimes | None = None) -> dict:
     """label -> (median step seconds, median attention seconds a step, greedy tokens) of ``steps``
     decode steps after a prefill of ``prompt``, the implementations (``names``: label -> registered
-    name) taking turns step by step, after one untimed step each; ``timer`` times the modules of
-    the timed steps."""
+    name) taking turns step by step in an order shuffled each step (seeded), after one untimed
+    step each; ``timer`` times the modules of the timed steps. In a fixed order the step after
+    eager's (which streams its score matrices through the caches) started cold: batch 4, bf16,
+    the first label's step 24.75 ms against 22.09 for sdpa on the same KvCache, 23.6 against 25.1
+    with the two alone (docs/performance.md, thirteenth session)."""
     state = {}
     with torch.no_grad():
         for label, name in names.items():
@@ -137,7 +141,9 @@ def decode(model, names: dict, prompt: torch.Tensor, steps: int, cache_kind: str
             token = model(prompt, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
             state[label] = dict(cache=cache, token=token, tokens=[int(token[0, 0])], step_s=[], attention_s=[])
         for step in range(steps + 1):
-            for label, name in names.items():
+            order = list(names.items())
+            random.Random(step).shuffle(order)
+            for label, name in order:
                 run = state[label]
                 model.set_attn_implementation(name)
                 attention_seconds.clear()
