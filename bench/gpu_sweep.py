@@ -53,12 +53,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @dataclass(frozen=True)
 class Candidate:
     """One configuration: ``tiling`` (None: the record's own per head dim), ``warps`` a
-    workgroup, ``band_tiles`` query tiles (of 64 rows) a band."""
+    workgroup, ``band_tiles`` query tiles (of 64 rows) a band, ``band_group`` bands a step of the
+    band loop (mlir/fused_kernels.py: BAND_GROUP, dispatches that may run at once)."""
 
     label: str
     tiling: tuning.AttentionTiling | None = None
     warps: int = tuning.CUDA_ATTENTION_WARPS
     band_tiles: int = fused_kernels.BAND_TILES
+    band_group: int = fused_kernels.BAND_GROUP
 
 
 def _tiling(rows: int, keys: int = 64, promote: bool = True, qk: str = "qi", pv: str = "qi") -> tuning.AttentionTiling:
@@ -69,7 +71,8 @@ def _tiling(rows: int, keys: int = 64, promote: bool = True, qk: str = "qi", pv:
 #: splitting the keys and the value columns instead of the rows; fewer keys a step; unstaged
 #: steps; longer bands (more workgroups at once, more masked work on the causal diagonal: a band
 #: sees the keys up to its last row); bands of 32 tiles (2048 rows: L = 2048 in one dispatch, its
-#: masked half computed).
+#: masked half computed); 4 and 8 bands a step of the band loop, each over its own prefix (one
+#: submission a step; IREE still orders the step's dispatches: fused_kernels.BAND_GROUP).
 CANDIDATES = (
     Candidate("default"),
     Candidate("r64-w4-nopromote", _tiling(64, promote=False)),
@@ -83,6 +86,9 @@ CANDIDATES = (
     Candidate("r16-w1-band16", _tiling(16), warps=1, band_tiles=16),
     Candidate("r64-w4-band32", band_tiles=32),
     Candidate("r16-w1-band32", _tiling(16), warps=1, band_tiles=32),
+    Candidate("r64-w4-group4", band_group=4),
+    Candidate("r64-w4-group8", band_group=8),
+    Candidate("r16-w1-group4", _tiling(16), warps=1, band_group=4),
 )
 #: The serving passes' candidates (their query rows, queries x group, come in 16-row tiles):
 #: the record's own (16 rows, 4 warps splitting the keys and the value columns, unstaged); one
@@ -103,7 +109,7 @@ def configured(candidate: Candidate):
     """CUDA's record and the fused lowering's band size as ``candidate`` sets them, while the
     context lasts (the IR built inside it, through pipeline.compiler.keyed_ir, is the
     candidate's)."""
-    record, band_tiles = targets.BACKENDS["cuda"], fused_kernels.BAND_TILES
+    record, band_tiles, band_group = targets.BACKENDS["cuda"], fused_kernels.BAND_TILES, fused_kernels.BAND_GROUP
     cores = dataclasses.replace(tuning.CUDA_CORES, subgroups=candidate.warps)
 
     def tiling_of(d_qk: int, d_v: int, query_rows: int = tuning.TILE):
@@ -114,12 +120,12 @@ def configured(candidate: Candidate):
                 or tuning.cuda_f32_attention_config(op, loops))
 
     targets.BACKENDS["cuda"] = dataclasses.replace(record, tune_attention=tune_attention)
-    fused_kernels.BAND_TILES = candidate.band_tiles
+    fused_kernels.BAND_TILES, fused_kernels.BAND_GROUP = candidate.band_tiles, candidate.band_group
     compiler.keyed_ir.cache_clear()
     try:
         yield
     finally:
-        targets.BACKENDS["cuda"], fused_kernels.BAND_TILES = record, band_tiles
+        targets.BACKENDS["cuda"], fused_kernels.BAND_TILES, fused_kernels.BAND_GROUP = record, band_tiles, band_group
         compiler.keyed_ir.cache_clear()
 
 
@@ -154,7 +160,7 @@ def build(out: str, lengths, dtypes, candidates, target: Target, pass_candidates
                 with open(os.path.join(out, file), "wb") as f:
                     f.write(vmfb)
                 report["candidates"].setdefault(candidate.label, {
-                    "warps": candidate.warps, "band_tiles": candidate.band_tiles,
+                    "warps": candidate.warps, "band_tiles": candidate.band_tiles, "band_group": candidate.band_group,
                     "tiling": candidate.tiling and dataclasses.asdict(candidate.tiling), "specs": []})["specs"].append(
                         spec.name)
                 print(f"built {file}", file=sys.stderr)

@@ -43,6 +43,13 @@ from .query_tiles import QueryTiles
 #: Query tiles per band of a long call or entry: 256 tokens, the band size of the measured CUDA
 #: example (notes: one execute and one dispatch per band, no host wait).
 BAND_TILES = 4
+#: Bands a step of a dense call's band loop attends (each its own dispatch over its own KV
+#: prefix, none reading another's result), joined and written into the output once: one command
+#: buffer and one submission a step instead of a band. IREE 3.13 still puts an execution barrier
+#: after each of the step's dispatches (it binds the joined result as one resource range, the
+#: bands' offsets as constants), so they do not run at once. 1: a band a step (the committed IR).
+#: A candidate of the CUDA sweep (bench/gpu_sweep.py), not measured on a GPU yet.
+BAND_GROUP = 1
 
 
 def _zero(elem: ir.Type) -> ir.Value:
@@ -94,6 +101,15 @@ def _write_band(result: ir.Value, dest: ir.Value, offsets: list) -> ir.Value:
     return insert_slice(flat, dest, [*offsets, *[0] * (len(tail) + 1)], rows)
 
 
+def _joined(bands: list[ir.Value]) -> ir.Value:
+    """The bands [band, ...] one after another along their first axis (one band: itself)."""
+    if len(bands) == 1:
+        return bands[0]
+    kind = ir.RankedTensorType(bands[0].type)
+    shape = [kind.shape[0] * len(bands), *kind.shape[1:]]
+    return tensor_d.concat(tensor_type(shape, kind.element_type), 0, bands)
+
+
 # ---- dense and masked sequence prefill ----
 
 def build_fused_sequence_prefill(spec, rule: MaskRule | None = None) -> ir.Module:
@@ -110,12 +126,12 @@ def build_fused_sequence_prefill(spec, rule: MaskRule | None = None) -> ir.Modul
         def tied(values):
             return [tie_dims(value, size) for value, size in zip(values, sizes)]
 
-        def body(band_tiles):
-            return lambda _unused: tied(_sequence_body(spec, band_tiles, q, k, v, mask, sinks, scales))
+        def body(band_tiles, grouped):
+            return lambda _unused: tied(_sequence_body(spec, band_tiles, grouped, q, k, v, mask, sinks, scales))
 
         is_short = le(dim(q, 1), const_index(TILE))
         placeholders = [empty(sizes[0], element_type(spec.dtype)), empty(sizes[1], f32())]
-        return one_of(is_short, body(1), body(BAND_TILES), placeholders, tied)
+        return one_of(is_short, body(1, 1), body(BAND_TILES, BAND_GROUP), placeholders, tied)
 
     return function_module(spec, emit)
 
@@ -133,15 +149,18 @@ def _dense_tiles(x: ir.Value, stored_tiles: ir.Value, scales: ir.Value | None, e
     return DENSE.stored(x, length, [batch, stored_tiles, h_kv, TILE, d], source, scales, elem, elem)
 
 
-def _sequence_body(spec, band_tiles: int, q, k, v, mask, sinks, scales):
-    """Entries one at a time, query bands of ``band_tiles * TILE`` tokens; ``mask``: the rule
+def _sequence_body(spec, band_tiles: int, grouped: int, q, k, v, mask, sinks, scales):
+    """Entries one at a time, query bands of ``band_tiles * TILE`` tokens, ``grouped`` bands a
+    step of the band loop (BAND_GROUP); ``mask``: the rule
     bound to the call; ``sinks`` [h_q] f32 or None (semantics §13); ``scales`` (k_scale, v_scale)
     [h_kv] of an 8-bit k and v, else Nones."""
     group, h_kv, d = spec.group_size, spec.h_kv, spec.d
     batch, q_len, kv_len = dim(q, 0), dim(q, 1), dim(k, 1)
     band = band_tiles * TILE
-    num_bands = ceil_div(q_len, band)
-    padded = arith_d.muli(num_bands, const_index(band))
+    num_steps = ceil_div(q_len, band)
+    if grouped > 1:
+        num_steps = ceil_div(num_steps, const_index(grouped))
+    padded = arith_d.muli(num_steps, const_index(grouped * band))
     q5 = expand(q, [[0], [1], [2, 3], [4]], [batch, q_len, h_kv, group, d])
     q_rows = _pad_rows(q5, 1, padded)
     stored = storage_tiles(kv_len, TILE)
@@ -152,20 +171,30 @@ def _sequence_body(spec, band_tiles: int, q, k, v, mask, sinks, scales):
     head_sinks = None if sinks is None else row_sinks(sinks, h_kv, group, 1)
 
     def entry(b, carried):
-        def band_of(first, carried):
-            out_acc, lse_acc = carried
+        def valid(row, col):
+            return mask.entry(b).valid(lengths, lambda: row, col)
+
+        def attended(first):
+            """(output, lse) of the band whose first token is ``first`` (one past the call's
+            rows, in the padding of a step's last bands, attends the whole prefix: rows that are
+            cut off at the end)."""
             last_row_end = arith_d.minsi(arith_d.addi(first, const_index(band)), q_len)
             visible = mask.visible_tiles(lengths, lambda: last_row_end, TILE, ceil_div(kv_len, TILE))
+            return attend_band(_band(q_rows, [b, first], band), _kv_prefix(keys, [b, 0], visible),
+                               _kv_prefix(values, [b, 0], visible), first_row=first, valid=valid,
+                               sm_scale=spec.sm_scale, soft_cap=spec.logits_soft_cap, sinks=head_sinks)
 
-            def valid(row, col):
-                return mask.entry(b).valid(lengths, lambda: row, col)
-
-            out, lse = attend_band(_band(q_rows, [b, first], band), _kv_prefix(keys, [b, 0], visible),
-                                   _kv_prefix(values, [b, 0], visible), first_row=first, valid=valid,
-                                   sm_scale=spec.sm_scale, soft_cap=spec.logits_soft_cap, sinks=head_sinks)
+        def step_of(first, carried):
+            out_acc, lse_acc = carried
+            starts = [first, *(arith_d.addi(first, const_index(i * band)) for i in range(1, grouped))]
+            results = [attended(start) for start in starts]
+            # the step's bands joined at static offsets of a new tensor, written once: bands
+            # written one by one into the output at offsets the compiler cannot tell apart were
+            # ordered one after another (an execution barrier after each dispatch)
+            out, lse = (_joined([r[i] for r in results]) for i in (0, 1))
             return [_write_band(out, out_acc, [b, first]), _write_band(lse, lse_acc, [b, first])]
 
-        return driver.tiles(num_bands, band, carried, band_of)
+        return driver.tiles(num_steps, grouped * band, carried, step_of)
 
     out, lse = driver.entries(batch, ir.RankedTensorType(q.type).element_type, entry)
     return [extract_slice(out, [0, 0, 0, 0], [batch, q_len, spec.h_q, d]),

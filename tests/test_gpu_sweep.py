@@ -88,3 +88,33 @@ def test_the_sweep_folder_holds_each_candidates_cases(tmp_path):
         assert timed["flops"] > 0 and [a[0] for a in timed["args"]] == ["random"] * 3
         assert "reference" in checked and "reference" not in timed
     assert (tmp_path / "gpu_runner.py").exists() and (tmp_path / "reference" / "error_model.py").exists()
+
+
+@pytest.mark.parametrize("spec", [SequencePrefillSpec(4, 2, 64, "float32", causal=True, sm_scale=0.125),
+                                  SequencePrefillSpec(4, 2, 32, "float16", causal=False, sm_scale=0.2,
+                                                      head_sinks=True)], ids=lambda s: s.name)
+def test_grouped_bands_match_the_reference(spec, monkeypatch, cache):
+    """Several bands a step of the dense band loop (fused_kernels.BAND_GROUP, a sweep candidate):
+    the fused lowering compiled for llvm-cpu (the IR CUDA gets) with bands of 64 rows, 2 a step,
+    matches the reference at lengths whose last step has one band (3 bands), both (4), and one
+    short call; causal with GQA and non-causal with sinks, peaked scores (q scaled by 4). The
+    default (1) builds the committed IR."""
+    from linalg_prefill.runtime import open_kernel
+    from linalg_prefill.runtime.examples import example_inputs
+    from support import assert_matches_reference
+
+    fused = Target("llvm-cpu", lowering="fused")
+    committed = compiler.keyed_ir(spec, fused)
+    monkeypatch.setattr(fused_kernels, "BAND_TILES", 1)
+    monkeypatch.setattr(fused_kernels, "BAND_GROUP", 2)
+    compiler.keyed_ir.cache_clear()
+    assert compiler.keyed_ir(spec, fused) != committed
+    kernel = open_kernel(spec, fused, cache=cache)
+    rng = np.random.default_rng(7)
+    for length in (150, 256, 40):
+        args = list(example_inputs(spec, rng, [(length, length)]))
+        args[0] = (args[0].astype(np.float32) * 4).astype(args[0].dtype)   # peaked scores
+        assert_matches_reference(f"{spec.name} L={length}", kernel(*args), spec, args)
+    monkeypatch.undo()
+    compiler.keyed_ir.cache_clear()
+    assert compiler.keyed_ir(spec, fused) == committed
