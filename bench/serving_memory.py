@@ -8,7 +8,10 @@ llvm-cpu (local-task, where device memory is host memory) under ``/usr/bin/time`
 ``scratch = max RSS - input bytes`` (the runtime's own ~11 MB included) against the bytes of the
 K/V rows of the step's pass entries (for a step of several calls, the largest call's scratch:
 they run one after the other). The issue's bound: scratch under 2x the K/V bytes. ``fused`` is the CUDA lowering's
-pass compiled for llvm-cpu: its gathered K/V copy is what it would allocate on the GPU.
+pass compiled for llvm-cpu: its gathered K/V copy is what it would allocate on the GPU. The
+results' storage (the CPU artifacts take it) is the tool's (``--input=&N``), and its workers get
+the x86 kernels' stack. On a CPU with AMX the bf16 passes cannot run there: the tool does not ask
+Linux for the AMX tile state (it exits 252 at the call; f32 and the linalg and fused passes run).
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from linalg_prefill.bench import cpu_description  # noqa: E402
 from linalg_prefill.mlir import DecodeSpec, MlaPagedPrefillSpec, PagedPrefillSpec  # noqa: E402
 from linalg_prefill.pipeline import Target, compile_spec  # noqa: E402
 from linalg_prefill.runtime.decode import DECODE_PASSES, decode_calls, kv_lengths, pass_queries  # noqa: E402
+from linalg_prefill.mlir.x86_attention import WORKER_STACK_BYTES  # noqa: E402
+from linalg_prefill.runtime.outputs import result_shapes  # noqa: E402
 
 GQA = PagedPrefillSpec(32, 8, 128, "float32", page_size=16)
 GQA_BF16 = PagedPrefillSpec(32, 8, 128, "bfloat16", page_size=16)
@@ -77,9 +82,16 @@ def measure(spec, lowering: str, batch: int, new: int, cached, folder: str) -> d
                 input_bytes += value.nbytes
             else:
                 inputs.append(f"--input={value}")
+        # the results' storage (the CPU artifacts take it: mlir/abi.py with_output_storage),
+        # allocated by the tool: "&" and a size
+        for shape, dtype in result_shapes(call.spec).shapes(call.args):
+            inputs.append(f"--input=&{max(int(np.prod(shape)) * dtype.itemsize, 1)}xi8")
         run = subprocess.run(["/usr/bin/time", "-f", "maxrss_kb %M", TOOL, f"--module={module}",
-                              f"--function={call.spec.symbol}", "--device=local-task", *inputs],
-                             capture_output=True, text=True, check=True)
+                              f"--function={call.spec.symbol}", "--device=local-task",
+                              f"--task_worker_stack_size={WORKER_STACK_BYTES}", *inputs],
+                             capture_output=True, text=True)
+        if run.returncode:
+            raise RuntimeError(f"iree-run-module failed ({run.returncode}): {run.stdout[-800:]} {run.stderr[-1500:]}")
         rss = int(run.stderr.rsplit("maxrss_kb", 1)[1]) * 1024
         peak = max(peak, rss - input_bytes)
     return dict(calls=len(calls), scratch=peak, kv=kv_bytes(spec, kv_lengths(spec, args)[chosen > 0]))
