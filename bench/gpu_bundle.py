@@ -181,10 +181,11 @@ def recorded_cases(directory: str):
         yield f"test-{os.path.basename(path)[:-4]}-{test}", case["spec"], case["args"]
 
 
-def save_case(path, name, spec, file, args, flops=0.0, amx=False) -> None:
+def save_case(path, name, spec, file, args, flops=0.0, amx=False, extra=None) -> None:
     """One .npz: the call's arguments (``args``: (kind, value) pairs, kind "uniform" for a
     recorded draw, "value" otherwise), and for checked cases the reference call, the argument
-    names and the spec's facts the error model needs.
+    names and the spec's facts the error model needs; ``extra``: more fields of its meta (a sweep
+    case's ``sweep_case`` and ``candidate``).
 
     ``bench-*`` cases store only the shapes of their large float inputs (the runner draws them)
     and no reference; their index arrays are stored as they are.
@@ -209,6 +210,7 @@ def save_case(path, name, spec, file, args, flops=0.0, amx=False) -> None:
     if not bench:
         meta.update(reference=reference_call(spec), arguments=list(argument_names(spec)),
                     facts=dataclasses.asdict(call_facts(spec)))
+    meta.update(extra or {})
     np.savez_compressed(path, meta=json.dumps(meta), **arrays)
 
 

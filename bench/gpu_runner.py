@@ -295,6 +295,18 @@ def _torch_serving_seconds(torch, dtype, group: int, args, repeat: int, device: 
     return min(times[1:])
 
 
+def sweep_summary(swept) -> list[str]:
+    """A sweep's timed cases (bench/gpu_sweep.py) by case, candidates fastest first: ``swept`` is
+    (case, candidate, seconds, torch seconds or None) rows; lines to print (none without rows)."""
+    lines = []
+    for case in sorted({row[0] for row in swept}):
+        rows = sorted((row for row in swept if row[0] == case), key=lambda row: row[2])
+        ranked = ", ".join(f"{candidate} {seconds * 1e3:.2f} ms" + (f" ({torch / seconds:.2f}x)" if torch else "")
+                           for _, candidate, seconds, torch in rows)
+        lines.append(f"sweep {case}: {ranked}")
+    return lines
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--driver", default="cuda")
@@ -329,6 +341,7 @@ def main() -> int:
     paths = sorted(path for path in glob.glob(os.path.join(HERE, "cases", "*.npz"))
                    if args.only is None or args.only in os.path.basename(path))
     passed = failed = 0
+    swept = []   # (sweep case, candidate, seconds, torch seconds or None) of a sweep's timed cases
     for path in paths:
         if time.perf_counter() - started > args.max_seconds:
             break
@@ -349,12 +362,16 @@ def main() -> int:
                     f"ratio (torch time / ours) {torch_seconds / seconds:.2f}") if torch_seconds else ""
             emit(f"{meta['name']}: {seconds * 1e3:.2f} ms, {meta['flops'] / seconds / 1e9:.1f} GFLOP/s{peer}",
                  always=True)
+            if "sweep_case" in meta:
+                swept.append((meta["sweep_case"], meta["candidate"], seconds, torch_seconds))
             continue
         err_out, err_lse, ratio, empty_ok, ok = _check(meta, call_args, out, lse)
         passed += ok
         failed += not ok
         emit(f"{meta['name'][:70]:<70} {err_out:>9.2e} {err_lse:>9.2e} {ratio:>7.3f} {str(empty_ok):>5}"
              f"{'' if ok else '  OUT OF BOUND'}", always=not ok)
+    for line in sweep_summary(swept):
+        emit(line, always=True)
     ran = passed + failed
     emit(f"{passed} of {ran} checked cases within their error bounds ({len(paths)} cases in the bundle, "
          f"{len(kernels.functions)} artifacts loaded last, {time.perf_counter() - started:.0f} s)", always=True)

@@ -171,7 +171,8 @@ def build(out: str, lengths, dtypes, candidates, target: Target, pass_candidates
         file = artifact(spec, candidate)
         if file is not None:
             case = f"{name}-{candidate.label}"
-            save_case(os.path.join(out, "cases", f"{case}.npz"), case, spec, file, args, flops)
+            save_case(os.path.join(out, "cases", f"{case}.npz"), case, spec, file, args, flops,
+                      extra={"sweep_case": name, "candidate": candidate.label})
 
     dense = [(name, spec, args, flops) for name, spec, args, flops in bench_cases(lengths)
              if name.startswith("bench-dense-") and spec.dtype in dtypes]

@@ -87,6 +87,7 @@ def test_the_sweep_folder_holds_each_candidates_cases(tmp_path):
         assert timed["file"] == checked["file"] == f"artifacts/{SPEC.name}-{label}.vmfb"
         assert timed["flops"] > 0 and [a[0] for a in timed["args"]] == ["random"] * 3
         assert "reference" in checked and "reference" not in timed
+        assert (timed["sweep_case"], timed["candidate"]) == ("bench-sweep-dense-causal-L256-float16", label)
     assert (tmp_path / "gpu_runner.py").exists() and (tmp_path / "reference" / "error_model.py").exists()
 
 
@@ -116,3 +117,16 @@ def test_grouped_bands_match_the_reference(monkeypatch, cache):
     monkeypatch.undo()
     compiler.keyed_ir.cache_clear()
     assert compiler.keyed_ir(spec, fused) == committed
+
+
+def test_the_runner_ranks_each_sweep_case_fastest_first():
+    """The GPU runner's summary of a sweep: one line a case, its candidates fastest first with
+    their ratio to torch (torch time / ours) where torch ran."""
+    import gpu_runner
+
+    rows = [("bench-sweep-a", "default", 2e-3, 1e-3), ("bench-sweep-a", "r16-w1", 1e-3, 1e-3),
+            ("bench-sweep-b", "default", 5e-3, None)]
+    assert gpu_runner.sweep_summary(rows) == [
+        "sweep bench-sweep-a: r16-w1 1.00 ms (1.00x), default 2.00 ms (0.50x)",
+        "sweep bench-sweep-b: default 5.00 ms"]
+    assert gpu_runner.sweep_summary([]) == []
