@@ -12,6 +12,7 @@ import iree.runtime as rt
 import numpy as np
 from iree.runtime.array_interop import map_dtype_to_element_type
 
+from ..mlir.abi import OUTPUT_STORAGE_ATTRIBUTE
 from ..pipeline.quiet_logging import root_logger_left_alone
 from .devices import get_device
 from .worker_placement import BATCH_WAIT_FROM_S, PLACEMENT, waiting_as_batch
@@ -49,13 +50,14 @@ class LoadedKernel:
         self._context.add_vm_module(self._vm_module)
         with root_logger_left_alone():
             self._function = self._context.modules[self._vm_module.name][symbol]
-        self._storage = results if takes_output_storage(self._function.vm_function) else None
-        if self._storage is not None:   # its results go into storage the call passes
+        self._storage = None
+        if takes_output_storage(self._function.vm_function):   # its results go into storage the call passes
+            if results is None:
+                raise ValueError(f"{symbol}: takes storage for its results; open it with their shapes (results=)")
             if not is_local(self.device):
                 raise ValueError(f"{symbol}: takes storage for its results, which only the CPU drivers pass")
+            self._storage = results
             self._function = _StorageCall(self._context.vm_context, self.device, self._function.vm_function)
-        elif takes_output_storage(self._function.vm_function):
-            raise ValueError(f"{symbol}: takes storage for its results; open it with their shapes (results=)")
         self._lock = threading.Lock()
         # A device with memory of its own: int32 index arrays go host-local (see host_readable).
         self._index_arrays_host_local = not is_local(self.device)
@@ -130,8 +132,7 @@ class LoadedKernel:
         for i, (shape, dtype) in enumerate(self._storage.shapes(args)):
             given = into[i] if i < len(into) else None
             arrays.append(given if _takes(given, shape, dtype) else aligned_empty(shape, dtype))
-        buffers = tuple(self.device.allocator.import_host_allocation(_at_least_a_line(a), _IMPORTED_MEMORY,
-                                                                      _MAPPED_USAGE) for a in arrays)
+        buffers = tuple(_imported(self.device, _at_least_a_line(a)) for a in arrays)
         self._invoke((*args, *buffers))
         return tuple(arrays)
 
@@ -157,8 +158,12 @@ def in_place(device: rt.HalDevice, array: np.ndarray, alignment: int) -> rt.HalB
     element = _element_type(array.dtype)
     if element is None:
         return None
-    buffer = device.allocator.import_host_allocation(array, _IMPORTED_MEMORY, _MAPPED_USAGE)
-    return rt.HalBufferView(buffer, array.shape, element)
+    return rt.HalBufferView(_imported(device, array), array.shape, element)
+
+
+def _imported(device: rt.HalDevice, array: np.ndarray) -> rt.HalBuffer:
+    """A buffer over ``array``'s own memory (it keeps ``array`` alive), for a CPU driver's call."""
+    return device.allocator.import_host_allocation(array, _IMPORTED_MEMORY, _MAPPED_USAGE)
 
 
 _IMPORTED_MEMORY = rt.MemoryType.HOST_LOCAL | rt.MemoryType.DEVICE_VISIBLE
@@ -182,7 +187,7 @@ class ResultShapes:
 def takes_output_storage(vm_function) -> bool:
     """Whether a loaded function takes storage for its results (mlir/abi.py: with_output_storage),
     read from the signature IREE records in its reflection."""
-    return "iree.abi.output" in vm_function.reflection.get("iree.abi.declaration", "")
+    return OUTPUT_STORAGE_ATTRIBUTE in vm_function.reflection.get("iree.abi.declaration", "")
 
 
 def aligned_empty(shape: tuple, dtype) -> np.ndarray:
