@@ -20,7 +20,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from conftest import assert_matches_reference
+from conftest import FUSED_CPU, assert_matches_reference
 from linalg_prefill.mlir import (
     MaskedSequencePrefillSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec,
 )
@@ -199,26 +199,25 @@ def test_bad_scales_and_kv_are_refused_by_name(case, name, value, message, cache
         open_kernel(spec, cache=cache)(*with_arguments(spec, args, **{name: value}))
 
 
-FUSED = Target("llvm-cpu", lowering="fused")
 #: One spec of each of the fused lowering's readers (paged, ragged, latent, dense tiles): both
 #: formats, in the GPUs' compute dtypes (float16, bfloat16).
 FUSED_CASES = ["e5m2-bf16-nhd", "ragged-e4m3-f16-dv16", "mla-e5m2-f16", "masked-e5m2-f16"]
 
 
-@pytest.mark.compiles(*(SPECS[case] for case in FUSED_CASES), backends=[FUSED], passes=SERVING)
+@pytest.mark.compiles(*(SPECS[case] for case in FUSED_CASES), backends=[FUSED_CPU], passes=SERVING)
 @pytest.mark.parametrize("case", FUSED_CASES)
 def test_the_fused_lowering_reads_8_bit_caches(case, cache):
     """The fused lowering CUDA and ROCm run (compiled for llvm-cpu: the same IR), kernels and
     serving passes, against the reference of the dequantised cache; its IR reads the 8-bit K/V
     as they are (tests/test_cuda_compile.py and test_rocm_compile.py compile it for the GPUs)."""
     spec = SPECS[case]
-    kernel = open_kernel(spec, FUSED, cache=cache)
+    kernel = open_kernel(spec, FUSED_CPU, cache=cache)
     rng = np.random.default_rng(8)
     for label, args in (("prefill", example_inputs(spec, rng, PREFILL)),
                         ("serving", example_inputs(spec, rng, SERVING, **_no_rope(spec)))):
         assert_matches_reference(f"{spec.name} fused {label}", kernel(*args), spec, args)
     assert f"x{spec.kv_dtype.replace('float8_e4m3fn', 'f8E4M3FN').replace('float8_e5m2', 'f8E5M2')}>" in \
-        tuned_ir(spec, FUSED)
+        tuned_ir(spec, FUSED_CPU)
 
 
 @pytest.mark.parametrize("plain", [PagedPrefillSpec(4, 2, 32, "float16"), RaggedPrefillSpec(4, 2, 32, 16, "float16"),

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import FUSED_CPU
 from linalg_prefill.mlir import DecodeSpec, PagedPrefillSpec, SequencePrefillSpec, fused_kernels
 from linalg_prefill.pipeline import Target, compiler, targets
 from linalg_prefill.pipeline.vm_structure import tensor_core_instructions
@@ -102,7 +103,7 @@ def test_grouped_bands_match_the_reference(monkeypatch, cache):
     from linalg_prefill.runtime.examples import example_inputs
     from support import assert_matches_reference
 
-    fused = Target("llvm-cpu", lowering="fused")
+    fused = FUSED_CPU
     committed = compiler.keyed_ir(spec, fused)
     monkeypatch.setattr(fused_kernels, "BAND_TILES", 1)
     monkeypatch.setattr(fused_kernels, "BAND_GROUP", 2)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import assert_matches_reference
+from conftest import FUSED_CPU, assert_matches_reference
 from linalg_prefill.mlir import PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec
 from linalg_prefill.pipeline import Target, compile_spec
 from linalg_prefill.pipeline.targets import structure_problems
@@ -58,7 +58,7 @@ def _cases():
     for spec in GRID + UNEQUAL:
         yield pytest.param(spec, Target("llvm-cpu"), id=f"{spec.name}-linalg")
         if spec.d_qk <= FUSED_ON_CPU_MAX_D_QK:
-            yield pytest.param(spec, Target("llvm-cpu", lowering="fused"), id=f"{spec.name}-fused")
+            yield pytest.param(spec, FUSED_CPU, id=f"{spec.name}-fused")
 
 
 def _call(spec, rng):

@@ -6,9 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import assert_matches_reference
+from conftest import FUSED_CPU, assert_matches_reference
 from linalg_prefill.mlir import PagedPrefillSpec, RaggedPrefillSpec
-from linalg_prefill.pipeline import Target
 from linalg_prefill.runtime import open_kernel
 from linalg_prefill.runtime.examples import example_inputs
 from linalg_prefill.runtime.module import as_device_arrays, host_readable
@@ -17,17 +16,16 @@ from support import LLAMA3
 ENTRIES = [(5, 3), (0, 7), (70, 150), (9, 0), (1, 1)]
 
 
-FUSED = Target("llvm-cpu", lowering="fused")
 RAGGED = RaggedPrefillSpec(8, 2, 64, 64, "float32")
 #: Fused-lowering kernels tests/test_kv_cache_prefill.py runs too (one compile each per session).
 FUSED_RAGGED = RaggedPrefillSpec(8, 2, 64, 64, "float16", LLAMA3)
 PAGED = PagedPrefillSpec(8, 2, 64, "bfloat16", page_size=8, sliding_window=True)
 pytestmark = [pytest.mark.compiles(RAGGED),  # tests/conftest.py
-              pytest.mark.compiles(FUSED_RAGGED, PAGED, backends=[FUSED])]
+              pytest.mark.compiles(FUSED_RAGGED, PAGED, backends=[FUSED_CPU])]
 
 
 def _run_with_host_local_indices(spec, cache):
-    kernel = open_kernel(spec, FUSED, cache=cache)
+    kernel = open_kernel(spec, FUSED_CPU, cache=cache)
     args = list(example_inputs(spec, np.random.default_rng(3), entries=ENTRIES))
     indices = [i for i, a in enumerate(args) if isinstance(a, np.ndarray) and a.dtype == np.int32]
     staged = list(args)
