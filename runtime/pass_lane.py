@@ -21,7 +21,7 @@ import numpy as np
 from ..mlir.abi import argument_names, kv_sources
 from .checks import on_host
 from .decode import PassCall
-from .module import LoadedKernel, as_device_arrays
+from .module import LoadedKernel, aligned_empty, as_device_arrays
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,9 @@ class PassLane:
     arguments after the KV sources (table and geometry as device arrays, causal, sm_scale),
     ``head_sinks`` whether sinks follow them; ``out_shape`` ``[tokens, h_q, d_v]`` and ``lse_shape``
     ``[tokens, h_q]``; ``positions``: where q, the KV sources and the sinks sit in the seed's
-    argument order (:meth:`run_args`)."""
+    argument order (:meth:`run_args`); ``lse_scratch``: the pass's lse ``[n, h_kv, R]`` for calls
+    that do not keep it (``with_lse=False``), written and never read, where the pass writes its
+    results in place (LoadedKernel.writes_in_place; else None)."""
 
     loaded: LoadedKernel
     q_shape: tuple
@@ -40,6 +42,7 @@ class PassLane:
     out_shape: tuple
     lse_shape: tuple
     positions: tuple
+    lse_scratch: np.ndarray | None = None
 
     @classmethod
     def of(cls, spec, loaded: LoadedKernel, scheduled: PassCall, tokens: int, scalars: dict) -> "PassLane":
@@ -49,20 +52,28 @@ class PassLane:
         table, geometry = as_device_arrays(loaded.device, [scheduled.table, scheduled.geometry])
         sources = tuple(names.index(arg.name) for arg in kv_sources(spec))
         sinks = (names.index("sinks"),) if spec.head_sinks else ()
-        return cls(loaded, scheduled.q_shape(spec.d_qk), PassCall.fixed_arguments(scalars, table, geometry),
+        q_shape = scheduled.q_shape(spec.d_qk)
+        scratch = aligned_empty(q_shape[:-1], np.float32) if loaded.writes_in_place else None
+        return cls(loaded, q_shape, PassCall.fixed_arguments(scalars, table, geometry),
                    spec.head_sinks, (tokens, spec.h_q, spec.d_v), (tokens, spec.h_q),
-                   (names.index("q"), sources, sinks))
+                   (names.index("q"), sources, sinks), scratch)
 
-    def run(self, q: np.ndarray, sources: tuple, sinks=None, with_lse: bool = True) -> tuple:
+    def run(self, q: np.ndarray, sources: tuple, sinks=None, with_lse: bool = True,
+            out: np.ndarray | None = None) -> tuple:
         """``(output [tokens, h_q, d_v], lse [tokens, h_q] float32)``, numpy arrays of their own
         (lse None unless ``with_lse``), for ``q [tokens, h_q, d_qk]`` and the KV sources in the
         variant's order (its KV tensors, then an 8-bit cache's scales) and, for a ``head_sinks``
         spec, ``sinks``: every one checked by the caller, as Kernel.launch takes them (no checks
-        here)."""
+        here). ``out``: an array ``[tokens, h_q, d_v]`` of the output's dtype the pass writes the
+        output into where it can (LoadedKernel._call_into: C-contiguous, 64-byte aligned), which
+        is then the output returned (else a new array is)."""
         args = (q.reshape(self.q_shape), *sources, *self.fixed, *((sinks,) if self.head_sinks else ()))
+        into = () if out is None else (out.reshape(*self.q_shape[:-1], -1),)
         if with_lse:
-            return self.loaded.consume(self._copied, *args)
-        return self.loaded.consume(self._output, *args, results=1), None
+            return self.loaded.consume(self._copied, *args, into=into)
+        if self.lse_scratch is not None:
+            into = (*(into or (None,)), self.lse_scratch)
+        return self.loaded.consume(self._output, *args, results=1, into=into), None
 
     def run_args(self, args: tuple) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`run` for a call's checked arguments in the seed's order."""

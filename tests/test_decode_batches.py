@@ -240,8 +240,10 @@ def test_a_planned_in_order_step_runs_on_its_plans_lane(cache):
     """A wrapper's planned step that is one in-order pass call runs on its plan's PassLane
     (runtime/pass_lane.py, Kernel.lane): one lane a plan, the wrapper's rows those of the call
     without a plan, bitwise, and the reference's; the lane run straight on another layer's q and
-    pages gives the wrapper's rows for them; a plan of more than one pass call has no lane."""
+    pages gives the wrapper's rows for them, also written into an array given for the output;
+    a plan of more than one pass call has no lane."""
     from linalg_prefill.runtime import PagedPrefillWrapper
+    from linalg_prefill.runtime.module import aligned_empty
 
     spec = PagedPrefillSpec(8, 2, 64, "float32", page_size=16)
     kernel = open_kernel(spec, "llvm-cpu", cache=cache)
@@ -268,6 +270,10 @@ def test_a_planned_in_order_step_runs_on_its_plans_lane(cache):
     for w, g in zip(want, got):
         np.testing.assert_array_equal(g, w)
     assert lane.run(q, (pages,), with_lse=False)[1] is None
+    out = aligned_empty(want[0].shape, want[0].dtype)
+    written, _ = lane.run(q, (pages,), with_lse=False, out=out)
+    assert written is not None and np.shares_memory(written, out)
+    np.testing.assert_array_equal(out, want[0])
     _, _, mixed = planned([(1, 100), (1, 97), (2, 50)])
     assert kernel.lane(mixed) is None
 

@@ -206,7 +206,8 @@ def test_a_steps_later_layers_run_on_its_first_layers_plan(monkeypatch, room):
     ones of the same shapes (their own q and K/V: other layers) run on its kernel's PassLane; the
     next step's (one key more: on the same buffers, or on contiguous K/V one row longer, a
     DynamicCache's) plans its index arrays through the lane, and so does a call after the wrapper
-    planned another batch. Every output equals the checked kernel call's on the same inputs."""
+    planned another batch. Every output equals the checked kernel call's on the same inputs, also
+    once the later layers have run (the lane writes each into a tensor of its own)."""
     planned = []
     plan_call = hf.plan_call
     monkeypatch.setattr(hf, "plan_call", lambda *a, **k: planned.append(1) or plan_call(*a, **k))
@@ -220,8 +221,9 @@ def test_a_steps_later_layers_run_on_its_first_layers_plan(monkeypatch, room):
         assert torch.equal(output, want.view(call.output_shape))
 
     layers = [_decode_layer(generator, 37, 37 + room) for _ in range(3)]
-    for layer in layers:
-        assert_checked(layer, hf.attention(_Module(), *layer, None)[0])
+    outputs = [hf.attention(_Module(), *layer, None)[0] for layer in layers]
+    for layer, output in zip(layers, outputs):   # each output its own memory, kept as written
+        assert_checked(layer, output)
     assert len(planned) == 1, "the step's later layers planned again"
     layer = _decode_layer(generator, 38, max(38, 37 + room))
     assert_checked(layer, hf.attention(_Module(), *layer, None)[0])
