@@ -276,7 +276,11 @@ class FmaEngine:
     blocks of 6 rows x 64 dims; a pass's last row_block % 6 rows in one block of their own (the
     prefill kernels' 96 or 48 rows leave none: ROW_BLOCKS). Against 4 x 4 (16 FMAs to 8 loads):
     dense causal f32 L = 512 / 2048 1.2x / 1.05x, f16 1.06x; 7 rows (28 accumulators) spill
-    (docs/performance.md, tenth session)."""
+    (docs/performance.md, tenth session). In a step some of whose keys no row of the workgroup
+    sees (the causal diagonal's, a call's last), score columns past them (64 at a time) and P.V
+    keys past them (4 at a time) are skipped (_Dispatch.step_keys), the results bitwise the same:
+    dense causal f32 L = 512 / 2048 8.3-8.9 / 100.8-101.0 ms against 9.0-9.7 / 104.0-104.3, f16
+    L = 2048 106.3-109.6 against 110.8-113.5 (same process; fourteenth session)."""
 
     uses_amx = False
     values_in_place = False
@@ -297,9 +301,10 @@ class FmaEngine:
 
     @staticmethod
     def _blocked(count, step, initial, body):
-        """An scf.for over [0, count) by ``step`` carrying the vectors ``initial``; ``body(i64
-        index, vectors) -> vectors``."""
-        loop = scf_d.ForOp(const_index(0), const_index(count), const_index(step), initial)
+        """An scf.for over [0, count) by ``step`` carrying the vectors ``initial`` (``count`` an int
+        or an index Value); ``body(i64 index, vectors) -> vectors``."""
+        upper = count if isinstance(count, ir.Value) else const_index(count)
+        loop = scf_d.ForOp(const_index(0), upper, const_index(step), initial)
         with ir.InsertionPoint(loop.body):
             scf_d.YieldOp(body(as_i64(loop.induction_variable), list(loop.inner_iter_args)))
         return list(loop.results)
@@ -319,30 +324,42 @@ class FmaEngine:
             body(const_i64(full), row_block % rows)
 
     def scores(self, w: "_Dispatch", q_base, k_block, scores) -> None:
+        """Scores [row_block, kv_block] of the step; a group of columns past ``w.step_keys`` (the
+        keys some row of the step sees, where the dispatch bounds them) is not computed: the
+        softmax masks those columns without reading them."""
         d, v = w.s.d, w.vec
         vectors = self.SCORE_VECTORS
         row_bytes = d * _bytes(self.operand)
+
+        def group(q_rows, score_rows, rows, col0):
+            def step(k, acc):
+                for u in range(self.UNROLL):
+                    kk = arith_d.addi(k, const_i64(u))
+                    key_step = self._key_step(w, k_block, kk)
+                    keys = [self._lanes(w, key_step, col0 + 16 * c, keys=True) for c in range(vectors)]
+                    column = arith_d.muli(kk, const_i64(4))
+                    for r in range(rows):
+                        q = self._broadcast(at(at(q_rows, r * row_bytes), column))
+                        for c in range(vectors):
+                            acc[r * vectors + c] = self._mac(acc[r * vectors + c], q, keys[c])
+                return acc
+            zero = v.const(0.0)
+            acc = self._blocked(self._depth(d), self.UNROLL, [zero] * (rows * vectors), step)
+            for r in range(rows):
+                for c in range(vectors):
+                    v.store(acc[r * vectors + c], at(score_rows, r * w.score_stride + (col0 + 16 * c) * 4))
 
         def row_block(row0, rows):
             q_rows = at(q_base, arith_d.muli(row0, const_i64(row_bytes)))
             score_rows = at(scores, arith_d.muli(row0, const_i64(w.score_stride)))
             for col0 in range(0, w.s.kv_block, 16 * vectors):
-                def step(k, acc, col0=col0, rows=rows):
-                    for u in range(self.UNROLL):
-                        kk = arith_d.addi(k, const_i64(u))
-                        key_step = self._key_step(w, k_block, kk)
-                        keys = [self._lanes(w, key_step, col0 + 16 * c, keys=True) for c in range(vectors)]
-                        column = arith_d.muli(kk, const_i64(4))
-                        for r in range(rows):
-                            q = self._broadcast(at(at(q_rows, r * row_bytes), column))
-                            for c in range(vectors):
-                                acc[r * vectors + c] = self._mac(acc[r * vectors + c], q, keys[c])
-                    return acc
-                zero = v.const(0.0)
-                acc = self._blocked(self._depth(d), self.UNROLL, [zero] * (rows * vectors), step)
-                for r in range(rows):
-                    for c in range(vectors):
-                        v.store(acc[r * vectors + c], at(score_rows, r * w.score_stride + (col0 + 16 * c) * 4))
+                if not col0 or w.step_keys is None:
+                    group(q_rows, score_rows, rows, col0)
+                    continue
+                seen = scf_d.IfOp(arith_d.cmpi(arith_d.CmpIPredicate.sgt, w.step_keys, const_i64(col0)))
+                with ir.InsertionPoint(seen.then_block):
+                    group(q_rows, score_rows, rows, col0)
+                    scf_d.YieldOp([])
 
         self._row_blocks(w.s.row_block, self.SCORE_ROWS, row_block)
 
@@ -368,10 +385,14 @@ class FmaEngine:
                             for c in range(vectors):
                                 acc[r * vectors + c] = self._mac(acc[r * vectors + c], p, values[c])
                     return acc
-                acc = self._blocked(self._depth(w.s.kv_block), self.UNROLL, [v.load(p) for p in places], step)
+                acc = self._blocked(depth, self.UNROLL, [v.load(p) for p in places], step)
                 for p, value in zip(places, acc):
                     v.store(value, p)
 
+        depth = self._depth(w.s.kv_block)
+        if w.step_keys is not None:   # keys past the step's seen ones have probability 0: not added
+            unrolled = arith_d.andi(arith_d.addi(w.step_keys, const_i64(self.UNROLL - 1)), const_i64(-self.UNROLL))
+            depth = arith_d.index_cast(ir.IndexType.get(), unrolled)
         self._row_blocks(w.s.row_block, self.ACC_ROWS, row_block)
 
     # One step of the blocks: step kk reads 16 lanes of keys (scores; key columns from ``col``)
@@ -446,6 +467,10 @@ class _Dispatch:
         #: log2(e) x the score scale (f32), and the rows the softmax steps walk (all of them here)
         self.scale_log2 = arith_d.constant(f32(), shapes.scale_log2)
         self.softmax_rows = self.s.row_block
+        #: The keys of the current KV step some row of the workgroup sees (an i64 Value, at most
+        #: kv_block; fewer in the step of the causal diagonal), where the dispatch bounds them and
+        #: its engine reads it (FmaEngine: score columns and P.V keys past it skipped); else None.
+        self.step_keys = None
 
     @staticmethod
     def row_addr(base, row, stride) -> ir.Value:
@@ -499,6 +524,7 @@ class _Dispatch:
             if overlapped:
                 self._overlapped_step(block, blocks, q_base, k_block, first_row)
             else:
+                self.step_keys = arith_d.minsi(const_i64(s.kv_block), arith_d.subi(end, self.column_of(block)))
                 self.engine.scores(self, q_base, k_block(block), self.scores)
                 self._softmax(self.column_of(block), self.scores, first_row)
             self.engine.accumulate(self, at(v_base, arith_d.muli(block, const_i64(v_block_bytes))))
