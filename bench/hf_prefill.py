@@ -9,15 +9,18 @@ Random-weight models with real shapes cut to 2 layers (no download):
 
 For each row: the median time of a forward of the decoder (``model.model``: the 2 layers, not the
 LM head, whose 2048 x 4096 x vocab product would dominate) and of the attention calls inside it
-(the attention function timed per call, summed), after one warm-up forward that compiles our
-kernels (cached on disk). ``ratio`` = peer time / ours (above 1: ours is faster).
+(the attention function timed per call, summed), after one warm-up forward each (ours compiles
+its kernels, cached on disk), the implementations taking turns forward by forward in a shuffled
+order. ``ratio`` = peer time / ours (above 1: ours is faster).
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import time
+from collections import defaultdict
 
 import torch
 import transformers
@@ -70,19 +73,25 @@ def register_timed(model_name: str) -> dict:
     return names
 
 
-def forward_times(model, name: str, ids, reps: int) -> tuple[float, float]:
-    """Median (forward seconds, attention seconds) over ``reps`` forwards after a warm-up."""
-    model.set_attn_implementation(name)
-    forwards, attentions = [], []
+def forward_times(model, names: dict, ids, reps: int) -> dict:
+    """label -> median (forward seconds, attention seconds) over ``reps`` forwards after a warm-up
+    each, the implementations (``names``: label -> registered name) taking turns forward by
+    forward in an order shuffled each round (seeded): one after another, a slow phase of a noisy
+    VM fell on one of them (ours 0.96x sdpa in one run, 1.04x in the one before)."""
+    forwards, attentions = defaultdict(list), defaultdict(list)
     for rep in range(reps + 1):
-        attention_seconds.clear()
-        start = time.perf_counter()
-        with torch.no_grad():
-            model.model(ids)
-        if rep:
-            forwards.append(time.perf_counter() - start)
-            attentions.append(sum(attention_seconds))
-    return statistics.median(forwards), statistics.median(attentions)
+        order = list(names.items())
+        random.Random(rep).shuffle(order)
+        for label, name in order:
+            model.set_attn_implementation(name)
+            attention_seconds.clear()
+            start = time.perf_counter()
+            with torch.no_grad():
+                model.model(ids)
+            if rep:
+                forwards[label].append(time.perf_counter() - start)
+                attentions[label].append(sum(attention_seconds))
+    return {label: (statistics.median(forwards[label]), statistics.median(attentions[label])) for label in names}
 
 
 def main() -> None:
@@ -104,10 +113,11 @@ def main() -> None:
             model = transformers.AutoModelForCausalLM.from_config(MODELS[model_name]()).to(getattr(torch, dtype))
             model.eval()
             ids = torch.randint(0, 32000, (1, args.tokens))
-            ours = forward_times(model, names["linalg_prefill"], ids, args.reps)
+            times = forward_times(model, {label: names[label] for label in ("linalg_prefill", *peers)}, ids, args.reps)
+            ours = times["linalg_prefill"]
             print(f"{model_name:7} {dtype:9} {'linalg_prefill':15} {ours[0]:9.3f}  {ours[1]:11.3f}")
             for peer in peers:
-                theirs = forward_times(model, names[peer], ids, args.reps)
+                theirs = times[peer]
                 print(f"{model_name:7} {dtype:9} {peer:15} {theirs[0]:9.3f}  {theirs[1]:11.3f}  "
                       f"{theirs[0] / ours[0]:9.2f}  {theirs[1] / ours[1]:10.2f}", flush=True)
             del model
