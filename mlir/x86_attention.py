@@ -498,8 +498,9 @@ class _Dispatch:
         self.scale_log2 = arith_d.constant(f32(), shapes.scale_log2)
         self.softmax_rows = self.s.row_block
         #: The keys of the current KV step some row of the workgroup sees (an i64 Value, at most
-        #: kv_block; fewer in the step of the causal diagonal), where the dispatch bounds them and
-        #: its engine reads it (FmaEngine: score columns and P.V keys past it skipped); else None.
+        #: kv_block; fewer in the step of the causal diagonal: :meth:`keys_seen`), where the
+        #: dispatch bounds them (its :meth:`emit`; a serving pass's does not): the engines skip
+        #: the score columns and P.V keys past it. None where unbounded.
         self.step_keys = None
 
     @staticmethod
