@@ -362,17 +362,8 @@ class FmaEngine:
         row_bytes = d * _bytes(self.operand)
 
         def group(q_rows, score_rows, rows, col0):
-            def step(k, acc):
-                for u in range(self.UNROLL):
-                    kk = arith_d.addi(k, const_i64(u))
-                    key_step = self._key_step(w, k_block, kk)
-                    keys = [self._lanes(w, key_step, col0 + 16 * c, keys=True) for c in range(vectors)]
-                    column = arith_d.muli(kk, const_i64(4))
-                    for r in range(rows):
-                        q = self._broadcast(at(at(q_rows, r * row_bytes), column))
-                        for c in range(vectors):
-                            acc[r * vectors + c] = self._mac(acc[r * vectors + c], q, keys[c])
-                return acc
+            step = self._macs(w, lambda kk: self._key_step(w, k_block, kk), True, q_rows, row_bytes, rows, col0,
+                              vectors)
             zero = v.const(0.0)
             acc = self._blocked(self._depth(d), self.UNROLL, [zero] * (rows * vectors), step)
             for r in range(rows):
@@ -404,17 +395,8 @@ class FmaEngine:
                 places = [at(acc_rows, r * w.acc_stride + (col0 + 16 * c) * 4)
                           for r in range(rows) for c in range(vectors)]
 
-                def step(k, acc, col0=col0, vectors=vectors, rows=rows):
-                    for u in range(self.UNROLL):
-                        kk = arith_d.addi(k, const_i64(u))
-                        value_step = self._value_step(w, v_block, kk)
-                        values = [self._lanes(w, value_step, col0 + 16 * c, keys=False) for c in range(vectors)]
-                        column = arith_d.muli(kk, const_i64(4))
-                        for r in range(rows):
-                            p = self._broadcast(at(at(prob_rows, r * w.prob_stride), column))
-                            for c in range(vectors):
-                                acc[r * vectors + c] = self._mac(acc[r * vectors + c], p, values[c])
-                    return acc
+                step = self._macs(w, lambda kk: self._value_step(w, v_block, kk), False, prob_rows, w.prob_stride,
+                                  rows, col0, vectors)
                 acc = self._blocked(depth, self.UNROLL, [v.load(p) for p in places], step)
                 for p, value in zip(places, acc):
                     v.store(value, p)
@@ -424,6 +406,25 @@ class FmaEngine:
             unrolled = arith_d.andi(arith_d.addi(w.step_keys, const_i64(self.UNROLL - 1)), const_i64(-self.UNROLL))
             depth = arith_d.index_cast(ir.IndexType.get(), unrolled)
         self._row_blocks(w.s.row_block, self.ACC_ROWS, row_block)
+
+    def _macs(self, w: "_Dispatch", step_at, keys: bool, rows_at, row_stride: int, rows: int, col0: int,
+              vectors: int):
+        """The :meth:`_blocked` body of a block of ``rows`` x ``vectors`` accumulators (row-major):
+        UNROLL steps kk, each ``vectors`` x 16 lanes from column ``col0`` of the step at
+        ``step_at(kk)`` (keys: Q.K^T; values: P.V), times the f32 at ``kk * 4`` of each of ``rows``
+        rows from ``rows_at``, ``row_stride`` bytes apart (the q rows; the probabilities)."""
+        def step(k, acc):
+            for u in range(self.UNROLL):
+                kk = arith_d.addi(k, const_i64(u))
+                step_start = step_at(kk)
+                lanes = [self._lanes(w, step_start, col0 + 16 * c, keys=keys) for c in range(vectors)]
+                column = arith_d.muli(kk, const_i64(4))
+                for r in range(rows):
+                    factor = self._broadcast(at(at(rows_at, r * row_stride), column))
+                    for c in range(vectors):
+                        acc[r * vectors + c] = self._mac(acc[r * vectors + c], factor, lanes[c])
+            return acc
+        return step
 
     # One step of the blocks: step kk reads 16 lanes of keys (scores; key columns from ``col``)
     # or values (P.V; dims from ``col``) and multiplies them by the 4 bytes of a q row or a probs
