@@ -112,7 +112,7 @@ CUDA_CORES = MatrixCores(qk={t: f"#iree_gpu.mma_layout<{k}>" for t, k in CUDA_MM
 
 
 def gpu_attention_config(op: ir.Operation, loops: tuple[str, ...], cores: MatrixCores,
-                          tiling_of) -> dict[str, ir.Attribute] | None:
+                         tiling_of) -> dict[str, ir.Attribute] | None:
     """compilation_info + decomposition_config of one online_attention op with ``loops`` (named
     as in ``attention_op.ALL_LOOPS`` or ``ENTRY_LOOPS``) on ``cores``, the tiling
     ``tiling_of(d_qk, d_v, query_rows)`` gives; None (the compiler's own configuration) for an

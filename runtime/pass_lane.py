@@ -72,7 +72,7 @@ class PassLane:
         if with_lse:
             return self.loaded.consume(self._copied, *args, into=into)
         if self.lse_scratch is not None:
-            into = (*(into or (None,)), self.lse_scratch)
+            into = (into[0] if into else None, self.lse_scratch)
         return self.loaded.consume(self._output, *args, results=1, into=into), None
 
     def run_args(self, args: tuple) -> tuple[np.ndarray, np.ndarray]:
