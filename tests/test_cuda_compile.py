@@ -1,9 +1,12 @@
 """Every variant compiles for CUDA without a GPU, and its artifact has the structure a GPU needs:
 the structure checks of ``BACKENDS["cuda"]`` (pipeline/targets.py), tensor cores for f16/bf16
 operands and no host-blocking call inside the loops of the host program (pipeline/vm_structure.py
-reads both from the vmfb)."""
+reads both from the vmfb); and, where the CUDA toolkit's ptxas is installed, each tiling's kernels
+within their registers (spills) on an H200."""
 
 import pytest
+
+from linalg_prefill.pipeline import vm_structure
 
 from linalg_prefill.mlir import (
     DecodeSpec, MaskedSequencePrefillSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec,
@@ -12,7 +15,8 @@ from linalg_prefill.mlir import (
 from linalg_prefill.pipeline import Target, compile_spec
 from linalg_prefill.pipeline.targets import structure_problems
 from linalg_prefill.pipeline.vm_structure import (
-    disassembly, host_blocking_calls_in_loops, loop_bodies, tensor_core_instructions,
+    disassembly, host_blocking_calls_in_loops, loop_bodies, ptx_modules, ptxas_kernels, ptxas_tool, spilling_kernels,
+    tensor_core_instructions,
 )
 from support import LLAMA3
 
@@ -99,6 +103,38 @@ def test_a_serving_pass_has_no_loop_in_its_host_program(spec, cache, tmp_path):
     text = disassembly(path)
     assert loop_bodies(text, function=spec.symbol) == []
     assert loop_bodies(text), "the module initializer's loop: the check reads loops"
+
+
+#: One artifact per tiling of pipeline/tuning.py and per family (ptxas takes 0.4-1.2 s an
+#: artifact): 64 rows promoted (d 128 dense, paged, 8-bit paged; d 256), 64 rows unstaged (d 80,
+#: 192/128), MLA's 16 rows, a serving pass.
+D80 = DENSE_SPECS[6]
+PTXAS_SPECS = [DENSE_SPECS[0], D80, DENSE_SPECS[5], KV_CACHE_SPECS[4], KV_CACHE_SPECS[2], MLA_SPECS[0],
+               DECODE_SPECS[0], FP8_SPECS[0]]
+needs_ptxas = pytest.mark.skipif(ptxas_tool() is None, reason="no ptxas (CUDA toolkit)")
+
+
+@needs_ptxas
+@pytest.mark.parametrize("spec", PTXAS_SPECS, ids=lambda s: s.name)
+def test_each_kernel_fits_its_registers_on_an_h200(spec, cache, tmp_path):
+    """ptxas for sm_90 (an H200 compiles the sm_80 PTX so) spills at most
+    vm_structure.spill_limit bytes a thread in any kernel, the attention dispatches included."""
+    vmfb, path = _artifact(spec, cache, tmp_path)
+    kernels = ptxas_kernels(ptx_modules(vmfb))
+    assert any("online_attention" in kernel.name for kernel in kernels)
+    assert all(0 < kernel.registers <= 255 for kernel in kernels)
+    assert spilling_kernels(spec, path) is None
+
+
+@needs_ptxas
+def test_the_register_check_sees_a_spill(cache, tmp_path, monkeypatch):
+    """d 80's 64-row band spills 48 bytes a thread (within its limit of 64): with no spill
+    allowed the check names it."""
+    spec = D80
+    _, path = _artifact(spec, cache, tmp_path)
+    monkeypatch.setattr(vm_structure, "spill_limit", lambda spec: 0)
+    problem = spilling_kernels(spec, path)
+    assert problem is not None and "online_attention" in problem and "more than 0 bytes" in problem
 
 
 STALLING = SequencePrefillSpec(8, 2, 64, "float16", causal=True, sm_scale=0.125)
