@@ -233,9 +233,13 @@ class AmxStaging:
             pair_at = at(w.v_stage, arith_d.muli(arith_d.addi(arith_d.muli(group, const_i64(8)), const_i64(pair)),
                                                  const_i64(64)))
             for chunk in range(d // 32):
-                a, b = (w.chunk(1, rows[2 * pair + i], chunk, halves) for i in range(2))
-                llvm_store(vector_d.shuffle(a, b, low), at(pair_at, 2 * chunk * dim_tile))
-                llvm_store(vector_d.shuffle(a, b, high), at(pair_at, (2 * chunk + 1) * dim_tile))
+                if w.byte_tables:   # both keys' bytes in one lookup, interleaved as it ends
+                    outs = w.paired_values(rows[2 * pair], rows[2 * pair + 1], chunk)
+                else:
+                    a, b = (w.chunk(1, rows[2 * pair + i], chunk, halves) for i in range(2))
+                    outs = (vector_d.shuffle(a, b, low), vector_d.shuffle(a, b, high))
+                for j, out in enumerate(outs):
+                    llvm_store(out, at(pair_at, (2 * chunk + j) * dim_tile))
 
 
 class FmaStaging:
@@ -291,6 +295,10 @@ class KeyRowsStaging(AmxStaging):
         d, lanes = w.s.d, ir.VectorType.get([16], i32())
         group_at = at(w.k_stage, arith_d.muli(group, const_i64(16 * d * 2)))
         for i, row in enumerate(rows):
+            if w.byte_tables:   # 64 bytes a lookup
+                for chunk, out in enumerate(w.key_row(row)):
+                    llvm_store(out, at(group_at, i * d * 2 + chunk * 64))
+                continue
             for chunk in range(d // 32):
                 llvm_store(w.chunk(0, row, chunk, lanes), at(group_at, i * d * 2 + chunk * 64))
         return group_at
@@ -320,6 +328,8 @@ class _PassDispatch(_Dispatch):
         in_cache = isinstance(engine, KeyRowsEngine) and self.kv_format is None and self.elem == engine.operand
         self.key_tiles = stack_bytes(shapes.kv_block) if in_cache else None
         self.kv_bytes = 1 if self.kv_format else _bytes(self.elem)   # of a cache element
+        #: 8-bit elements widened to bf16 operands through the head's byte tables (:meth:`_looked_up`)
+        self.byte_tables = self.kv_format is not None and engine.operand == ir.BF16Type.get()
 
     def emit(self) -> None:
         s, spec = self.s, self.spec
@@ -351,7 +361,7 @@ class _PassDispatch(_Dispatch):
             self.scales = [self.vec.splat(arith_d.mulf(llvm_load(f32(), at(self.p[name], arith_d.muli(head, const_i64(4)))),
                                                        arith_d.constant(f32(), exponent)))
                            for name in ("k_scale", "v_scale")]
-            if self.engine.operand == ir.BF16Type.get():
+            if self.byte_tables:
                 self.tables = [self._bf16_table(which) for which in (0, 1)]
 
         head_row = arith_d.muli(arith_d.addi(arith_d.muli(entry, const_i64(s.h_kv)), head), const_i64(rows_per_head))
@@ -414,16 +424,43 @@ class _PassDispatch(_Dispatch):
 
         return halves(low), halves(high)
 
-    def _looked_up(self, which: int, pointer) -> ir.Value:
-        """32 8-bit elements at ``pointer`` as 32 bf16 (as 64 i8): each magnitude's two bytes
-        from the head's tables (vpermi2b: 128 entries a byte of index), its sign bit flipped by
-        x's. Equal to :meth:`_widened` then rounded to bf16 (bf16 rounding is symmetric in the
-        sign), in a few byte shuffles instead of the f16 move, two vcvtph2ps, two multiplies and
-        two vcvtneps2bf16."""
+    def key_row(self, row) -> list[ir.Value]:
+        """The d 8-bit elements of the K row at ``row`` as d/32 vectors of 32 bf16 (as 16 i32),
+        64 elements a lookup (:meth:`_lookup`; 32 a lookup as :meth:`_looked_up` does wasted
+        half of each ``vpermi2b``, two cycles of the shuffle port on these CPUs: with this and
+        :meth:`paired_values`, e4m3 32 x 1 vs 4096 16.97 -> 13.58 ms in cache, 25.71 -> 22.60
+        from memory; docs/performance.md, fifteenth session)."""
+        lanes, d = ir.VectorType.get([16], i32()), self.s.d
+        outs = []
+        for first in range(0, d, 64):
+            width = min(64, d - first)
+            raw = llvm_load(ir.VectorType.get([width], ir.IntegerType.get_signless(8)), at(row, first))
+            low, high = self._lookup(0, raw if width == 64 else vector_d.shuffle(raw, raw, list(range(64))))
+            for j in range(width // 32):
+                order = [32 * j + i // 2 + (64 if i % 2 else 0) for i in range(64)]
+                outs.append(vector_d.bitcast(lanes, vector_d.shuffle(low, high, order)))
+        return outs
+
+    def paired_values(self, a, b, chunk: int) -> tuple[ir.Value, ir.Value]:
+        """Dims [32 chunk, + 32) of the 8-bit V rows of keys a and b as AmxStaging.values' two
+        pair vectors (dims 0-15 and 16-31 of the chunk, each 16 (a, b) bf16 pairs, as 32 i16):
+        both keys' 32 bytes in one lookup (:meth:`_lookup`), interleaved by the shuffle that
+        joins low and high bytes."""
         i8 = ir.IntegerType.get_signless(8)
-        bytes64 = ir.VectorType.get([64], i8)
-        raw = llvm_load(ir.VectorType.get([32], i8), pointer)
-        index = vector_d.shuffle(raw, raw, list(range(64)))   # the upper half unused
+        raw = [llvm_load(ir.VectorType.get([32], i8), at(row, chunk * 32)) for row in (a, b)]
+        low, high = self._lookup(1, vector_d.shuffle(raw[0], raw[1], list(range(64))))
+        halves = ir.VectorType.get([32], ir.IntegerType.get_signless(16))
+        outs = []
+        for j in range(2):
+            order = [16 * j + i // 4 + (64 if i % 2 else 0) + (32 if i % 4 >= 2 else 0) for i in range(64)]
+            outs.append(vector_d.bitcast(halves, vector_d.shuffle(low, high, order)))
+        return outs[0], outs[1]
+
+    def _lookup(self, which: int, index) -> tuple[ir.Value, ir.Value]:
+        """The low and high bytes of bf16(f32(x) x the head's scale) for 64 8-bit elements x
+        (``index``, 64 i8): each magnitude's two bytes from the head's tables (vpermi2b: 128
+        entries a byte of index), the high byte's sign bit flipped by x's."""
+        bytes64 = index.type
 
         def lookup(table):
             return llvm_d.call_intrinsic(bytes64, "llvm.x86.avx512.vpermi2var.qi.512", [table[0], index, table[1]],
@@ -431,7 +468,16 @@ class _PassDispatch(_Dispatch):
 
         low_table, high_table = self.tables[which]
         sign = arith_d.andi(index, const_int(bytes64, -0x80))
-        low, high = lookup(low_table), arith_d.xori(lookup(high_table), sign)
+        return lookup(low_table), arith_d.xori(lookup(high_table), sign)
+
+    def _looked_up(self, which: int, pointer) -> ir.Value:
+        """32 8-bit elements at ``pointer`` as 32 bf16 (as 64 i8): each magnitude's two bytes
+        from the head's tables (vpermi2b: 128 entries a byte of index), its sign bit flipped by
+        x's. Equal to :meth:`_widened` then rounded to bf16 (bf16 rounding is symmetric in the
+        sign), in a few byte shuffles instead of the f16 move, two vcvtph2ps, two multiplies and
+        two vcvtneps2bf16."""
+        raw = llvm_load(ir.VectorType.get([32], ir.IntegerType.get_signless(8)), pointer)
+        low, high = self._lookup(which, vector_d.shuffle(raw, raw, list(range(64))))   # the upper half unused
         return vector_d.shuffle(low, high, [i // 2 + (64 if i % 2 else 0) for i in range(64)])
 
     def _widened(self, which: int, pointer) -> ir.Value:
