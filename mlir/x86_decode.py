@@ -76,9 +76,14 @@ class KeyRowsEngine(AmxEngine):
     workgroup's queries as one B tile per 32 dims (its q rows, copied as A tiles, transposed in
     place once as 32-bit pairs: :meth:`prepare_queries`); each S^T tile goes through a 16 x 16
     transpose into the rows' scores. P.V: one row tile of probs
-    against AmxEngine's value tiles."""
+    against AmxEngine's value tiles. Where the pass spreads its prefetches
+    (:attr:`_PassDispatch.spread`), the staging asks for the next step's first half of keys,
+    the score groups for the third quarter, the P.V tile pairs for the last."""
 
     ROWS = 16
+    #: The share of the next step's keys asked for while the step's keys and values are staged
+    #: (the rest by :meth:`scores` and :meth:`accumulate`).
+    STAGED_PREFETCH = 0.5
 
     def prepare_queries(self, w: "_PassDispatch") -> None:
         """The q rows' A tiles [d/32, 16 rows, 16 pairs] into B tiles [d/32, 16 pairs, 16 rows]
@@ -105,6 +110,9 @@ class KeyRowsEngine(AmxEngine):
                 keys = t.load(at(first, step * 64), stride)
                 acc = t.dot(acc, keys, t.load(at(q_base, step * 1024), 64))
             t.store(w.score_tile, 64, acc)
+            quarter = w.s.kv_block // 4   # the next step's third quarter, a share a group
+            w.prefetch_keys(const_i64(2 * quarter + group * quarter // (w.s.kv_block // 16)),
+                            quarter // (w.s.kv_block // 16))
             rows = _transposed([v.load(at(w.score_tile, key * 64)) for key in range(16)])
             for row, vector in enumerate(rows):
                 v.store(vector, at(scores, row * w.score_stride + group * 64))
@@ -122,6 +130,9 @@ class KeyRowsEngine(AmxEngine):
                 acc = [t.dot(acc[j], probs, values[j]) for j in range(2)]
             for p, tile in zip(c_at, acc):
                 t.store(p, w.acc_stride, tile)
+            quarter, pairs = w.s.kv_block // 4, w.s.d_v // 32   # the next step's last quarter
+            first, end = 3 * quarter + quarter * pair // pairs, 3 * quarter + quarter * (pair + 1) // pairs
+            w.prefetch_keys(const_i64(first), end - first)
 
 
 class InPlaceValues(FmaEngine):
@@ -229,7 +240,10 @@ class AmxStaging:
         dim_tile = kv // 2 * 64
         low = [i // 2 + 32 * (i % 2) for i in range(32)]          # dims 0-15 of the chunk, keys a, b
         high = [16 + i // 2 + 32 * (i % 2) for i in range(32)]    # dims 16-31
+        share = w.staged_prefetch // (kv // 16 * 8)   # of the next step's keys, a pair's
         for pair in range(8):
+            if share:
+                w.prefetch_keys(arith_d.addi(arith_d.muli(group, const_i64(8 * share)), const_i64(pair * share)), share)
             pair_at = at(w.v_stage, arith_d.muli(arith_d.addi(arith_d.muli(group, const_i64(8)), const_i64(pair)),
                                                  const_i64(64)))
             for chunk in range(d // 32):
@@ -330,6 +344,17 @@ class _PassDispatch(_Dispatch):
         self.kv_bytes = 1 if self.kv_format else _bytes(self.elem)   # of a cache element
         #: 8-bit elements widened to bf16 operands through the head's byte tables (:meth:`_looked_up`)
         self.byte_tables = self.kv_format is not None and engine.operand == ir.BF16Type.get()
+        #: The next step's lines asked for a few keys at a time through the step's work (bf16
+        #: caches on AMX: :meth:`prefetch_keys`), not all at its start; ``next_half`` holds
+        #: their rows. Same process, calls alternating, paged 32 x 1 vs 4096 bf16 33.0 -> 29.3
+        #: ms, vs 1024 9.0 -> 7.3 (32 x 4 8.7 -> 7.7, 32 x 16 14.7 -> 13.8); an e4m3 cache ran
+        #: 0-10% slower so (docs/performance.md, fifteenth session) and keeps the burst, as the
+        #: FMA engines' caches do.
+        self.spread = engine.uses_amx and self.kv_format is None
+        self.next_half = None
+        #: Keys of the next step the staging of values asks for (spread: every key but those
+        #: the engine's own products ask for, KeyRowsEngine.STAGED_PREFETCH).
+        self.staged_prefetch = int(shapes.kv_block * getattr(engine, "STAGED_PREFETCH", 1.0)) if self.spread else 0
 
     def emit(self) -> None:
         s, spec = self.s, self.spec
@@ -377,7 +402,9 @@ class _PassDispatch(_Dispatch):
             step = as_i64(loop.induction_variable)
             start = arith_d.addi(chunk_start, arith_d.muli(step, const_i64(s.kv_block)))
             following = arith_d.addi(step, const_i64(1))
-            self._prefetch(arith_d.addi(start, const_i64(s.kv_block)), arith_d.subi(steps, following), following)
+            self._prefetch(arith_d.addi(start, const_i64(s.kv_block)), arith_d.subi(steps, following), following,
+                           lines=not self.spread)
+            self.next_half = self._pointers_of(following)
             self._stage(step)
             self.engine.scores(self, self.q_rows, self.k_stage, self.scores)
             self._softmax(start, self.scores, first_row)
@@ -526,13 +553,28 @@ class _PassDispatch(_Dispatch):
         """Step ``step``'s half of ``row_pointers`` (steps alternate halves)."""
         return at(self.row_pointers, arith_d.muli(arith_d.remui(step, const_i64(2)), const_i64(self.s.kv_block * 16)))
 
-    def _prefetch(self, start, steps_left, step) -> None:
+    def prefetch_keys(self, first, count: int) -> None:
+        """Keys [first, first + count) of the next step (``first`` an i64 Value) asked for, as
+        PREFETCH_LOCALITY says, their rows read from ``next_half``: where the pass spreads its
+        prefetches (:attr:`spread`), else nothing."""
+        if not self.spread:
+            return
+        for key in range(count):
+            slot = at(self.next_half, arith_d.muli(arith_d.addi(first, const_i64(key)), const_i64(16)))
+            for which in (0, 1):
+                row = llvm_d.load(ptr_type(), at(slot, 8 * which), alignment=8)
+                for line in range(0, self.s.d * self.kv_bytes, 64):
+                    llvm_d.intr_prefetch(at(row, line), 0, PREFETCH_LOCALITY, 1)
+
+    def _prefetch(self, start, steps_left, step, lines: bool = True) -> None:
         """The row pointers of keys [start, start + kv_block) (step ``step``'s) into its half of
-        ``row_pointers``, and their cache lines asked for (when steps are left): the gathers of a
-        step then find their rows in cache (without it, a decode pass waited on each row's first
-        load: 10 GB/s of the machine's 20; each pointer computed once, not again in the gather:
-        the e4m3 pass 1.11 -> 1.20x the bf16 one), as PREFETCH_LOCALITY says."""
-        more = scf_d.IfOp(arith_d.cmpi(arith_d.CmpIPredicate.sgt, steps_left, const_i64(0)))
+        ``row_pointers``, and with ``lines`` their cache lines asked for (when steps are left): the
+        gathers of a step then find their rows in cache (without it, a decode pass waited on each
+        row's first load: 10 GB/s of the machine's 20; each pointer computed once, not again in
+        the gather: the e4m3 pass 1.11 -> 1.20x the bf16 one), as PREFETCH_LOCALITY says. Without
+        ``lines`` the pointers are written whether steps are left or not (past the keys: the zero
+        row), for :meth:`prefetch_keys` to read."""
+        more = scf_d.IfOp(arith_d.cmpi(arith_d.CmpIPredicate.sgt, steps_left, const_i64(0 if lines else -1)))
         with ir.InsertionPoint(more.then_block):
             half = self._pointers_of(step)
             loop = scf_d.ForOp(const_index(0), const_index(self.s.kv_block), const_index(1))
@@ -541,7 +583,7 @@ class _PassDispatch(_Dispatch):
                 rows = self._row_pointers(arith_d.addi(start, key))
                 for which, row in enumerate(rows):
                     llvm_store(row, at(half, arith_d.addi(arith_d.muli(key, const_i64(16)), const_i64(8 * which))))
-                    for line in range(0, self.s.d * self.kv_bytes, 64):
+                    for line in range(0, self.s.d * self.kv_bytes if lines else 0, 64):
                         llvm_d.intr_prefetch(at(row, line), 0, PREFETCH_LOCALITY, 1)
                 scf_d.YieldOp([])
             scf_d.YieldOp([])
