@@ -344,13 +344,13 @@ class _PassDispatch(_Dispatch):
         self.kv_bytes = 1 if self.kv_format else _bytes(self.elem)   # of a cache element
         #: 8-bit elements widened to bf16 operands through the head's byte tables (:meth:`_looked_up`)
         self.byte_tables = self.kv_format is not None and engine.operand == ir.BF16Type.get()
-        #: The next step's lines asked for a few keys at a time through the step's work (bf16
-        #: caches on AMX: :meth:`prefetch_keys`), not all at its start; ``next_half`` holds
-        #: their rows. Same process, calls alternating, paged 32 x 1 vs 4096 bf16 33.0 -> 29.3
-        #: ms, vs 1024 9.0 -> 7.3 (32 x 4 8.7 -> 7.7, 32 x 16 14.7 -> 13.8); an e4m3 cache ran
-        #: 0-10% slower so (docs/performance.md, fifteenth session) and keeps the burst, as the
-        #: FMA engines' caches do.
-        self.spread = engine.uses_amx and self.kv_format is None
+        #: The next step's lines asked for a few keys at a time through the step's work (the
+        #: AMX engines' caches, bf16 and 8-bit: :meth:`prefetch_keys`), not all at its start;
+        #: ``next_half`` holds their rows. Same process, calls in a shuffled order with the
+        #: caches flushed before each, paged 32 x 1 vs 4096 bf16 33.7 -> 30.2 and 35.0 -> 31.1
+        #: ms, e4m3 25.3 -> 24.0 and 23.9 -> 23.9 (docs/performance.md, fifteenth session). The
+        #: FMA engines' caches (f32, f16) keep the burst.
+        self.spread = engine.uses_amx
         self.next_half = None
         #: Keys of the next step the staging of values asks for (spread: every key but those
         #: the engine's own products ask for, KeyRowsEngine.STAGED_PREFETCH).
