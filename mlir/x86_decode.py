@@ -76,9 +76,9 @@ class KeyRowsEngine(AmxEngine):
     workgroup's queries as one B tile per 32 dims (its q rows, copied as A tiles, transposed in
     place once as 32-bit pairs: :meth:`prepare_queries`); each S^T tile goes through a 16 x 16
     transpose into the rows' scores. P.V: one row tile of probs
-    against AmxEngine's value tiles. Where the pass spreads its prefetches
-    (:attr:`_PassDispatch.spread`), the staging asks for the next step's first half of keys,
-    the score groups for the third quarter, the P.V tile pairs for the last."""
+    against AmxEngine's value tiles. Of the next step's keys (:meth:`_PassDispatch.prefetch_keys`)
+    the staging asks for the first half, the score groups for the third quarter, the P.V tile
+    pairs for the last."""
 
     ROWS = 16
     #: The share of the next step's keys asked for while the step's keys and values are staged
@@ -264,6 +264,10 @@ class FmaStaging:
         d, kv, v = w.s.d, w.s.kv_block, w.vec
         group_at = at(w.k_stage, arith_d.muli(group, const_i64(64)))
         for chunk in range(d // 16):
+            if w.v_stage is None:   # no values staged: the keys carry the prefetches
+                first, end = 16 * chunk // (d // 16), 16 * (chunk + 1) // (d // 16)
+                if end > first:
+                    w.prefetch_keys(arith_d.addi(arith_d.muli(group, const_i64(16)), const_i64(first)), end - first)
             loaded = [w.chunk(0, row, chunk, v.f32x) for row in rows]
             for j, out in enumerate(_transposed(loaded)):
                 v.store(out, at(group_at, (16 * chunk + j) * kv * 4))
@@ -272,6 +276,7 @@ class FmaStaging:
         d, v = w.s.d_v, w.vec
         group_at = at(w.v_stage, arith_d.muli(group, const_i64(16 * d * 4)))
         for i, row in enumerate(rows):
+            w.prefetch_keys(arith_d.addi(arith_d.muli(group, const_i64(16)), const_i64(i)), 1)
             for chunk in range(d // 16):
                 v.store(w.chunk(1, row, chunk, v.f32x), at(group_at, i * d * 4 + chunk * 64))
 
@@ -344,17 +349,17 @@ class _PassDispatch(_Dispatch):
         self.kv_bytes = 1 if self.kv_format else _bytes(self.elem)   # of a cache element
         #: 8-bit elements widened to bf16 operands through the head's byte tables (:meth:`_looked_up`)
         self.byte_tables = self.kv_format is not None and engine.operand == ir.BF16Type.get()
-        #: The next step's lines asked for a few keys at a time through the step's work (the
-        #: AMX engines' caches, bf16 and 8-bit: :meth:`prefetch_keys`), not all at its start;
-        #: ``next_half`` holds their rows. Same process, calls in a shuffled order with the
-        #: caches flushed before each, paged 32 x 1 vs 4096 bf16 33.7 -> 30.2 and 35.0 -> 31.1
-        #: ms, e4m3 25.3 -> 24.0 and 23.9 -> 23.9 (docs/performance.md, fifteenth session). The
-        #: FMA engines' caches (f32, f16) keep the burst.
-        self.spread = engine.uses_amx
+        #: The next step's lines are asked for a few keys at a time through the step's work
+        #: (:meth:`prefetch_keys`: a share for each value pair or row staged, or each K chunk
+        #: where values are read in place; KeyRowsEngine's score groups and P.V tiles), not
+        #: all at its start; ``next_half`` holds their rows. Same process, calls in a shuffled
+        #: order with the caches flushed before each, paged 32 x 1 vs 4096 (ms): bf16 33.7 ->
+        #: 30.2 and 35.0 -> 31.1, e4m3 25.3 -> 24.0 and 23.9 -> 23.9, f32 63.9 -> 61.0 and 62.1
+        #: -> 59.6, f16 43.5 -> 42.7 and 43.2 -> 42.6 (docs/performance.md, fifteenth session).
         self.next_half = None
-        #: Keys of the next step the staging of values asks for (spread: every key but those
-        #: the engine's own products ask for, KeyRowsEngine.STAGED_PREFETCH).
-        self.staged_prefetch = int(shapes.kv_block * getattr(engine, "STAGED_PREFETCH", 1.0)) if self.spread else 0
+        #: Keys of the next step the staging of values asks for: every key but those the
+        #: engine's own products ask for (KeyRowsEngine.STAGED_PREFETCH).
+        self.staged_prefetch = int(shapes.kv_block * getattr(engine, "STAGED_PREFETCH", 1.0))
 
     def emit(self) -> None:
         s, spec = self.s, self.spec
@@ -403,7 +408,7 @@ class _PassDispatch(_Dispatch):
             start = arith_d.addi(chunk_start, arith_d.muli(step, const_i64(s.kv_block)))
             following = arith_d.addi(step, const_i64(1))
             self._prefetch(arith_d.addi(start, const_i64(s.kv_block)), arith_d.subi(steps, following), following,
-                           lines=not self.spread)
+                           lines=False)
             self.next_half = self._pointers_of(following)
             self._stage(step)
             self.engine.scores(self, self.q_rows, self.k_stage, self.scores)
@@ -555,10 +560,7 @@ class _PassDispatch(_Dispatch):
 
     def prefetch_keys(self, first, count: int) -> None:
         """Keys [first, first + count) of the next step (``first`` an i64 Value) asked for, as
-        PREFETCH_LOCALITY says, their rows read from ``next_half``: where the pass spreads its
-        prefetches (:attr:`spread`), else nothing."""
-        if not self.spread:
-            return
+        PREFETCH_LOCALITY says, their rows read from ``next_half``."""
         for key in range(count):
             slot = at(self.next_half, arith_d.muli(arith_d.addi(first, const_i64(key)), const_i64(16)))
             for which in (0, 1):
@@ -574,8 +576,7 @@ class _PassDispatch(_Dispatch):
         the gather: the e4m3 pass 1.11 -> 1.20x the bf16 one), as PREFETCH_LOCALITY says. Without
         ``lines`` the pointers are written whether steps are left or not (past the keys: the zero
         row), for :meth:`prefetch_keys` to read."""
-        more = scf_d.IfOp(arith_d.cmpi(arith_d.CmpIPredicate.sgt, steps_left, const_i64(0 if lines else -1)))
-        with ir.InsertionPoint(more.then_block):
+        def pointers():
             half = self._pointers_of(step)
             loop = scf_d.ForOp(const_index(0), const_index(self.s.kv_block), const_index(1))
             with ir.InsertionPoint(loop.body):
@@ -586,6 +587,13 @@ class _PassDispatch(_Dispatch):
                     for line in range(0, self.s.d * self.kv_bytes if lines else 0, 64):
                         llvm_d.intr_prefetch(at(row, line), 0, PREFETCH_LOCALITY, 1)
                 scf_d.YieldOp([])
+
+        if not lines:
+            pointers()
+            return
+        more = scf_d.IfOp(arith_d.cmpi(arith_d.CmpIPredicate.sgt, steps_left, const_i64(0)))
+        with ir.InsertionPoint(more.then_block):
+            pointers()
             scf_d.YieldOp([])
 
     def _stage(self, step) -> None:
