@@ -17,7 +17,11 @@ CPUs of the first and the last worker (two ``sched_setaffinity`` calls, only whe
 moved, at most once every :data:`MIN_SWAP_INTERVAL_S`: callers on different CPUs do not move the
 workers back and forth at every call). Only where every worker is pinned to one CPU of its own
 and there are at least two; elsewhere (another OS, no glibc, threads not found) it does nothing.
-``LINALG_PREFILL_WORKER_PLACEMENT=0`` switches it off.
+``LINALG_PREFILL_WORKER_PLACEMENT=0`` switches it off. An IREE worker sets its own CPU once, as
+its thread starts (``iree_task_worker_main``); on a loaded machine that can come after a first
+call's swap, and left both workers on one CPU (seen once in a fresh-clone test run, fifteenth
+session): every call reads the two workers' CPUs (two ``sched_getaffinity`` calls, under a
+microsecond) and puts back the placement where a worker has moved itself.
 
 :func:`waiting_as_batch` runs a call with the calling thread under ``SCHED_BATCH`` (Linux: no
 wakeup preemption) and then puts it back to ``SCHED_OTHER``. The caller waits for the workers in
@@ -107,14 +111,15 @@ class WorkerPlacement:
         if self._first is None:
             if not self._find():
                 return
-        if cpu != self._first[1]:
-            return
         with self._lock:
-            now = time.monotonic()
-            if cpu != self._first[1] or now - self._last_swap < MIN_SWAP_INTERVAL_S:
-                return
             first, last = self._first, self._last
             try:
+                if os.sched_getaffinity(first[0]) != {first[1]} or os.sched_getaffinity(last[0]) != {last[1]}:
+                    os.sched_setaffinity(first[0], {first[1]})   # a worker that set its own CPU as it started
+                    os.sched_setaffinity(last[0], {last[1]})
+                now = time.monotonic()
+                if cpu != first[1] or now - self._last_swap < MIN_SWAP_INTERVAL_S:
+                    return
                 os.sched_setaffinity(first[0], {last[1]})
                 os.sched_setaffinity(last[0], {first[1]})
             except OSError:   # a worker gone or not ours to move: leave IREE's placement

@@ -57,6 +57,8 @@ PROGRAM = textwrap.dedent("""
     kernel = open_kernel(spec, serving_passes=False)
     args = example_inputs(spec, np.random.default_rng(0))
     first = kernel(*args)
+    time.sleep(2 * MIN_SWAP_INTERVAL_S)
+    kernel(*args)   # a worker whose thread started after the first call's move has set its CPU: put back
     cpus = lambda: {index: sorted(os.sched_getaffinity(tid)) for tid, index in iree_workers()}
     before, swaps = cpus(), PLACEMENT.swaps   # the first call may have moved it already
     os.sched_setaffinity(0, set(before[0]))   # the caller on the first worker's CPU
@@ -137,6 +139,14 @@ def test_callers_on_two_cpus_swap_the_workers_at_most_once_an_interval(monkeypat
         clock[0] += 2 * worker_placement.MIN_SWAP_INTERVAL_S
         placement.before_call()   # after the interval: swapped back
         assert placement.swaps == 2 and os.sched_getaffinity(tids[0]) == {cpus[0]}
+        clock[0] += 2 * worker_placement.MIN_SWAP_INTERVAL_S
+        caller[0] = cpus[0]
+        placement.before_call()   # swapped again; then the first "worker" sets its own CPU, as an
+        os.sched_setaffinity(tids[0], {cpus[0]})   # IREE worker starting late does: both on one CPU
+        caller[0] = cpus[1]
+        placement.before_call()   # within the interval, no swap: the placement is put back
+        assert placement.swaps == 3 and os.sched_getaffinity(tids[0]) == {cpus[1]}
+        assert os.sched_getaffinity(tids[1]) == {cpus[0]}
     finally:
         stop.set()
         for thread in threads:
