@@ -76,7 +76,7 @@ class KeyRowsEngine(AmxEngine):
     workgroup's queries as one B tile per 32 dims (its q rows, copied as A tiles, transposed in
     place once as 32-bit pairs: :meth:`prepare_queries`); each S^T tile goes through a 16 x 16
     transpose into the rows' scores. P.V: one row tile of probs
-    against AmxEngine's value tiles. Of the next step's keys (:meth:`_PassDispatch.prefetch_keys`)
+    against AmxEngine's value tiles. Of the next step's keys (:meth:`_PassDispatch.prefetch_share`)
     the staging asks for the first half, the score groups for the third quarter, the P.V tile
     pairs for the last."""
 
@@ -110,9 +110,8 @@ class KeyRowsEngine(AmxEngine):
                 keys = t.load(at(first, step * 64), stride)
                 acc = t.dot(acc, keys, t.load(at(q_base, step * 1024), 64))
             t.store(w.score_tile, 64, acc)
-            quarter = w.s.kv_block // 4   # the next step's third quarter, a share a group
-            w.prefetch_keys(const_i64(2 * quarter + group * quarter // (w.s.kv_block // 16)),
-                            quarter // (w.s.kv_block // 16))
+            rest = w.s.kv_block - w.staged_prefetch   # the next step's keys the staging leaves: half of them here
+            w.prefetch_share(w.staged_prefetch, rest // 2, group, w.s.kv_block // 16)
             rows = _transposed([v.load(at(w.score_tile, key * 64)) for key in range(16)])
             for row, vector in enumerate(rows):
                 v.store(vector, at(scores, row * w.score_stride + group * 64))
@@ -130,9 +129,8 @@ class KeyRowsEngine(AmxEngine):
                 acc = [t.dot(acc[j], probs, values[j]) for j in range(2)]
             for p, tile in zip(c_at, acc):
                 t.store(p, w.acc_stride, tile)
-            quarter, pairs = w.s.kv_block // 4, w.s.d_v // 32   # the next step's last quarter
-            first, end = 3 * quarter + quarter * pair // pairs, 3 * quarter + quarter * (pair + 1) // pairs
-            w.prefetch_keys(const_i64(first), end - first)
+            rest = w.s.kv_block - w.staged_prefetch   # the other half of what the staging leaves
+            w.prefetch_share(w.staged_prefetch + rest // 2, rest - rest // 2, pair, w.s.d_v // 32)
 
 
 class InPlaceValues(FmaEngine):
@@ -240,10 +238,9 @@ class AmxStaging:
         dim_tile = kv // 2 * 64
         low = [i // 2 + 32 * (i % 2) for i in range(32)]          # dims 0-15 of the chunk, keys a, b
         high = [16 + i // 2 + 32 * (i % 2) for i in range(32)]    # dims 16-31
-        share = w.staged_prefetch // (kv // 16 * 8)   # of the next step's keys, a pair's
+        per_group = w.staged_prefetch // (kv // 16)   # of the next step's keys, this group's
         for pair in range(8):
-            if share:
-                w.prefetch_keys(arith_d.addi(arith_d.muli(group, const_i64(8 * share)), const_i64(pair * share)), share)
+            w.prefetch_share(arith_d.muli(group, const_i64(per_group)), per_group, pair, 8)
             pair_at = at(w.v_stage, arith_d.muli(arith_d.addi(arith_d.muli(group, const_i64(8)), const_i64(pair)),
                                                  const_i64(64)))
             for chunk in range(d // 32):
@@ -265,9 +262,7 @@ class FmaStaging:
         group_at = at(w.k_stage, arith_d.muli(group, const_i64(64)))
         for chunk in range(d // 16):
             if w.v_stage is None:   # no values staged: the keys carry the prefetches
-                first, end = 16 * chunk // (d // 16), 16 * (chunk + 1) // (d // 16)
-                if end > first:
-                    w.prefetch_keys(arith_d.addi(arith_d.muli(group, const_i64(16)), const_i64(first)), end - first)
+                w.prefetch_share(arith_d.muli(group, const_i64(16)), 16, chunk, d // 16)
             loaded = [w.chunk(0, row, chunk, v.f32x) for row in rows]
             for j, out in enumerate(_transposed(loaded)):
                 v.store(out, at(group_at, (16 * chunk + j) * kv * 4))
@@ -276,7 +271,7 @@ class FmaStaging:
         d, v = w.s.d_v, w.vec
         group_at = at(w.v_stage, arith_d.muli(group, const_i64(16 * d * 4)))
         for i, row in enumerate(rows):
-            w.prefetch_keys(arith_d.addi(arith_d.muli(group, const_i64(16)), const_i64(i)), 1)
+            w.prefetch_share(arith_d.muli(group, const_i64(16)), 16, i, 16)
             for chunk in range(d // 16):
                 v.store(w.chunk(1, row, chunk, v.f32x), at(group_at, i * d * 4 + chunk * 64))
 
@@ -350,7 +345,7 @@ class _PassDispatch(_Dispatch):
         #: 8-bit elements widened to bf16 operands through the head's byte tables (:meth:`_looked_up`)
         self.byte_tables = self.kv_format is not None and engine.operand == ir.BF16Type.get()
         #: The next step's lines are asked for a few keys at a time through the step's work
-        #: (:meth:`prefetch_keys`: a share for each value pair or row staged, or each K chunk
+        #: (:meth:`prefetch_share`: a share for each value pair or row staged, or each K chunk
         #: where values are read in place; KeyRowsEngine's score groups and P.V tiles), not
         #: all at its start; ``next_half`` holds their rows. Same process, calls in a shuffled
         #: order with the caches flushed before each, paged 32 x 1 vs 4096 (ms): bf16 33.7 ->
@@ -558,11 +553,14 @@ class _PassDispatch(_Dispatch):
         """Step ``step``'s half of ``row_pointers`` (steps alternate halves)."""
         return at(self.row_pointers, arith_d.muli(arith_d.remui(step, const_i64(2)), const_i64(self.s.kv_block * 16)))
 
-    def prefetch_keys(self, first, count: int) -> None:
-        """Keys [first, first + count) of the next step (``first`` an i64 Value) asked for, as
-        PREFETCH_LOCALITY says, their rows read from ``next_half``."""
-        for key in range(count):
-            slot = at(self.next_half, arith_d.muli(arith_d.addi(first, const_i64(key)), const_i64(16)))
+    def prefetch_share(self, first, count: int, part: int, parts: int) -> None:
+        """Part ``part`` of ``parts`` of the next step's keys [first, first + count) (``first`` an
+        int or an i64 Value) asked for, as PREFETCH_LOCALITY says, their rows read from
+        ``next_half``: keys [first + count part / parts, first + count (part + 1) / parts)."""
+        begin, end = count * part // parts, count * (part + 1) // parts
+        base = const_i64(first) if isinstance(first, int) else first
+        for key in range(begin, end):
+            slot = at(self.next_half, arith_d.muli(arith_d.addi(base, const_i64(key)), const_i64(16)))
             for which in (0, 1):
                 row = llvm_d.load(ptr_type(), at(slot, 8 * which), alignment=8)
                 for line in range(0, self.s.d * self.kv_bytes, 64):
@@ -575,7 +573,7 @@ class _PassDispatch(_Dispatch):
         row's first load: 10 GB/s of the machine's 20; each pointer computed once, not again in
         the gather: the e4m3 pass 1.11 -> 1.20x the bf16 one), as PREFETCH_LOCALITY says. Without
         ``lines`` the pointers are written whether steps are left or not (past the keys: the zero
-        row), for :meth:`prefetch_keys` to read."""
+        row), for :meth:`prefetch_share` to read."""
         def pointers():
             half = self._pointers_of(step)
             loop = scf_d.ForOp(const_index(0), const_index(self.s.kv_block), const_index(1))
