@@ -87,8 +87,17 @@ class KeyRowsEngine(AmxEngine):
 
     def prepare_queries(self, w: "_PassDispatch") -> None:
         """The q rows' A tiles [d/32, 16 rows, 16 pairs] into B tiles [d/32, 16 pairs, 16 rows]
-        (bf16 pairs: one 32-bit lane each), in place."""
+        (bf16 pairs: one 32-bit lane each), in place; for keys widened from 8 bits, each 64 dims
+        first in the order :meth:`_PassDispatch.key_row` stages them (dims 0-7, 16-23, 32-39,
+        48-55 in the first 32, the others in the second: a 128-bit lane's shuffles)."""
         lanes = ir.VectorType.get([16], i32())
+        if w.byte_tables:
+            for block in range(w.s.d // 64):
+                for row in range(16):
+                    at_0, at_1 = at(w.q_rows, 2 * block * 1024 + row * 64), at(w.q_rows, (2 * block + 1) * 1024 + row * 64)
+                    c0, c1 = llvm_load(lanes, at_0), llvm_load(lanes, at_1)
+                    llvm_store(vector_d.shuffle(c0, c1, [0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27]), at_0)
+                    llvm_store(vector_d.shuffle(c0, c1, [4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31]), at_1)
         for chunk in range(w.s.d // 32):
             tile = at(w.q_rows, chunk * 1024)
             pairs = _transposed([llvm_load(lanes, at(tile, row * 64)) for row in range(16)])
@@ -456,7 +465,9 @@ class _PassDispatch(_Dispatch):
         64 elements a lookup (:meth:`_lookup`; 32 a lookup as :meth:`_looked_up` does wasted
         half of each ``vpermi2b``, two cycles of the shuffle port on these CPUs: with this and
         :meth:`paired_values`, e4m3 32 x 1 vs 4096 16.97 -> 13.58 ms in cache, 25.71 -> 22.60
-        from memory; docs/performance.md, fifteenth session)."""
+        from memory), each 64 joined by one-cycle in-lane interleaves, dims in the order
+        KeyRowsEngine.prepare_queries gives q (13.48 -> 13.08 in cache, 25.88 -> 25.44 and
+        25.80 -> 25.37 from memory; docs/performance.md, fifteenth session)."""
         lanes, d = ir.VectorType.get([16], i32()), self.s.d
         outs = []
         for first in range(0, d, 64):
@@ -464,7 +475,10 @@ class _PassDispatch(_Dispatch):
             raw = llvm_load(ir.VectorType.get([width], ir.IntegerType.get_signless(8)), at(row, first))
             low, high = self._lookup(0, raw if width == 64 else vector_d.shuffle(raw, raw, list(range(64))))
             for j in range(width // 32):
-                order = [32 * j + i // 2 + (64 if i % 2 else 0) for i in range(64)]
+                if width == 64:   # in-lane byte interleaves (vpunpck[lh]bw); q's dims follow (prepare_queries)
+                    order = [16 * lane + 8 * j + i // 2 + (64 if i % 2 else 0) for lane in range(4) for i in range(16)]
+                else:
+                    order = [32 * j + i // 2 + (64 if i % 2 else 0) for i in range(64)]
                 outs.append(vector_d.bitcast(lanes, vector_d.shuffle(low, high, order)))
         return outs
 
