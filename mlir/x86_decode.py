@@ -248,8 +248,9 @@ class AmxStaging:
         low = [i // 2 + 32 * (i % 2) for i in range(32)]          # dims 0-15 of the chunk, keys a, b
         high = [16 + i // 2 + 32 * (i % 2) for i in range(32)]    # dims 16-31
         per_group = w.staged_prefetch // (kv // 16)   # of the next step's keys, this group's
+        group_keys = arith_d.muli(group, const_i64(per_group))
         for pair in range(8):
-            w.prefetch_share(arith_d.muli(group, const_i64(per_group)), per_group, pair, 8)
+            w.prefetch_share(group_keys, per_group, pair, 8)
             pair_at = at(w.v_stage, arith_d.muli(arith_d.addi(arith_d.muli(group, const_i64(8)), const_i64(pair)),
                                                  const_i64(64)))
             for chunk in range(d // 32):
@@ -269,9 +270,10 @@ class FmaStaging:
     def keys(self, w: "_PassDispatch", group, rows: list[ir.Value]) -> None:
         d, kv, v = w.s.d, w.s.kv_block, w.vec
         group_at = at(w.k_stage, arith_d.muli(group, const_i64(64)))
+        group_keys = arith_d.muli(group, const_i64(16))
         for chunk in range(d // 16):
             if w.v_stage is None:   # no values staged: the keys carry the prefetches
-                w.prefetch_share(arith_d.muli(group, const_i64(16)), 16, chunk, d // 16)
+                w.prefetch_share(group_keys, 16, chunk, d // 16)
             loaded = [w.chunk(0, row, chunk, v.f32x) for row in rows]
             for j, out in enumerate(_transposed(loaded)):
                 v.store(out, at(group_at, (16 * chunk + j) * kv * 4))
@@ -279,8 +281,9 @@ class FmaStaging:
     def values(self, w: "_PassDispatch", group, rows: list[ir.Value]) -> None:
         d, v = w.s.d_v, w.vec
         group_at = at(w.v_stage, arith_d.muli(group, const_i64(16 * d * 4)))
+        group_keys = arith_d.muli(group, const_i64(16))
         for i, row in enumerate(rows):
-            w.prefetch_share(arith_d.muli(group, const_i64(16)), 16, i, 16)
+            w.prefetch_share(group_keys, 16, i, 16)
             for chunk in range(d // 16):
                 v.store(w.chunk(1, row, chunk, v.f32x), at(group_at, i * d * 4 + chunk * 64))
 
@@ -576,9 +579,12 @@ class _PassDispatch(_Dispatch):
         for key in range(begin, end):
             slot = at(self.next_half, arith_d.muli(arith_d.addi(base, const_i64(key)), const_i64(16)))
             for which in (0, 1):
-                row = llvm_d.load(ptr_type(), at(slot, 8 * which), alignment=8)
-                for line in range(0, self.s.d * self.kv_bytes, 64):
-                    llvm_d.intr_prefetch(at(row, line), 0, PREFETCH_LOCALITY, 1)
+                self._ask_for(llvm_d.load(ptr_type(), at(slot, 8 * which), alignment=8))
+
+    def _ask_for(self, row) -> None:
+        """The cache lines of the cache row at ``row`` asked for, as PREFETCH_LOCALITY says."""
+        for line in range(0, self.s.d * self.kv_bytes, 64):
+            llvm_d.intr_prefetch(at(row, line), 0, PREFETCH_LOCALITY, 1)
 
     def _prefetch(self, start, steps_left, step, lines: bool = True) -> None:
         """The row pointers of keys [start, start + kv_block) (step ``step``'s) into its half of
@@ -596,8 +602,8 @@ class _PassDispatch(_Dispatch):
                 rows = self._row_pointers(arith_d.addi(start, key))
                 for which, row in enumerate(rows):
                     llvm_store(row, at(half, arith_d.addi(arith_d.muli(key, const_i64(16)), const_i64(8 * which))))
-                    for line in range(0, self.s.d * self.kv_bytes if lines else 0, 64):
-                        llvm_d.intr_prefetch(at(row, line), 0, PREFETCH_LOCALITY, 1)
+                    if lines:
+                        self._ask_for(row)
                 scf_d.YieldOp([])
 
         if not lines:

@@ -259,8 +259,7 @@ def spill_limit(spec) -> int:
     :data:`PTXAS_ARCH`): 64 up to head dims of 128, 512 above (the tilings of pipeline/tuning.py,
     measured: d 64 and 128 0-12, d 72-96 0-48, 160-256 and MLA's 576/512 48-512; a tiling that
     does not fit, as MLA's 64 rows unstaged, spilled 16.9 KB)."""
-    head_dims = (spec.d_qk, spec.d_v) if hasattr(spec, "d_qk") else (spec.d, spec.d)
-    return 64 if max(head_dims) <= 128 else 512
+    return 64 if max(spec.d_qk, spec.d_v) <= 128 else 512
 
 
 def spilling_kernels(spec, vmfb_path: str | Path) -> str | None:
