@@ -85,10 +85,11 @@ def static_shape(sizes) -> list[int]:
 
 
 @contextmanager
-def hand_written_dispatch(executable_name: str, entry: str, arg_types: list):
+def hand_written_dispatch(executable_name: str, entry: str, arg_types: list, attributes: dict | None = None):
     """A ``stream.executable`` ``executable_name`` at the insertion point whose export ``entry``
     takes its workgroup counts as given; inside its function of ``arg_types`` (bindings, then
-    scalars, in the dispatch's operand order), yields the function's arguments for the body."""
+    scalars, in the dispatch's operand order) with the function ``attributes`` (a GPU dispatch's
+    ``translation_info``), yields the function's arguments for the body."""
     index = ir.IndexType.get()
     executable = stream_d.ExecutableOp(executable_name, sym_visibility="private")
     body = executable.body.blocks.append()
@@ -100,6 +101,8 @@ def hand_written_dispatch(executable_name: str, entry: str, arg_types: list):
         inner = builtin_d.ModuleOp()
         with ir.InsertionPoint(inner.body):
             fn = func_d.FuncOp(entry, (arg_types, []))
+            for name, value in (attributes or {}).items():
+                fn.attributes[name] = value
             with ir.InsertionPoint(fn.add_entry_block()):
                 yield list(fn.arguments)
                 func_d.ReturnOp([])

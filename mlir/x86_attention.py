@@ -52,6 +52,7 @@ from .ir import (
 )
 from .abi import function_module
 from .online_softmax import LOG2E, NO_KEY_MAX
+from .key_ranges import MASKS, KeyRange
 from .score_tiles import ROW_TILES, PackedTiles
 from .specs import EMPTY_ROW_LSE, MaskedSequencePrefillSpec, SequencePrefillSpec
 from .x86_packing import emit_packed_kv, kv_tile_sizes
@@ -101,72 +102,6 @@ def workgroup_bytes(dtype: str, rows: int, keys: int, d: int, d_v: int | None = 
 _EXECUTABLE = "x86_attention"
 _ENTRY = "attend"
 _DISPATCH_SCALARS = ("batch", "q_len", "kv_len", "rows", "kv_blocks")
-
-
-#: The masks the kernels take: which keys [lo, hi) a query token t sees, diag = kv_len - q_len,
-#: vl = valid_lens[b] (semantics §7, mlir/mask_rules.py: SequenceRule, PaddedRule,
-#: CausalPaddedLeftRule):
-#:   full                [0, kv_len)
-#:   causal              [0, min(kv_len, t + diag + 1))
-#:   padded              [0, min(kv_len, vl)) where t < vl, else none
-#:   causal_padded_left  [kv_len - vl, min(kv_len, t + diag + 1)) where t >= q_len - vl, else none
-MASKS = ("full", "causal", "padded", "causal_padded_left")
-
-
-def causal_end(token, diag, end) -> ir.Value:
-    """min(end, max(0, token + diag + 1)): the end of the keys query token ``token`` sees under
-    the bottom-right causal mask (diag = kv_len - q_len), within ``end`` (i64 Values)."""
-    return arith_d.minsi(end, arith_d.maxsi(const_i64(0), arith_d.addi(token, arith_d.addi(diag, const_i64(1)))))
-
-
-class _KeyRange:
-    """The keys [lo, hi) a row sees (i64 Values), per :data:`MASKS`."""
-
-    def __init__(self, mask: str, q_len, kv_len, valid_len):
-        self.mask, self.q_len, self.kv_len, self.valid_len = mask, q_len, kv_len, valid_len
-        self.diag = arith_d.subi(kv_len, q_len)
-
-    @property
-    def has_lower_bound(self) -> bool:
-        return self.mask == "causal_padded_left"
-
-    def lo(self):
-        if self.mask != "causal_padded_left":
-            return const_i64(0)
-        return arith_d.maxsi(const_i64(0), arith_d.subi(self.kv_len, self.valid_len))
-
-    def _causal_end(self, token):
-        return causal_end(token, self.diag, self.kv_len)
-
-    def hi(self, token):
-        if self.mask == "full":
-            return self.kv_len
-        if self.mask == "causal":
-            return self._causal_end(token)
-        if self.mask == "padded":
-            seen = arith_d.cmpi(arith_d.CmpIPredicate.slt, token, self.valid_len)
-            return arith_d.select(seen, arith_d.minsi(self.kv_len, self.valid_len), const_i64(0))
-        seen = arith_d.cmpi(arith_d.CmpIPredicate.sge, token, arith_d.subi(self.q_len, self.valid_len))
-        return arith_d.select(seen, self._causal_end(token), const_i64(0))
-
-
-class FlagCausalKeys:
-    """The keys [0, hi) a row sees under the KV-cache causal rule with the call's runtime
-    ``causal`` flag (i1; mask_rules.KvCacheCausalRule): below ``end`` (a serving pass's chunk end
-    or kv_len) and kv_len and, when causal, on or left of the bottom-right diagonal (i64 Values)."""
-
-    has_lower_bound = False
-
-    def __init__(self, kv_len, qo_len, causal, end):
-        self.end = arith_d.minsi(kv_len, end)
-        self.diag = arith_d.subi(kv_len, qo_len)
-        self.causal = causal
-
-    def lo(self):
-        return const_i64(0)
-
-    def hi(self, token):
-        return arith_d.select(self.causal, causal_end(token, self.diag, self.end), self.end)
 
 
 @dataclass(frozen=True)
@@ -567,10 +502,10 @@ class _Dispatch:
         self._write_rows(entry, head, hk, first_row, rows_valid, q_len)
 
     def key_range(self, entry, q_len, kv_len):
-        """The keys each row of entry ``entry`` sees (:class:`_KeyRange` of the kernel's mask)."""
+        """The keys each row of entry ``entry`` sees (:class:`KeyRange` of the kernel's mask)."""
         valid_len = llvm_load(i32(), at(self.p["valid_lens"], arith_d.muli(entry, const_i64(4)))) \
             if "valid_lens" in self.p else None
-        return _KeyRange(self.s.mask, q_len, kv_len, None if valid_len is None else arith_d.extsi(i64(), valid_len))
+        return KeyRange(self.s.mask, q_len, kv_len, None if valid_len is None else arith_d.extsi(i64(), valid_len))
 
     def state_at(self, hk, global_row, out_row) -> ir.Value:
         """Where row ``global_row`` of (entry, KV head) ``hk`` keeps its (max, sum): state

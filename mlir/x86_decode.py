@@ -35,8 +35,9 @@ from .online_softmax import LOG2E
 from .x86_attention import (
     BINDING, ENGINES, STACK_BUDGET, AmxEngine, FmaEngine, KernelShapes, _bytes, _Dispatch, binding_pointer,
     hand_written_dispatch,
-    FlagCausalKeys, llvm_load, llvm_store, workgroup_bytes,
+    llvm_load, llvm_store, workgroup_bytes,
 )
+from .key_ranges import FlagCausalKeys
 from .x86_kv_cache import kv_cache_unsupported
 
 _EXECUTABLE = "x86_serving_pass"

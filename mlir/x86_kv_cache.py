@@ -18,7 +18,7 @@ without queries is skipped):
    the loop carries and the dispatch updates in place (tied operands: no copy of either).
 
 Keys a row sees: the KV-cache causal rule with the call's runtime ``causal`` flag
-(x86_attention.FlagCausalKeys); ``sm_scale`` is the call's. With ``head_sinks`` each row's
+(key_ranges.FlagCausalKeys); ``sm_scale`` is the call's. With ``head_sinks`` each row's
 denominator gets 2^(sink - max) (semantics §13). After the loop one generic turns the state into
 lse [Lq, h_q] (base 2; EMPTY_ROW_LSE for a row that saw no key).
 """
@@ -39,9 +39,10 @@ from . import rope as rope_builder
 from .rope import apply_rope
 from .specs import EMPTY_ROW_LSE, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec
 from .x86_attention import (
-    BINDING, ENGINES, FlagCausalKeys, KernelShapes, _Dispatch, blocks_for, blocks_unfit, engine_for,
+    BINDING, ENGINES, KernelShapes, _Dispatch, blocks_for, blocks_unfit, engine_for,
     hand_written_dispatch, llvm_load, state_lse, vector_extract,
 )
+from .key_ranges import FlagCausalKeys
 from .x86_packing import kv_tile_sizes
 
 _EXECUTABLE = "x86_kv_cache"

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from linalg_prefill.mlir import (
-    PagedPrefillSpec, decode, kv_layouts, mask_rules, online_softmax, x86_attention, x86_kv_cache,
+    PagedPrefillSpec, decode, key_ranges, kv_layouts, mask_rules, online_softmax, x86_kv_cache,
 )
 from linalg_prefill.mlir import rope as rope_builder
 from linalg_prefill.mlir.ir import arith_d, const_index, f32
@@ -38,12 +38,12 @@ def _off_by_one_mask():
         moved = mask_rules.Lengths(lengths.q_len, lengths.kv_len, arith_d.addi(lengths.diagonal, const_index(1)))
         return original(self, values, moved, row, col)
 
-    original_end = x86_attention.causal_end
+    original_end = key_ranges.causal_end
 
-    def shifted_end(token, diag, end):   # the x86 lowering's key range
+    def shifted_end(token, diag, end):   # the hand-written dispatches' key range
         return original_end(token, arith_d.addi(diag, arith_d.constant(diag.type, 1)), end)
 
-    return [(mask_rules.KvCacheCausalRule, "valid", shifted), (x86_attention, "causal_end", shifted_end)]
+    return [(mask_rules.KvCacheCausalRule, "valid", shifted), (key_ranges, "causal_end", shifted_end)]
 
 
 def _wrong_page():
