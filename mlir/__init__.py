@@ -1,5 +1,6 @@
 """IR builders: typed MLIR bindings, one online-softmax emitter, one spec per variant."""
 
+from .cuda_attention import build_cuda_sequence_prefill, unsupported as _dense_mma_unsupported
 from .x86_attention import build_x86_sequence_prefill, unsupported as _dense_x86_unsupported, uses_amx as x86_uses_amx
 from .x86_decode import build_x86_pass, pass_unsupported as _pass_x86_unsupported
 from .x86_kv_cache import build_x86_kv_cache_prefill, kv_cache_unsupported as _kv_cache_x86_unsupported
@@ -78,6 +79,31 @@ def build_x86_module(spec):
     return _X86_BUILDERS[type(spec)][0](spec)
 
 
+#: The CUDA mma lowering's builders (hand-written dispatches: mlir/cuda_attention.py) and why
+#: each has no kernel for a spec.
+_MMA_BUILDERS = {
+    SequencePrefillSpec: (build_cuda_sequence_prefill, _dense_mma_unsupported),
+    MaskedSequencePrefillSpec: (build_cuda_sequence_prefill, _dense_mma_unsupported),
+}
+
+
+def mma_unsupported(spec) -> str | None:
+    """Why the CUDA mma lowering has no kernel for ``spec`` (None where it has one): the dense
+    sequence prefills in float16 and bfloat16 (mlir/cuda_attention.py)."""
+    if type(spec) not in _MMA_BUILDERS:
+        return f"{type(spec).__name__} has no mma kernel"
+    return _MMA_BUILDERS[type(spec)][1](spec)
+
+
+def build_mma_module(spec):
+    """The verified MLIR module of the CUDA mma lowering; ValueError naming why for a spec it has
+    no kernel for (:func:`mma_unsupported`)."""
+    why = mma_unsupported(spec)
+    if why:
+        raise ValueError(f"no mma lowering for {spec.name}: {why}")
+    return _MMA_BUILDERS[type(spec)][0](spec)
+
+
 def build_fused_module(spec):
     """The verified MLIR module of the fused lowering (mlir/fused_kernels.py) for any spec."""
     try:
@@ -90,5 +116,5 @@ def build_fused_module(spec):
 __all__ = [
     "SequencePrefillSpec", "MaskedSequencePrefillSpec", "RaggedPrefillSpec", "PagedPrefillSpec",
     "MlaPagedPrefillSpec", "DecodeSpec", "SPEC_TYPES", "SpecError", "build_module", "build_fused_module",
-    "build_x86_module", "x86_unsupported", "x86_uses_amx",
+    "build_x86_module", "x86_unsupported", "x86_uses_amx", "build_mma_module", "mma_unsupported",
 ]

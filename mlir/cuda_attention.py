@@ -395,8 +395,13 @@ class _Workgroup:
                 m = _ldmatrix4(self._matrix_address(v_base, key, chunk), transposed=True)
                 blocks[2 * block] = ops.mma(p_frags[j], m[0:2], blocks[2 * block])
                 blocks[2 * block + 1] = ops.mma(p_frags[j], m[2:4], blocks[2 * block + 1])
-        gpu_d.barrier()
+        self._release_stage()
         return [x for block in blocks for x in block] + new_max + new_sum
+
+    @staticmethod
+    def _release_stage() -> None:
+        """Every warp is done with this tile's stage: the next step may copy into it."""
+        gpu_d.barrier()
 
     def _masked(self, values, key_first) -> list[ir.Value]:
         """The scores with -inf where a row's key is outside its [lo, hi)."""

@@ -11,7 +11,8 @@ runs it there. Memory is one flat address space: the buffers given (:meth:`Memor
 workgroup's shared memory at :data:`SHARED_BASE`. ``cp.async`` copies land at the thread's
 ``cp.async.wait_group`` (not before: a missing wait reads stale data), and shared memory is
 checked for races: a thread reading or overwriting bytes another thread wrote or read since the
-last ``bar.sync`` raises :class:`PtxRace` (a missing barrier). An instruction outside the
+last ``bar.sync`` raises :class:`PtxRace` (a missing barrier); a copy counts as writing from
+its issue on. An instruction outside the
 subset raises :class:`PtxUnsupported` naming it.
 """
 
@@ -21,6 +22,8 @@ import re
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from ..mlir.cuda_attention import MMA_TILING, MmaTiling
 
 #: Where shared memory starts in the flat address space, and where buffers do.
 SHARED_BASE = 1 << 40
@@ -186,15 +189,20 @@ class _Shared:
         self.reader[span] = np.where((readers == -1) | (readers == threads), threads, -2)
         return self.data[span]
 
-    def write(self, thread: int, address: int, payload: bytes) -> None:
-        span = self._span(address, len(payload))
+    def claim(self, thread: int, address: int, size: int) -> None:
+        """``thread`` starts writing ``size`` bytes (a cp.async issued: its bytes may land at any
+        time until the thread's wait): a race where another thread used them since the barrier."""
+        span = self._span(address, size)
         readers, writers = self.reader[span], self.writer[span]
         if np.any(((readers >= 0) & (readers != thread)) | (readers == -2)) or \
                 np.any((writers >= 0) & (writers != thread)):
             raise PtxRace(f"thread {thread} overwrites shared bytes {span.start}.. another thread used "
                           "with no barrier between")
         self.writer[span] = thread
-        self.data[span] = np.frombuffer(payload, np.uint8)
+
+    def write(self, thread: int, address: int, payload: bytes) -> None:
+        self.claim(thread, address, len(payload))
+        self.data[self._span(address, len(payload))] = np.frombuffer(payload, np.uint8)
 
 
 def _f32(bits: np.ndarray) -> np.ndarray:
@@ -606,6 +614,7 @@ class _Workgroup:
         for thread in np.flatnonzero(mask):
             data, offset = self.memory._locate(int(source[thread]), size)
             payload = data[offset:offset + size].tobytes()
+            self.shared.claim(int(thread), int(destination[thread]), size)
             self.pending[thread][-1].append((int(destination[thread]), payload))
 
 
@@ -621,11 +630,12 @@ def run_kernel(kernel: Kernel, memory: Memory, params: list[int], grid: tuple[in
                 _Workgroup(kernel, memory, params, (x, y, z), grid, shared_bytes).run()
 
 
-def emulate_sequence_prefill(shapes, ptx: str, q: np.ndarray, k: np.ndarray, v: np.ndarray,
-                             valid_lens: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(output [B, Lq, h_q, d], lse [B, Lq, h_q]) of the mma lowering's dense dispatch
-    (mlir/cuda_attention.py; ``shapes`` its KernelShapes) run from its PTX on q [B, Lq, h_q, d],
-    k/v [B, Lk, h_kv, d] (float16 arrays, or bfloat16 as uint16 bits) and valid_lens [B] int32.
+def emulate_sequence_prefill(ptx: str, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                             valid_lens: np.ndarray | None = None,
+                             tiling: MmaTiling = MMA_TILING) -> tuple[np.ndarray, np.ndarray]:
+    """(output [B, Lq, h_q, d] in q's dtype, lse [B, Lq, h_q] float32) of the mma lowering's
+    dense dispatch (mlir/cuda_attention.py, built with ``tiling``) run from its PTX on q
+    [B, Lq, h_q, d], k/v [B, Lk, h_kv, d] (float16 or bfloat16) and valid_lens [B] int32.
 
     The launch IREE 3.13 makes of it (read from its HAL IR): the bindings in the dispatch's order
     (q, k, v, valid_lens where the mask reads it, out, lse), then the index operands as 32-bit
@@ -642,7 +652,6 @@ def emulate_sequence_prefill(shapes, ptx: str, q: np.ndarray, k: np.ndarray, v: 
     constants = []
     for value in (0, batch, q_len, kv_len):
         constants += [value & 0xFFFFFFFF, value >> 32]
-    tiling = shapes.tiling
     grid = (-(-q_len // tiling.rows), h_q, batch)
     run_kernel(kernel, memory, pointers + constants, grid, tiling.shared_bytes(d))
-    return memory.read(out_address, np.uint16, q.shape), memory.read(lse_address, np.float32, (batch, q_len, h_q))
+    return memory.read(out_address, q.dtype, q.shape), memory.read(lse_address, np.float32, (batch, q_len, h_q))

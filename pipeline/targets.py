@@ -20,15 +20,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ..mlir import mma_unsupported
 from ..mlir.decode import DECODE_PASSES, DecodePasses, DecodeSpec
 from ..mlir.mask_rules import mask_rule
 from . import cpu_tiles, tuning, vm_structure
 
 #: The lowerings every spec builds in.
 LOWERINGS = ("linalg", "fused")
-#: Lowerings that build some specs on some CPUs: a backend's ``spec_lowering`` picks one where it
-#: can (llvm-cpu: the hand-written x86 dispatches, mlir/x86_attention.py); a Target may ask for it.
-PARTIAL_LOWERINGS = ("x86",)
+#: Lowerings that build some specs on one backend: a backend's ``spec_lowering`` picks one where it
+#: can (llvm-cpu: the hand-written x86 dispatches, mlir/x86_attention.py); a Target may ask for it
+#: (cuda: "mma", the hand-written mma.sync dispatches of mlir/cuda_attention.py, the fused
+#: lowering for the specs they do not build). The backend each runs on: :data:`LOWERING_BACKENDS`.
+PARTIAL_LOWERINGS = ("x86", "mma")
+LOWERING_BACKENDS = {"x86": "llvm-cpu", "mma": "cuda"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -148,6 +152,15 @@ def _as_asked(_arch: str, _spec, lowering: str) -> str:
     return lowering
 
 
+def _cuda_spec_lowering(_arch: str, spec, lowering: str) -> str:
+    """The lowering asked for; where "mma" is asked, the fused one for the specs the mma
+    lowering does not build (mlir.mma_unsupported: it builds the dense prefills in f16 and bf16).
+    The record's default stays "fused" until the GPU sweep measures "mma" (docs/cuda.md)."""
+    if lowering == "mma" and mma_unsupported(spec) is not None:
+        return "fused"
+    return lowering
+
+
 BACKENDS: dict[str, Backend] = {
     # The explicit linalg online softmax (IREE's fused attention op measured ~30x slower there,
     # bench/report.py); whole-row reductions: 3 dispatches a KV step instead of 6
@@ -167,7 +180,8 @@ BACKENDS: dict[str, Backend] = {
         name="cuda", driver="cuda", default_arch="sm_80", archs=("sm_80", "sm_86", "sm_89", "sm_120"),
         arch_note=("IREE 3.13 has no sm_90 or sm_100 target; Hopper (H100, H200) and newer run sm_80 PTX "
                    "through the driver JIT, so use sm_80"),
-        flags=_cuda_flags, lowering="fused", spec_lowering=_as_asked, row_chunk=128, score_tiles=cpu_tiles.row_tiles,
+        flags=_cuda_flags, lowering="fused", spec_lowering=_cuda_spec_lowering, row_chunk=128,
+        score_tiles=cpu_tiles.row_tiles,
         pass_vectors=cpu_tiles.narrow_pass_vectors,
         tune_contraction=_keep_default, tune_attention=tuning.cuda_attention_config, tune_generic=_keep_default,
         output_storage=False, structure_checks=(vm_structure.missing_tensor_cores, vm_structure.host_stalls_in_loops)),
@@ -213,8 +227,9 @@ class Target:
             object.__setattr__(self, "lowering", record.lowering)
         if self.lowering not in LOWERINGS + PARTIAL_LOWERINGS:
             raise ValueError(f"lowering must be one of {LOWERINGS + PARTIAL_LOWERINGS}, got {self.lowering!r}")
-        if self.lowering == "x86" and not record.on_host:
-            raise ValueError(f"lowering 'x86' runs on the CPU (llvm-cpu), not on {self.backend}")
+        runs_on = LOWERING_BACKENDS.get(self.lowering, self.backend)
+        if runs_on != self.backend:
+            raise ValueError(f"lowering {self.lowering!r} runs on {runs_on}, not on {self.backend}")
 
     @property
     def record(self) -> Backend:

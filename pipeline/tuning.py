@@ -18,7 +18,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..mlir import build_x86_module, build_fused_module, build_module
+from ..mlir import build_fused_module, build_mma_module, build_module, build_x86_module
 from ..mlir.abi import with_output_storage
 from ..mlir.attention_op import ATTENTION_MARKER, TILE
 from ..mlir.ir import TILING_MARKER, ir, tiling_mark
@@ -271,6 +271,8 @@ def tuned_module(spec, target: Target) -> ir.Module:
     lowering = target.lowering_of(spec)
     if lowering == "x86":   # hand-written dispatches; a serving pass's chunk merge is marked
         module = build_x86_module(spec)
+    elif lowering == "mma":
+        module = build_mma_module(spec)
     elif lowering == "fused":
         module = build_fused_module(spec)
     else:

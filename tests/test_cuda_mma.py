@@ -1,0 +1,152 @@
+"""The CUDA mma lowering (mlir/cuda_attention.py: one hand-written FlashAttention-2-class dispatch
+a dense call, ``Target("cuda", lowering="mma")``), checked without a GPU: its IR, its PTX (cp.async,
+ldmatrix, mma.sync; registers and spills with ptxas), and its numerics by running the PTX in the
+interpreter (pipeline/ptx_emulator.py) against the float64 reference through the error model.
+The mutations show the interpreter sees what a GPU would get wrong: a missing barrier, a missing
+cp.async wait, a wrong swizzle."""
+
+import numpy as np
+import pytest
+
+from iree.compiler.dialects import nvvm
+
+from linalg_prefill.mlir import (
+    MaskedSequencePrefillSpec, PagedPrefillSpec, SequencePrefillSpec, build_mma_module, cuda_attention,
+)
+from linalg_prefill.pipeline import Target, compile_spec, ptx_emulator
+from linalg_prefill.pipeline.compiler import compile_ir, keyed_ir
+from linalg_prefill.pipeline.targets import structure_problems
+from linalg_prefill.pipeline.tuning import tuned_ir
+from linalg_prefill.pipeline.vm_structure import ptx_modules, ptxas_kernels, ptxas_tool
+from linalg_prefill.runtime.examples import example_inputs
+from support import NUMPY_DTYPE, assert_matches_reference, spec_id, structure, with_arguments
+
+MMA = Target("cuda", "sm_80", lowering="mma")
+
+#: (spec, (B, q_len, kv_len), valid_lens): GQA and not, both head dims and dtypes, every mask;
+#: odd lengths (partial query and key tiles), more keys than queries and fewer (causal rows that
+#: see no key), padded entries of different lengths.
+CASES = [
+    (SequencePrefillSpec(4, 2, 64, "float16", causal=True, sm_scale=0.125), (1, 100, 150), None),
+    (SequencePrefillSpec(2, 1, 128, "bfloat16", causal=True, sm_scale=128 ** -0.5), (1, 150, 100), None),
+    (SequencePrefillSpec(2, 2, 128, "float16", causal=False, sm_scale=128 ** -0.5), (1, 37, 201), None),
+    (MaskedSequencePrefillSpec(4, 2, 64, "bfloat16", mask_mode="padded", sm_scale=0.125), (2, 70, 70), [70, 23]),
+    (MaskedSequencePrefillSpec(2, 1, 128, "float16", mask_mode="causal_padded_left", sm_scale=0.1), (2, 90, 90),
+     [90, 41]),
+]
+pytestmark = pytest.mark.compiles(*(spec for spec, _, _ in CASES), backends=[MMA])
+
+
+def _call(spec, shape, valid_lens, seed=0):
+    """The seed-ABI call of ``spec``: q scaled up so that scores are peaked (a wrong scale, mask or
+    index moves the output well past its bound)."""
+    batch, q_len, kv_len = shape
+    rng = np.random.default_rng(seed)
+    args = example_inputs(spec, rng, [(q_len, kv_len)] * batch)
+    dtype = NUMPY_DTYPE[spec.dtype]
+    q = (rng.standard_normal(args[0].shape) * 3).astype(dtype)
+    given = {"q": q}
+    if valid_lens is not None:
+        given["valid_lens"] = np.asarray(valid_lens, np.int32)
+    return with_arguments(spec, args, **given)
+
+
+def _ptx(vmfb: bytes) -> str:
+    (ptx,) = ptx_modules(vmfb)
+    return ptx
+
+
+def _emulated(spec, vmfb, call):
+    return ptx_emulator.emulate_sequence_prefill(_ptx(vmfb), *call)
+
+
+def test_the_record_takes_mma_for_the_dense_half_precision_specs_only():
+    dense = CASES[0][0]
+    assert MMA.lowering_of(dense) == "mma"
+    assert MMA.lowering_of(SequencePrefillSpec(4, 2, 64, "float32", causal=True, sm_scale=0.1)) == "fused"
+    assert MMA.lowering_of(PagedPrefillSpec(4, 2, 64, "float16", page_size=16)) == "fused"
+    assert Target("cuda").lowering_of(dense) == "fused"   # the default until the GPU sweep says
+    with pytest.raises(ValueError, match="d=80"):
+        build_mma_module(SequencePrefillSpec(4, 2, 80, "float16", causal=True, sm_scale=0.1))
+    with pytest.raises(ValueError, match="runs on cuda"):
+        Target("llvm-cpu", lowering="mma")
+
+
+@pytest.mark.parametrize("spec", [case[0] for case in CASES[:2]], ids=spec_id)
+def test_the_ir_is_one_hand_written_dispatch_with_warp_level_ops(spec):
+    module = build_mma_module(spec)
+    text = str(module)
+    tree = structure(module)
+    assert tree.find("iree_linalg_ext.online_attention") == []
+    assert text.count("flow.dispatch @cuda_attention::@attend") == 1
+    for op in ("nvvm.cp.async.shared.global", "nvvm.ldmatrix", "nvvm.mma.sync", "nvvm.shfl.sync"):
+        assert op in text, op
+    assert "workgroup_size = [128, 1, 1]" in text
+
+
+@pytest.mark.parametrize("spec", [case[0] for case in CASES], ids=spec_id)
+def test_the_ptx_has_the_fa2_instructions_and_the_structure_checks_pass(spec, cache, tmp_path):
+    vmfb = compile_spec(spec, MMA, cache=cache)
+    path = tmp_path / "kernel.vmfb"
+    path.write_bytes(vmfb)
+    assert structure_problems(spec, MMA, path) == []
+    ptx = _ptx(vmfb)
+    tiles = cuda_attention.MMA_TILING.kv_block // 16 * spec.d // 16   # 16 x 16 blocks of a K tile
+    assert ptx.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16") == tiles
+    assert ptx.count("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16") == tiles
+    assert ptx.count("mma.sync.aligned.m16n8k16") == 4 * tiles
+    assert ptx.count("cp.async.cg.shared.global") >= 2 * cuda_attention.MMA_TILING.kv_block * spec.d // 8 // 128
+    assert ptx.count("ex2.approx") > 0
+
+
+@pytest.mark.skipif(ptxas_tool() is None, reason="no ptxas (CUDA toolkit)")
+@pytest.mark.parametrize("spec", [case[0] for case in CASES[:3]], ids=spec_id)
+def test_the_kernel_fits_its_registers_on_an_h200(spec, cache):
+    (kernel,) = ptxas_kernels([_ptx(compile_spec(spec, MMA, cache=cache))])
+    assert kernel.registers <= 255 and kernel.spill_bytes <= 16, kernel
+
+
+@pytest.mark.parametrize("spec, shape, valid_lens", CASES, ids=[spec_id(case[0]) for case in CASES])
+def test_the_ptx_matches_the_reference(spec, shape, valid_lens, cache):
+    call = _call(spec, shape, valid_lens)
+    got = _emulated(spec, compile_spec(spec, MMA, cache=cache), call)
+    assert_matches_reference(spec.name, got, spec, call)
+
+
+def _mutated_vmfb(spec, request) -> bytes:
+    keyed_ir.cache_clear()
+    request.addfinalizer(keyed_ir.cache_clear)
+    return compile_ir(tuned_ir(spec, MMA), MMA)
+
+
+#: Three KV tiles (both stages reused) of a causal call.
+MUTATED = CASES[0][0]
+MUTATED_SHAPE = (1, 64, 190)
+
+
+def test_a_missing_barrier_is_a_race(monkeypatch, request):
+    monkeypatch.setattr(cuda_attention._Workgroup, "_release_stage", staticmethod(lambda: None))
+    vmfb = _mutated_vmfb(MUTATED, request)
+    with pytest.raises(ptx_emulator.PtxRace, match="no barrier"):
+        _emulated(MUTATED, vmfb, _call(MUTATED, MUTATED_SHAPE, None))
+
+
+def test_a_missing_wait_reads_stale_tiles(monkeypatch, request):
+    original = nvvm.cp_async_wait_group
+    monkeypatch.setattr(nvvm, "cp_async_wait_group", lambda n: original(n + 1))
+    call = _call(MUTATED, MUTATED_SHAPE, None)
+    got = _emulated(MUTATED, _mutated_vmfb(MUTATED, request), call)
+    with pytest.raises(AssertionError, match="bound"):
+        assert_matches_reference("one wait short", got, MUTATED, call)
+
+
+def test_a_wrong_swizzle_reads_the_wrong_keys(monkeypatch, request):
+    def unswizzled(self, stage_base, key, chunk):
+        return cuda_attention._gep(3, self.shared, cuda_attention._add(
+            stage_base, cuda_attention._mul(key, self.row_bytes), cuda_attention._mul(chunk, cuda_attention.CHUNK)))
+
+    monkeypatch.setattr(cuda_attention._Workgroup, "_matrix_address", unswizzled)
+    call = _call(MUTATED, MUTATED_SHAPE, None)
+    got = _emulated(MUTATED, _mutated_vmfb(MUTATED, request), call)
+    with pytest.raises(AssertionError, match="bound"):
+        assert_matches_reference("reads unswizzled", got, MUTATED, call)
