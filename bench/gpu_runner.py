@@ -1,6 +1,7 @@
 """Runs a GPU bundle (made by ``bench/gpu_bundle.py``) on the machine with the GPU.
 
     python3 gpu_runner.py [--driver cuda] [--repeat 5] [--log FILE] [--max-seconds S] [--only TEXT]
+        [--exclude TEXT]
                           [--runtime-flag=--cuda_async_allocations=false ...]
 
 Needs only Python 3.12, numpy and the IREE runtime; when ``import iree.runtime`` fails it first
@@ -313,6 +314,7 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--log", help="write every case's line here too")
     parser.add_argument("--only", help="run only the cases whose file name contains this text")
+    parser.add_argument("--exclude", help="skip the cases whose file name contains this text")
     parser.add_argument("--runtime-flag", action="append", default=[],
                         help="an IREE runtime flag, e.g. --runtime-flag=--cuda_async_allocations=false")
     parser.add_argument("--max-seconds", type=float, default=float("inf"),
@@ -338,8 +340,10 @@ def main() -> int:
 
     emit(f"device {args.driver}: {device} {' '.join(args.runtime_flag)}", always=True)
     emit(f"{'case':<70} {'err out':>9} {'err lse':>9} {'err/bnd':>7} {'empty':>5}", always=True)
-    paths = sorted(path for path in glob.glob(os.path.join(HERE, "cases", "*.npz"))
-                   if args.only is None or args.only in os.path.basename(path))
+    paths = sorted((path for path in glob.glob(os.path.join(HERE, "cases", "*.npz"))
+                    if (args.only is None or args.only in os.path.basename(path))
+                    and (args.exclude is None or args.exclude not in os.path.basename(path))),
+                   key=lambda path: (os.path.basename(path).startswith("bench-"), path))  # checked ones first
     passed = failed = 0
     swept = []   # (sweep case, candidate, seconds, torch seconds or None) of a sweep's timed cases
     for path in paths:

@@ -3,17 +3,22 @@
 # check, each under its own time budget. Prepare here: `make gpu-session` (build/gpu-bundle with
 # its wheels, build/gpu-sweep without: it imports the runtime the bundle unpacks), then run on the
 # device with both folders carried:
-#   bash bench/gpu_session.sh OUT_DIR [SWEEP_SECONDS] [CHECK_SECONDS]
-# OUT_DIR gets sweep.log, probe.log and cases.log.
-out=${1:-${OUT:-.}}; sweep=${2:-200}; check=${3:-240}
+#   bash bench/gpu_session.sh OUT_DIR [SWEEP_SECONDS] [CHECK_SECONDS] [MMA_SECONDS]
+# (150 + 240 + 100 s by default: within a device call's 600 s with the start and the wheels)
+# OUT_DIR gets sweep-mma.log (the hand-written mma lowering's candidates, checked and timed first),
+# sweep.log (the fused lowering's), probe.log and cases.log.
+out=${1:-${OUT:-.}}; sweep=${2:-150}; check=${3:-240}; mma=${4:-100}
 root=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 nvidia-smi -L
 python3 "$root/build/gpu-bundle/gpu_runner.py" --only no-such-case > /dev/null   # unpacks the bundle's wheels
 export PYTHONPATH="$root/build/gpu-bundle/deps${PYTHONPATH:+:$PYTHONPATH}"
-echo "== sweep (at most ${sweep} s of cases)"
+echo "== sweep of the mma lowering (at most ${mma} s of cases)"
+(cd "$root/build/gpu-sweep" && timeout $((mma + 60)) python3 gpu_runner.py --repeat 10 --max-seconds "$mma" \
+  --only -mma- --log "$out/sweep-mma.log")
+echo "== sweep of the fused lowering (at most ${sweep} s of cases)"
 (cd "$root/build/gpu-sweep" && timeout $((sweep + 90)) python3 gpu_runner.py --repeat 10 --max-seconds "$sweep" \
-  --log "$out/sweep.log")
+  --exclude -mma- --log "$out/sweep.log")
 echo "== GPU check"
 (cd "$root/build/gpu-bundle" && bash gpu_check.sh "$out" "$check")

@@ -43,7 +43,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 
 from gpu_bundle import _in_dtype, _redrawn, bench_cases, download_wheels, prepare_folder, save_case, serving_cases  # noqa: E402
-from linalg_prefill.mlir import SequencePrefillSpec, fused_kernels  # noqa: E402
+from linalg_prefill.mlir import SequencePrefillSpec, cuda_attention, fused_kernels  # noqa: E402
 from linalg_prefill.pipeline import CompileError, Target, compile_ir, compiler, targets, tuning  # noqa: E402
 from linalg_prefill.runtime.examples import example_inputs  # noqa: E402
 
@@ -54,13 +54,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 class Candidate:
     """One configuration: ``tiling`` (None: the record's own per head dim), ``warps`` a
     workgroup, ``band_tiles`` query tiles (of 64 rows) a band, ``band_group`` bands a step of the
-    band loop (mlir/fused_kernels.py: BAND_GROUP, dispatches that may run at once)."""
+    band loop (mlir/fused_kernels.py: BAND_GROUP, dispatches that may run at once); or, with
+    ``mma`` set, the hand-written mma lowering (mlir/cuda_attention.py) in that tiling."""
 
     label: str
     tiling: tuning.AttentionTiling | None = None
     warps: int = tuning.CUDA_ATTENTION_WARPS
     band_tiles: int = fused_kernels.BAND_TILES
     band_group: int = fused_kernels.BAND_GROUP
+    mma: cuda_attention.MmaTiling | None = None
+
+    @property
+    def lowering(self) -> str:
+        return "mma" if self.mma else "fused"
 
 
 def _tiling(rows: int, keys: int = 64, promote: bool = True, qk: str = "qi", pv: str = "qi") -> tuning.AttentionTiling:
@@ -89,6 +95,14 @@ CANDIDATES = (
     Candidate("r64-w4-group4", band_group=4),
     Candidate("r64-w4-group8", band_group=8),
     Candidate("r16-w1-group4", _tiling(16), warps=1, band_group=4),
+    # the hand-written lowering: one dispatch a call, cp.async double buffering, ldmatrix,
+    # fully masked tiles skipped; 16 query rows a warp, 4 or 8 warps, 32-128 keys a tile (128 keys
+    # at d 128 spill 88-120 bytes a thread: ptxas for sm_90)
+    Candidate("mma-w4-k64", mma=cuda_attention.MmaTiling(4, 64)),
+    Candidate("mma-w8-k64", mma=cuda_attention.MmaTiling(8, 64)),
+    Candidate("mma-w4-k32", mma=cuda_attention.MmaTiling(4, 32)),
+    Candidate("mma-w8-k32", mma=cuda_attention.MmaTiling(8, 32)),
+    Candidate("mma-w4-k128", mma=cuda_attention.MmaTiling(4, 128)),
 )
 #: The serving passes' candidates (their query rows, queries x group, come in 16-row tiles):
 #: the record's own (16 rows, 4 warps splitting the keys and the value columns, unstaged); one
@@ -110,6 +124,7 @@ def configured(candidate: Candidate):
     context lasts (the IR built inside it, through pipeline.compiler.keyed_ir, is the
     candidate's)."""
     record, band_tiles, band_group = targets.BACKENDS["cuda"], fused_kernels.BAND_TILES, fused_kernels.BAND_GROUP
+    mma_tiling = cuda_attention.MMA_TILING
     cores = dataclasses.replace(tuning.CUDA_CORES, subgroups=candidate.warps)
 
     def tiling_of(d_qk: int, d_v: int, query_rows: int = tuning.TILE):
@@ -121,18 +136,25 @@ def configured(candidate: Candidate):
 
     targets.BACKENDS["cuda"] = dataclasses.replace(record, tune_attention=tune_attention)
     fused_kernels.BAND_TILES, fused_kernels.BAND_GROUP = candidate.band_tiles, candidate.band_group
+    cuda_attention.MMA_TILING = candidate.mma or mma_tiling
     compiler.keyed_ir.cache_clear()
     try:
         yield
     finally:
         targets.BACKENDS["cuda"], fused_kernels.BAND_TILES, fused_kernels.BAND_GROUP = record, band_tiles, band_group
+        cuda_attention.MMA_TILING = mma_tiling
         compiler.keyed_ir.cache_clear()
 
 
+def candidate_target(candidate: Candidate, target: Target) -> Target:
+    """``target`` in ``candidate``'s lowering."""
+    return Target(target.backend, target.arch, target.extra_flags, lowering=candidate.lowering)
+
+
 def candidate_ir(spec, candidate: Candidate, target: Target) -> str:
-    """The IR of ``spec`` on ``target`` under ``candidate``."""
+    """The IR of ``spec`` on ``target`` under ``candidate`` (in its lowering)."""
     with configured(candidate):
-        return compiler.keyed_ir(spec, target)
+        return compiler.keyed_ir(spec, candidate_target(candidate, target))
 
 
 def build(out: str, lengths, dtypes, candidates, target: Target, pass_candidates=(), serving_rows=()) -> dict:
@@ -151,7 +173,8 @@ def build(out: str, lengths, dtypes, candidates, target: Target, pass_candidates
         file = os.path.join("artifacts", f"{spec.name}-{candidate.label}.vmfb")
         if file not in built:
             try:
-                vmfb = compile_ir(candidate_ir(spec, candidate, target), target, f"{spec.name} ({candidate.label})")
+                vmfb = compile_ir(candidate_ir(spec, candidate, target), candidate_target(candidate, target),
+                                  f"{spec.name} ({candidate.label})")
             except CompileError as error:
                 report["failed"][f"{candidate.label}/{spec.name}"] = str(error).splitlines()[-1][:300]
                 print(f"{candidate.label} {spec.name}: did not compile", file=sys.stderr)
@@ -160,6 +183,7 @@ def build(out: str, lengths, dtypes, candidates, target: Target, pass_candidates
                 with open(os.path.join(out, file), "wb") as f:
                     f.write(vmfb)
                 report["candidates"].setdefault(candidate.label, {
+                    "lowering": candidate.lowering, "mma": candidate.mma and dataclasses.asdict(candidate.mma),
                     "warps": candidate.warps, "band_tiles": candidate.band_tiles, "band_group": candidate.band_group,
                     "tiling": candidate.tiling and dataclasses.asdict(candidate.tiling), "specs": []})["specs"].append(
                         spec.name)

@@ -31,10 +31,12 @@ from iree.compiler.dialects import gpu as gpu_d
 from iree.compiler.dialects import nvvm
 
 from .abi import function_module
-from .amx import BINDING, as_i64, binding_pointer, const_i64, dynamic_dims, hand_written_dispatch, static_shape, workgroup_ids
+from .amx import (
+    BINDING, as_i64, binding_pointer, const_i64, dynamic_dims, hand_written_dispatch, static_shape, workgroup_ids,
+)
 from .ir import (
-    arith_d, ceil_div, const_f32, const_index, dim, element_type, f32, flow_d, i32, ir, llvm_d, memref_d, scf_d,
-    tensor_type,
+    arith_d, ceil_div, const_f32, const_index, dim, dispatch_mark, element_type, f32, flow_d, i32, ir, llvm_d,
+    memref_d, scf_d, tensor_type,
 )
 from .key_ranges import MASKS, KeyRange
 from .online_softmax import LOG2E
@@ -66,6 +68,11 @@ class MmaTiling:
     @property
     def threads(self) -> int:
         return 32 * self.warps
+
+    def __post_init__(self):
+        # a copy pass covers 8 keys or a multiple (the swizzle of a thread's rows stays the same)
+        if self.warps not in (4, 8) or self.kv_block not in (32, 64, 128):
+            raise ValueError(f"MmaTiling: warps 4 or 8 and kv_block 32, 64 or 128, got {self}")
 
     def shared_bytes(self, d: int) -> int:
         """Two stages of a K and a V tile of head dim ``d`` (2-byte elements)."""
@@ -386,7 +393,8 @@ class _Workgroup:
         p_frags = []
         for j in range(t.kv_block // 16):
             a, b = probs[8 * j:8 * j + 4], probs[8 * j + 4:8 * j + 8]
-            p_frags.append([ops.packed(a[0], a[1]), ops.packed(a[2], a[3]), ops.packed(b[0], b[1]), ops.packed(b[2], b[3])])
+            p_frags.append([ops.packed(a[0], a[1]), ops.packed(a[2], a[3]), ops.packed(b[0], b[1]),
+                            ops.packed(b[2], b[3])])
         blocks = [out[4 * i:4 * i + 4] for i in range(s.d // 8)]
         for j in range(t.kv_block // 16):
             key = _add(lane8, _mul(arith_d.remui(pair, _i(2)), 8), 16 * j)
@@ -451,14 +459,12 @@ def _sizes(s: KernelShapes, batch, q_len, kv_len) -> dict:
 
 def build_executable(s: KernelShapes) -> None:
     """The ``stream.executable`` @cuda_attention with the dispatch @attend at the insertion point:
-    the input bindings, the scalars (index), then the results out and lse."""
+    the input bindings, the scalars (index), then the results out and lse; its function marked
+    with its threads (the CUDA record's ``tune_dispatch`` gives IREE the workgroup size)."""
     index, binding = ir.IndexType.get(), ir.Type.parse(BINDING)
     inputs = _inputs(s)
     arg_types = [binding] * len(inputs) + [index] * len(_DISPATCH_SCALARS) + [binding] * 2
-    translation = ir.Attribute.parse(
-        "#iree_codegen.translation_info<pipeline = #iree_gpu.pipeline<BaseLowering> "
-        f"workgroup_size = [{s.tiling.threads}, 1, 1] subgroup_size = 32>")
-    with hand_written_dispatch(_EXECUTABLE, _ENTRY, arg_types, {"translation_info": translation}) as args:
+    with hand_written_dispatch(_EXECUTABLE, _ENTRY, arg_types, dispatch_mark(s.tiling.threads)) as args:
         scalars = dict(zip(_DISPATCH_SCALARS, args[len(inputs):len(inputs) + len(_DISPATCH_SCALARS)]))
         sizes = _sizes(s, *scalars.values())
         elem = element_type(s.dtype)
@@ -510,13 +516,15 @@ def unsupported(spec) -> str | None:
     return None
 
 
-def build_cuda_sequence_prefill(spec, tiling: MmaTiling = MMA_TILING) -> ir.Module:
+def build_cuda_sequence_prefill(spec, tiling: MmaTiling | None = None) -> ir.Module:
     """The verified module of ``spec`` (same signature as sequence.build_sequence_prefill) with
-    the attention in one hand-written CUDA dispatch; ValueError where :func:`unsupported` says why not."""
+    the attention in one hand-written CUDA dispatch of ``tiling`` (default :data:`MMA_TILING`, read
+    at the call: the GPU sweep sets it); ValueError where :func:`unsupported` says why not."""
     why = unsupported(spec)
     if why:
         raise ValueError(f"no mma lowering for {spec.name}: {why}")
-    shapes = KernelShapes(spec.h_q, spec.h_kv, spec.d, spec.dtype, _mask(spec), spec.sm_scale * LOG2E, tiling)
+    shapes = KernelShapes(spec.h_q, spec.h_kv, spec.d, spec.dtype, _mask(spec), spec.sm_scale * LOG2E,
+                          tiling or MMA_TILING)
 
     def emit(args):
         function = args["q"].owner.owner

@@ -393,6 +393,18 @@ def mark_tiling(value: ir.Value, role: str, *, drop_unit_loops: bool = False, **
     return results
 
 
+#: The discardable attribute of a hand-written GPU dispatch's function: the threads of its
+#: workgroup, which the backend's ``tune_dispatch`` hook turns into IREE's translation_info
+#: (pipeline/tuning.py: apply_tuning; no backend attribute is written in mlir/).
+DISPATCH_MARKER = "linalg_prefill.dispatch"
+
+
+def dispatch_mark(threads: int) -> dict[str, ir.Attribute]:
+    """The function attributes of a hand-written GPU dispatch of ``threads`` a workgroup."""
+    i64 = ir.IntegerType.get_signless(64)
+    return {DISPATCH_MARKER: ir.DictAttr.get({"threads": ir.IntegerAttr.get(i64, threads)})}
+
+
 def tiling_mark(op: ir.Operation) -> tuple[str, dict[str, int], tuple[int, ...]]:
     """(role, sizes, unit loops) of a generic :func:`mark_tiling` marked; the sizes and the
     role's tiling count the unit loops, which the op no longer has."""

@@ -632,9 +632,9 @@ def run_kernel(kernel: Kernel, memory: Memory, params: list[int], grid: tuple[in
 
 def emulate_sequence_prefill(ptx: str, q: np.ndarray, k: np.ndarray, v: np.ndarray,
                              valid_lens: np.ndarray | None = None,
-                             tiling: MmaTiling = MMA_TILING) -> tuple[np.ndarray, np.ndarray]:
+                             tiling: MmaTiling | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(output [B, Lq, h_q, d] in q's dtype, lse [B, Lq, h_q] float32) of the mma lowering's
-    dense dispatch (mlir/cuda_attention.py, built with ``tiling``) run from its PTX on q
+    dense dispatch (mlir/cuda_attention.py, built with ``tiling``, default its MMA_TILING) run from its PTX on q
     [B, Lq, h_q, d], k/v [B, Lk, h_kv, d] (float16 or bfloat16) and valid_lens [B] int32.
 
     The launch IREE 3.13 makes of it (read from its HAL IR): the bindings in the dispatch's order
@@ -642,6 +642,7 @@ def emulate_sequence_prefill(ptx: str, q: np.ndarray, k: np.ndarray, v: np.ndarr
     (low, high) pairs, after the byte offset of the second result in the buffer IREE allocates
     for both: (lse offset, batch, q_len, kv_len)."""
     kernel = parse_kernel(ptx)
+    tiling = tiling or MMA_TILING
     batch, q_len, h_q, d = q.shape
     kv_len = k.shape[1]
     memory = Memory()

@@ -52,7 +52,8 @@ class Backend:
     ``tune_contraction(op)`` and ``tune_attention(op, loops)``: the attributes a marked
     contraction or online_attention op gets (pipeline/tuning.py), ``tune_generic(role, sizes, unit_loops)``
     those of a generic marked with a role (mlir.ir.mark_tiling: the serving passes' and the query
-    packing's), None for the compiler's own choice. ``output_storage``: the kernels' functions
+    packing's), None for the compiler's own choice; ``tune_dispatch(threads)`` those of a
+    hand-written GPU dispatch's function (mlir.ir.dispatch_mark), None where the backend takes none. ``output_storage``: the kernels' functions
     take storage for their results (mlir/abi.py: with_output_storage), which the runtime passes
     (the CPU drivers, whose results are host memory the runtime allocates itself; a device with
     memory of its own keeps IREE's result buffers). ``structure_checks``: ``check(spec, vmfb_path) -> problem or None`` each artifact
@@ -72,6 +73,7 @@ class Backend:
     tune_contraction: Callable
     tune_attention: Callable
     tune_generic: Callable
+    tune_dispatch: Callable
     output_storage: bool
     structure_checks: tuple[Callable, ...]
 
@@ -99,7 +101,8 @@ def check_backend(key: str, record: Backend) -> None:
         raise bad("lowering", f"must be one of {LOWERINGS}, got {record.lowering!r}")
     if record.row_chunk is not None and (not isinstance(record.row_chunk, int) or record.row_chunk < 1):
         raise bad("row_chunk", "must be None or a positive int")
-    for name in ("flags", "spec_lowering", "score_tiles", "tune_contraction", "tune_attention", "tune_generic"):
+    for name in ("flags", "spec_lowering", "score_tiles", "tune_contraction", "tune_attention", "tune_generic",
+                 "tune_dispatch"):
         if not callable(getattr(record, name)):
             raise bad(name, "must be callable")
     if not isinstance(record.output_storage, bool) or (record.output_storage and not record.on_host):
@@ -171,7 +174,8 @@ BACKENDS: dict[str, Backend] = {
         score_tiles=cpu_tiles.cpu_score_tiles,
         pass_vectors=cpu_tiles.cpu_pass_vectors,
         tune_contraction=tuning.cpu_contraction_config, tune_attention=_keep_default,
-        tune_generic=cpu_tiles.cpu_generic_tiling, output_storage=True, structure_checks=()),
+        tune_generic=cpu_tiles.cpu_generic_tiling, tune_dispatch=_keep_default, output_storage=True,
+        structure_checks=()),
     # The KV loop inside one online_attention dispatch per query band, f16/bf16 operands on the
     # tensor cores (mlir/fused_kernels.py, docs/cuda.md). IREE 3.13 fails to distribute a
     # 256-column row reduction (the linalg lowering's row_chunk); sm_90, sm_90a and sm_100 fail
@@ -184,7 +188,8 @@ BACKENDS: dict[str, Backend] = {
         score_tiles=cpu_tiles.row_tiles,
         pass_vectors=cpu_tiles.narrow_pass_vectors,
         tune_contraction=_keep_default, tune_attention=tuning.cuda_attention_config, tune_generic=_keep_default,
-        output_storage=False, structure_checks=(vm_structure.missing_tensor_cores, vm_structure.host_stalls_in_loops)),
+        tune_dispatch=tuning.cuda_dispatch_config, output_storage=False,
+        structure_checks=(vm_structure.missing_tensor_cores, vm_structure.host_stalls_in_loops)),
     # The fused lowering on AMD Instinct (gfx942: MI300; docs/rocm.md), f16/bf16 on MFMA; waves
     # of 64, so CUDA's configuration does not apply (rocm_attention_config).
     "rocm": Backend(
@@ -193,7 +198,8 @@ BACKENDS: dict[str, Backend] = {
         score_tiles=cpu_tiles.row_tiles,
         pass_vectors=cpu_tiles.narrow_pass_vectors,
         tune_contraction=_keep_default, tune_attention=tuning.rocm_attention_config, tune_generic=_keep_default,
-        output_storage=False, structure_checks=(vm_structure.missing_mfma, vm_structure.host_stalls_in_loops)),
+        tune_dispatch=_keep_default, output_storage=False,
+        structure_checks=(vm_structure.missing_mfma, vm_structure.host_stalls_in_loops)),
 }
 for _key, _record in BACKENDS.items():
     check_backend(_key, _record)

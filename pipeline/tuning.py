@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from ..mlir import build_fused_module, build_mma_module, build_module, build_x86_module
 from ..mlir.abi import with_output_storage
 from ..mlir.attention_op import ATTENTION_MARKER, TILE
-from ..mlir.ir import TILING_MARKER, ir, tiling_mark
+from ..mlir.ir import DISPATCH_MARKER, TILING_MARKER, ir, tiling_mark
 from ..mlir.score_tiles import CONTRACTION_MARKER
 
 if TYPE_CHECKING:
@@ -231,6 +231,15 @@ def rocm_attention_config(op: ir.Operation, loops: tuple[str, ...]) -> dict[str,
     return gpu_attention_config(op, loops, ROCM_CORES, rocm_attention_tiling)
 
 
+def cuda_dispatch_config(threads: int) -> dict[str, ir.Attribute]:
+    """The translation_info of a hand-written CUDA dispatch of ``threads`` a workgroup (warps of
+    32): IREE's BaseLowering pipeline (without one IREE picks none and launches one thread a
+    workgroup: ``.maxntid 1, 1, 1``); the ``tune_dispatch`` hook of ``BACKENDS["cuda"]``."""
+    return {"translation_info": ir.Attribute.parse(
+        "#iree_codegen.translation_info<pipeline = #iree_gpu.pipeline<BaseLowering> "
+        f"workgroup_size = [{threads}, 1, 1] subgroup_size = 32>")}
+
+
 def _marked(module: ir.Module, marker: str) -> list[ir.Operation]:
     found = []
 
@@ -244,11 +253,19 @@ def _marked(module: ir.Module, marker: str) -> list[ir.Operation]:
 
 
 def apply_tuning(module: ir.Module, target: Target) -> ir.Module:
-    """Replaces every contraction, attention and tiling marker in ``module`` (in place) by what the
-    target's backend record's hooks give (``tune_contraction``, ``tune_attention``,
-    ``tune_generic``); returns it."""
+    """Replaces every contraction, attention, tiling and dispatch marker in ``module`` (in place) by
+    what the target's backend record's hooks give (``tune_contraction``, ``tune_attention``,
+    ``tune_generic``, ``tune_dispatch``); returns it."""
     record = target.record
     with module.context:
+        for op in _marked(module, DISPATCH_MARKER):
+            threads = ir.IntegerAttr(ir.DictAttr(op.attributes[DISPATCH_MARKER])["threads"]).value
+            del op.attributes[DISPATCH_MARKER]
+            config = record.tune_dispatch(threads)
+            if config is None:
+                raise ValueError(f"backend {record.name} has no configuration for a hand-written dispatch")
+            for name, value in config.items():
+                op.attributes[name] = value
         for op in _marked(module, TILING_MARKER):
             role, sizes, unit_loops = tiling_mark(op)
             del op.attributes[TILING_MARKER]

@@ -81,7 +81,8 @@ def test_the_ir_is_one_hand_written_dispatch_with_warp_level_ops(spec):
     assert text.count("flow.dispatch @cuda_attention::@attend") == 1
     for op in ("nvvm.cp.async.shared.global", "nvvm.ldmatrix", "nvvm.mma.sync", "nvvm.shfl.sync"):
         assert op in text, op
-    assert "workgroup_size = [128, 1, 1]" in text
+    assert "#iree_gpu" not in text and "linalg_prefill.dispatch = {threads = 128" in text
+    assert "workgroup_size = [128, 1, 1] subgroup_size = 32" in tuned_ir(spec, MMA)   # the record's
 
 
 @pytest.mark.parametrize("spec", [case[0] for case in CASES], ids=spec_id)

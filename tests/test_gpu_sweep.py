@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import FUSED_CPU
-from linalg_prefill.mlir import DecodeSpec, PagedPrefillSpec, SequencePrefillSpec, fused_kernels
+from linalg_prefill.mlir import DecodeSpec, PagedPrefillSpec, SequencePrefillSpec, cuda_attention, fused_kernels
 from linalg_prefill.pipeline import Target, compiler, targets
 from linalg_prefill.pipeline.vm_structure import tensor_core_instructions
 
@@ -57,6 +57,19 @@ def test_each_candidate_builds_the_configuration_it_names():
     assert compiler.keyed_ir(SPEC, target) == committed
 
 
+def test_an_mma_candidate_builds_the_hand_written_dispatch_in_its_tiling():
+    """The mma candidates build mlir/cuda_attention.py's dispatch (no online_attention op) with
+    their warps; the committed tiling is back afterwards."""
+    target = Target("cuda")
+    committed = cuda_attention.MMA_TILING
+    text = gpu_sweep.candidate_ir(SPEC, CANDIDATES["mma-w8-k32"], target)
+    assert "online_attention" not in text and "nvvm.ldmatrix" in text
+    assert re.findall(r"workgroup_size = \[(\d+), 1, 1\]", text) == ["256"]
+    assert gpu_sweep.candidate_ir(SPEC, CANDIDATES["mma-w4-k64"], target) == \
+        compiler.keyed_ir(SPEC, Target("cuda", lowering="mma"))
+    assert cuda_attention.MMA_TILING is committed
+
+
 def test_a_pass_candidate_reaches_the_serving_pass():
     """The serving passes' candidates set their attention op's warps and keys a step (16 query
     rows a workgroup, the passes' tiles); default keeps the record's."""
@@ -76,13 +89,17 @@ def test_the_sweep_folder_holds_each_candidates_cases(tmp_path):
     """A candidate compiled for sm_80 at one length: a timed dense case (its inputs drawn by the
     runner) and a checked one (stored inputs, the reference call), both on the candidate's own
     artifact, which has tensor-core instructions; sweep.json lists what was built."""
-    report = gpu_sweep.build(str(tmp_path), [256], ["float16"], [CANDIDATES["r16-w1"]], Target("cuda"))
-    assert list(report["candidates"]) == ["r16-w1"] and not report["failed"]
+    labels = ["r16-w1", "mma-w4-k64"]
+    report = gpu_sweep.build(str(tmp_path), [256], ["float16"], [CANDIDATES[label] for label in labels],
+                             Target("cuda"))
+    assert list(report["candidates"]) == labels and not report["failed"]
+    assert report["candidates"]["mma-w4-k64"]["lowering"] == "mma"
     assert json.loads((tmp_path / "sweep.json").read_text()) == report
     artifacts = sorted(p.name for p in (tmp_path / "artifacts").iterdir())
-    assert artifacts == [f"{SPEC.name}-r16-w1.vmfb"]
-    assert tensor_core_instructions((tmp_path / "artifacts" / artifacts[0]).read_bytes()) > 0
-    for label in ("r16-w1",):
+    assert artifacts == sorted(f"{SPEC.name}-{label}.vmfb" for label in labels)
+    for artifact in artifacts:
+        assert tensor_core_instructions((tmp_path / "artifacts" / artifact).read_bytes()) > 0
+    for label in labels:
         timed = json.loads(str(np.load(tmp_path / "cases" / f"bench-sweep-dense-causal-L256-float16-{label}.npz")["meta"]))
         checked = json.loads(str(np.load(tmp_path / "cases" / f"sweep-check-float16-{label}.npz")["meta"]))
         assert timed["file"] == checked["file"] == f"artifacts/{SPEC.name}-{label}.vmfb"
