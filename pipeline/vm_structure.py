@@ -116,6 +116,17 @@ def loop_bodies(text: str, *, innermost: bool = False, function: str | None = No
     return found
 
 
+def dispatch_sites(text: str, function: str) -> tuple[int, int]:
+    """(dispatches, those inside a loop) of ``function`` in a disassembly: its
+    ``hal.command_buffer.dispatch`` calls. (1, 0): one dispatch a call, whatever the shapes (the
+    mma lowering's dense kernels); a band loop's dispatches count once each."""
+    call = re.compile(r"@hal\.command_buffer\.dispatch\b")
+    in_loops = {line for body in loop_bodies(text, function=function) for line in body if call.search(line)}
+    total = sum(1 for name, blocks in _functions(text) if name == function
+                for _, lines in blocks for line in lines if call.search(line))
+    return total, len(in_loops)
+
+
 def host_blocking_calls_in_loops(vmfb_path: str | Path, *, innermost: bool = False) -> dict[str, int]:
     """How many calls of each HOST_BLOCKING import sit inside loops of the host program
     (``innermost``: inside loops that contain no other loop, e.g. a kernel's query-band loops)."""

@@ -17,7 +17,7 @@ from linalg_prefill.pipeline import Target, compile_spec, ptx_emulator
 from linalg_prefill.pipeline.compiler import compile_ir, keyed_ir
 from linalg_prefill.pipeline.targets import structure_problems
 from linalg_prefill.pipeline.tuning import tuned_ir
-from linalg_prefill.pipeline.vm_structure import ptx_modules, ptxas_kernels, ptxas_tool
+from linalg_prefill.pipeline.vm_structure import disassembly, dispatch_sites, ptx_modules, ptxas_kernels, ptxas_tool
 from linalg_prefill.runtime.examples import example_inputs
 from support import NUMPY_DTYPE, assert_matches_reference, spec_id, structure, with_arguments
 
@@ -34,7 +34,9 @@ CASES = [
     (MaskedSequencePrefillSpec(2, 1, 128, "float16", mask_mode="causal_padded_left", sm_scale=0.1), (2, 90, 90),
      [90, 41]),
 ]
-pytestmark = pytest.mark.compiles(*(spec for spec, _, _ in CASES), backends=[MMA])
+#: test_cuda_compile's dense d 128 spec: its fused artifact is built there.
+FUSED_TWIN = SequencePrefillSpec(32, 8, 128, "float16", causal=True, sm_scale=128 ** -0.5)
+pytestmark = pytest.mark.compiles(*(spec for spec, _, _ in CASES), FUSED_TWIN, backends=[MMA])
 
 
 def _call(spec, shape, valid_lens, seed=0):
@@ -98,6 +100,19 @@ def test_the_ptx_has_the_fa2_instructions_and_the_structure_checks_pass(spec, ca
     assert ptx.count("mma.sync.aligned.m16n8k16") == 4 * tiles
     assert ptx.count("cp.async.cg.shared.global") >= 2 * cuda_attention.MMA_TILING.kv_block * spec.d // 8 // 128
     assert ptx.count("ex2.approx") > 0
+
+
+@pytest.mark.compiles(FUSED_TWIN, backends=[Target("cuda", "sm_80")])
+def test_a_call_is_one_dispatch_where_the_fused_lowering_loops_over_bands(cache, tmp_path):
+    """The whole call (every query tile, head and entry) is one launch: the GPU runs all its
+    workgroups at once; the fused lowering dispatches a band at a time in a host loop."""
+    found = {}
+    for target in (MMA, Target("cuda", "sm_80")):
+        path = tmp_path / f"{target.tag}.vmfb"
+        path.write_bytes(compile_spec(FUSED_TWIN, target, cache=cache))
+        found[target.lowering] = dispatch_sites(disassembly(path), FUSED_TWIN.symbol)
+    assert found["mma"] == (1, 0)
+    assert found["fused"][1] >= 1
 
 
 @pytest.mark.skipif(ptxas_tool() is None, reason="no ptxas (CUDA toolkit)")
