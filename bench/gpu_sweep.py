@@ -43,7 +43,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 
 from gpu_bundle import _in_dtype, _redrawn, bench_cases, download_wheels, prepare_folder, save_case, serving_cases  # noqa: E402
-from linalg_prefill.mlir import SequencePrefillSpec, cuda_attention, fused_kernels  # noqa: E402
+from linalg_prefill.mlir import SequencePrefillSpec, cuda_attention, cuda_decode, fused_kernels  # noqa: E402
 from linalg_prefill.pipeline import CompileError, Target, compile_ir, compiler, targets, tuning  # noqa: E402
 from linalg_prefill.runtime.examples import example_inputs  # noqa: E402
 
@@ -55,7 +55,8 @@ class Candidate:
     """One configuration: ``tiling`` (None: the record's own per head dim), ``warps`` a
     workgroup, ``band_tiles`` query tiles (of 64 rows) a band, ``band_group`` bands a step of the
     band loop (mlir/fused_kernels.py: BAND_GROUP, dispatches that may run at once); or, with
-    ``mma`` set, the hand-written mma lowering (mlir/cuda_attention.py) in that tiling."""
+    ``mma`` set, the hand-written mma lowering (mlir/cuda_attention.py) in that tiling, and with
+    ``chunk_tiles`` its serving passes (mlir/cuda_decode.py) in chunks of that many 64-key tiles."""
 
     label: str
     tiling: tuning.AttentionTiling | None = None
@@ -63,10 +64,11 @@ class Candidate:
     band_tiles: int = fused_kernels.BAND_TILES
     band_group: int = fused_kernels.BAND_GROUP
     mma: cuda_attention.MmaTiling | None = None
+    chunk_tiles: int | None = None
 
     @property
     def lowering(self) -> str:
-        return "mma" if self.mma else "fused"
+        return "mma" if self.mma or self.chunk_tiles else "fused"
 
 
 def _tiling(rows: int, keys: int = 64, promote: bool = True, qk: str = "qi", pv: str = "qi") -> tuning.AttentionTiling:
@@ -113,6 +115,10 @@ PASS_CANDIDATES = (
     Candidate("p16-w2-split", _tiling(16, promote=False, qk="ki", pv="n"), warps=2),
     Candidate("p16-w8-split", _tiling(16, promote=False, qk="ki", pv="n"), warps=8),
     Candidate("p16-w4-split-k32", _tiling(16, keys=32, promote=False, qk="ki", pv="n"), warps=4),
+    # the mma passes: each entry's keys in chunks of 128, 256 or 512 that workgroups run at once
+    Candidate("mma-c2", chunk_tiles=2),
+    Candidate("mma-c4", chunk_tiles=4),
+    Candidate("mma-c8", chunk_tiles=8),
 )
 #: Timed serving rows (sequences x new tokens against 1024 cached, paged f16; bench/gpu_bundle.py).
 SERVING_ROWS = ("32x1", "128x1", "32x4")
@@ -124,7 +130,7 @@ def configured(candidate: Candidate):
     context lasts (the IR built inside it, through pipeline.compiler.keyed_ir, is the
     candidate's)."""
     record, band_tiles, band_group = targets.BACKENDS["cuda"], fused_kernels.BAND_TILES, fused_kernels.BAND_GROUP
-    mma_tiling = cuda_attention.MMA_TILING
+    mma_tiling, chunk_tiles = cuda_attention.MMA_TILING, cuda_decode.CHUNK_TILES
     cores = dataclasses.replace(tuning.CUDA_CORES, subgroups=candidate.warps)
 
     def tiling_of(d_qk: int, d_v: int, query_rows: int = tuning.TILE):
@@ -137,12 +143,13 @@ def configured(candidate: Candidate):
     targets.BACKENDS["cuda"] = dataclasses.replace(record, tune_attention=tune_attention)
     fused_kernels.BAND_TILES, fused_kernels.BAND_GROUP = candidate.band_tiles, candidate.band_group
     cuda_attention.MMA_TILING = candidate.mma or mma_tiling
+    cuda_decode.CHUNK_TILES = candidate.chunk_tiles or chunk_tiles
     compiler.keyed_ir.cache_clear()
     try:
         yield
     finally:
         targets.BACKENDS["cuda"], fused_kernels.BAND_TILES, fused_kernels.BAND_GROUP = record, band_tiles, band_group
-        cuda_attention.MMA_TILING = mma_tiling
+        cuda_attention.MMA_TILING, cuda_decode.CHUNK_TILES = mma_tiling, chunk_tiles
         compiler.keyed_ir.cache_clear()
 
 
@@ -184,6 +191,7 @@ def build(out: str, lengths, dtypes, candidates, target: Target, pass_candidates
                     f.write(vmfb)
                 report["candidates"].setdefault(candidate.label, {
                     "lowering": candidate.lowering, "mma": candidate.mma and dataclasses.asdict(candidate.mma),
+                    "chunk_tiles": candidate.chunk_tiles,
                     "warps": candidate.warps, "band_tiles": candidate.band_tiles, "band_group": candidate.band_group,
                     "tiling": candidate.tiling and dataclasses.asdict(candidate.tiling), "specs": []})["specs"].append(
                         spec.name)

@@ -70,9 +70,8 @@ class MmaTiling:
         return 32 * self.warps
 
     def __post_init__(self):
-        # a copy pass covers 8 keys or a multiple (the swizzle of a thread's rows stays the same)
-        if self.warps not in (4, 8) or self.kv_block not in (32, 64, 128):
-            raise ValueError(f"MmaTiling: warps 4 or 8 and kv_block 32, 64 or 128, got {self}")
+        if self.warps not in (1, 2, 4, 8) or self.kv_block not in (32, 64, 128):
+            raise ValueError(f"MmaTiling: warps 1, 2, 4 or 8 and kv_block 32, 64 or 128, got {self}")
 
     def shared_bytes(self, d: int) -> int:
         """Two stages of a K and a V tile of head dim ``d`` (2-byte elements)."""
@@ -224,50 +223,33 @@ def _when(condition: ir.Value, body) -> None:
 # ---- the dispatch ----------------------------------------------------------------------------
 
 class _Workgroup:
-    """The body of one workgroup: pointers, its rows, the tile loop (module docstring)."""
+    """The tile loop of one workgroup (module docstring) over the rows, keys and outputs its
+    placement gives (:class:`DensePlacement`; mlir/cuda_decode.py's pass placement): row r of a
+    workgroup is warp r // 16's, and a lane holds rows lane // 4 and lane // 4 + 8 of its warp's."""
 
-    def __init__(self, s: KernelShapes, pointers: dict, scalars: dict):
-        self.s, self.t = s, s.tiling
+    def __init__(self, s: KernelShapes, place):
+        self.s, self.t, self.place = s, s.tiling, place
         self.ops = _Operands(s.dtype)
-        self.p = pointers
-        self.batch, self.q_len, self.kv_len = (scalars[name] for name in _DISPATCH_SCALARS)
         self.row_bytes = s.d * 2
         self.tile_bytes = self.t.kv_block * self.row_bytes
 
     def emit(self) -> None:
-        s, t = self.s, self.t
+        s, t, place = self.s, self.t, self.place
         tid = as_i64(gpu_d.thread_id(gpu_d.Dimension.x))
         self.warp, self.lane = arith_d.divui(tid, _i(32)), arith_d.remui(tid, _i(32))
         self.tid = tid
-        wx, head, entry = workgroup_ids()
-        tiles = arith_d.divsi(_add(self.q_len, t.rows - 1), _i(t.rows))
-        if s.mask in ("causal", "causal_padded_left"):      # the longest tiles first
-            wx = arith_d.subi(arith_d.subi(tiles, _i(1)), wx)
-        self.entry, self.head = entry, head
-        self.kv_head = arith_d.divui(head, _i(s.group))
-        first_token = _mul(wx, t.rows)
-        valid_len = None
-        if "valid_lens" in self.p:
-            valid_len = arith_d.extsi(ir.IntegerType.get_signless(64),
-                                      llvm_d.load(i32(), _gep(1, self.p["valid_lens"], _mul(entry, 4))))
-        self.keys = KeyRange(s.mask, self.q_len, self.kv_len, valid_len)
-        last_q = arith_d.subi(self.q_len, _i(1))
-        row_token = _add(first_token, _mul(self.warp, WARP_ROWS), arith_d.divui(self.lane, _i(4)))
-        self.tokens = (row_token, _add(row_token, 8))
-        clamped = [arith_d.minsi(token, last_q) for token in self.tokens]
-        self.row_lo = [self.keys.lo() for _ in clamped]
-        self.row_hi = [self.keys.hi(token) for token in clamped]
-        # the workgroup's key range: its first and last rows bound every mask of MASKS
-        ends = [self.keys.hi(arith_d.minsi(first_token, last_q)),
-                self.keys.hi(arith_d.minsi(_add(first_token, t.rows - 1), last_q))]
-        lo = self.keys.lo()
-        self.all_see = (lo, arith_d.minsi(*ends))
-        hi = arith_d.maxsi(*ends)
+        place.bind(self)
+        row = _add(_mul(self.warp, WARP_ROWS), arith_d.divui(self.lane, _i(4)))
+        self.rows = (row, _add(row, 8))
+        bounds = [place.row_keys(r) for r in self.rows]
+        self.row_lo, self.row_hi = [b[0] for b in bounds], [b[1] for b in bounds]
+        lo, all_see, hi = place.workgroup_keys()
+        self.all_see = (lo, all_see)
         first_tile = arith_d.divsi(lo, _i(t.kv_block))
         end_tile = arith_d.select(arith_d.cmpi(arith_d.CmpIPredicate.sgt, hi, lo),
                                   arith_d.divsi(_add(hi, t.kv_block - 1), _i(t.kv_block)), first_tile)
         self._shared()
-        q_frags = self._query_fragments(clamped)
+        q_frags = self._query_fragments()
         self.first_tile = first_tile
         _when(arith_d.cmpi(arith_d.CmpIPredicate.slt, first_tile, end_tile),
               lambda: (self._copy_tile(first_tile, _i(0)), nvvm.cp_async_commit_group()))
@@ -284,7 +266,7 @@ class _Workgroup:
                                   state[n_out + 2:])
             scf_d.YieldOp(new)
         result = list(loop.results)
-        self._write_rows(result[:n_out], result[n_out:n_out + 2], result[n_out + 2:])
+        place.write(self, result[:n_out], result[n_out:n_out + 2], result[n_out + 2:])
 
     def _shared(self) -> None:
         space = ir.Attribute.parse("#gpu.address_space<workgroup>")
@@ -293,48 +275,42 @@ class _Workgroup:
         address = memref_d.extract_aligned_pointer_as_index(buffer)
         self.shared = llvm_d.inttoptr(_ptr(3), as_i64(address))
 
-    def _query_fragments(self, tokens) -> list[list[ir.Value]]:
+    def _query_fragments(self) -> list[list[ir.Value]]:
         """q's A fragments, one per 16 columns of d: (row lo, cols c..c+1), (row hi, c..c+1),
         (lo, c+8..), (hi, c+8..) with c = 16 k + 2 (lane % 4)."""
         s = self.s
         col = _mul(arith_d.remui(self.lane, _i(4)), 2)
-        rows = [_mul(_add(_mul(_add(_mul(self.entry, self.q_len), token), s.h_q), self.head), s.d)
-                for token in tokens]
+        rows = [self.place.q_row(row) for row in self.rows]
         frags = []
         for step in range(s.d // 16):
             regs = []
             for half in (0, 8):
                 for row in rows:
                     element = _add(row, col, 16 * step + half)
-                    regs.append(llvm_d.load(i32(), _gep(1, self.p["q"], _mul(element, 2))))
+                    regs.append(llvm_d.load(i32(), _gep(1, self.place.q, _mul(element, 2))))
             frags.append(regs)
         return frags
 
-    def _kv_row(self, tile, offset: int):
-        """The element offset of key ``tile * kv_block + offset + tid // chunks`` (clamped into
-        the call's keys) of this workgroup's KV head in k or v."""
-        s, t = self.s, self.t
-        chunks = s.d * 2 // CHUNK
-        key = _add(_mul(tile, t.kv_block), arith_d.divui(self.tid, _i(chunks)), offset)
-        key = arith_d.minsi(key, arith_d.subi(self.kv_len, _i(1)))
-        return _mul(_add(_mul(_add(_mul(self.entry, self.kv_len), key), s.h_kv), self.kv_head), s.d)
-
     def _copy_tile(self, tile, stage) -> None:
-        """cp.async of the K and V tile ``tile`` into ``stage`` (an i64 0 or 1), 16 bytes a copy."""
+        """cp.async of the K and V tile ``tile`` into ``stage`` (an i64 0 or 1), 16 bytes a copy:
+        thread i copies chunk i % chunks of rows i // chunks, + threads // chunks, ..."""
         s, t = self.s, self.t
         chunks = s.d * 2 // CHUNK
         rows_per_pass = t.threads // chunks
         chunk = arith_d.remui(self.tid, _i(chunks))
         first_row = arith_d.divui(self.tid, _i(chunks))
+        same_swizzle = rows_per_pass % 8 == 0    # then a thread's rows share row % 8
         swizzled = _mul(arith_d.xori(chunk, arith_d.remui(first_row, _i(8))), CHUNK)
         stage_base = _mul(stage, 2 * self.tile_bytes)
         for pass_ in range(t.kv_block // rows_per_pass):
             row = _add(first_row, pass_ * rows_per_pass)
-            element = _add(self._kv_row(tile, pass_ * rows_per_pass), _mul(chunk, CHUNK // 2))
+            if not same_swizzle:
+                swizzled = _mul(arith_d.xori(chunk, arith_d.remui(row, _i(8))), CHUNK)
+            element = _add(self.place.kv_row(_add(_mul(tile, t.kv_block), row)), _mul(chunk, CHUNK // 2))
             shared_row = _add(stage_base, _mul(row, self.row_bytes), swizzled)
-            for name, offset in (("k", 0), ("v", self.tile_bytes)):
+            for source, offset in ((self.place.k, 0), (self.place.v, self.tile_bytes)):
                 nvvm.cp_async_shared_global(_gep(3, self.shared, _add(shared_row, offset)),
-                                            _gep(1, self.p[name], _mul(element, 2)), CHUNK,
+                                            _gep(1, source, _mul(element, 2)), CHUNK,
                                             _attr("#nvvm.load_cache_modifier<cg>"))
 
     def _matrix_address(self, stage_base, key, chunk) -> ir.Value:
@@ -364,7 +340,7 @@ class _Workgroup:
                 m = _ldmatrix4(self._matrix_address(k_base, key, chunk), transposed=False)
                 scores[2 * block] = ops.mma(q_frags[step], m[0:2], scores[2 * block])
                 scores[2 * block + 1] = ops.mma(q_frags[step], m[2:4], scores[2 * block + 1])
-        flat = [arith_d.mulf(x, const_f32(s.scale_log2)) for block in scores for x in block]
+        flat = [arith_d.mulf(x, self.place.scale_log2) for block in scores for x in block]
         key_first = _add(_mul(tile, t.kv_block), _mul(arith_d.remui(self.lane, _i(4)), 2))
         lo, hi = self.all_see
         crosses = arith_d.ori(arith_d.cmpi(arith_d.CmpIPredicate.slt, _mul(tile, t.kv_block), lo),
@@ -424,26 +400,90 @@ class _Workgroup:
             masked.append(arith_d.select(inside, value, minus_inf))
         return masked
 
-    def _write_rows(self, out, row_max, row_sum) -> None:
+    def column(self) -> ir.Value:
+        """The first of the two output columns a lane holds in each 8-column block."""
+        return _mul(arith_d.remui(self.lane, _i(4)), 2)
+
+    def first_of_row(self) -> ir.Value:
+        """Whether this lane is the first of its row's four (i1)."""
+        return arith_d.cmpi(arith_d.CmpIPredicate.eq, arith_d.remui(self.lane, _i(4)), _i(0))
+
+
+class DensePlacement:
+    """The dense prefills' rows and keys: workgroup (x, h, b) owns query tokens [x, x + 1) * rows
+    of query head h of entry b (the last tile first under a causal mask); q, k, v in the caller's
+    layout; rows written normalised with their lse (the module docstring)."""
+
+    def __init__(self, s: KernelShapes, pointers: dict, scalars: dict):
+        self.s = s
+        self.q, self.k, self.v, self.p = pointers["q"], pointers["k"], pointers["v"], pointers
+        self.batch, self.q_len, self.kv_len = (scalars[name] for name in _DISPATCH_SCALARS)
+        self.scale_log2 = None
+
+    def bind(self, w: _Workgroup) -> None:
+        s, t = self.s, w.t
+        self.scale_log2 = const_f32(s.scale_log2)
+        wx, head, entry = workgroup_ids()
+        tiles = arith_d.divsi(_add(self.q_len, t.rows - 1), _i(t.rows))
+        if s.mask in ("causal", "causal_padded_left"):      # the longest tiles first
+            wx = arith_d.subi(arith_d.subi(tiles, _i(1)), wx)
+        self.entry, self.head = entry, head
+        self.kv_head = arith_d.divui(head, _i(s.group))
+        self.first_token = _mul(wx, t.rows)
+        self.rows = t.rows
+        valid_len = None
+        if "valid_lens" in self.p:
+            valid_len = arith_d.extsi(ir.IntegerType.get_signless(64),
+                                      llvm_d.load(i32(), _gep(1, self.p["valid_lens"], _mul(entry, 4))))
+        self.keys = KeyRange(s.mask, self.q_len, self.kv_len, valid_len)
+        self.last_q = arith_d.subi(self.q_len, _i(1))
+
+    def _token(self, row) -> ir.Value:
+        return _add(self.first_token, row)
+
+    def _clamped(self, row) -> ir.Value:
+        return arith_d.minsi(self._token(row), self.last_q)
+
+    def row_keys(self, row) -> tuple[ir.Value, ir.Value]:
+        """The keys [lo, hi) workgroup row ``row`` sees."""
+        return self.keys.lo(), self.keys.hi(self._clamped(row))
+
+    def workgroup_keys(self) -> tuple[ir.Value, ir.Value, ir.Value]:
+        """(the first key any row sees, the end of the keys every row sees, the end of those any
+        row sees): the first and last rows bound every mask of key_ranges.MASKS."""
+        ends = [self.keys.hi(self._clamped(_i(0))), self.keys.hi(self._clamped(_i(self.rows - 1)))]
+        return self.keys.lo(), arith_d.minsi(*ends), arith_d.maxsi(*ends)
+
+    def q_row(self, row) -> ir.Value:
+        """The element offset in q of row ``row``'s first column (a row past the call reads the last)."""
+        s = self.s
+        return _mul(_add(_mul(_add(_mul(self.entry, self.q_len), self._clamped(row)), s.h_q), self.head), s.d)
+
+    def kv_row(self, key) -> ir.Value:
+        """The element offset in k and v of key ``key`` (clamped into the call's keys)."""
+        s = self.s
+        key = arith_d.minsi(key, arith_d.subi(self.kv_len, _i(1)))
+        return _mul(_add(_mul(_add(_mul(self.entry, self.kv_len), key), s.h_kv), self.kv_head), s.d)
+
+    def write(self, w: _Workgroup, out, row_max, row_sum) -> None:
         """Rows lo and hi of this lane, normalised, into out; their lse (the lane of the row's
         four that holds columns 0, 1) into lse; rows past the call's queries are not written."""
         s = self.s
-        col = _mul(arith_d.remui(self.lane, _i(4)), 2)
-        writes_lse = arith_d.cmpi(arith_d.CmpIPredicate.eq, arith_d.remui(self.lane, _i(4)), _i(0))
+        col = w.column()
         for half in (0, 1):
             total = _lane_sum(row_sum[half])
             seen = arith_d.cmpf(arith_d.CmpFPredicate.OGT, total, const_f32(0.0))
             inverse = arith_d.select(seen, arith_d.divf(const_f32(1.0), total), const_f32(0.0))
             lse = arith_d.select(seen, arith_d.addf(row_max[half], _lg2(total)), const_f32(EMPTY_ROW_LSE))
-            token = self.tokens[half]
+            token = self._token(w.rows[half])
             row = _add(_mul(_add(_mul(self.entry, self.q_len), token), s.h_q), self.head)
 
             def write(half=half, inverse=inverse, lse=lse, row=row):
                 for block in range(s.d // 8):
                     low, high = (arith_d.mulf(out[4 * block + 2 * half + e], inverse) for e in (0, 1))
                     element = _add(_mul(row, s.d), col, 8 * block)
-                    llvm_d.store(self.ops.packed(low, high), _gep(1, self.p["out"], _mul(element, 2)))
-                _when(writes_lse, lambda: llvm_d.store(lse, _gep(1, self.p["lse"], _mul(row, 4))))
+                    llvm_d.store(w.ops.packed(low, high), _gep(1, self.p["out"], _mul(element, 2)))
+                _when(w.first_of_row(), lambda: llvm_d.store(lse, _gep(1, self.p["lse"], _mul(row, 4))))
 
             _when(arith_d.cmpi(arith_d.CmpIPredicate.slt, token, self.q_len), write)
 
@@ -473,7 +513,8 @@ def build_executable(s: KernelShapes) -> None:
         pointers = {name: llvm_d.addrspacecast(_ptr(1), binding_pointer(
             bound[name], ir.MemRefType.get(static_shape(sizes[name]), elems[name]), dynamic_dims(sizes[name])))
             for name in bound}
-        _Workgroup(s, pointers, {name: as_i64(value) for name, value in scalars.items()}).emit()
+        scalars = {name: as_i64(value) for name, value in scalars.items()}
+        _Workgroup(s, DensePlacement(s, pointers, scalars)).emit()
 
 
 def emit_dense(s: KernelShapes, q, k, v, anchor: ir.Operation, valid_lens=None) -> list[ir.Value]:

@@ -295,6 +295,8 @@ ALL_PIECES = 1 << 30
 DECODE_PASSES = {"linalg": DecodePasses((1, 4, 16), bucketed=False, scratch_bound=2.0, call_scratch=256 << 20,
                                        pieces_up_to=256),
                  "fused": DecodePasses((1, 4, 16), bucketed=True),
+                 # CUDA's mma passes (mlir/cuda_decode.py): the fused passes' gather and padding
+                 "mma": DecodePasses((1, 4, 16), bucketed=True),
                  # llvm-cpu on CPUs with AMX (mlir/x86_decode.py): its scratch is each chunk's
                  # products, no scores, so no pass is left out; calls cut as the linalg pass's;
                  # no entry in pieces: the x86 kernel (mlir/x86_kv_cache.py) runs a 96 x 96 bf16

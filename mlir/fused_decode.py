@@ -52,8 +52,8 @@ def _decode(spec: DecodeSpec, rule: MaskRule, q, cache: KvCache, geometry, causa
     base = spec.base
     entries, rows = dim(q, 0), spec.rows
     tiles = ceil_div(arith_d.muli(dim(cache.table, 1), const_index(spec.block)), TILE)
-    keys = _gathered(spec, cache, 0, spec.d_qk, tiles)
-    values = _gathered(spec, cache, 1, spec.d_v, tiles)
+    keys = gathered_kv(spec, cache, 0, spec.d_qk, tiles)
+    values = gathered_kv(spec, cache, 1, spec.d_v, tiles)
     mask = rule.bind({"causal": causal}).per_call()
 
     def valid(e, row, col):
@@ -63,14 +63,14 @@ def _decode(spec: DecodeSpec, rule: MaskRule, q, cache: KvCache, geometry, causa
         return mask.valid(Lengths(qo_len, kv_len, arith_d.subi(kv_len, qo_len)), lambda: token, col)
 
     row_sink = None if sinks is None else _padded_row_sinks(spec, sinks)
-    output, lse = attend_entries(_padded_queries(spec, q), keys, values, valid=valid, sm_scale=sm_scale,
+    output, lse = attend_entries(padded_queries(spec, q), keys, values, valid=valid, sm_scale=sm_scale,
                                  soft_cap=base.logits_soft_cap, sinks=row_sink)
     h, d_v = base.h_kv, spec.d_v
     return [extract_slice(output, [0, 0, 0, 0], [entries, h, rows, d_v]),
             extract_slice(lse, [0, 0, 0], [entries, h, rows])]
 
 
-def _padded_queries(spec: DecodeSpec, q: ir.Value) -> ir.Value:
+def padded_queries(spec: DecodeSpec, q: ir.Value) -> ir.Value:
     """q [n, h, R, d_qk] -> [n, h, R', d_qk], rows past R zero."""
     entries, h, rows, d_qk = dim(q, 0), spec.base.h_kv, spec.rows, spec.d_qk
     padded = padded_rows(spec)
@@ -86,7 +86,7 @@ def _padded_queries(spec: DecodeSpec, q: ir.Value) -> ir.Value:
     return generic([], [empty([entries, h, padded, d_qk], elem)], [affine_map(4, range(4))], "pppp", body)[0]
 
 
-def _gathered(spec: DecodeSpec, cache: KvCache, which: int, width: int, tiles: ir.Value) -> ir.Value:
+def gathered_kv(spec: DecodeSpec, cache: KvCache, which: int, width: int, tiles: ir.Value) -> ir.Value:
     """Keys (``which`` 0) or values (1) [n, Tk, h, TILE, width] in the input dtype: logical row
     kt * TILE + ki of each entry, zero at or past its kv_len (unused cache rows may hold NaN)."""
     entries, h = dim(cache.table, 0), spec.base.h_kv

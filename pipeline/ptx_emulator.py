@@ -108,7 +108,7 @@ def _split_operands(text: str) -> list:
 
 
 class Memory:
-    """Named buffers at addresses from GLOBAL_BASE, 256-byte aligned."""
+    """Buffers at addresses from GLOBAL_BASE, 64 KiB aligned."""
 
     def __init__(self):
         self.buffers: list[tuple[int, np.ndarray]] = []
@@ -119,7 +119,7 @@ class Memory:
         data = np.frombuffer(np.ascontiguousarray(array).tobytes(), np.uint8).copy()
         address = self.next
         self.buffers.append((address, data))
-        self.next += (len(data) + 255) // 256 * 256 + 256
+        self.next += (len(data) + 65535) // 65536 * 65536 + 65536   # 64 KiB apart, as aligned as IREE assumes
         return address
 
     def read(self, address: int, dtype, shape) -> np.ndarray:
@@ -630,29 +630,44 @@ def run_kernel(kernel: Kernel, memory: Memory, params: list[int], grid: tuple[in
                 _Workgroup(kernel, memory, params, (x, y, z), grid, shared_bytes).run()
 
 
+def run_dispatch(ptx: str, inputs: list[np.ndarray], outputs: list[tuple], scalars: list[tuple[str, object]],
+                 grid: tuple[int, int, int], shared_bytes: int) -> list[np.ndarray]:
+    """The results of a hand-written dispatch's PTX: ``inputs`` (arrays, each its own buffer),
+    ``outputs`` ((dtype, shape) each, zero-filled), ``scalars`` (("index" | "i32" | "f32", value))
+    in the dispatch's operand order, over ``grid`` with ``shared_bytes`` of shared memory.
+
+    The launch IREE 3.13 makes of a dispatch whose inputs are distinct buffers and whose results
+    it allocates together (read from its HAL IR): a pointer a binding (the inputs, then the
+    results), then 32-bit constants: the byte offset of each result after the first in their
+    common buffer (an index, here 0: each result is its own buffer), then the scalars, an index
+    as (low, high), an f32 as its bits."""
+    kernel = parse_kernel(ptx)
+    memory = Memory()
+    pointers = [memory.add(array) for array in inputs]
+    results = [memory.add(np.zeros(shape, dtype)) for dtype, shape in outputs]
+    constants = []
+    for kind, value in [("index", 0)] * (len(outputs) - 1) + list(scalars):
+        if kind == "index":
+            constants += [int(value) & 0xFFFFFFFF, (int(value) >> 32) & 0xFFFFFFFF]
+        elif kind == "i32":
+            constants.append(int(value) & 0xFFFFFFFF)
+        else:
+            constants.append(int(np.float32(value).view(np.uint32)))
+    run_kernel(kernel, memory, pointers + results + constants, grid, shared_bytes)
+    return [memory.read(address, dtype, shape) for address, (dtype, shape) in zip(results, outputs)]
+
+
 def emulate_sequence_prefill(ptx: str, q: np.ndarray, k: np.ndarray, v: np.ndarray,
                              valid_lens: np.ndarray | None = None,
                              tiling: MmaTiling | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(output [B, Lq, h_q, d] in q's dtype, lse [B, Lq, h_q] float32) of the mma lowering's
-    dense dispatch (mlir/cuda_attention.py, built with ``tiling``, default its MMA_TILING) run from its PTX on q
-    [B, Lq, h_q, d], k/v [B, Lk, h_kv, d] (float16 or bfloat16) and valid_lens [B] int32.
-
-    The launch IREE 3.13 makes of it (read from its HAL IR): the bindings in the dispatch's order
-    (q, k, v, valid_lens where the mask reads it, out, lse), then the index operands as 32-bit
-    (low, high) pairs, after the byte offset of the second result in the buffer IREE allocates
-    for both: (lse offset, batch, q_len, kv_len)."""
-    kernel = parse_kernel(ptx)
+    dense dispatch (mlir/cuda_attention.py, built with ``tiling``, default its MMA_TILING) run
+    from its PTX on q [B, Lq, h_q, d], k/v [B, Lk, h_kv, d] (float16 or bfloat16) and valid_lens
+    [B] int32: the dense kernel's function is that one dispatch (:func:`run_dispatch`)."""
     tiling = tiling or MMA_TILING
     batch, q_len, h_q, d = q.shape
-    kv_len = k.shape[1]
-    memory = Memory()
     inputs = [q, k, v] + ([np.asarray(valid_lens, np.int32)] if valid_lens is not None else [])
-    out_address = memory.add(np.zeros(q.shape, np.uint16))
-    lse_address = memory.add(np.zeros((batch, q_len, h_q), np.float32))
-    pointers = [memory.add(array) for array in inputs] + [out_address, lse_address]
-    constants = []
-    for value in (0, batch, q_len, kv_len):
-        constants += [value & 0xFFFFFFFF, value >> 32]
-    grid = (-(-q_len // tiling.rows), h_q, batch)
-    run_kernel(kernel, memory, pointers + constants, grid, tiling.shared_bytes(d))
-    return memory.read(out_address, q.dtype, q.shape), memory.read(lse_address, np.float32, (batch, q_len, h_q))
+    out, lse = run_dispatch(ptx, inputs, [(q.dtype, q.shape), (np.float32, (batch, q_len, h_q))],
+                            [("index", batch), ("index", q_len), ("index", k.shape[1])],
+                            (-(-q_len // tiling.rows), h_q, batch), tiling.shared_bytes(d))
+    return out, lse

@@ -11,13 +11,16 @@ import pytest
 from iree.compiler.dialects import nvvm
 
 from linalg_prefill.mlir import (
-    MaskedSequencePrefillSpec, PagedPrefillSpec, SequencePrefillSpec, build_mma_module, cuda_attention,
+    DecodeSpec, MaskedSequencePrefillSpec, MlaPagedPrefillSpec, PagedPrefillSpec, SequencePrefillSpec, build_mma_module, cuda_attention,
+    cuda_decode,
 )
 from linalg_prefill.pipeline import Target, compile_spec, ptx_emulator
 from linalg_prefill.pipeline.compiler import compile_ir, keyed_ir
 from linalg_prefill.pipeline.targets import structure_problems
-from linalg_prefill.pipeline.tuning import tuned_ir
-from linalg_prefill.pipeline.vm_structure import disassembly, dispatch_sites, ptx_modules, ptxas_kernels, ptxas_tool
+from linalg_prefill.pipeline.tuning import apply_tuning, tuned_ir
+from linalg_prefill.pipeline.vm_structure import (
+    disassembly, dispatch_sites, loop_bodies, ptx_modules, ptxas_kernels, ptxas_tool,
+)
 from linalg_prefill.runtime.examples import example_inputs
 from support import NUMPY_DTYPE, assert_matches_reference, spec_id, structure, with_arguments
 
@@ -166,3 +169,95 @@ def test_a_wrong_swizzle_reads_the_wrong_keys(monkeypatch, request):
     got = _emulated(MUTATED, _mutated_vmfb(MUTATED, request), call)
     with pytest.raises(AssertionError, match="bound"):
         assert_matches_reference("reads unswizzled", got, MUTATED, call)
+
+
+# ---- the serving passes (mlir/cuda_decode.py): chunks of each entry's keys, merged by their maxima
+
+#: A pass of the mma lowering as the runtime loads it (the shared gather, the chunks, the merge).
+PASS = DecodeSpec(PagedPrefillSpec(32, 8, 128, "bfloat16", page_size=16, sliding_window=True), 4)
+
+
+def test_the_record_takes_mma_passes_for_the_paged_and_ragged_caches():
+    paged = PagedPrefillSpec(32, 8, 128, "float16", page_size=16)
+    assert [p.queries for p in MMA.serving_passes(paged)] == [1, 4, 16]
+    assert {MMA.lowering_of(p) for p in MMA.serving_passes(paged)} == {"mma"}
+    assert MMA.lowering_of(paged) == "fused"          # its own kernel: no mma prefill for a cache yet
+    mla = MlaPagedPrefillSpec(16, 512, 64, "float16", page_size=16)
+    assert {MMA.lowering_of(p) for p in MMA.serving_passes(mla)} == {"fused"}
+
+
+@pytest.mark.compiles(PASS, backends=[MMA])
+def test_a_pass_compiles_with_no_host_loop_and_fits_its_registers(cache, tmp_path):
+    vmfb = compile_spec(PASS, MMA, cache=cache)
+    path = tmp_path / "pass.vmfb"
+    path.write_bytes(vmfb)
+    assert structure_problems(PASS, MMA, path) == []
+    assert loop_bodies(disassembly(path), function=PASS.symbol) == []
+    assert any(".entry attend_chunks" in ptx for ptx in ptx_modules(vmfb))
+    if ptxas_tool() is not None:
+        kernels = {kernel.name: kernel for kernel in ptxas_kernels(ptx_modules(vmfb))}
+        assert kernels["attend_chunks"].registers <= 255 and kernels["attend_chunks"].spill_bytes == 0
+
+def _chunks_module(spec):
+    """A module whose function is the pass's chunk dispatch alone, on its gathered operands:
+    ``chunks(q_padded, keys, values, geometry, causal, sm_scale) -> (acc, max, sum)``."""
+    from linalg_prefill.mlir.cuda_decode import attend_chunks
+    from linalg_prefill.mlir.ir import DYN, element_type, f32, func_d, i32, ir, module_context, tensor_type
+
+    h, d, padded = spec.base.h_kv, spec.d_qk, cuda_decode.padded_rows(spec)
+    with module_context() as module:
+        elem = element_type(spec.dtype)
+        args = [tensor_type([DYN, h, padded, d], elem), tensor_type([DYN, DYN, h, 64, d], elem),
+                tensor_type([DYN, DYN, h, 64, d], elem), tensor_type([DYN, 4], i32()), i32(), f32()]
+        results = [tensor_type([DYN, DYN, h, spec.rows, d], f32()), *[tensor_type([DYN, DYN, h, spec.rows], f32())] * 2]
+        with ir.InsertionPoint(module.body):
+            fn = func_d.FuncOp("chunks", (args, results))
+            with ir.InsertionPoint(fn.add_entry_block()):
+                func_d.ReturnOp(attend_chunks(spec, *fn.arguments, fn))
+        module.operation.verify()
+        return str(apply_tuning(module, MMA))
+
+
+#: (pass spec, entries as (kv_len, qo_len), causal): a 4-query pass over entries of 1 to 700 keys
+#: (three chunks of 256), GQA 4; a 1-query bf16 pass of d 128, not causal.
+PASS_CASES = [
+    (DecodeSpec(PagedPrefillSpec(8, 2, 64, "float16", page_size=16), 4), [(700, 4), (5, 4), (256, 3)], 1),
+    (DecodeSpec(PagedPrefillSpec(4, 1, 128, "bfloat16", page_size=16), 1), [(300, 1), (1, 1)], 0),
+]
+
+
+@pytest.mark.parametrize("spec, entries, causal", PASS_CASES, ids=[spec_id(case[0]) for case in PASS_CASES])
+def test_a_pass_s_chunks_merged_match_the_reference(spec, entries, causal):
+    """Each chunk's (acc, max, sum) from the PTX, merged by their maxima (decode.merge_chunks'
+    formula), against each entry as a dense call (token = row // G, query head h G + row % G)."""
+    ptx = _ptx(compile_ir(_chunks_module(spec), MMA))
+    base, rng = spec.base, np.random.default_rng(3)
+    sm_scale = spec.d_qk ** -0.5          # a pass's sm_scale is the call's
+    h, group, d, rows, padded = base.h_kv, base.group_size, spec.d_qk, spec.rows, cuda_decode.padded_rows(spec)
+    dtype = NUMPY_DTYPE[spec.dtype]
+    tiles = -(-max(kv for kv, _ in entries) // 64)
+    n = len(entries)
+    q = (rng.standard_normal((n, h, padded, d)) * 3).astype(dtype)
+    keys = rng.standard_normal((n, tiles * 64, h, d)).astype(dtype)
+    values = rng.standard_normal((n, tiles * 64, h, d)).astype(dtype)
+    for e, (kv_len, _) in enumerate(entries):
+        keys[e, kv_len:], values[e, kv_len:] = 0, 0          # the gather's zero rows
+    as_tiles = lambda x: np.ascontiguousarray(x.reshape(n, tiles, 64, h, d).transpose(0, 1, 3, 2, 4))  # noqa: E731
+    geometry = np.array([[kv, 0, 0, qo] for kv, qo in entries], np.int32)
+    chunks = -(-tiles // cuda_decode.CHUNK_TILES)
+    outputs = [(np.float32, (n, chunks, h, rows, d)), *[(np.float32, (n, chunks, h, rows))] * 2]
+    scalars = [("index", n), ("index", tiles), ("index", chunks), ("index", causal),
+               ("f32", np.float32(sm_scale) * np.float32(1.4426950408889634))]
+    acc, best, total = ptx_emulator.run_dispatch(ptx, [q, as_tiles(keys), as_tiles(values), geometry], outputs,
+                                                  scalars, (chunks, h, n), cuda_decode._tiling(spec).shared_bytes(d))
+    top = best.max(axis=1, keepdims=True)
+    weight = np.exp2(best - top)
+    summed = (weight * total).sum(axis=1)                                     # [n, h, R]
+    merged = (weight[..., None] * acc).sum(axis=1) / np.where(summed > 0, summed, 1)[..., None]
+    lse = np.where(summed > 0, top[:, 0] + np.log2(np.where(summed > 0, summed, 1)), -5e4)
+    for e, (kv_len, qo_len) in enumerate(entries):
+        dense = SequencePrefillSpec(h * group, h, d, spec.dtype, causal=bool(causal), sm_scale=sm_scale)
+        as_rows = lambda x: x[e, :, :qo_len * group].reshape(h, qo_len, group, *x.shape[3:]).swapaxes(0, 1)  # noqa: E731
+        call = (as_rows(q).reshape(1, qo_len, h * group, d), keys[e:e + 1, :kv_len], values[e:e + 1, :kv_len])
+        got = (as_rows(merged).reshape(1, qo_len, h * group, d), as_rows(lse).reshape(1, qo_len, h * group))
+        assert_matches_reference(f"{spec.name} entry {e}", got, dense, call)

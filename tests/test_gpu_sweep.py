@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 
 from conftest import FUSED_CPU
-from linalg_prefill.mlir import DecodeSpec, PagedPrefillSpec, SequencePrefillSpec, cuda_attention, fused_kernels
+from linalg_prefill.mlir import (
+    DecodeSpec, PagedPrefillSpec, SequencePrefillSpec, cuda_attention, cuda_decode, fused_kernels,
+)
 from linalg_prefill.pipeline import Target, compiler, targets
 from linalg_prefill.pipeline.vm_structure import tensor_core_instructions
 
@@ -68,6 +70,19 @@ def test_an_mma_candidate_builds_the_hand_written_dispatch_in_its_tiling():
     assert gpu_sweep.candidate_ir(SPEC, CANDIDATES["mma-w4-k64"], target) == \
         compiler.keyed_ir(SPEC, Target("cuda", lowering="mma"))
     assert cuda_attention.MMA_TILING is committed
+
+
+def test_an_mma_pass_candidate_builds_the_chunked_pass():
+    """The mma pass candidates build mlir/cuda_decode.py's pass with their chunk size; the
+    committed one is back afterwards."""
+    target = Target("cuda")
+    pass_spec = DecodeSpec(PagedPrefillSpec(32, 8, 128, "float16", page_size=16), 4)
+    passes = {c.label: c for c in gpu_sweep.PASS_CANDIDATES}
+    committed = cuda_decode.CHUNK_TILES
+    text = gpu_sweep.candidate_ir(pass_spec, passes["mma-c8"], target)
+    assert "@cuda_serving_pass" in text and "online_attention" not in text
+    assert text != gpu_sweep.candidate_ir(pass_spec, passes["mma-c2"], target)
+    assert cuda_decode.CHUNK_TILES == committed
 
 
 def test_a_pass_candidate_reaches_the_serving_pass():
