@@ -79,8 +79,11 @@ def _tiling(rows: int, keys: int = 64, promote: bool = True, qk: str = "qi", pv:
 #: splitting the keys and the value columns instead of the rows; fewer keys a step; unstaged
 #: steps; longer bands (more workgroups at once, more masked work on the causal diagonal: a band
 #: sees the keys up to its last row); bands of 32 tiles (2048 rows: L = 2048 in one dispatch, its
-#: masked half computed); 4 and 8 bands a step of the band loop, each over its own prefix (one
-#: submission a step; IREE still orders the step's dispatches: fused_kernels.BAND_GROUP).
+#: masked half computed); 4 bands a step of the band loop, each over its own prefix (one
+#: submission a step; IREE still orders the step's dispatches: fused_kernels.BAND_GROUP). Four
+#: more (32 rows in bands of 8 tiles, 16 rows in bands of 32, 8 bands a step, 16 rows 4 bands a
+#: step) were dropped for the mma candidates: the bundle and the sweep must fit a device call's
+#: 64 MiB together.
 CANDIDATES = (
     Candidate("default"),
     Candidate("r64-w4-nopromote", _tiling(64, promote=False)),
@@ -90,13 +93,9 @@ CANDIDATES = (
     Candidate("r16-w4-split", _tiling(16, promote=False, qk="ki", pv="n"), warps=4),
     Candidate("r64-w4-band8", band_tiles=8),
     Candidate("r64-w4-band16", band_tiles=16),
-    Candidate("r32-w2-band8", _tiling(32), warps=2, band_tiles=8),
     Candidate("r16-w1-band16", _tiling(16), warps=1, band_tiles=16),
     Candidate("r64-w4-band32", band_tiles=32),
-    Candidate("r16-w1-band32", _tiling(16), warps=1, band_tiles=32),
     Candidate("r64-w4-group4", band_group=4),
-    Candidate("r64-w4-group8", band_group=8),
-    Candidate("r16-w1-group4", _tiling(16), warps=1, band_group=4),
     # the hand-written lowering: one dispatch a call, cp.async double buffering, ldmatrix,
     # fully masked tiles skipped; 16 query rows a warp, 4 or 8 warps, 32-128 keys a tile (128 keys
     # at d 128 spill 88-120 bytes a thread: ptxas for sm_90)
