@@ -90,8 +90,14 @@ def test_the_ir_is_one_hand_written_dispatch_with_warp_level_ops(spec):
     assert "workgroup_size = [128, 1, 1] subgroup_size = 32" in tuned_ir(spec, MMA)   # the record's
 
 
-@pytest.mark.parametrize("spec", [case[0] for case in CASES], ids=spec_id)
-def test_the_ptx_has_the_fa2_instructions_and_the_structure_checks_pass(spec, cache, tmp_path):
+#: The cases as single parameters: a spec parameter of a test that takes the cache would declare
+#: its llvm-cpu artifact too (tests/conftest.py: compiled_by); these compile for MMA only.
+CASE_PARAMS = [pytest.param(case, id=spec_id(case[0])) for case in CASES]
+
+
+@pytest.mark.parametrize("case", CASE_PARAMS)
+def test_the_ptx_has_the_fa2_instructions_and_the_structure_checks_pass(case, cache, tmp_path):
+    spec = case[0]
     vmfb = compile_spec(spec, MMA, cache=cache)
     path = tmp_path / "kernel.vmfb"
     path.write_bytes(vmfb)
@@ -119,14 +125,16 @@ def test_a_call_is_one_dispatch_where_the_fused_lowering_loops_over_bands(cache,
 
 
 @pytest.mark.skipif(ptxas_tool() is None, reason="no ptxas (CUDA toolkit)")
-@pytest.mark.parametrize("spec", [case[0] for case in CASES[:3]], ids=spec_id)
-def test_the_kernel_fits_its_registers_on_an_h200(spec, cache):
+@pytest.mark.parametrize("case", CASE_PARAMS[:3])
+def test_the_kernel_fits_its_registers_on_an_h200(case, cache):
+    spec = case[0]
     (kernel,) = ptxas_kernels([_ptx(compile_spec(spec, MMA, cache=cache))])
     assert kernel.registers <= 255 and kernel.spill_bytes <= 16, kernel
 
 
-@pytest.mark.parametrize("spec, shape, valid_lens", CASES, ids=[spec_id(case[0]) for case in CASES])
-def test_the_ptx_matches_the_reference(spec, shape, valid_lens, cache):
+@pytest.mark.parametrize("case", CASE_PARAMS)
+def test_the_ptx_matches_the_reference(case, cache):
+    spec, shape, valid_lens = case
     call = _call(spec, shape, valid_lens)
     got = _emulated(spec, compile_spec(spec, MMA, cache=cache), call)
     assert_matches_reference(spec.name, got, spec, call)
