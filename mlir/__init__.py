@@ -2,6 +2,7 @@
 
 from .cuda_attention import build_cuda_sequence_prefill, unsupported as _dense_mma_unsupported
 from .cuda_decode import build_cuda_decode, pass_unsupported as _pass_mma_unsupported
+from .cuda_kv_cache import build_cuda_kv_cache_prefill, kv_cache_unsupported as _kv_cache_mma_unsupported
 from .x86_attention import build_x86_sequence_prefill, unsupported as _dense_x86_unsupported, uses_amx as x86_uses_amx
 from .x86_decode import build_x86_pass, pass_unsupported as _pass_x86_unsupported
 from .x86_kv_cache import build_x86_kv_cache_prefill, kv_cache_unsupported as _kv_cache_x86_unsupported
@@ -85,14 +86,16 @@ def build_x86_module(spec):
 _MMA_BUILDERS = {
     SequencePrefillSpec: (build_cuda_sequence_prefill, _dense_mma_unsupported),
     MaskedSequencePrefillSpec: (build_cuda_sequence_prefill, _dense_mma_unsupported),
+    RaggedPrefillSpec: (build_cuda_kv_cache_prefill, _kv_cache_mma_unsupported),
+    PagedPrefillSpec: (build_cuda_kv_cache_prefill, _kv_cache_mma_unsupported),
     DecodeSpec: (build_cuda_decode, _pass_mma_unsupported),
 }
 
 
 def mma_unsupported(spec) -> str | None:
     """Why the CUDA mma lowering has no kernel for ``spec`` (None where it has one): the dense
-    sequence prefills in float16 and bfloat16 (mlir/cuda_attention.py) and the serving passes of
-    the paged and ragged caches (mlir/cuda_decode.py)."""
+    sequence prefills in float16 and bfloat16 (mlir/cuda_attention.py), the ragged and paged
+    prefills (mlir/cuda_kv_cache.py) and their serving passes (mlir/cuda_decode.py)."""
     if type(spec) not in _MMA_BUILDERS:
         return f"{type(spec).__name__} has no mma kernel"
     return _MMA_BUILDERS[type(spec)][1](spec)

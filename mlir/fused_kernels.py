@@ -203,7 +203,7 @@ def _sequence_body(spec, band_tiles: int, grouped: int, q, k, v, mask, sinks, sc
 
 # ---- KV-cache variants: ragged, paged, MLA ----
 
-def _tile_offset(kv: BatchKv, read: Reader, b: ir.Value) -> ir.Value:
+def tile_offset(kv: BatchKv, read: Reader, b: ir.Value) -> ir.Value:
     return arith_d.addi(arith_d.divsi(kv.base(read, b), const_index(TILE)), b)
 
 
@@ -217,7 +217,7 @@ def _tile_entries(kv: BatchKv, num_tiles: ir.Value) -> ir.Value:
         lo, hi = const_index(0), last_entry
         for _ in range(32):
             mid = arith_d.divsi(arith_d.addi(arith_d.addi(lo, hi), const_index(1)), const_index(2))
-            fits = le(_tile_offset(kv, device_read, mid), t)
+            fits = le(tile_offset(kv, device_read, mid), t)
             lo = arith_d.select(fits, mid, lo)
             hi = arith_d.select(fits, hi, arith_d.maxsi(arith_d.subi(mid, const_index(1)), lo))
         return [arith_d.index_cast(i32(), lo)]
@@ -229,7 +229,7 @@ def _locate(kv: BatchKv, entries: ir.Value) -> tuple[ir.Value, ir.Value]:
     """(entry, entry-local row) of loop 0's storage row, inside a generic."""
     row = linalg_d.IndexOp(0).result
     e = index_at(entries, arith_d.divsi(row, const_index(TILE)))
-    return e, arith_d.subi(row, arith_d.muli(_tile_offset(kv, device_read, e), const_index(TILE)))
+    return e, arith_d.subi(row, arith_d.muli(tile_offset(kv, device_read, e), const_index(TILE)))
 
 
 def _batch_rows(kv: BatchKv, source: RowSource, columns: int, entries: ir.Value, num_tiles: ir.Value,
@@ -274,7 +274,7 @@ def _tile_major(rows: ir.Value, num_tiles: ir.Value) -> ir.Value:
     return own_dispatch(transpose, tensor_type([DYN, h, TILE, d], elem), [num_tiles, h, TILE, d])
 
 
-def _batch_tiles(kv: BatchKv, num_tiles: ir.Value, rope: RopeArgs | None, elem: ir.Type) -> tuple[ir.Value, ir.Value]:
+def batch_tiles(kv: BatchKv, num_tiles: ir.Value, rope: RopeArgs | None, elem: ir.Type) -> tuple[ir.Value, ir.Value]:
     """Keys [T, h, TILE, d_qk] (rotated when ``rotary_mode == 1``) and values [T, h, TILE, d_v]."""
     entries = _tile_entries(kv, num_tiles)
     key_rows = _batch_rows(kv, kv.keys, kv.d_qk, entries, num_tiles, elem)
@@ -297,8 +297,8 @@ def _kv_cache_body(spec, q, q_indptr: HostReadable, kv: BatchKv, *, mask_args: d
     total_q = dim(q, 0)
     padded = arith_d.addi(total_q, const_index(BAND_TILES * TILE))
     q_rows = _pad_rows(expand(q, [[0], [1, 2], [3]], [total_q, h_kv, group, d_qk]), 0, padded)
-    num_tiles = arith_d.maxsi(_tile_offset(kv, host_read, kv.batch), const_index(1))
-    keys, values = _batch_tiles(kv, num_tiles, rope, dt)
+    num_tiles = arith_d.maxsi(tile_offset(kv, host_read, kv.batch), const_index(1))
+    keys, values = batch_tiles(kv, num_tiles, rope, dt)
     mask = rule.bind(mask_args)
     driver = QueryTiles([padded, spec.h_q, d_v], [padded, spec.h_q], group, h_kv, fenced=False)
     head_sinks = None if sinks is None else row_sinks(sinks, h_kv, group, 1)
@@ -306,7 +306,7 @@ def _kv_cache_body(spec, q, q_indptr: HostReadable, kv: BatchKv, *, mask_args: d
     def entry(b, carried):
         q_start = q_indptr.load([b])
         qo_len = arith_d.subi(q_indptr.load([arith_d.addi(b, const_index(1))]), q_start)
-        kv_len, first_tile = kv.kv_len(host_read, b), _tile_offset(kv, host_read, b)
+        kv_len, first_tile = kv.kv_len(host_read, b), tile_offset(kv, host_read, b)
         lengths = Lengths(qo_len, kv_len, arith_d.subi(kv_len, qo_len))
 
         def valid(row, col):

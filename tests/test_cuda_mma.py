@@ -11,8 +11,8 @@ import pytest
 from iree.compiler.dialects import nvvm
 
 from linalg_prefill.mlir import (
-    DecodeSpec, MaskedSequencePrefillSpec, MlaPagedPrefillSpec, PagedPrefillSpec, SequencePrefillSpec, build_mma_module, cuda_attention,
-    cuda_decode,
+    DecodeSpec, MaskedSequencePrefillSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec,
+    build_mma_module, cuda_attention, cuda_decode,
 )
 from linalg_prefill.pipeline import Target, compile_spec, ptx_emulator
 from linalg_prefill.pipeline.compiler import compile_ir, keyed_ir
@@ -65,11 +65,13 @@ def _emulated(spec, vmfb, call):
     return ptx_emulator.emulate_sequence_prefill(_ptx(vmfb), *call)
 
 
-def test_the_record_takes_mma_for_the_dense_half_precision_specs_only():
+def test_the_record_takes_mma_where_it_builds_the_spec():
     dense = CASES[0][0]
     assert MMA.lowering_of(dense) == "mma"
     assert MMA.lowering_of(SequencePrefillSpec(4, 2, 64, "float32", causal=True, sm_scale=0.1)) == "fused"
-    assert MMA.lowering_of(PagedPrefillSpec(4, 2, 64, "float16", page_size=16)) == "fused"
+    assert MMA.lowering_of(PagedPrefillSpec(4, 2, 64, "float16", page_size=16)) == "mma"
+    assert MMA.lowering_of(PagedPrefillSpec(4, 2, 64, "float16", page_size=16, head_sinks=True)) == "fused"
+    assert MMA.lowering_of(MlaPagedPrefillSpec(16, 512, 64, "float16", page_size=16)) == "fused"
     assert Target("cuda").lowering_of(dense) == "fused"   # the default until the GPU sweep says
     with pytest.raises(ValueError, match="d=80"):
         build_mma_module(SequencePrefillSpec(4, 2, 80, "float16", causal=True, sm_scale=0.1))
@@ -189,22 +191,32 @@ def test_the_record_takes_mma_passes_for_the_paged_and_ragged_caches():
     paged = PagedPrefillSpec(32, 8, 128, "float16", page_size=16)
     assert [p.queries for p in MMA.serving_passes(paged)] == [1, 4, 16]
     assert {MMA.lowering_of(p) for p in MMA.serving_passes(paged)} == {"mma"}
-    assert MMA.lowering_of(paged) == "fused"          # its own kernel: no mma prefill for a cache yet
+    assert MMA.lowering_of(paged) == "mma"
     mla = MlaPagedPrefillSpec(16, 512, 64, "float16", page_size=16)
     assert {MMA.lowering_of(p) for p in MMA.serving_passes(mla)} == {"fused"}
 
 
-@pytest.mark.compiles(PASS, backends=[MMA])
-def test_a_pass_compiles_with_no_host_loop_and_fits_its_registers(cache, tmp_path):
-    vmfb = compile_spec(PASS, MMA, cache=cache)
-    path = tmp_path / "pass.vmfb"
+#: A KV-cache prefill of the mma lowering: RoPE (llama3), an 8-bit cache, a sliding window.
+PREFILL = PagedPrefillSpec(32, 8, 128, "bfloat16", page_size=16, sliding_window=True, kv_dtype="float8_e4m3fn",
+                           rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+
+
+@pytest.mark.compiles(PASS, PREFILL, backends=[MMA])
+@pytest.mark.parametrize("kernel", [(PASS, "attend_chunks"), (PREFILL, "attend_entries")], ids=["pass", "prefill"])
+def test_a_kv_cache_kernel_runs_no_host_loop_and_fits_its_registers(kernel, cache, tmp_path):
+    """A call is a fixed sequence of dispatches (the fused KV-cache kernel loops over entries and
+    bands on the host); the attention dispatch keeps its registers on an H200."""
+    spec, entry = kernel
+    vmfb = compile_spec(spec, MMA, cache=cache)
+    path = tmp_path / "kernel.vmfb"
     path.write_bytes(vmfb)
-    assert structure_problems(PASS, MMA, path) == []
-    assert loop_bodies(disassembly(path), function=PASS.symbol) == []
-    assert any(".entry attend_chunks" in ptx for ptx in ptx_modules(vmfb))
+    assert structure_problems(spec, MMA, path) == []
+    assert loop_bodies(disassembly(path), function=spec.symbol) == []
+    assert any(f".entry {entry}" in ptx for ptx in ptx_modules(vmfb))
     if ptxas_tool() is not None:
         kernels = {kernel.name: kernel for kernel in ptxas_kernels(ptx_modules(vmfb))}
-        assert kernels["attend_chunks"].registers <= 255 and kernels["attend_chunks"].spill_bytes == 0
+        assert kernels[entry].registers <= 255 and kernels[entry].spill_bytes == 0
 
 def _chunks_module(spec):
     """A module whose function is the pass's chunk dispatch alone, on its gathered operands:
@@ -269,3 +281,70 @@ def test_a_pass_s_chunks_merged_match_the_reference(spec, entries, causal):
         call = (as_rows(q).reshape(1, qo_len, h * group, d), keys[e:e + 1, :kv_len], values[e:e + 1, :kv_len])
         got = (as_rows(merged).reshape(1, qo_len, h * group, d), as_rows(lse).reshape(1, qo_len, h * group))
         assert_matches_reference(f"{spec.name} entry {e}", got, dense, call)
+
+
+# ---- the KV-cache prefills (mlir/cuda_kv_cache.py): every entry's query tiles in one dispatch
+
+def _entries_module(spec):
+    """A module whose function is the prefill's dispatch alone, on its gathered operands:
+    ``entries(q, keys, values, table, causal, sm_scale) -> (out, lse)``."""
+    from linalg_prefill.mlir.cuda_kv_cache import attend_entries
+    from linalg_prefill.mlir.ir import DYN, element_type, f32, func_d, i32, ir, module_context, tensor_type
+
+    shapes = cuda_attention.KernelShapes(spec.h_q, spec.h_kv, spec.d_qk, spec.dtype, "kv_cache", 0.0)
+    with module_context() as module:
+        elem = element_type(spec.dtype)
+        args = [tensor_type([DYN, spec.h_q, spec.d_qk], elem), *[tensor_type([DYN, spec.h_kv, 64, spec.d_qk], elem)] * 2,
+                tensor_type([DYN, 4], i32()), i32(), f32()]
+        results = [tensor_type([DYN, spec.h_q, spec.d_qk], elem), tensor_type([DYN, spec.h_q], f32())]
+        with ir.InsertionPoint(module.body):
+            fn = func_d.FuncOp("entries", (args, results))
+            with ir.InsertionPoint(fn.add_entry_block()):
+                func_d.ReturnOp(attend_entries(shapes, *fn.arguments, fn))
+        module.operation.verify()
+        return str(apply_tuning(module, MMA))
+
+
+#: (spec, entries as (qo_len, kv_len), causal): ragged GQA 4 d 64 f16 with an entry of two query
+#: tiles and a partial one, causal rows that see no key, an entry without keys, one of 1 query; a
+#: paged bf16 d 128 batch, not causal.
+PREFILL_CASES = [
+    (RaggedPrefillSpec(8, 2, 64, 64, "float16"), [(150, 170), (5, 3), (1, 70), (3, 0)], 1),
+    (PagedPrefillSpec(4, 2, 128, "bfloat16", page_size=16), [(70, 90), (2, 130)], 0),
+]
+
+
+@pytest.mark.parametrize("spec, entries, causal", PREFILL_CASES, ids=[spec_id(case[0]) for case in PREFILL_CASES])
+def test_a_kv_cache_prefill_s_entries_match_the_reference(spec, entries, causal):
+    """The dispatch's PTX on a batch of entries (their keys at tile boundaries of one buffer, as
+    the shared gather lays them out), each entry against its own dense call."""
+    ptx = _ptx(compile_ir(_entries_module(spec), MMA))
+    rng = np.random.default_rng(5)
+    h_q, h, d, dtype, sm_scale = spec.h_q, spec.h_kv, spec.d_qk, NUMPY_DTYPE[spec.dtype], spec.d_qk ** -0.5
+    q_starts = np.cumsum([0] + [qo for qo, _ in entries])
+    first_tiles = np.cumsum([0] + [-(-kv // 64) + 1 for _, kv in entries])   # gaps, as tile_offset leaves
+    tiles = int(first_tiles[-1])
+    q = (rng.standard_normal((int(q_starts[-1]), h_q, d)) * 3).astype(dtype)
+    keys = np.zeros((tiles, h, 64, d), dtype)
+    values = np.zeros((tiles, h, 64, d), dtype)
+    per_entry = []
+    for e, (qo_len, kv_len) in enumerate(entries):
+        k, v = (rng.standard_normal((kv_len, h, d)).astype(dtype) for _ in range(2))
+        rows = np.zeros((-(-kv_len // 64) * 64, h, d), dtype)
+        for target, source in ((keys, k), (values, v)):
+            rows[:kv_len] = source
+            span = rows.reshape(-1, 64, h, d).transpose(0, 2, 1, 3)
+            target[first_tiles[e]:first_tiles[e] + len(span)] = span
+        per_entry.append((k, v))
+    table = np.array([[q_starts[e], qo, kv, first_tiles[e]] for e, (qo, kv) in enumerate(entries)], np.int32)
+    slots = len(q) // 64 + len(entries)
+    out, lse = ptx_emulator.run_dispatch(
+        ptx, [q, keys, values, table], [(dtype, q.shape), (np.float32, q.shape[:2])],
+        [("index", len(q)), ("index", len(entries)), ("index", tiles), ("index", causal),
+         ("f32", np.float32(sm_scale) * np.float32(1.4426950408889634))],
+        (slots, h_q, 1), cuda_attention.MMA_TILING.shared_bytes(d))
+    for e, ((qo_len, kv_len), (k, v)) in enumerate(zip(entries, per_entry)):
+        dense = SequencePrefillSpec(h_q, h, d, spec.dtype, causal=bool(causal), sm_scale=sm_scale)
+        rows = slice(q_starts[e], q_starts[e] + qo_len)
+        assert_matches_reference(f"{spec.name} entry {e}", (out[None, rows], lse[None, rows]), dense,
+                                 (q[None, rows], k[None], v[None]))
