@@ -19,7 +19,8 @@ and wheels). For each candidate and dtype: ``bench-sweep-dense-L{L}-{dtype}-{can
 causal h_q 32, h_kv 8, d 128, timed next to torch SDPA on the same inputs (GFLOP/s and the ratio
 torch time / ours); ``sweep-check-{dtype}-{candidate}``, a small dense causal call (mixed
 lengths of ``runtime.examples.example_inputs``) checked against the float64 reference within its
-error bound. The serving passes' candidates (:data:`PASS_CANDIDATES`) the same over paged f16
+error bound. The mma candidates also build the ragged and paged kernels of the GPU check's mixed
+batch (``bench-sweep-ragged-mixed-batch-*``, ``-paged-*``), timed and checked the same way. The serving passes' candidates (:data:`PASS_CANDIDATES`) the same over paged f16
 passes: ``bench-sweep-serving-{B}x{N}-vs-1024-float16-{candidate}`` timed (torch SDPA on the same
 cache gathered and padded, with a mask) and the mixed step's pass calls checked. A candidate IREE
 does not compile is left out and named in ``sweep.json``. On the GPU machine, inside the folder
@@ -207,6 +208,8 @@ def build(out: str, lengths, dtypes, candidates, target: Target, pass_candidates
 
     dense = [(name, spec, args, flops) for name, spec, args, flops in bench_cases(lengths)
              if name.startswith("bench-dense-") and spec.dtype in dtypes]
+    mixed = [(name, spec, args, flops) for name, spec, args, flops in bench_cases(lengths[:1])
+             if name.startswith(("bench-ragged-", "bench-paged-")) and spec.dtype in dtypes]
     for candidate in candidates:
         for dtype in dtypes:
             spec = SequencePrefillSpec(32, 8, 128, dtype, causal=True, sm_scale=128 ** -0.5)
@@ -215,6 +218,12 @@ def build(out: str, lengths, dtypes, candidates, target: Target, pass_candidates
                      [("value", _in_dtype(a, spec)) for a in args], flops)
             save(f"sweep-check-{dtype}", spec, candidate,   # its floats drawn again by the runner: small files
                  [_redrawn(a, min_bytes=0) for a in example_inputs(spec, rng)])
+        if candidate.lowering == "mma":   # its ragged and paged kernels: the GPU check's mixed batches
+            for name, spec, args, flops in mixed:
+                save(f"bench-sweep-{name.removeprefix('bench-')}", spec, candidate,
+                     [("value", _in_dtype(a, spec)) for a in args], flops)
+                save(f"sweep-check-{name.removeprefix('bench-')}", spec, candidate,
+                     [_redrawn(a, min_bytes=0) for a in example_inputs(spec, rng)])
     serving = list(serving_cases(target, rng, ("paged-f16",), serving_rows)) if pass_candidates else []
     for candidate in pass_candidates:
         for name, spec, args, flops in serving:
