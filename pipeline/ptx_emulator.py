@@ -128,23 +128,36 @@ class Memory:
                 return data.view(dtype).reshape(shape).copy()
         raise KeyError(address)
 
-    def _locate(self, address: int, size: int) -> tuple[np.ndarray, int]:
+    def _spans(self, addresses: np.ndarray, size: int):
+        """(buffer, offsets, positions) for each buffer the ``addresses`` fall in; PtxRace where
+        one falls outside every buffer."""
+        addresses = np.asarray(addresses, np.uint64).astype(np.int64)
+        placed = np.zeros(len(addresses), bool)
         for base, data in self.buffers:
-            if base <= address and address + size <= base + len(data):
-                return data, address - base
-        raise PtxRace(f"global access of {size} bytes at {address:#x} outside every buffer")
+            inside = (addresses >= base) & (addresses + size <= base + len(data))
+            if inside.any():
+                placed |= inside
+                positions = np.flatnonzero(inside)
+                yield data, addresses[positions] - base, positions
+        if not placed.all():
+            raise PtxRace(f"global access of {size} bytes at {int(addresses[~placed][0]):#x} outside every buffer")
 
-    def load(self, addresses: np.ndarray, size: int) -> np.ndarray:
-        out = np.zeros(len(addresses), np.uint64)
-        for i, address in enumerate(addresses):
-            data, offset = self._locate(int(address), size)
-            out[i] = int.from_bytes(data[offset:offset + size].tobytes(), "little")
+    def read_bytes(self, addresses: np.ndarray, size: int) -> np.ndarray:
+        """[len(addresses), size] bytes."""
+        out = np.zeros((len(addresses), size), np.uint8)
+        for data, offsets, positions in self._spans(addresses, size):
+            out[positions] = data[offsets[:, None] + np.arange(size)]
         return out
 
+    def load(self, addresses: np.ndarray, size: int) -> np.ndarray:
+        raw = self.read_bytes(addresses, size)
+        return (raw.astype(np.uint64) << (8 * np.arange(size, dtype=np.uint64))).sum(axis=1, dtype=np.uint64)
+
     def store(self, addresses: np.ndarray, values: np.ndarray, size: int) -> None:
-        for address, value in zip(addresses, values):
-            data, offset = self._locate(int(address), size)
-            data[offset:offset + size] = np.frombuffer(int(value).to_bytes(8, "little")[:size], np.uint8)
+        values = np.asarray(values, np.uint64)
+        raw = ((values[:, None] >> (8 * np.arange(size, dtype=np.uint64))) & np.uint64(0xFF)).astype(np.uint8)
+        for data, offsets, positions in self._spans(addresses, size):
+            data[offsets[:, None] + np.arange(size)] = raw[positions]
 
 
 @dataclass
@@ -165,19 +178,17 @@ class _Shared:
         self.writer[:] = -1
         self.reader[:] = -1
 
-    def _span(self, address: int, size: int) -> slice:
-        offset = address - SHARED_BASE
-        if offset < 0 or offset + size > self.size or offset % min(size, 16):
-            raise PtxRace(f"shared access of {size} bytes at offset {offset} (size {self.size})")
-        return slice(offset, offset + size)
-
-    def read(self, threads: np.ndarray, addresses: np.ndarray, size: int) -> np.ndarray:
-        """[len(threads), size] bytes, thread i reading at addresses[i]."""
+    def _spans(self, addresses: np.ndarray, size: int) -> np.ndarray:
+        """[n, size] byte offsets of accesses at ``addresses`` (PtxRace outside or misaligned)."""
         offsets = np.asarray(addresses, np.int64) - SHARED_BASE
         if np.any(offsets < 0) or np.any(offsets + size > self.size) or np.any(offsets % min(size, 16)):
             raise PtxRace(f"shared access of {size} bytes at offsets {offsets.min()}..{offsets.max()} "
                           f"(size {self.size}, alignment {min(size, 16)})")
-        span = offsets[:, None] + np.arange(size)
+        return offsets[:, None] + np.arange(size)
+
+    def read(self, threads: np.ndarray, addresses: np.ndarray, size: int) -> np.ndarray:
+        """[len(threads), size] bytes, thread i reading at addresses[i]."""
+        span = self._spans(addresses, size)
         threads = np.asarray(threads, np.int64)[:, None]
         writers = self.writer[span]
         clash = (writers >= 0) & (writers != threads)
@@ -189,20 +200,26 @@ class _Shared:
         self.reader[span] = np.where((readers == -1) | (readers == threads), threads, -2)
         return self.data[span]
 
-    def claim(self, thread: int, address: int, size: int) -> None:
-        """``thread`` starts writing ``size`` bytes (a cp.async issued: its bytes may land at any
-        time until the thread's wait): a race where another thread used them since the barrier."""
-        span = self._span(address, size)
+    def claim(self, threads: np.ndarray, addresses: np.ndarray, size: int) -> np.ndarray:
+        """Thread i starts writing ``size`` bytes at addresses[i] (a cp.async issued: its bytes may
+        land at any time until the thread's wait): a race where another thread used them since the
+        barrier, or two of these threads write the same byte. Returns the byte offsets."""
+        span = self._spans(addresses, size)
+        threads = np.asarray(threads, np.int64)[:, None]
         readers, writers = self.reader[span], self.writer[span]
-        if np.any(((readers >= 0) & (readers != thread)) | (readers == -2)) or \
-                np.any((writers >= 0) & (writers != thread)):
-            raise PtxRace(f"thread {thread} overwrites shared bytes {span.start}.. another thread used "
-                          "with no barrier between")
-        self.writer[span] = thread
+        used = ((readers >= 0) & (readers != threads)) | (readers == -2) | ((writers >= 0) & (writers != threads))
+        flat, owners = span.reshape(-1), np.broadcast_to(threads, span.shape).reshape(-1)
+        order = np.argsort(flat, kind="stable")
+        shared_byte = (flat[order][1:] == flat[order][:-1]) & (owners[order][1:] != owners[order][:-1])
+        if used.any() or shared_byte.any():
+            raise PtxRace("a thread overwrites shared bytes another thread used with no barrier between")
+        self.writer[span] = threads
+        return span
 
-    def write(self, thread: int, address: int, payload: bytes) -> None:
-        self.claim(thread, address, len(payload))
-        self.data[self._span(address, len(payload))] = np.frombuffer(payload, np.uint8)
+    def write(self, threads: np.ndarray, addresses: np.ndarray, payloads: np.ndarray) -> None:
+        """Thread i writes payloads[i] (bytes) at addresses[i]."""
+        span = self.claim(threads, addresses, payloads.shape[1])
+        self.data[span] = payloads
 
 
 def _f32(bits: np.ndarray) -> np.ndarray:
@@ -267,7 +284,10 @@ class _Workgroup:
         self.block, self.grid = block, grid
         self.regs: dict[str, np.ndarray] = {}
         self.shared = _Shared(shared_bytes)
-        self.pending: list[list[list]] = [[[]] for _ in range(self.n)]   # per thread: groups of copies
+        # cp.async copies not landed: batches (threads, shared addresses, payloads, group of each),
+        # a thread's group being the count of its commits at the copy's issue
+        self.pending: list[tuple] = []
+        self.committed = np.zeros(self.n, np.int64)
         self.tid = np.arange(self.n, dtype=np.uint64)
 
     # ---- operands
@@ -594,28 +614,28 @@ class _Workgroup:
 
     def _op_cp(self, op, args, mask, at):
         if op.startswith("cp.async.commit_group"):
-            for thread in np.flatnonzero(mask):
-                self.pending[thread].append([])
+            self.committed[mask] += 1
             return
         if op.startswith("cp.async.wait_group"):
-            keep = int(args[0])
-            for thread in np.flatnonzero(mask):
-                groups = self.pending[thread]
-                landing = groups[:max(len(groups) - 1 - keep, 0)]   # the open group never lands here
-                for group in landing:
-                    for shared_address, payload in group:
-                        self.shared.write(int(thread), shared_address, payload)
-                self.pending[thread] = groups[len(landing):]
+            # a thread's copies land once at most ``keep`` of its committed groups are newer
+            limit = np.where(mask, self.committed - int(args[0]), -1)
+            kept = []
+            for threads, addresses, payloads, groups in self.pending:
+                lands = groups < limit[threads]
+                if lands.any():
+                    self.shared.write(threads[lands], addresses[lands], payloads[lands])
+                if not lands.all():
+                    kept.append((threads[~lands], addresses[~lands], payloads[~lands], groups[~lands]))
+            self.pending = kept
             return
         if not op.startswith("cp.async.") or ".shared.global" not in op:
             raise PtxUnsupported(op)
         size = int(args[2])
         destination, source = self.address(args[0]), self.address(args[1])
-        for thread in np.flatnonzero(mask):
-            data, offset = self.memory._locate(int(source[thread]), size)
-            payload = data[offset:offset + size].tobytes()
-            self.shared.claim(int(thread), int(destination[thread]), size)
-            self.pending[thread][-1].append((int(destination[thread]), payload))
+        threads = np.flatnonzero(mask)
+        self.shared.claim(threads, destination[threads], size)
+        self.pending.append((threads, destination[threads], self.memory.read_bytes(source[threads], size),
+                             self.committed[threads].copy()))
 
 
 def run_kernel(kernel: Kernel, memory: Memory, params: list[int], grid: tuple[int, int, int],

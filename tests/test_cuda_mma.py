@@ -305,11 +305,11 @@ def _entries_module(spec):
         return str(apply_tuning(module, MMA))
 
 
-#: (spec, entries as (qo_len, kv_len), causal): ragged GQA 4 d 64 f16 with an entry of two query
+#: (spec, entries as (qo_len, kv_len), causal): ragged GQA 4 (one KV head) d 64 f16 with an entry of two query
 #: tiles and a partial one, causal rows that see no key, an entry without keys, one of 1 query; a
 #: paged bf16 d 128 batch, not causal.
 PREFILL_CASES = [
-    (RaggedPrefillSpec(8, 2, 64, 64, "float16"), [(150, 170), (5, 3), (1, 70), (3, 0)], 1),
+    (RaggedPrefillSpec(4, 1, 64, 64, "float16"), [(150, 170), (5, 3), (1, 70), (3, 0)], 1),
     (PagedPrefillSpec(4, 2, 128, "bfloat16", page_size=16), [(70, 90), (2, 130)], 0),
 ]
 
