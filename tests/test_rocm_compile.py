@@ -1,8 +1,11 @@
 """Every variant compiles for ROCm (gfx942) without an AMD GPU, and its artifact has the structure
 a GPU needs: the structure checks of ``BACKENDS["rocm"]`` (pipeline/targets.py), ``v_mfma`` in the
 ISA of f16/bf16 kernels and no host-blocking call inside the loops of the host program
-(pipeline/vm_structure.py). One spec per variant in f16 and one in bf16, plus one f32: the other
-head dims and options change the tiling only where ``rocm_attention_tiling`` says (d 256 here)."""
+(pipeline/vm_structure.py). Each variant in f16 or bf16 (both for the dense, ragged and paged
+kernels), a serving pass, an 8-bit cache, one f32: the other head dims and options change the
+tiling only where ``rocm_attention_tiling`` says (d 256 here). (The masked padded f16, MLA f16 and
+the MLA 4-query pass were dropped for the suite's time: their CUDA artifacts and CPU numerics
+stay, docs/test-suite.md.)"""
 
 from __future__ import annotations
 
@@ -27,17 +30,14 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 HALF_SPECS = [
     SequencePrefillSpec(32, 8, 128, "float16", causal=True, sm_scale=128 ** -0.5),
     SequencePrefillSpec(8, 2, 256, "bfloat16", causal=True, sm_scale=0.0625, logits_soft_cap=50.0),  # 32 keys a step
-    MaskedSequencePrefillSpec(8, 2, 64, "float16", mask_mode="padded", sm_scale=0.125),
     MaskedSequencePrefillSpec(8, 2, 128, "bfloat16", mask_mode="causal_padded_left", sm_scale=0.1),
     RaggedPrefillSpec(32, 8, 128, 128, "float16", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
     RaggedPrefillSpec(16, 16, 192, 128, "bfloat16"),
     PagedPrefillSpec(32, 8, 80, "float16", page_size=16),
     PagedPrefillSpec(64, 8, 64, "bfloat16", page_size=16, sliding_window=True, head_sinks=True),
-    MlaPagedPrefillSpec(16, 512, 64, "float16", page_size=16),
     MlaPagedPrefillSpec(16, 512, 64, "bfloat16", page_size=64, sliding_window=True),
     DecodeSpec(PagedPrefillSpec(32, 8, 128, "float16", page_size=16), 1),
-    DecodeSpec(MlaPagedPrefillSpec(16, 512, 64, "bfloat16", page_size=16), 4),
     # an 8-bit KV cache (semantics §15): widened in the gather, the attention's operands f16
     PagedPrefillSpec(32, 8, 128, "float16", page_size=16, kv_dtype="float8_e4m3fn"),
 ]
@@ -97,7 +97,7 @@ def test_the_mfma_check_fails_without_matrix_cores_or_without_the_isa(artifacts,
     assert "--iree-hal-dump-executable-intermediates-to=" in problem
 
 
-@pytest.mark.parametrize("arch, spec", [("gfx950", HALF_SPECS[3]), ("gfx90a", HALF_SPECS[5])],
+@pytest.mark.parametrize("arch, spec", [("gfx950", HALF_SPECS[2]), ("gfx90a", HALF_SPECS[4])],
                          ids=["gfx950-iree-configuration", "gfx90a-bf16-configuration"])
 def test_the_other_cdna_archs_compile_with_mfma(arch, spec, artifacts):
     """IREE's own configuration (d 128) on gfx950, ours (d 192/128) on gfx90a, whose bf16
