@@ -1,7 +1,9 @@
 """The CUDA "mma" lowering of the dense sequence prefills: one hand-written dispatch over the
 whole call, FlashAttention-2's structure in the typed bindings' ``nvvm`` ops (issue 52 item 5),
 for what IREE 3.13's own CUDA codegen does not emit (``cp.async``, ``ldmatrix``, skipped causal
-tiles, one launch a call; docs/cuda.md).
+tiles, one launch a call; docs/cuda.md). Its workgroup (:class:`_Workgroup`) takes its rows, keys
+and outputs from a placement: :class:`DensePlacement` here, the KV-cache prefills' in
+mlir/cuda_kv_cache.py, the serving passes' in mlir/cuda_decode.py.
 
 Grid (x, y, z) = (query tiles, h_q, B): workgroup (x, h, b) owns the ``rows`` = 16 x ``warps``
 query tokens [t0, t0 + rows) of query head h of entry b (causal calls take the tiles last first,
@@ -51,7 +53,14 @@ WARP_ROWS = 16
 CHUNK = 16
 #: The largest dynamic shared memory a workgroup may use (IREE's sm_80 table: 166912 bytes).
 SHARED_LIMIT = 163 * 1024
-_LOG2_LANE_GROUP = (1, 2)       # the shfl.bfly offsets that join a row's four lanes
+#: The shfl.bfly lane offsets that join the four lanes holding one row (lanes 4r .. 4r + 3).
+_ROW_LANE_OFFSETS = (1, 2)
+
+
+#: The dtypes with an mma.sync kind, and the head dims the kernel takes (fragments of 16 columns,
+#: a swizzle over at least 8 chunks a row, the f32 output fragments within a thread's registers).
+DTYPES = ("float16", "bfloat16")
+HEAD_DIMS = (64, 128)
 
 
 @dataclass(frozen=True)
@@ -72,6 +81,8 @@ class MmaTiling:
     def __post_init__(self):
         if self.warps not in (1, 2, 4, 8) or self.kv_block not in (32, 64, 128):
             raise ValueError(f"MmaTiling: warps 1, 2, 4 or 8 and kv_block 32, 64 or 128, got {self}")
+        if self.shared_bytes(max(HEAD_DIMS)) > SHARED_LIMIT:
+            raise ValueError(f"MmaTiling: {self} needs more shared memory than {SHARED_LIMIT} bytes")
 
     def shared_bytes(self, d: int) -> int:
         """Two stages of a K and a V tile of head dim ``d`` (2-byte elements)."""
@@ -80,16 +91,13 @@ class MmaTiling:
 
 #: The tiling the lowering builds with (the GPU sweep's candidates vary it: bench/gpu_sweep.py).
 MMA_TILING = MmaTiling()
-#: The dtypes with an mma.sync kind, and the head dims the kernel takes (fragments of 16 columns,
-#: a swizzle over at least 8 chunks a row, the f32 output fragments within a thread's registers).
-DTYPES = ("float16", "bfloat16")
-HEAD_DIMS = (64, 128)
 
 
 @dataclass(frozen=True)
 class KernelShapes:
     """The static facts of one kernel (as mlir/x86_attention.py's): heads, head dim, dtype, the
-    mask (key_ranges.MASKS) and sm_scale * log2(e)."""
+    mask (key_ranges.MASKS; the KV-cache placements read their own) and sm_scale * log2(e) (the
+    dense kernels'; the others take it at the call)."""
 
     h_q: int
     h_kv: int
@@ -148,19 +156,20 @@ def _lg2(x: ir.Value) -> ir.Value:
 
 
 def _lane_max(x: ir.Value) -> ir.Value:
-    """The max of ``x`` over the four lanes that hold one row (lanes 4r .. 4r + 3)."""
-    for offset in _LOG2_LANE_GROUP:
-        other = nvvm.shfl_sync(arith_d.constant(i32(), -1), x, arith_d.constant(i32(), offset),
-                               arith_d.constant(i32(), 0x1F), _attr("#nvvm.shfl_kind<bfly>"))
-        x = arith_d.maximumf(x, other)
-    return x
+    """The max of ``x`` over the four lanes that hold one row."""
+    return _across_row(x, arith_d.maximumf)
 
 
 def _lane_sum(x: ir.Value) -> ir.Value:
-    for offset in _LOG2_LANE_GROUP:
+    """The sum of ``x`` over the four lanes that hold one row."""
+    return _across_row(x, arith_d.addf)
+
+
+def _across_row(x: ir.Value, combine) -> ir.Value:
+    for offset in _ROW_LANE_OFFSETS:
         other = nvvm.shfl_sync(arith_d.constant(i32(), -1), x, arith_d.constant(i32(), offset),
                                arith_d.constant(i32(), 0x1F), _attr("#nvvm.shfl_kind<bfly>"))
-        x = arith_d.addf(x, other)
+        x = combine(x, other)
     return x
 
 
