@@ -4,10 +4,11 @@
 # its wheels, build/gpu-sweep without: it imports the runtime the bundle unpacks), then run on the
 # device with both folders carried:
 #   bash bench/gpu_session.sh OUT_DIR [SWEEP_SECONDS] [CHECK_SECONDS] [MMA_SECONDS]
-# (150 + 240 + 100 s by default: within a device call's 600 s with the start and the wheels)
+# (130 + 240 + 90 s of cases by default: a device call is at most 600 s, the probe and the cases
+# that run past their budget included)
 # OUT_DIR gets sweep-mma.log (the hand-written mma lowering's candidates, checked and timed first),
 # sweep.log (the fused lowering's), probe.log and cases.log.
-out=${1:-${OUT:-.}}; sweep=${2:-150}; check=${3:-240}; mma=${4:-100}
+out=${1:-${OUT:-.}}; sweep=${2:-130}; check=${3:-240}; mma=${4:-90}
 root=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
