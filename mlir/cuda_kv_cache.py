@@ -20,8 +20,9 @@ from __future__ import annotations
 from .abi import function_module, operands
 from .amx import BINDING, as_i64, binding_pointer, dynamic_dims, hand_written_dispatch, static_shape, workgroup_ids
 from .attention_op import TILE
+from . import cuda_attention
 from .cuda_attention import (
-    DTYPES, HEAD_DIMS, MMA_TILING, KernelShapes, _Workgroup, _add, _gep, _i, _lane_sum, _lg2, _mul, _ptr, _when,
+    DTYPES, HEAD_DIMS, KernelShapes, _Workgroup, _add, _gep, _i, _lane_sum, _lg2, _mul, _ptr, _when,
 )
 from .fused_kernels import batch_tiles, tile_offset
 from .ir import (
@@ -210,7 +211,8 @@ def build_cuda_kv_cache_prefill(spec) -> ir.Module:
     why = kv_cache_unsupported(spec)
     if why:
         raise ValueError(f"no mma prefill kernel for {spec.name}: {why}")
-    shapes = KernelShapes(spec.h_q, spec.h_kv, spec.d_qk, spec.dtype, "kv_cache", 0.0, MMA_TILING)
+    # the tiling read at the call (the GPU sweep sets cuda_attention.MMA_TILING)
+    shapes = KernelShapes(spec.h_q, spec.h_kv, spec.d_qk, spec.dtype, "kv_cache", 0.0, cuda_attention.MMA_TILING)
 
     def emit(args):
         rope = rope_arguments(spec, args)

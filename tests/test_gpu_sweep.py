@@ -15,7 +15,7 @@ import pytest
 
 from conftest import FUSED_CPU
 from linalg_prefill.mlir import (
-    DecodeSpec, PagedPrefillSpec, SequencePrefillSpec, cuda_attention, cuda_decode, fused_kernels,
+    DecodeSpec, PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec, cuda_attention, cuda_decode, fused_kernels,
 )
 from linalg_prefill.pipeline import Target, compiler, targets
 from linalg_prefill.pipeline.vm_structure import tensor_core_instructions
@@ -69,6 +69,9 @@ def test_an_mma_candidate_builds_the_hand_written_dispatch_in_its_tiling():
     assert re.findall(r"workgroup_size = \[(\d+), 1, 1\]", text) == ["256"]
     assert gpu_sweep.candidate_ir(SPEC, CANDIDATES["mma-w4-k64"], target) == \
         compiler.keyed_ir(SPEC, Target("cuda", lowering="mma"))
+    ragged = RaggedPrefillSpec(32, 8, 128, 128, "float16")   # a mixed-batch kernel takes the tiling too
+    assert re.findall(r"workgroup_size = \[(\d+), 1, 1\]", gpu_sweep.candidate_ir(
+        ragged, CANDIDATES["mma-w8-k64"], target)) == ["256"]
     assert cuda_attention.MMA_TILING is committed
 
 
