@@ -22,7 +22,8 @@ the longest first), ``warps`` warps of 16 rows each. Per workgroup:
 
 Tiles run from the first the workgroup's rows can see to the last: fully masked tiles are not
 computed. The rows are written normalised into out [B, Lq, h_q, d] (0 for a row that saw no
-key) and their base-2 lse into lse [B, Lq, h_q] (EMPTY_ROW_LSE there), by the dispatch itself.
+key) and their base-2 lse into lse [B, Lq, h_q] (EMPTY_ROW_LSE there), by the dispatch itself,
+with the head's sink in the denominator where the spec has ``head_sinks``.
 """
 
 from __future__ import annotations
@@ -96,8 +97,9 @@ MMA_TILING = MmaTiling()
 @dataclass(frozen=True)
 class KernelShapes:
     """The static facts of one kernel (as mlir/x86_attention.py's): heads, head dim, dtype, the
-    mask (key_ranges.MASKS; the KV-cache placements read their own) and sm_scale * log2(e) (the
-    dense kernels'; the others take it at the call)."""
+    mask (key_ranges.MASKS; the KV-cache placements read their own), sm_scale * log2(e) (the
+    dense kernels'; the others take it at the call), the tiling and whether each query head has a
+    sink (semantics §13: ``sinks [h_q]`` f32, natural-log units)."""
 
     h_q: int
     h_kv: int
@@ -106,6 +108,7 @@ class KernelShapes:
     mask: str
     scale_log2: float
     tiling: MmaTiling = MMA_TILING
+    sinks: bool = False
 
     @property
     def group(self) -> int:
@@ -171,6 +174,30 @@ def _across_row(x: ir.Value, combine) -> ir.Value:
                                arith_d.constant(i32(), 0x1F), _attr("#nvvm.shfl_kind<bfly>"))
         x = combine(x, other)
     return x
+
+
+def finished_row(total: ir.Value, row_max: ir.Value, sink: ir.Value | None) -> tuple[ir.Value, ir.Value]:
+    """(1 / denominator, base-2 lse) of a row from its sum over its four lanes and its max (log2
+    units), with its head's ``sink`` (log2 units) in the denominator or None: (0, EMPTY_ROW_LSE)
+    for a row that saw no key (online_softmax.sink_normalised and sink_lse, in ex2 / lg2)."""
+    seen = arith_d.cmpf(arith_d.CmpFPredicate.OGT, total, const_f32(0.0))
+    if sink is None:
+        denominator, lse = total, arith_d.addf(row_max, _lg2(total))
+    else:
+        safe_max = arith_d.select(seen, row_max, sink)
+        denominator = arith_d.addf(total, _ex2(arith_d.subf(sink, safe_max)))
+        top = arith_d.maximumf(safe_max, sink)
+        lse = arith_d.addf(top, _lg2(arith_d.addf(arith_d.mulf(total, _ex2(arith_d.subf(safe_max, top))),
+                                                   _ex2(arith_d.subf(sink, top)))))
+    inverse = arith_d.select(seen, arith_d.divf(const_f32(1.0), denominator), const_f32(0.0))
+    return inverse, arith_d.select(seen, lse, const_f32(EMPTY_ROW_LSE))
+
+
+def head_sink(sinks: ir.Value | None, head: ir.Value) -> ir.Value | None:
+    """Query head ``head``'s sink in log2 units from the ``sinks`` [h_q] f32 pointer (None: none)."""
+    if sinks is None:
+        return None
+    return arith_d.mulf(llvm_d.load(f32(), _gep(1, sinks, _mul(head, 4))), const_f32(LOG2E))
 
 
 class _Operands:
@@ -479,11 +506,9 @@ class DensePlacement:
         four that holds columns 0, 1) into lse; rows past the call's queries are not written."""
         s = self.s
         col = w.column()
+        sink = head_sink(self.p.get("sinks"), self.head)
         for half in (0, 1):
-            total = _lane_sum(row_sum[half])
-            seen = arith_d.cmpf(arith_d.CmpFPredicate.OGT, total, const_f32(0.0))
-            inverse = arith_d.select(seen, arith_d.divf(const_f32(1.0), total), const_f32(0.0))
-            lse = arith_d.select(seen, arith_d.addf(row_max[half], _lg2(total)), const_f32(EMPTY_ROW_LSE))
+            inverse, lse = finished_row(_lane_sum(row_sum[half]), row_max[half], sink)
             token = self._token(w.rows[half])
             row = _add(_mul(_add(_mul(self.entry, self.q_len), token), s.h_q), self.head)
 
@@ -498,12 +523,13 @@ class DensePlacement:
 
 
 def _inputs(s: KernelShapes) -> tuple[str, ...]:
-    return ("q", "k", "v", *(("valid_lens",) if s.mask in ("padded", "causal_padded_left") else ()))
+    return ("q", "k", "v", *(("valid_lens",) if s.mask in ("padded", "causal_padded_left") else ()),
+            *(("sinks",) if s.sinks else ()))
 
 
 def _sizes(s: KernelShapes, batch, q_len, kv_len) -> dict:
     return {"q": [batch, q_len, s.h_q, s.d], "k": [batch, kv_len, s.h_kv, s.d], "v": [batch, kv_len, s.h_kv, s.d],
-            "valid_lens": [batch], "out": [batch, q_len, s.h_q, s.d], "lse": [batch, q_len, s.h_q]}
+            "valid_lens": [batch], "sinks": [s.h_q], "out": [batch, q_len, s.h_q, s.d], "lse": [batch, q_len, s.h_q]}
 
 
 def build_executable(s: KernelShapes) -> None:
@@ -517,7 +543,7 @@ def build_executable(s: KernelShapes) -> None:
         scalars = dict(zip(_DISPATCH_SCALARS, args[len(inputs):len(inputs) + len(_DISPATCH_SCALARS)]))
         sizes = _sizes(s, *scalars.values())
         elem = element_type(s.dtype)
-        elems = {"q": elem, "k": elem, "v": elem, "valid_lens": i32(), "out": elem, "lse": f32()}
+        elems = {"q": elem, "k": elem, "v": elem, "valid_lens": i32(), "sinks": f32(), "out": elem, "lse": f32()}
         bound = dict(zip((*inputs, "out", "lse"), [*args[:len(inputs)], *args[-2:]]))
         pointers = {name: llvm_d.addrspacecast(_ptr(1), binding_pointer(
             bound[name], ir.MemRefType.get(static_shape(sizes[name]), elems[name]), dynamic_dims(sizes[name])))
@@ -526,7 +552,7 @@ def build_executable(s: KernelShapes) -> None:
         _Workgroup(s, DensePlacement(s, pointers, scalars)).emit()
 
 
-def emit_dense(s: KernelShapes, q, k, v, anchor: ir.Operation, valid_lens=None) -> list[ir.Value]:
+def emit_dense(s: KernelShapes, q, k, v, anchor: ir.Operation, valid_lens=None, sinks=None) -> list[ir.Value]:
     """(output [B, Lq, h_q, d], lse [B, Lq, h_q] f32) of q [B, Lq, h_q, d], k/v [B, Lk, h_kv, d]
     (valid_lens [B] int32 for the padded masks) through one dispatch over the whole call."""
     with ir.InsertionPoint(anchor):
@@ -535,7 +561,7 @@ def emit_dense(s: KernelShapes, q, k, v, anchor: ir.Operation, valid_lens=None) 
     sizes = _sizes(s, batch, q_len, kv_len)
     elem = element_type(s.dtype)
     entry = ir.ArrayAttr.get([ir.SymbolRefAttr.get([_EXECUTABLE, _ENTRY])])
-    operands = [q, k, v, *([valid_lens] if "valid_lens" in _inputs(s) else [])]
+    operands = [q, k, v, *([valid_lens] if "valid_lens" in _inputs(s) else []), *([sinks] if s.sinks else [])]
     dispatch = flow_d.DispatchOp(
         [tensor_type(static_shape(sizes["out"]), elem), tensor_type(static_shape(sizes["lse"]), f32())],
         [ceil_div(q_len, s.tiling.rows), const_index(s.h_q), batch], entry,
@@ -561,8 +587,8 @@ def unsupported(spec) -> str | None:
         return f"dtype {spec.dtype}: mma.sync takes {' and '.join(DTYPES)}"
     if spec.d not in HEAD_DIMS:
         return f"d={spec.d}: the mma kernel takes head dims {HEAD_DIMS}"
-    if spec.head_sinks or spec.kv_dtype or spec.logits_soft_cap:
-        return "head sinks, 8-bit KV and a soft cap have no mma kernel"
+    if spec.kv_dtype or spec.logits_soft_cap:
+        return "8-bit KV and a soft cap have no dense mma kernel"
     return None
 
 
@@ -574,10 +600,10 @@ def build_cuda_sequence_prefill(spec, tiling: MmaTiling | None = None) -> ir.Mod
     if why:
         raise ValueError(f"no mma lowering for {spec.name}: {why}")
     shapes = KernelShapes(spec.h_q, spec.h_kv, spec.d, spec.dtype, _mask(spec), spec.sm_scale * LOG2E,
-                          tiling or MMA_TILING)
+                          tiling or MMA_TILING, spec.head_sinks)
 
     def emit(args):
         function = args["q"].owner.owner
-        return emit_dense(shapes, args["q"], args["k"], args["v"], function, args.get("valid_lens"))
+        return emit_dense(shapes, args["q"], args["k"], args["v"], function, args.get("valid_lens"), args.get("sinks"))
 
     return function_module(spec, emit)

@@ -22,7 +22,7 @@ from .amx import BINDING, as_i64, binding_pointer, dynamic_dims, hand_written_di
 from .attention_op import TILE
 from . import cuda_attention
 from .cuda_attention import (
-    DTYPES, HEAD_DIMS, KernelShapes, _Workgroup, _add, _gep, _i, _lane_sum, _lg2, _mul, _ptr, _when,
+    DTYPES, HEAD_DIMS, KernelShapes, _Workgroup, _add, _gep, _i, _lane_sum, _mul, _ptr, _when, finished_row, head_sink,
 )
 from .fused_kernels import batch_tiles, tile_offset
 from .ir import (
@@ -34,7 +34,7 @@ from .kv_cache import rope_arguments, rotated_if
 from .kv_layouts import device_read, host_read
 from .mask_rules import KvCacheCausalRule, mask_rule
 from .online_softmax import LOG2E
-from .specs import EMPTY_ROW_LSE, PagedPrefillSpec, RaggedPrefillSpec
+from .specs import PagedPrefillSpec, RaggedPrefillSpec
 
 _EXECUTABLE = "cuda_kv_cache"
 _ENTRY = "attend_entries"
@@ -108,11 +108,9 @@ class PrefillPlacement:
         """Rows of the entry's queries, normalised, into out [Lq, h_q, d]; their lse into lse."""
         s = self.s
         col = w.column()
+        sink = head_sink(self.p.get("sinks"), self.head)
         for half in (0, 1):
-            total = _lane_sum(row_sum[half])
-            seen = arith_d.cmpf(arith_d.CmpFPredicate.OGT, total, const_f32(0.0))
-            inverse = arith_d.select(seen, arith_d.divf(const_f32(1.0), total), const_f32(0.0))
-            lse = arith_d.select(seen, arith_d.addf(row_max[half], _lg2(total)), const_f32(EMPTY_ROW_LSE))
+            inverse, lse = finished_row(_lane_sum(row_sum[half]), row_max[half], sink)
             token = _add(self.first_token, w.rows[half])
             row = _add(_mul(_add(self.q_start, token), s.h_q), self.head)
 
@@ -134,31 +132,37 @@ def kv_cache_unsupported(spec) -> str | None:
         return f"dtype {spec.dtype}: mma.sync takes {' and '.join(DTYPES)}"
     if spec.d_qk != spec.d_v or spec.d_qk not in HEAD_DIMS:
         return f"d_qk={spec.d_qk}, d_v={spec.d_v}: the mma kernel takes equal head dims {HEAD_DIMS}"
-    if spec.logits_soft_cap or spec.head_sinks:
-        return "a soft cap and head sinks have no mma prefill kernel"
+    if spec.logits_soft_cap:
+        return "a soft cap has no mma prefill kernel"
     if type(mask_rule(spec)) is not KvCacheCausalRule:
         return f"{type(mask_rule(spec)).__name__} has no mma prefill kernel"
     return None
 
 
+def _inputs(s: KernelShapes) -> tuple[str, ...]:
+    return ("q", "keys", "values", "entries", *(("sinks",) if s.sinks else ()))
+
+
 def _sizes(s: KernelShapes, total_q, batch, tiles) -> dict:
     return {"q": [total_q, s.h_q, s.d], "keys": [tiles, s.h_kv, TILE, s.d], "values": [tiles, s.h_kv, TILE, s.d],
-            "entries": [batch, 4], "out": [total_q, s.h_q, s.d], "lse": [total_q, s.h_q]}
+            "entries": [batch, 4], "sinks": [s.h_q], "out": [total_q, s.h_q, s.d], "lse": [total_q, s.h_q]}
 
 
 def build_executable(s: KernelShapes) -> None:
     """The ``stream.executable`` with the prefill's dispatch at the insertion point: q, keys,
     values, entries, the index scalars, scale_log2 (f32), then out and lse."""
     index, binding = ir.IndexType.get(), ir.Type.parse(BINDING)
-    inputs = ("q", "keys", "values", "entries")
-    arg_types = [binding] * 4 + [index] * len(_SCALARS) + [f32()] + [binding] * 2
+    inputs = _inputs(s)
+    n = len(inputs)
+    arg_types = [binding] * n + [index] * len(_SCALARS) + [f32()] + [binding] * 2
     with hand_written_dispatch(_EXECUTABLE, _ENTRY, arg_types, dispatch_mark(s.tiling.threads)) as args:
-        scalars = dict(zip(_SCALARS, args[4:4 + len(_SCALARS)]))
-        scale_log2 = args[4 + len(_SCALARS)]
+        scalars = dict(zip(_SCALARS, args[n:n + len(_SCALARS)]))
+        scale_log2 = args[n + len(_SCALARS)]
         sizes = _sizes(s, scalars["total_q"], scalars["batch"], scalars["tiles"])
         elem = element_type(s.dtype)
-        elems = {"q": elem, "keys": elem, "values": elem, "entries": i32(), "out": elem, "lse": f32()}
-        bound = dict(zip((*inputs, "out", "lse"), [*args[:4], *args[-2:]]))
+        elems = {"q": elem, "keys": elem, "values": elem, "entries": i32(), "sinks": f32(), "out": elem,
+                 "lse": f32()}
+        bound = dict(zip((*inputs, "out", "lse"), [*args[:n], *args[-2:]]))
         pointers = {name: llvm_d.addrspacecast(_ptr(1), binding_pointer(
             bound[name], ir.MemRefType.get(static_shape(sizes[name]), elems[name]), dynamic_dims(sizes[name])))
             for name in bound}
@@ -166,10 +170,11 @@ def build_executable(s: KernelShapes) -> None:
         _Workgroup(s, PrefillPlacement(s, pointers, scalars, scale_log2)).emit()
 
 
-def attend_entries(s: KernelShapes, q, keys, values, entries, causal, sm_scale, anchor: ir.Operation) -> list[ir.Value]:
+def attend_entries(s: KernelShapes, q, keys, values, entries, causal, sm_scale, anchor: ir.Operation,
+                   sinks=None) -> list[ir.Value]:
     """(out [Lq, h_q, d], lse [Lq, h_q]) of q [Lq, h_q, d] (rotated), keys and values [T, h_kv,
-    64, d] and the entries table [B, 4] i32, in one dispatch (its executable built before
-    ``anchor``, the function)."""
+    64, d], the entries table [B, 4] i32 and, where ``s.sinks``, sinks [h_q] f32, in one dispatch
+    (its executable built before ``anchor``, the function)."""
     with ir.InsertionPoint(anchor):
         build_executable(s)
     total_q, batch, tiles = dim(q, 0), dim(entries, 0), dim(keys, 0)
@@ -181,9 +186,9 @@ def attend_entries(s: KernelShapes, q, keys, values, entries, causal, sm_scale, 
     dispatch = flow_d.DispatchOp(
         [tensor_type(static_shape(sizes["out"]), element_type(s.dtype)), tensor_type(static_shape(sizes["lse"]), f32())],
         [slots, const_index(s.h_q), const_index(1)], entry,
-        [q, keys, values, entries, total_q, batch, tiles, arith_d.index_cast(index, causal),
-         arith_d.mulf(sm_scale, const_f32(LOG2E))],
-        [size for name in ("q", "keys", "values", "entries") for size in dynamic_dims(sizes[name])],
+        [q, keys, values, entries, *([sinks] if s.sinks else []), total_q, batch, tiles,
+         arith_d.index_cast(index, causal), arith_d.mulf(sm_scale, const_f32(LOG2E))],
+        [size for name in _inputs(s) for size in dynamic_dims(sizes[name])],
         [size for name in ("out", "lse") for size in dynamic_dims(sizes[name])])
     return list(dispatch.results)
 
@@ -212,7 +217,8 @@ def build_cuda_kv_cache_prefill(spec) -> ir.Module:
     if why:
         raise ValueError(f"no mma prefill kernel for {spec.name}: {why}")
     # the tiling read at the call (the GPU sweep sets cuda_attention.MMA_TILING)
-    shapes = KernelShapes(spec.h_q, spec.h_kv, spec.d_qk, spec.dtype, "kv_cache", 0.0, cuda_attention.MMA_TILING)
+    shapes = KernelShapes(spec.h_q, spec.h_kv, spec.d_qk, spec.dtype, "kv_cache", 0.0, cuda_attention.MMA_TILING,
+                          spec.head_sinks)
 
     def emit(args):
         rope = rope_arguments(spec, args)
@@ -222,6 +228,6 @@ def build_cuda_kv_cache_prefill(spec) -> ir.Module:
         num_tiles = arith_d.maxsi(tile_offset(kv, host_read, kv.batch), const_index(1))
         keys, values = batch_tiles(kv, num_tiles, rope, element_type(spec.dtype))
         return attend_entries(shapes, q, keys, values, _entries_table(q_indptr, kv), args["causal"], args["sm_scale"],
-                              args["q"].owner.owner)
+                              args["q"].owner.owner, args.get("sinks"))
 
     return function_module(spec, emit, host_readable=("q_indptr", *spec.layout.host_readable))

@@ -677,17 +677,17 @@ def run_dispatch(ptx: str, inputs: list[np.ndarray], outputs: list[tuple], scala
     return [memory.read(address, dtype, shape) for address, (dtype, shape) in zip(results, outputs)]
 
 
-def emulate_sequence_prefill(ptx: str, q: np.ndarray, k: np.ndarray, v: np.ndarray,
-                             valid_lens: np.ndarray | None = None,
+def emulate_sequence_prefill(ptx: str, q: np.ndarray, k: np.ndarray, v: np.ndarray, *rest: np.ndarray,
                              tiling: MmaTiling | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(output [B, Lq, h_q, d] in q's dtype, lse [B, Lq, h_q] float32) of the mma lowering's
     dense dispatch (mlir/cuda_attention.py, built with ``tiling``, default its MMA_TILING) run
-    from its PTX on q [B, Lq, h_q, d], k/v [B, Lk, h_kv, d] (float16 or bfloat16) and valid_lens
-    [B] int32: the dense kernel's function is that one dispatch (:func:`run_dispatch`)."""
+    from its PTX on q [B, Lq, h_q, d], k/v [B, Lk, h_kv, d] (float16 or bfloat16) and the rest
+    of the call in its order (valid_lens [B] int32 for the padded masks, sinks [h_q] float32):
+    the dense kernel's function is that one dispatch (:func:`run_dispatch`)."""
     tiling = tiling or MMA_TILING
     batch, q_len, h_q, d = q.shape
-    inputs = [q, k, v] + ([np.asarray(valid_lens, np.int32)] if valid_lens is not None else [])
-    out, lse = run_dispatch(ptx, inputs, [(q.dtype, q.shape), (np.float32, (batch, q_len, h_q))],
+    out, lse = run_dispatch(ptx, [q, k, v, *(np.asarray(x) for x in rest)],
+                            [(q.dtype, q.shape), (np.float32, (batch, q_len, h_q))],
                             [("index", batch), ("index", q_len), ("index", k.shape[1])],
                             (-(-q_len // tiling.rows), h_q, batch), tiling.shared_bytes(d))
     return out, lse

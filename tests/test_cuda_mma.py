@@ -35,6 +35,8 @@ CASES = [
     (MaskedSequencePrefillSpec(4, 2, 64, "bfloat16", mask_mode="padded", sm_scale=0.125), (2, 70, 70), [70, 23]),
     (MaskedSequencePrefillSpec(2, 1, 128, "float16", mask_mode="causal_padded_left", sm_scale=0.1), (2, 90, 90),
      [90, 41]),
+    # gpt-oss's sinks: each head's in the denominator, rows that see no key still 0 and -5e4
+    (SequencePrefillSpec(4, 2, 64, "bfloat16", causal=True, sm_scale=0.125, head_sinks=True), (1, 70, 50), None),
 ]
 #: test_cuda_compile's dense d 128 spec: its fused artifact is built there.
 FUSED_TWIN = SequencePrefillSpec(32, 8, 128, "float16", causal=True, sm_scale=128 ** -0.5)
@@ -69,7 +71,7 @@ def test_the_record_takes_mma_where_it_builds_the_spec():
     assert MMA.lowering_of(dense) == "mma"
     assert MMA.lowering_of(SequencePrefillSpec(4, 2, 64, "float32", causal=True, sm_scale=0.1)) == "fused"
     assert MMA.lowering_of(PagedPrefillSpec(4, 2, 64, "float16", page_size=16)) == "mma"
-    assert MMA.lowering_of(PagedPrefillSpec(4, 2, 64, "float16", page_size=16, head_sinks=True)) == "fused"
+    assert MMA.lowering_of(PagedPrefillSpec(4, 2, 64, "float16", page_size=16, logits_soft_cap=30.0)) == "fused"
     assert MMA.lowering_of(MlaPagedPrefillSpec(16, 512, 64, "float16", page_size=16)) == "fused"
     assert Target("cuda").lowering_of(dense) == "fused"   # the default until the GPU sweep says
     with pytest.raises(ValueError, match="d=80"):
@@ -290,16 +292,17 @@ def _entries_module(spec):
     from linalg_prefill.mlir.cuda_kv_cache import attend_entries
     from linalg_prefill.mlir.ir import DYN, element_type, f32, func_d, i32, ir, module_context, tensor_type
 
-    shapes = cuda_attention.KernelShapes(spec.h_q, spec.h_kv, spec.d_qk, spec.dtype, "kv_cache", 0.0)
+    shapes = cuda_attention.KernelShapes(spec.h_q, spec.h_kv, spec.d_qk, spec.dtype, "kv_cache", 0.0,
+                                         sinks=spec.head_sinks)
     with module_context() as module:
         elem = element_type(spec.dtype)
         args = [tensor_type([DYN, spec.h_q, spec.d_qk], elem), *[tensor_type([DYN, spec.h_kv, 64, spec.d_qk], elem)] * 2,
-                tensor_type([DYN, 4], i32()), i32(), f32()]
+                tensor_type([DYN, 4], i32()), i32(), f32(), *([tensor_type([spec.h_q], f32())] if spec.head_sinks else [])]
         results = [tensor_type([DYN, spec.h_q, spec.d_qk], elem), tensor_type([DYN, spec.h_q], f32())]
         with ir.InsertionPoint(module.body):
             fn = func_d.FuncOp("entries", (args, results))
             with ir.InsertionPoint(fn.add_entry_block()):
-                func_d.ReturnOp(attend_entries(shapes, *fn.arguments, fn))
+                func_d.ReturnOp(attend_entries(shapes, *fn.arguments[:6], fn, *fn.arguments[6:]))
         module.operation.verify()
         return str(apply_tuning(module, MMA))
 
@@ -310,6 +313,7 @@ def _entries_module(spec):
 PREFILL_CASES = [
     (RaggedPrefillSpec(4, 1, 64, 64, "float16"), [(150, 170), (5, 3), (1, 70), (3, 0)], 1),
     (PagedPrefillSpec(4, 2, 128, "bfloat16", page_size=16), [(70, 90), (2, 130)], 0),
+    (RaggedPrefillSpec(4, 2, 64, 64, "bfloat16", head_sinks=True), [(70, 100), (3, 0), (1, 5)], 1),
 ]
 
 
@@ -336,14 +340,16 @@ def test_a_kv_cache_prefill_s_entries_match_the_reference(spec, entries, causal)
             target[first_tiles[e]:first_tiles[e] + len(span)] = span
         per_entry.append((k, v))
     table = np.array([[q_starts[e], qo, kv, first_tiles[e]] for e, (qo, kv) in enumerate(entries)], np.int32)
+    sinks = (rng.standard_normal(h_q) * 3).astype(np.float32) if spec.head_sinks else None
     slots = len(q) // 64 + len(entries)
     out, lse = ptx_emulator.run_dispatch(
-        ptx, [q, keys, values, table], [(dtype, q.shape), (np.float32, q.shape[:2])],
+        ptx, [q, keys, values, table, *([sinks] if spec.head_sinks else [])], [(dtype, q.shape), (np.float32, q.shape[:2])],
         [("index", len(q)), ("index", len(entries)), ("index", tiles), ("index", causal),
          ("f32", np.float32(sm_scale) * np.float32(1.4426950408889634))],
         (slots, h_q, 1), cuda_attention.MMA_TILING.shared_bytes(d))
     for e, ((qo_len, kv_len), (k, v)) in enumerate(zip(entries, per_entry)):
-        dense = SequencePrefillSpec(h_q, h, d, spec.dtype, causal=bool(causal), sm_scale=sm_scale)
+        dense = SequencePrefillSpec(h_q, h, d, spec.dtype, causal=bool(causal), sm_scale=sm_scale,
+                                    head_sinks=spec.head_sinks)
         rows = slice(q_starts[e], q_starts[e] + qo_len)
         assert_matches_reference(f"{spec.name} entry {e}", (out[None, rows], lse[None, rows]), dense,
-                                 (q[None, rows], k[None], v[None]))
+                                 (q[None, rows], k[None], v[None], *([sinks] if spec.head_sinks else [])))
