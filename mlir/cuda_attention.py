@@ -444,6 +444,26 @@ class _Workgroup:
         """Whether this lane is the first of its row's four (i1)."""
         return arith_d.cmpi(arith_d.CmpIPredicate.eq, arith_d.remui(self.lane, _i(4)), _i(0))
 
+    def write_normalised(self, out, row_max, row_sum, sink, output_row) -> None:
+        """Rows lo and hi of this lane, normalised (with the head's ``sink``, log2 units, or
+        None), into the placement's out [rows, d] in the dtype, and their lse (the lane of the
+        row's four that holds columns 0, 1) into its lse [rows] f32; ``output_row(row)`` gives
+        (whether workgroup row ``row`` is one of the call's, its index among out's rows)."""
+        d, pointers = self.s.d, self.place.p
+        col = self.column()
+        for half in (0, 1):
+            inverse, lse = finished_row(_lane_sum(row_sum[half]), row_max[half], sink)
+            valid, row = output_row(self.rows[half])
+
+            def write(half=half, inverse=inverse, lse=lse, row=row):
+                for block in range(d // 8):
+                    low, high = (arith_d.mulf(out[4 * block + 2 * half + e], inverse) for e in (0, 1))
+                    element = _add(_mul(row, d), col, 8 * block)
+                    llvm_d.store(self.ops.packed(low, high), _gep(1, pointers["out"], _mul(element, 2)))
+                _when(self.first_of_row(), lambda: llvm_d.store(lse, _gep(1, pointers["lse"], _mul(row, 4))))
+
+            _when(valid, write)
+
 
 class DensePlacement:
     """The dense prefills' rows and keys: workgroup (x, h, b) owns query tokens [x, x + 1) * rows
@@ -501,25 +521,24 @@ class DensePlacement:
         key = arith_d.minsi(key, arith_d.subi(self.kv_len, _i(1)))
         return _mul(_add(_mul(_add(_mul(self.entry, self.kv_len), key), s.h_kv), self.kv_head), s.d)
 
+    def _output_row(self, row) -> tuple[ir.Value, ir.Value]:
+        """(whether row ``row`` is a query of the call, its index in out [B * Lq * h_q, d])."""
+        token = self._token(row)
+        return (arith_d.cmpi(arith_d.CmpIPredicate.slt, token, self.q_len),
+                _add(_mul(_add(_mul(self.entry, self.q_len), token), self.s.h_q), self.head))
+
     def write(self, w: _Workgroup, out, row_max, row_sum) -> None:
-        """Rows lo and hi of this lane, normalised, into out; their lse (the lane of the row's
-        four that holds columns 0, 1) into lse; rows past the call's queries are not written."""
-        s = self.s
-        col = w.column()
-        sink = head_sink(self.p.get("sinks"), self.head)
-        for half in (0, 1):
-            inverse, lse = finished_row(_lane_sum(row_sum[half]), row_max[half], sink)
-            token = self._token(w.rows[half])
-            row = _add(_mul(_add(_mul(self.entry, self.q_len), token), s.h_q), self.head)
+        """The rows normalised into out [B, Lq, h_q, d], their lse into lse [B, Lq, h_q]; rows
+        past the call's queries are not written."""
+        w.write_normalised(out, row_max, row_sum, head_sink(self.p.get("sinks"), self.head), self._output_row)
 
-            def write(half=half, inverse=inverse, lse=lse, row=row):
-                for block in range(s.d // 8):
-                    low, high = (arith_d.mulf(out[4 * block + 2 * half + e], inverse) for e in (0, 1))
-                    element = _add(_mul(row, s.d), col, 8 * block)
-                    llvm_d.store(w.ops.packed(low, high), _gep(1, self.p["out"], _mul(element, 2)))
-                _when(w.first_of_row(), lambda: llvm_d.store(lse, _gep(1, self.p["lse"], _mul(row, 4))))
 
-            _when(arith_d.cmpi(arith_d.CmpIPredicate.slt, token, self.q_len), write)
+def global_pointers(bound: dict, sizes: dict, elements: dict) -> dict:
+    """The global-memory pointer of each of a hand-written dispatch's ``bound`` bindings (name:
+    ``!stream.binding``), viewed as a memref of its ``sizes`` and ``elements``."""
+    return {name: llvm_d.addrspacecast(_ptr(1), binding_pointer(
+        binding, ir.MemRefType.get(static_shape(sizes[name]), elements[name]), dynamic_dims(sizes[name])))
+        for name, binding in bound.items()}
 
 
 def _inputs(s: KernelShapes) -> tuple[str, ...]:
@@ -545,11 +564,8 @@ def build_executable(s: KernelShapes) -> None:
         elem = element_type(s.dtype)
         elems = {"q": elem, "k": elem, "v": elem, "valid_lens": i32(), "sinks": f32(), "out": elem, "lse": f32()}
         bound = dict(zip((*inputs, "out", "lse"), [*args[:len(inputs)], *args[-2:]]))
-        pointers = {name: llvm_d.addrspacecast(_ptr(1), binding_pointer(
-            bound[name], ir.MemRefType.get(static_shape(sizes[name]), elems[name]), dynamic_dims(sizes[name])))
-            for name in bound}
         scalars = {name: as_i64(value) for name, value in scalars.items()}
-        _Workgroup(s, DensePlacement(s, pointers, scalars)).emit()
+        _Workgroup(s, DensePlacement(s, global_pointers(bound, sizes, elems), scalars)).emit()
 
 
 def emit_dense(s: KernelShapes, q, k, v, anchor: ir.Operation, valid_lens=None, sinks=None) -> list[ir.Value]:

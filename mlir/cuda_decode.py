@@ -23,10 +23,11 @@ diagonal, token = row // G).
 
 from __future__ import annotations
 
-from .amx import BINDING, as_i64, binding_pointer, dynamic_dims, hand_written_dispatch, static_shape, workgroup_ids
+from .amx import BINDING, as_i64, dynamic_dims, hand_written_dispatch, static_shape, workgroup_ids
 from .attention_op import TILE
 from .cuda_attention import (
-    DTYPES, HEAD_DIMS, KernelShapes, MmaTiling, WARP_ROWS, _Workgroup, _add, _gep, _i, _lane_sum, _mul, _ptr, _when,
+    DTYPES, HEAD_DIMS, KernelShapes, MmaTiling, WARP_ROWS, _Workgroup, _add, _gep, _i, _lane_sum, _mul, _when,
+    global_pointers,
 )
 from .decode import DecodeSpec, KvCache, decode_module, merge_chunks
 from .fused_decode import gathered_kv, padded_queries, padded_rows
@@ -155,9 +156,7 @@ def build_executable(spec: DecodeSpec) -> None:
         elem = element_type(spec.dtype)
         elems = {"q": elem, "keys": elem, "values": elem, "geometry": i32(), "acc": f32(), "max": f32(), "sum": f32()}
         bound = dict(zip((*inputs, "acc", "max", "sum"), [*args[:4], *args[-3:]]))
-        pointers = {name: llvm_d.addrspacecast(_ptr(1), binding_pointer(
-            bound[name], ir.MemRefType.get(static_shape(sizes[name]), elems[name]), dynamic_dims(sizes[name])))
-            for name in bound}
+        pointers = global_pointers(bound, sizes, elems)
         scalars = {name: as_i64(value) for name, value in scalars.items()}
         _Workgroup(shapes, PassPlacement(spec, pointers, scalars, scale_log2)).emit()
 

@@ -18,11 +18,11 @@ rule with the call's flag (``key_ranges.FlagCausalKeys``). Then:
 from __future__ import annotations
 
 from .abi import function_module, operands
-from .amx import BINDING, as_i64, binding_pointer, dynamic_dims, hand_written_dispatch, static_shape, workgroup_ids
+from .amx import BINDING, as_i64, dynamic_dims, hand_written_dispatch, static_shape, workgroup_ids
 from .attention_op import TILE
 from . import cuda_attention
 from .cuda_attention import (
-    DTYPES, HEAD_DIMS, KernelShapes, _Workgroup, _add, _gep, _i, _lane_sum, _mul, _ptr, _when, finished_row, head_sink,
+    DTYPES, HEAD_DIMS, KernelShapes, _Workgroup, _add, _gep, _i, _mul, global_pointers, head_sink,
 )
 from .fused_kernels import batch_tiles, tile_offset
 from .ir import (
@@ -104,24 +104,15 @@ class PrefillPlacement:
         within = arith_d.remui(key, _i(TILE))
         return _mul(_add(_mul(_add(_mul(tile, self.s.h_kv), self.kv_head), TILE), within), self.s.d)
 
+    def _output_row(self, row) -> tuple[ir.Value, ir.Value]:
+        """(whether row ``row`` is one of its entry's queries, its index in out [Lq * h_q, d])."""
+        token = _add(self.first_token, row)
+        return (arith_d.cmpi(arith_d.CmpIPredicate.slt, token, self.qo_len),
+                _add(_mul(_add(self.q_start, token), self.s.h_q), self.head))
+
     def write(self, w: _Workgroup, out, row_max, row_sum) -> None:
-        """Rows of the entry's queries, normalised, into out [Lq, h_q, d]; their lse into lse."""
-        s = self.s
-        col = w.column()
-        sink = head_sink(self.p.get("sinks"), self.head)
-        for half in (0, 1):
-            inverse, lse = finished_row(_lane_sum(row_sum[half]), row_max[half], sink)
-            token = _add(self.first_token, w.rows[half])
-            row = _add(_mul(_add(self.q_start, token), s.h_q), self.head)
-
-            def write(half=half, inverse=inverse, lse=lse, row=row):
-                for block in range(s.d // 8):
-                    low, high = (arith_d.mulf(out[4 * block + 2 * half + e], inverse) for e in (0, 1))
-                    element = _add(_mul(row, s.d), col, 8 * block)
-                    llvm_d.store(w.ops.packed(low, high), _gep(1, self.p["out"], _mul(element, 2)))
-                _when(w.first_of_row(), lambda: llvm_d.store(lse, _gep(1, self.p["lse"], _mul(row, 4))))
-
-            _when(arith_d.cmpi(arith_d.CmpIPredicate.slt, token, self.qo_len), write)
+        """The entry's rows normalised into out [Lq, h_q, d], their lse into lse [Lq, h_q]."""
+        w.write_normalised(out, row_max, row_sum, head_sink(self.p.get("sinks"), self.head), self._output_row)
 
 
 def kv_cache_unsupported(spec) -> str | None:
@@ -163,9 +154,7 @@ def build_executable(s: KernelShapes) -> None:
         elems = {"q": elem, "keys": elem, "values": elem, "entries": i32(), "sinks": f32(), "out": elem,
                  "lse": f32()}
         bound = dict(zip((*inputs, "out", "lse"), [*args[:n], *args[-2:]]))
-        pointers = {name: llvm_d.addrspacecast(_ptr(1), binding_pointer(
-            bound[name], ir.MemRefType.get(static_shape(sizes[name]), elems[name]), dynamic_dims(sizes[name])))
-            for name in bound}
+        pointers = global_pointers(bound, sizes, elems)
         scalars = {name: as_i64(value) for name, value in scalars.items()}
         _Workgroup(s, PrefillPlacement(s, pointers, scalars, scale_log2)).emit()
 
