@@ -56,6 +56,7 @@ from linalg_prefill.pipeline import Target, compile_spec
 from linalg_prefill.pipeline.model_config import load_model_config, specs_for_model
 from linalg_prefill.runtime.compare import call_facts, reference_call
 from linalg_prefill.mlir.abi import argument_names
+from linalg_prefill.mlir.bundle import function_name
 from linalg_prefill.runtime.examples import example_inputs
 from linalg_prefill.runtime.decode import DECODE_PASSES, decode_calls, pass_queries
 
@@ -181,11 +182,12 @@ def recorded_cases(directory: str):
         yield f"test-{os.path.basename(path)[:-4]}-{test}", case["spec"], case["args"]
 
 
-def save_case(path, name, spec, file, args, flops=0.0, amx=False, extra=None) -> None:
+def save_case(path, name, spec, file, args, flops=0.0, amx=False, extra=None, symbol=None) -> None:
     """One .npz: the call's arguments (``args``: (kind, value) pairs, kind "uniform" for a
     recorded draw, "value" otherwise), and for checked cases the reference call, the argument
     names and the spec's facts the error model needs; ``extra``: more fields of its meta (a sweep
-    case's ``sweep_case`` and ``candidate``).
+    case's ``sweep_case`` and ``candidate``); ``symbol``: the artifact's function (``spec.symbol``
+    unless given: mlir.bundle.function_name).
 
     ``bench-*`` cases store only the shapes of their large float inputs (the runner draws them)
     and no reference; their index arrays are stored as they are.
@@ -203,7 +205,7 @@ def save_case(path, name, spec, file, args, flops=0.0, amx=False, extra=None) ->
             meta_args.append(["array", key])
         else:
             meta_args.append(["scalar", a.item() if isinstance(a, np.generic) else a])
-    meta = dict(name=name, symbol=spec.symbol, dtype=spec.dtype, file=file, args=meta_args, flops=flops, amx=amx,
+    meta = dict(name=name, symbol=symbol or spec.symbol, dtype=spec.dtype, file=file, args=meta_args, flops=flops, amx=amx,
                 q_position=argument_names(spec).index("q"), d_v=spec.d_v)   # the results' shapes (the runner's storage)
     if hasattr(spec, "base"):  # a serving pass: torch's timing needs the GQA group
         meta["group"] = spec.base.group_size
@@ -266,16 +268,17 @@ def main() -> None:
     cases += [(name, spec, call if flops is None else values(call), flops or 0.0)
               for name, spec, call, flops in serving_cases(target, rng, args.serving_variants.split(","),
                                                            args.serving_rows.split(","))]
-    built = set()
+    built = {}   # file -> the function it holds for its spec
     for name, spec, call, flops in cases:
         file = os.path.join("artifacts", f"{spec.name}.vmfb")
         if file not in built:
+            vmfb = compile_spec(spec, target)
             with open(os.path.join(args.out, file), "wb") as f:
-                f.write(compile_spec(spec, target))
-            built.add(file)
+                f.write(vmfb)
+            built[file] = function_name(spec, vmfb)
             print(f"built {file}", file=sys.stderr)
         save_case(os.path.join(args.out, "cases", f"{name}.npz"), name, spec, file, call, flops,
-                  amx=target.lowering_of(spec) == "x86" and x86_uses_amx(spec))
+                  amx=target.lowering_of(spec) == "x86" and x86_uses_amx(spec), symbol=built[file])
     if not args.no_wheels:
         download_wheels(args.out)
     print(f"bundle ready: {args.out} ({len(cases)} cases, {len(built)} artifacts for {target.tag}); on the GPU "

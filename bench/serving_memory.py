@@ -29,6 +29,7 @@ from gpu_bundle import serving_batch  # noqa: E402
 
 from linalg_prefill.bench import cpu_description  # noqa: E402
 from linalg_prefill.mlir import DecodeSpec, MlaPagedPrefillSpec, PagedPrefillSpec  # noqa: E402
+from linalg_prefill.mlir.bundle import function_name  # noqa: E402
 from linalg_prefill.pipeline import Target, compile_spec  # noqa: E402
 from linalg_prefill.runtime.decode import DECODE_PASSES, decode_calls, kv_lengths, pass_queries  # noqa: E402
 from linalg_prefill.mlir.x86_attention import WORKER_STACK_BYTES  # noqa: E402
@@ -70,8 +71,9 @@ def measure(spec, lowering: str, batch: int, new: int, cached, folder: str) -> d
     peak = 0
     for call in calls:  # the bucketed (fused) plan makes several calls, one after the other
         module = os.path.join(folder, "pass.vmfb")
+        vmfb = compile_spec(call.spec, Target("llvm-cpu", lowering=lowering))
         with open(module, "wb") as f:
-            f.write(compile_spec(call.spec, Target("llvm-cpu", lowering=lowering)))
+            f.write(vmfb)
         inputs, input_bytes = [], 0
         for i, value in enumerate(call.args):
             if isinstance(value, np.ndarray):
@@ -87,7 +89,7 @@ def measure(spec, lowering: str, batch: int, new: int, cached, folder: str) -> d
         for shape, dtype in result_shapes(call.spec).shapes(call.args):
             inputs.append(f"--input=&{max(int(np.prod(shape)) * dtype.itemsize, 1)}xi8")
         run = subprocess.run(["/usr/bin/time", "-f", "maxrss_kb %M", TOOL, f"--module={module}",
-                              f"--function={call.spec.symbol}", "--device=local-task",
+                              f"--function={function_name(call.spec, vmfb)}", "--device=local-task",
                               f"--task_worker_stack_size={WORKER_STACK_BYTES}", *inputs],
                              capture_output=True, text=True)
         if run.returncode:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+from ..mlir.bundle import function_name
 from ..mlir.decode import DecodeSpec
 from .cache import ArtifactCache, atomic_write, default_cache, file_lock
 from .compiler import COMPILER_VERSION, CompileError, cached_build
@@ -88,7 +89,7 @@ def build_artifacts(specs, backends, out_dir, *, jobs: int | None = None, cache:
     with file_lock(out_dir / ".build.lock"):
         paths = [out_dir / _relative_file(spec, target) for spec, target in tasks]
         results = _run_pool(tasks, paths, store, jobs or os.cpu_count() or 1, stream)
-        entries = [_entry(spec, target, *results[i][1:3]) for i, (spec, target) in enumerate(tasks)]
+        entries = [_entry(spec, target, *results[i][1:3], results[i][4]) for i, (spec, target) in enumerate(tasks)]
         manifest = {
             "format": MANIFEST_FORMAT,
             "compiler_version": COMPILER_VERSION,
@@ -152,27 +153,30 @@ def _run_pool(tasks, paths: list, cache: ArtifactCache, jobs: int, progress: Tex
     return results
 
 
-def _build_one(spec, target: Target, path: Path | None, cache: ArtifactCache) -> tuple[bool, str, int, float]:
+def _build_one(spec, target: Target, path: Path | None, cache: ArtifactCache) -> tuple[bool, str, int, float, str]:
     """Worker: the vmfb from the cache (compiling it if missing) written to ``path`` (unless None).
 
-    Returns (compiled, sha256, size, seconds); ``compiled`` is True only when this call ran IREE.
+    Returns (compiled, sha256, size, seconds, the function it holds for ``spec``: mlir.bundle.function_name);
+    ``compiled`` is True only when this call ran IREE.
     """
     start = time.perf_counter()
     data, compiled = cached_build(spec, target, cache)
     if path is not None:
         atomic_write(path, data)
-    return compiled, hashlib.sha256(data).hexdigest(), len(data), time.perf_counter() - start
+    return compiled, hashlib.sha256(data).hexdigest(), len(data), time.perf_counter() - start, function_name(spec, data)
 
 
 def _relative_file(spec, target: Target) -> str:
     return f"{target.tag}/{spec.name}.vmfb"
 
 
-def _entry(spec, target: Target, sha256: str, size: int) -> dict:
+def _entry(spec, target: Target, sha256: str, size: int, symbol: str) -> dict:
+    """A manifest's entry; ``symbol``: the artifact's function (``spec.symbol``, unless the
+    artifact is a module of kernels of one shape that a test cache held: mlir/bundle.py)."""
     return {
         "variant": spec.name,
         **({"pass_of": spec.base.name} if isinstance(spec, DecodeSpec) else {}),  # a variant's serving pass
-        "symbol": spec.symbol,
+        "symbol": symbol,
         "spec_type": type(spec).__name__,
         "spec": spec.fields(),
         "backend": target.backend,

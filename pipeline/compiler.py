@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from iree.compiler import tools as iree_tools
 from iree.compiler.version import VERSION as COMPILER_VERSION  # noqa: F401 (re-exported)
 
-from ..mlir.bundle import NotBundled, bundled
+from ..mlir.bundle import NotBundled, bundled, member_symbol
 from ..mlir.decode import DecodeSpec
 from .cache import ArtifactCache, default_cache
 from .quiet_logging import root_logger_left_alone
@@ -72,23 +72,32 @@ def compile_specs(specs, backend: str | Target = "llvm-cpu", *, cache: ArtifactC
 def cached_bundle(specs, target: Target, cache: ArtifactCache) -> list[tuple[bytes, bool]]:
     """(vmfb bytes, whether IREE ran) for each of ``specs`` on ``target`` through ``cache``, those
     missing compiled as one module (mlir/bundle.py: a kernel and its passes in one iree-compile
-    run, 17-23% less CPU time than one run each), whose vmfb each of them then keeps. Where they
-    cannot share a module, or the bundle fails to compile, each compiles alone (a CompileError
-    then names its spec)."""
+    run, 17-23% less CPU time than one run each; kernels of one shape with their passes, each
+    member's function then named mlir.bundle.member_symbol), whose vmfb each of them then keeps.
+    Where they cannot share a module, or the bundle fails to compile, kernels of one shape
+    compile kernel by kernel with their passes, and a kernel's bundle spec by spec (a
+    CompileError then names its spec)."""
     keys = [keyed_ir(spec, target) for spec in specs]
     vmfbs = [cache.cached(spec, target, key) for spec, key in zip(specs, keys)]
     missing = [i for i, vmfb in enumerate(vmfbs) if vmfb is None]
+    kernels = list(dict.fromkeys(_kernel_of(spec) for spec in specs))
     built, bundle = {}, {}
     if len(missing) > 1:
+        shared = len({_kernel_of(specs[i]) for i in missing}) > 1   # kernels of one shape: renamed
+
         def build() -> bytes:   # under the first missing member's lock: another process waits for it
             texts = [located_ir(specs[i], target) for i in missing]
-            bundle["vmfb"] = compile_ir(bundled(texts), target, " + ".join(specs[i].name for i in missing))
+            symbols = [member_symbol(specs[i]) for i in missing] if shared else None
+            bundle["vmfb"] = compile_ir(bundled(texts, symbols), target, " + ".join(specs[i].name for i in missing))
             return bundle["vmfb"]
 
         try:
             first = cache.get_or_build(specs[missing[0]], target, keys[missing[0]], build)
         except (NotBundled, CompileError) as err:
-            log.info("compiling %d specs one by one (%s)", len(missing), str(err).splitlines()[0])
+            log.info("compiling %d specs %s (%s)", len(missing), "kernel by kernel" if len(kernels) > 1 else "one by one",
+                     str(err).splitlines()[0])
+            if len(kernels) > 1:
+                return _kernel_by_kernel(specs, target, cache)
         else:
             built[missing[0]] = first
             if "vmfb" in bundle:  # compiled here (else another process did, and stores the others)
@@ -105,16 +114,42 @@ def cached_bundle(specs, target: Target, cache: ArtifactCache) -> list[tuple[byt
     return results
 
 
-def bundle_tasks(tasks) -> list[tuple[Target, list]]:
+def _kernel_of(spec):
+    return spec.base if isinstance(spec, DecodeSpec) else spec
+
+
+def _kernel_by_kernel(specs, target: Target, cache: ArtifactCache) -> list[tuple[bytes, bool]]:
+    """:func:`cached_bundle` of each kernel of ``specs`` with its passes, in the order of ``specs``."""
+    by_kernel: dict = {}
+    for i, spec in enumerate(specs):
+        by_kernel.setdefault(_kernel_of(spec), []).append(i)
+    results: dict = {}
+    for members in by_kernel.values():
+        results.update(zip(members, cached_bundle([specs[i] for i in members], target, cache)))
+    return [results[i] for i in range(len(specs))]
+
+
+def bundle_tasks(tasks, by_shape: bool = False) -> list[tuple[Target, list]]:
     """``tasks`` ((spec, target) pairs) as (target, specs) groups that compile together
     (:func:`cached_bundle`): a kernel with its serving passes (DecodeSpec of it), in the order
     the pairs first appear; every other spec alone (kernels of different variants packed four to
-    a module saved nothing: pre-build 306 -> 304 s, user CPU 15:12 -> 15:29, docs/test-suite.md)."""
+    a module saved nothing: pre-build 306 -> 304 s, user CPU 15:12 -> 15:29, docs/test-suite.md).
+    ``by_shape``: on llvm-cpu, the kernels of one :func:`shape` with their passes together (they
+    share most dispatches, which a module compiles once: mlir/bundle.py), largest groups first."""
     groups: dict = {}
     for spec, target in tasks:
-        kernel = spec.base if isinstance(spec, DecodeSpec) else spec
-        groups.setdefault((kernel, target_for(target)), []).append(spec)
-    return [(target, list(dict.fromkeys(specs))) for (_, target), specs in groups.items()]
+        kernel, target = _kernel_of(spec), target_for(target)
+        together = shape(kernel) if by_shape and target.backend == "llvm-cpu" else kernel
+        groups.setdefault((together, target), []).append(spec)
+    bundles = [(target, list(dict.fromkeys(specs))) for (_, target), specs in groups.items()]
+    return sorted(bundles, key=lambda bundle: -len(bundle[1])) if by_shape else bundles
+
+
+def shape(kernel) -> tuple:
+    """What kernels that share their dispatches have in common: the variant, the heads, the head
+    dims and the dtype (RoPE, gathers, the passes' merges are the same; masks, windows, caps,
+    pages, 8-bit formats and RoPE types may differ)."""
+    return (type(kernel).__name__, kernel.dtype, *(getattr(kernel, field, None) for field in ("h_q", "h_kv", "d_qk", "d_v", "d")))
 
 
 def cached_build(spec, target: Target, cache: ArtifactCache, located: str | None = None) -> tuple[bytes, bool]:

@@ -17,6 +17,7 @@ import threading
 from pathlib import Path
 
 from ..mlir import SPEC_TYPES
+from ..mlir.bundle import function_name
 from ..mlir.decode import DecodeSpec
 from ..pipeline import ArtifactCache, Target, target_for
 from ..pipeline.artifacts import ArtifactError, load_manifest, verify_artifact
@@ -93,8 +94,9 @@ class ArtifactSet:
     def _loaded(self, spec, entry: dict, target: Target) -> LoadedKernel:
         """The folder's artifact of ``spec`` (a variant or a serving pass), sha256-checked, loaded."""
         ready_to_load(spec, target)
-        return LoadedKernel(verify_artifact(entry, self.root).read_bytes(), spec.symbol, target.driver,
-                            alignment=input_alignment(entry["flags"]), results=result_shapes(spec))
+        vmfb = verify_artifact(entry, self.root).read_bytes()
+        return LoadedKernel(vmfb, function_name(spec, vmfb), target.driver, alignment=input_alignment(entry["flags"]),
+                            results=result_shapes(spec))
 
     def __repr__(self) -> str:
         return f"ArtifactSet({self.root}, {target_for(self.backend).tag}, {len(self.entries)} artifacts)"

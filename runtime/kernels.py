@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from ..mlir.abi import argument_names
+from ..mlir.bundle import function_name
 from ..mlir import x86_uses_amx
 from ..mlir.decode import DecodeSpec
 from ..pipeline import ArtifactCache, Target, compile_specs, target_for
@@ -221,7 +222,7 @@ def compiled_kernels(specs, target: Target, driver: str, cache: ArtifactCache | 
     vmfbs = compile_specs(specs, target, cache=cache)
     for spec in specs:
         ready_to_load(spec, target)
-    return [LoadedKernel(vmfb, spec.symbol, driver, alignment=alignment, results=result_shapes(spec))
+    return [LoadedKernel(vmfb, function_name(spec, vmfb), driver, alignment=alignment, results=result_shapes(spec))
             for spec, vmfb in zip(specs, vmfbs)]
 
 

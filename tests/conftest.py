@@ -2,8 +2,9 @@
 run; backend parameters; GPU detection.
 
 **Pre-build.** After collection, every (spec, target) the collected tests declare is compiled
-into the session's cache at once (``pipeline.artifacts.fill_cache``, one process per core), so a
-test finds its kernels already built. A test declares what it compiles in either of two ways:
+into the session's cache at once (one process per core; on llvm-cpu the kernels of one shape
+with their passes as one module, whose dispatches they mostly share: pipeline/compiler.py
+bundle_tasks(by_shape=True), mlir/bundle.py), so a test finds its kernels already built. A test declares what it compiles in either of two ways:
 
 * a parameter whose values are specs (``@pytest.mark.parametrize("spec", SPECS)``) of a test
   that uses the ``cache`` fixture: each value, for the test's ``backend`` (or ``target``) parameter
@@ -500,7 +501,8 @@ def prebuilt(request, cache, tmp_path_factory):
 
 def _fill_share(tasks, cache: ArtifactCache, claims: Path, worker: int, workers: int):
     """One xdist worker's part of the pre-build, in this process: its share (every ``workers``-th
-    bundle: a kernel with its passes, compiled as one module), then the others' from the end.
+    bundle, largest first: kernels of one shape with their passes, compiled as one module), then
+    the others' from the end.
     A worker claims a bundle before it builds its IR (a file named by the bundle's index in
     ``claims``, created exclusively) and passes over one another worker has claimed: it neither
     builds that bundle's IR again to look it up in the cache nor waits on a compile in progress."""
@@ -508,7 +510,7 @@ def _fill_share(tasks, cache: ArtifactCache, claims: Path, worker: int, workers:
     allowed = os.sched_getaffinity(0)
     os.sched_setaffinity(0, rank_cpus(worker, workers))  # its compiles, one at a time, on its CPUs (pytest_configure)
     claims.mkdir(exist_ok=True)
-    bundles = list(enumerate(bundle_tasks(tasks)))
+    bundles = list(enumerate(bundle_tasks(tasks, by_shape=True)))
     own = bundles[worker::workers]
     rest = [bundle for bundle in bundles if bundle[0] % workers != worker][::-1]
     compiled = taken = 0

@@ -1,6 +1,7 @@
 """A kernel and its serving passes compiled as one module (mlir/bundle.py, pipeline/compiler.py:
-cached_bundle): the module keeps every member's function, the vmfb serves each member, and the
-calls that take the passes match the reference."""
+cached_bundle), and kernels of one shape with theirs (the pre-build's bundles): the module keeps
+every member's function, the vmfb serves each member, and the calls that take the passes match
+the reference."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ import numpy as np
 import pytest
 
 from linalg_prefill.mlir import PagedPrefillSpec
-from linalg_prefill.mlir.bundle import NotBundled, bundled
+from linalg_prefill.mlir.bundle import NotBundled, bundled, function_name, member_symbol
 from linalg_prefill.mlir.decode import DecodeSpec
 from linalg_prefill.pipeline import ArtifactCache, Target
-from linalg_prefill.pipeline.compiler import bundle_tasks, cached_bundle, keyed_ir
+from linalg_prefill.pipeline.compiler import bundle_tasks, cached_bundle, keyed_ir, shape
 from linalg_prefill.pipeline.tuning import tuned_ir
 from linalg_prefill.runtime import open_kernel
 from linalg_prefill.runtime.examples import example_inputs
@@ -23,6 +24,8 @@ from support import assert_matches_reference, with_arguments
 
 KERNEL = PagedPrefillSpec(8, 2, 32, "float32", page_size=8)
 PASSES = [DecodeSpec(KERNEL, queries) for queries in (1, 4)]
+#: A kernel of KERNEL's shape (its dispatches mostly the same): another page size, a window.
+SHAPE_MATE = PagedPrefillSpec(8, 2, 32, "float32", page_size=16, sliding_window=True)
 #: An AMX CPU's lowering (the x86 passes, whose hand-written dispatches must not clash) and the
 #: linalg one, whatever this machine is.
 TARGETS = [Target("llvm-cpu", "sapphirerapids"), Target("llvm-cpu", "znver4")]
@@ -38,6 +41,35 @@ def test_the_bundle_keeps_every_members_function_and_renames_the_symbols_they_sh
     top_level = re.findall(r"^  (?:stream\.executable|func\.func|util\.func|util\.global)\s+(?:\w+ )*@(\w+)",
                            text, flags=re.MULTILINE)
     assert len(top_level) == len(set(top_level)) and len(top_level) >= 3
+
+
+@pytest.mark.parametrize("target", TARGETS, ids=lambda t: t.arch)
+def test_kernels_of_one_shape_share_a_module_under_names_of_their_own(target):
+    """Each member's public function renamed to its member_symbol; a hand-written dispatch's
+    entry another member took (the x86 passes' ``stream_chunks``) renamed with its uses: the
+    module verifies, and every name is there once."""
+    members = [KERNEL, PASSES[0], SHAPE_MATE, DecodeSpec(SHAPE_MATE, 1)]
+    text = bundled([tuned_ir(spec, target) for spec in members], [member_symbol(spec) for spec in members])
+    for spec in members:
+        assert len(re.findall(rf"func\.func @{member_symbol(spec)}\(", text)) == 1, spec.name
+        assert not re.search(rf"func\.func @{spec.symbol}\(", text)
+    entries = re.findall(r"stream\.executable\.export public @(\w+)", text)
+    assert len(entries) == len(set(entries))
+    if target.lowering_of(KERNEL) == "x86":
+        assert {"stream_chunks", "stream_chunks_3", "attend_entry", "attend_entry_2"} <= set(entries)
+        references = set(re.findall(r"@x86\w*::@(\w+)", text))   # the dispatches of the members' executables
+        assert {"stream_chunks", "stream_chunks_3", "attend_entry", "attend_entry_2"} <= references
+
+
+def test_the_pre_build_groups_the_kernels_of_one_shape_on_the_cpu():
+    """by_shape: KERNEL, SHAPE_MATE and their passes in one bundle on llvm-cpu (largest first);
+    a kernel of another dtype alone; on CUDA each kernel with its passes."""
+    cpu, cuda = TARGETS[1], Target("cuda", "sm_80")
+    other = PagedPrefillSpec(8, 2, 32, "float16", page_size=8)
+    tasks = [(other, cpu), (KERNEL, cpu), (PASSES[0], cpu), (SHAPE_MATE, cpu), (KERNEL, cuda), (SHAPE_MATE, cuda)]
+    assert shape(KERNEL) == shape(SHAPE_MATE) != shape(other)
+    assert bundle_tasks(tasks, by_shape=True) == [(cpu, [KERNEL, PASSES[0], SHAPE_MATE]), (cpu, [other]),
+                                                  (cuda, [KERNEL]), (cuda, [SHAPE_MATE])]
 
 
 def test_two_public_functions_of_one_name_are_not_bundled():
@@ -74,17 +106,21 @@ def test_the_workers_shares_build_each_bundle_once(tmp_path, monkeypatch):
     assert (first.compiled, second.compiled) == (3, 0)
 
 
-def test_a_bundle_serves_the_kernel_and_its_passes(tmp_path):
-    """The kernel and the passes it opens with, compiled as one module into an empty cache: one
-    vmfb for all, and a batch whose entries take the passes and the kernel (1, 3 and 20 queries)
-    matches the reference."""
+def test_a_bundle_serves_the_kernels_of_one_shape_and_their_passes(tmp_path):
+    """Two kernels of one shape and the passes they open with, compiled as one module into an
+    empty cache: one vmfb for all, each member's function its member_symbol, and for each kernel
+    a batch whose entries take the passes and the kernel (1, 3 and 20 queries) matches the
+    reference."""
     cache, target = ArtifactCache(tmp_path / "artifacts"), Target("llvm-cpu")
-    members = [KERNEL, *passes_at_open(KERNEL, target)]
+    members = [spec for kernel in (KERNEL, SHAPE_MATE) for spec in (kernel, *passes_at_open(kernel, target))]
     built = cached_bundle(members, target, cache)
-    assert len(members) >= 3 and all(ran for _, ran in built) and len({vmfb for vmfb, _ in built}) == 1
+    assert len(members) >= 6 and all(ran for _, ran in built) and len({vmfb for vmfb, _ in built}) == 1
     assert [cache.cached(spec, target, keyed_ir(spec, target)) for spec in members] == [built[0][0]] * len(members)
-    kernel = open_kernel(KERNEL, target, cache=cache, serving_passes=[spec.queries for spec in members[1:]])
-    assert kernel.serving_passes == tuple(spec.queries for spec in members[1:])
-    args = example_inputs(KERNEL, np.random.default_rng(3), [(1, 40), (3, 77), (20, 20)])
-    call = with_arguments(KERNEL, args, causal=1)
-    assert_matches_reference("bundle", kernel(*call), KERNEL, call)
+    assert [function_name(spec, built[0][0]) for spec in members] == [member_symbol(spec) for spec in members]
+    for spec in (KERNEL, SHAPE_MATE):
+        passes = passes_at_open(spec, target)
+        kernel = open_kernel(spec, target, cache=cache, serving_passes=[p.queries for p in passes])
+        assert kernel.serving_passes == tuple(p.queries for p in passes)
+        args = example_inputs(spec, np.random.default_rng(3), [(1, 40), (3, 77), (20, 20)])
+        call = with_arguments(spec, args, causal=1)
+        assert_matches_reference(spec.name, kernel(*call), spec, call)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from linalg_prefill.mlir import PagedPrefillSpec
+from linalg_prefill.mlir.bundle import function_name
 from linalg_prefill.mlir.decode import DECODE_PASSES, DecodeSpec
 from linalg_prefill.pipeline import compile_spec, target_for
 from linalg_prefill.runtime import open_kernel
@@ -82,8 +83,8 @@ def test_results_held_across_calls_leave_no_memory_behind(cache, to_host):
     take storage for them) or copies them out, so no buffer of IREE's outlives it."""
     target = target_for("llvm-cpu")
     pass_spec = DecodeSpec(SPEC, 16)
-    loaded = LoadedKernel(compile_spec(pass_spec, target, cache=cache), pass_spec.symbol, target.driver,
-                          results=result_shapes(pass_spec))
+    vmfb = compile_spec(pass_spec, target, cache=cache)
+    loaded = LoadedKernel(vmfb, function_name(pass_spec, vmfb), target.driver, results=result_shapes(pass_spec))
     args = example_inputs(SPEC, np.random.default_rng(1), HELD_ENTRIES, rotary_mode=0)
     passes = DECODE_PASSES[target.lowering]
     (call,) = decode_calls(SPEC, args, pass_queries(SPEC, args, passes), passes)

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from linalg_prefill.mlir import PagedPrefillSpec
+from linalg_prefill.mlir.bundle import function_name
 from linalg_prefill.pipeline import compile_spec
 from linalg_prefill.runtime import InputError, PagedPrefillWrapper, open_kernel
 from linalg_prefill.runtime.examples import example_inputs, page_table
@@ -175,7 +176,8 @@ def test_a_cpu_call_writes_its_results_where_it_returns_them(cache, monkeypatch)
         np.testing.assert_array_equal(results[0], want[0])
         np.testing.assert_array_equal(results[1], want[1])
     with pytest.raises(ValueError, match="takes storage for its results"):
-        module.LoadedKernel(compile_spec(SPEC, kernel.target, cache=cache), SPEC.symbol, "local-task")
+        vmfb = compile_spec(SPEC, kernel.target, cache=cache)
+        module.LoadedKernel(vmfb, function_name(SPEC, vmfb), "local-task")
 
 
 def test_bad_result_arrays_are_refused_before_the_kernel_runs(cache):
