@@ -205,8 +205,9 @@ def save_case(path, name, spec, file, args, flops=0.0, amx=False, extra=None, sy
             meta_args.append(["array", key])
         else:
             meta_args.append(["scalar", a.item() if isinstance(a, np.generic) else a])
-    meta = dict(name=name, symbol=symbol or spec.symbol, dtype=spec.dtype, file=file, args=meta_args, flops=flops, amx=amx,
-                q_position=argument_names(spec).index("q"), d_v=spec.d_v)   # the results' shapes (the runner's storage)
+    meta = dict(name=name, symbol=symbol or spec.symbol, dtype=spec.dtype, file=file, args=meta_args, flops=flops,
+                amx=amx, q_position=argument_names(spec).index("q"),
+                d_v=spec.d_v)   # the results' shapes (the runner's storage)
     if hasattr(spec, "base"):  # a serving pass: torch's timing needs the GQA group
         meta["group"] = spec.base.group_size
     if not bench:

@@ -102,8 +102,10 @@ _ENTRY = re.compile(r"stream\.executable\.export public @(\w+)")
 
 def _public_renamed(text: str, symbol: str) -> str:
     """``text`` with its one public function (and its uses) named ``symbol``."""
-    (name,) = set(_PUBLIC_FUNCTION.findall(text))
-    return re.sub(rf"@{name}\b", f"@{symbol}", text)
+    names = set(_PUBLIC_FUNCTION.findall(text))
+    if len(names) != 1:
+        raise NotBundled(f"a module with {len(names)} public functions cannot take the name {symbol}")
+    return re.sub(rf"@{names.pop()}\b", f"@{symbol}", text)
 
 
 def _entries_renamed(text: str, index: int, taken: set) -> str:

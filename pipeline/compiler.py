@@ -94,8 +94,8 @@ def cached_bundle(specs, target: Target, cache: ArtifactCache) -> list[tuple[byt
         try:
             first = cache.get_or_build(specs[missing[0]], target, keys[missing[0]], build)
         except (NotBundled, CompileError) as err:
-            log.info("compiling %d specs %s (%s)", len(missing), "kernel by kernel" if len(kernels) > 1 else "one by one",
-                     str(err).splitlines()[0])
+            log.info("compiling %d specs %s (%s)", len(missing),
+                     "kernel by kernel" if len(kernels) > 1 else "one by one", str(err).splitlines()[0])
             if len(kernels) > 1:
                 return _kernel_by_kernel(specs, target, cache)
         else:
@@ -134,22 +134,24 @@ def bundle_tasks(tasks, by_shape: bool = False) -> list[tuple[Target, list]]:
     (:func:`cached_bundle`): a kernel with its serving passes (DecodeSpec of it), in the order
     the pairs first appear; every other spec alone (kernels of different variants packed four to
     a module saved nothing: pre-build 306 -> 304 s, user CPU 15:12 -> 15:29, docs/test-suite.md).
-    ``by_shape``: on llvm-cpu, the kernels of one :func:`shape` with their passes together (they
-    share most dispatches, which a module compiles once: mlir/bundle.py), largest groups first."""
+    ``by_shape``: on llvm-cpu, the kernels of one :func:`kernel_shape` with their passes together
+    (they share most dispatches, which a module compiles once: mlir/bundle.py), largest groups
+    first."""
     groups: dict = {}
     for spec, target in tasks:
         kernel, target = _kernel_of(spec), target_for(target)
-        together = shape(kernel) if by_shape and target.backend == "llvm-cpu" else kernel
+        together = kernel_shape(kernel) if by_shape and target.backend == "llvm-cpu" else kernel
         groups.setdefault((together, target), []).append(spec)
     bundles = [(target, list(dict.fromkeys(specs))) for (_, target), specs in groups.items()]
     return sorted(bundles, key=lambda bundle: -len(bundle[1])) if by_shape else bundles
 
 
-def shape(kernel) -> tuple:
+def kernel_shape(kernel) -> tuple:
     """What kernels that share their dispatches have in common: the variant, the heads, the head
     dims and the dtype (RoPE, gathers, the passes' merges are the same; masks, windows, caps,
     pages, 8-bit formats and RoPE types may differ)."""
-    return (type(kernel).__name__, kernel.dtype, *(getattr(kernel, field, None) for field in ("h_q", "h_kv", "d_qk", "d_v", "d")))
+    fields = ("h_q", "h_kv", "d_qk", "d_v", "d")
+    return (type(kernel).__name__, kernel.dtype, *(getattr(kernel, field, None) for field in fields))
 
 
 def cached_build(spec, target: Target, cache: ArtifactCache, located: str | None = None) -> tuple[bytes, bool]:

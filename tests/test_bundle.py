@@ -14,7 +14,7 @@ from linalg_prefill.mlir import PagedPrefillSpec
 from linalg_prefill.mlir.bundle import NotBundled, bundled, function_name, member_symbol
 from linalg_prefill.mlir.decode import DecodeSpec
 from linalg_prefill.pipeline import ArtifactCache, Target
-from linalg_prefill.pipeline.compiler import bundle_tasks, cached_bundle, keyed_ir, shape
+from linalg_prefill.pipeline.compiler import bundle_tasks, cached_bundle, keyed_ir, kernel_shape
 from linalg_prefill.pipeline.tuning import tuned_ir
 from linalg_prefill.runtime import open_kernel
 from linalg_prefill.runtime.examples import example_inputs
@@ -67,7 +67,7 @@ def test_the_pre_build_groups_the_kernels_of_one_shape_on_the_cpu():
     cpu, cuda = TARGETS[1], Target("cuda", "sm_80")
     other = PagedPrefillSpec(8, 2, 32, "float16", page_size=8)
     tasks = [(other, cpu), (KERNEL, cpu), (PASSES[0], cpu), (SHAPE_MATE, cpu), (KERNEL, cuda), (SHAPE_MATE, cuda)]
-    assert shape(KERNEL) == shape(SHAPE_MATE) != shape(other)
+    assert kernel_shape(KERNEL) == kernel_shape(SHAPE_MATE) != kernel_shape(other)
     assert bundle_tasks(tasks, by_shape=True) == [(cpu, [KERNEL, PASSES[0], SHAPE_MATE]), (cpu, [other]),
                                                   (cuda, [KERNEL]), (cuda, [SHAPE_MATE])]
 

@@ -30,7 +30,7 @@ _INSTALL = "apache-tvm is not installed (pip install -e '.[conformance]')"
 tvm = pytest.importorskip("tvm", reason=_INSTALL)
 _prefill = pytest.importorskip("tvm.relax.frontend.nn.llm._prefill_kernels", reason=_INSTALL)
 
-from linalg_prefill.mlir import PagedPrefillSpec  # noqa: E402
+from linalg_prefill.mlir import PagedPrefillSpec, RaggedPrefillSpec  # noqa: E402
 from linalg_prefill.mlir.decode import DecodeSpec  # noqa: E402
 from linalg_prefill.runtime import reference as R  # noqa: E402
 from linalg_prefill.runtime.examples import indptr, page_table  # noqa: E402
@@ -265,8 +265,11 @@ def test_our_paged_kernel_matches_the_seed(causal, rotary, cache):
                      spec, (*inputs, *scalars))
 
 
+WINDOW_SPEC = PagedPrefillSpec(4, 1, 32, "float32", page_size=8, sliding_window=True)
+
+
+@pytest.mark.compiles(WINDOW_SPEC)
 def test_our_sliding_window_kernel_matches_the_seed(cache):
-    from linalg_prefill.mlir import PagedPrefillSpec
     from linalg_prefill.runtime import open_kernel
 
     rng = np.random.default_rng(44)
@@ -275,14 +278,17 @@ def test_our_sliding_window_kernel_matches_the_seed(cache):
     scalars = (0, 1, 1.5, 1e4, 32 ** -0.5)
     total = int(inputs[1][-1])
     seed = _run(_paged_kernel(1, 4, 32, 8, True, "default"), inputs, (total, 4, 32), (total, 4), scalars)
-    spec = PagedPrefillSpec(4, 1, 32, "float32", page_size=8, sliding_window=True)
+    spec = WINDOW_SPEC
     _compare_kernels(open_kernel(spec, cache=cache)(*inputs, *scalars), seed, _valid_rows(inputs[1], kv_lens, 0),
                      spec, (*inputs, *scalars))
 
 
+RAGGED_SPEC = RaggedPrefillSpec(4, 2, 32, 16, "float32", ROPE["longrope"])
+
+
+@pytest.mark.compiles(RAGGED_SPEC)
 @pytest.mark.parametrize("causal, rotary", [(1, 0), (1, 1), (0, 1)])
 def test_our_ragged_kernel_matches_the_seed(causal, rotary, cache):
-    from linalg_prefill.mlir import RaggedPrefillSpec
     from linalg_prefill.runtime import open_kernel
 
     rng = np.random.default_rng(50 + 2 * causal + rotary)
@@ -291,6 +297,6 @@ def test_our_ragged_kernel_matches_the_seed(causal, rotary, cache):
     scalars = (causal, rotary, 2.0, 1e4, 32 ** -0.5)
     total = int(inputs[1][-1])
     seed = _run(_ragged_kernel(2, 4, 32, 16, "longrope"), inputs, (total, 4, 16), (total, 4), scalars)
-    spec = RaggedPrefillSpec(4, 2, 32, 16, "float32", ROPE["longrope"])
+    spec = RAGGED_SPEC
     _compare_kernels(open_kernel(spec, cache=cache)(*inputs, *scalars), seed, _valid_rows(inputs[1], kv, causal),
                      spec, (*inputs, *scalars))
