@@ -139,7 +139,7 @@ def on_backends(cases) -> list:
 #: What the pre-build found and did: the (spec, target) pairs, the fill's result, the artifacts
 #: compiled in this process outside it (``late``), and (xdist's controller) the workers' reports.
 _PREBUILD: dict = {"tasks": [], "result": None, "running": False, "late": [], "workers": [], "crashes": [],
-                   "compile_ir": None, "cached_build": None, "test": None, "opened": set()}
+                   "compile_ir": None, "lookups": None, "test": None, "opened": set()}
 
 
 def pytest_addoption(parser):
@@ -190,14 +190,17 @@ def pytest_configure(config):
         return real_compile_ir(ir_text, target, name)
 
     compiler.compile_ir = counted_compile_ir  # counts the compiles outside the pre-build
-    real_cached_build = _PREBUILD["cached_build"] = compiler.cached_build
+    _PREBUILD["lookups"] = ArtifactCache.cached, ArtifactCache.get_or_build
 
-    def noted_cached_build(spec, target, cache, *located):
-        if not _PREBUILD["running"]:
-            _PREBUILD["opened"].add(f"{target.tag}/{spec.name}")
-        return real_cached_build(spec, target, cache, *located)
+    def noted(lookup):
+        def looked_up(cache, spec, target, *rest):
+            if not _PREBUILD["running"]:
+                _PREBUILD["opened"].add(f"{target.tag}/{spec.name}")
+            return lookup(cache, spec, target, *rest)
+        return looked_up
 
-    compiler.cached_build = noted_cached_build  # what the tests open (compile_spec), for the summary
+    # what the tests look up (open_kernel, compile_spec), for the summary
+    ArtifactCache.cached, ArtifactCache.get_or_build = (noted(lookup) for lookup in _PREBUILD["lookups"])
 
 
 def pytest_runtest_setup(item):
@@ -206,7 +209,7 @@ def pytest_runtest_setup(item):
 
 def pytest_unconfigure(config):
     compiler.compile_ir = _PREBUILD["compile_ir"]
-    compiler.cached_build = _PREBUILD["cached_build"]
+    ArtifactCache.cached, ArtifactCache.get_or_build = _PREBUILD["lookups"]
     _release_kernels()
 
 
