@@ -124,3 +124,26 @@ def test_a_bundle_serves_the_kernels_of_one_shape_and_their_passes(tmp_path):
         args = example_inputs(spec, np.random.default_rng(3), [(1, 40), (3, 77), (20, 20)])
         call = with_arguments(spec, args, causal=1)
         assert_matches_reference(spec.name, kernel(*call), spec, call)
+
+
+def test_a_group_that_fails_to_compile_falls_back_to_each_kernels_bundle(tmp_path, monkeypatch):
+    """A module of two kernels that IREE rejects: each kernel then compiles with its passes
+    (under its own names), and every member gets its kernel's vmfb."""
+    from linalg_prefill.pipeline import CompileError, compiler
+
+    compiled = []
+
+    def fake_compile(text, target, name="module"):
+        functions = sorted(re.findall(r"^  func\.func @(\w+)\(", text, flags=re.MULTILINE))
+        compiled.append(functions)
+        if any("__" in function for function in functions):
+            raise CompileError("a module of two kernels, refused")
+        return " ".join(functions).encode()
+
+    monkeypatch.setattr(compiler, "compile_ir", fake_compile)
+    target = TARGETS[1]
+    built = cached_bundle([KERNEL, PASSES[0], SHAPE_MATE], target, ArtifactCache(tmp_path / "cache"))
+    assert compiled == [sorted(member_symbol(spec) for spec in (KERNEL, PASSES[0], SHAPE_MATE)),
+                        ["batch_prefill_paged_kv", "decode_entries"], ["batch_prefill_paged_kv_sliding_window"]]
+    assert [vmfb for vmfb, _ in built] == [b"batch_prefill_paged_kv decode_entries"] * 2 + \
+        [b"batch_prefill_paged_kv_sliding_window"]
