@@ -4,7 +4,8 @@ run; backend parameters; GPU detection.
 **Pre-build.** After collection, every (spec, target) the collected tests declare is compiled
 into the session's cache at once (one process per core; on llvm-cpu the kernels of one shape
 with their passes as one module, whose dispatches they mostly share: pipeline/compiler.py
-bundle_tasks(by_shape=True), mlir/bundle.py), so a test finds its kernels already built. A test declares what it compiles in either of two ways:
+bundle_tasks(by_shape=True), mlir/bundle.py), so a test finds its kernels already built. A test
+declares what it compiles in either of two ways:
 
 * a parameter whose values are specs (``@pytest.mark.parametrize("spec", SPECS)``) of a test
   that uses the ``cache`` fixture: each value, for the test's ``backend`` (or ``target``) parameter
