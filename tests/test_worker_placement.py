@@ -44,7 +44,8 @@ def test_a_switched_off_placement_does_nothing():
 #: workers pin theirs, tests/conftest.py): after a first call the caller is put on the first
 #: worker's CPU; the next call (past the interval of a move the first call may have made) moves
 #: that worker away, the others find it moved; the results are the same bit for bit as with
-#: IREE's own placement.
+#: IREE's own placement. It waits until both workers have named themselves and set their CPUs
+#: (a full suite's run once saw no swap, the placement still active: the workers not found).
 PROGRAM = textwrap.dedent("""
     import json, os, sys, time
     import numpy as np
@@ -60,12 +61,16 @@ PROGRAM = textwrap.dedent("""
     time.sleep(2 * MIN_SWAP_INTERVAL_S)
     kernel(*args)   # a worker whose thread started after the first call's move has set its CPU: put back
     cpus = lambda: {index: sorted(os.sched_getaffinity(tid)) for tid, index in iree_workers()}
+    deadline = time.monotonic() + 5   # under load a worker's thread may not have named itself or set its CPU yet
+    while not (len(cpus()) >= 2 and all(len(c) == 1 for c in cpus().values())) and time.monotonic() < deadline:
+        time.sleep(0.05)
     before, swaps = cpus(), PLACEMENT.swaps   # the first call may have moved it already
     os.sched_setaffinity(0, set(before[0]))   # the caller on the first worker's CPU
     time.sleep(2 * MIN_SWAP_INTERVAL_S)   # past the interval of a move at the first call
     outputs = [kernel(*args) for _ in range(3)]
     same = all(np.array_equal(a, b) for out in outputs for a, b in zip(first, out))
     print(json.dumps(dict(active=PLACEMENT.active, swaps=PLACEMENT.swaps - swaps, before=before, after=cpus(),
+                          found=PLACEMENT._first is not None,
                           caller=sorted(os.sched_getaffinity(0)), same=same, batch_wait=BATCH_WAIT)))
 """)
 
@@ -81,7 +86,7 @@ def _run(cache, **env) -> dict:
 @pytest.mark.compiles(SPEC)
 def test_the_first_worker_leaves_the_callers_cpu_once_and_the_results_stay(cache):
     got = _run(cache)
-    assert got["active"] and got["swaps"] == 1 and got["same"]
+    assert got["active"] and got["swaps"] == 1 and got["same"], got
     assert got["batch_wait"] == (os.environ.get("LINALG_PREFILL_BATCH_WAIT", "1") != "0")
     before, after = ({int(k): v for k, v in got[key].items()} for key in ("before", "after"))
     assert after[0] != got["caller"] and after[0] == before[max(before)] and after[max(after)] == before[0]
