@@ -140,7 +140,7 @@ def on_backends(cases) -> list:
 #: What the pre-build found and did: the (spec, target) pairs, the fill's result, the artifacts
 #: compiled in this process outside it (``late``), and (xdist's controller) the workers' reports.
 _PREBUILD: dict = {"tasks": [], "result": None, "running": False, "late": [], "workers": [], "crashes": [],
-                   "compile_ir": None, "lookups": None, "test": None, "opened": set()}
+                   "compile_ir": None, "lookups": None, "test": None, "opened": set(), "announced": False}
 
 
 def pytest_addoption(parser):
@@ -315,6 +315,27 @@ def declared_serving_passes(request, monkeypatch):
 def pytest_collection_finish(session):
     if not session.config.getoption("--no-prebuild") and not session.config.getoption("--collect-only"):
         _PREBUILD["tasks"] = list(dict.fromkeys(pair for item in session.items for pair in compiled_by(item)))
+        if _PREBUILD["tasks"] and not xdist_worker(session.config):
+            _announce(session.config, f"{len(_PREBUILD['tasks'])} artifacts")
+
+
+#: What a run prints before its pre-build: without it a fresh clone's run shows nothing for minutes.
+PREBUILD_NOTICE = ("pre-build: compiling the {what} the collected tests declare before the first test "
+                   "(tests/conftest.py; the whole suite's from an empty cache: about 4-5 minutes on 2 cores)")
+
+
+def _announce(config, what: str) -> None:
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None and not _PREBUILD["announced"]:
+        _PREBUILD["announced"] = True
+        reporter.write_line(PREBUILD_NOTICE.format(what=what))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    """xdist's controller, as the first worker has collected: the pre-build's notice."""
+    if not node.config.getoption("--no-prebuild"):
+        _announce(node.config, "kernels")
 
 
 def pytest_sessionfinish(session):
