@@ -103,6 +103,12 @@ class WorkerPlacement:
     def active(self) -> bool:
         return self._getcpu is not None
 
+    @property
+    def first_worker_cpu(self) -> int | None:
+        """The CPU this placement keeps the first worker on (None before it has found its
+        workers); a worker that set its own CPU since is put back there at the next call."""
+        return None if self._first is None else self._first[1]
+
     def before_call(self) -> None:
         """Moves the first worker off the caller's CPU if it is on it (module docstring)."""
         if self._getcpu is None:

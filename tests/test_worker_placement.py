@@ -44,8 +44,12 @@ def test_a_switched_off_placement_does_nothing():
 #: workers pin theirs, tests/conftest.py): after a first call the caller is put on the first
 #: worker's CPU; the next call (past the interval of a move the first call may have made) moves
 #: that worker away, the others find it moved; the results are the same bit for bit as with
-#: IREE's own placement. It waits until both workers have named themselves and set their CPUs
-#: (a full suite's run once saw no swap, the placement still active: the workers not found).
+#: IREE's own placement. Before it pins the caller it waits until both workers have named
+#: themselves and set their CPUs, calls once more (which puts back a worker that set its own CPU
+#: after a move), and pins the caller where the placement keeps the first worker: a full suite's
+#: run once saw no swap with the placement active, which is what pinning the caller to a CPU a
+#: late worker had just set itself on gives (played by hand: 0 swaps; the placement then put the
+#: worker back, away from the caller).
 PROGRAM = textwrap.dedent("""
     import json, os, sys, time
     import numpy as np
@@ -58,19 +62,21 @@ PROGRAM = textwrap.dedent("""
     kernel = open_kernel(spec, serving_passes=False)
     args = example_inputs(spec, np.random.default_rng(0))
     first = kernel(*args)
-    time.sleep(2 * MIN_SWAP_INTERVAL_S)
-    kernel(*args)   # a worker whose thread started after the first call's move has set its CPU: put back
     cpus = lambda: {index: sorted(os.sched_getaffinity(tid)) for tid, index in iree_workers()}
     deadline = time.monotonic() + 5   # under load a worker's thread may not have named itself or set its CPU yet
     while not (len(cpus()) >= 2 and all(len(c) == 1 for c in cpus().values())) and time.monotonic() < deadline:
         time.sleep(0.05)
+    time.sleep(2 * MIN_SWAP_INTERVAL_S)
+    kernel(*args)   # a worker whose thread started after the first call's move has set its CPU: put back
     before, swaps = cpus(), PLACEMENT.swaps   # the first call may have moved it already
-    os.sched_setaffinity(0, set(before[0]))   # the caller on the first worker's CPU
+    # the caller on the first worker's CPU, where the placement keeps it (a worker's thread that
+    # starts late sets its own CPU, which the next call puts back)
+    os.sched_setaffinity(0, {PLACEMENT.first_worker_cpu} if PLACEMENT.first_worker_cpu is not None else set(before[0]))
     time.sleep(2 * MIN_SWAP_INTERVAL_S)   # past the interval of a move at the first call
     outputs = [kernel(*args) for _ in range(3)]
     same = all(np.array_equal(a, b) for out in outputs for a, b in zip(first, out))
     print(json.dumps(dict(active=PLACEMENT.active, swaps=PLACEMENT.swaps - swaps, before=before, after=cpus(),
-                          found=PLACEMENT._first is not None,
+                          found=PLACEMENT.first_worker_cpu is not None,
                           caller=sorted(os.sched_getaffinity(0)), same=same, batch_wait=BATCH_WAIT)))
 """)
 
