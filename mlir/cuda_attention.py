@@ -541,6 +541,42 @@ def global_pointers(bound: dict, sizes: dict, elements: dict) -> dict:
         for name, binding in bound.items()}
 
 
+def workgroup_executable(names: tuple[str, str], s: KernelShapes, bindings: tuple[tuple[str, ...], tuple[str, ...]],
+                         scalar_names: tuple[str, ...], elements: dict, sizes, placement, scaled: bool = False) -> None:
+    """The ``stream.executable`` ``names`` (executable, entry) at the insertion point, its one
+    dispatch a :class:`_Workgroup` of ``s``: its function takes the input bindings, the scalars
+    ``scalar_names`` (index), scale_log2 (f32) where ``scaled``, then the result bindings
+    (``bindings``: (inputs, results)), and is marked with its threads (the CUDA record's
+    ``tune_dispatch`` gives IREE the workgroup size). ``sizes(scalars)``: each binding's sizes
+    from the index scalars; ``placement(pointers, scalars as i64, scale_log2 or None)``: the rows
+    and keys of a workgroup."""
+    inputs, results = bindings
+    index, binding = ir.IndexType.get(), ir.Type.parse(BINDING)
+    arg_types = [binding] * len(inputs) + [index] * len(scalar_names) + [f32()] * scaled + [binding] * len(results)
+    with hand_written_dispatch(*names, arg_types, dispatch_mark(s.tiling.threads)) as args:
+        scalars = dict(zip(scalar_names, args[len(inputs):len(inputs) + len(scalar_names)]))
+        scale_log2 = args[len(inputs) + len(scalar_names)] if scaled else None
+        bound = dict(zip((*inputs, *results), [*args[:len(inputs)], *args[len(args) - len(results):]]))
+        pointers = global_pointers(bound, sizes(scalars), elements)
+        scalars = {name: as_i64(value) for name, value in scalars.items()}
+        _Workgroup(s, placement(pointers, scalars, scale_log2)).emit()
+
+
+def workgroup_dispatch(names: tuple[str, str], workload: list, operands: list, sizes: dict,
+                       bindings: tuple[tuple[str, ...], tuple[str, ...]], result_elements: dict) -> list[ir.Value]:
+    """The results of one ``flow.dispatch`` of the entry ``names`` (executable, entry) over
+    ``workload`` (3 index values) with ``operands`` (the input tensors, then the scalars): its
+    inputs' and results' (``bindings``) dynamic sizes from ``sizes``, each result a tensor of its
+    ``result_elements``."""
+    inputs, results = bindings
+    dispatch = flow_d.DispatchOp(
+        [tensor_type(static_shape(sizes[name]), result_elements[name]) for name in results], workload,
+        ir.ArrayAttr.get([ir.SymbolRefAttr.get(list(names))]), operands,
+        [size for name in inputs for size in dynamic_dims(sizes[name])],
+        [size for name in results for size in dynamic_dims(sizes[name])])
+    return list(dispatch.results)
+
+
 def _inputs(s: KernelShapes) -> tuple[str, ...]:
     return ("q", "k", "v", *(("valid_lens",) if s.mask in ("padded", "causal_padded_left") else ()),
             *(("sinks",) if s.sinks else ()))
@@ -553,19 +589,12 @@ def _sizes(s: KernelShapes, batch, q_len, kv_len) -> dict:
 
 def build_executable(s: KernelShapes) -> None:
     """The ``stream.executable`` @cuda_attention with the dispatch @attend at the insertion point:
-    the input bindings, the scalars (index), then the results out and lse; its function marked
-    with its threads (the CUDA record's ``tune_dispatch`` gives IREE the workgroup size)."""
-    index, binding = ir.IndexType.get(), ir.Type.parse(BINDING)
-    inputs = _inputs(s)
-    arg_types = [binding] * len(inputs) + [index] * len(_DISPATCH_SCALARS) + [binding] * 2
-    with hand_written_dispatch(_EXECUTABLE, _ENTRY, arg_types, dispatch_mark(s.tiling.threads)) as args:
-        scalars = dict(zip(_DISPATCH_SCALARS, args[len(inputs):len(inputs) + len(_DISPATCH_SCALARS)]))
-        sizes = _sizes(s, *scalars.values())
-        elem = element_type(s.dtype)
-        elems = {"q": elem, "k": elem, "v": elem, "valid_lens": i32(), "sinks": f32(), "out": elem, "lse": f32()}
-        bound = dict(zip((*inputs, "out", "lse"), [*args[:len(inputs)], *args[-2:]]))
-        scalars = {name: as_i64(value) for name, value in scalars.items()}
-        _Workgroup(s, DensePlacement(s, global_pointers(bound, sizes, elems), scalars)).emit()
+    the input bindings, the scalars (index), then the results out and lse."""
+    elem = element_type(s.dtype)
+    elems = {"q": elem, "k": elem, "v": elem, "valid_lens": i32(), "sinks": f32(), "out": elem, "lse": f32()}
+    workgroup_executable((_EXECUTABLE, _ENTRY), s, (_inputs(s), ("out", "lse")), _DISPATCH_SCALARS, elems,
+                         lambda scalars: _sizes(s, *scalars.values()),
+                         lambda pointers, scalars, _: DensePlacement(s, pointers, scalars))
 
 
 def emit_dense(s: KernelShapes, q, k, v, anchor: ir.Operation, valid_lens=None, sinks=None) -> list[ir.Value]:
@@ -574,17 +603,10 @@ def emit_dense(s: KernelShapes, q, k, v, anchor: ir.Operation, valid_lens=None, 
     with ir.InsertionPoint(anchor):
         build_executable(s)
     batch, q_len, kv_len = dim(q, 0), dim(q, 1), dim(k, 1)
-    sizes = _sizes(s, batch, q_len, kv_len)
-    elem = element_type(s.dtype)
-    entry = ir.ArrayAttr.get([ir.SymbolRefAttr.get([_EXECUTABLE, _ENTRY])])
     operands = [q, k, v, *([valid_lens] if "valid_lens" in _inputs(s) else []), *([sinks] if s.sinks else [])]
-    dispatch = flow_d.DispatchOp(
-        [tensor_type(static_shape(sizes["out"]), elem), tensor_type(static_shape(sizes["lse"]), f32())],
-        [ceil_div(q_len, s.tiling.rows), const_index(s.h_q), batch], entry,
-        [*operands, batch, q_len, kv_len],
-        [size for name in _inputs(s) for size in dynamic_dims(sizes[name])],
-        [*dynamic_dims(sizes["out"]), *dynamic_dims(sizes["lse"])])
-    return list(dispatch.results)
+    return workgroup_dispatch((_EXECUTABLE, _ENTRY), [ceil_div(q_len, s.tiling.rows), const_index(s.h_q), batch],
+                              [*operands, batch, q_len, kv_len], _sizes(s, batch, q_len, kv_len),
+                              (_inputs(s), ("out", "lse")), {"out": element_type(s.dtype), "lse": f32()})
 
 
 def _mask(spec) -> str:

@@ -23,18 +23,15 @@ diagonal, token = row // G).
 
 from __future__ import annotations
 
-from .amx import BINDING, as_i64, dynamic_dims, hand_written_dispatch, static_shape, workgroup_ids
+from .amx import workgroup_ids
 from .attention_op import TILE
 from .cuda_attention import (
     DTYPES, HEAD_DIMS, KernelShapes, MmaTiling, WARP_ROWS, _Workgroup, _add, _gep, _i, _lane_sum, _mul, _when,
-    global_pointers,
+    workgroup_dispatch, workgroup_executable,
 )
 from .decode import DecodeSpec, KvCache, decode_module, merge_chunks
 from .fused_decode import gathered_kv, padded_queries, padded_rows
-from .ir import (
-    arith_d, ceil_div, const_f32, const_index, dim, dispatch_mark, element_type, f32, flow_d, i32, ir, llvm_d,
-    tensor_type,
-)
+from .ir import arith_d, ceil_div, const_f32, const_index, dim, element_type, f32, i32, ir, llvm_d
 from .key_ranges import FlagCausalKeys
 from .mask_rules import KvCacheCausalRule, mask_rule
 from .online_softmax import LOG2E, NO_KEY_MAX
@@ -46,6 +43,7 @@ _ENTRY = "attend_chunks"
 #: are 1024 workgroups. A GPU sweep candidate (bench/gpu_sweep.py).
 CHUNK_TILES = 4
 _SCALARS = ("entries", "tiles", "chunks", "causal")
+_INPUTS, _RESULTS = ("q", "keys", "values", "geometry"), ("acc", "max", "sum")
 
 
 class PassPlacement:
@@ -143,22 +141,14 @@ def _tiling(spec: DecodeSpec) -> MmaTiling:
 def build_executable(spec: DecodeSpec) -> None:
     """The ``stream.executable`` with the pass's dispatch at the insertion point: q, keys, values,
     geometry, the index scalars, scale_log2 (f32), then acc, max and sum."""
-    index, binding = ir.IndexType.get(), ir.Type.parse(BINDING)
-    tiling = _tiling(spec)
     # the workgroup reads d, dtype and tiling; the keys and the scale are the placement's
-    shapes = KernelShapes(spec.base.h_q, spec.base.h_kv, spec.d_qk, spec.dtype, "pass", 0.0, tiling)
-    inputs = ("q", "keys", "values", "geometry")
-    arg_types = [binding] * 4 + [index] * len(_SCALARS) + [f32()] + [binding] * 3
-    with hand_written_dispatch(_EXECUTABLE, _ENTRY, arg_types, dispatch_mark(tiling.threads)) as args:
-        scalars = dict(zip(_SCALARS, args[4:4 + len(_SCALARS)]))
-        scale_log2 = args[4 + len(_SCALARS)]
-        sizes = _sizes(spec, scalars["entries"], scalars["tiles"], scalars["chunks"])
-        elem = element_type(spec.dtype)
-        elems = {"q": elem, "keys": elem, "values": elem, "geometry": i32(), "acc": f32(), "max": f32(), "sum": f32()}
-        bound = dict(zip((*inputs, "acc", "max", "sum"), [*args[:4], *args[-3:]]))
-        pointers = global_pointers(bound, sizes, elems)
-        scalars = {name: as_i64(value) for name, value in scalars.items()}
-        _Workgroup(shapes, PassPlacement(spec, pointers, scalars, scale_log2)).emit()
+    shapes = KernelShapes(spec.base.h_q, spec.base.h_kv, spec.d_qk, spec.dtype, "pass", 0.0, _tiling(spec))
+    elem = element_type(spec.dtype)
+    elems = {"q": elem, "keys": elem, "values": elem, "geometry": i32(), "acc": f32(), "max": f32(), "sum": f32()}
+    workgroup_executable((_EXECUTABLE, _ENTRY), shapes, (_INPUTS, _RESULTS), _SCALARS, elems,
+                         lambda scalars: _sizes(spec, scalars["entries"], scalars["tiles"], scalars["chunks"]),
+                         lambda pointers, scalars, scale_log2: PassPlacement(spec, pointers, scalars, scale_log2),
+                         scaled=True)
 
 
 def _sizes(spec: DecodeSpec, entries, tiles, chunks) -> dict:
@@ -177,17 +167,11 @@ def attend_chunks(spec: DecodeSpec, q_padded, keys, values, geometry, causal, sm
         build_executable(spec)
     entries, tiles = dim(q_padded, 0), dim(keys, 1)
     chunks = ceil_div(tiles, CHUNK_TILES)
-    sizes = _sizes(spec, entries, tiles, chunks)
-    index = ir.IndexType.get()
-    entry = ir.ArrayAttr.get([ir.SymbolRefAttr.get([_EXECUTABLE, _ENTRY])])
-    results = [tensor_type(static_shape(sizes[name]), f32()) for name in ("acc", "max", "sum")]
-    dispatch = flow_d.DispatchOp(
-        results, [chunks, const_index(spec.base.h_kv), entries], entry,
-        [q_padded, keys, values, geometry, entries, tiles, chunks, arith_d.index_cast(index, causal),
+    return workgroup_dispatch(
+        (_EXECUTABLE, _ENTRY), [chunks, const_index(spec.base.h_kv), entries],
+        [q_padded, keys, values, geometry, entries, tiles, chunks, arith_d.index_cast(ir.IndexType.get(), causal),
          arith_d.mulf(sm_scale, const_f32(LOG2E))],
-        [size for name in ("q", "keys", "values", "geometry") for size in dynamic_dims(sizes[name])],
-        [size for name in ("acc", "max", "sum") for size in dynamic_dims(sizes[name])])
-    return list(dispatch.results)
+        _sizes(spec, entries, tiles, chunks), (_INPUTS, _RESULTS), dict.fromkeys(_RESULTS, f32()))
 
 
 def _decode(spec: DecodeSpec, q, cache: KvCache, geometry, causal, sm_scale, sinks) -> list[ir.Value]:

@@ -18,16 +18,17 @@ rule with the call's flag (``key_ranges.FlagCausalKeys``). Then:
 from __future__ import annotations
 
 from .abi import function_module, operands
-from .amx import BINDING, as_i64, dynamic_dims, hand_written_dispatch, static_shape, workgroup_ids
+from .amx import workgroup_ids
 from .attention_op import TILE
 from . import cuda_attention
 from .cuda_attention import (
-    DTYPES, HEAD_DIMS, KernelShapes, _Workgroup, _add, _gep, _i, _mul, global_pointers, head_sink,
+    DTYPES, HEAD_DIMS, KernelShapes, _Workgroup, _add, _gep, _i, _mul, head_sink, workgroup_dispatch,
+    workgroup_executable,
 )
 from .fused_kernels import batch_tiles, tile_offset
 from .ir import (
-    HostReadable, affine_map, arith_d, const_f32, const_index, dim, dispatch_mark, element_type, empty, f32,
-    flow_d, generic, i32, ir, linalg_d, llvm_d, tensor_type,
+    HostReadable, affine_map, arith_d, const_f32, const_index, dim, element_type, empty, f32, generic, i32, ir,
+    linalg_d, llvm_d,
 )
 from .key_ranges import FlagCausalKeys
 from .kv_cache import rope_arguments, rotated_if
@@ -142,21 +143,12 @@ def _sizes(s: KernelShapes, total_q, batch, tiles) -> dict:
 def build_executable(s: KernelShapes) -> None:
     """The ``stream.executable`` with the prefill's dispatch at the insertion point: q, keys,
     values, entries, the index scalars, scale_log2 (f32), then out and lse."""
-    index, binding = ir.IndexType.get(), ir.Type.parse(BINDING)
-    inputs = _inputs(s)
-    n = len(inputs)
-    arg_types = [binding] * n + [index] * len(_SCALARS) + [f32()] + [binding] * 2
-    with hand_written_dispatch(_EXECUTABLE, _ENTRY, arg_types, dispatch_mark(s.tiling.threads)) as args:
-        scalars = dict(zip(_SCALARS, args[n:n + len(_SCALARS)]))
-        scale_log2 = args[n + len(_SCALARS)]
-        sizes = _sizes(s, scalars["total_q"], scalars["batch"], scalars["tiles"])
-        elem = element_type(s.dtype)
-        elems = {"q": elem, "keys": elem, "values": elem, "entries": i32(), "sinks": f32(), "out": elem,
-                 "lse": f32()}
-        bound = dict(zip((*inputs, "out", "lse"), [*args[:n], *args[-2:]]))
-        pointers = global_pointers(bound, sizes, elems)
-        scalars = {name: as_i64(value) for name, value in scalars.items()}
-        _Workgroup(s, PrefillPlacement(s, pointers, scalars, scale_log2)).emit()
+    elem = element_type(s.dtype)
+    elems = {"q": elem, "keys": elem, "values": elem, "entries": i32(), "sinks": f32(), "out": elem, "lse": f32()}
+    workgroup_executable((_EXECUTABLE, _ENTRY), s, (_inputs(s), ("out", "lse")), _SCALARS, elems,
+                         lambda scalars: _sizes(s, scalars["total_q"], scalars["batch"], scalars["tiles"]),
+                         lambda pointers, scalars, scale_log2: PrefillPlacement(s, pointers, scalars, scale_log2),
+                         scaled=True)
 
 
 def attend_entries(s: KernelShapes, q, keys, values, entries, causal, sm_scale, anchor: ir.Operation,
@@ -170,16 +162,11 @@ def attend_entries(s: KernelShapes, q, keys, values, entries, causal, sm_scale, 
     sizes = _sizes(s, total_q, batch, tiles)
     has_queries = arith_d.cmpi(arith_d.CmpIPredicate.sgt, total_q, const_index(0))
     slots = arith_d.select(has_queries, arith_d.addi(arith_d.divsi(total_q, const_index(TILE)), batch), const_index(0))
-    index = ir.IndexType.get()
-    entry = ir.ArrayAttr.get([ir.SymbolRefAttr.get([_EXECUTABLE, _ENTRY])])
-    dispatch = flow_d.DispatchOp(
-        [tensor_type(static_shape(sizes["out"]), element_type(s.dtype)), tensor_type(static_shape(sizes["lse"]), f32())],
-        [slots, const_index(s.h_q), const_index(1)], entry,
+    return workgroup_dispatch(
+        (_EXECUTABLE, _ENTRY), [slots, const_index(s.h_q), const_index(1)],
         [q, keys, values, entries, *([sinks] if s.sinks else []), total_q, batch, tiles,
-         arith_d.index_cast(index, causal), arith_d.mulf(sm_scale, const_f32(LOG2E))],
-        [size for name in _inputs(s) for size in dynamic_dims(sizes[name])],
-        [size for name in ("out", "lse") for size in dynamic_dims(sizes[name])])
-    return list(dispatch.results)
+         arith_d.index_cast(ir.IndexType.get(), causal), arith_d.mulf(sm_scale, const_f32(LOG2E))],
+        sizes, (_inputs(s), ("out", "lse")), {"out": element_type(s.dtype), "lse": f32()})
 
 
 def _entries_table(q_indptr: HostReadable, kv) -> ir.Value:
