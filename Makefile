@@ -55,9 +55,10 @@ gpu-sweep: $(STAMP)
 	$(PY) bench/gpu_sweep.py --out build/gpu-sweep
 
 # Both folders for one device call (bench/gpu_session.sh): the sweep without wheels (it uses the
-# bundle's), so that the two travel within a device call's 64 MiB
+# bundle's), so that the two travel within a device call's 64 MiB (bench/carry_size.py checks)
 gpu-session: gpu-bundle
 	$(PY) bench/gpu_sweep.py --out build/gpu-sweep --no-wheels
+	$(PY) bench/carry_size.py build/gpu-bundle build/gpu-sweep
 
 clean:
 	rm -rf $(VENV) build *.egg-info

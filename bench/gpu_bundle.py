@@ -27,7 +27,9 @@ script: ``bash gpu_check.sh OUT_DIR``, on the driver ``backend.json`` names) and
   64 MiB a device call can carry; the reference and the bound are computed on the GPU machine's
   CPU from ``reference/`` (copies of ``runtime/reference.py``, ``runtime/rope.py``,
   ``runtime/kv_layouts.py`` and ``runtime/error_model.py``, numpy only);
-* ``wheels/``: the cp312 wheels of iree-base-runtime (same version as here), numpy and ml_dtypes.
+* ``wheels/``: the cp312 wheels of iree-base-runtime (same version as here) and ml_dtypes, without
+  their dependencies: the GPU machines' image has numpy (2.5.2 in 2026-11), and numpy's wheel
+  (15.7 MB) took the bundle and the sweep over the 64 MiB a device call carries.
 
 Copy the folder to the GPU machine and run ``python3 gpu_runner.py`` there.
 ``--backend llvm-cpu`` makes the same bundle for this machine's CPU, which is how the runner is
@@ -63,7 +65,8 @@ from linalg_prefill.runtime.decode import DECODE_PASSES, decode_calls, pass_quer
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 MODELS = ("tiny.toml", "mistral-7b.json", "deepseek-v2-lite.json")
-WHEELS = ("iree-base-runtime==3.13.0", "numpy", "ml_dtypes")
+#: The wheels the bundle ships (no dependencies: numpy is the GPU machine's own).
+WHEELS = ("iree-base-runtime==3.13.0", "ml_dtypes")
 REFERENCE_FILES = ("reference.py", "rope.py", "kv_layouts.py", "error_model.py", "dtypes.py")
 
 
@@ -233,8 +236,10 @@ def prepare_folder(out: str, target: Target) -> None:
 
 
 def download_wheels(out: str) -> None:
-    """The cp312 wheels the runner unpacks on a machine without a registry, into ``out/wheels``."""
-    subprocess.run([sys.executable, "-m", "pip", "download", *WHEELS, "--only-binary=:all:",
+    """The cp312 wheels the runner unpacks on a machine without a registry, into ``out/wheels``
+    (emptied first: a wheel left from an older bundle would travel too)."""
+    shutil.rmtree(os.path.join(out, "wheels"), ignore_errors=True)
+    subprocess.run([sys.executable, "-m", "pip", "download", *WHEELS, "--no-deps", "--only-binary=:all:",
                     "--python-version", "3.12", "--platform", "manylinux_2_28_x86_64",
                     "--platform", "manylinux_2_17_x86_64", "-d", os.path.join(out, "wheels")], check=True)
 

@@ -42,7 +42,8 @@ def _importable(module: str) -> bool:
 
 
 def _ensure_deps() -> None:
-    """Unpacks the shipped wheels into deps/ when the IREE runtime, numpy or ml_dtypes is missing."""
+    """Unpacks the shipped wheels (the IREE runtime, ml_dtypes) into deps/ when one is missing;
+    numpy must be the machine's own (the bundle ships none: bench/gpu_bundle.py)."""
     deps = os.path.join(HERE, "deps")
     sys.path.insert(0, HERE)  # reference/
     sys.path.insert(0, deps)
@@ -53,6 +54,9 @@ def _ensure_deps() -> None:
             archive.extractall(deps)
     sys.path_importer_cache.pop(deps, None)  # deps/ did not exist when first looked up
     importlib.invalidate_caches()
+    if not _importable("numpy"):
+        sys.exit("gpu_runner.py: numpy is not installed on this machine (the bundle ships the IREE runtime "
+                 "and ml_dtypes only)")
 
 
 def _bfloat16():

@@ -101,3 +101,23 @@ def test_recorded_calls_replay_from_a_bundle(tmp_path, cache):
     run = _runner(bundle, "--only", "test_sequence_prefill")
     assert run.returncode == 1
     assert "OUT OF BOUND" in run.stdout and f"{len(dense) - 1} of {len(dense)} checked" in run.stdout
+
+
+def test_a_session_s_folders_over_a_device_call_s_carry_are_refused_here(tmp_path, capsys):
+    """`make gpu-session` ends with bench/carry_size.py: the repository's files and the two folders
+    must fit the 64 MiB a device call carries, or the call is refused there. The bundle ships the
+    IREE runtime and ml_dtypes wheels only (numpy's 15.7 MB took the two folders over)."""
+    import carry_size
+    from gpu_bundle import WHEELS
+
+    small, large = tmp_path / "small", tmp_path / "large"
+    small.mkdir()
+    large.mkdir()
+    (small / "case.npz").write_bytes(b"x" * 4096)
+    with open(large / "artifact.vmfb", "wb") as f:
+        f.truncate((carry_size.LIMIT_MIB + 1) * 2 ** 20)   # sparse: its size without the disk
+    assert carry_size.main([str(small)]) == 0
+    assert "fits the 64 MiB" in capsys.readouterr().out
+    assert carry_size.main([str(small), str(large)]) == 1
+    assert "over the 64 MiB" in capsys.readouterr().out
+    assert not any(wheel.split("=")[0] == "numpy" for wheel in WHEELS)
