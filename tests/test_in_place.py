@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from linalg_prefill.mlir import PagedPrefillSpec
+from linalg_prefill.mlir.decode import DECODE_PASSES
 from linalg_prefill.mlir.bundle import function_name
 from linalg_prefill.pipeline import compile_spec
 from linalg_prefill.runtime import InputError, PagedPrefillWrapper, open_kernel
@@ -72,6 +73,7 @@ _POOL_SCRIPT = """
 import json, sys
 import numpy as np
 from linalg_prefill.mlir import PagedPrefillSpec
+from linalg_prefill.mlir.decode import DECODE_PASSES
 from linalg_prefill.pipeline import compile_spec
 from linalg_prefill.runtime import PagedPrefillWrapper
 
@@ -158,7 +160,11 @@ def test_a_cpu_call_writes_its_results_where_it_returns_them(cache, monkeypatch)
 
     rng = np.random.default_rng(3)
     kernel = open_kernel(SPEC, cache=cache)
-    args = example_inputs(SPEC, rng, [(30, 70), (20, 90)], rotary_mode=0)   # no pass takes them
+    # entries no serving pass takes on any lowering: more queries than the largest pass and more
+    # keys than a lowering runs in its passes in pieces (linalg: 256; on a CPU without AMX the
+    # results of (30, 70) and (20, 90) came from the passes, in arrays numpy allocated)
+    longer = max(passes.pieces_up_to for passes in DECODE_PASSES.values()) + 1
+    args = example_inputs(SPEC, rng, [(30, longer + 40), (20, longer)], rotary_mode=0)
     assert kernel._loaded.writes_in_place
     want = kernel(*args)
     assert all(r.ctypes.data % module.RESULT_ALIGNMENT == 0 for r in want)
