@@ -16,6 +16,7 @@ lists (an unlisted name gets none: the row tiles, which every CPU runs).
 from __future__ import annotations
 
 import functools
+import os
 
 from ..mlir import x86_unsupported
 from ..mlir.decode import NARROW_PASS_VECTORS, ROW_VECTOR, WIDE_PASS_VECTORS, PassVectors
@@ -34,9 +35,24 @@ NAMED_CPU_FEATURES = {
 }
 
 
+#: CPU features (comma-separated, as /proc/cpuinfo spells them) the library takes the host not to
+#: have: ``LINALG_PREFILL_HIDE_CPU_FEATURES=amx_tile,amx_bf16,avx512_fp16 make test`` runs on an AMX
+#: Xeon the suite a CPU without AMX runs (an AMD Zen 4's: the linalg lowering, the AMX tests
+#: skipped; docs/test-suite.md). Read once a process.
+HIDDEN_FEATURES_VARIABLE = "LINALG_PREFILL_HIDE_CPU_FEATURES"
+
+
 @functools.cache
 def host_cpu_features() -> frozenset:
-    """The flags of the first processor in /proc/cpuinfo (empty where there is none)."""
+    """The flags of the first processor in /proc/cpuinfo (empty where there is none), less the
+    ones HIDDEN_FEATURES_VARIABLE names."""
+    hidden = {name.strip() for name in os.environ.get(HIDDEN_FEATURES_VARIABLE, "").split(",")}
+    return proc_cpu_flags() - hidden
+
+
+def proc_cpu_flags() -> frozenset:
+    """The flags of the first processor in /proc/cpuinfo as the kernel reports them (empty where
+    there is none): what the hardware does, whatever HIDDEN_FEATURES_VARIABLE says."""
     try:
         with open("/proc/cpuinfo") as info:
             for line in info:

@@ -4,6 +4,10 @@ numerics on a CPU that gets them (the host's own layout runs in every dense test
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -11,7 +15,9 @@ from linalg_prefill.mlir import MaskedSequencePrefillSpec, PagedPrefillSpec, Seq
 from linalg_prefill.mlir.score_tiles import ROW_TILES, PackedTiles
 from linalg_prefill.pipeline import Target
 from linalg_prefill.mlir.decode import NARROW_PASS_VECTORS, WIDE_PASS_VECTORS, DecodeSpec
-from linalg_prefill.pipeline.cpu_tiles import cpu_features, cpu_pass_vectors, cpu_score_tiles, host_cpu_features
+from linalg_prefill.pipeline.cpu_tiles import (
+    HIDDEN_FEATURES_VARIABLE, cpu_features, cpu_pass_vectors, cpu_score_tiles, host_cpu_features, proc_cpu_flags,
+)
 from linalg_prefill.pipeline.tuning import tuned_ir
 from support import run_against_reference, spec_id
 
@@ -43,7 +49,23 @@ def test_the_host_is_read_from_proc_cpuinfo():
     assert cpu_features("host") == host_cpu_features()
     with open("/proc/cpuinfo") as info:
         flags = next(line for line in info if line.startswith("flags")).split(":", 1)[1].split()
-    assert host_cpu_features() == frozenset(flags)
+    assert proc_cpu_flags() == frozenset(flags)
+    hidden = set(os.environ.get(HIDDEN_FEATURES_VARIABLE, "").split(","))
+    assert host_cpu_features() == frozenset(flags) - hidden
+
+
+def test_hidden_features_are_not_the_hosts_and_amx_hidden_keeps_the_linalg_lowering():
+    """LINALG_PREFILL_HIDE_CPU_FEATURES (a new process reads it): AMX hidden, a bf16 dense spec the
+    x86 lowering builds keeps the linalg lowering, as on a CPU without AMX (an AMD Zen 4)."""
+    code = ("from linalg_prefill.mlir import SequencePrefillSpec\n"
+            "from linalg_prefill.pipeline.cpu_tiles import cpu_spec_lowering, host_cpu_features\n"
+            "spec = SequencePrefillSpec(8, 2, 64, 'bfloat16', causal=True, sm_scale=0.125)\n"
+            "print(sorted(f for f in host_cpu_features() if f.startswith('amx') or f == 'avx2'),"
+            " cpu_spec_lowering('host', spec, 'linalg'))\n")
+    env = {**os.environ, HIDDEN_FEATURES_VARIABLE: "amx_tile, amx_bf16,amx_int8"}
+    hidden = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    shown = "['avx2']" if "avx2" in proc_cpu_flags() else "[]"
+    assert hidden.stdout.split() == [shown, "linalg"]
 
 
 DENSE_BF16 = SequencePrefillSpec(8, 2, 64, "bfloat16", causal=True, sm_scale=0.125)
