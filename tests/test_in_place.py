@@ -73,7 +73,6 @@ _POOL_SCRIPT = """
 import json, sys
 import numpy as np
 from linalg_prefill.mlir import PagedPrefillSpec
-from linalg_prefill.mlir.decode import DECODE_PASSES
 from linalg_prefill.pipeline import compile_spec
 from linalg_prefill.runtime import PagedPrefillWrapper
 

@@ -50,7 +50,7 @@ def test_the_host_is_read_from_proc_cpuinfo():
     with open("/proc/cpuinfo") as info:
         flags = next(line for line in info if line.startswith("flags")).split(":", 1)[1].split()
     assert proc_cpu_flags() == frozenset(flags)
-    hidden = set(os.environ.get(HIDDEN_FEATURES_VARIABLE, "").split(","))
+    hidden = {name.strip() for name in os.environ.get(HIDDEN_FEATURES_VARIABLE, "").split(",")}
     assert host_cpu_features() == frozenset(flags) - hidden
 
 
