@@ -80,7 +80,6 @@ def cached_bundle(specs, target: Target, cache: ArtifactCache) -> list[tuple[byt
     keys = [keyed_ir(spec, target) for spec in specs]
     vmfbs = [cache.cached(spec, target, key) for spec, key in zip(specs, keys)]
     missing = [i for i, vmfb in enumerate(vmfbs) if vmfb is None]
-    kernels = list(dict.fromkeys(_kernel_of(spec) for spec in specs))
     built, bundle = {}, {}
     if len(missing) > 1:
         shared = len({_kernel_of(specs[i]) for i in missing}) > 1   # kernels of one shape: renamed
@@ -94,9 +93,10 @@ def cached_bundle(specs, target: Target, cache: ArtifactCache) -> list[tuple[byt
         try:
             first = cache.get_or_build(specs[missing[0]], target, keys[missing[0]], build)
         except (NotBundled, CompileError) as err:
+            several_kernels = len({_kernel_of(spec) for spec in specs}) > 1
             log.info("compiling %d specs %s (%s)", len(missing),
-                     "kernel by kernel" if len(kernels) > 1 else "one by one", str(err).splitlines()[0])
-            if len(kernels) > 1:
+                     "kernel by kernel" if several_kernels else "one by one", str(err).splitlines()[0])
+            if several_kernels:
                 return _kernel_by_kernel(specs, target, cache)
         else:
             built[missing[0]] = first
