@@ -21,10 +21,13 @@ import collections
 import hashlib
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
+
+from linalg_prefill.pipeline import Target
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -64,18 +67,18 @@ def package_of(tree: str, folder: str) -> str:
     """A folder holding ``linalg_prefill`` as pyproject.toml maps it (mlir/, pipeline/ and
     runtime/ of ``tree`` as its subpackages), for the import in WRITE_IR."""
     package = os.path.join(folder, "linalg_prefill")
-    subprocess.run(["cp", "-r", os.path.join(tree, "linalg_prefill"), package], check=True)
+    shutil.copytree(os.path.join(tree, "linalg_prefill"), package)
     for sub in ("mlir", "pipeline", "runtime"):
         os.symlink(os.path.join(tree, sub), os.path.join(package, sub))
     return folder
 
 
 def executable_sources(ir_file: str, out: str, arch: str) -> None:
+    """IREE's executable sources of ``ir_file`` in ``out``, compiled with the flags the library
+    compiles for ``arch`` with (Target.flags)."""
     compiler = os.path.join(os.path.dirname(sys.executable), "iree-compile")
-    subprocess.run([compiler, "--iree-hal-target-device=local", "--iree-hal-local-target-device-backends=llvm-cpu",
-                    f"--iree-llvmcpu-target-cpu={arch}", "--iree-opt-level=O3", "--iree-opt-generalize-matmul=false",
-                    "--compile-to=executable-sources", f"--iree-hal-dump-executable-sources-to={out}", ir_file,
-                    "-o", os.devnull], check=True)
+    subprocess.run([compiler, *Target("llvm-cpu", arch).flags(), "--compile-to=executable-sources",
+                    f"--iree-hal-dump-executable-sources-to={out}", ir_file, "-o", os.devnull], check=True)
 
 
 def canonical(text: str) -> str:
