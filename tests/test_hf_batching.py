@@ -10,8 +10,13 @@ with a soft cap, gpt-oss has per-head sinks and alternating windows.
 In float32 the greedy tokens must equal each request's own eager ``generate`` (the model's
 tokens) and, but for Gemma 2, the engine's ``paged|eager`` continuous batching: transformers
 5.24's ``eager_paged_attention_forward`` drops Gemma 2's soft cap (it takes no ``softcap``), so
-its tokens leave eager's within a few steps. In bfloat16 rounding decides near ties: the tokens
-must follow the float32 model's at least as far as ``paged|eager``'s bfloat16 tokens do.
+its tokens leave eager's within a few steps. In bfloat16 rounding decides near ties, and how far
+greedy tokens follow the float32 model's is chance (ours followed them 36, 12 and 64 of 80 tokens
+on three prompt seeds, ``paged|eager`` 31, 24 and 55; on a CPU without avx512_bf16 ours 29 on the
+first seed): instead every call of the run is compared on its own inputs with the float64
+attention, and its squared errors, summed, must be at most those of transformers' eager bfloat16
+attention on the same inputs (:class:`_Errors`; about 15x less here, and a scale 2% off on the
+paged calls is 1.7x more).
 """
 
 from __future__ import annotations
@@ -69,12 +74,6 @@ def _eager_generate(model, prompts, new_tokens: int = 16) -> list[list[int]]:
     return tokens
 
 
-def _agreement(tokens, reference) -> int:
-    """How many leading tokens of each request agree with ``reference``'s, summed."""
-    return sum(next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), len(got))
-               for got, want in zip(tokens, reference))
-
-
 def _generate_batch(model, implementation: str, prompts, new_tokens: int = 16) -> list[list[int]]:
     model.set_attn_implementation(implementation)
     config = transformers.GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
@@ -91,11 +90,16 @@ class _Spy:
 
     def __init__(self, monkeypatch):
         self.paths, self.views, self.index_selects = [], [], 0
+        #: an :class:`_Errors` that each varlen call's output is added to, or None
+        self.errors = None
         varlen, layer_pages = hf_batching.varlen_attention, hf_batching.layer_pages
 
         def spied(*args, pages=None, **kwargs):
             self.paths.append("paged" if pages is not None else "ragged")
-            return varlen(*args, pages=pages, **kwargs)
+            output = varlen(*args, pages=pages, **kwargs)
+            if self.errors is not None:
+                self.errors.add(*args[1:], output, pages, **kwargs)
+            return output
 
         def spied_pages(allocator, layer_idx):
             pages = layer_pages(allocator, layer_idx)
@@ -112,6 +116,55 @@ class _Spy:
         monkeypatch.setattr(hf_batching, "varlen_attention", spied)
         monkeypatch.setattr(hf_batching, "layer_pages", spied_pages)
         monkeypatch.setattr(torch, "index_select", counted_select)
+
+
+class _Errors:
+    """Squared errors of bfloat16 varlen calls (full attention: no cap, window or sinks) against
+    the float64 attention of the same inputs, summed over every request of every call: ``ours``
+    the call's output, ``eager`` transformers' eager bfloat16 attention (eager_attention_forward's
+    arithmetic: q K^T in bfloat16 times the scale, softmax in float32 rounded to bfloat16, times V in
+    bfloat16) on the same q, K and V."""
+
+    def __init__(self):
+        self.ours = self.eager = 0.0
+        self.requests = 0
+
+    def add(self, query, key, value, output, pages, *, cu_seq_lens_q, cu_seq_lens_k, scaling, softcap=None,
+            sliding_window=None, sinks=None):
+        assert not softcap and not sliding_window and sinks is None
+        cu_q, cu_k = cu_seq_lens_q.tolist(), cu_seq_lens_k.tolist()
+        for r in range(len(cu_q) - 1):
+            q = query[0, :, cu_q[r]:cu_q[r + 1]]                            # [h_q, m, d]
+            k, v = self._keys_and_values(key, value, pages, cu_k[r], cu_k[r + 1])
+            got = output[0, cu_q[r]:cu_q[r + 1]].transpose(0, 1)           # [h_q, m, d]
+            want = self._attention(q.double(), k.double(), v.double(), scaling)
+            peer = self._attention(q, k, v, scaling)
+            self.ours += float(((got.double() - want) ** 2).sum())
+            self.eager += float(((peer.double() - want) ** 2).sum())
+            self.requests += 1
+
+    @staticmethod
+    def _keys_and_values(key, value, pages, start: int, end: int):
+        """Request keys and values [h_kv, n, d]: from ``pages`` (the layer's rows read_index[start:end]
+        of its K view, each value page_size rows after its key: hf_batching._paged_plan), else
+        from ``key`` / ``value`` [1, h_kv, T_k, d]."""
+        if pages is None:
+            return key[0, :, start:end], value[0, :, start:end]
+        rows = pages.read_index[start:end]
+        flat = pages.pages.reshape(-1, *pages.pages.shape[3:])          # [P * 2 * page, h_kv, d]
+        return flat[rows].transpose(0, 1), flat[rows + pages.page_size].transpose(0, 1)
+
+    @staticmethod
+    def _attention(q, k, v, scaling: float):
+        """Bottom-right causal attention [h_q, m, d] in q's dtype (bfloat16: eager's roundings)."""
+        group = q.shape[0] // k.shape[0]
+        k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+        m, n = q.shape[1], k.shape[1]
+        scores = (q @ k.transpose(1, 2)) * scaling
+        seen = torch.arange(n)[None, :] <= (n - m + torch.arange(m))[:, None]
+        scores = scores.masked_fill(~seen, float("-inf"))
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32 if q.dtype == torch.bfloat16 else q.dtype)
+        return weights.to(q.dtype) @ v
 
 
 @pytest.fixture(scope="module")
@@ -134,13 +187,15 @@ def test_generate_batch_gives_the_models_tokens(family, dtype, name, monkeypatch
     engine = _generate_batch(model, "paged|eager", prompts)
     assert spy.index_selects > 0 and not spy.paths  # the engine's own attention reads its cache as before
     spy.index_selects = 0
+    spy.errors = _Errors() if dtype == torch.bfloat16 else None
     got = _generate_batch(model, name, prompts)
     if dtype == torch.float32:
         assert got == _eager_generate(model, prompts)
         assert got == engine or family == "gemma2"
-    else:
-        exact = _eager_generate(tiny_model(family, torch.float32), prompts)
-        assert _agreement(got, exact) >= _agreement(engine, exact)
+    else:   # the run's calls at least as close to float64 as eager bfloat16 attention on their inputs
+        assert [len(tokens) for tokens in got] == [16] * len(prompts)
+        assert spy.errors.requests >= len(prompts) * 16
+        assert 0 < spy.errors.ours <= spy.errors.eager, (spy.errors.ours, spy.errors.eager)
     assert "paged" in spy.paths and "ragged" in spy.paths  # decode steps and chunks in place; first chunks
     if family in ("llama3", "qwen2"):
         assert spy.index_selects == 0
