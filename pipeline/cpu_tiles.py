@@ -36,10 +36,22 @@ NAMED_CPU_FEATURES = {
 
 
 #: CPU features (comma-separated, as /proc/cpuinfo spells them) the library takes the host not to
-#: have: ``LINALG_PREFILL_HIDE_CPU_FEATURES=amx_tile,amx_bf16,avx512_fp16 make test`` runs on an AMX
-#: Xeon the suite a CPU without AMX runs (an AMD Zen 4's: the linalg lowering, the AMX tests
-#: skipped; docs/test-suite.md). Read once a process.
+#: have: ``LINALG_PREFILL_HIDE_CPU_FEATURES=amx_tile,amx_bf16 make test`` runs on an AMX Xeon the
+#: suite a CPU without AMX runs (an AMD Zen 4's: the linalg lowering, the AMX tests skipped;
+#: docs/test-suite.md; ``make test-as CPU=znver4`` names them from :func:`features_to_hide`). Read
+#: once a process.
 HIDDEN_FEATURES_VARIABLE = "LINALG_PREFILL_HIDE_CPU_FEATURES"
+#: Every feature a choice here reads (those of the named CPUs).
+READ_FEATURES = frozenset().union(*NAMED_CPU_FEATURES.values())
+
+
+def features_to_hide(arch: str) -> str:
+    """The HIDDEN_FEATURES_VARIABLE value under which a host with ``arch``'s features and more
+    chooses as named LLVM CPU ``arch`` does: the features read here that ``arch`` lacks (hidden on
+    the host too where it lacks them: harmless). ValueError for an arch without a features entry."""
+    if arch not in NAMED_CPU_FEATURES:
+        raise ValueError(f"CPU {arch!r}: no features listed for it; one of {', '.join(sorted(NAMED_CPU_FEATURES))}")
+    return ",".join(sorted(READ_FEATURES - NAMED_CPU_FEATURES[arch]))
 
 
 @functools.cache

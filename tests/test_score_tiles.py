@@ -16,7 +16,8 @@ from linalg_prefill.mlir.score_tiles import ROW_TILES, PackedTiles
 from linalg_prefill.pipeline import Target
 from linalg_prefill.mlir.decode import NARROW_PASS_VECTORS, WIDE_PASS_VECTORS, DecodeSpec
 from linalg_prefill.pipeline.cpu_tiles import (
-    HIDDEN_FEATURES_VARIABLE, cpu_features, cpu_pass_vectors, cpu_score_tiles, host_cpu_features, proc_cpu_flags,
+    HIDDEN_FEATURES_VARIABLE, NAMED_CPU_FEATURES, READ_FEATURES, cpu_features, cpu_pass_vectors, cpu_score_tiles,
+    cpu_spec_lowering, features_to_hide, host_cpu_features, proc_cpu_flags,
 )
 from linalg_prefill.pipeline.tuning import tuned_ir
 from support import run_against_reference, spec_id
@@ -66,6 +67,37 @@ def test_hidden_features_are_not_the_hosts_and_amx_hidden_keeps_the_linalg_lower
     hidden = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     shown = "['avx2']" if "avx2" in proc_cpu_flags() else "[]"
     assert hidden.stdout.split() == [shown, "linalg"]
+
+
+
+@pytest.fixture
+def host_features_read_again():
+    """host_cpu_features read again under the test's environment, and again after it."""
+    host_cpu_features.cache_clear()
+    yield
+    host_cpu_features.cache_clear()
+
+
+def test_the_host_chooses_as_a_named_cpu_with_its_features_to_hide(monkeypatch, host_features_read_again):
+    """``make test-as CPU=...``: with features_to_hide(arch) hidden, this host chooses as ``arch``
+    does (tiles, pass vectors, lowering) for every named CPU whose features it has; an unknown
+    CPU is an error naming it."""
+    dense_f32 = SequencePrefillSpec(8, 2, 64, "float32", causal=True, sm_scale=0.125)
+    host_read = READ_FEATURES & proc_cpu_flags()
+    covered = [arch for arch, features in NAMED_CPU_FEATURES.items() if features <= host_read]
+    assert "x86-64-v3" in covered or "avx2" not in host_read
+    for arch in covered:
+        monkeypatch.setenv(HIDDEN_FEATURES_VARIABLE, features_to_hide(arch))
+        host_cpu_features.cache_clear()
+        assert cpu_features("host") & READ_FEATURES == NAMED_CPU_FEATURES[arch], arch
+        assert cpu_pass_vectors("host") == cpu_pass_vectors(arch), arch
+        for dtype in ("float32", "float16", "bfloat16"):
+            assert cpu_score_tiles("host", dtype) == cpu_score_tiles(arch, dtype), (arch, dtype)
+        for spec in (DENSE_BF16, dense_f32):
+            lowering = cpu_spec_lowering(arch, spec, "linalg")
+            assert cpu_spec_lowering("host", spec, "linalg") == lowering, (arch, spec.dtype)
+    with pytest.raises(ValueError, match="'pentium'"):
+        features_to_hide("pentium")
 
 
 DENSE_BF16 = SequencePrefillSpec(8, 2, 64, "bfloat16", causal=True, sm_scale=0.125)
