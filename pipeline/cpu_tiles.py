@@ -46,11 +46,15 @@ READ_FEATURES = frozenset().union(*NAMED_CPU_FEATURES.values())
 
 
 def features_to_hide(arch: str) -> str:
-    """The HIDDEN_FEATURES_VARIABLE value under which a host with ``arch``'s features and more
-    chooses as named LLVM CPU ``arch`` does: the features read here that ``arch`` lacks (hidden on
-    the host too where it lacks them: harmless). ValueError for an arch without a features entry."""
+    """The HIDDEN_FEATURES_VARIABLE value under which this host chooses as named LLVM CPU ``arch``
+    does: the features read here that ``arch`` lacks (hidden on the host too where it lacks them:
+    harmless). ValueError for an arch without a features entry, or one with features the host's
+    hardware lacks (hiding cannot add them)."""
     if arch not in NAMED_CPU_FEATURES:
         raise ValueError(f"CPU {arch!r}: no features listed for it; one of {', '.join(sorted(NAMED_CPU_FEATURES))}")
+    missing = NAMED_CPU_FEATURES[arch] - proc_cpu_flags()
+    if missing:
+        raise ValueError(f"CPU {arch!r} has {', '.join(sorted(missing))}, which this host has not")
     return ",".join(sorted(READ_FEATURES - NAMED_CPU_FEATURES[arch]))
 
 

@@ -81,7 +81,7 @@ def host_features_read_again():
 def test_the_host_chooses_as_a_named_cpu_with_its_features_to_hide(monkeypatch, host_features_read_again):
     """``make test-as CPU=...``: with features_to_hide(arch) hidden, this host chooses as ``arch``
     does (tiles, pass vectors, lowering) for every named CPU whose features it has; an unknown
-    CPU is an error naming it."""
+    CPU, or one with a feature the host lacks, is an error naming it."""
     dense_f32 = SequencePrefillSpec(8, 2, 64, "float32", causal=True, sm_scale=0.125)
     host_read = READ_FEATURES & proc_cpu_flags()
     covered = [arch for arch, features in NAMED_CPU_FEATURES.items() if features <= host_read]
@@ -98,6 +98,9 @@ def test_the_host_chooses_as_a_named_cpu_with_its_features_to_hide(monkeypatch, 
             assert cpu_spec_lowering("host", spec, "linalg") == lowering, (arch, spec.dtype)
     with pytest.raises(ValueError, match="'pentium'"):
         features_to_hide("pentium")
+    for arch in set(NAMED_CPU_FEATURES) - set(covered):   # hiding cannot add a feature
+        with pytest.raises(ValueError, match="this host has not"):
+            features_to_hide(arch)
 
 
 DENSE_BF16 = SequencePrefillSpec(8, 2, 64, "bfloat16", causal=True, sm_scale=0.125)
