@@ -25,19 +25,19 @@ demo: $(STAMP)
 # One pytest-xdist worker per core; tests/conftest.py compiles every declared spec before the tests run.
 # `make test JOBS=0` runs in this process alone.
 JOBS ?= auto
+PYTEST = $(PY) -m pytest -q -n $(JOBS) --dist loadgroup --max-worker-restart=2
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(JOBS) --dist loadgroup --max-worker-restart=2
+	$(PYTEST)
 
 # The suite as CPU $(CPU) (a named LLVM CPU of pipeline/cpu_tiles.py: znver4, icelake-server,
 # znver3, ...) would choose its lowerings and skip its tests, on a host with at least its features:
 # `make test-as CPU=znver4` on an Intel Xeon with AMX runs an AMD Zen 4's suite (docs/test-suite.md).
 HIDDEN_FOR = $(PY) -c 'import sys, linalg_prefill.pipeline.cpu_tiles as c; print(c.features_to_hide(sys.argv[1]))'
 test-as: $(STAMP)
-	hidden=$$($(HIDDEN_FOR) '$(CPU)') && LINALG_PREFILL_HIDE_CPU_FEATURES=$$hidden \
-	$(PY) -m pytest -q -n $(JOBS) --dist loadgroup --max-worker-restart=2
+	hidden=$$($(HIDDEN_FOR) '$(CPU)') && LINALG_PREFILL_HIDE_CPU_FEATURES=$$hidden $(PYTEST)
 
 test-all: $(STAMP)
-	$(PY) -m pytest -q -n $(JOBS) --dist loadgroup --max-worker-restart=2 --run-expensive
+	$(PYTEST) --run-expensive
 
 bench: $(STAMP)
 	$(PIP_INSTALL) -e '.[bench]'

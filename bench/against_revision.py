@@ -25,7 +25,8 @@ import subprocess
 import sys
 import tempfile
 
-from same_dispatches import ROOT, package_of
+from linalg_prefill.bench import cpu_description
+from same_dispatches import ROOT, package_of, worktree
 
 #: Run with ``sys.argv[1]`` (a folder holding a ``linalg_prefill`` package, or "-" for the
 #: installed one), ``sys.argv[2]`` (that tree's bench folder) and ``sys.argv[3]`` (the rows, JSON):
@@ -93,21 +94,16 @@ def main() -> int:
     args = parser.parse_args()
     table = rows([int(x) for x in args.lengths.split(",")], args.dtypes.split(","),
                  [x for x in args.decode.split(",") if x])
-    from linalg_prefill.bench import cpu_description
     print(f"CPU: {cpu_description()}; {args.rev} against this tree, {args.rounds} rounds", flush=True)
     runs = {"old": [], "new": []}
     with tempfile.TemporaryDirectory() as scratch:
-        old_tree = os.path.join(scratch, "tree")
-        subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", "-q", old_tree, args.rev], check=True)
-        try:
+        with worktree(args.rev, os.path.join(scratch, "tree")) as old_tree:
             os.makedirs(os.path.join(scratch, "package"))
             sides = {"old": (package_of(old_tree, os.path.join(scratch, "package")), os.path.join(old_tree, "bench")),
                      "new": ("-", os.path.join(ROOT, "bench"))}
             for _ in range(args.rounds):
                 for side, (package, bench) in sides.items():
                     runs[side].append(timed(package, bench, table))
-        finally:
-            subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", old_tree], check=True)
     print(f"{'row':34s} {'old ms':>8s} {'torch':>8s} {'new ms':>8s} {'torch':>8s} {'new/old':>8s}")
     for name in table:
         old, new = ([run[name] for run in runs[side]] for side in ("old", "new"))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import hashlib
 import os
 import re
@@ -73,6 +74,16 @@ def package_of(tree: str, folder: str) -> str:
     return folder
 
 
+@contextlib.contextmanager
+def worktree(rev: str, folder: str):
+    """A git worktree of ``rev`` at ``folder`` (yielded), removed on the way out."""
+    subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", "-q", folder, rev], check=True)
+    try:
+        yield folder
+    finally:
+        subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", folder], check=True)
+
+
 def executable_sources(ir_file: str, out: str, arch: str) -> None:
     """IREE's executable sources of ``ir_file`` in ``out``, compiled with the flags the library
     compiles for ``arch`` with (Target.flags)."""
@@ -102,13 +113,9 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
-        old_tree = os.path.join(scratch, "tree")
-        subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", "-q", old_tree, args.rev], check=True)
-        try:
+        with worktree(args.rev, os.path.join(scratch, "tree")) as old_tree:
             os.makedirs(os.path.join(scratch, "package"))
             write_ir(package_of(old_tree, os.path.join(scratch, "package")), os.path.join(scratch, "ir-old"), args.arch)
-        finally:
-            subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", old_tree], check=True)
         write_ir("-", os.path.join(scratch, "ir-new"), args.arch)
         names = sorted(name[:-len(".mlir")] for name in os.listdir(os.path.join(scratch, "ir-new")))
         jobs = [(side, name) for side in ("old", "new") for name in names

@@ -69,7 +69,6 @@ def test_hidden_features_are_not_the_hosts_and_amx_hidden_keeps_the_linalg_lower
     assert hidden.stdout.split() == [shown, "linalg"]
 
 
-
 @pytest.fixture
 def host_features_read_again():
     """host_cpu_features read again under the test's environment, and again after it."""
