@@ -18,7 +18,7 @@ from linalg_prefill.mlir.x86_decode import InPlaceValues, KeyRowsEngine, pass_bl
 from linalg_prefill.pipeline import Target
 from linalg_prefill.pipeline.tuning import tuned_ir
 from linalg_prefill.runtime import open_kernel
-from support import AMX_CPU, HOST_HAS_AMX, needs_amx, serving_call, spec_id
+from support import AMX_CPU, serving_call, spec_id
 
 #: The layouts, dtypes, groups, 8-bit formats and head sinks of the x86 passes (d a multiple of 32:
 #: 64, 96, 128), five specs for the suite's compile time.
@@ -49,20 +49,38 @@ WIDE_SPECS = {
     "ragged-dv128-bf16-gqa4": RaggedPrefillSpec(8, 2, 192, 128, "bfloat16"),
 }
 
-#: What the numerics tests compile, declared where they run (needs_amx): on a CPU without AMX the
-#: module's IR tests need no artifact (docs/test-suite.md, twentieth session).
-pytestmark = [pytest.mark.compiles(*SPECS.values(), *WIDE_SPECS.values(), passes=ENTRIES)] if HOST_HAS_AMX else []
+
+
+def _x86_here(name: str) -> bool:
+    """Whether this host builds the passes of spec ``name`` in the x86 lowering (a CPU with AMX;
+    an AVX-512 one for an f32 cache: pipeline/cpu_tiles.py), where their numerics run."""
+    return Target("llvm-cpu").lowering_of(DecodeSpec({**SPECS, **WIDE_SPECS}[name], 1)) == "x86"
+
+
+def _where_x86(names) -> list:
+    """``names`` as parameters, each skipped where this host builds its passes in another lowering."""
+    return [pytest.param(name, marks=pytest.mark.skipif(not _x86_here(name), reason="no x86 passes on this CPU"))
+            for name in names]
+
+
+#: What the numerics tests compile, declared where they run (_x86_here): elsewhere the module's IR
+#: tests need no artifact (docs/test-suite.md, twentieth session).
+pytestmark = pytest.mark.compiles(*(spec for name, spec in {**SPECS, **WIDE_SPECS}.items() if _x86_here(name)),
+                                  passes=ENTRIES)
 
 
 @pytest.mark.parametrize("name", sorted(SPECS) + sorted(WIDE_SPECS))
 def test_the_record_builds_the_passes_of_these_caches_in_x86_on_amx_cpus(name):
     spec = {**SPECS, **WIDE_SPECS}[name]
+    zen4 = "x86" if spec.dtype == "float32" and spec.kv_dtype is None else "linalg"
     for queries in (1, 4, 16):
         assert AMX_CPU.lowering_of(DecodeSpec(spec, queries)) == "x86"
-        assert Target("llvm-cpu", "znver4").lowering_of(DecodeSpec(spec, queries)) == "linalg"
+        # a Zen 4: x86 passes for an f32 cache (AVX-512 FMAs), the linalg ones otherwise
+        assert Target("llvm-cpu", "znver4").lowering_of(DecodeSpec(spec, queries)) == zen4
+        assert Target("llvm-cpu", "znver3").lowering_of(DecodeSpec(spec, queries)) == "linalg"  # AVX2
     assert AMX_CPU.decode_passes(spec) == DECODE_PASSES["x86"]
     assert [p.queries for p in AMX_CPU.serving_passes(spec)] == [1, 4, 16]   # no scratch bound leaves one out
-    assert Target("llvm-cpu", "znver4").decode_passes(spec) == DECODE_PASSES["linalg"]
+    assert Target("llvm-cpu", "znver4").decode_passes(spec) == DECODE_PASSES[zen4]
 
 
 @pytest.mark.parametrize("base, why", [
@@ -122,8 +140,7 @@ def _call(name, rng, entries=ENTRIES):
     return spec, serving_call(spec, rng, entries, WINDOW if getattr(spec, "sliding_window", False) else None)
 
 
-@needs_amx
-@pytest.mark.parametrize("name", sorted(SPECS) + sorted(WIDE_SPECS))
+@pytest.mark.parametrize("name", _where_x86(sorted(SPECS) + sorted(WIDE_SPECS)))
 def test_x86_passes_match_the_reference(name, cache):
     spec, args = _call(name, np.random.default_rng(1))
     kernel = open_kernel(spec, cache=cache)
@@ -131,9 +148,8 @@ def test_x86_passes_match_the_reference(name, cache):
     assert_matches_reference(name, kernel(*args), spec, args)
 
 
-@needs_amx
-@pytest.mark.parametrize("name", ["paged-hnd-bf16-gqa4", "paged-nhd-f32-gqa8-sinks", "ragged-nhd-e5m2-f32-gqa1",
-                                  "paged-window-e4m3-bf16", "ragged-hnd-f16-gqa2-cap", *sorted(WIDE_SPECS)])
+@pytest.mark.parametrize("name", _where_x86(["paged-hnd-bf16-gqa4", "paged-nhd-f32-gqa8-sinks", "ragged-nhd-e5m2-f32-gqa1",
+                                             "paged-window-e4m3-bf16", "ragged-hnd-f16-gqa2-cap", *sorted(WIDE_SPECS)]))
 def test_x86_passes_on_peaked_scores(name, cache):
     """q x 40: each row's weight sits on a few keys, so a wrong scale, max, mask or row address
     shows rather than averaging out (over the e4m3 cache's exact zeros some outputs are 1e-38,
@@ -144,10 +160,10 @@ def test_x86_passes_on_peaked_scores(name, cache):
     assert_matches_reference(name, open_kernel(spec, cache=cache)(*args), spec, args)
 
 
-@needs_amx
-def test_x86_passes_never_read_a_cache_slot_past_an_entry(cache):
+@pytest.mark.parametrize("name", _where_x86(["paged-hnd-bf16-gqa4", "paged-nhd-f32-gqa8-sinks"]))
+def test_x86_passes_never_read_a_cache_slot_past_an_entry(name, cache):
     """Every unused page slot holds NaN: a pass that reads one (0 x NaN is NaN) fails."""
-    spec = SPECS["paged-hnd-bf16-gqa4"]
+    spec = SPECS[name]
     args = serving_call(spec, np.random.default_rng(5), [(1, 37), (1, 300), (1, 1), (16, 100), (4, 33)],
                         fill_unused=np.nan)
     got = open_kernel(spec, cache=cache)(*args)
