@@ -15,7 +15,7 @@ from linalg_prefill.mlir import DecodeSpec, MlaPagedPrefillSpec, PagedPrefillSpe
 from linalg_prefill.mlir.decode import DECODE_PASSES
 from linalg_prefill.mlir.x86_attention import STACK_BUDGET, WORKER_STACK_BYTES, AmxEngine, FmaEngine, workgroup_bytes
 from linalg_prefill.mlir.x86_decode import InPlaceValues, KeyRowsEngine, pass_blocks, pass_engine_type
-from linalg_prefill.pipeline import Target
+from linalg_prefill.pipeline import Target, compile_spec
 from linalg_prefill.pipeline.tuning import tuned_ir
 from linalg_prefill.runtime import open_kernel
 from support import AMX_CPU, serving_call, spec_id
@@ -133,6 +133,25 @@ def test_f32_passes_read_values_in_place_and_every_pass_fits_the_workers_stack()
             operand = 2 if base.dtype == "bfloat16" else 4
             assert workgroup_bytes(base.dtype, rows, keys, base.d_qk, base.d_v) + keys * staged * operand \
                 <= STACK_BUDGET
+
+
+#: An AVX-512 CPU without AMX, VBMI or avx512_bf16 (Skylake-SP): the oldest that the rule gives
+#: an f32 cache's x86 passes (pipeline/cpu_tiles.py: FMA_PASS_FEATURES).
+SKYLAKE_SP = Target("llvm-cpu", "skylake-avx512")
+SKYLAKE_PASS = DecodeSpec(PagedPrefillSpec(8, 2, 64, "float32", page_size=16), 4)
+
+
+@pytest.mark.compiles(SKYLAKE_PASS, backends=[SKYLAKE_SP])
+def test_an_f32_pass_for_an_avx512_cpu_without_amx_is_x86_and_compiles_for_it(cache):
+    """The pass uses no instruction such a CPU lacks: LLVM selects every one for skylake-avx512
+    (an intrinsic of AMX, avx512_bf16 or VBMI fails the compile); 8-bit and bf16 caches keep the
+    linalg passes there."""
+    assert SKYLAKE_SP.lowering_of(SKYLAKE_PASS) == "x86"
+    assert "stream.executable" in tuned_ir(SKYLAKE_PASS, SKYLAKE_SP)   # the hand-written dispatch
+    assert compile_spec(SKYLAKE_PASS, SKYLAKE_SP, cache=cache)[:2] == b"PK"
+    for base in (PagedPrefillSpec(8, 2, 64, "float32", page_size=16, kv_dtype="float8_e4m3fn"),
+                 PagedPrefillSpec(8, 2, 64, "bfloat16", page_size=16)):
+        assert SKYLAKE_SP.lowering_of(DecodeSpec(base, 4)) == "linalg"
 
 
 def _call(name, rng, entries=ENTRIES):
