@@ -92,9 +92,9 @@ def cpu_score_tiles(arch: str, dtype: str) -> RowTiles:
 
 #: The CPU features (as /proc/cpuinfo spells them) the x86 lowering is chosen on.
 AMX_FEATURES = frozenset({"amx_tile", "amx_bf16"})
-#: ... and those its f32 serving passes need without AMX (AVX-512 FMA blocks, values read in place:
-#: mlir/x86_decode.py InPlaceValues), where they replace the linalg passes (an AMD Zen 4:
-#: docs/performance.md, twentieth session).
+#: ... and those its f32 and f16 serving passes need without AMX (AVX-512 FMA blocks: mlir/x86_decode.py
+#: InPlaceValues, FmaEngine), where they replace the linalg passes (an AMD Zen 4: docs/performance.md,
+#: twentieth session).
 FMA_PASS_FEATURES = frozenset({"avx512f"})
 
 
@@ -104,8 +104,8 @@ def cpu_spec_lowering(arch: str, spec, lowering: str) -> str:
     the linalg lowering on an Intel Xeon with AMX tiles (amx_tile, amx_bf16), where it was
     measured (docs/performance.md: dense causal bf16 5-8x, f32 1.8x the linalg lowering), for
     the specs it builds; on an AVX-512 CPU without AMX (an AMD Zen 4) for the serving passes of
-    an f32 cache only (1.5-1.7x the linalg passes there); else as asked (Zen 4 keeps its linalg
-    kernels)."""
+    an f32 or f16 cache only (1.5-2x the linalg passes there); else as asked (Zen 4 keeps its
+    linalg kernels)."""
     features = cpu_features(arch)
     has_amx = AMX_FEATURES <= features
     if lowering == "x86" and not has_amx:
@@ -119,8 +119,8 @@ def cpu_spec_lowering(arch: str, spec, lowering: str) -> str:
 
 def _fma_pass(spec) -> bool:
     """Whether ``spec`` is a serving pass the x86 lowering builds without AMX or 8-bit tables
-    (an f32 cache, not 8-bit: its byte tables need AVX-512 VBMI)."""
-    return isinstance(spec, DecodeSpec) and spec.dtype == "float32" and not quantized_kv(spec)
+    (an f32 or f16 cache, f16 widened as staged; not 8-bit: its byte tables need AVX-512 VBMI)."""
+    return isinstance(spec, DecodeSpec) and spec.dtype in ("float32", "float16") and not quantized_kv(spec)
 
 
 def row_tiles(arch: str, dtype: str) -> RowTiles:

@@ -72,10 +72,10 @@ pytestmark = pytest.mark.compiles(*(spec for name, spec in {**SPECS, **WIDE_SPEC
 @pytest.mark.parametrize("name", sorted(SPECS) + sorted(WIDE_SPECS))
 def test_the_record_builds_the_passes_of_these_caches_in_x86_on_amx_cpus(name):
     spec = {**SPECS, **WIDE_SPECS}[name]
-    zen4 = "x86" if spec.dtype == "float32" and spec.kv_dtype is None else "linalg"
+    zen4 = "x86" if spec.dtype in ("float32", "float16") and spec.kv_dtype is None else "linalg"
     for queries in (1, 4, 16):
         assert AMX_CPU.lowering_of(DecodeSpec(spec, queries)) == "x86"
-        # a Zen 4: x86 passes for an f32 cache (AVX-512 FMAs), the linalg ones otherwise
+        # a Zen 4: x86 passes for an f32 or f16 cache (AVX-512 FMAs), the linalg ones otherwise
         assert Target("llvm-cpu", "znver4").lowering_of(DecodeSpec(spec, queries)) == zen4
         assert Target("llvm-cpu", "znver3").lowering_of(DecodeSpec(spec, queries)) == "linalg"  # AVX2
     assert AMX_CPU.decode_passes(spec) == DECODE_PASSES["x86"]
@@ -138,17 +138,18 @@ def test_f32_passes_read_values_in_place_and_every_pass_fits_the_workers_stack()
 #: An AVX-512 CPU without AMX, VBMI or avx512_bf16 (Skylake-SP): the oldest that the rule gives
 #: an f32 cache's x86 passes (pipeline/cpu_tiles.py: FMA_PASS_FEATURES).
 SKYLAKE_SP = Target("llvm-cpu", "skylake-avx512")
-SKYLAKE_PASS = DecodeSpec(PagedPrefillSpec(8, 2, 64, "float32", page_size=16), 4)
+SKYLAKE_PASSES = [DecodeSpec(PagedPrefillSpec(8, 2, 64, dtype, page_size=16), 4) for dtype in ("float32", "float16")]
 
 
-@pytest.mark.compiles(SKYLAKE_PASS, backends=[SKYLAKE_SP])
-def test_an_f32_pass_for_an_avx512_cpu_without_amx_is_x86_and_compiles_for_it(cache):
-    """The pass uses no instruction such a CPU lacks: LLVM selects every one for skylake-avx512
+@pytest.mark.compiles(*SKYLAKE_PASSES, backends=[SKYLAKE_SP])
+def test_f32_and_f16_passes_for_an_avx512_cpu_without_amx_are_x86_and_compile_for_it(cache):
+    """The passes use no instruction such a CPU lacks: LLVM selects every one for skylake-avx512
     (an intrinsic of AMX, avx512_bf16 or VBMI fails the compile); 8-bit and bf16 caches keep the
     linalg passes there."""
-    assert SKYLAKE_SP.lowering_of(SKYLAKE_PASS) == "x86"
-    assert "stream.executable" in tuned_ir(SKYLAKE_PASS, SKYLAKE_SP)   # the hand-written dispatch
-    assert compile_spec(SKYLAKE_PASS, SKYLAKE_SP, cache=cache)[:2] == b"PK"
+    for spec in SKYLAKE_PASSES:
+        assert SKYLAKE_SP.lowering_of(spec) == "x86"
+        assert "stream.executable" in tuned_ir(spec, SKYLAKE_SP)   # the hand-written dispatch
+        assert compile_spec(spec, SKYLAKE_SP, cache=cache)[:2] == b"PK"
     for base in (PagedPrefillSpec(8, 2, 64, "float32", page_size=16, kv_dtype="float8_e4m3fn"),
                  PagedPrefillSpec(8, 2, 64, "bfloat16", page_size=16)):
         assert SKYLAKE_SP.lowering_of(DecodeSpec(base, 4)) == "linalg"
