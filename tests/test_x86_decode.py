@@ -48,13 +48,13 @@ WIDE_SPECS = {
                                                kv_dtype="float8_e4m3fn"),
     "ragged-dv128-bf16-gqa4": RaggedPrefillSpec(8, 2, 192, 128, "bfloat16"),
 }
-
+ALL_SPECS = {**SPECS, **WIDE_SPECS}
 
 
 def _x86_here(name: str) -> bool:
     """Whether this host builds the passes of spec ``name`` in the x86 lowering (a CPU with AMX;
-    an AVX-512 one for an f32 cache: pipeline/cpu_tiles.py), where their numerics run."""
-    return Target("llvm-cpu").lowering_of(DecodeSpec({**SPECS, **WIDE_SPECS}[name], 1)) == "x86"
+    an AVX-512 one for an f32 or f16 cache: pipeline/cpu_tiles.py), where their numerics run."""
+    return Target("llvm-cpu").lowering_of(DecodeSpec(ALL_SPECS[name], 1)) == "x86"
 
 
 def _where_x86(names) -> list:
@@ -65,13 +65,12 @@ def _where_x86(names) -> list:
 
 #: What the numerics tests compile, declared where they run (_x86_here): elsewhere the module's IR
 #: tests need no artifact (docs/test-suite.md, twentieth session).
-pytestmark = pytest.mark.compiles(*(spec for name, spec in {**SPECS, **WIDE_SPECS}.items() if _x86_here(name)),
-                                  passes=ENTRIES)
+pytestmark = pytest.mark.compiles(*(spec for name, spec in ALL_SPECS.items() if _x86_here(name)), passes=ENTRIES)
 
 
 @pytest.mark.parametrize("name", sorted(SPECS) + sorted(WIDE_SPECS))
 def test_the_record_builds_the_passes_of_these_caches_in_x86_on_amx_cpus(name):
-    spec = {**SPECS, **WIDE_SPECS}[name]
+    spec = ALL_SPECS[name]
     zen4 = "x86" if spec.dtype in ("float32", "float16") and spec.kv_dtype is None else "linalg"
     for queries in (1, 4, 16):
         assert AMX_CPU.lowering_of(DecodeSpec(spec, queries)) == "x86"
@@ -136,7 +135,7 @@ def test_f32_passes_read_values_in_place_and_every_pass_fits_the_workers_stack()
 
 
 #: An AVX-512 CPU without AMX, VBMI or avx512_bf16 (Skylake-SP): the oldest that the rule gives
-#: an f32 cache's x86 passes (pipeline/cpu_tiles.py: FMA_PASS_FEATURES).
+#: an f32 or f16 cache's x86 passes (pipeline/cpu_tiles.py: FMA_PASS_FEATURES).
 SKYLAKE_SP = Target("llvm-cpu", "skylake-avx512")
 SKYLAKE_PASSES = [DecodeSpec(PagedPrefillSpec(8, 2, 64, dtype, page_size=16), 4) for dtype in ("float32", "float16")]
 
@@ -156,7 +155,7 @@ def test_f32_and_f16_passes_for_an_avx512_cpu_without_amx_are_x86_and_compile_fo
 
 
 def _call(name, rng, entries=ENTRIES):
-    spec = {**SPECS, **WIDE_SPECS}[name]
+    spec = ALL_SPECS[name]
     return spec, serving_call(spec, rng, entries, WINDOW if getattr(spec, "sliding_window", False) else None)
 
 

@@ -17,7 +17,7 @@ from linalg_prefill.pipeline import Target
 from linalg_prefill.pipeline.tuning import tuned_ir
 from linalg_prefill.runtime import open_kernel
 from support import AMX_CPU, HOST_HAS_AMX, needs_amx, serving_call, spec_id, with_arguments
-from test_x86_decode import SPECS, WIDE_SPECS
+from test_x86_decode import ALL_SPECS, SPECS, WIDE_SPECS
 
 #: (qo_len, kv_len): prefill entries of the kernel (17 to 300 queries over 0 to 700 keys, one with
 #: more queries than keys: rows without a key under the causal mask), an entry without queries,
@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.compiles(*SPECS.values(), *WIDE_SPECS.values(), passes
 
 @pytest.mark.parametrize("name", sorted(SPECS) + sorted(WIDE_SPECS))
 def test_the_record_builds_these_kv_cache_kernels_in_x86_on_amx_cpus_only(name):
-    spec = {**SPECS, **WIDE_SPECS}[name]
+    spec = ALL_SPECS[name]
     assert AMX_CPU.lowering_of(spec) == "x86"
     assert Target("llvm-cpu", "graniterapids").lowering_of(spec) == "x86"
     assert Target("llvm-cpu", "znver4").lowering_of(spec) == "linalg"
@@ -65,7 +65,7 @@ def test_the_kernel_ir_reads_its_index_arrays_on_the_host_and_writes_in_place():
 
 
 def _call(name, seed, entries=ENTRIES, **scalars):
-    spec = {**SPECS, **WIDE_SPECS}[name]
+    spec = ALL_SPECS[name]
     window = WINDOW if getattr(spec, "sliding_window", False) else None
     return spec, with_arguments(spec, serving_call(spec, np.random.default_rng(seed), entries, window), **scalars)
 
