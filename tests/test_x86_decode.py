@@ -167,8 +167,9 @@ def test_x86_passes_match_the_reference(name, cache):
     assert_matches_reference(name, kernel(*args), spec, args)
 
 
-@pytest.mark.parametrize("name", _where_x86(["paged-hnd-bf16-gqa4", "paged-nhd-f32-gqa8-sinks", "ragged-nhd-e5m2-f32-gqa1",
-                                             "paged-window-e4m3-bf16", "ragged-hnd-f16-gqa2-cap", *sorted(WIDE_SPECS)]))
+@pytest.mark.parametrize("name", _where_x86(["paged-hnd-bf16-gqa4", "paged-nhd-f32-gqa8-sinks",
+                                             "ragged-nhd-e5m2-f32-gqa1", "paged-window-e4m3-bf16",
+                                             "ragged-hnd-f16-gqa2-cap", *sorted(WIDE_SPECS)]))
 def test_x86_passes_on_peaked_scores(name, cache):
     """q x 40: each row's weight sits on a few keys, so a wrong scale, max, mask or row address
     shows rather than averaging out (over the e4m3 cache's exact zeros some outputs are 1e-38,
