@@ -1,5 +1,7 @@
 """IR builders: typed MLIR bindings, one online-softmax emitter, one spec per variant."""
 
+from functools import partial
+
 from .cuda_attention import build_cuda_sequence_prefill, unsupported as _dense_mma_unsupported
 from .cuda_decode import build_cuda_decode, pass_unsupported as _pass_mma_unsupported
 from .cuda_kv_cache import build_cuda_kv_cache_prefill, kv_cache_unsupported as _kv_cache_mma_unsupported
@@ -52,7 +54,9 @@ def build_module(spec, *, row_chunk: int | None = None, score_tiles: RowTiles = 
     return builder(spec, row_chunk=row_chunk, score_tiles=score_tiles)
 
 
-#: The x86 lowering's builders (hand-written dispatches) and why each has no kernel for a spec.
+#: The x86 lowering's builders (hand-written dispatches) and why each has no kernel for a spec, on
+#: a CPU with AMX tiles; without them (an AMD Zen 4, an AVX-512 Xeon before Sapphire Rapids) the
+#: serving passes only (:data:`_X86_WITHOUT_AMX`), on the FMA blocks.
 _X86_BUILDERS = {
     SequencePrefillSpec: (build_x86_sequence_prefill, _dense_x86_unsupported),
     MaskedSequencePrefillSpec: (build_x86_sequence_prefill, _dense_x86_unsupported),
@@ -61,24 +65,29 @@ _X86_BUILDERS = {
     MlaPagedPrefillSpec: (build_x86_kv_cache_prefill, _kv_cache_x86_unsupported),
     DecodeSpec: (build_x86_pass, _pass_x86_unsupported),
 }
+_X86_WITHOUT_AMX = {
+    DecodeSpec: (partial(build_x86_pass, amx=False), partial(_pass_x86_unsupported, amx=False)),
+}
 
 
-def x86_unsupported(spec) -> str | None:
-    """Why the x86 lowering has no kernel for ``spec`` (None where it has one): the dense sequence
-    prefills (mlir/x86_attention.py), the ragged, paged and MLA KV-cache prefills (mlir/x86_kv_cache.py)
-    and their serving passes (mlir/x86_decode.py)."""
-    if type(spec) not in _X86_BUILDERS:
-        return f"{type(spec).__name__} has no x86 kernel"
-    return _X86_BUILDERS[type(spec)][1](spec)
+def x86_unsupported(spec, *, amx: bool = True) -> str | None:
+    """Why the x86 lowering has no kernel for ``spec`` (None where it has one) on a CPU with AMX
+    tiles (``amx``; the dense sequence prefills: mlir/x86_attention.py, the ragged, paged and MLA
+    KV-cache prefills: mlir/x86_kv_cache.py, and their serving passes: mlir/x86_decode.py) or
+    without (the serving passes)."""
+    builders = _X86_BUILDERS if amx else _X86_WITHOUT_AMX
+    if type(spec) not in builders:
+        return f"{type(spec).__name__} has no x86 kernel{'' if amx else ' without AMX tiles'}"
+    return builders[type(spec)][1](spec)
 
 
-def build_x86_module(spec):
-    """The verified MLIR module of the x86 lowering; ValueError naming why for a spec it has no
-    kernel for (:func:`x86_unsupported`)."""
-    why = x86_unsupported(spec)
+def build_x86_module(spec, *, amx: bool = True):
+    """The verified MLIR module of the x86 lowering for a CPU with AMX tiles (``amx``) or
+    without; ValueError naming why for a spec it has no kernel for (:func:`x86_unsupported`)."""
+    why = x86_unsupported(spec, amx=amx)
     if why:
         raise ValueError(f"no x86 lowering for {spec.name}: {why}")
-    return _X86_BUILDERS[type(spec)][0](spec)
+    return (_X86_BUILDERS if amx else _X86_WITHOUT_AMX)[type(spec)][0](spec)
 
 
 #: The CUDA mma lowering's builders (hand-written dispatches: mlir/cuda_attention.py) and why

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from .ir import DYN, arith_d, builtin_d, f32, func_d, i32, i8, ir, llvm_d, math_d, memref_d, stream_d, vector_d
+from .ir import DYN, arith_d, builtin_d, const_int, f32, func_d, i32, i8, ir, llvm_d, math_d, memref_d, stream_d, vector_d
 
 #: Bytes of one AMX tile row, and rows of a tile: every tile of this lowering is full.
 TILE_BYTES_PER_ROW = 64
@@ -220,6 +220,15 @@ class Vec:
         if elem == ir.BF16Type.get():
             return llvm_d.call_intrinsic(narrow_type, "llvm.x86.avx512bf16.cvtneps2bf16.512", [value], [], [])
         return arith_d.truncf(narrow_type, value)
+
+    def bf16_rounded(self, value: ir.Value) -> ir.Value:
+        """16 f32 lanes rounded to the nearest bf16 (ties to even; finite lanes), kept in f32:
+        integer ops on the bits (an extf of a truncf to bf16 folds away in IREE's pipeline: the
+        FMA passes over an 8-bit cache read f32(x) x scale unrounded; and no avx512_bf16 needed)."""
+        bits = vector_d.bitcast(self.i32x, value)
+        odd = arith_d.andi(arith_d.shrui(bits, const_int(self.i32x, 16)), const_int(self.i32x, 1))
+        rounded = arith_d.addi(bits, arith_d.addi(odd, const_int(self.i32x, 0x7FFF)))
+        return vector_d.bitcast(self.f32x, arith_d.andi(rounded, const_int(self.i32x, -0x10000)))
 
     def exp2(self, x: ir.Value) -> ir.Value:
         """2^x for x <= 0 (the online softmax's exponents), exactly 0 for -inf and far below:

@@ -69,10 +69,11 @@ def blocks_for(dtype: str, d: int, d_v: int | None = None) -> tuple[int, int]:
     """(query rows of a workgroup, keys of a KV step) for head dims ``d`` (q, k) and ``d_v``
     (values; default d): the largest of the engine's rows (:data:`ROW_BLOCKS`) and KV steps
     (:data:`KV_STEPS`) whose buffers fit STACK_BUDGET, rows first; ValueError where none do."""
-    amx = ENGINES[dtype].uses_amx
+    engine = ENGINES[dtype]
+    amx = engine.uses_amx
     for rows in ROW_BLOCKS[amx]:
         for keys in KV_STEPS[amx]:
-            if workgroup_bytes(dtype, rows, keys, d, d_v) <= STACK_BUDGET:
+            if workgroup_bytes(engine.OPERAND_BYTES, rows, keys, d, d_v) <= STACK_BUDGET:
                 return rows, keys
     raise ValueError(f"d={d}, d_v={d_v or d}: no x86 blocks fit the stack budget")
 
@@ -92,11 +93,10 @@ KV_STEPS = {True: (256, 128, 64), False: (128, 64)}
 ROW_BLOCKS = {True: (64, 32), False: (96, 48)}
 
 
-def workgroup_bytes(dtype: str, rows: int, keys: int, d: int, d_v: int | None = None) -> int:
+def workgroup_bytes(operand: int, rows: int, keys: int, d: int, d_v: int | None = None) -> int:
     """Stack bytes of a workgroup's buffers (:class:`_Dispatch`) of ``rows`` rows and KV steps of
-    ``keys`` keys: scores and acc [rows, d_v] in f32, probs and q rows [rows, d] in the operand
-    dtype, (max, sum) a row."""
-    operand = 2 if dtype == "bfloat16" else 4
+    ``keys`` keys: scores and acc [rows, d_v] in f32, probs and q rows [rows, d] in the engine's
+    operands of ``operand`` bytes (its OPERAND_BYTES), (max, sum) a row."""
     return rows * (keys * 4 + keys * operand + (d if d_v is None else d_v) * 4 + d * operand + 8)
 
 _EXECUTABLE = "x86_attention"
@@ -146,6 +146,8 @@ class AmxEngine:
     23.1-23.2 ms against 3.11-3.37 / 23.8-25.0 (same process; fourteenth session)."""
 
     uses_amx = True
+    #: Bytes of an operand (q rows, probabilities, staged keys and values): bf16.
+    OPERAND_BYTES = 2
     #: Whether the P.V step reads value rows where a serving pass's cache holds them (its row
     #: pointers) instead of a staged copy (x86_decode.InPlaceValues).
     values_in_place = False
@@ -249,6 +251,7 @@ class FmaEngine:
 
     uses_amx = False
     values_in_place = False
+    OPERAND_BYTES = 4
     SCORE_ROWS, SCORE_VECTORS = 6, 4
     ACC_ROWS, ACC_VECTORS = 6, 4
     UNROLL = 4
@@ -404,10 +407,11 @@ def engine_for(dtype: str):
     return ENGINES[dtype](dtype)
 
 
-def uses_amx(spec) -> bool:
+def uses_amx(spec, *, amx: bool = True) -> bool:
     """Whether ``spec``'s kernel in this lowering runs AMX tile instructions (its process must
-    ask Linux for the tile state first: runtime/amx.py)."""
-    return ENGINES[spec.dtype].uses_amx
+    ask Linux for the tile state first: runtime/amx.py), built for a CPU with AMX tiles
+    (``amx``) or without (mlir.build_x86_module: serving passes on the FMA blocks only)."""
+    return amx and ENGINES[spec.dtype].uses_amx
 
 
 class _Dispatch:

@@ -33,7 +33,7 @@ from .ir import (
 from .kv_layouts import EIGHT_BIT_FORMATS, THROUGH_F16, cache_layout, f16_bits
 from .online_softmax import LOG2E
 from .x86_attention import (
-    BINDING, ENGINES, STACK_BUDGET, AmxEngine, FmaEngine, KernelShapes, _bytes, _Dispatch, binding_pointer,
+    BINDING, STACK_BUDGET, AmxEngine, FmaEngine, KernelShapes, _bytes, _Dispatch, binding_pointer,
     hand_written_dispatch,
     llvm_load, llvm_store, workgroup_bytes,
 )
@@ -161,22 +161,24 @@ class InPlaceValues(FmaEngine):
                            alignment=8)
 
 
-def pass_engine_type(spec: DecodeSpec) -> type:
-    """The contraction engine class of the pass: KeyRowsEngine for few bf16 rows, InPlaceValues
-    for an f32 cache, else the dtype's (x86_attention.ENGINES)."""
-    if spec.dtype == "bfloat16" and spec.rows <= KEY_ROWS_UP_TO:
-        return KeyRowsEngine
+def pass_engine_type(spec: DecodeSpec, amx: bool = True) -> type:
+    """The contraction engine class of the pass on a CPU with AMX tiles (``amx``) or without:
+    bf16 with AMX on KeyRowsEngine for few rows, else AmxEngine; an f32 cache InPlaceValues;
+    else (f16, 8-bit under f32 or f16, bf16 without AMX) FmaEngine, widening as it stages."""
+    if spec.dtype == "bfloat16" and amx:
+        return KeyRowsEngine if spec.rows <= KEY_ROWS_UP_TO else AmxEngine
     if spec.dtype == "float32" and not quantized_kv(spec.base):
         return InPlaceValues
-    return ENGINES[spec.dtype]
+    return FmaEngine
 
 
-def pass_blocks(spec: DecodeSpec) -> tuple[int, int]:
-    """(rows of a workgroup, keys of a KV step) of the pass: KeyRowsEngine works on one 16-row
-    tile, AmxEngine on 32 or 64 rows (pairs of 16-row tiles), the FMA blocks on multiples of 4;
-    64 keys a step; buffers and the two staging buffers within STACK_BUDGET."""
-    operand = 2 if spec.dtype == "bfloat16" else 4
-    engine = pass_engine_type(spec)
+def pass_blocks(spec: DecodeSpec, amx: bool = True) -> tuple[int, int]:
+    """(rows of a workgroup, keys of a KV step) of the pass (``amx``: on a CPU with AMX tiles):
+    KeyRowsEngine works on one 16-row tile, AmxEngine on 32 or 64 rows (pairs of 16-row tiles),
+    the FMA blocks on multiples of 4; 64 keys a step; buffers and the two staging buffers within
+    STACK_BUDGET."""
+    engine = pass_engine_type(spec, amx)
+    operand = engine.OPERAND_BYTES
     rows = spec.rows
     if engine is KeyRowsEngine:
         wanted, smaller = KeyRowsEngine.ROWS, ((KeyRowsEngine.ROWS, 32),)
@@ -190,16 +192,17 @@ def pass_blocks(spec: DecodeSpec) -> tuple[int, int]:
     for row_block, keys in ((wanted, PASS_KV_BLOCK), *smaller):
         # K (V), the zero row, row pointers, a score tile
         staging = keys * staged * operand + d * operand + 2 * keys * 16 + 1024
-        if workgroup_bytes(spec.dtype, row_block, keys, d, d_v) + staging <= STACK_BUDGET:
+        if workgroup_bytes(operand, row_block, keys, d, d_v) + staging <= STACK_BUDGET:
             return row_block, keys
     raise ValueError(f"d_qk={d}, d_v={d_v}: no x86 pass blocks fit the stack budget")
 
 
-def pass_unsupported(spec: DecodeSpec) -> str | None:
-    """Why the x86 lowering has no serving pass for ``spec`` (None where it has): its variant's
-    x86 kernel's conditions (x86_kv_cache.kv_cache_unsupported: ragged, paged and MLA caches in
-    bf16, f32 or f16, head dims of a multiple of 32, the KV-cache causal mask), and 8-bit KV
-    widened through float16 (THROUGH_F16), blocks within the stack budget."""
+def pass_unsupported(spec: DecodeSpec, amx: bool = True) -> str | None:
+    """Why the x86 lowering has no serving pass for ``spec`` (None where it has) on a CPU with
+    AMX tiles (``amx``) or without: its variant's x86 kernel's conditions
+    (x86_kv_cache.kv_cache_unsupported: ragged, paged and MLA caches in bf16, f32 or f16, head
+    dims of a multiple of 32, the KV-cache causal mask), and 8-bit KV widened through float16
+    (THROUGH_F16), blocks within the stack budget."""
     base = spec.base
     why = kv_cache_unsupported(base)
     if why:
@@ -207,7 +210,7 @@ def pass_unsupported(spec: DecodeSpec) -> str | None:
     if quantized_kv(base) and kv_dtype_of(base) not in THROUGH_F16:
         return f"8-bit KV {kv_dtype_of(base)}: the x86 passes widen {', '.join(THROUGH_F16)}"
     try:
-        pass_blocks(DecodeSpec(base, max(DECODE_PASSES["x86"].queries)))
+        pass_blocks(DecodeSpec(base, max(DECODE_PASSES["x86"].queries)), amx)
     except ValueError as too_wide:
         return str(too_wide)
     return None
@@ -431,7 +434,7 @@ class _PassDispatch(_Dispatch):
         """The ``chunk``-th 64 bytes of a K (``which`` 0) or V (1) row in the engine's operand
         dtype, as ``lanes``: loaded, from an f16 cache widened (16 elements), or from an 8-bit
         cache widened through the head's scale (:meth:`_widened`) and rounded to the compute
-        dtype where that is narrower than the operands (f16 on the FMA blocks)."""
+        dtype where that is narrower than the operands (f16 and bf16 on the FMA blocks)."""
         if self.kv_format is None and self.elem != self.engine.operand:   # f16 rows, f32 operands
             return arith_d.extf(lanes, self.vec.load(at(row, chunk * 32), self.elem))
         if self.kv_format is None:
@@ -439,7 +442,9 @@ class _PassDispatch(_Dispatch):
         if self.engine.operand == ir.BF16Type.get():   # 32 elements through the head's tables
             return vector_d.bitcast(lanes, self._looked_up(which, at(row, chunk * 32)))
         wide = self._widened(which, at(row, chunk * 16))   # f32 operands: 16 elements
-        if self.elem != self.engine.operand:   # f16: f16(f32(x) x scale), semantics §15
+        if self.elem == ir.BF16Type.get():   # bf16(f32(x) x scale), semantics §15
+            return self.vec.bf16_rounded(wide)
+        if self.elem != self.engine.operand:   # f16(f32(x) x scale)
             return arith_d.extf(lanes, arith_d.truncf(ir.VectorType.get([16], self.elem), wide))
         return wide
 
@@ -673,9 +678,9 @@ def _build_executable(spec: DecodeSpec, shapes: KernelShapes, engine, operand_ty
         _PassDispatch(spec, shapes, engine, pointers, named, sm_scale).emit()
 
 
-def _emit(spec: DecodeSpec, shapes: KernelShapes, anchor: ir.Operation, q, cache, table, geometry, causal,
-          sm_scale, sinks) -> list[ir.Value]:
-    engine = pass_engine_type(spec)(spec.dtype)
+def _emit(spec: DecodeSpec, amx: bool, shapes: KernelShapes, anchor: ir.Operation, q, cache, table, geometry,
+          causal, sm_scale, sinks) -> list[ir.Value]:
+    engine = pass_engine_type(spec, amx)(spec.dtype)
     scales = cache.sources[len(cache.sources) - 2:] if quantized_kv(spec.base) else []
     sources = list(cache.sources[:len(cache.sources) - len(scales)])
     tensors = [q, *sources, table, geometry, *scales]
@@ -707,17 +712,19 @@ def _loop(i: int) -> ir.Value:
     return linalg_d.IndexOp(i).result
 
 
-def build_x86_pass(spec: DecodeSpec) -> ir.Module:
+def build_x86_pass(spec: DecodeSpec, *, amx: bool = True) -> ir.Module:
     """The verified module of the serving pass ``spec`` (decode.decode_module's signature) with its
-    attention in one hand-written dispatch; ValueError where :func:`pass_unsupported` says why not."""
-    why = pass_unsupported(spec)
+    attention in one hand-written dispatch, for a CPU with AMX tiles (``amx``) or without (bf16
+    then on the FMA blocks: :func:`pass_engine_type`); ValueError where :func:`pass_unsupported`
+    says why not."""
+    why = pass_unsupported(spec, amx)
     if why:
         raise ValueError(f"no x86 lowering for {spec.name}: {why}")
-    shapes = KernelShapes(spec.h_q, spec.h_kv, spec.d_qk, spec.dtype, "causal", 0.0, *pass_blocks(spec),
+    shapes = KernelShapes(spec.h_q, spec.h_kv, spec.d_qk, spec.dtype, "causal", 0.0, *pass_blocks(spec, amx),
                           spec.base.logits_soft_cap, spec.d_v)
 
     def emit(q, cache, table, geometry, causal, sm_scale, sinks):
         function = q.owner.owner
-        return _emit(spec, shapes, function, q, cache, table, geometry, causal, sm_scale, sinks)
+        return _emit(spec, amx, shapes, function, q, cache, table, geometry, causal, sm_scale, sinks)
 
     return decode_module(spec, emit)

@@ -19,8 +19,7 @@ import functools
 import os
 
 from ..mlir import x86_unsupported
-from ..mlir.dtypes import quantized_kv
-from ..mlir.decode import NARROW_PASS_VECTORS, ROW_VECTOR, WIDE_PASS_VECTORS, DecodeSpec, PassVectors
+from ..mlir.decode import NARROW_PASS_VECTORS, ROW_VECTOR, WIDE_PASS_VECTORS, PassVectors
 from ..mlir.ir import ir
 from ..mlir.score_tiles import ROW_TILES, RowTiles, packed_tiles_for
 
@@ -92,10 +91,16 @@ def cpu_score_tiles(arch: str, dtype: str) -> RowTiles:
 
 #: The CPU features (as /proc/cpuinfo spells them) the x86 lowering is chosen on.
 AMX_FEATURES = frozenset({"amx_tile", "amx_bf16"})
-#: ... and those its f32 and f16 serving passes need without AMX (AVX-512 FMA blocks: mlir/x86_decode.py
-#: InPlaceValues, FmaEngine), where they replace the linalg passes (an AMD Zen 4: docs/performance.md,
-#: twentieth session).
+#: ... and those its serving passes need without AMX (AVX-512 FMA blocks, bf16 and 8-bit caches
+#: widened to f32: mlir/x86_decode.py pass_engine_type), where they replace the linalg passes (an
+#: AMD Zen 4: docs/performance.md, twentieth and twenty-first sessions).
 FMA_PASS_FEATURES = frozenset({"avx512f"})
+
+
+def x86_amx(arch: str) -> bool:
+    """Whether the x86 lowering's kernels for CPU ``arch`` run on AMX tiles (it has them); else
+    its serving passes run on the FMA blocks (mlir.build_x86_module's ``amx``)."""
+    return AMX_FEATURES <= cpu_features(arch)
 
 
 def cpu_spec_lowering(arch: str, spec, lowering: str) -> str:
@@ -103,24 +108,17 @@ def cpu_spec_lowering(arch: str, spec, lowering: str) -> str:
     dispatches, mlir/x86_attention.py: bf16 on AMX tiles, f32 in AVX-512 FMA blocks) in place of
     the linalg lowering on an Intel Xeon with AMX tiles (amx_tile, amx_bf16), where it was
     measured (docs/performance.md: dense causal bf16 5-8x, f32 1.8x the linalg lowering), for
-    the specs it builds; on an AVX-512 CPU without AMX (an AMD Zen 4) for the serving passes of
-    an f32 or f16 cache only (1.5-2x the linalg passes there); else as asked (Zen 4 keeps its
-    linalg kernels)."""
+    the specs it builds; on an AVX-512 CPU without AMX (an AMD Zen 4) for the serving passes
+    only (all on the FMA blocks: 1.5-2x the linalg passes there); else as asked (Zen 4 keeps
+    its linalg kernels)."""
     features = cpu_features(arch)
-    has_amx = AMX_FEATURES <= features
-    if lowering == "x86" and not has_amx:
+    amx = AMX_FEATURES <= features
+    if lowering == "x86" and not amx:
         raise ValueError(f"lowering 'x86' needs a CPU with {' and '.join(sorted(AMX_FEATURES))}; "
                          f"{arch!r} has {'not both' if arch != 'host' else 'neither here'}")
-    if lowering == "linalg" and x86_unsupported(spec) is None and (
-            has_amx or FMA_PASS_FEATURES <= features and _fma_pass(spec)):
+    if lowering == "linalg" and (amx or FMA_PASS_FEATURES <= features) and x86_unsupported(spec, amx=amx) is None:
         return "x86"
     return lowering
-
-
-def _fma_pass(spec) -> bool:
-    """Whether ``spec`` is a serving pass the x86 lowering builds without AMX or 8-bit tables
-    (an f32 or f16 cache, f16 widened as staged; not 8-bit: its byte tables need AVX-512 VBMI)."""
-    return isinstance(spec, DecodeSpec) and spec.dtype in ("float32", "float16") and not quantized_kv(spec)
 
 
 def row_tiles(arch: str, dtype: str) -> RowTiles:

@@ -40,10 +40,11 @@ def test_each_cpu_gets_the_layout_measured_fastest_on_it(arch, dtype, want):
 @pytest.mark.parametrize("arch, want", [(AVX512_BF16, WIDE_PASS_VECTORS), (AVX512, WIDE_PASS_VECTORS),
                                         (AVX2, NARROW_PASS_VECTORS), ("a-cpu-llvm-does-not-name", NARROW_PASS_VECTORS)])
 def test_each_cpu_gets_the_serving_pass_vectors_measured_fastest_on_it(arch, want):
-    """And the pass's IR for that CPU carries them (the scores' head-dim vector of a 1-query pass;
-    bf16: an AVX-512 CPU's f32 passes are x86 ones)."""
+    """And the pass's IR for that CPU carries them (the scores' head-dim vector of a 1-query pass
+    over a cache the x86 passes an AVX-512 CPU gets do not read: e5m2fnuz)."""
     assert cpu_pass_vectors(arch) == want
-    ir_text = tuned_ir(DecodeSpec(PagedPrefillSpec(8, 2, 128, "bfloat16")), Target("llvm-cpu", arch))
+    spec = DecodeSpec(PagedPrefillSpec(8, 2, 128, "bfloat16", kv_dtype="float8_e5m2fnuz"))
+    ir_text = tuned_ir(spec, Target("llvm-cpu", arch))
     assert f"vector_reduction = [0, 0, 0, 0, 0, 0, {want.head_dim}]" in ir_text
 
 

@@ -1,9 +1,10 @@
 """The x86 serving passes (mlir/x86_decode.py): which passes and CPUs get them, their IR and objects
-on every machine, and on CPUs with AMX (where the record picks them) their numerics against the
-float64 reference: every cache layout they read (ragged NHD and HND, paged HND and NHD, the
-sliding window's sink and window rows), 8-bit caches (e4m3, e5m2), head sinks, a soft cap, GQA
-1 to 8, bf16, f32 and f16 (widened as staged), the 1-, 4- and 16-query passes on batches that mix them with prefill
-entries, peaked scores, NaN in a cache's unused rows."""
+on every machine, and on CPUs with AMX or AVX-512 (where the record picks them: AMX tiles for bf16
+on the first, the FMA blocks for every dtype on the second) their numerics against the float64
+reference: every cache layout they read (ragged NHD and HND, paged HND and NHD, the sliding
+window's sink and window rows), 8-bit caches (e4m3, e5m2), head sinks, a soft cap, GQA 1 to 8,
+bf16, f32 and f16 (widened as staged), the 1-, 4- and 16-query passes on batches that mix them
+with prefill entries, peaked scores, NaN in a cache's unused rows."""
 
 from __future__ import annotations
 
@@ -52,8 +53,8 @@ ALL_SPECS = {**SPECS, **WIDE_SPECS}
 
 
 def _x86_here(name: str) -> bool:
-    """Whether this host builds the passes of spec ``name`` in the x86 lowering (a CPU with AMX;
-    an AVX-512 one for an f32 or f16 cache: pipeline/cpu_tiles.py), where their numerics run."""
+    """Whether this host builds the passes of spec ``name`` in the x86 lowering (a CPU with AMX
+    or AVX-512: pipeline/cpu_tiles.py), where their numerics run."""
     return Target("llvm-cpu").lowering_of(DecodeSpec(ALL_SPECS[name], 1)) == "x86"
 
 
@@ -71,15 +72,14 @@ pytestmark = pytest.mark.compiles(*(spec for name, spec in ALL_SPECS.items() if 
 @pytest.mark.parametrize("name", sorted(SPECS) + sorted(WIDE_SPECS))
 def test_the_record_builds_the_passes_of_these_caches_in_x86_on_amx_cpus(name):
     spec = ALL_SPECS[name]
-    zen4 = "x86" if spec.dtype in ("float32", "float16") and spec.kv_dtype is None else "linalg"
     for queries in (1, 4, 16):
         assert AMX_CPU.lowering_of(DecodeSpec(spec, queries)) == "x86"
-        # a Zen 4: x86 passes for an f32 or f16 cache (AVX-512 FMAs), the linalg ones otherwise
-        assert Target("llvm-cpu", "znver4").lowering_of(DecodeSpec(spec, queries)) == zen4
-        assert Target("llvm-cpu", "znver3").lowering_of(DecodeSpec(spec, queries)) == "linalg"  # AVX2
+        # a Zen 4: x86 passes on the FMA blocks (AVX-512, no AMX); an AVX2 CPU the linalg ones
+        assert Target("llvm-cpu", "znver4").lowering_of(DecodeSpec(spec, queries)) == "x86"
+        assert Target("llvm-cpu", "znver3").lowering_of(DecodeSpec(spec, queries)) == "linalg"
     assert AMX_CPU.decode_passes(spec) == DECODE_PASSES["x86"]
     assert [p.queries for p in AMX_CPU.serving_passes(spec)] == [1, 4, 16]   # no scratch bound leaves one out
-    assert Target("llvm-cpu", "znver4").decode_passes(spec) == DECODE_PASSES[zen4]
+    assert Target("llvm-cpu", "znver4").decode_passes(spec) == DECODE_PASSES["x86"]
 
 
 @pytest.mark.parametrize("base, why", [
@@ -116,42 +116,47 @@ def test_the_pass_ir_gathers_with_prefetches_and_runs_tiles_for_bf16_only():
 
 def test_f32_passes_read_values_in_place_and_every_pass_fits_the_workers_stack():
     """f32 values are read where the cache holds them (no staged copy); 8-bit values are widened
-    into a staged copy, as bf16 ones are interleaved for their engines. The workgroup buffers of
-    every pass, MLA's 576-column keys and 512-column values included, fit STACK_BUDGET, which
-    leaves the dispatch half the stack the runtime gives the workers."""
+    into a staged copy, as bf16 ones are interleaved for the AMX engines or widened for the FMA
+    blocks (a CPU without AMX). The workgroup buffers of every pass, MLA's 576-column keys and
+    512-column values included, fit STACK_BUDGET, which leaves the dispatch half the stack the
+    runtime gives the workers."""
     f32 = PagedPrefillSpec(32, 8, 128, "float32", page_size=16)
     assert pass_engine_type(DecodeSpec(f32, 16)) is InPlaceValues
     e4m3 = PagedPrefillSpec(32, 8, 128, "float32", page_size=16, kv_dtype="float8_e4m3fn")
     assert pass_engine_type(DecodeSpec(e4m3, 16)) is FmaEngine
+    bf16 = PagedPrefillSpec(32, 8, 128, "bfloat16", page_size=16)
+    assert [pass_engine_type(DecodeSpec(bf16, q), amx=False) for q in (1, 16)] == [FmaEngine, FmaEngine]
     assert STACK_BUDGET <= WORKER_STACK_BYTES // 2
-    for base in (f32, e4m3, *WIDE_SPECS.values()):
+    for base in (f32, e4m3, bf16, *WIDE_SPECS.values()):
         for queries in (1, 4, 16):
-            spec = DecodeSpec(base, queries)
-            rows, keys = pass_blocks(spec)
-            staged = base.d_qk + (0 if pass_engine_type(spec).values_in_place else base.d_v)
-            operand = 2 if base.dtype == "bfloat16" else 4
-            assert workgroup_bytes(base.dtype, rows, keys, base.d_qk, base.d_v) + keys * staged * operand \
-                <= STACK_BUDGET
+            for amx in (True, False):
+                spec = DecodeSpec(base, queries)
+                rows, keys = pass_blocks(spec, amx)
+                engine = pass_engine_type(spec, amx)
+                staged = base.d_qk + (0 if engine.values_in_place else base.d_v)
+                assert workgroup_bytes(engine.OPERAND_BYTES, rows, keys, base.d_qk, base.d_v) \
+                    + keys * staged * engine.OPERAND_BYTES <= STACK_BUDGET
 
 
 #: An AVX-512 CPU without AMX, VBMI or avx512_bf16 (Skylake-SP): the oldest that the rule gives
-#: an f32 or f16 cache's x86 passes (pipeline/cpu_tiles.py: FMA_PASS_FEATURES).
+#: the x86 passes (pipeline/cpu_tiles.py: FMA_PASS_FEATURES). An f32 cache's and a bf16 one's
+#: over e4m3 (bf16 queries widened, K and V widened through f16 and rounded to bf16 in integer ops).
 SKYLAKE_SP = Target("llvm-cpu", "skylake-avx512")
-SKYLAKE_PASSES = [DecodeSpec(PagedPrefillSpec(8, 2, 64, dtype, page_size=16), 4) for dtype in ("float32", "float16")]
+SKYLAKE_PASSES = [DecodeSpec(PagedPrefillSpec(8, 2, 64, "float32", page_size=16), 4),
+                  DecodeSpec(PagedPrefillSpec(8, 2, 64, "bfloat16", page_size=16, kv_dtype="float8_e4m3fn"), 1)]
 
 
 @pytest.mark.compiles(*SKYLAKE_PASSES, backends=[SKYLAKE_SP])
-def test_f32_and_f16_passes_for_an_avx512_cpu_without_amx_are_x86_and_compile_for_it(cache):
-    """The passes use no instruction such a CPU lacks: LLVM selects every one for skylake-avx512
-    (an intrinsic of AMX, avx512_bf16 or VBMI fails the compile); 8-bit and bf16 caches keep the
-    linalg passes there."""
+def test_passes_for_an_avx512_cpu_without_amx_are_x86_and_compile_for_it(cache):
+    """The passes use no instruction such a CPU lacks: no AMX, avx512_bf16 or VBMI intrinsic in
+    their IR, and LLVM selects every instruction for skylake-avx512."""
     for spec in SKYLAKE_PASSES:
         assert SKYLAKE_SP.lowering_of(spec) == "x86"
-        assert "stream.executable" in tuned_ir(spec, SKYLAKE_SP)   # the hand-written dispatch
+        ir_text = tuned_ir(spec, SKYLAKE_SP)
+        assert "stream.executable" in ir_text and "math.fma" in ir_text   # the hand-written dispatch
+        for intrinsic in ("llvm.x86.t", "avx512bf16", "vpermi2var"):
+            assert intrinsic not in ir_text
         assert compile_spec(spec, SKYLAKE_SP, cache=cache)[:2] == b"PK"
-    for base in (PagedPrefillSpec(8, 2, 64, "float32", page_size=16, kv_dtype="float8_e4m3fn"),
-                 PagedPrefillSpec(8, 2, 64, "bfloat16", page_size=16)):
-        assert SKYLAKE_SP.lowering_of(DecodeSpec(base, 4)) == "linalg"
 
 
 def _call(name, rng, entries=ENTRIES):
