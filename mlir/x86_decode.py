@@ -161,14 +161,31 @@ class InPlaceValues(FmaEngine):
                            alignment=8)
 
 
+class InPlaceWidenedValues(InPlaceValues):
+    """InPlaceValues over a bf16 or f16 cache: each value row read where the cache holds it and
+    widened 16 elements at a time as P.V takes them, for passes whose rows are one block of
+    ACC_ROWS (each value widened once; more rows would widen it once a block). On a Zen 4
+    without AMX, bf16 32 x 1 vs 1024 (4 rows) 12.6-14.1 -> 11.1-12.5 ms against the staged
+    copy (docs/performance.md, twenty-first session)."""
+
+    def _lanes(self, w: "_PassDispatch", step_at, col: int, keys: bool) -> ir.Value:
+        if keys:
+            return super()._lanes(w, step_at, col, keys)
+        return arith_d.extf(w.vec.f32x, w.vec.load(at(step_at, col * _bytes(w.elem)), w.elem))
+
+
 def pass_engine_type(spec: DecodeSpec, amx: bool = True) -> type:
     """The contraction engine class of the pass on a CPU with AMX tiles (``amx``) or without:
     bf16 with AMX on KeyRowsEngine for few rows, else AmxEngine; an f32 cache InPlaceValues;
-    else (f16, 8-bit under f32 or f16, bf16 without AMX) FmaEngine, widening as it stages."""
+    without AMX a bf16 or f16 cache's passes of at most ACC_ROWS rows InPlaceWidenedValues (the
+    AMX Xeon's f16 passes, measured there, keep the staged copy); else (f16, 8-bit, bf16 without
+    AMX) FmaEngine, widening as it stages."""
     if spec.dtype == "bfloat16" and amx:
         return KeyRowsEngine if spec.rows <= KEY_ROWS_UP_TO else AmxEngine
     if spec.dtype == "float32" and not quantized_kv(spec.base):
         return InPlaceValues
+    if not amx and not quantized_kv(spec.base) and spec.rows <= InPlaceValues.ACC_ROWS:
+        return InPlaceWidenedValues
     return FmaEngine
 
 
@@ -275,12 +292,33 @@ class FmaStaging:
         d, kv, v = w.s.d, w.s.kv_block, w.vec
         group_at = at(w.k_stage, arith_d.muli(group, const_i64(64)))
         group_keys = arith_d.muli(group, const_i64(16))
+        if w.kv_format is None and w.elem == ir.BF16Type.get():
+            self._bf16_keys(w, group_at, group_keys, rows)
+            return
         for chunk in range(d // 16):
             if w.v_stage is None:   # no values staged: the keys carry the prefetches
                 w.prefetch_share(group_keys, 16, chunk, d // 16)
             loaded = [w.chunk(0, row, chunk, v.f32x) for row in rows]
             for j, out in enumerate(_transposed(loaded)):
                 v.store(out, at(group_at, (16 * chunk + j) * kv * 4))
+
+    @staticmethod
+    def _bf16_keys(w: "_PassDispatch", group_at, group_keys, rows: list[ir.Value]) -> None:
+        """Keys of a bf16 cache: each 32 dims of the 16 rows as 16 lanes of bf16 pairs, one 16 x
+        16 32-bit transpose, each pair vector widened into its two dims' K^T rows (a shift, a
+        mask): half the shuffles of widening first (Zen 4, bf16 32 x 1 vs 1024: 11.1-11.2 ->
+        8.7-9.4 ms; 16 x 16 vs 512 the same, its FMAs the bound)."""
+        d, kv, v = w.s.d, w.s.kv_block, w.vec
+        lanes = ir.VectorType.get([16], i32())
+        for chunk in range(d // 32):
+            if w.v_stage is None:
+                w.prefetch_share(group_keys, 16, chunk, d // 32)
+            loaded = [llvm_load(lanes, at(row, chunk * 64)) for row in rows]
+            for j, pair in enumerate(_transposed(loaded)):
+                low = arith_d.shli(pair, const_int(lanes, 16))
+                high = arith_d.andi(pair, const_int(lanes, -0x10000))
+                for half, bits in enumerate((low, high)):
+                    v.store(vector_d.bitcast(v.f32x, bits), at(group_at, (32 * chunk + 2 * j + half) * kv * 4))
 
     def values(self, w: "_PassDispatch", group, rows: list[ir.Value]) -> None:
         d, v = w.s.d_v, w.vec
@@ -336,7 +374,8 @@ class KeyRowsStaging(AmxStaging):
 
 #: The staging of each engine's passes: f16 caches widen to f32 as they are staged (FmaEngine: these
 #: CPUs have no amx_fp16; the linalg passes ran 16 x 16 vs 1024 f16 at 0.39x torch).
-STAGING = {AmxEngine: AmxStaging, KeyRowsEngine: KeyRowsStaging, FmaEngine: FmaStaging, InPlaceValues: FmaStaging}
+STAGING = {AmxEngine: AmxStaging, KeyRowsEngine: KeyRowsStaging, FmaEngine: FmaStaging, InPlaceValues: FmaStaging,
+           InPlaceWidenedValues: FmaStaging}
 
 
 class _PassDispatch(_Dispatch):

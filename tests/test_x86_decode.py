@@ -15,7 +15,9 @@ from conftest import NUMPY_DTYPE, assert_matches_reference
 from linalg_prefill.mlir import DecodeSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, x86_unsupported
 from linalg_prefill.mlir.decode import DECODE_PASSES
 from linalg_prefill.mlir.x86_attention import STACK_BUDGET, WORKER_STACK_BYTES, AmxEngine, FmaEngine, workgroup_bytes
-from linalg_prefill.mlir.x86_decode import InPlaceValues, KeyRowsEngine, pass_blocks, pass_engine_type
+from linalg_prefill.mlir.x86_decode import (
+    InPlaceValues, InPlaceWidenedValues, KeyRowsEngine, pass_blocks, pass_engine_type,
+)
 from linalg_prefill.pipeline import Target, compile_spec
 from linalg_prefill.pipeline.tuning import tuned_ir
 from linalg_prefill.runtime import open_kernel
@@ -125,7 +127,8 @@ def test_f32_passes_read_values_in_place_and_every_pass_fits_the_workers_stack()
     e4m3 = PagedPrefillSpec(32, 8, 128, "float32", page_size=16, kv_dtype="float8_e4m3fn")
     assert pass_engine_type(DecodeSpec(e4m3, 16)) is FmaEngine
     bf16 = PagedPrefillSpec(32, 8, 128, "bfloat16", page_size=16)
-    assert [pass_engine_type(DecodeSpec(bf16, q), amx=False) for q in (1, 16)] == [FmaEngine, FmaEngine]
+    # without AMX: values widened where the cache holds them for 4 rows (1 query x G 4), staged for 64
+    assert [pass_engine_type(DecodeSpec(bf16, q), amx=False) for q in (1, 16)] == [InPlaceWidenedValues, FmaEngine]
     assert STACK_BUDGET <= WORKER_STACK_BYTES // 2
     for base in (f32, e4m3, bf16, *WIDE_SPECS.values()):
         for queries in (1, 4, 16):
