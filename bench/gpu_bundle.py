@@ -55,7 +55,7 @@ from linalg_prefill.mlir import (
     MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec, x86_uses_amx,
 )
 from linalg_prefill.pipeline import Target, compile_spec
-from linalg_prefill.pipeline.cpu_tiles import x86_amx
+from linalg_prefill.pipeline.cpu_tiles import x86_cpu
 from linalg_prefill.pipeline.model_config import load_model_config, specs_for_model
 from linalg_prefill.runtime.compare import call_facts, reference_call
 from linalg_prefill.mlir.abi import argument_names
@@ -285,7 +285,7 @@ def main() -> None:
             built[file] = function_name(spec, vmfb)
             print(f"built {file}", file=sys.stderr)
         save_case(os.path.join(args.out, "cases", f"{name}.npz"), name, spec, file, call, flops,
-                  amx=target.lowering_of(spec) == "x86" and x86_uses_amx(spec, amx=x86_amx(target.arch)), symbol=built[file])
+                  amx=target.lowering_of(spec) == "x86" and x86_uses_amx(spec, x86_cpu(target.arch)), symbol=built[file])
     if not args.no_wheels:
         download_wheels(args.out)
     print(f"bundle ready: {args.out} ({len(cases)} cases, {len(built)} artifacts for {target.tag}); on the GPU "

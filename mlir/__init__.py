@@ -1,11 +1,11 @@
 """IR builders: typed MLIR bindings, one online-softmax emitter, one spec per variant."""
 
-from functools import partial
-
 from .cuda_attention import build_cuda_sequence_prefill, unsupported as _dense_mma_unsupported
 from .cuda_decode import build_cuda_decode, pass_unsupported as _pass_mma_unsupported
 from .cuda_kv_cache import build_cuda_kv_cache_prefill, kv_cache_unsupported as _kv_cache_mma_unsupported
-from .x86_attention import build_x86_sequence_prefill, unsupported as _dense_x86_unsupported, uses_amx as x86_uses_amx
+from .x86_attention import (
+    XEON_WITH_AMX, X86Cpu, build_x86_sequence_prefill, unsupported as _dense_x86_unsupported, uses_amx as x86_uses_amx,
+)
 from .x86_decode import build_x86_pass, pass_unsupported as _pass_x86_unsupported
 from .x86_kv_cache import build_x86_kv_cache_prefill, kv_cache_unsupported as _kv_cache_x86_unsupported
 from .fused_kernels import build_fused_kv_cache_prefill, build_fused_sequence_prefill
@@ -56,38 +56,39 @@ def build_module(spec, *, row_chunk: int | None = None, score_tiles: RowTiles = 
 
 #: The x86 lowering's builders (hand-written dispatches) and why each has no kernel for a spec, on
 #: a CPU with AMX tiles; without them (an AMD Zen 4, an AVX-512 Xeon before Sapphire Rapids) the
-#: serving passes only (:data:`_X86_WITHOUT_AMX`), on the FMA blocks.
+#: serving passes only (:data:`_X86_WITHOUT_AMX`), on the FMA blocks. Each takes the spec, and
+#: the pass builders the CPU (X86Cpu) too.
 _X86_BUILDERS = {
     SequencePrefillSpec: (build_x86_sequence_prefill, _dense_x86_unsupported),
     MaskedSequencePrefillSpec: (build_x86_sequence_prefill, _dense_x86_unsupported),
     RaggedPrefillSpec: (build_x86_kv_cache_prefill, _kv_cache_x86_unsupported),
     PagedPrefillSpec: (build_x86_kv_cache_prefill, _kv_cache_x86_unsupported),
     MlaPagedPrefillSpec: (build_x86_kv_cache_prefill, _kv_cache_x86_unsupported),
-    DecodeSpec: (build_x86_pass, _pass_x86_unsupported),
 }
-_X86_WITHOUT_AMX = {
-    DecodeSpec: (partial(build_x86_pass, amx=False), partial(_pass_x86_unsupported, amx=False)),
-}
+_X86_PASS_BUILDERS = {DecodeSpec: (build_x86_pass, _pass_x86_unsupported)}
 
 
-def x86_unsupported(spec, *, amx: bool = True) -> str | None:
-    """Why the x86 lowering has no kernel for ``spec`` (None where it has one) on a CPU with AMX
-    tiles (``amx``; the dense sequence prefills: mlir/x86_attention.py, the ragged, paged and MLA
-    KV-cache prefills: mlir/x86_kv_cache.py, and their serving passes: mlir/x86_decode.py) or
-    without (the serving passes)."""
-    builders = _X86_BUILDERS if amx else _X86_WITHOUT_AMX
-    if type(spec) not in builders:
-        return f"{type(spec).__name__} has no x86 kernel{'' if amx else ' without AMX tiles'}"
-    return builders[type(spec)][1](spec)
+def x86_unsupported(spec, cpu: X86Cpu = XEON_WITH_AMX) -> str | None:
+    """Why the x86 lowering has no kernel for ``spec`` (None where it has one) on ``cpu``: with
+    AMX tiles the dense sequence prefills (mlir/x86_attention.py), the ragged, paged and MLA
+    KV-cache prefills (mlir/x86_kv_cache.py) and their serving passes (mlir/x86_decode.py);
+    without, the serving passes."""
+    if type(spec) in _X86_PASS_BUILDERS:
+        return _X86_PASS_BUILDERS[type(spec)][1](spec, cpu)
+    if type(spec) not in _X86_BUILDERS or not cpu.amx:
+        return f"{type(spec).__name__} has no x86 kernel{'' if cpu.amx else ' without AMX tiles'}"
+    return _X86_BUILDERS[type(spec)][1](spec)
 
 
-def build_x86_module(spec, *, amx: bool = True):
-    """The verified MLIR module of the x86 lowering for a CPU with AMX tiles (``amx``) or
-    without; ValueError naming why for a spec it has no kernel for (:func:`x86_unsupported`)."""
-    why = x86_unsupported(spec, amx=amx)
+def build_x86_module(spec, cpu: X86Cpu = XEON_WITH_AMX):
+    """The verified MLIR module of the x86 lowering for ``cpu``; ValueError naming why for a
+    spec it has no kernel for (:func:`x86_unsupported`)."""
+    why = x86_unsupported(spec, cpu)
     if why:
         raise ValueError(f"no x86 lowering for {spec.name}: {why}")
-    return (_X86_BUILDERS if amx else _X86_WITHOUT_AMX)[type(spec)][0](spec)
+    if type(spec) in _X86_PASS_BUILDERS:
+        return _X86_PASS_BUILDERS[type(spec)][0](spec, cpu)
+    return _X86_BUILDERS[type(spec)][0](spec)
 
 
 #: The CUDA mma lowering's builders (hand-written dispatches: mlir/cuda_attention.py) and why
@@ -131,5 +132,6 @@ def build_fused_module(spec):
 __all__ = [
     "SequencePrefillSpec", "MaskedSequencePrefillSpec", "RaggedPrefillSpec", "PagedPrefillSpec",
     "MlaPagedPrefillSpec", "DecodeSpec", "SPEC_TYPES", "SpecError", "build_module", "build_fused_module",
-    "build_x86_module", "x86_unsupported", "x86_uses_amx", "build_mma_module", "mma_unsupported",
+    "build_x86_module", "x86_unsupported", "x86_uses_amx", "X86Cpu", "XEON_WITH_AMX", "build_mma_module",
+    "mma_unsupported",
 ]

@@ -407,11 +407,26 @@ def engine_for(dtype: str):
     return ENGINES[dtype](dtype)
 
 
-def uses_amx(spec, *, amx: bool = True) -> bool:
-    """Whether ``spec``'s kernel in this lowering runs AMX tile instructions (its process must
-    ask Linux for the tile state first: runtime/amx.py), built for a CPU with AMX tiles
-    (``amx``) or without (mlir.build_x86_module: serving passes on the FMA blocks only)."""
-    return amx and ENGINES[spec.dtype].uses_amx
+@dataclass(frozen=True)
+class X86Cpu:
+    """What the x86 lowering's kernels may use on the CPU they are built for, beyond AVX-512 F, DQ
+    and BW (which every CPU it builds for has): AMX tiles (amx_tile and amx_bf16: bf16 products;
+    without them only the serving passes, on the FMA blocks) and AVX-512 VBMI (vpermi2b: a bf16
+    pass over an 8-bit cache widens it through byte tables). pipeline/cpu_tiles.py: x86_cpu
+    reads them from the CPU's features."""
+
+    amx: bool = True
+    vbmi: bool = True
+
+
+#: A Xeon with AMX tiles (Sapphire Rapids on: VBMI too), the x86 builders' default.
+XEON_WITH_AMX = X86Cpu()
+
+
+def uses_amx(spec, cpu: X86Cpu = XEON_WITH_AMX) -> bool:
+    """Whether ``spec``'s kernel in this lowering runs AMX tile instructions on ``cpu`` (its
+    process must ask Linux for the tile state first: runtime/amx.py)."""
+    return cpu.amx and ENGINES[spec.dtype].uses_amx
 
 
 class _Dispatch:

@@ -33,7 +33,7 @@ from .ir import (
 from .kv_layouts import EIGHT_BIT_FORMATS, THROUGH_F16, cache_layout, f16_bits
 from .online_softmax import LOG2E
 from .x86_attention import (
-    BINDING, STACK_BUDGET, AmxEngine, FmaEngine, KernelShapes, _bytes, _Dispatch, binding_pointer,
+    BINDING, STACK_BUDGET, XEON_WITH_AMX, AmxEngine, X86Cpu, FmaEngine, KernelShapes, _bytes, _Dispatch, binding_pointer,
     hand_written_dispatch,
     llvm_load, llvm_store, workgroup_bytes,
 )
@@ -174,27 +174,27 @@ class InPlaceWidenedValues(InPlaceValues):
         return arith_d.extf(w.vec.f32x, w.vec.load(at(step_at, col * _bytes(w.elem)), w.elem))
 
 
-def pass_engine_type(spec: DecodeSpec, amx: bool = True) -> type:
-    """The contraction engine class of the pass on a CPU with AMX tiles (``amx``) or without:
+def pass_engine_type(spec: DecodeSpec, cpu: X86Cpu = XEON_WITH_AMX) -> type:
+    """The contraction engine class of the pass on ``cpu``, with AMX tiles or without:
     bf16 with AMX on KeyRowsEngine for few rows, else AmxEngine; an f32 cache InPlaceValues;
     without AMX a bf16 or f16 cache's passes of at most ACC_ROWS rows InPlaceWidenedValues (the
     AMX Xeon's f16 passes, measured there, keep the staged copy); else (f16, 8-bit, bf16 without
     AMX) FmaEngine, widening as it stages."""
-    if spec.dtype == "bfloat16" and amx:
+    if spec.dtype == "bfloat16" and cpu.amx:
         return KeyRowsEngine if spec.rows <= KEY_ROWS_UP_TO else AmxEngine
     if spec.dtype == "float32" and not quantized_kv(spec.base):
         return InPlaceValues
-    if not amx and not quantized_kv(spec.base) and spec.rows <= InPlaceValues.ACC_ROWS:
+    if not cpu.amx and not quantized_kv(spec.base) and spec.rows <= InPlaceValues.ACC_ROWS:
         return InPlaceWidenedValues
     return FmaEngine
 
 
-def pass_blocks(spec: DecodeSpec, amx: bool = True) -> tuple[int, int]:
-    """(rows of a workgroup, keys of a KV step) of the pass (``amx``: on a CPU with AMX tiles):
+def pass_blocks(spec: DecodeSpec, cpu: X86Cpu = XEON_WITH_AMX) -> tuple[int, int]:
+    """(rows of a workgroup, keys of a KV step) of the pass on ``cpu``:
     KeyRowsEngine works on one 16-row tile, AmxEngine on 32 or 64 rows (pairs of 16-row tiles),
     the FMA blocks on multiples of 4; 64 keys a step; buffers and the two staging buffers within
     STACK_BUDGET."""
-    engine = pass_engine_type(spec, amx)
+    engine = pass_engine_type(spec, cpu)
     operand = engine.OPERAND_BYTES
     rows = spec.rows
     if engine is KeyRowsEngine:
@@ -214,9 +214,8 @@ def pass_blocks(spec: DecodeSpec, amx: bool = True) -> tuple[int, int]:
     raise ValueError(f"d_qk={d}, d_v={d_v}: no x86 pass blocks fit the stack budget")
 
 
-def pass_unsupported(spec: DecodeSpec, amx: bool = True) -> str | None:
-    """Why the x86 lowering has no serving pass for ``spec`` (None where it has) on a CPU with
-    AMX tiles (``amx``) or without: its variant's x86 kernel's conditions
+def pass_unsupported(spec: DecodeSpec, cpu: X86Cpu = XEON_WITH_AMX) -> str | None:
+    """Why the x86 lowering has no serving pass for ``spec`` (None where it has) on ``cpu``: its variant's x86 kernel's conditions
     (x86_kv_cache.kv_cache_unsupported: ragged, paged and MLA caches in bf16, f32 or f16, head
     dims of a multiple of 32, the KV-cache causal mask), and 8-bit KV widened through float16
     (THROUGH_F16), blocks within the stack budget."""
@@ -227,7 +226,7 @@ def pass_unsupported(spec: DecodeSpec, amx: bool = True) -> str | None:
     if quantized_kv(base) and kv_dtype_of(base) not in THROUGH_F16:
         return f"8-bit KV {kv_dtype_of(base)}: the x86 passes widen {', '.join(THROUGH_F16)}"
     try:
-        pass_blocks(DecodeSpec(base, max(DECODE_PASSES["x86"].queries)), amx)
+        pass_blocks(DecodeSpec(base, max(DECODE_PASSES["x86"].queries)), cpu)
     except ValueError as too_wide:
         return str(too_wide)
     return None
@@ -292,8 +291,13 @@ class FmaStaging:
         d, kv, v = w.s.d, w.s.kv_block, w.vec
         group_at = at(w.k_stage, arith_d.muli(group, const_i64(64)))
         group_keys = arith_d.muli(group, const_i64(16))
+        lanes = ir.VectorType.get([16], i32())
         if w.kv_format is None and w.elem == ir.BF16Type.get():
-            self._bf16_keys(w, group_at, group_keys, rows)
+            self._bf16_keys(w, group_at, group_keys, rows, lambda row, chunk: llvm_load(lanes, at(row, chunk * 64)))
+            return
+        if w.byte_tables:   # 8-bit elements to bf16 through the head's tables, 32 a lookup
+            self._bf16_keys(w, group_at, group_keys, rows,
+                            lambda row, chunk: vector_d.bitcast(lanes, w._looked_up(0, at(row, chunk * 32))))
             return
         for chunk in range(d // 16):
             if w.v_stage is None:   # no values staged: the keys carry the prefetches
@@ -303,17 +307,18 @@ class FmaStaging:
                 v.store(out, at(group_at, (16 * chunk + j) * kv * 4))
 
     @staticmethod
-    def _bf16_keys(w: "_PassDispatch", group_at, group_keys, rows: list[ir.Value]) -> None:
-        """Keys of a bf16 cache: each 32 dims of the 16 rows as 16 lanes of bf16 pairs, one 16 x
-        16 32-bit transpose, each pair vector widened into its two dims' K^T rows (a shift, a
-        mask): half the shuffles of widening first (Zen 4, bf16 32 x 1 vs 1024: 11.1-11.2 ->
-        8.7-9.4 ms; 16 x 16 vs 512 the same, its FMAs the bound)."""
+    def _bf16_keys(w: "_PassDispatch", group_at, group_keys, rows: list[ir.Value], pairs) -> None:
+        """Keys as bf16: each 32 dims of the 16 rows as 16 lanes of bf16 pairs (``pairs(row,
+        chunk)``: a bf16 cache's 64 bytes, or an 8-bit cache's 32 elements through the tables),
+        one 16 x 16 32-bit transpose, each pair vector widened into its two dims' K^T rows (a
+        shift, a mask): half the shuffles of widening first (Zen 4, bf16 32 x 1 vs 1024: 11.1-11.2
+        -> 8.7-9.4 ms; 16 x 16 vs 512 the same, its FMAs the bound)."""
         d, kv, v = w.s.d, w.s.kv_block, w.vec
         lanes = ir.VectorType.get([16], i32())
         for chunk in range(d // 32):
             if w.v_stage is None:
                 w.prefetch_share(group_keys, 16, chunk, d // 32)
-            loaded = [llvm_load(lanes, at(row, chunk * 64)) for row in rows]
+            loaded = [pairs(row, chunk) for row in rows]
             for j, pair in enumerate(_transposed(loaded)):
                 low = arith_d.shli(pair, const_int(lanes, 16))
                 high = arith_d.andi(pair, const_int(lanes, -0x10000))
@@ -324,8 +329,15 @@ class FmaStaging:
         d, v = w.s.d_v, w.vec
         group_at = at(w.v_stage, arith_d.muli(group, const_i64(16 * d * 4)))
         group_keys = arith_d.muli(group, const_i64(16))
+        wide = ir.VectorType.get([32], f32())
         for i, row in enumerate(rows):
             w.prefetch_share(group_keys, 16, i, 16)
+            if w.byte_tables:   # 32 elements a lookup, as bf16, widened
+                for chunk in range(d // 32):
+                    halves = vector_d.bitcast(ir.VectorType.get([32], ir.BF16Type.get()),
+                                              w._looked_up(1, at(row, chunk * 32)))
+                    llvm_store(arith_d.extf(wide, halves), at(group_at, i * d * 4 + chunk * 128))
+                continue
             for chunk in range(d // 16):
                 v.store(w.chunk(1, row, chunk, v.f32x), at(group_at, i * d * 4 + chunk * 64))
 
@@ -381,7 +393,8 @@ STAGING = {AmxEngine: AmxStaging, KeyRowsEngine: KeyRowsStaging, FmaEngine: FmaS
 class _PassDispatch(_Dispatch):
     """One workgroup of the pass: rows of one (entry, KV head) against one chunk."""
 
-    def __init__(self, spec: DecodeSpec, shapes: KernelShapes, engine, pointers: dict, scalars: dict, sm_scale):
+    def __init__(self, spec: DecodeSpec, cpu: X86Cpu, shapes: KernelShapes, engine, pointers: dict, scalars: dict,
+                 sm_scale):
         super().__init__(shapes, engine, pointers, scalars)
         self.spec = spec
         stage_bytes = shapes.kv_block * _bytes(engine.operand)   # a column of a step's keys
@@ -397,8 +410,11 @@ class _PassDispatch(_Dispatch):
         in_cache = isinstance(engine, KeyRowsEngine) and self.kv_format is None and self.elem == engine.operand
         self.key_tiles = stack_bytes(shapes.kv_block) if in_cache else None
         self.kv_bytes = 1 if self.kv_format else _bytes(self.elem)   # of a cache element
-        #: 8-bit elements widened to bf16 operands through the head's byte tables (:meth:`_looked_up`)
-        self.byte_tables = self.kv_format is not None and engine.operand == ir.BF16Type.get()
+        #: 8-bit elements widened to bf16 through the head's byte tables (:meth:`_looked_up`): the
+        #: AMX engines' operands, or a bf16 pass's FMA blocks on a CPU with VBMI (then widened to
+        #: f32 as a bf16 cache is: FmaStaging)
+        bf16 = ir.BF16Type.get()
+        self.byte_tables = self.kv_format is not None and (engine.operand == bf16 or self.elem == bf16 and cpu.vbmi)
         #: The next step's lines are asked for a few keys at a time through the step's work
         #: (:meth:`prefetch_share`: a share for each value pair or row staged, or each K chunk
         #: where values are read in place; KeyRowsEngine's score groups and P.V tiles), not
@@ -490,15 +506,16 @@ class _PassDispatch(_Dispatch):
     def _bf16_table(self, which: int) -> tuple:
         """The K (``which`` 0) or V (1) table of bf16(f32(x) x the head's scale) for the 128
         magnitudes x of the 8-bit format (sign bit clear), as (low bytes, high bytes), each two
-        halves of 64 bytes: the widening of :meth:`_widened`, once a workgroup."""
+        halves of 64 bytes: the widening of :meth:`_widened`, once a workgroup, rounded in
+        integer ops (Vec.bf16_rounded: no avx512_bf16 needed)."""
         i8, i16 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(16)
         low, high = [], []
         for part in range(8):
             lanes = self.vec.iota()
             index = arith_d.addi(lanes, self.vec.splat(arith_d.constant(i32(), 16 * part)))
             magnitudes = arith_d.trunci(ir.VectorType.get([16], i8), index)
-            value = self.vec.narrow(self._scaled(which, magnitudes), ir.BF16Type.get())
-            bits = vector_d.bitcast(ir.VectorType.get([16], i16), value)
+            rounded = vector_d.bitcast(self.vec.i32x, self.vec.bf16_rounded(self._scaled(which, magnitudes)))
+            bits = arith_d.trunci(ir.VectorType.get([16], i16), arith_d.shrui(rounded, const_int(self.vec.i32x, 16)))
             low.append(arith_d.trunci(ir.VectorType.get([16], i8), bits))
             high.append(arith_d.trunci(ir.VectorType.get([16], i8), arith_d.shrui(bits, const_int(bits.type, 8))))
 
@@ -690,7 +707,7 @@ class _PassDispatch(_Dispatch):
         self._for_rows(arith_d.index_cast(ir.IndexType.get(), rows_valid), row)
 
 
-def _build_executable(spec: DecodeSpec, shapes: KernelShapes, engine, operand_types: list) -> None:
+def _build_executable(spec: DecodeSpec, cpu: X86Cpu, shapes: KernelShapes, engine, operand_types: list) -> None:
     """The ``stream.executable`` of the pass at the insertion point: bindings of the tensors
     (q, the KV sources, table, geometry), the dynamic dims of each, ``_SCALARS``, sm_scale, then
     the results products and state."""
@@ -714,18 +731,18 @@ def _build_executable(spec: DecodeSpec, shapes: KernelShapes, engine, operand_ty
         for (name, shape, elem), value in zip(results, outs):
             pointers[name] = binding_pointer(value, ir.MemRefType.get(shape, elem), [entries, chunks])
         named = {name: as_i64(value) for name, value in zip(_SCALARS, scalars)}
-        _PassDispatch(spec, shapes, engine, pointers, named, sm_scale).emit()
+        _PassDispatch(spec, cpu, shapes, engine, pointers, named, sm_scale).emit()
 
 
-def _emit(spec: DecodeSpec, amx: bool, shapes: KernelShapes, anchor: ir.Operation, q, cache, table, geometry,
+def _emit(spec: DecodeSpec, cpu: X86Cpu, shapes: KernelShapes, anchor: ir.Operation, q, cache, table, geometry,
           causal, sm_scale, sinks) -> list[ir.Value]:
-    engine = pass_engine_type(spec, amx)(spec.dtype)
+    engine = pass_engine_type(spec, cpu)(spec.dtype)
     scales = cache.sources[len(cache.sources) - 2:] if quantized_kv(spec.base) else []
     sources = list(cache.sources[:len(cache.sources) - len(scales)])
     tensors = [q, *sources, table, geometry, *scales]
     types = [ir.RankedTensorType(x.type) for x in tensors]
     with ir.InsertionPoint(anchor):
-        _build_executable(spec, shapes, engine, types)
+        _build_executable(spec, cpu, shapes, engine, types)
     entries, chunks, per_chunk = (dim(table, axis) for axis in range(3))
     extent = dim(sources[0], cache_layout(spec.base).extent_axis)
     causal_index = arith_d.index_cast(ir.IndexType.get(), causal)
@@ -751,19 +768,18 @@ def _loop(i: int) -> ir.Value:
     return linalg_d.IndexOp(i).result
 
 
-def build_x86_pass(spec: DecodeSpec, *, amx: bool = True) -> ir.Module:
+def build_x86_pass(spec: DecodeSpec, cpu: X86Cpu = XEON_WITH_AMX) -> ir.Module:
     """The verified module of the serving pass ``spec`` (decode.decode_module's signature) with its
-    attention in one hand-written dispatch, for a CPU with AMX tiles (``amx``) or without (bf16
-    then on the FMA blocks: :func:`pass_engine_type`); ValueError where :func:`pass_unsupported`
-    says why not."""
-    why = pass_unsupported(spec, amx)
+    attention in one hand-written dispatch, for ``cpu`` (without AMX tiles bf16 on the FMA blocks:
+    :func:`pass_engine_type`); ValueError where :func:`pass_unsupported` says why not."""
+    why = pass_unsupported(spec, cpu)
     if why:
         raise ValueError(f"no x86 lowering for {spec.name}: {why}")
-    shapes = KernelShapes(spec.h_q, spec.h_kv, spec.d_qk, spec.dtype, "causal", 0.0, *pass_blocks(spec, amx),
+    shapes = KernelShapes(spec.h_q, spec.h_kv, spec.d_qk, spec.dtype, "causal", 0.0, *pass_blocks(spec, cpu),
                           spec.base.logits_soft_cap, spec.d_v)
 
     def emit(q, cache, table, geometry, causal, sm_scale, sinks):
         function = q.owner.owner
-        return _emit(spec, amx, shapes, function, q, cache, table, geometry, causal, sm_scale, sinks)
+        return _emit(spec, cpu, shapes, function, q, cache, table, geometry, causal, sm_scale, sinks)
 
     return decode_module(spec, emit)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import os
 
-from ..mlir import x86_unsupported
+from ..mlir import X86Cpu, x86_unsupported
 from ..mlir.decode import NARROW_PASS_VECTORS, ROW_VECTOR, WIDE_PASS_VECTORS, PassVectors
 from ..mlir.ir import ir
 from ..mlir.score_tiles import ROW_TILES, RowTiles, packed_tiles_for
@@ -26,11 +26,13 @@ from ..mlir.score_tiles import ROW_TILES, RowTiles, packed_tiles_for
 #: Features (as /proc/cpuinfo spells them) of the named LLVM CPUs the packed tiles and the AMX
 #: kernels need.
 NAMED_CPU_FEATURES = {
-    **{name: frozenset({"avx2", "avx512f", "avx512_bf16"}) for name in ("znver4", "znver5", "cooperlake")},
-    **{name: frozenset({"avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"})
+    **{name: frozenset({"avx2", "avx512f", "avx512_bf16", "avx512vbmi"}) for name in ("znver4", "znver5")},
+    "cooperlake": frozenset({"avx2", "avx512f", "avx512_bf16"}),
+    **{name: frozenset({"avx2", "avx512f", "avx512_bf16", "avx512vbmi", "amx_tile", "amx_bf16"})
        for name in ("sapphirerapids", "emeraldrapids")},
-    "graniterapids": frozenset({"avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_fp16"}),
-    **{name: frozenset({"avx2", "avx512f"}) for name in ("skylake-avx512", "cascadelake", "icelake-server")},
+    "graniterapids": frozenset({"avx2", "avx512f", "avx512_bf16", "avx512vbmi", "amx_tile", "amx_bf16", "amx_fp16"}),
+    **{name: frozenset({"avx2", "avx512f"}) for name in ("skylake-avx512", "cascadelake")},
+    "icelake-server": frozenset({"avx2", "avx512f", "avx512vbmi"}),
     **{name: frozenset({"avx2"}) for name in ("znver2", "znver3", "haswell", "skylake", "alderlake", "x86-64-v3")},
 }
 
@@ -95,12 +97,16 @@ AMX_FEATURES = frozenset({"amx_tile", "amx_bf16"})
 #: widened to f32: mlir/x86_decode.py pass_engine_type), where they replace the linalg passes (an
 #: AMD Zen 4: docs/performance.md, twentieth and twenty-first sessions).
 FMA_PASS_FEATURES = frozenset({"avx512f"})
+#: The feature the x86 passes' byte tables need (AVX-512 VBMI's vpermi2b; Skylake-SP and Cascade
+#: Lake lack it, Ice Lake, Zen 4 and every AMX Xeon have it).
+VBMI_FEATURE = "avx512vbmi"
 
 
-def x86_amx(arch: str) -> bool:
-    """Whether the x86 lowering's kernels for CPU ``arch`` run on AMX tiles (it has them); else
-    its serving passes run on the FMA blocks (mlir.build_x86_module's ``amx``)."""
-    return AMX_FEATURES <= cpu_features(arch)
+def x86_cpu(arch: str) -> X86Cpu:
+    """What the x86 lowering's kernels for CPU ``arch`` may use (mlir.X86Cpu): AMX tiles where it
+    has them (else its serving passes run on the FMA blocks), AVX-512 VBMI's byte permutes."""
+    features = cpu_features(arch)
+    return X86Cpu(amx=AMX_FEATURES <= features, vbmi=VBMI_FEATURE in features)
 
 
 def cpu_spec_lowering(arch: str, spec, lowering: str) -> str:
@@ -111,12 +117,11 @@ def cpu_spec_lowering(arch: str, spec, lowering: str) -> str:
     the specs it builds; on an AVX-512 CPU without AMX (an AMD Zen 4) for the serving passes
     only (all on the FMA blocks: 1.5-2x the linalg passes there); else as asked (Zen 4 keeps
     its linalg kernels)."""
-    features = cpu_features(arch)
-    amx = AMX_FEATURES <= features
-    if lowering == "x86" and not amx:
+    features, cpu = cpu_features(arch), x86_cpu(arch)
+    if lowering == "x86" and not cpu.amx:
         raise ValueError(f"lowering 'x86' needs a CPU with {' and '.join(sorted(AMX_FEATURES))}; "
                          f"{arch!r} has {'not both' if arch != 'host' else 'neither here'}")
-    if lowering == "linalg" and (amx or FMA_PASS_FEATURES <= features) and x86_unsupported(spec, amx=amx) is None:
+    if lowering == "linalg" and (cpu.amx or FMA_PASS_FEATURES <= features) and x86_unsupported(spec, cpu) is None:
         return "x86"
     return lowering
 

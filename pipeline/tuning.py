@@ -23,7 +23,7 @@ from ..mlir.abi import with_output_storage
 from ..mlir.attention_op import ATTENTION_MARKER, TILE
 from ..mlir.ir import DISPATCH_MARKER, TILING_MARKER, ir, tiling_mark
 from ..mlir.score_tiles import CONTRACTION_MARKER
-from .cpu_tiles import x86_amx
+from .cpu_tiles import x86_cpu
 
 if TYPE_CHECKING:
     from .targets import Target
@@ -288,7 +288,7 @@ def tuned_module(spec, target: Target) -> ir.Module:
     """The module iree-compile gets for ``spec`` on ``target``, in the target's lowering."""
     lowering = target.lowering_of(spec)
     if lowering == "x86":   # hand-written dispatches; a serving pass's chunk merge is marked
-        module = build_x86_module(spec, amx=x86_amx(target.arch))
+        module = build_x86_module(spec, x86_cpu(target.arch))
     elif lowering == "mma":
         module = build_mma_module(spec)
     elif lowering == "fused":

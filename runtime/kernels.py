@@ -22,7 +22,7 @@ from ..mlir import x86_uses_amx
 from ..mlir.decode import DecodeSpec
 from ..pipeline import ArtifactCache, Target, compile_specs, target_for
 from .amx import request_amx_state
-from ..pipeline.cpu_tiles import x86_amx
+from ..pipeline.cpu_tiles import x86_cpu
 from ..pipeline.targets import input_alignment
 from .checks import NUMPY_DTYPES, check_on_device
 from .decode import decode_schedule, schedule_key, split_decode
@@ -230,7 +230,7 @@ def compiled_kernels(specs, target: Target, driver: str, cache: ArtifactCache | 
 def ready_to_load(spec, target: Target) -> None:
     """What the process needs before it loads ``spec``'s artifact for ``target``: the AMX tile
     state for a kernel on AMX tiles (runtime/amx.py; AmxUnavailable where Linux refuses)."""
-    if target.lowering_of(spec) == "x86" and x86_uses_amx(spec, amx=x86_amx(target.arch)):
+    if target.lowering_of(spec) == "x86" and x86_uses_amx(spec, x86_cpu(target.arch)):
         request_amx_state()
 
 

@@ -14,7 +14,9 @@ import pytest
 from conftest import NUMPY_DTYPE, assert_matches_reference
 from linalg_prefill.mlir import DecodeSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, x86_unsupported
 from linalg_prefill.mlir.decode import DECODE_PASSES
-from linalg_prefill.mlir.x86_attention import STACK_BUDGET, WORKER_STACK_BYTES, AmxEngine, FmaEngine, workgroup_bytes
+from linalg_prefill.mlir.x86_attention import (
+    STACK_BUDGET, WORKER_STACK_BYTES, XEON_WITH_AMX, AmxEngine, FmaEngine, X86Cpu, workgroup_bytes,
+)
 from linalg_prefill.mlir.x86_decode import (
     InPlaceValues, InPlaceWidenedValues, KeyRowsEngine, pass_blocks, pass_engine_type,
 )
@@ -22,6 +24,9 @@ from linalg_prefill.pipeline import Target, compile_spec
 from linalg_prefill.pipeline.tuning import tuned_ir
 from linalg_prefill.runtime import open_kernel
 from support import AMX_CPU, serving_call, spec_id
+
+#: What the x86 passes may use on a Zen 4: no AMX tiles, VBMI.
+ZEN_4 = X86Cpu(amx=False, vbmi=True)
 
 #: The layouts, dtypes, groups, 8-bit formats and head sinks of the x86 passes (d a multiple of 32:
 #: 64, 96, 128), five specs for the suite's compile time.
@@ -128,14 +133,14 @@ def test_f32_passes_read_values_in_place_and_every_pass_fits_the_workers_stack()
     assert pass_engine_type(DecodeSpec(e4m3, 16)) is FmaEngine
     bf16 = PagedPrefillSpec(32, 8, 128, "bfloat16", page_size=16)
     # without AMX: values widened where the cache holds them for 4 rows (1 query x G 4), staged for 64
-    assert [pass_engine_type(DecodeSpec(bf16, q), amx=False) for q in (1, 16)] == [InPlaceWidenedValues, FmaEngine]
+    assert [pass_engine_type(DecodeSpec(bf16, q), ZEN_4) for q in (1, 16)] == [InPlaceWidenedValues, FmaEngine]
     assert STACK_BUDGET <= WORKER_STACK_BYTES // 2
     for base in (f32, e4m3, bf16, *WIDE_SPECS.values()):
         for queries in (1, 4, 16):
-            for amx in (True, False):
+            for cpu in (XEON_WITH_AMX, ZEN_4):
                 spec = DecodeSpec(base, queries)
-                rows, keys = pass_blocks(spec, amx)
-                engine = pass_engine_type(spec, amx)
+                rows, keys = pass_blocks(spec, cpu)
+                engine = pass_engine_type(spec, cpu)
                 staged = base.d_qk + (0 if engine.values_in_place else base.d_v)
                 assert workgroup_bytes(engine.OPERAND_BYTES, rows, keys, base.d_qk, base.d_v) \
                     + keys * staged * engine.OPERAND_BYTES <= STACK_BUDGET
@@ -160,6 +165,15 @@ def test_passes_for_an_avx512_cpu_without_amx_are_x86_and_compile_for_it(cache):
         for intrinsic in ("llvm.x86.t", "avx512bf16", "vpermi2var"):
             assert intrinsic not in ir_text
         assert compile_spec(spec, SKYLAKE_SP, cache=cache)[:2] == b"PK"
+
+
+def test_a_bf16_pass_over_an_8_bit_cache_without_amx_widens_through_the_byte_tables_where_vbmi_is():
+    """A Zen 4 (VBMI): bf16(f32(x) x scale) from the head's tables, 32 elements a lookup, then the
+    FMA blocks; a Skylake-SP (no VBMI, above): f16 moves and integer rounding."""
+    spec = DecodeSpec(SPECS["paged-window-e4m3-bf16"], 1)
+    zen4 = tuned_ir(spec, Target("llvm-cpu", "znver4"))
+    assert "llvm.x86.avx512.vpermi2var.qi.512" in zen4 and "math.fma" in zen4
+    assert "llvm.x86.t" not in zen4 and "avx512bf16" not in zen4
 
 
 def _call(name, rng, entries=ENTRIES):
