@@ -293,11 +293,12 @@ class FmaStaging:
         group_keys = arith_d.muli(group, const_i64(16))
         lanes = ir.VectorType.get([16], i32())
         if w.kv_format is None and w.elem == ir.BF16Type.get():
-            self._bf16_keys(w, group_at, group_keys, rows, lambda row, chunk: llvm_load(lanes, at(row, chunk * 64)))
+            self._bf16_keys(w, group_at, group_keys, (
+                ([llvm_load(lanes, at(row, chunk * 64)) for row in rows], [32 * chunk + 2 * m for m in range(16)])
+                for chunk in range(d // 32)))
             return
-        if w.byte_tables:   # 8-bit elements to bf16 through the head's tables, 32 a lookup
-            self._bf16_keys(w, group_at, group_keys, rows,
-                            lambda row, chunk: vector_d.bitcast(lanes, w._looked_up(0, at(row, chunk * 32))))
+        if w.byte_tables:   # 8-bit elements to bf16 through the head's tables, 64 a lookup
+            self._bf16_keys(w, group_at, group_keys, self._table_chunks(w, rows))
             return
         for chunk in range(d // 16):
             if w.v_stage is None:   # no values staged: the keys carry the prefetches
@@ -307,23 +308,31 @@ class FmaStaging:
                 v.store(out, at(group_at, (16 * chunk + j) * kv * 4))
 
     @staticmethod
-    def _bf16_keys(w: "_PassDispatch", group_at, group_keys, rows: list[ir.Value], pairs) -> None:
-        """Keys as bf16: each 32 dims of the 16 rows as 16 lanes of bf16 pairs (``pairs(row,
-        chunk)``: a bf16 cache's 64 bytes, or an 8-bit cache's 32 elements through the tables),
-        one 16 x 16 32-bit transpose, each pair vector widened into its two dims' K^T rows (a
-        shift, a mask): half the shuffles of widening first (Zen 4, bf16 32 x 1 vs 1024: 11.1-11.2
-        -> 8.7-9.4 ms; 16 x 16 vs 512 the same, its FMAs the bound)."""
+    def _table_chunks(w: "_PassDispatch", rows: list[ir.Value]):
+        """(16 vectors of bf16 pairs, the first dim of each pair) for each 32 dims of the 16 8-bit
+        K ``rows``, 64 elements a lookup (:meth:`_PassDispatch.key_block`)."""
+        for first in range(0, w.s.d, 64):
+            blocks = [w.key_block(row, first) for row in rows]
+            for j in range(len(blocks[0])):
+                yield [block[j] for block in blocks], [w.pair_dim(first, j, m) for m in range(16)]
+
+    @staticmethod
+    def _bf16_keys(w: "_PassDispatch", group_at, group_keys, chunks) -> None:
+        """Keys as bf16: each 32 dims of the 16 rows as 16 vectors of 16 bf16 pairs (``chunks``:
+        (vectors, the first dim of each pair) from a bf16 cache's 64 bytes, or an 8-bit cache's
+        elements through the tables), one 16 x 16 32-bit transpose, each pair vector widened into
+        its two dims' K^T rows (a shift, a mask): half the shuffles of widening first (Zen 4, bf16
+        32 x 1 vs 1024: 11.1-11.2 -> 8.7-9.4 ms; 16 x 16 vs 512 the same, its FMAs the bound)."""
         d, kv, v = w.s.d, w.s.kv_block, w.vec
         lanes = ir.VectorType.get([16], i32())
-        for chunk in range(d // 32):
+        for chunk, (loaded, dims) in enumerate(chunks):
             if w.v_stage is None:
                 w.prefetch_share(group_keys, 16, chunk, d // 32)
-            loaded = [pairs(row, chunk) for row in rows]
-            for j, pair in enumerate(_transposed(loaded)):
+            for pair, first_dim in zip(_transposed(loaded), dims):
                 low = arith_d.shli(pair, const_int(lanes, 16))
                 high = arith_d.andi(pair, const_int(lanes, -0x10000))
                 for half, bits in enumerate((low, high)):
-                    v.store(vector_d.bitcast(v.f32x, bits), at(group_at, (32 * chunk + 2 * j + half) * kv * 4))
+                    v.store(vector_d.bitcast(v.f32x, bits), at(group_at, (first_dim + half) * kv * 4))
 
     def values(self, w: "_PassDispatch", group, rows: list[ir.Value]) -> None:
         d, v = w.s.d_v, w.vec
@@ -332,11 +341,10 @@ class FmaStaging:
         wide = ir.VectorType.get([32], f32())
         for i, row in enumerate(rows):
             w.prefetch_share(group_keys, 16, i, 16)
-            if w.byte_tables:   # 32 elements a lookup, as bf16, widened
-                for chunk in range(d // 32):
-                    halves = vector_d.bitcast(ir.VectorType.get([32], ir.BF16Type.get()),
-                                              w._looked_up(1, at(row, chunk * 32)))
-                    llvm_store(arith_d.extf(wide, halves), at(group_at, i * d * 4 + chunk * 128))
+            if w.byte_tables:   # 64 elements a lookup, as bf16, widened
+                for first in range(0, d, 64):
+                    for j, halves in enumerate(w.value_row(row, first)):
+                        llvm_store(arith_d.extf(wide, halves), at(group_at, i * d * 4 + (first + 32 * j) * 4))
                 continue
             for chunk in range(d // 16):
                 v.store(w.chunk(1, row, chunk, v.f32x), at(group_at, i * d * 4 + chunk * 64))
@@ -533,19 +541,40 @@ class _PassDispatch(_Dispatch):
         from memory), each 64 joined by one-cycle in-lane interleaves, dims in the order
         KeyRowsEngine.prepare_queries gives q (13.48 -> 13.08 in cache, 25.88 -> 25.44 and
         25.80 -> 25.37 from memory; docs/performance.md, fifteenth session)."""
-        lanes, d = ir.VectorType.get([16], i32()), self.s.d
+        return [out for first in range(0, self.s.d, 64) for out in self.key_block(row, first)]
+
+    def key_block(self, row, first: int) -> list[ir.Value]:
+        """Dims [first, first + 64) of :meth:`key_row` (fewer at the row's end): one or two vectors
+        of 16 bf16 pairs, pair m of vector j holding dims :meth:`pair_dim` and the next."""
+        lanes, width = ir.VectorType.get([16], i32()), min(64, self.s.d - first)
+        raw = llvm_load(ir.VectorType.get([width], ir.IntegerType.get_signless(8)), at(row, first))
+        low, high = self._lookup(0, raw if width == 64 else vector_d.shuffle(raw, raw, list(range(64))))
         outs = []
-        for first in range(0, d, 64):
-            width = min(64, d - first)
-            raw = llvm_load(ir.VectorType.get([width], ir.IntegerType.get_signless(8)), at(row, first))
-            low, high = self._lookup(0, raw if width == 64 else vector_d.shuffle(raw, raw, list(range(64))))
-            for j in range(width // 32):
-                if width == 64:   # in-lane byte interleaves (vpunpck[lh]bw); q's dims follow (prepare_queries)
-                    order = [16 * lane + 8 * j + i // 2 + (64 if i % 2 else 0) for lane in range(4) for i in range(16)]
-                else:
-                    order = [32 * j + i // 2 + (64 if i % 2 else 0) for i in range(64)]
-                outs.append(vector_d.bitcast(lanes, vector_d.shuffle(low, high, order)))
+        for j in range(width // 32):
+            if width == 64:   # in-lane byte interleaves (vpunpck[lh]bw); q's dims follow (prepare_queries)
+                order = [16 * lane + 8 * j + i // 2 + (64 if i % 2 else 0) for lane in range(4) for i in range(16)]
+            else:
+                order = [32 * j + i // 2 + (64 if i % 2 else 0) for i in range(64)]
+            outs.append(vector_d.bitcast(lanes, vector_d.shuffle(low, high, order)))
         return outs
+
+    def pair_dim(self, first: int, j: int, pair: int) -> int:
+        """The first of the two dims pair ``pair`` of vector ``j`` of :meth:`key_block` holds."""
+        if min(64, self.s.d - first) == 64:
+            return first + 16 * (pair // 4) + 8 * j + 2 * (pair % 4)
+        return first + 32 * j + 2 * pair
+
+    def value_row(self, row, first: int) -> list[ir.Value]:
+        """Dims [first, first + 64) of the 8-bit V row at ``row`` (fewer at its end) as bf16 in
+        their order, 32 a vector: 64 elements a lookup, low and high bytes interleaved by the
+        shuffles that join them."""
+        width = min(64, self.s.d_v - first)
+        raw = llvm_load(ir.VectorType.get([width], ir.IntegerType.get_signless(8)), at(row, first))
+        low, high = self._lookup(1, raw if width == 64 else vector_d.shuffle(raw, raw, list(range(64))))
+        halves = ir.VectorType.get([32], ir.BF16Type.get())
+        return [vector_d.bitcast(halves, vector_d.shuffle(low, high, [32 * j + i // 2 + (64 if i % 2 else 0)
+                                                                      for i in range(64)]))
+                for j in range(width // 32)]
 
     def paired_values(self, a, b, chunk: int) -> tuple[ir.Value, ir.Value]:
         """Dims [32 chunk, + 32) of the 8-bit V rows of keys a and b as AmxStaging.values' two
