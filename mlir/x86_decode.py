@@ -10,7 +10,9 @@ transposes (AMX: B tiles of bf16 pairs; FMA: the step's K^T) or as rows (bf16 pa
 KEY_ROWS_UP_TO rows: :class:`KeyRowsEngine`, whose scores are transposed instead), V by
 interleaving key pairs (AMX) or, for f32 caches, not at all (the FMA blocks read each value row
 where the cache holds it: :class:`InPlaceValues`); a key past the chunk, the entry or the table
-(a -1 block) reads a zero row.
+(a -1 block) reads a zero row. On a CPU without AMX tiles (an AMD Zen 4: X86Cpu) every pass runs
+on the FMA blocks: bf16 widened to f32 (its keys transposed as bf16 pairs), an 8-bit cache through
+the byte tables where the CPU has VBMI (:func:`pass_engine_type`).
 Shapes (n entries, h = h_kv, R = queries x G rows a KV head, c chunks of P table blocks):
 
     q [n, h, R, d_qk] (dtype)   table [n, c, P] i32   geometry [n, 4] i32 (kv_len, sinks, offset, qo_len)
