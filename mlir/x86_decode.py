@@ -410,7 +410,10 @@ class _PassDispatch(_Dispatch):
         stage_bytes = shapes.kv_block * _bytes(engine.operand)   # a column of a step's keys
         self.k_stage = stack_bytes(stage_bytes * shapes.d)
         self.v_stage = None if engine.values_in_place else stack_bytes(stage_bytes * shapes.d_v)
-        self.zero_row = stack_bytes(shapes.d * _bytes(engine.operand))
+        #: What a key past the chunk, the entry or the table reads as its K and its V row: zeros as
+        #: wide as either row in f32 (a ragged cache's d_v may exceed its d_qk)
+        self.zero_row_bytes = max(shapes.d, shapes.d_v) * 4
+        self.zero_row = stack_bytes(self.zero_row_bytes)
         self.row_pointers = stack_bytes(2 * shapes.kv_block * 16)   # (K row, V row) of each key, two steps
         self.scale_log2 = arith_d.mulf(sm_scale, arith_d.constant(f32(), LOG2E))
         self.staging = STAGING[type(engine)]()
@@ -476,7 +479,7 @@ class _PassDispatch(_Dispatch):
             self.engine.prepare_queries(self)
         self._init_rows()
         self._zero(self.probs, s.row_block * self.prob_stride)
-        self._zero(self.zero_row, s.d * _bytes(self.engine.operand))
+        self._zero(self.zero_row, self.zero_row_bytes)
         self._prefetch(chunk_start, steps, const_i64(0))
         loop = scf_d.ForOp(const_index(0), arith_d.index_cast(ir.IndexType.get(), steps), const_index(1))
         with ir.InsertionPoint(loop.body):
