@@ -284,8 +284,9 @@ def main() -> None:
                 f.write(vmfb)
             built[file] = function_name(spec, vmfb)
             print(f"built {file}", file=sys.stderr)
-        save_case(os.path.join(args.out, "cases", f"{name}.npz"), name, spec, file, call, flops,
-                  amx=target.lowering_of(spec) == "x86" and x86_uses_amx(spec, x86_cpu(target.arch)), symbol=built[file])
+        amx = target.lowering_of(spec) == "x86" and x86_uses_amx(spec, x86_cpu(target.arch))
+        save_case(os.path.join(args.out, "cases", f"{name}.npz"), name, spec, file, call, flops, amx=amx,
+                  symbol=built[file])
     if not args.no_wheels:
         download_wheels(args.out)
     print(f"bundle ready: {args.out} ({len(cases)} cases, {len(built)} artifacts for {target.tag}); on the GPU "

@@ -20,7 +20,9 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from .ir import DYN, arith_d, builtin_d, const_int, f32, func_d, i32, i8, ir, llvm_d, math_d, memref_d, stream_d, vector_d
+from .ir import (
+    DYN, arith_d, builtin_d, const_int, f32, func_d, i32, i8, ir, llvm_d, math_d, memref_d, stream_d, vector_d,
+)
 
 #: Bytes of one AMX tile row, and rows of a tile: every tile of this lowering is full.
 TILE_BYTES_PER_ROW = 64

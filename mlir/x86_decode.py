@@ -35,8 +35,8 @@ from .ir import (
 from .kv_layouts import EIGHT_BIT_FORMATS, THROUGH_F16, cache_layout, f16_bits
 from .online_softmax import LOG2E
 from .x86_attention import (
-    BINDING, STACK_BUDGET, XEON_WITH_AMX, AmxEngine, X86Cpu, FmaEngine, KernelShapes, _bytes, _Dispatch, binding_pointer,
-    hand_written_dispatch,
+    BINDING, STACK_BUDGET, XEON_WITH_AMX, AmxEngine, X86Cpu, FmaEngine, KernelShapes, _bytes, _Dispatch,
+    binding_pointer, hand_written_dispatch,
     llvm_load, llvm_store, workgroup_bytes,
 )
 from .key_ranges import FlagCausalKeys
@@ -173,7 +173,7 @@ class InPlaceWidenedValues(InPlaceValues):
     def _lanes(self, w: "_PassDispatch", step_at, col: int, keys: bool) -> ir.Value:
         if keys:
             return super()._lanes(w, step_at, col, keys)
-        return arith_d.extf(w.vec.f32x, w.vec.load(at(step_at, col * _bytes(w.elem)), w.elem))
+        return w.chunk(1, step_at, col // 16, w.vec.f32x)   # 16 elements from column col, widened
 
 
 def pass_engine_type(spec: DecodeSpec, cpu: X86Cpu = XEON_WITH_AMX) -> type:
@@ -217,10 +217,10 @@ def pass_blocks(spec: DecodeSpec, cpu: X86Cpu = XEON_WITH_AMX) -> tuple[int, int
 
 
 def pass_unsupported(spec: DecodeSpec, cpu: X86Cpu = XEON_WITH_AMX) -> str | None:
-    """Why the x86 lowering has no serving pass for ``spec`` (None where it has) on ``cpu``: its variant's x86 kernel's conditions
-    (x86_kv_cache.kv_cache_unsupported: ragged, paged and MLA caches in bf16, f32 or f16, head
-    dims of a multiple of 32, the KV-cache causal mask), and 8-bit KV widened through float16
-    (THROUGH_F16), blocks within the stack budget."""
+    """Why the x86 lowering has no serving pass for ``spec`` (None where it has) on ``cpu``: its
+    variant's x86 kernel's conditions (x86_kv_cache.kv_cache_unsupported: ragged, paged and MLA
+    caches in bf16, f32 or f16, head dims of a multiple of 32, the KV-cache causal mask), and 8-bit
+    KV widened through float16 (THROUGH_F16), blocks within the stack budget on ``cpu``'s engine."""
     base = spec.base
     why = kv_cache_unsupported(base)
     if why:
@@ -551,9 +551,8 @@ class _PassDispatch(_Dispatch):
     def key_block(self, row, first: int) -> list[ir.Value]:
         """Dims [first, first + 64) of :meth:`key_row` (fewer at the row's end): one or two vectors
         of 16 bf16 pairs, pair m of vector j holding dims :meth:`pair_dim` and the next."""
-        lanes, width = ir.VectorType.get([16], i32()), min(64, self.s.d - first)
-        raw = llvm_load(ir.VectorType.get([width], ir.IntegerType.get_signless(8)), at(row, first))
-        low, high = self._lookup(0, raw if width == 64 else vector_d.shuffle(raw, raw, list(range(64))))
+        lanes = ir.VectorType.get([16], i32())
+        width, (low, high) = self._row_lookup(0, row, first)
         outs = []
         for j in range(width // 32):
             if width == 64:   # in-lane byte interleaves (vpunpck[lh]bw); q's dims follow (prepare_queries)
@@ -573,13 +572,18 @@ class _PassDispatch(_Dispatch):
         """Dims [first, first + 64) of the 8-bit V row at ``row`` (fewer at its end) as bf16 in
         their order, 32 a vector: 64 elements a lookup, low and high bytes interleaved by the
         shuffles that join them."""
-        width = min(64, self.s.d_v - first)
-        raw = llvm_load(ir.VectorType.get([width], ir.IntegerType.get_signless(8)), at(row, first))
-        low, high = self._lookup(1, raw if width == 64 else vector_d.shuffle(raw, raw, list(range(64))))
+        width, (low, high) = self._row_lookup(1, row, first)
         halves = ir.VectorType.get([32], ir.BF16Type.get())
         return [vector_d.bitcast(halves, vector_d.shuffle(low, high, [32 * j + i // 2 + (64 if i % 2 else 0)
                                                                       for i in range(64)]))
                 for j in range(width // 32)]
+
+    def _row_lookup(self, which: int, row, first: int) -> tuple[int, tuple[ir.Value, ir.Value]]:
+        """(width, :meth:`_lookup` of them) for the 8-bit elements [first, first + width) of the K
+        (``which`` 0) or V (1) row at ``row``, width 64 or the 32 left at the row's end."""
+        width = min(64, (self.s.d, self.s.d_v)[which] - first)
+        raw = llvm_load(ir.VectorType.get([width], ir.IntegerType.get_signless(8)), at(row, first))
+        return width, self._lookup(which, raw if width == 64 else vector_d.shuffle(raw, raw, list(range(64))))
 
     def paired_values(self, a, b, chunk: int) -> tuple[ir.Value, ir.Value]:
         """Dims [32 chunk, + 32) of the 8-bit V rows of keys a and b as AmxStaging.values' two
