@@ -79,7 +79,7 @@ pytestmark = pytest.mark.compiles(*(spec for name, spec in ALL_SPECS.items() if 
 
 
 @pytest.mark.parametrize("name", sorted(SPECS) + sorted(WIDE_SPECS))
-def test_the_record_builds_the_passes_of_these_caches_in_x86_on_amx_cpus(name):
+def test_the_record_builds_the_passes_of_these_caches_in_x86_on_avx512_cpus(name):
     spec = ALL_SPECS[name]
     for queries in (1, 4, 16):
         assert AMX_CPU.lowering_of(DecodeSpec(spec, queries)) == "x86"
@@ -170,7 +170,7 @@ def test_passes_for_an_avx512_cpu_without_amx_are_x86_and_compile_for_it(cache):
 
 
 def test_a_bf16_pass_over_an_8_bit_cache_without_amx_widens_through_the_byte_tables_where_vbmi_is():
-    """A Zen 4 (VBMI): bf16(f32(x) x scale) from the head's tables, 32 elements a lookup, then the
+    """A Zen 4 (VBMI): bf16(f32(x) x scale) from the head's tables, 64 elements a lookup, then the
     FMA blocks; a Skylake-SP (no VBMI, above): f16 moves and integer rounding."""
     spec = DecodeSpec(SPECS["paged-window-e4m3-bf16"], 1)
     zen4 = tuned_ir(spec, Target("llvm-cpu", "znver4"))
