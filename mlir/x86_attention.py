@@ -341,8 +341,7 @@ class FmaEngine:
 
         depth = self._depth(w.s.kv_block)
         if w.step_keys is not None:   # keys past the step's seen ones have probability 0: not added
-            unrolled = arith_d.andi(arith_d.addi(w.step_keys, const_i64(self.UNROLL - 1)), const_i64(-self.UNROLL))
-            depth = arith_d.index_cast(ir.IndexType.get(), unrolled)
+            depth = arith_d.index_cast(ir.IndexType.get(), self._steps_seen(w.step_keys))
         self._row_blocks(w.s.row_block, self.ACC_ROWS, row_block)
 
     def _macs(self, w: "_Dispatch", step_at, keys: bool, rows_at, row_stride: int, rows: int, col0: int,
@@ -372,6 +371,10 @@ class FmaEngine:
     def _depth(size: int) -> int:
         """Steps over a contraction of ``size`` elements."""
         return size
+
+    def _steps_seen(self, keys) -> ir.Value:
+        """The P.V steps over a step's first ``keys`` keys (an i64 Value), whole UNROLLs of them."""
+        return arith_d.andi(arith_d.addi(keys, const_i64(self.UNROLL - 1)), const_i64(-self.UNROLL))
 
     @staticmethod
     def _key_step(w: "_Dispatch", k_block, step) -> ir.Value:
@@ -411,12 +414,14 @@ def engine_for(dtype: str):
 class X86Cpu:
     """What the x86 lowering's kernels may use on the CPU they are built for, beyond AVX-512 F, DQ
     and BW (which every CPU it builds for has): AMX tiles (amx_tile and amx_bf16: bf16 products;
-    without them only the serving passes, on the FMA blocks) and AVX-512 VBMI (vpermi2b: a bf16
-    pass over an 8-bit cache widens it through byte tables). pipeline/cpu_tiles.py: x86_cpu
-    reads them from the CPU's features."""
+    without them only the serving passes, on the FMA blocks), AVX-512 VBMI (vpermi2b: a bf16
+    pass over an 8-bit cache widens it through byte tables) and AVX-512 BF16 (vdpbf16ps: without
+    AMX a bf16 pass's products on bf16 pairs, mlir/x86_decode.py: DotEngine).
+    pipeline/cpu_tiles.py: x86_cpu reads them from the CPU's features."""
 
     amx: bool = True
     vbmi: bool = True
+    bf16_dot: bool = True
 
 
 #: A Xeon with AMX tiles (Sapphire Rapids on: VBMI too), the x86 builders' default.

@@ -100,13 +100,17 @@ FMA_PASS_FEATURES = frozenset({"avx512f"})
 #: The feature the x86 passes' byte tables need (AVX-512 VBMI's vpermi2b; Skylake-SP and Cascade
 #: Lake lack it, Ice Lake, Zen 4 and every AMX Xeon have it).
 VBMI_FEATURE = "avx512vbmi"
+#: The feature of the pair dot products (vdpbf16ps) the bf16 passes run on without AMX (Zen 4,
+#: Cooper Lake; not Skylake-SP to Ice Lake).
+BF16_DOT_FEATURE = "avx512_bf16"
 
 
 def x86_cpu(arch: str) -> X86Cpu:
     """What the x86 lowering's kernels for CPU ``arch`` may use (mlir.X86Cpu): AMX tiles where it
-    has them (else its serving passes run on the FMA blocks), AVX-512 VBMI's byte permutes."""
+    has them (else its serving passes run on the FMA or the bf16 pair-dot blocks), AVX-512 VBMI's
+    byte permutes, AVX-512 BF16's pair dot products."""
     features = cpu_features(arch)
-    return X86Cpu(amx=AMX_FEATURES <= features, vbmi=VBMI_FEATURE in features)
+    return X86Cpu(amx=AMX_FEATURES <= features, vbmi=VBMI_FEATURE in features, bf16_dot=BF16_DOT_FEATURE in features)
 
 
 def cpu_spec_lowering(arch: str, spec, lowering: str) -> str:

@@ -18,15 +18,15 @@ from linalg_prefill.mlir.x86_attention import (
     STACK_BUDGET, WORKER_STACK_BYTES, XEON_WITH_AMX, AmxEngine, FmaEngine, X86Cpu, workgroup_bytes,
 )
 from linalg_prefill.mlir.x86_decode import (
-    InPlaceValues, InPlaceWidenedValues, KeyRowsEngine, pass_blocks, pass_engine_type,
+    DotEngine, InPlaceValues, InPlaceWidenedValues, KeyRowsEngine, pass_blocks, pass_engine_type,
 )
 from linalg_prefill.pipeline import Target, compile_spec
 from linalg_prefill.pipeline.tuning import tuned_ir
 from linalg_prefill.runtime import open_kernel
 from support import AMX_CPU, serving_call, spec_id
 
-#: What the x86 passes may use on a Zen 4: no AMX tiles, VBMI.
-ZEN_4 = X86Cpu(amx=False, vbmi=True)
+#: What the x86 passes may use on a Zen 4: no AMX tiles, VBMI, AVX-512 BF16.
+ZEN_4 = X86Cpu(amx=False, vbmi=True, bf16_dot=True)
 
 #: The layouts, dtypes, groups, 8-bit formats and head sinks of the x86 passes (d a multiple of 32:
 #: 32 to 128, d_v up to 4 x d_qk), five specs for the suite's compile time.
@@ -134,8 +134,12 @@ def test_f32_passes_read_values_in_place_and_every_pass_fits_the_workers_stack()
     e4m3 = PagedPrefillSpec(32, 8, 128, "float32", page_size=16, kv_dtype="float8_e4m3fn")
     assert pass_engine_type(DecodeSpec(e4m3, 16)) is FmaEngine
     bf16 = PagedPrefillSpec(32, 8, 128, "bfloat16", page_size=16)
-    # without AMX: values widened where the cache holds them for 4 rows (1 query x G 4), staged for 64
-    assert [pass_engine_type(DecodeSpec(bf16, q), ZEN_4) for q in (1, 16)] == [InPlaceWidenedValues, FmaEngine]
+    f16 = PagedPrefillSpec(32, 8, 128, "float16", page_size=16)
+    # without AMX: bf16 on pair dot products where the CPU has them, else (f16 too) values widened
+    # where the cache holds them for 4 rows (1 query x G 4), staged for 64
+    assert [pass_engine_type(DecodeSpec(bf16, q), ZEN_4) for q in (1, 16)] == [DotEngine, DotEngine]
+    for spec, cpu in ((f16, ZEN_4), (bf16, X86Cpu(amx=False, vbmi=False, bf16_dot=False))):
+        assert [pass_engine_type(DecodeSpec(spec, q), cpu) for q in (1, 16)] == [InPlaceWidenedValues, FmaEngine]
     assert STACK_BUDGET <= WORKER_STACK_BYTES // 2
     for base in (f32, e4m3, bf16, *WIDE_SPECS.values()):
         for queries in (1, 4, 16):
@@ -169,13 +173,31 @@ def test_passes_for_an_avx512_cpu_without_amx_are_x86_and_compile_for_it(cache):
         assert compile_spec(spec, SKYLAKE_SP, cache=cache)[:2] == b"PK"
 
 
+#: An AVX-512 CPU with avx512_bf16 but neither AMX nor VBMI (Cooper Lake): a bf16 cache's pass
+#: on the pair dot products (DotEngine), found nowhere else in a suite on an AMX Xeon.
+COOPER_LAKE = Target("llvm-cpu", "cooperlake")
+COOPER_LAKE_PASS = DecodeSpec(PagedPrefillSpec(8, 2, 64, "bfloat16", page_size=16), 1)
+
+
+@pytest.mark.compiles(COOPER_LAKE_PASS, backends=[COOPER_LAKE])
+def test_a_bf16_pass_without_amx_runs_pair_dot_products_and_compiles_for_a_cpu_with_them(cache):
+    """vdpbf16ps for Q.K^T and P.V, no AMX or VBMI intrinsic; LLVM selects every instruction for
+    cooperlake."""
+    assert COOPER_LAKE.lowering_of(COOPER_LAKE_PASS) == "x86"
+    ir_text = tuned_ir(COOPER_LAKE_PASS, COOPER_LAKE)
+    assert "llvm.x86.avx512bf16.dpbf16ps.512" in ir_text
+    assert "llvm.x86.t" not in ir_text and "vpermi2var" not in ir_text
+    assert compile_spec(COOPER_LAKE_PASS, COOPER_LAKE, cache=cache)[:2] == b"PK"
+
+
 def test_a_bf16_pass_over_an_8_bit_cache_without_amx_widens_through_the_byte_tables_where_vbmi_is():
-    """A Zen 4 (VBMI): bf16(f32(x) x scale) from the head's tables, 64 elements a lookup, then the
-    FMA blocks; a Skylake-SP (no VBMI, above): f16 moves and integer rounding."""
+    """A Zen 4 (VBMI, AVX-512 BF16): bf16(f32(x) x scale) from the head's tables, 64 elements a
+    lookup, then the pair dot products; a Skylake-SP (no VBMI, above): f16 moves and integer
+    rounding, the FMA blocks."""
     spec = DecodeSpec(SPECS["paged-window-e4m3-bf16"], 1)
     zen4 = tuned_ir(spec, Target("llvm-cpu", "znver4"))
-    assert "llvm.x86.avx512.vpermi2var.qi.512" in zen4 and "math.fma" in zen4
-    assert "llvm.x86.t" not in zen4 and "avx512bf16" not in zen4
+    assert "llvm.x86.avx512.vpermi2var.qi.512" in zen4 and "llvm.x86.avx512bf16.dpbf16ps.512" in zen4
+    assert "llvm.x86.t" not in zen4
 
 
 def _call(name, rng, entries=ENTRIES):
