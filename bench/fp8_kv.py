@@ -27,7 +27,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from linalg_prefill.bench import best_times, cpu_description  # noqa: E402
+from linalg_prefill.bench import best_times, cpu_description, torch_allocated  # noqa: E402
 from linalg_prefill.mlir import MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec  # noqa: E402
 from linalg_prefill.runtime import MlaPagedPrefillWrapper, PagedPrefillWrapper, RaggedPrefillWrapper  # noqa: E402
 from linalg_prefill.runtime.kv_quant import quantize_kv, quantize_latent, quantize_pages  # noqa: E402
@@ -47,12 +47,14 @@ def measure_row(wrappers, batch: int, new: int, cached: str, repeat: int, rng) -
         return _mla_row(wrappers, batch, new, cached, repeat, rng)
     if isinstance(plain, PagedPrefillWrapper):
         pages8, k_scale, v_scale = quantize_pages(step["pages"], kv_dtype)
+        pages8 = torch_allocated(pages8)
         for wrapper in wrappers:
             wrapper.plan(step["q_indptr"], step["page_indptr"], step["page_values"], step["last_page_len"], causal=True)
         kv, kv8 = (step["pages"],), (pages8,)
     else:
-        k, v = ragged_kv(step)
+        k, v = (torch_allocated(x) for x in ragged_kv(step))
         k8, v8, k_scale, v_scale = quantize_kv(k, v, kv_dtype)
+        k8, v8 = torch_allocated(k8), torch_allocated(v8)
         kv_indptr = np.concatenate([[0], np.cumsum(step["kv_lens"])]).astype(np.int32)
         for wrapper in wrappers:
             wrapper.plan(step["q_indptr"], kv_indptr, causal=True)
@@ -73,6 +75,7 @@ def _mla_row(wrappers, batch: int, new: int, cached: str, repeat: int, rng) -> d
     plain, quantised = wrappers
     step = mla_step(batch, new, int(cached_lengths(batch, cached, rng).max()), "bfloat16", rng)
     pages8, k_scale, v_scale = quantize_latent(step["pages"], quantised.spec.kv_dtype)
+    pages8 = torch_allocated(pages8)
     table = step["table"]
     for wrapper in wrappers:
         wrapper.plan(step["q_indptr"], table.page_indptr, table.page_values, table.length_info, causal=True,

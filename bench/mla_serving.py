@@ -25,7 +25,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from linalg_prefill.bench import best_times, cpu_description  # noqa: E402
+from linalg_prefill.bench import best_times, cpu_description, torch_allocated  # noqa: E402
 from linalg_prefill.mlir import MlaPagedPrefillSpec  # noqa: E402
 from linalg_prefill.runtime import MlaPagedPrefillWrapper  # noqa: E402
 from linalg_prefill.runtime.examples import page_table, uniform  # noqa: E402
@@ -40,7 +40,8 @@ def step_inputs(batch: int, new: int, cached: int, dtype: str, rng) -> dict:
     kv_lens = np.full(batch, cached + new)
     table = page_table(rng, kv_lens, PAGE_SIZE, spare_pages=0)
     return dict(q=uniform(rng, (batch * new, H_Q, D_QK), dtype), q_indptr=(np.arange(batch + 1) * new).astype(np.int32),
-                pages=uniform(rng, (table.num_pages, PAGE_SIZE, D_QK), dtype), table=table, kv_lens=kv_lens)
+                pages=torch_allocated(uniform(rng, (table.num_pages, PAGE_SIZE, D_QK), dtype)), table=table,
+                kv_lens=kv_lens)
 
 
 def torch_call(step: dict, new: int, dtype: str):

@@ -37,7 +37,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 
 from linalg_prefill.mlir import PagedPrefillSpec  # noqa: E402
-from linalg_prefill.bench import best_times, cpu_description  # noqa: E402
+from linalg_prefill.bench import best_times, cpu_description, torch_allocated  # noqa: E402
 from linalg_prefill.runtime import PagedPrefillWrapper  # noqa: E402
 from linalg_prefill.runtime.checks import NUMPY_DTYPES  # noqa: E402
 from linalg_prefill.runtime.examples import page_table, uniform  # noqa: E402
@@ -55,10 +55,11 @@ def cached_lengths(batch: int, cached: str, rng: np.random.Generator) -> np.ndar
 
 
 def serving_step(batch: int, new: int, cached: np.ndarray, dtype: str, rng: np.random.Generator) -> dict:
-    """One step's inputs: queries, shuffled pages holding every entry's KV, and the page table."""
+    """One step's inputs: queries, shuffled pages holding every entry's KV (in memory torch
+    allocates, as a serving stack's pool is), and the page table."""
     kv_lens = cached + new
     table = page_table(rng, kv_lens, PAGE_SIZE, spare_pages=0)
-    pages = uniform(rng, (table.num_pages, 2, H_KV, PAGE_SIZE, D), dtype)
+    pages = torch_allocated(uniform(rng, (table.num_pages, 2, H_KV, PAGE_SIZE, D), dtype))
     q = uniform(rng, (batch * new, H_Q, D), dtype)
     q_indptr = (np.arange(batch + 1) * new).astype(np.int32)
     return dict(q=q, q_indptr=q_indptr, pages=pages, page_indptr=table.page_indptr, page_values=table.page_values,

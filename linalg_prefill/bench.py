@@ -104,6 +104,19 @@ def best_times(fns, repeat: int, burst: int = 1, settle_s: float = SETTLE_S) -> 
     return [min(spent) for spent in times]
 
 
+def torch_allocated(array: np.ndarray) -> np.ndarray:
+    """``array`` copied into memory torch's CPU allocator gives (a large tensor's data starts 64
+    bytes into a 4 KiB page; numpy's, 16 bytes in), as a numpy array of its shape and dtype: the
+    KV pool a serving stack hands the kernels is a torch tensor. With numpy's 16 bytes, the last
+    row of each 4 KiB run of a page's head rows ends past a 4 KiB boundary, and a load across one
+    cost a Zen 4's bf16 decode pass 5-17% (docs/performance.md, twenty-second session)."""
+    import torch
+
+    data = torch.empty(array.nbytes, dtype=torch.uint8).numpy().view(array.dtype).reshape(array.shape)
+    data[...] = array
+    return data
+
+
 def torch_sdpa(spec, batch: int, tokens: int, rng: np.random.Generator):
     """A callable running torch SDPA on the variant's attention (None without torch)."""
     try:
