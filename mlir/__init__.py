@@ -4,7 +4,8 @@ from .cuda_attention import build_cuda_sequence_prefill, unsupported as _dense_m
 from .cuda_decode import build_cuda_decode, pass_unsupported as _pass_mma_unsupported
 from .cuda_kv_cache import build_cuda_kv_cache_prefill, kv_cache_unsupported as _kv_cache_mma_unsupported
 from .x86_attention import (
-    XEON_WITH_AMX, X86Cpu, build_x86_sequence_prefill, unsupported as _dense_x86_unsupported, uses_amx as x86_uses_amx,
+    ENGINES, XEON_WITH_AMX, X86Cpu, build_x86_sequence_prefill, unsupported as _dense_x86_unsupported,
+    uses_amx as x86_uses_amx,
 )
 from .x86_decode import build_x86_pass, pass_unsupported as _pass_x86_unsupported
 from .x86_kv_cache import build_x86_kv_cache_prefill, kv_cache_unsupported as _kv_cache_x86_unsupported
@@ -56,8 +57,8 @@ def build_module(spec, *, row_chunk: int | None = None, score_tiles: RowTiles = 
 
 #: The x86 lowering's builders (hand-written dispatches) and why each has no kernel for a spec, on
 #: a CPU with AMX tiles; without them (an AMD Zen 4, an AVX-512 Xeon before Sapphire Rapids) the
-#: serving passes only (:data:`_X86_WITHOUT_AMX`), on the FMA blocks. Each takes the spec, and
-#: the pass builders the CPU (X86Cpu) too.
+#: serving passes and the kernels of :data:`_X86_WITHOUT_AMX`. Each takes the spec, and the pass
+#: builders the CPU (X86Cpu) too.
 _X86_BUILDERS = {
     SequencePrefillSpec: (build_x86_sequence_prefill, _dense_x86_unsupported),
     MaskedSequencePrefillSpec: (build_x86_sequence_prefill, _dense_x86_unsupported),
@@ -66,6 +67,12 @@ _X86_BUILDERS = {
     MlaPagedPrefillSpec: (build_x86_kv_cache_prefill, _kv_cache_x86_unsupported),
 }
 _X86_PASS_BUILDERS = {DecodeSpec: (build_x86_pass, _pass_x86_unsupported)}
+#: The kernels a CPU without AMX tiles gets in the x86 lowering, in the dtypes its FMA blocks take
+#: (f32, f16: x86_attention.ENGINES' engines without AMX): the dense sequence prefills, 1.35-1.68x
+#: the linalg kernels on a Zen 4 (docs/performance.md, twenty-second session). The KV-cache
+#: prefills keep the linalg lowering there: their x86 kernels pack each entry's whole cache, 0.82x
+#: the linalg kernel at 64 new tokens over 4096 cached.
+_X86_WITHOUT_AMX = (SequencePrefillSpec, MaskedSequencePrefillSpec)
 
 
 def x86_unsupported(spec, cpu: X86Cpu = XEON_WITH_AMX) -> str | None:
@@ -75,8 +82,11 @@ def x86_unsupported(spec, cpu: X86Cpu = XEON_WITH_AMX) -> str | None:
     without, the serving passes."""
     if type(spec) in _X86_PASS_BUILDERS:
         return _X86_PASS_BUILDERS[type(spec)][1](spec, cpu)
-    if type(spec) not in _X86_BUILDERS or not cpu.amx:
-        return f"{type(spec).__name__} has no x86 kernel{'' if cpu.amx else ' without AMX tiles'}"
+    if type(spec) not in _X86_BUILDERS:
+        return f"{type(spec).__name__} has no x86 kernel"
+    engine = ENGINES.get(spec.dtype)
+    if not cpu.amx and (type(spec) not in _X86_WITHOUT_AMX or engine is None or engine.uses_amx):
+        return f"{type(spec).__name__} in {spec.dtype} has no x86 kernel without AMX tiles"
     return _X86_BUILDERS[type(spec)][1](spec)
 
 

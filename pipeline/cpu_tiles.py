@@ -93,9 +93,9 @@ def cpu_score_tiles(arch: str, dtype: str) -> RowTiles:
 
 #: The CPU features (as /proc/cpuinfo spells them) the x86 lowering is chosen on.
 AMX_FEATURES = frozenset({"amx_tile", "amx_bf16"})
-#: ... and those its serving passes need without AMX (AVX-512 FMA blocks, bf16 and 8-bit caches
-#: widened to f32: mlir/x86_decode.py pass_engine_type), where they replace the linalg passes (an
-#: AMD Zen 4: docs/performance.md, twentieth and twenty-first sessions).
+#: ... and those its serving passes and f32 / f16 dense kernels need without AMX (AVX-512 FMA and
+#: bf16 pair-dot blocks: mlir/x86_decode.py pass_engine_type), where they replace the linalg ones
+#: (an AMD Zen 4: docs/performance.md, twentieth to twenty-second sessions).
 FMA_PASS_FEATURES = frozenset({"avx512f"})
 #: The feature the x86 passes' byte tables need (AVX-512 VBMI's vpermi2b; Skylake-SP and Cascade
 #: Lake lack it, Ice Lake, Zen 4 and every AMX Xeon have it).
@@ -115,17 +115,20 @@ def x86_cpu(arch: str) -> X86Cpu:
 
 def cpu_spec_lowering(arch: str, spec, lowering: str) -> str:
     """The lowering ``spec`` gets on CPU ``arch`` where ``lowering`` is asked: "x86" (hand-written
-    dispatches, mlir/x86_attention.py: bf16 on AMX tiles, f32 in AVX-512 FMA blocks) in place of
-    the linalg lowering on an Intel Xeon with AMX tiles (amx_tile, amx_bf16), where it was
-    measured (docs/performance.md: dense causal bf16 5-8x, f32 1.8x the linalg lowering), for
-    the specs it builds; on an AVX-512 CPU without AMX (an AMD Zen 4) for the serving passes
-    only (all on the FMA blocks: 1.5-2x the linalg passes there); else as asked (Zen 4 keeps
-    its linalg kernels)."""
+    dispatches, mlir/x86_attention.py: bf16 on AMX tiles, f32 and f16 in AVX-512 FMA blocks) in
+    place of the linalg lowering on an Intel Xeon with AMX tiles (amx_tile, amx_bf16), where it
+    was measured (docs/performance.md: dense causal bf16 5-8x, f32 1.8x the linalg lowering), for
+    the specs it builds; on an AVX-512 CPU without AMX (an AMD Zen 4) for the serving passes (1.5-2x
+    the linalg passes there) and the f32 and f16 dense sequence prefills (1.45-5x: mlir's
+    _X86_WITHOUT_AMX); else as asked (Zen 4 keeps its bf16 and KV-cache kernels linalg ones).
+    "x86" asked on a CPU without AMX for a spec it builds no x86 kernel of there is an error."""
     features, cpu = cpu_features(arch), x86_cpu(arch)
-    if lowering == "x86" and not cpu.amx:
-        raise ValueError(f"lowering 'x86' needs a CPU with {' and '.join(sorted(AMX_FEATURES))}; "
-                         f"{arch!r} has {'not both' if arch != 'host' else 'neither here'}")
-    if lowering == "linalg" and (cpu.amx or FMA_PASS_FEATURES <= features) and x86_unsupported(spec, cpu) is None:
+    x86_here = (cpu.amx or FMA_PASS_FEATURES <= features) and x86_unsupported(spec, cpu) is None
+    if lowering == "x86" and not cpu.amx and not x86_here:
+        has = "not both" if arch != "host" else "neither here"
+        raise ValueError(f"lowering 'x86' for {type(spec).__name__} in {spec.dtype} needs a CPU with "
+                         f"{' and '.join(sorted(AMX_FEATURES))}; {arch!r} has {has}")
+    if lowering == "linalg" and x86_here:
         return "x86"
     return lowering
 

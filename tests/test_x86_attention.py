@@ -1,6 +1,7 @@
-"""The x86 lowering (mlir/x86_attention.py: bf16 on AMX tiles, f32 in FMA blocks): which specs and
-CPUs get it, the structure of its IR and objects on every machine, its numerics against the
-float64 reference where the CPU has AMX (the CPUs the record picks it on)."""
+"""The x86 lowering (mlir/x86_attention.py: bf16 on AMX tiles, f32 and f16 in FMA blocks): which
+specs and CPUs get it, the structure of its IR and objects on every machine, its numerics against
+the float64 reference where the record picks it for this CPU (AMX: every dtype; AVX-512 without
+AMX, a Zen 4: f32 and f16)."""
 
 from __future__ import annotations
 
@@ -11,15 +12,19 @@ import numpy as np
 import pytest
 
 from conftest import NUMPY_DTYPE, assert_matches_reference, uniform
-from linalg_prefill.mlir import MaskedSequencePrefillSpec, SequencePrefillSpec, build_x86_module, x86_uses_amx
+from linalg_prefill.mlir import (
+    MaskedSequencePrefillSpec, PagedPrefillSpec, SequencePrefillSpec, build_x86_module, x86_uses_amx,
+)
 from linalg_prefill.mlir.amx import EXP2_COEFFICIENTS
 from linalg_prefill.pipeline import Target
 from linalg_prefill.pipeline.compiler import compile_ir
-from linalg_prefill.pipeline.cpu_tiles import AMX_FEATURES, proc_cpu_flags
+from linalg_prefill.pipeline.cpu_tiles import AMX_FEATURES, host_cpu_features, proc_cpu_flags
 from linalg_prefill.pipeline.tuning import tuned_ir
 from linalg_prefill.runtime import kernels, open_kernel
-from support import AMX_CPU, HOST_HAS_AMX, needs_amx, run_against_reference, spec_id
+from support import AMX_CPU, HOST_HAS_AMX, run_against_reference, spec_id
 
+#: An AVX-512 CPU without AMX (a Zen 4) builds the f32 and f16 dense kernels in the x86 lowering.
+HOST_HAS_AVX512 = "avx512f" in host_cpu_features()
 TILE_INTRINSICS = ("llvm.x86.tileloadd64.internal", "llvm.x86.tdpbf16ps.internal", "llvm.x86.tilestored64.internal")
 
 
@@ -28,15 +33,21 @@ def _dense(h_q=8, h_kv=2, d=64, dtype="bfloat16", causal=True, **extra):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float16"])
-def test_the_record_picks_x86_for_dense_specs_on_amx_cpus_only(dtype):
+def test_the_record_picks_x86_for_dense_specs_on_amx_cpus_and_for_f32_and_f16_on_avx512_ones(dtype):
     spec = _dense(dtype=dtype)
     assert AMX_CPU.lowering_of(spec) == "x86"
     assert Target("llvm-cpu", "graniterapids").lowering_of(spec) == "x86"
-    for arch in ("znver4", "cooperlake", "x86-64-v3"):   # avx512_bf16 or less, no AMX: as tuned there
-        assert Target("llvm-cpu", arch).lowering_of(spec) == "linalg"
-    assert Target("llvm-cpu", "host").lowering_of(spec) == ("x86" if HOST_HAS_AMX else "linalg")
+    fma = dtype != "bfloat16"   # AVX-512 without AMX: the FMA blocks' dtypes; bf16 as tuned there
+    for arch in ("znver4", "cooperlake", "skylake-avx512"):
+        assert Target("llvm-cpu", arch).lowering_of(spec) == ("x86" if fma else "linalg")
+    assert Target("llvm-cpu", "x86-64-v3").lowering_of(spec) == "linalg"   # no AVX-512
+    x86_here = HOST_HAS_AMX or fma and HOST_HAS_AVX512
+    assert Target("llvm-cpu", "host").lowering_of(spec) == ("x86" if x86_here else "linalg")
     assert Target("llvm-cpu", "sapphirerapids", lowering="fused").lowering_of(spec) == "fused"
     assert x86_uses_amx(spec) == (dtype == "bfloat16")
+    # the KV-cache prefills keep the linalg lowering without AMX (their x86 kernels pack whole caches)
+    paged = PagedPrefillSpec(8, 2, 64, dtype, page_size=16)
+    assert AMX_CPU.lowering_of(paged) == "x86" and Target("llvm-cpu", "znver4").lowering_of(paged) == "linalg"
 
 
 def _masked(mode, h_q=8, h_kv=2, d=64, dtype="bfloat16"):
@@ -55,6 +66,9 @@ def test_x86_is_refused_where_it_cannot_run():
         Target("cuda", lowering="x86")
     with pytest.raises(ValueError, match="amx_bf16"):
         Target("llvm-cpu", "znver4", lowering="x86").lowering_of(_dense())
+    with pytest.raises(ValueError, match="amx_bf16"):   # AVX2 only: no x86 kernel at all
+        Target("llvm-cpu", "x86-64-v3", lowering="x86").lowering_of(_dense(dtype="float32"))
+    assert Target("llvm-cpu", "znver4", lowering="x86").lowering_of(_dense(dtype="float32")) == "x86"
 
 
 def test_x86_ir_has_tile_contractions_for_bf16_only():
@@ -132,6 +146,13 @@ def test_exp2_polynomial_is_within_half_an_ulp_on_zero_to_one():
     assert np.max(np.abs(approx / np.exp2(f) - 1.0)) < 2.0 ** -24
 
 
+def _where_x86(specs) -> list:
+    """``specs`` as parameters, each skipped where this host builds it in another lowering (bf16
+    without AMX: the CPUs the record picks the x86 lowering on)."""
+    return [pytest.param(spec, id=spec_id(spec), marks=pytest.mark.skipif(
+        Target("llvm-cpu").lowering_of(spec) != "x86", reason="no x86 kernel of it on this CPU")) for spec in specs]
+
+
 #: Heads (GQA groups 1, 4, 8), head dims, both masks, the three dtypes (f16 in the FMA blocks):
 #: the x86 kernels' grid.
 X86_SPECS = [_dense(32, 8, 128, causal=True), _dense(16, 2, 96, causal=True), _dense(8, 1, 256, causal=False),
@@ -142,8 +163,7 @@ X86_SPECS = [_dense(32, 8, 128, causal=True), _dense(16, 2, 96, causal=True), _d
 AMX_SHAPES = [(1, 1, 1), (2, 37, 100), (1, 300, 333), (2, 129, 5), (1, 9, 0), (1, 0, 7)]
 
 
-@needs_amx
-@pytest.mark.parametrize("spec", X86_SPECS, ids=spec_id)
+@pytest.mark.parametrize("spec", _where_x86(X86_SPECS))
 def test_x86_kernels_match_the_reference(spec, cache):
     assert Target("llvm-cpu").lowering_of(spec) == "x86"
     for batch, qo_len, kv_len in AMX_SHAPES:
@@ -158,8 +178,7 @@ MASKED_LENS = {(4, 33, 33): [0, 33, 10, 1], (3, 32, 48): [32, 0, 17], (2, 70, 30
                (2, 200, 200): [130, 199]}
 
 
-@needs_amx
-@pytest.mark.parametrize("spec", MASKED_SPECS, ids=spec_id)
+@pytest.mark.parametrize("spec", _where_x86(MASKED_SPECS))
 def test_x86_masked_kernels_match_the_reference(spec, cache):
     """Rows past (padded) or before (left-padded) the valid ones see no key: output 0, lse -5e4."""
     assert Target("llvm-cpu").lowering_of(spec) == "x86"
@@ -173,8 +192,7 @@ PEAKED = [_dense(8, 2, 128, causal=True), _dense(8, 2, 128, "float32", causal=Tr
           _dense(8, 2, 128, causal=True, logits_soft_cap=30.0), _dense(8, 2, 128, "float32", logits_soft_cap=30.0)]
 
 
-@needs_amx
-@pytest.mark.parametrize("spec", PEAKED, ids=spec_id)
+@pytest.mark.parametrize("spec", _where_x86(PEAKED))
 def test_x86_kernels_on_peaked_scores(spec, cache):
     """Large scores (q scaled by 40): each row's weight sits on a few keys, so a wrong scale, max,
     mask or cap shows in the output rather than averaging out; 257 keys leave a partial KV block."""
