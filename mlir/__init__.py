@@ -4,8 +4,8 @@ from .cuda_attention import build_cuda_sequence_prefill, unsupported as _dense_m
 from .cuda_decode import build_cuda_decode, pass_unsupported as _pass_mma_unsupported
 from .cuda_kv_cache import build_cuda_kv_cache_prefill, kv_cache_unsupported as _kv_cache_mma_unsupported
 from .x86_attention import (
-    ENGINES, XEON_WITH_AMX, X86Cpu, build_x86_sequence_prefill, unsupported as _dense_x86_unsupported,
-    uses_amx as x86_uses_amx,
+    ENGINES, XEON_WITH_AMX, X86Cpu, build_x86_sequence_prefill, engine_type as x86_engine_type,
+    unsupported as _dense_x86_unsupported, uses_amx as x86_uses_amx,
 )
 from .x86_decode import build_x86_pass, pass_unsupported as _pass_x86_unsupported
 from .x86_kv_cache import build_x86_kv_cache_prefill, kv_cache_unsupported as _kv_cache_x86_unsupported
@@ -67,11 +67,12 @@ _X86_BUILDERS = {
     MlaPagedPrefillSpec: (build_x86_kv_cache_prefill, _kv_cache_x86_unsupported),
 }
 _X86_PASS_BUILDERS = {DecodeSpec: (build_x86_pass, _pass_x86_unsupported)}
-#: The kernels a CPU without AMX tiles gets in the x86 lowering, in the dtypes its FMA blocks take
-#: (f32, f16: x86_attention.ENGINES' engines without AMX): the dense sequence prefills, 1.35-1.68x
-#: the linalg kernels on a Zen 4 (docs/performance.md, twenty-second session). The KV-cache
-#: prefills keep the linalg lowering there: their x86 kernels pack each entry's whole cache, 0.82x
-#: the linalg kernel at 64 new tokens over 4096 cached.
+#: The kernels a CPU without AMX tiles gets in the x86 lowering, in the dtypes it has an engine
+#: for (x86_attention.engine_type: f32 and f16 on the FMA blocks, bf16 on DotEngine's pair dot
+#: products where it has AVX-512 BF16): the dense sequence prefills, 1.45-5x the linalg kernels on
+#: a Zen 4 (docs/performance.md, twenty-second session). The KV-cache prefills keep the linalg
+#: lowering there: their x86 kernels pack each entry's whole cache, 0.82x the linalg kernel at 64
+#: new tokens over 4096 cached.
 _X86_WITHOUT_AMX = (SequencePrefillSpec, MaskedSequencePrefillSpec)
 
 
@@ -84,9 +85,9 @@ def x86_unsupported(spec, cpu: X86Cpu = XEON_WITH_AMX) -> str | None:
         return _X86_PASS_BUILDERS[type(spec)][1](spec, cpu)
     if type(spec) not in _X86_BUILDERS:
         return f"{type(spec).__name__} has no x86 kernel"
-    engine = ENGINES.get(spec.dtype)
-    if not cpu.amx and (type(spec) not in _X86_WITHOUT_AMX or engine is None or engine.uses_amx):
-        return f"{type(spec).__name__} in {spec.dtype} has no x86 kernel without AMX tiles"
+    engine = x86_engine_type(spec.dtype, cpu) if spec.dtype in ENGINES else None
+    if not cpu.amx and (type(spec) not in _X86_WITHOUT_AMX or engine is None):
+        return f"{type(spec).__name__} in {spec.dtype} has no x86 kernel without AMX tiles here"
     return _X86_BUILDERS[type(spec)][1](spec)
 
 
@@ -98,7 +99,7 @@ def build_x86_module(spec, cpu: X86Cpu = XEON_WITH_AMX):
         raise ValueError(f"no x86 lowering for {spec.name}: {why}")
     if type(spec) in _X86_PASS_BUILDERS:
         return _X86_PASS_BUILDERS[type(spec)][0](spec, cpu)
-    return _X86_BUILDERS[type(spec)][0](spec)
+    return _X86_BUILDERS[type(spec)][0](spec, cpu)
 
 
 #: The CUDA mma lowering's builders (hand-written dispatches: mlir/cuda_attention.py) and why

@@ -65,11 +65,12 @@ WORKER_STACK_BYTES = 1 << 20
 STACK_BUDGET = 512 * 1024
 
 
-def blocks_for(dtype: str, d: int, d_v: int | None = None) -> tuple[int, int]:
+def blocks_for(dtype: str, d: int, d_v: int | None = None, cpu=None) -> tuple[int, int]:
     """(query rows of a workgroup, keys of a KV step) for head dims ``d`` (q, k) and ``d_v``
-    (values; default d): the largest of the engine's rows (:data:`ROW_BLOCKS`) and KV steps
-    (:data:`KV_STEPS`) whose buffers fit STACK_BUDGET, rows first; ValueError where none do."""
-    engine = ENGINES[dtype]
+    (values; default d) on ``cpu`` (:func:`engine_type`): the largest of the engine's rows
+    (:data:`ROW_BLOCKS`) and KV steps (:data:`KV_STEPS`) whose buffers fit STACK_BUDGET, rows
+    first; ValueError where none do."""
+    engine = engine_type(dtype, cpu)
     amx = engine.uses_amx
     for rows in ROW_BLOCKS[amx]:
         for keys in KV_STEPS[amx]:
@@ -399,15 +400,66 @@ class FmaEngine:
         return math_d.fma(broadcast, lanes, acc)
 
 
+class DotEngine(FmaEngine):
+    """Q.K^T and P.V in bf16 on a CPU without AMX tiles but with AVX-512 BF16 (a Zen 4), in pair
+    dot products (vdpbf16ps) on AMX's operand layouts: K [kv_block/16, d/2, 16, 2], V [d_v/16,
+    kv_block/2, 16, 2] (``layout``: the dense kernels' tile packing; a serving pass's staging,
+    mlir/x86_decode.py: DotStaging), q rows [row_block, d] and probs [row_block, kv_block] bf16.
+    Each 16-lane step multiplies a broadcast pair of a row's bf16 (two query dims, or two keys'
+    probabilities) into 16 keys' (or dims') pairs: FmaEngine's blocks, a pair a step, half its
+    products and no widening. On a Zen 4 against the linalg lowering: the bf16 passes 1.14-1.82x,
+    dense causal bf16 L = 128 / 512 / 2048 4.8x / 2.1x / 1.7x (docs/performance.md,
+    twenty-second session)."""
+
+    OPERAND_BYTES = 2
+    #: As InPlaceValues (mlir/x86_decode.py): a pass's rows are multiples of 4 more often than of
+    #: 6 (a dense kernel's 96 or 48 rows are both).
+    SCORE_ROWS = ACC_ROWS = 4
+
+    def __init__(self, dtype: str):
+        self.operand = ir.BF16Type.get()
+        self.prob_elem = self.operand
+        self.layout = PackedTiles(dtype=dtype, m0=16, n0=16, k0=2)
+
+    def q_row_at(self, d: int, row: ir.Value) -> ir.Value:
+        """Byte offset of row ``row`` in the workgroup's rows [row_block, d] bf16."""
+        return arith_d.muli(row, const_i64(d * 2))
+
+    @staticmethod
+    def _depth(size: int) -> int:
+        return size // 2
+
+    def _steps_seen(self, keys) -> ir.Value:
+        pairs = arith_d.divsi(arith_d.addi(keys, const_i64(1)), const_i64(2))
+        return super()._steps_seen(pairs)
+
+    @staticmethod
+    def _key_step(w: "_Dispatch", k_block, step) -> ir.Value:
+        return at(k_block, arith_d.muli(step, const_i64(64)))   # K [kv_block/16, d/2, 16, 2]: pair row
+
+    _value_step = _key_step                                     # V [d_v/16, kv_block/2, 16, 2]: key-pair row
+
+    def _lanes(self, w: "_Dispatch", step_at, col: int, keys: bool) -> ir.Value:
+        """16 pairs of bf16 of the step's row, columns [col, col + 16) (keys, or value dims)."""
+        tile = w.s.d // 2 * 64 if keys else w.s.kv_block // 2 * 64
+        lanes = llvm_load(ir.VectorType.get([16], i32()), at(step_at, (col // 16) * tile))
+        return vector_d.bitcast(ir.VectorType.get([32], ir.BF16Type.get()), lanes)
+
+    @staticmethod
+    def _broadcast(scalar_at) -> ir.Value:
+        pair = vector_d.broadcast(ir.VectorType.get([16], i32()), llvm_load(i32(), scalar_at))
+        return vector_d.bitcast(ir.VectorType.get([32], ir.BF16Type.get()), pair)
+
+    @staticmethod
+    def _mac(acc, broadcast, lanes) -> ir.Value:
+        return llvm_d.call_intrinsic(acc.type, "llvm.x86.avx512bf16.dpbf16ps.512", [acc, broadcast, lanes],
+                                     [], [])
+
+
 #: The contractions of a kernel per dtype: AMX tiles for bf16, FMA blocks for f32 and for f16
 #: (widened to f32 as it is packed: these CPUs have no amx_fp16; the linalg lowering ran f16 at
 #: 0.64-0.70x torch SDPA there).
 ENGINES = {"bfloat16": AmxEngine, "float32": FmaEngine, "float16": FmaEngine}
-
-
-def engine_for(dtype: str):
-    """The contraction engine of a kernel in ``dtype`` (build inside an MLIR context)."""
-    return ENGINES[dtype](dtype)
 
 
 @dataclass(frozen=True)
@@ -426,6 +478,21 @@ class X86Cpu:
 
 #: A Xeon with AMX tiles (Sapphire Rapids on: VBMI too), the x86 builders' default.
 XEON_WITH_AMX = X86Cpu()
+
+
+def engine_type(dtype: str, cpu: X86Cpu | None = None) -> type | None:
+    """The contraction engine class of a kernel in ``dtype`` on ``cpu`` (default the AMX Xeon):
+    :data:`ENGINES`' where the CPU has AMX tiles or the engine needs none; bf16 without them
+    DotEngine where the CPU has AVX-512 BF16, else None (no x86 kernel)."""
+    engine = ENGINES[dtype]
+    if cpu is None or cpu.amx or not engine.uses_amx:
+        return engine
+    return DotEngine if cpu.bf16_dot else None
+
+
+def engine_for(dtype: str, cpu: X86Cpu | None = None):
+    """The contraction engine of a kernel in ``dtype`` on ``cpu`` (build inside an MLIR context)."""
+    return engine_type(dtype, cpu)(dtype)
 
 
 def uses_amx(spec, cpu: X86Cpu = XEON_WITH_AMX) -> bool:
@@ -796,12 +863,12 @@ def build_executable(shapes: KernelShapes, engine) -> None:
 
 
 def emit_dense(shapes: KernelShapes, q: ir.Value, k: ir.Value, v: ir.Value, anchor: ir.Operation,
-               valid_lens: ir.Value | None = None) -> list[ir.Value]:
+               valid_lens: ir.Value | None = None, cpu: X86Cpu | None = None) -> list[ir.Value]:
     """(output [B, Lq, h_q, d], lse [B, Lq, h_q] f32) of q [B, Lq, h_q, d], k/v [B, Lk, h_kv, d]
-    (and valid_lens [B] int32 for the padded masks) through the dispatch; its executable is
-    built before ``anchor`` (the kernel's function)."""
+    (and valid_lens [B] int32 for the padded masks) through the dispatch on ``cpu``'s engine; its
+    executable is built before ``anchor`` (the kernel's function)."""
     s = shapes
-    engine = engine_for(s.dtype)
+    engine = engine_for(s.dtype, cpu)
     with ir.InsertionPoint(anchor):
         build_executable(s, engine)
     elem = element_type(s.dtype)
@@ -875,17 +942,19 @@ def _mask(spec) -> str:
     return "causal" if spec.causal else "full"
 
 
-def build_x86_sequence_prefill(spec: SequencePrefillSpec | MaskedSequencePrefillSpec) -> ir.Module:
+def build_x86_sequence_prefill(spec: SequencePrefillSpec | MaskedSequencePrefillSpec,
+                               cpu: X86Cpu = XEON_WITH_AMX) -> ir.Module:
     """The verified module of ``spec`` (same signature as sequence.build_sequence_prefill) with
-    the attention in one hand-written dispatch; ValueError where :func:`unsupported` says why not."""
+    the attention in one hand-written dispatch for ``cpu`` (:func:`engine_type`); ValueError
+    where :func:`unsupported` says why not."""
     why = unsupported(spec)
     if why:
         raise ValueError(f"no x86 lowering for {spec.name}: {why}")
     shapes = KernelShapes(spec.h_q, spec.h_kv, spec.d, spec.dtype, _mask(spec), spec.sm_scale * LOG2E,
-                          *blocks_for(spec.dtype, spec.d), spec.logits_soft_cap)
+                          *blocks_for(spec.dtype, spec.d, cpu=cpu), spec.logits_soft_cap)
 
     def emit(args):
         function = args["q"].owner.owner   # the kernel's func.func: the executable goes before it
-        return emit_dense(shapes, args["q"], args["k"], args["v"], function, args.get("valid_lens"))
+        return emit_dense(shapes, args["q"], args["k"], args["v"], function, args.get("valid_lens"), cpu)
 
     return function_module(spec, emit)

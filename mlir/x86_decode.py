@@ -35,7 +35,7 @@ from .ir import (
 from .kv_layouts import EIGHT_BIT_FORMATS, THROUGH_F16, cache_layout, f16_bits
 from .online_softmax import LOG2E
 from .x86_attention import (
-    BINDING, STACK_BUDGET, XEON_WITH_AMX, AmxEngine, X86Cpu, FmaEngine, KernelShapes, _bytes, _Dispatch,
+    BINDING, STACK_BUDGET, XEON_WITH_AMX, AmxEngine, DotEngine, X86Cpu, FmaEngine, KernelShapes, _bytes, _Dispatch,
     binding_pointer, hand_written_dispatch,
     llvm_load, llvm_store, workgroup_bytes,
 )
@@ -174,57 +174,6 @@ class InPlaceWidenedValues(InPlaceValues):
         if keys:
             return super()._lanes(w, step_at, col, keys)
         return w.chunk(1, step_at, col // 16, w.vec.f32x)   # 16 elements from column col, widened
-
-
-class DotEngine(FmaEngine):
-    """Q.K^T and P.V of a bf16 pass on a CPU without AMX tiles but with AVX-512 BF16 (a Zen 4)
-    in pair dot products (vdpbf16ps), on the operands as AmxStaging lays them out (DotStaging):
-    K [kv_block/16, d/2, 16, 2], V [d_v/16, kv_block/2, 16, 2], q rows [row_block, d] and probs
-    [row_block, kv_block] bf16. Each 16-lane step multiplies a broadcast pair of a row's bf16
-    (two query dims, or two keys' probabilities) into 16 keys' (or dims') pairs: FmaEngine's
-    blocks, a pair a step, half its products and no widening."""
-
-    OPERAND_BYTES = 2
-    #: As InPlaceValues: a pass's rows are multiples of 4 more often than of 6.
-    SCORE_ROWS = ACC_ROWS = 4
-
-    def __init__(self, dtype: str):
-        self.operand = ir.BF16Type.get()
-        self.prob_elem = self.operand
-        self.layout = None
-
-    def q_row_at(self, d: int, row: ir.Value) -> ir.Value:
-        """Byte offset of row ``row`` in the workgroup's rows [row_block, d] bf16."""
-        return arith_d.muli(row, const_i64(d * 2))
-
-    @staticmethod
-    def _depth(size: int) -> int:
-        return size // 2
-
-    def _steps_seen(self, keys) -> ir.Value:
-        pairs = arith_d.divsi(arith_d.addi(keys, const_i64(1)), const_i64(2))
-        return super()._steps_seen(pairs)
-
-    @staticmethod
-    def _key_step(w: "_Dispatch", k_block, step) -> ir.Value:
-        return at(k_block, arith_d.muli(step, const_i64(64)))   # K [kv_block/16, d/2, 16, 2]: pair row
-
-    _value_step = _key_step                                     # V [d_v/16, kv_block/2, 16, 2]: key-pair row
-
-    def _lanes(self, w: "_Dispatch", step_at, col: int, keys: bool) -> ir.Value:
-        """16 pairs of bf16 of the step's row, columns [col, col + 16) (keys, or value dims)."""
-        tile = w.s.d // 2 * 64 if keys else w.s.kv_block // 2 * 64
-        lanes = llvm_load(ir.VectorType.get([16], i32()), at(step_at, (col // 16) * tile))
-        return vector_d.bitcast(ir.VectorType.get([32], ir.BF16Type.get()), lanes)
-
-    @staticmethod
-    def _broadcast(scalar_at) -> ir.Value:
-        pair = vector_d.broadcast(ir.VectorType.get([16], i32()), llvm_load(i32(), scalar_at))
-        return vector_d.bitcast(ir.VectorType.get([32], ir.BF16Type.get()), pair)
-
-    @staticmethod
-    def _mac(acc, broadcast, lanes) -> ir.Value:
-        return llvm_d.call_intrinsic(acc.type, "llvm.x86.avx512bf16.dpbf16ps.512", [acc, broadcast, lanes], [], [])
 
 
 def pass_engine_type(spec: DecodeSpec, cpu: X86Cpu = XEON_WITH_AMX) -> type:

@@ -39,7 +39,7 @@ from . import rope as rope_builder
 from .rope import apply_rope
 from .specs import EMPTY_ROW_LSE, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec
 from .x86_attention import (
-    BINDING, ENGINES, KernelShapes, _Dispatch, blocks_for, blocks_unfit, engine_for,
+    BINDING, ENGINES, XEON_WITH_AMX, KernelShapes, X86Cpu, _Dispatch, blocks_for, blocks_unfit, engine_for,
     hand_written_dispatch, llvm_load, state_lse, vector_extract,
 )
 from .key_ranges import FlagCausalKeys
@@ -213,18 +213,19 @@ def _lse(shapes: KernelShapes, state: ir.Value, sinks: ir.Value | None) -> ir.Va
     return generic([], [empty([tokens, shapes.h_q], f32())], [affine_map(2, range(2))], "pp", body)[0]
 
 
-def build_x86_kv_cache_prefill(spec: RaggedPrefillSpec | PagedPrefillSpec) -> ir.Module:
+def build_x86_kv_cache_prefill(spec: RaggedPrefillSpec | PagedPrefillSpec, cpu: X86Cpu = XEON_WITH_AMX) -> ir.Module:
     """The verified module of the KV-cache variant ``spec`` (kv_cache.build_kv_cache_prefill's
-    signature) with each entry's attention in one hand-written dispatch; ValueError where
+    signature) with each entry's attention in one hand-written dispatch for ``cpu`` (a CPU with
+    AMX tiles: mlir/__init__.py's _X86_WITHOUT_AMX); ValueError where
     :func:`kv_cache_unsupported` says why not."""
     why = kv_cache_unsupported(spec)
     if why:
         raise ValueError(f"no x86 lowering for {spec.name}: {why}")
     shapes = KernelShapes(spec.h_q, spec.h_kv, spec.d_qk, spec.dtype, "causal", 0.0,
-                          *blocks_for(spec.dtype, spec.d_qk, spec.d_v), spec.logits_soft_cap, spec.d_v)
+                          *blocks_for(spec.dtype, spec.d_qk, spec.d_v, cpu), spec.logits_soft_cap, spec.d_v)
 
     def emit(args):
-        engine = engine_for(spec.dtype)
+        engine = engine_for(spec.dtype, cpu)
         sinks = args.get("sinks")
         with ir.InsertionPoint(args["q"].owner.owner):   # the kernel's func.func: the executable goes before it
             _build_executable(shapes, engine, sinks is not None)

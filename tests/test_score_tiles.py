@@ -58,11 +58,12 @@ def test_the_host_is_read_from_proc_cpuinfo():
 
 
 def test_hidden_features_are_not_the_hosts_and_amx_hidden_keeps_the_linalg_lowering():
-    """LINALG_PREFILL_HIDE_CPU_FEATURES (a new process reads it): AMX hidden, a bf16 dense spec the
-    x86 lowering builds keeps the linalg lowering, as on a CPU without AMX (an AMD Zen 4)."""
-    code = ("from linalg_prefill.mlir import SequencePrefillSpec\n"
+    """LINALG_PREFILL_HIDE_CPU_FEATURES (a new process reads it): AMX hidden, a bf16 paged spec
+    the x86 lowering builds with AMX keeps the linalg lowering, as on a CPU without AMX (an AMD
+    Zen 4)."""
+    code = ("from linalg_prefill.mlir import PagedPrefillSpec\n"
             "from linalg_prefill.pipeline.cpu_tiles import cpu_spec_lowering, host_cpu_features\n"
-            "spec = SequencePrefillSpec(8, 2, 64, 'bfloat16', causal=True, sm_scale=0.125)\n"
+            "spec = PagedPrefillSpec(8, 2, 64, 'bfloat16', page_size=16)\n"
             "print(sorted(f for f in host_cpu_features() if f.startswith('amx') or f == 'avx2'),"
             " cpu_spec_lowering('host', spec, 'linalg'))\n")
     env = {**os.environ, HIDDEN_FEATURES_VARIABLE: "amx_tile, amx_bf16,amx_int8"}
@@ -105,15 +106,17 @@ def test_the_host_chooses_as_a_named_cpu_with_its_features_to_hide(monkeypatch, 
 
 
 DENSE_BF16 = SequencePrefillSpec(8, 2, 64, "bfloat16", causal=True, sm_scale=0.125)
+#: With head sinks: a dense spec the x86 lowering has no kernel of, the linalg one on every CPU.
+LINALG_DENSE_BF16 = SequencePrefillSpec(8, 2, 64, "bfloat16", causal=True, sm_scale=0.125, head_sinks=True)
 
 
 def test_packed_tiles_contract_bf16_operands_with_mmt4d():
-    packed = tuned_ir(DENSE_BF16, Target("llvm-cpu", AVX512_BF16))
+    packed = tuned_ir(LINALG_DENSE_BF16, Target("llvm-cpu", AVX512_BF16))
     # queries [h_kv, rows / 16, d / 2, 16, 2], keys [h_kv, 256 / 16, d / 2, 16, 2] -> f32 scores
     assert "linalg.batch_mmt4d ins(%" in packed
     assert "tensor<2x64x32x16x2xbf16>, tensor<2x16x32x16x2xbf16>) outs(" in packed
     assert "flow.tensor.bitcast" in packed  # the weights' transpose as 32-bit words
-    assert "linalg.batch_mmt4d" not in tuned_ir(DENSE_BF16, Target("llvm-cpu", AVX2))
+    assert "linalg.batch_mmt4d" not in tuned_ir(LINALG_DENSE_BF16, Target("llvm-cpu", AVX2))
 
 
 def test_the_kv_cache_variants_pack_too_and_a_shape_the_tiles_do_not_divide_keeps_the_row_tiles():

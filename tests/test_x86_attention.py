@@ -18,7 +18,7 @@ from linalg_prefill.mlir import (
 from linalg_prefill.mlir.amx import EXP2_COEFFICIENTS
 from linalg_prefill.pipeline import Target
 from linalg_prefill.pipeline.compiler import compile_ir
-from linalg_prefill.pipeline.cpu_tiles import AMX_FEATURES, host_cpu_features, proc_cpu_flags
+from linalg_prefill.pipeline.cpu_tiles import AMX_FEATURES, NAMED_CPU_FEATURES, host_cpu_features, proc_cpu_flags
 from linalg_prefill.pipeline.tuning import tuned_ir
 from linalg_prefill.runtime import kernels, open_kernel
 from support import AMX_CPU, HOST_HAS_AMX, run_against_reference, spec_id
@@ -37,11 +37,13 @@ def test_the_record_picks_x86_for_dense_specs_on_amx_cpus_and_for_f32_and_f16_on
     spec = _dense(dtype=dtype)
     assert AMX_CPU.lowering_of(spec) == "x86"
     assert Target("llvm-cpu", "graniterapids").lowering_of(spec) == "x86"
-    fma = dtype != "bfloat16"   # AVX-512 without AMX: the FMA blocks' dtypes; bf16 as tuned there
+    # AVX-512 without AMX: f32 and f16 on the FMA blocks, bf16 on pair dot products (avx512_bf16)
+    fma = dtype != "bfloat16"
     for arch in ("znver4", "cooperlake", "skylake-avx512"):
-        assert Target("llvm-cpu", arch).lowering_of(spec) == ("x86" if fma else "linalg")
+        has_engine = fma or "avx512_bf16" in NAMED_CPU_FEATURES[arch]
+        assert Target("llvm-cpu", arch).lowering_of(spec) == ("x86" if has_engine else "linalg")
     assert Target("llvm-cpu", "x86-64-v3").lowering_of(spec) == "linalg"   # no AVX-512
-    x86_here = HOST_HAS_AMX or fma and HOST_HAS_AVX512
+    x86_here = HOST_HAS_AMX or HOST_HAS_AVX512 and (fma or "avx512_bf16" in host_cpu_features())
     assert Target("llvm-cpu", "host").lowering_of(spec) == ("x86" if x86_here else "linalg")
     assert Target("llvm-cpu", "sapphirerapids", lowering="fused").lowering_of(spec) == "fused"
     assert x86_uses_amx(spec) == (dtype == "bfloat16")
@@ -64,11 +66,11 @@ def test_specs_without_an_x86_kernel_keep_the_linalg_lowering(spec):
 def test_x86_is_refused_where_it_cannot_run():
     with pytest.raises(ValueError, match="runs on llvm-cpu"):
         Target("cuda", lowering="x86")
-    with pytest.raises(ValueError, match="amx_bf16"):
-        Target("llvm-cpu", "znver4", lowering="x86").lowering_of(_dense())
+    with pytest.raises(ValueError, match="amx_bf16"):   # bf16 without AMX or avx512_bf16
+        Target("llvm-cpu", "skylake-avx512", lowering="x86").lowering_of(_dense())
     with pytest.raises(ValueError, match="amx_bf16"):   # AVX2 only: no x86 kernel at all
         Target("llvm-cpu", "x86-64-v3", lowering="x86").lowering_of(_dense(dtype="float32"))
-    assert Target("llvm-cpu", "znver4", lowering="x86").lowering_of(_dense(dtype="float32")) == "x86"
+    assert Target("llvm-cpu", "znver4", lowering="x86").lowering_of(_dense()) == "x86"
 
 
 def test_x86_ir_has_tile_contractions_for_bf16_only():
@@ -78,6 +80,8 @@ def test_x86_ir_has_tile_contractions_for_bf16_only():
     assert "stream.executable" in amx_ir and "flow.dispatch @x86_attention::@attend" in amx_ir
     fma_ir = tuned_ir(_dense(dtype="float32"), AMX_CPU)
     assert "flow.dispatch @x86_attention::@attend" in fma_ir and "math.fma" in fma_ir and "llvm.x86.t" not in fma_ir
+    zen4_ir = tuned_ir(spec, Target("llvm-cpu", "znver4"))   # bf16 without AMX: pair dot products
+    assert "flow.dispatch @x86_attention::@attend" in zen4_ir and "llvm.x86.avx512bf16.dpbf16ps.512" in zen4_ir
     for other in (Target("llvm-cpu", "znver4"), Target("llvm-cpu", "sapphirerapids", lowering="fused")):
         assert "llvm.x86.t" not in tuned_ir(spec, other)
 
