@@ -65,7 +65,7 @@ WORKER_STACK_BYTES = 1 << 20
 STACK_BUDGET = 512 * 1024
 
 
-def blocks_for(dtype: str, d: int, d_v: int | None = None, cpu=None) -> tuple[int, int]:
+def blocks_for(dtype: str, d: int, d_v: int | None = None, cpu: X86Cpu | None = None) -> tuple[int, int]:
     """(query rows of a workgroup, keys of a KV step) for head dims ``d`` (q, k) and ``d_v``
     (values; default d) on ``cpu`` (:func:`engine_type`): the largest of the engine's rows
     (:data:`ROW_BLOCKS`) and KV steps (:data:`KV_STEPS`) whose buffers fit STACK_BUDGET, rows
@@ -408,7 +408,7 @@ class DotEngine(FmaEngine):
     Each 16-lane step multiplies a broadcast pair of a row's bf16 (two query dims, or two keys'
     probabilities) into 16 keys' (or dims') pairs: FmaEngine's blocks, a pair a step, half its
     products and no widening. On a Zen 4 against the linalg lowering: the bf16 passes 1.14-1.82x,
-    dense causal bf16 L = 128 / 512 / 2048 4.8x / 2.1x / 1.7x (docs/performance.md,
+    dense causal bf16 L = 128 / 512 / 2048 4.8x / 2.4x / 1.9x (docs/performance.md,
     twenty-second session)."""
 
     OPERAND_BYTES = 2
@@ -466,9 +466,9 @@ ENGINES = {"bfloat16": AmxEngine, "float32": FmaEngine, "float16": FmaEngine}
 class X86Cpu:
     """What the x86 lowering's kernels may use on the CPU they are built for, beyond AVX-512 F, DQ
     and BW (which every CPU it builds for has): AMX tiles (amx_tile and amx_bf16: bf16 products;
-    without them only the serving passes, on the FMA blocks), AVX-512 VBMI (vpermi2b: a bf16
-    pass over an 8-bit cache widens it through byte tables) and AVX-512 BF16 (vdpbf16ps: without
-    AMX a bf16 pass's products on bf16 pairs, mlir/x86_decode.py: DotEngine).
+    without them the serving passes and the dense kernels only, on the FMA blocks or DotEngine),
+    AVX-512 VBMI (vpermi2b: a bf16 pass over an 8-bit cache widens it through byte tables) and
+    AVX-512 BF16 (vdpbf16ps: without AMX, bf16 products on bf16 pairs, :class:`DotEngine`).
     pipeline/cpu_tiles.py: x86_cpu reads them from the CPU's features."""
 
     amx: bool = True
