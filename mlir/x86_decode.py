@@ -10,9 +10,10 @@ transposes (AMX: B tiles of bf16 pairs; FMA: the step's K^T) or as rows (bf16 pa
 KEY_ROWS_UP_TO rows: :class:`KeyRowsEngine`, whose scores are transposed instead), V by
 interleaving key pairs (AMX) or, for f32 caches, not at all (the FMA blocks read each value row
 where the cache holds it: :class:`InPlaceValues`); a key past the chunk, the entry or the table
-(a -1 block) reads a zero row. On a CPU without AMX tiles (an AMD Zen 4: X86Cpu) every pass runs
-on the FMA blocks: bf16 widened to f32 (its keys transposed as bf16 pairs), an 8-bit cache through
-the byte tables where the CPU has VBMI (:func:`pass_engine_type`).
+(a -1 block) reads a zero row. On a CPU without AMX tiles (an AMD Zen 4: X86Cpu) a bf16 pass runs
+on DotEngine's pair dot products where the CPU has AVX-512 BF16 (else widened to f32 on the FMA
+blocks, its keys transposed as bf16 pairs), an 8-bit cache under bf16 through the byte tables
+where it has VBMI, f32 and f16 passes on the FMA blocks (:func:`pass_engine_type`).
 Shapes (n entries, h = h_kv, R = queries x G rows a KV head, c chunks of P table blocks):
 
     q [n, h, R, d_qk] (dtype)   table [n, c, P] i32   geometry [n, 4] i32 (kv_len, sinks, offset, qo_len)
@@ -178,10 +179,11 @@ class InPlaceWidenedValues(InPlaceValues):
 
 def pass_engine_type(spec: DecodeSpec, cpu: X86Cpu = XEON_WITH_AMX) -> type:
     """The contraction engine class of the pass on ``cpu``, with AMX tiles or without:
-    bf16 with AMX on KeyRowsEngine for few rows, else AmxEngine; an f32 cache InPlaceValues;
-    without AMX a bf16 or f16 cache's passes of at most ACC_ROWS rows InPlaceWidenedValues (the
-    AMX Xeon's f16 passes, measured there, keep the staged copy); else (f16, 8-bit, bf16 without
-    AMX) FmaEngine, widening as it stages."""
+    bf16 with AMX on KeyRowsEngine for few rows, else AmxEngine; bf16 without AMX on DotEngine
+    where the CPU has AVX-512 BF16 (and VBMI for an 8-bit cache's tables); an f32 cache
+    InPlaceValues; without AMX a bf16 or f16 cache's passes of at most ACC_ROWS rows
+    InPlaceWidenedValues (the AMX Xeon's f16 passes, measured there, keep the staged copy); else
+    (f16, 8-bit, bf16 without AMX or AVX-512 BF16) FmaEngine, widening as it stages."""
     if spec.dtype == "bfloat16" and cpu.amx:
         return KeyRowsEngine if spec.rows <= KEY_ROWS_UP_TO else AmxEngine
     if spec.dtype == "bfloat16" and cpu.bf16_dot and (cpu.vbmi or not quantized_kv(spec.base)):

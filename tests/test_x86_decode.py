@@ -83,7 +83,7 @@ def test_the_record_builds_the_passes_of_these_caches_in_x86_on_avx512_cpus(name
     spec = ALL_SPECS[name]
     for queries in (1, 4, 16):
         assert AMX_CPU.lowering_of(DecodeSpec(spec, queries)) == "x86"
-        # a Zen 4: x86 passes on the FMA blocks (AVX-512, no AMX); an AVX2 CPU the linalg ones
+        # a Zen 4: x86 passes on DotEngine or the FMA blocks (AVX-512, no AMX); an AVX2 CPU the linalg ones
         assert Target("llvm-cpu", "znver4").lowering_of(DecodeSpec(spec, queries)) == "x86"
         assert Target("llvm-cpu", "znver3").lowering_of(DecodeSpec(spec, queries)) == "linalg"
     assert AMX_CPU.decode_passes(spec) == DECODE_PASSES["x86"]
