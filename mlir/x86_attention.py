@@ -57,6 +57,25 @@ from .score_tiles import ROW_TILES, PackedTiles
 from .specs import EMPTY_ROW_LSE, MaskedSequencePrefillSpec, SequencePrefillSpec
 from .x86_packing import emit_packed_kv, kv_tile_sizes
 
+
+@dataclass(frozen=True)
+class X86Cpu:
+    """What the x86 lowering's kernels may use on the CPU they are built for, beyond AVX-512 F, DQ
+    and BW (which every CPU it builds for has): AMX tiles (amx_tile and amx_bf16: bf16 products;
+    without them the serving passes and the dense kernels only, on the FMA blocks or DotEngine),
+    AVX-512 VBMI (vpermi2b: a bf16 pass over an 8-bit cache widens it through byte tables) and
+    AVX-512 BF16 (vdpbf16ps: without AMX, bf16 products on bf16 pairs, :class:`DotEngine`).
+    pipeline/cpu_tiles.py: x86_cpu reads them from the CPU's features."""
+
+    amx: bool = True
+    vbmi: bool = True
+    bf16_dot: bool = True
+
+
+#: A Xeon with AMX tiles (Sapphire Rapids on: VBMI too), the x86 builders' default.
+XEON_WITH_AMX = X86Cpu()
+
+
 #: A workgroup's buffers live on its stack. IREE's workers keep 128 KiB by default (a kernel whose
 #: buffers took 144 KiB crashed); the runtime gives them WORKER_STACK_BYTES (runtime/devices.py,
 #: ``--task_worker_stack_size``, before its first CPU device), and blocks are chosen to keep the
@@ -65,7 +84,7 @@ WORKER_STACK_BYTES = 1 << 20
 STACK_BUDGET = 512 * 1024
 
 
-def blocks_for(dtype: str, d: int, d_v: int | None = None, cpu: X86Cpu | None = None) -> tuple[int, int]:
+def blocks_for(dtype: str, d: int, d_v: int | None = None, cpu: X86Cpu = XEON_WITH_AMX) -> tuple[int, int]:
     """(query rows of a workgroup, keys of a KV step) for head dims ``d`` (q, k) and ``d_v``
     (values; default d) on ``cpu`` (:func:`engine_type`): the largest of the engine's rows
     (:data:`ROW_BLOCKS`) and KV steps (:data:`KV_STEPS`) whose buffers fit STACK_BUDGET, rows
@@ -462,35 +481,17 @@ class DotEngine(FmaEngine):
 ENGINES = {"bfloat16": AmxEngine, "float32": FmaEngine, "float16": FmaEngine}
 
 
-@dataclass(frozen=True)
-class X86Cpu:
-    """What the x86 lowering's kernels may use on the CPU they are built for, beyond AVX-512 F, DQ
-    and BW (which every CPU it builds for has): AMX tiles (amx_tile and amx_bf16: bf16 products;
-    without them the serving passes and the dense kernels only, on the FMA blocks or DotEngine),
-    AVX-512 VBMI (vpermi2b: a bf16 pass over an 8-bit cache widens it through byte tables) and
-    AVX-512 BF16 (vdpbf16ps: without AMX, bf16 products on bf16 pairs, :class:`DotEngine`).
-    pipeline/cpu_tiles.py: x86_cpu reads them from the CPU's features."""
-
-    amx: bool = True
-    vbmi: bool = True
-    bf16_dot: bool = True
-
-
-#: A Xeon with AMX tiles (Sapphire Rapids on: VBMI too), the x86 builders' default.
-XEON_WITH_AMX = X86Cpu()
-
-
-def engine_type(dtype: str, cpu: X86Cpu | None = None) -> type | None:
-    """The contraction engine class of a kernel in ``dtype`` on ``cpu`` (default the AMX Xeon):
+def engine_type(dtype: str, cpu: X86Cpu = XEON_WITH_AMX) -> type | None:
+    """The contraction engine class of a kernel in ``dtype`` on ``cpu``:
     :data:`ENGINES`' where the CPU has AMX tiles or the engine needs none; bf16 without them
     DotEngine where the CPU has AVX-512 BF16, else None (no x86 kernel)."""
     engine = ENGINES[dtype]
-    if cpu is None or cpu.amx or not engine.uses_amx:
+    if cpu.amx or not engine.uses_amx:
         return engine
     return DotEngine if cpu.bf16_dot else None
 
 
-def engine_for(dtype: str, cpu: X86Cpu | None = None):
+def engine_for(dtype: str, cpu: X86Cpu = XEON_WITH_AMX):
     """The contraction engine of a kernel in ``dtype`` on ``cpu`` (build inside an MLIR context)."""
     return engine_type(dtype, cpu)(dtype)
 
@@ -863,7 +864,7 @@ def build_executable(shapes: KernelShapes, engine) -> None:
 
 
 def emit_dense(shapes: KernelShapes, q: ir.Value, k: ir.Value, v: ir.Value, anchor: ir.Operation,
-               valid_lens: ir.Value | None = None, cpu: X86Cpu | None = None) -> list[ir.Value]:
+               valid_lens: ir.Value | None = None, cpu: X86Cpu = XEON_WITH_AMX) -> list[ir.Value]:
     """(output [B, Lq, h_q, d], lse [B, Lq, h_q] f32) of q [B, Lq, h_q, d], k/v [B, Lk, h_kv, d]
     (and valid_lens [B] int32 for the padded masks) through the dispatch on ``cpu``'s engine; its
     executable is built before ``anchor`` (the kernel's function)."""

@@ -826,8 +826,9 @@ def _loop(i: int) -> ir.Value:
 
 def build_x86_pass(spec: DecodeSpec, cpu: X86Cpu = XEON_WITH_AMX) -> ir.Module:
     """The verified module of the serving pass ``spec`` (decode.decode_module's signature) with its
-    attention in one hand-written dispatch, for ``cpu`` (without AMX tiles bf16 on the FMA blocks:
-    :func:`pass_engine_type`); ValueError where :func:`pass_unsupported` says why not."""
+    attention in one hand-written dispatch, for ``cpu`` (without AMX tiles bf16 on DotEngine or
+    the FMA blocks: :func:`pass_engine_type`); ValueError where :func:`pass_unsupported` says why
+    not."""
     why = pass_unsupported(spec, cpu)
     if why:
         raise ValueError(f"no x86 lowering for {spec.name}: {why}")
