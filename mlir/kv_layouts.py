@@ -78,7 +78,11 @@ class BatchKv:
     + b``) and ``kv_len(read, b)`` its length, for ``b`` in [0, B) (``base`` also at B), read on
     the host (:func:`host_read`) or in a generic (:func:`device_read`). ``keys`` and ``values``
     fetch one scalar of a row inside a generic; ``rope_offset`` is the [B] i32 RoPE position of
-    each entry's row 0, or None.
+    each entry's row 0, or None. ``sources`` are the tensors holding the rows, and
+    ``row_offset(which, e, r, head)`` (inside a generic, ``r`` < kv_len) is (the index of a source,
+    the i64 element offset in it, the tensor viewed flat) of K (``which`` 0) or V (1) of head
+    ``head`` at entry ``e``'s row ``r``: the x86 kernels' row gather (x86_kv_cache.py), addressed as
+    the serving passes address rows (:meth:`CacheLayout.row_offset`).
     """
 
     batch: ir.Value
@@ -90,6 +94,8 @@ class BatchKv:
     d_qk: int
     d_v: int
     rope_offset: ir.Value | None
+    sources: tuple[ir.Value, ...]
+    row_offset: Callable[[int, ir.Value, ir.Value, ir.Value], tuple[int, ir.Value]]
 
     @staticmethod
     def row_or_zero(source: RowSource, e: ir.Value, row: ir.Value, rest: Callable[[], list], kv_len: ir.Value,
@@ -214,6 +220,11 @@ def _i64_ops(like: ir.Value):
         return arith_d.maxsi(arith_d.minsi(x, last), c(0))
 
     return c, clamp
+
+
+def _i64(value: ir.Value) -> ir.Value:
+    """An index Value as i64."""
+    return arith_d.index_cast(ir.IntegerType.get_signless(64), value)
 
 
 def _itemsize(dtype: str) -> int:
@@ -398,8 +409,12 @@ class RaggedLayout(CacheLayout):
             return lambda e, r, rest: dequantized(self._at(
                 x, arith_d.minsi(arith_d.addi(start(device_read, e), r), last_row), *rest), scales, rest[0], elem)
 
+        def row_offset(which, e, r, head):
+            row = _i64(arith_d.addi(start(device_read, e), r))
+            return self.row_offset(spec, which, row, _i64(const_index(0)), _i64(head), _i64(dim(k, self.row_axis)))
+
         return BatchKv(last, start, kv_len, rows_of(k, k_scale), rows_of(v, v_scale), spec.h_kv, spec.d_qk, spec.d_v,
-                       k_rope_pos_offset)
+                       k_rope_pos_offset, (k, v), row_offset)
 
     def element(self, spec, cache, which, entry, logical_block, column, slot, head, col):
         source = cache.sources[which]
@@ -515,6 +530,15 @@ class _PageTableLayout(CacheLayout, ABC):
     def block(self, spec) -> int:
         return spec.page_size
 
+    def _row_offsets(self, spec, table, pages, page_values):
+        """BatchKv.row_offset of the rows through the page table ``table`` (_paged_geometry's)."""
+        def row_offset(which, e, r, head):
+            entry = table(device_read, e)
+            page, slot = physical_row(spec, entry, page_values, r, page_bounds(entry, page_values))
+            return self.row_offset(spec, which, _i64(page), _i64(slot), _i64(head), _i64(dim(pages, 0)))
+
+        return row_offset
+
 
 class PagedLayout(_PageTableLayout):
     """Entry b's K and V rows gathered from pages [P, 2, h_kv, page_size, d] (TVM's head-major
@@ -566,7 +590,8 @@ class PagedLayout(_PageTableLayout):
             return _paged_source(spec, table, page_values, fetch)
 
         return BatchKv(arith_d.subi(page_indptr.dims[0], const_index(1)), base, kv_len, half(0), half(1),
-                       spec.h_kv, spec.d, spec.d, k_rope_pos_offset)
+                       spec.h_kv, spec.d, spec.d, k_rope_pos_offset, (pages,),
+                       self._row_offsets(spec, table, pages, page_values))
 
     def _page_element(self, pages, page, which, head, slot, col):
         return self._at(pages, page, const_index(which), head, slot, col)
@@ -644,7 +669,7 @@ class LatentLayout(_PageTableLayout):
 
         source = _paged_source(spec, table, page_values, fetch)
         return BatchKv(arith_d.subi(page_indptr.dims[0], const_index(1)), base, kv_len, source, source,
-                       1, spec.d_qk, spec.d_latent, None)
+                       1, spec.d_qk, spec.d_latent, None, (pages,), self._row_offsets(spec, table, pages, page_values))
 
     def _page_element(self, pages, page, which, head, slot, col):
         return tensor_d.extract(pages, [page, slot, col])  # values are the first d_v columns

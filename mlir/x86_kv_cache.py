@@ -26,7 +26,8 @@ lse [Lq, h_q] (base 2; EMPTY_ROW_LSE for a row that saw no key).
 from __future__ import annotations
 
 from .abi import function_module, operands
-from .amx import as_i64, at, binding_pointer, const_i64, dynamic_dims, static_shape
+from .dtypes import quantized_kv
+from .amx import as_i64, at, binding_pointer, const_i64, dynamic_dims, i64, static_shape
 from .ir import (
     HostReadable, affine_map, arith_d, ceil_div, const_f32, const_index, dim, element_type, empty, f32, flow_d,
     generic, i32, ir, is_one, linalg_d, lt, on_target_device, scf_d, tensor_d, tensor_type, tie_dims,
@@ -43,7 +44,7 @@ from .x86_attention import (
     hand_written_dispatch, llvm_load, state_lse, vector_extract,
 )
 from .key_ranges import FlagCausalKeys
-from .x86_packing import kv_tile_sizes
+from .x86_packing import emit_packed_rows, kv_tile_sizes
 
 _EXECUTABLE = "x86_kv_cache"
 _ENTRY = "attend_entry"
@@ -124,16 +125,42 @@ def _build_executable(shapes: KernelShapes, engine, sinks: bool) -> None:
                        args[-1]).emit()
 
 
-def _packed_kv(shapes: KernelShapes, engine, kv: BatchKv, b, kv_len, kv_blocks, rope) -> list[ir.Value]:
-    """Entry ``b``'s keys (rotated where the call rotates) and values in the engine's order, one
-    generic each from the cache (kv_blocks x kv_block rows, zero past kv_len; MLA's values are
-    the first d_v columns of its key rows)."""
+def _row_offsets(shapes: KernelShapes, kv: BatchKv, which: int, b, kv_len, kv_blocks) -> tuple[ir.Value, ir.Value]:
+    """(the source tensor, offsets [h_kv, kv_blocks x kv_block] i64) of entry ``b``'s K (``which``
+    0) or V (1) rows: each key's row of each head as an element offset in the source viewed
+    flat (BatchKv.row_offset), keys past kv_len at its last row."""
+    rows = arith_d.muli(kv_blocks, const_index(shapes.kv_block))
+    last = arith_d.maxsi(arith_d.subi(kv_len, const_index(1)), const_index(0))
+    source = []
+
+    def body(_out):
+        head, row = (linalg_d.IndexOp(i).result for i in range(2))
+        index, offset = kv.row_offset(which, b, arith_d.minsi(row, last), head)
+        source.append(kv.sources[index])
+        return [offset]
+
+    offsets = generic([], [empty([shapes.h_kv, rows], i64())], [affine_map(2, range(2))], "pp", body)[0]
+    return source[0], tie_dims(offsets, [shapes.h_kv, rows])
+
+
+def _packed_kv(shapes: KernelShapes, engine, kv: BatchKv, b, kv_len, kv_blocks, rope, gathered: bool,
+               anchor: ir.Operation) -> list[ir.Value]:
+    """Entry ``b``'s keys (rotated where the call rotates) and values in the engine's order
+    (kv_blocks x kv_block rows, zero past kv_len; MLA's values are the first d_v columns of its
+    key rows): where ``gathered`` (a cache in the kernel's dtype) by the row packing dispatch
+    (x86_packing.emit_packed_rows, its executables built before ``anchor``), keys that the call
+    rotates and an 8-bit cache's rows (dequantised) by one generic each."""
     s = shapes
     storage = [engine.layout.kv_storage(keys, 1, s.h_kv, kv_blocks, s.d if keys else s.d_v, s.kv_block)
                for keys in (True, False)]
     types = [tensor_type(static_shape(st.sizes), st.elem) for st in storage]
 
     elem = element_type(s.dtype)
+
+    def rows_packed(which: int) -> ir.Value:
+        source, offsets = _row_offsets(s, kv, which, b, kv_len, kv_blocks)
+        return tie_dims(emit_packed_rows(s, engine, which, source, offsets, kv_len, kv_blocks, anchor),
+                        storage[which].sizes)
 
     def widened(value):   # f16 into the FMA engine's f32
         return value if value.type == engine.operand else arith_d.extf(engine.operand, value)
@@ -151,9 +178,12 @@ def _packed_kv(shapes: KernelShapes, engine, kv: BatchKv, b, kv_len, kv_blocks, 
 
         return generic([], [empty(st.sizes, st.elem)], [affine_map(loops, range(loops))], "p" * loops, body)[0]
 
-    values = packed(storage[1], from_cache(kv.values))
+    def keys_unrotated() -> ir.Value:
+        return rows_packed(0) if gathered else packed(storage[0], from_cache(kv.keys))
+
+    values = rows_packed(1) if gathered else packed(storage[1], from_cache(kv.values))
     if rope is None:
-        return [packed(storage[0], from_cache(kv.keys)), values]
+        return [keys_unrotated(), values]
     branch = scf_d.IfOp(is_one(rope.rotary_mode), [types[0]], has_else=True)
     with ir.InsertionPoint(branch.then_block):   # rotated keys rounded to the dtype (rope.py), then packed
         rows = arith_d.muli(kv_blocks, const_index(s.kv_block))
@@ -165,12 +195,12 @@ def _packed_kv(shapes: KernelShapes, engine, kv: BatchKv, b, kv_len, kv_blocks, 
                              rope_scaling=rope.rope_scaling, rotary_dim=rope.rotary_dim)
         scf_d.YieldOp([packed(storage[0], lambda h, row, j: tensor_d.extract(rotated, [row, h, j]))])
     with ir.InsertionPoint(branch.else_block):
-        scf_d.YieldOp([packed(storage[0], from_cache(kv.keys))])
+        scf_d.YieldOp([keys_unrotated()])
     return [tie_dims(branch.results[0], storage[0].sizes), values]
 
 
 def _attend_entry(shapes: KernelShapes, engine, q, q_indptr: HostReadable, kv: BatchKv, b, rope, causal, sm_scale,
-                  sinks, carried: list[ir.Value]) -> list[ir.Value]:
+                  sinks, carried: list[ir.Value], gathered: bool, anchor: ir.Operation) -> list[ir.Value]:
     """The carried (output, state) with entry ``b``'s rows written by its dispatch; every size
     and offset read on the host (no wait on the device). An entry without queries packs no KV
     and runs no workgroup."""
@@ -180,7 +210,7 @@ def _attend_entry(shapes: KernelShapes, engine, q, q_indptr: HostReadable, kv: B
     qo_len = arith_d.subi(q_indptr.load([arith_d.addi(b, const_index(1))]), q_start)
     kv_len = kv.kv_len(host_read, b)
     kv_blocks = arith_d.select(lt(const_index(0), qo_len), ceil_div(kv_len, s.kv_block), const_index(0))
-    k_tiles, v_tiles = _packed_kv(s, engine, kv, b, kv_len, kv_blocks, rope)
+    k_tiles, v_tiles = _packed_kv(s, engine, kv, b, kv_len, kv_blocks, rope, gathered, anchor)
     sizes = _tensor_sizes(s, engine, tokens, kv_blocks)
     names = _names(sinks is not None)
     tensors = dict(q=q, k_tiles=k_tiles, v_tiles=v_tiles, sinks=sinks, out=carried[0], state=carried[1])
@@ -227,7 +257,8 @@ def build_x86_kv_cache_prefill(spec: RaggedPrefillSpec | PagedPrefillSpec, cpu: 
     def emit(args):
         engine = engine_for(spec.dtype, cpu)
         sinks = args.get("sinks")
-        with ir.InsertionPoint(args["q"].owner.owner):   # the kernel's func.func: the executable goes before it
+        function = args["q"].owner.owner   # the kernel's func.func: the executables go before it
+        with ir.InsertionPoint(function):
             _build_executable(shapes, engine, sinks is not None)
         rope = rope_arguments(spec, args)
         q = args["q"] if rope is None else rotated_if(rope, args["q"], args["q_rope_position"])
@@ -241,7 +272,7 @@ def build_x86_kv_cache_prefill(spec: RaggedPrefillSpec | PagedPrefillSpec, cpu: 
         with ir.InsertionPoint(loop.body):
             carried = [tie_dims(x, size) for x, size in zip(loop.inner_iter_args, sizes)]
             scf_d.YieldOp(_attend_entry(shapes, engine, q, q_indptr, kv, loop.induction_variable, rope, args["causal"],
-                                        args["sm_scale"], sinks, carried))
+                                        args["sm_scale"], sinks, carried, not quantized_kv(spec), function))
         out, state = (tie_dims(x, size) for x, size in zip(loop.results, sizes))
         return [out, _lse(shapes, state, sinks)]
 
