@@ -55,10 +55,15 @@ def build_module(spec, *, row_chunk: int | None = None, score_tiles: RowTiles = 
     return builder(spec, row_chunk=row_chunk, score_tiles=score_tiles)
 
 
-#: The x86 lowering's builders (hand-written dispatches) and why each has no kernel for a spec, on
-#: a CPU with AMX tiles; without them (an AMD Zen 4, an AVX-512 Xeon before Sapphire Rapids) the
-#: serving passes and the kernels of :data:`_X86_WITHOUT_AMX`. Each takes the spec, and the pass
-#: builders the CPU (X86Cpu) too.
+#: The x86 lowering's builders (hand-written dispatches) and why each has no kernel for a spec.
+#: Each takes the spec and the CPU (X86Cpu): without AMX tiles (an AMD Zen 4, an AVX-512 Xeon
+#: before Sapphire Rapids) a kernel exists in the dtypes the CPU has an engine for
+#: (x86_attention.engine_type: f32 and f16 on the FMA blocks, bf16 on DotEngine's pair dot
+#: products where it has AVX-512 BF16). On a 2-core Zen 4 (docs/performance.md): dense causal
+#: 1.45-5x the linalg kernels; the KV-cache prefills, with each entry's rows gathered by the row
+#: packing dispatch, bf16 1.25-3.9x, f16 1.15-3.6x, MLA 1.3-2.3x, e4m3 1.07-1.76x, f32
+#: 0.87-2.6x (0.87x at 2 entries of 64 new over 4096 cached, the linalg kernel's 64-query tile
+#: full).
 _X86_BUILDERS = {
     SequencePrefillSpec: (build_x86_sequence_prefill, _dense_x86_unsupported),
     MaskedSequencePrefillSpec: (build_x86_sequence_prefill, _dense_x86_unsupported),
@@ -67,28 +72,21 @@ _X86_BUILDERS = {
     MlaPagedPrefillSpec: (build_x86_kv_cache_prefill, _kv_cache_x86_unsupported),
 }
 _X86_PASS_BUILDERS = {DecodeSpec: (build_x86_pass, _pass_x86_unsupported)}
-#: The kernels a CPU without AMX tiles gets in the x86 lowering, in the dtypes it has an engine
-#: for (x86_attention.engine_type: f32 and f16 on the FMA blocks, bf16 on DotEngine's pair dot
-#: products where it has AVX-512 BF16): the dense sequence prefills, 1.45-5x the linalg kernels on
-#: a Zen 4 (docs/performance.md, twenty-second session). The KV-cache prefills keep the linalg
-#: lowering there: their x86 kernels pack each entry's whole cache, 0.82x the linalg kernel at 64
-#: new tokens over 4096 cached.
-_X86_WITHOUT_AMX = (SequencePrefillSpec, MaskedSequencePrefillSpec)
 
 
 def x86_unsupported(spec, cpu: X86Cpu = XEON_WITH_AMX) -> str | None:
-    """Why the x86 lowering has no kernel for ``spec`` (None where it has one) on ``cpu``: with
-    AMX tiles the dense sequence prefills (mlir/x86_attention.py), the ragged, paged and MLA
-    KV-cache prefills (mlir/x86_kv_cache.py) and their serving passes (mlir/x86_decode.py);
-    without, the serving passes."""
+    """Why the x86 lowering has no kernel for ``spec`` (None where it has one) on ``cpu``: the
+    dense sequence prefills (mlir/x86_attention.py), the ragged, paged and MLA KV-cache prefills
+    (mlir/x86_kv_cache.py) and their serving passes (mlir/x86_decode.py); without AMX tiles the
+    kernels in the dtypes ``cpu`` has an engine for."""
     if type(spec) in _X86_PASS_BUILDERS:
         return _X86_PASS_BUILDERS[type(spec)][1](spec, cpu)
     if type(spec) not in _X86_BUILDERS:
         return f"{type(spec).__name__} has no x86 kernel"
     engine = x86_engine_type(spec.dtype, cpu) if spec.dtype in ENGINES else None
-    if not cpu.amx and (type(spec) not in _X86_WITHOUT_AMX or engine is None):
+    if not cpu.amx and engine is None:
         return f"{type(spec).__name__} in {spec.dtype} has no x86 kernel without AMX tiles here"
-    return _X86_BUILDERS[type(spec)][1](spec)
+    return _X86_BUILDERS[type(spec)][1](spec, cpu)
 
 
 def build_x86_module(spec, cpu: X86Cpu = XEON_WITH_AMX):

@@ -909,10 +909,11 @@ def state_lse(best, total) -> ir.Value:
     return arith_d.select(seen, arith_d.addf(best, math_d.log2(total)), const_f32(EMPTY_ROW_LSE))
 
 
-def unsupported(spec) -> str | None:
-    """Why the x86 lowering cannot build ``spec`` (None where it can): the dense sequence prefill,
-    plain or masked (padded, causal_padded_left; not a custom mask), in bf16, f32 or f16 with a
-    head dim that divides into 32-column tiles, no sinks or 8-bit KV, blocks within the stack budget."""
+def unsupported(spec, cpu: X86Cpu = XEON_WITH_AMX) -> str | None:
+    """Why the x86 lowering cannot build ``spec`` for ``cpu`` (None where it can): the dense
+    sequence prefill, plain or masked (padded, causal_padded_left; not a custom mask), in bf16,
+    f32 or f16 with a head dim that divides into 32-column tiles, no sinks or 8-bit KV, blocks
+    within the stack budget."""
     if type(spec) not in (SequencePrefillSpec, MaskedSequencePrefillSpec):
         return f"{type(spec).__name__} has no x86 kernel (the dense sequence prefills have)"
     if _mask(spec) not in MASKS:
@@ -923,14 +924,14 @@ def unsupported(spec) -> str | None:
         return f"d={spec.d}: the x86 kernels need a multiple of 32"
     if spec.head_sinks or spec.kv_dtype:
         return "head sinks and 8-bit KV have no x86 kernel"
-    return blocks_unfit(spec.dtype, spec.d)
+    return blocks_unfit(spec.dtype, spec.d, cpu=cpu)
 
 
-def blocks_unfit(dtype: str, d: int, d_v: int | None = None) -> str | None:
-    """Why no workgroup blocks of head dims ``d``, ``d_v`` fit the stack budget (None where some
-    do: :func:`blocks_for`)."""
+def blocks_unfit(dtype: str, d: int, d_v: int | None = None, cpu: X86Cpu = XEON_WITH_AMX) -> str | None:
+    """Why no workgroup blocks of head dims ``d``, ``d_v`` on ``cpu`` fit the stack budget (None
+    where some do: :func:`blocks_for`)."""
     try:
-        blocks_for(dtype, d, d_v)
+        blocks_for(dtype, d, d_v, cpu)
     except ValueError as too_wide:
         return str(too_wide)
     return None
@@ -948,7 +949,7 @@ def build_x86_sequence_prefill(spec: SequencePrefillSpec | MaskedSequencePrefill
     """The verified module of ``spec`` (same signature as sequence.build_sequence_prefill) with
     the attention in one hand-written dispatch for ``cpu`` (:func:`engine_type`); ValueError
     where :func:`unsupported` says why not."""
-    why = unsupported(spec)
+    why = unsupported(spec, cpu)
     if why:
         raise ValueError(f"no x86 lowering for {spec.name}: {why}")
     shapes = KernelShapes(spec.h_q, spec.h_kv, spec.d, spec.dtype, _mask(spec), spec.sm_scale * LOG2E,

@@ -53,10 +53,11 @@ _ENTRY = "attend_entry"
 _SCALARS = ("tokens", "q_start", "q_len", "kv_len", "kv_blocks", "causal")
 
 
-def kv_cache_unsupported(spec) -> str | None:
-    """Why the x86 lowering has no kernel for the KV-cache variant ``spec`` (None where it has):
-    ragged, paged and MLA's latent caches in bf16, f32 or f16, head dims d_qk and d_v multiples
-    of 32, the KV-cache causal mask (not a custom one), workgroup blocks within the stack budget."""
+def kv_cache_unsupported(spec, cpu: X86Cpu = XEON_WITH_AMX) -> str | None:
+    """Why the x86 lowering has no kernel for the KV-cache variant ``spec`` on ``cpu`` (None where
+    it has): ragged, paged and MLA's latent caches in bf16, f32 or f16, head dims d_qk and d_v
+    multiples of 32, the KV-cache causal mask (not a custom one), workgroup blocks within the
+    stack budget."""
     if type(spec) not in (RaggedPrefillSpec, PagedPrefillSpec, MlaPagedPrefillSpec):
         return f"{type(spec).__name__} has no x86 kernel"
     if spec.dtype not in ENGINES:
@@ -65,7 +66,7 @@ def kv_cache_unsupported(spec) -> str | None:
         return f"d_qk={spec.d_qk}, d_v={spec.d_v}: the x86 kernels need head dims of a multiple of 32"
     if not isinstance(mask_rule(spec), KvCacheCausalRule):
         return "the x86 kernels know the KV-cache causal mask only"
-    return blocks_unfit(spec.dtype, spec.d_qk, spec.d_v)
+    return blocks_unfit(spec.dtype, spec.d_qk, spec.d_v, cpu)
 
 
 class _EntryDispatch(_Dispatch):
@@ -248,7 +249,7 @@ def build_x86_kv_cache_prefill(spec: RaggedPrefillSpec | PagedPrefillSpec, cpu: 
     signature) with each entry's attention in one hand-written dispatch for ``cpu`` (a CPU with
     AMX tiles: mlir/__init__.py's _X86_WITHOUT_AMX); ValueError where
     :func:`kv_cache_unsupported` says why not."""
-    why = kv_cache_unsupported(spec)
+    why = kv_cache_unsupported(spec, cpu)
     if why:
         raise ValueError(f"no x86 lowering for {spec.name}: {why}")
     shapes = KernelShapes(spec.h_q, spec.h_kv, spec.d_qk, spec.dtype, "causal", 0.0,

@@ -47,9 +47,9 @@ def test_the_record_picks_x86_for_dense_specs_on_amx_cpus_and_for_f32_and_f16_on
     assert Target("llvm-cpu", "host").lowering_of(spec) == ("x86" if x86_here else "linalg")
     assert Target("llvm-cpu", "sapphirerapids", lowering="fused").lowering_of(spec) == "fused"
     assert x86_uses_amx(spec) == (dtype == "bfloat16")
-    # the KV-cache prefills keep the linalg lowering without AMX (their x86 kernels pack whole caches)
+    # the KV-cache prefills likewise (tests/test_x86_kv_cache.py)
     paged = PagedPrefillSpec(8, 2, 64, dtype, page_size=16)
-    assert AMX_CPU.lowering_of(paged) == "x86" and Target("llvm-cpu", "znver4").lowering_of(paged) == "linalg"
+    assert AMX_CPU.lowering_of(paged) == "x86" and Target("llvm-cpu", "znver4").lowering_of(paged) == "x86"
 
 
 def _masked(mode, h_q=8, h_kv=2, d=64, dtype="bfloat16"):
