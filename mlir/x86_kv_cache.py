@@ -1,17 +1,22 @@
 """The x86 lowering of the KV-cache prefill kernels (``batch_prefill_ragged_kv``,
 ``batch_prefill_paged_kv[_sliding_window]``, ``batch_prefill_paged_kv_mla[_sliding_window]``):
-the dense kernel's dispatch (mlir/x86_attention.py: AMX tiles for bf16, FMA blocks for f32, the
-f32 vector softmax) once per batch entry, over all of its query rows, fed by the entry's K and V
+the dense kernel's dispatch (mlir/x86_attention.py: AMX tiles for bf16, or DotEngine's pair dot
+products without AMX; FMA blocks for f32 and f16; the f32 vector softmax) once per batch entry, over all of its query rows, fed by the entry's K and V
 packed once into the engine's order. d_v may differ from d_qk (a ragged cache's; MLA: one KV head
 of d_latent + d_rope key columns, the first d_latent of them its values).
 
 Per entry (an ``scf.for`` on the host side, as the linalg kernels walk their entries; an entry
 without queries is skipped):
 
-1. its KV rows are read by the variant's layout (kv_layouts.py, ``entry_loader``: a ragged slice,
-   a page-table gather, the sliding window's sinks then window; 8-bit caches dequantised), keys
-   rotated at ``k_rope_pos_offset[b] + row`` when ``rotary_mode == 1`` (kv_cache.then_rotated_if),
-   and packed as the engine reads them (``DENSE.stored``: zero past kv_len);
+1. its K and V are packed as the engine reads them (zero past kv_len), each key's row read where
+   the variant's layout keeps it (kv_layouts.py, ``BatchKv``: a ragged slice, a page-table gather,
+   the sliding window's sinks then window): a cache in the kernel's dtype by the row packing
+   dispatch (x86_packing.emit_packed_rows: 64-byte loads, 16 x 16 transposes for keys) at offsets
+   one generic computes per key and head (``BatchKv.row_offset``, the serving passes' row
+   addressing); keys rotated at ``k_rope_pos_offset[b] + row`` when ``rotary_mode == 1``
+   (rope.apply_rope, then rounded to the dtype) and an 8-bit cache's rows (dequantised) by one
+   generic each (at 2 x 64 new over 4096 cached, f32, the generics' packing was a fifth of the
+   call: docs/performance.md);
 2. one dispatch, workgroups (row blocks of the entry's qo_len x G rows, h_kv), reads the entry's
    query rows from the call's q (already rotated) in place and writes its output rows and their
    (max, sum) in token order into the call's output [Lq, h_q, d] and state [Lq, h_q, 2], which
@@ -246,9 +251,8 @@ def _lse(shapes: KernelShapes, state: ir.Value, sinks: ir.Value | None) -> ir.Va
 
 def build_x86_kv_cache_prefill(spec: RaggedPrefillSpec | PagedPrefillSpec, cpu: X86Cpu = XEON_WITH_AMX) -> ir.Module:
     """The verified module of the KV-cache variant ``spec`` (kv_cache.build_kv_cache_prefill's
-    signature) with each entry's attention in one hand-written dispatch for ``cpu`` (a CPU with
-    AMX tiles: mlir/__init__.py's _X86_WITHOUT_AMX); ValueError where
-    :func:`kv_cache_unsupported` says why not."""
+    signature) with each entry's attention in one hand-written dispatch for ``cpu``
+    (x86_attention.engine_for); ValueError where :func:`kv_cache_unsupported` says why not."""
     why = kv_cache_unsupported(spec, cpu)
     if why:
         raise ValueError(f"no x86 lowering for {spec.name}: {why}")

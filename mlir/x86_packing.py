@@ -1,4 +1,6 @@
-"""K and V packed into the x86 dense kernel's engine order by a hand-written dispatch.
+"""K and V packed into the x86 kernels' engine order by hand-written dispatches: the dense
+kernel's k and v [B, L, h_kv, d] (:func:`emit_packed_kv`), and one entry's rows of a KV cache at
+the offsets its kernel computes (:func:`emit_packed_rows`, mlir/x86_kv_cache.py).
 
 The dense x86 kernel (mlir/x86_attention.py) reads K and V packed once per call (N = kv_block
 keys a step, T steps; keys past the call's are zero):
@@ -15,7 +17,9 @@ at 6-7 GB/s: 2.2 ms of a 28 ms bf16 call of 2048 tokens (h 32/8, d 128; Intel Xe
 Here workgroup (t, h, b) packs step t of KV head h of entry b with 64-byte vectors: each 16 keys x
 16 lanes of k (bf16 dim pairs, or f32 dims) is a 16 x 16 transpose (four rounds of two-source
 shuffles); each two bf16 keys of v one interleave of their 32 dims (two shuffles), each f32 key's
-row of v a copy.
+row of v a copy. The row packing dispatch (one for an entry's K, one for its V; B = 1) packs the
+same way, workgroup (t, h), each key's row at the element offset its table holds (i64 [h_kv, T
+N]) instead of at a stride: a KV cache's rows where its layout keeps them.
 """
 
 from __future__ import annotations

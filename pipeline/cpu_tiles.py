@@ -119,10 +119,11 @@ def cpu_spec_lowering(arch: str, spec, lowering: str) -> str:
     dispatches, mlir/x86_attention.py: bf16 on AMX tiles, f32 and f16 in AVX-512 FMA blocks) in
     place of the linalg lowering on an Intel Xeon with AMX tiles (amx_tile, amx_bf16), where it
     was measured (docs/performance.md: dense causal bf16 5-8x, f32 1.8x the linalg lowering), for
-    the specs it builds; on an AVX-512 CPU without AMX (an AMD Zen 4) for the serving passes (1.5-2x
-    the linalg passes there) and the f32 and f16 dense sequence prefills (1.45-5x: mlir's
-    _X86_WITHOUT_AMX); else as asked (Zen 4 keeps its bf16 and KV-cache kernels linalg ones).
-    "x86" asked on a CPU without AMX for a spec it builds no x86 kernel of there is an error."""
+    the specs it builds; on an AVX-512 CPU without AMX (an AMD Zen 4) for the specs in the dtypes
+    it has an engine for (mlir.x86_unsupported: f32 and f16, bf16 where avx512_bf16 is): the
+    serving passes 1.5-2x the linalg passes there, dense causal 1.45-5x, the KV-cache prefills
+    0.87-3.9x; else as asked. "x86" asked on a CPU without AMX for a spec it builds no x86 kernel
+    of there is an error."""
     features, cpu = cpu_features(arch), x86_cpu(arch)
     x86_here = (cpu.amx or FMA_PASS_FEATURES <= features) and x86_unsupported(spec, cpu) is None
     if lowering == "x86" and not cpu.amx and not x86_here:

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from linalg_prefill.mlir import MaskedSequencePrefillSpec, PagedPrefillSpec, SequencePrefillSpec
+from linalg_prefill.mlir import MaskedSequencePrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec
 from linalg_prefill.mlir.score_tiles import ROW_TILES, PackedTiles
 from linalg_prefill.pipeline import Target
 from linalg_prefill.mlir.decode import NARROW_PASS_VECTORS, WIDE_PASS_VECTORS, DecodeSpec
@@ -58,15 +58,15 @@ def test_the_host_is_read_from_proc_cpuinfo():
 
 
 def test_hidden_features_are_not_the_hosts_and_amx_hidden_keeps_the_linalg_lowering():
-    """LINALG_PREFILL_HIDE_CPU_FEATURES (a new process reads it): AMX hidden, a bf16 paged spec
-    the x86 lowering builds with AMX keeps the linalg lowering, as on a CPU without AMX (an AMD
-    Zen 4)."""
+    """LINALG_PREFILL_HIDE_CPU_FEATURES (a new process reads it): AMX and AVX-512 BF16 hidden, a
+    bf16 paged spec the x86 lowering builds with either keeps the linalg lowering, as on a
+    Skylake-SP Xeon."""
     code = ("from linalg_prefill.mlir import PagedPrefillSpec\n"
             "from linalg_prefill.pipeline.cpu_tiles import cpu_spec_lowering, host_cpu_features\n"
             "spec = PagedPrefillSpec(8, 2, 64, 'bfloat16', page_size=16)\n"
             "print(sorted(f for f in host_cpu_features() if f.startswith('amx') or f == 'avx2'),"
             " cpu_spec_lowering('host', spec, 'linalg'))\n")
-    env = {**os.environ, HIDDEN_FEATURES_VARIABLE: "amx_tile, amx_bf16,amx_int8"}
+    env = {**os.environ, HIDDEN_FEATURES_VARIABLE: "amx_tile, amx_bf16,amx_int8,avx512_bf16"}
     hidden = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     shown = "['avx2']" if "avx2" in proc_cpu_flags() else "[]"
     assert hidden.stdout.split() == [shown, "linalg"]
@@ -121,17 +121,20 @@ def test_packed_tiles_contract_bf16_operands_with_mmt4d():
 
 def test_the_kv_cache_variants_pack_too_and_a_shape_the_tiles_do_not_divide_keeps_the_row_tiles():
     target = Target("llvm-cpu", AVX512_BF16)
-    paged = tuned_ir(PagedPrefillSpec(8, 2, 64, "bfloat16"), target)
+    paged = tuned_ir(PagedPrefillSpec(8, 2, 80, "bfloat16"), target)   # d 80: no x86 kernel
     assert "linalg.batch_mmt4d" in paged and "x16x2xbf16>" in paged
     for spec in (SequencePrefillSpec(4, 4, 72, "bfloat16", causal=True, sm_scale=0.125),  # 72 % 16
                  PagedPrefillSpec(4, 4, 64, "float32", q_tile=8)):  # an 8-row query tile
         assert "linalg.batch_mmt4d" not in tuned_ir(spec, target)
 
 
-#: The dense row tiles, as an AVX2 CPU runs them (this machine runs znver3 code too).
+#: The dense row tiles, as an AVX2 CPU runs them (this machine runs znver3 code too), and the
+#: KV-cache kernels' linalg lowering (on an AVX-512 CPU the x86 one: tests/test_x86_kv_cache.py).
 ROW_TILE_SPECS = [SequencePrefillSpec(8, 2, 64, "float32", causal=True, sm_scale=0.125),
                   SequencePrefillSpec(4, 4, 128, "bfloat16", causal=False, sm_scale=128 ** -0.5),
-                  MaskedSequencePrefillSpec(4, 2, 64, "float16", mask_mode="causal_padded_left", sm_scale=0.125)]
+                  MaskedSequencePrefillSpec(4, 2, 64, "float16", mask_mode="causal_padded_left", sm_scale=0.125),
+                  PagedPrefillSpec(8, 2, 64, "bfloat16", page_size=16),
+                  RaggedPrefillSpec(4, 2, 64, 32, "float32", kv_order="hnd")]
 
 
 @pytest.mark.parametrize("backend", [pytest.param(Target("llvm-cpu", AVX2), id="llvm-cpu-znver3")])
