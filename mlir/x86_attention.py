@@ -297,14 +297,27 @@ class FmaEngine:
             scf_d.YieldOp(body(as_i64(loop.induction_variable), list(loop.inner_iter_args)))
         return list(loop.results)
 
+    def rows_computed(self, rows_valid: ir.Value, row_block: int) -> ir.Value:
+        """The rows of a prefill workgroup the blocks compute (an i64 Value): its ``rows_valid``
+        rows rounded up to whole blocks of rows, at most ``row_block`` (a multiple of them)."""
+        rows = self.SCORE_ROWS
+        assert rows == self.ACC_ROWS and row_block % rows == 0
+        rounded = arith_d.muli(ceil_div_i64(rows_valid, rows), const_i64(rows))
+        return arith_d.minsi(rounded, const_i64(row_block))
+
     @staticmethod
-    def _row_blocks(row_block: int, rows: int, body) -> None:
-        """``body(first row, rows)`` for each block of ``rows`` rows, in an scf.for (unrolled, the
-        f32 kernels' IR grew to 1 MB and took 3 s to compile), then once for the last
-        ``row_block % rows`` rows."""
+    def _row_blocks(w: "_Dispatch", rows: int, body) -> None:
+        """``body(first row, rows)`` for each block of ``rows`` rows of the workgroup's
+        ``row_block`` (of its ``rows_computed`` where the dispatch bounds them), in an scf.for
+        (unrolled, the f32 kernels' IR grew to 1 MB and took 3 s to compile), then once for the
+        last ``row_block % rows`` rows."""
+        row_block = w.s.row_block
         full = row_block - row_block % rows
         if full:
-            loop = scf_d.ForOp(const_index(0), const_index(full), const_index(rows))
+            first = const_index(0)
+            upper = const_index(full) if w.rows_computed is None else \
+                arith_d.index_cast(ir.IndexType.get(), w.rows_computed)
+            loop = scf_d.ForOp(first, upper, const_index(rows))
             with ir.InsertionPoint(loop.body):
                 body(as_i64(loop.induction_variable), rows)
                 scf_d.YieldOp([])
@@ -340,7 +353,7 @@ class FmaEngine:
                     group(q_rows, score_rows, rows, col0)
                     scf_d.YieldOp([])
 
-        self._row_blocks(w.s.row_block, self.SCORE_ROWS, row_block)
+        self._row_blocks(w, self.SCORE_ROWS, row_block)
 
     def accumulate(self, w: "_Dispatch", v_block) -> None:
         d, v = w.s.d_v, w.vec
@@ -362,7 +375,7 @@ class FmaEngine:
         depth = self._depth(w.s.kv_block)
         if w.step_keys is not None:   # keys past the step's seen ones have probability 0: not added
             depth = arith_d.index_cast(ir.IndexType.get(), self._steps_seen(w.step_keys))
-        self._row_blocks(w.s.row_block, self.ACC_ROWS, row_block)
+        self._row_blocks(w, self.ACC_ROWS, row_block)
 
     def _macs(self, w: "_Dispatch", step_at, keys: bool, rows_at, row_stride: int, rows: int, col0: int,
               vectors: int):
@@ -525,6 +538,9 @@ class _Dispatch:
         #: log2(e) x the score scale (f32), and the rows the softmax steps walk (all of them here)
         self.scale_log2 = arith_d.constant(f32(), shapes.scale_log2)
         self.softmax_rows = self.s.row_block
+        #: The rows the engine's blocks compute (an i64 Value) where the dispatch bounds them (a
+        #: prefill workgroup on the FMA blocks or DotEngine: :meth:`emit`); None: all row_block.
+        self.rows_computed = None
         #: The keys of the current KV step some row of the workgroup sees (an i64 Value, at most
         #: kv_block; fewer in the step of the causal diagonal: :meth:`keys_seen`), where the
         #: dispatch bounds them (its :meth:`emit`; a serving pass's does not): the engines skip
@@ -544,6 +560,9 @@ class _Dispatch:
         first_row = arith_d.muli(wx, const_i64(self.s.row_block))
         rows_total = arith_d.muli(q_len, const_i64(s.group))
         rows_valid = arith_d.minsi(const_i64(self.s.row_block), arith_d.subi(rows_total, first_row))
+        if not self.engine.uses_amx:   # a workgroup's last rows past the entry's are not computed
+            self.rows_computed = self.engine.rows_computed(rows_valid, s.row_block)
+            self.softmax_rows = arith_d.index_cast(ir.IndexType.get(), self.rows_computed)
         keys = self.key_range(entry, q_len, kv_len)
         # hi grows (causal), is one value or 0 for a prefix of rows (padded) or a suffix
         # (left-padded): the rows' widest and narrowest ends are those of the first and last row
