@@ -61,9 +61,8 @@ def build_module(spec, *, row_chunk: int | None = None, score_tiles: RowTiles = 
 #: (x86_attention.engine_type: f32 and f16 on the FMA blocks, bf16 on DotEngine's pair dot
 #: products where it has AVX-512 BF16). On a 2-core Zen 4 (docs/performance.md): dense causal
 #: 1.45-5x the linalg kernels; the KV-cache prefills, with each entry's rows gathered by the row
-#: packing dispatch, bf16 1.25-3.9x, f16 1.15-3.6x, MLA 1.3-2.3x, e4m3 1.07-1.76x, f32
-#: 0.87-2.6x (0.87x at 2 entries of 64 new over 4096 cached, the linalg kernel's 64-query tile
-#: full).
+#: packing dispatch, bf16 1.37-4.98x, f16 1.24-4.27x, f32 0.96-3.17x (0.96x at 2 entries of 64
+#: new over 4096 cached, the linalg kernel's 64-query tile full), MLA 1.3-2.3x, e4m3 1.07-1.76x.
 _X86_BUILDERS = {
     SequencePrefillSpec: (build_x86_sequence_prefill, _dense_x86_unsupported),
     MaskedSequencePrefillSpec: (build_x86_sequence_prefill, _dense_x86_unsupported),

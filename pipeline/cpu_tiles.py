@@ -122,7 +122,7 @@ def cpu_spec_lowering(arch: str, spec, lowering: str) -> str:
     the specs it builds; on an AVX-512 CPU without AMX (an AMD Zen 4) for the specs in the dtypes
     it has an engine for (mlir.x86_unsupported: f32 and f16, bf16 where avx512_bf16 is): the
     serving passes 1.5-2x the linalg passes there, dense causal 1.45-5x, the KV-cache prefills
-    0.87-3.9x; else as asked. "x86" asked on a CPU without AMX for a spec it builds no x86 kernel
+    0.96-4.98x; else as asked. "x86" asked on a CPU without AMX for a spec it builds no x86 kernel
     of there is an error."""
     features, cpu = cpu_features(arch), x86_cpu(arch)
     x86_here = (cpu.amx or FMA_PASS_FEATURES <= features) and x86_unsupported(spec, cpu) is None
