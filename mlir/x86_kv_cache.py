@@ -1,8 +1,8 @@
 """The x86 lowering of the KV-cache prefill kernels (``batch_prefill_ragged_kv``,
 ``batch_prefill_paged_kv[_sliding_window]``, ``batch_prefill_paged_kv_mla[_sliding_window]``):
 the dense kernel's dispatch (mlir/x86_attention.py: AMX tiles for bf16, or DotEngine's pair dot
-products without AMX; FMA blocks for f32 and f16; the f32 vector softmax) once per batch entry, over all of its query rows, fed by the entry's K and V
-packed once into the engine's order. d_v may differ from d_qk (a ragged cache's; MLA: one KV head
+products without AMX; FMA blocks for f32 and f16; the f32 vector softmax) once per batch entry,
+over all of its query rows, fed by the entry's K and V packed once into the engine's order. d_v may differ from d_qk (a ragged cache's; MLA: one KV head
 of d_latent + d_rope key columns, the first d_latent of them its values).
 
 Per entry (an ``scf.for`` on the host side, as the linalg kernels walk their entries; an entry
@@ -137,7 +137,7 @@ def _row_offsets(shapes: KernelShapes, kv: BatchKv, which: int, b, kv_len, kv_bl
     flat (BatchKv.row_offset), keys past kv_len at its last row."""
     rows = arith_d.muli(kv_blocks, const_index(shapes.kv_block))
     last = arith_d.maxsi(arith_d.subi(kv_len, const_index(1)), const_index(0))
-    source = []
+    source = []   # the source row_offset names: one for every element (ragged: k or v; paged: pages)
 
     def body(_out):
         head, row = (linalg_d.IndexOp(i).result for i in range(2))

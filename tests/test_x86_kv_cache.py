@@ -1,10 +1,11 @@
 """The x86 KV-cache prefill kernels (mlir/x86_kv_cache.py): which specs and CPUs get them, their IR
 on every machine, and where the record picks them (AMX tiles; without, the dtypes the CPU has an
-engine for: an AMD Zen 4 all of them) their numerics against the float64 reference: the five cache specs of the x86 passes (ragged NHD and HND, paged HND and NHD,
-the sliding window's sink and window rows; e4m3 and e5m2 caches; head sinks; a soft cap; GQA 1
-to 8; both dtypes) on batches whose entries are longer than any pass (more queries than keys, no
-key, no query, hundreds of keys), with inline RoPE on and off, causal and not, peaked scores,
-and NaN in every unused page slot."""
+engine for: an AMD Zen 4 all of them) their numerics against the float64 reference: the five
+cache specs of the x86 passes (ragged NHD and HND, paged HND and NHD, the sliding window's sink
+and window rows; e4m3 and e5m2 caches; head sinks; a soft cap; GQA 1 to 8; both dtypes) on
+batches whose entries are longer than any pass (more queries than keys, no key, no query,
+hundreds of keys), with inline RoPE on and off, causal and not, peaked scores, and NaN in every
+unused page slot."""
 
 from __future__ import annotations
 
