@@ -10,8 +10,9 @@ a process of its own) is compiled for ``--arch`` up to IREE's executable sources
 executables are compared as sets, with symbol names, locations and push-constant counts and
 ordinals left out (a kernel whose results are written into the caller's storage reads fewer
 constants). Prints one line a kernel: ``same`` or how many executables differ, and the total.
-A CPU without AMX (``znver4``: AMD Zen 4) gets the linalg lowering, which an AMX host's x86 work
-does not touch: identical executables run as fast as they did.
+Run with ``--arch znver4`` (a CPU without AMX: AMD Zen 4) after work on an AMX host: identical
+executables run as fast as they did (a Zen 4 builds x86 kernels and passes too, on DotEngine and
+the FMA blocks, and the linalg kernels of the specs the x86 lowering has none of).
 """
 
 from __future__ import annotations

@@ -39,8 +39,8 @@ NAMED_CPU_FEATURES = {
 
 #: CPU features (comma-separated, as /proc/cpuinfo spells them) the library takes the host not to
 #: have: ``LINALG_PREFILL_HIDE_CPU_FEATURES=amx_tile,amx_bf16 make test`` runs on an AMX Xeon the
-#: suite a CPU without AMX runs (an AMD Zen 4's: linalg KV-cache kernels, x86 dense kernels and
-#: passes without AMX tiles, the AMX tests skipped;
+#: suite a CPU without AMX runs (an AMD Zen 4's: x86 kernels and passes without AMX tiles, bf16
+#: on pair dot products, the AMX tests skipped;
 #: docs/test-suite.md; ``make test-as CPU=znver4`` names them from :func:`features_to_hide`). Read
 #: once a process.
 HIDDEN_FEATURES_VARIABLE = "LINALG_PREFILL_HIDE_CPU_FEATURES"

@@ -26,8 +26,8 @@ KERNEL = PagedPrefillSpec(8, 2, 32, "float32", page_size=8)
 PASSES = [DecodeSpec(KERNEL, queries) for queries in (1, 4)]
 #: A kernel of KERNEL's shape (its dispatches mostly the same): another page size, a window.
 SHAPE_MATE = PagedPrefillSpec(8, 2, 32, "float32", page_size=16, sliding_window=True)
-#: An AMX CPU's lowering (the x86 passes, whose hand-written dispatches must not clash) and the
-#: linalg one, whatever this machine is.
+#: An AMX CPU's lowering and a Zen 4's (both the x86 kernels and passes, whose hand-written
+#: dispatches must not clash), whatever this machine is.
 TARGETS = [Target("llvm-cpu", "sapphirerapids"), Target("llvm-cpu", "znver4")]
 
 
