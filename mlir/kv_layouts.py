@@ -26,6 +26,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable
 
+from .amx import as_i64
 from .dtypes import ir_dtype, kv_dtype_of
 from .ir import (
     DYN, HostReadable, affine_map, arith_d, const_index, const_int, dim, element_type, empty, extract_slice, f32, fill,
@@ -222,11 +223,6 @@ def _i64_ops(like: ir.Value):
     return c, clamp
 
 
-def _i64(value: ir.Value) -> ir.Value:
-    """An index Value as i64."""
-    return arith_d.index_cast(ir.IntegerType.get_signless(64), value)
-
-
 def _itemsize(dtype: str) -> int:
     return ir_dtype(dtype).itemsize
 
@@ -410,8 +406,9 @@ class RaggedLayout(CacheLayout):
                 x, arith_d.minsi(arith_d.addi(start(device_read, e), r), last_row), *rest), scales, rest[0], elem)
 
         def row_offset(which, e, r, head):
-            row = _i64(arith_d.addi(start(device_read, e), r))
-            return self.row_offset(spec, which, row, _i64(const_index(0)), _i64(head), _i64(dim(k, self.row_axis)))
+            row = as_i64(arith_d.addi(start(device_read, e), r))
+            slot, head = as_i64(const_index(0)), as_i64(head)   # a ragged row is its own table entry
+            return self.row_offset(spec, which, row, slot, head, as_i64(dim(k, self.row_axis)))
 
         return BatchKv(last, start, kv_len, rows_of(k, k_scale), rows_of(v, v_scale), spec.h_kv, spec.d_qk, spec.d_v,
                        k_rope_pos_offset, (k, v), row_offset)
@@ -535,7 +532,7 @@ class _PageTableLayout(CacheLayout, ABC):
         def row_offset(which, e, r, head):
             entry = table(device_read, e)
             page, slot = physical_row(spec, entry, page_values, r, page_bounds(entry, page_values))
-            return self.row_offset(spec, which, _i64(page), _i64(slot), _i64(head), _i64(dim(pages, 0)))
+            return self.row_offset(spec, which, as_i64(page), as_i64(slot), as_i64(head), as_i64(dim(pages, 0)))
 
         return row_offset
 

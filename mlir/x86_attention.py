@@ -62,7 +62,7 @@ from .x86_packing import emit_packed_kv, kv_tile_sizes
 class X86Cpu:
     """What the x86 lowering's kernels may use on the CPU they are built for, beyond AVX-512 F, DQ
     and BW (which every CPU it builds for has): AMX tiles (amx_tile and amx_bf16: bf16 products;
-    without them the serving passes and the dense kernels only, on the FMA blocks or DotEngine),
+    without them bf16 on DotEngine where the CPU has AVX-512 BF16, else bf16 passes only, widened),
     AVX-512 VBMI (vpermi2b: a bf16 pass over an 8-bit cache widens it through byte tables) and
     AVX-512 BF16 (vdpbf16ps: without AMX, bf16 products on bf16 pairs, :class:`DotEngine`).
     pipeline/cpu_tiles.py: x86_cpu reads them from the CPU's features."""

@@ -2,8 +2,9 @@
 ``batch_prefill_paged_kv[_sliding_window]``, ``batch_prefill_paged_kv_mla[_sliding_window]``):
 the dense kernel's dispatch (mlir/x86_attention.py: AMX tiles for bf16, or DotEngine's pair dot
 products without AMX; FMA blocks for f32 and f16; the f32 vector softmax) once per batch entry,
-over all of its query rows, fed by the entry's K and V packed once into the engine's order. d_v may differ from d_qk (a ragged cache's; MLA: one KV head
-of d_latent + d_rope key columns, the first d_latent of them its values).
+over all of its query rows, fed by the entry's K and V packed once into the engine's order. d_v
+may differ from d_qk (a ragged cache's; MLA: one KV head of d_latent + d_rope key columns, the
+first d_latent of them its values).
 
 Per entry (an ``scf.for`` on the host side, as the linalg kernels walk their entries; an entry
 without queries is skipped):
