@@ -171,6 +171,8 @@ class AmxEngine:
     #: Whether the P.V step reads value rows where a serving pass's cache holds them (its row
     #: pointers) instead of a staged copy (x86_decode.InPlaceValues).
     values_in_place = False
+    #: Whether a serving pass stages its keys (x86_decode.ByteKeysDotEngine takes their scores instead).
+    keys_staged = True
 
     def __init__(self, dtype: str):
         self.operand = element_type(dtype)
@@ -271,6 +273,7 @@ class FmaEngine:
 
     uses_amx = False
     values_in_place = False
+    keys_staged = True
     OPERAND_BYTES = 4
     SCORE_ROWS, SCORE_VECTORS = 6, 4
     ACC_ROWS, ACC_VECTORS = 6, 4

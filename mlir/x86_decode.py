@@ -187,7 +187,8 @@ def pass_engine_type(spec: DecodeSpec, cpu: X86Cpu = XEON_WITH_AMX) -> type:
     if spec.dtype == "bfloat16" and cpu.amx:
         return KeyRowsEngine if spec.rows <= KEY_ROWS_UP_TO else AmxEngine
     if spec.dtype == "bfloat16" and cpu.bf16_dot and (cpu.vbmi or not quantized_kv(spec.base)):
-        return DotEngine
+        fused = quantized_kv(spec.base) and spec.rows <= ByteKeysDotEngine.ROWS and spec.d_qk % 64 == 0
+        return ByteKeysDotEngine if fused else DotEngine
     if spec.dtype == "float32" and not quantized_kv(spec.base):
         return InPlaceValues
     if not cpu.amx and not quantized_kv(spec.base) and spec.rows <= InPlaceValues.ACC_ROWS:
@@ -205,13 +206,16 @@ def pass_blocks(spec: DecodeSpec, cpu: X86Cpu = XEON_WITH_AMX) -> tuple[int, int
     rows = spec.rows
     if engine is KeyRowsEngine:
         wanted, smaller = KeyRowsEngine.ROWS, ((KeyRowsEngine.ROWS, 32),)
+    elif engine is ByteKeysDotEngine:
+        wanted, smaller = ByteKeysDotEngine.ROWS, ((ByteKeysDotEngine.ROWS, 32),)
     elif engine.uses_amx:
         wanted, smaller = 32 if rows <= 32 else 64, ((32, PASS_KV_BLOCK), (32, 32))
     else:
         wanted = min(64, -(-rows // 4) * 4)
         smaller = ((min(wanted, 32), PASS_KV_BLOCK), (16, PASS_KV_BLOCK))
     d, d_v = spec.d_qk, spec.d_v
-    staged = d + (0 if engine.values_in_place else d_v)   # columns of a staged key: K, and V unless read in place
+    # columns of a staged key: K unless its scores are taken as it is widened, V unless read in place
+    staged = (d if engine.keys_staged else 0) + (0 if engine.values_in_place else d_v)
     for row_block, keys in ((wanted, PASS_KV_BLOCK), *smaller):
         # K (V), the zero row, row pointers, a score tile
         staging = keys * staged * operand + d * operand + 2 * keys * 16 + 1024
@@ -370,6 +374,49 @@ class DotStaging(AmxStaging):
                 llvm_store(pair, at(group_at, first_dim // 2 * 64))
 
 
+class ByteKeysDotEngine(DotEngine):
+    """DotEngine for a pass of at most 4 rows (a decode step's query x G 4) over an 8-bit cache:
+    each 16 keys' scores taken as their bytes are widened (:class:`ByteKeysStaging`), no K staged.
+    The bytes are transposed before the widening, as 32-bit words (four dims of a key a lane:
+    half the shuffles of transposing the widened bf16 pairs); each looked-up vector holds two
+    pairs of dims of 8 keys, against q's four dims broadcast as one 64-bit word (even lanes the
+    first pair, odd lanes the second), and the two lanes of a key are added at the end."""
+
+    ROWS = 4
+    keys_staged = False
+
+    def scores(self, w: "_PassDispatch", q_base, k_block, scores) -> None:
+        """Nothing left: ByteKeysStaging.keys wrote the step's scores."""
+
+
+class ByteKeysStaging(DotStaging):
+    """ByteKeysDotEngine's staging: V as DotStaging stages it; each 16 keys' scores [row_block,
+    16] f32 into the step's scores instead of their K."""
+
+    def keys(self, w: "_PassDispatch", group, rows: list[ir.Value]) -> None:
+        d, bf16_pairs = w.s.d, ir.VectorType.get([32], ir.BF16Type.get())
+        words, quad = ir.VectorType.get([16], i32()), ir.VectorType.get([8], i64())
+        acc = [[w.vec.const(0.0)] * 2 for _ in range(w.s.row_block)]
+        for first in range(0, d, 64):
+            loaded = [llvm_load(words, at(row, first)) for row in rows]
+            for j, word in enumerate(_transposed(loaded)):   # lane k: key k's dims first + 4 j + [0, 4)
+                low, high = w._lookup(0, vector_d.bitcast(ir.VectorType.get([64], ir.IntegerType.get_signless(8)),
+                                                          word))
+                q_dims = [vector_d.bitcast(bf16_pairs, vector_d.broadcast(quad, llvm_load(
+                    i64(), at(w.q_rows, (r * d + first + 4 * j) * 2)))) for r in range(w.s.row_block)]
+                for half in range(2):   # in-lane byte interleaves: keys 4 m + 2 half, + 1 of lane m
+                    order = [16 * lane + 8 * half + i // 2 + (64 if i % 2 else 0)
+                             for lane in range(4) for i in range(16)]
+                    pairs = vector_d.bitcast(bf16_pairs, vector_d.shuffle(low, high, order))
+                    for row_acc, row_dims in zip(acc, q_dims):
+                        row_acc[half] = DotEngine._mac(row_acc[half], row_dims, pairs)
+        first_lane = [16 * (t // 2) + 4 * m + 2 * (t % 2) for m in range(4) for t in range(4)]   # key 4 m + t
+        group_at = at(w.scores, arith_d.muli(group, const_i64(64)))
+        for r, (a, b) in enumerate(acc):
+            keys = arith_d.addf(vector_d.shuffle(a, b, first_lane), vector_d.shuffle(a, b, [i + 1 for i in first_lane]))
+            w.vec.store(keys, at(group_at, r * w.score_stride))
+
+
 class KeyRowsStaging(AmxStaging):
     """KeyRowsEngine's order: K [kv_block, d] as the rows are (copied; 8-bit caches widened), V
     as AmxStaging interleaves it. A bf16 cache's 16 keys whose rows lie at one stride (a page's
@@ -415,7 +462,7 @@ class KeyRowsStaging(AmxStaging):
 #: The staging of each engine's passes: f16 caches widen to f32 as they are staged (FmaEngine: these
 #: CPUs have no amx_fp16; the linalg passes ran 16 x 16 vs 1024 f16 at 0.39x torch).
 STAGING = {AmxEngine: AmxStaging, KeyRowsEngine: KeyRowsStaging, FmaEngine: FmaStaging, InPlaceValues: FmaStaging,
-           InPlaceWidenedValues: FmaStaging, DotEngine: DotStaging}
+           InPlaceWidenedValues: FmaStaging, DotEngine: DotStaging, ByteKeysDotEngine: ByteKeysStaging}
 
 
 class _PassDispatch(_Dispatch):
@@ -426,7 +473,7 @@ class _PassDispatch(_Dispatch):
         super().__init__(shapes, engine, pointers, scalars)
         self.spec = spec
         stage_bytes = shapes.kv_block * _bytes(engine.operand)   # a column of a step's keys
-        self.k_stage = stack_bytes(stage_bytes * shapes.d)
+        self.k_stage = stack_bytes(stage_bytes * shapes.d) if engine.keys_staged else None
         self.v_stage = None if engine.values_in_place else stack_bytes(stage_bytes * shapes.d_v)
         #: What a key past the chunk, the entry or the table reads as its K and its V row: zeros as
         #: wide as either row in f32 (a ragged cache's d_v may exceed its d_qk)

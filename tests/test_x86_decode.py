@@ -18,7 +18,7 @@ from linalg_prefill.mlir.x86_attention import (
     STACK_BUDGET, WORKER_STACK_BYTES, XEON_WITH_AMX, AmxEngine, FmaEngine, X86Cpu, workgroup_bytes,
 )
 from linalg_prefill.mlir.x86_decode import (
-    DotEngine, InPlaceValues, InPlaceWidenedValues, KeyRowsEngine, pass_blocks, pass_engine_type,
+    ByteKeysDotEngine, DotEngine, InPlaceValues, InPlaceWidenedValues, KeyRowsEngine, pass_blocks, pass_engine_type,
 )
 from linalg_prefill.pipeline import Target, compile_spec
 from linalg_prefill.pipeline.tuning import tuned_ir
@@ -147,7 +147,7 @@ def test_f32_passes_read_values_in_place_and_every_pass_fits_the_workers_stack()
                 spec = DecodeSpec(base, queries)
                 rows, keys = pass_blocks(spec, cpu)
                 engine = pass_engine_type(spec, cpu)
-                staged = base.d_qk + (0 if engine.values_in_place else base.d_v)
+                staged = (base.d_qk if engine.keys_staged else 0) + (0 if engine.values_in_place else base.d_v)
                 assert workgroup_bytes(engine.OPERAND_BYTES, rows, keys, base.d_qk, base.d_v) \
                     + keys * staged * engine.OPERAND_BYTES <= STACK_BUDGET
 
@@ -198,6 +198,22 @@ def test_a_bf16_pass_over_an_8_bit_cache_without_amx_widens_through_the_byte_tab
     zen4 = tuned_ir(spec, Target("llvm-cpu", "znver4"))
     assert "llvm.x86.avx512.vpermi2var.qi.512" in zen4 and "llvm.x86.avx512bf16.dpbf16ps.512" in zen4
     assert "llvm.x86.t" not in zen4
+
+
+def test_a_one_query_pass_over_an_8_bit_cache_without_amx_takes_its_scores_as_it_widens_the_keys():
+    """On a Zen 4 a pass of at most 4 rows (1 query x G 4 or fewer) over an 8-bit cache of a head
+    dim of a multiple of 64 scores each 16 keys as it widens them (ByteKeysDotEngine): no K staged,
+    q's four dims broadcast as one 64-bit word. More rows, d 96, an AMX Xeon: the staged keys."""
+    e4m3 = PagedPrefillSpec(32, 8, 128, "bfloat16", page_size=16, kv_dtype="float8_e4m3fn")
+    assert [pass_engine_type(DecodeSpec(e4m3, q), ZEN_4) for q in (1, 4)] == [ByteKeysDotEngine, DotEngine]
+    assert pass_engine_type(DecodeSpec(e4m3, 1)) is KeyRowsEngine
+    narrow = PagedPrefillSpec(32, 8, 96, "bfloat16", page_size=16, kv_dtype="float8_e4m3fn")
+    assert pass_engine_type(DecodeSpec(narrow, 1), ZEN_4) is DotEngine
+    wide_group = PagedPrefillSpec(32, 4, 128, "bfloat16", page_size=16, kv_dtype="float8_e4m3fn")
+    assert pass_engine_type(DecodeSpec(wide_group, 1), ZEN_4) is DotEngine
+    fused, staged = (tuned_ir(DecodeSpec(e4m3, q), Target("llvm-cpu", "znver4")) for q in (1, 4))
+    assert "vector.broadcast" in fused and "vector<8xi64>" in fused
+    assert "vector<8xi64>" not in staged
 
 
 def _call(name, rng, entries=ENTRIES):
