@@ -11,7 +11,8 @@ ragged k and v [Lk, h_kv, d] (quantize_kv), read by ``RaggedPrefillWrapper.run``
 mla``: bench/mla_serving.py's steps (h_q=16, d_latent=512, d_rope=64, one latent row a key), the
 latent pages quantised with one scale (quantize_latent), read by ``MlaPagedPrefillWrapper.run``. ``ratio`` = bf16 ms / fp8 ms (above 1: the 8-bit cache is faster);
 GB/s columns: the KV bytes each step reads (sum of kv_len rows of K and V, in each pool's dtype)
-per second. ``max|diff|``: the two outputs' largest difference (the quantisation's effect).
+per second; ``stream GB/s``: the machine's read bandwidth in the same run (torch's ``sum``,
+serving_batches.streaming_gbps), and each pool's share of it. ``max|diff|``: the two outputs' largest difference (the quantisation's effect).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from linalg_prefill.runtime.kv_quant import quantize_kv, quantize_latent, quanti
 from mla_serving import D_LATENT as MLA_D_LATENT, D_QK as MLA_D_QK, H_Q as MLA_H_Q  # noqa: E402
 from mla_serving import SM_SCALE as MLA_SM_SCALE, step_inputs as mla_step  # noqa: E402
 from serving_batches import (  # noqa: E402
-    D, H_KV, H_Q, PAGE_SIZE, burst_for, cached_lengths, gathered_kv, serving_step,
+    D, H_KV, H_Q, PAGE_SIZE, burst_for, cached_lengths, gathered_kv, serving_step, streaming_gbps,
 )
 
 
@@ -64,10 +65,7 @@ def measure_row(wrappers, batch: int, new: int, cached: str, repeat: int, rng) -
     outs = [run()[0] for run in runs]
     burst = burst_for(min(_once(run) for run in runs))
     plain_s, fp8_s = best_times(runs, repeat, burst)
-    rows = int(step["kv_lens"].sum()) * 2 * H_KV * D
-    return dict(batch=batch, new=new, cached=cached, bf16_ms=plain_s * 1e3, fp8_ms=fp8_s * 1e3, ratio=plain_s / fp8_s,
-                bf16_gbps=rows * 2 / plain_s / 1e9, fp8_gbps=rows / fp8_s / 1e9,
-                max_abs_diff=float(np.abs(outs[0].astype(np.float32) - outs[1].astype(np.float32)).max()))
+    return _row(batch, new, cached, plain_s, fp8_s, int(step["kv_lens"].sum()) * 2 * H_KV * D, outs)
 
 
 def _mla_row(wrappers, batch: int, new: int, cached: str, repeat: int, rng) -> dict:
@@ -85,9 +83,18 @@ def _mla_row(wrappers, batch: int, new: int, cached: str, repeat: int, rng) -> d
     outs = [run()[0] for run in runs]
     burst = burst_for(min(_once(run) for run in runs))
     plain_s, fp8_s = best_times(runs, repeat, burst)
-    rows = int(step["kv_lens"].sum()) * MLA_D_QK
+    return _row(batch, new, cached, plain_s, fp8_s, int(step["kv_lens"].sum()) * MLA_D_QK, outs)
+
+
+def _row(batch: int, new: int, cached: str, plain_s: float, fp8_s: float, elements: int, outs) -> dict:
+    """A row's figures: ``elements`` the KV elements a step reads (one byte each in the 8-bit pool,
+    two in the bf16 one); the machine's read bandwidth (serving_batches.streaming_gbps over the
+    bf16 pool's bytes) measured after the row's calls, and each pool's share of it."""
+    stream = streaming_gbps(elements * 2)
+    bf16_gbps, fp8_gbps = elements * 2 / plain_s / 1e9, elements / fp8_s / 1e9
     return dict(batch=batch, new=new, cached=cached, bf16_ms=plain_s * 1e3, fp8_ms=fp8_s * 1e3, ratio=plain_s / fp8_s,
-                bf16_gbps=rows * 2 / plain_s / 1e9, fp8_gbps=rows / fp8_s / 1e9,
+                bf16_gbps=bf16_gbps, fp8_gbps=fp8_gbps, stream_gbps=stream, bf16_share=bf16_gbps / stream,
+                fp8_share=fp8_gbps / stream,
                 max_abs_diff=float(np.abs(outs[0].astype(np.float32) - outs[1].astype(np.float32)).max()))
 
 
@@ -105,7 +112,7 @@ def _once(run) -> float:
 
 
 HEADER = (f"{'batch':>5} {'new':>4} {'cached':>7} {'bf16 ms':>9} {'fp8 ms':>9} {'ratio':>6} {'bf16 GB/s':>9} "
-          f"{'fp8 GB/s':>9} {'max|diff|':>9}")
+          f"{'fp8 GB/s':>9} {'stream GB/s':>11} {'bf16 share':>10} {'fp8 share':>9} {'max|diff|':>9}")
 
 
 def main() -> None:
@@ -137,7 +144,8 @@ def main() -> None:
                 r = measure_row(wrappers, batch, new, cached, args.repeat, rng)
                 rows.append(r)
                 print(f"{r['batch']:>5} {r['new']:>4} {r['cached']:>7} {r['bf16_ms']:>9.2f} {r['fp8_ms']:>9.2f} "
-                      f"{r['ratio']:>6.2f} {r['bf16_gbps']:>9.2f} {r['fp8_gbps']:>9.2f} {r['max_abs_diff']:>9.1e}",
+                      f"{r['ratio']:>6.2f} {r['bf16_gbps']:>9.2f} {r['fp8_gbps']:>9.2f} {r['stream_gbps']:>11.2f} "
+                      f"{r['bf16_share']:>10.2f} {r['fp8_share']:>9.2f} {r['max_abs_diff']:>9.1e}",
                       flush=True)
     if args.json:
         with open(args.json, "w") as out:
