@@ -131,10 +131,12 @@ def input_alignment(flags) -> int:
 
 def _cpu_flags(arch: str) -> list[str]:
     # O3 turns named contractions into generics; the packed tiles' batch_mmt4d must stay one to
-    # get IREE's mmt4d code (14x slower as a generic: docs/performance.md, packed tiles)
+    # get IREE's mmt4d code (14x slower as a generic: docs/performance.md, packed tiles). LLVM's
+    # loop vectorizer (off in IREE by default) takes the scalar loops of the hand-written x86
+    # dispatches, such as a serving pass's row pointers (docs/performance.md, twenty-fourth session)
     return ["--iree-hal-target-device=local", "--iree-hal-local-target-device-backends=llvm-cpu",
             f"--iree-llvmcpu-target-cpu={arch}", "--iree-opt-level=O3", "--iree-opt-generalize-matmul=false",
-            f"{ALIGNMENT_FLAG}{CPU_INPUT_ALIGNMENT}"]
+            "--iree-llvmcpu-loop-vectorization", f"{ALIGNMENT_FLAG}{CPU_INPUT_ALIGNMENT}"]
 
 
 def _cuda_flags(arch: str) -> list[str]:
