@@ -180,7 +180,8 @@ class InPlaceWidenedValues(InPlaceValues):
 def pass_engine_type(spec: DecodeSpec, cpu: X86Cpu = XEON_WITH_AMX) -> type:
     """The contraction engine class of the pass on ``cpu``, with AMX tiles or without:
     bf16 with AMX on KeyRowsEngine for few rows, else AmxEngine; bf16 without AMX on DotEngine
-    where the CPU has AVX-512 BF16 (and VBMI for an 8-bit cache's tables); an f32 cache
+    where the CPU has AVX-512 BF16 (and VBMI for an 8-bit cache's tables; ByteKeysDotEngine for
+    an 8-bit cache's passes of at most 4 rows and a head dim of a multiple of 64); an f32 cache
     InPlaceValues; without AMX a bf16 or f16 cache's passes of at most ACC_ROWS rows
     InPlaceWidenedValues (the AMX Xeon's f16 passes, measured there, keep the staged copy); else
     (f16, 8-bit, bf16 without AMX or AVX-512 BF16) FmaEngine, widening as it stages."""
@@ -400,7 +401,7 @@ class ByteKeysStaging(DotStaging):
         for first in range(0, d, 64):
             loaded = [llvm_load(words, at(row, first)) for row in rows]
             for j, word in enumerate(_transposed(loaded)):   # lane k: key k's dims first + 4 j + [0, 4)
-                low, high = w._lookup(0, vector_d.bitcast(ir.VectorType.get([64], ir.IntegerType.get_signless(8)),
+                low, high = w.lookup(0, vector_d.bitcast(ir.VectorType.get([64], ir.IntegerType.get_signless(8)),
                                                           word))
                 q_dims = [vector_d.bitcast(bf16_pairs, vector_d.broadcast(quad, llvm_load(
                     i64(), at(w.q_rows, (r * d + first + 4 * j) * 2)))) for r in range(w.s.row_block)]
@@ -605,7 +606,7 @@ class _PassDispatch(_Dispatch):
 
     def key_row(self, row) -> list[ir.Value]:
         """The d 8-bit elements of the K row at ``row`` as d/32 vectors of 32 bf16 (as 16 i32),
-        64 elements a lookup (:meth:`_lookup`; 32 a lookup as :meth:`_looked_up` does wasted
+        64 elements a lookup (:meth:`lookup`; 32 a lookup as :meth:`_looked_up` does wasted
         half of each ``vpermi2b``, two cycles of the shuffle port on these CPUs: with this and
         :meth:`paired_values`, e4m3 32 x 1 vs 4096 16.97 -> 13.58 ms in cache, 25.71 -> 22.60
         from memory), each 64 joined by one-cycle in-lane interleaves, dims in the order
@@ -644,20 +645,20 @@ class _PassDispatch(_Dispatch):
                 for j in range(width // 32)]
 
     def _row_lookup(self, which: int, row, first: int) -> tuple[int, tuple[ir.Value, ir.Value]]:
-        """(width, :meth:`_lookup` of them) for the 8-bit elements [first, first + width) of the K
+        """(width, :meth:`lookup` of them) for the 8-bit elements [first, first + width) of the K
         (``which`` 0) or V (1) row at ``row``, width 64 or the 32 left at the row's end."""
         width = min(64, (self.s.d, self.s.d_v)[which] - first)
         raw = llvm_load(ir.VectorType.get([width], ir.IntegerType.get_signless(8)), at(row, first))
-        return width, self._lookup(which, raw if width == 64 else vector_d.shuffle(raw, raw, list(range(64))))
+        return width, self.lookup(which, raw if width == 64 else vector_d.shuffle(raw, raw, list(range(64))))
 
     def paired_values(self, a, b, chunk: int) -> tuple[ir.Value, ir.Value]:
         """Dims [32 chunk, + 32) of the 8-bit V rows of keys a and b as AmxStaging.values' two
         pair vectors (dims 0-15 and 16-31 of the chunk, each 16 (a, b) bf16 pairs, as 32 i16):
-        both keys' 32 bytes in one lookup (:meth:`_lookup`), interleaved by the shuffle that
+        both keys' 32 bytes in one lookup (:meth:`lookup`), interleaved by the shuffle that
         joins low and high bytes."""
         i8 = ir.IntegerType.get_signless(8)
         raw = [llvm_load(ir.VectorType.get([32], i8), at(row, chunk * 32)) for row in (a, b)]
-        low, high = self._lookup(1, vector_d.shuffle(raw[0], raw[1], list(range(64))))
+        low, high = self.lookup(1, vector_d.shuffle(raw[0], raw[1], list(range(64))))
         halves = ir.VectorType.get([32], ir.IntegerType.get_signless(16))
         outs = []
         for j in range(2):
@@ -665,19 +666,19 @@ class _PassDispatch(_Dispatch):
             outs.append(vector_d.bitcast(halves, vector_d.shuffle(low, high, order)))
         return outs[0], outs[1]
 
-    def _lookup(self, which: int, index) -> tuple[ir.Value, ir.Value]:
+    def lookup(self, which: int, index) -> tuple[ir.Value, ir.Value]:
         """The low and high bytes of bf16(f32(x) x the head's scale) for 64 8-bit elements x
         (``index``, 64 i8): each magnitude's two bytes from the head's tables (vpermi2b: 128
         entries a byte of index), the high byte's sign bit flipped by x's."""
         bytes64 = index.type
 
-        def lookup(table):
+        def through(table):
             return llvm_d.call_intrinsic(bytes64, "llvm.x86.avx512.vpermi2var.qi.512", [table[0], index, table[1]],
                                          [], [])
 
         low_table, high_table = self.tables[which]
         sign = arith_d.andi(index, const_int(bytes64, -0x80))
-        return lookup(low_table), arith_d.xori(lookup(high_table), sign)
+        return through(low_table), arith_d.xori(through(high_table), sign)
 
     def _looked_up(self, which: int, pointer) -> ir.Value:
         """32 8-bit elements at ``pointer`` as 32 bf16 (as 64 i8): each magnitude's two bytes
@@ -686,7 +687,7 @@ class _PassDispatch(_Dispatch):
         sign), in a few byte shuffles instead of the f16 move, two vcvtph2ps, two multiplies and
         two vcvtneps2bf16."""
         raw = llvm_load(ir.VectorType.get([32], ir.IntegerType.get_signless(8)), pointer)
-        low, high = self._lookup(which, vector_d.shuffle(raw, raw, list(range(64))))   # the upper half unused
+        low, high = self.lookup(which, vector_d.shuffle(raw, raw, list(range(64))))   # the upper half unused
         return vector_d.shuffle(low, high, [i // 2 + (64 if i % 2 else 0) for i in range(64)])
 
     def _widened(self, which: int, pointer) -> ir.Value:
