@@ -199,16 +199,14 @@ def pass_engine_type(spec: DecodeSpec, cpu: X86Cpu = XEON_WITH_AMX) -> type:
 
 def pass_blocks(spec: DecodeSpec, cpu: X86Cpu = XEON_WITH_AMX) -> tuple[int, int]:
     """(rows of a workgroup, keys of a KV step) of the pass on ``cpu``:
-    KeyRowsEngine works on one 16-row tile, AmxEngine on 32 or 64 rows (pairs of 16-row tiles),
-    the FMA blocks on multiples of 4; 64 keys a step; buffers and the two staging buffers within
+    KeyRowsEngine works on one 16-row tile, ByteKeysDotEngine on one block of 4 rows, AmxEngine on
+    32 or 64 rows (pairs of 16-row tiles), the FMA blocks on multiples of 4; 64 keys a step; buffers and the two staging buffers within
     STACK_BUDGET."""
     engine = pass_engine_type(spec, cpu)
     operand = engine.OPERAND_BYTES
     rows = spec.rows
-    if engine is KeyRowsEngine:
-        wanted, smaller = KeyRowsEngine.ROWS, ((KeyRowsEngine.ROWS, 32),)
-    elif engine is ByteKeysDotEngine:
-        wanted, smaller = ByteKeysDotEngine.ROWS, ((ByteKeysDotEngine.ROWS, 32),)
+    if engine in (KeyRowsEngine, ByteKeysDotEngine):   # one block of rows: fewer keys a step if need be
+        wanted, smaller = engine.ROWS, ((engine.ROWS, 32),)
     elif engine.uses_amx:
         wanted, smaller = 32 if rows <= 32 else 64, ((32, PASS_KV_BLOCK), (32, 32))
     else:
@@ -256,6 +254,13 @@ def _transposed(rows: list[ir.Value]) -> list[ir.Value]:
             a, b = rows[r], rows[r + m]
             rows[r], rows[r + m] = vector_d.shuffle(a, b, low), vector_d.shuffle(a, b, high)
     return rows
+
+
+def _in_lane_join(low: ir.Value, high: ir.Value, half: int) -> ir.Value:
+    """Bytes [8 half, 8 half + 8) of each 128-bit lane of the looked-up ``low`` and ``high`` bytes
+    (64 i8 each) interleaved into 32 bf16 (as 64 i8): one in-lane unpack (vpunpck[lh]bw)."""
+    return vector_d.shuffle(low, high, [16 * lane + 8 * half + i // 2 + (64 if i % 2 else 0)
+                                        for lane in range(4) for i in range(16)])
 
 
 class AmxStaging:
@@ -405,10 +410,8 @@ class ByteKeysStaging(DotStaging):
                                                           word))
                 q_dims = [vector_d.bitcast(bf16_pairs, vector_d.broadcast(quad, llvm_load(
                     i64(), at(w.q_rows, (r * d + first + 4 * j) * 2)))) for r in range(w.s.row_block)]
-                for half in range(2):   # in-lane byte interleaves: keys 4 m + 2 half, + 1 of lane m
-                    order = [16 * lane + 8 * half + i // 2 + (64 if i % 2 else 0)
-                             for lane in range(4) for i in range(16)]
-                    pairs = vector_d.bitcast(bf16_pairs, vector_d.shuffle(low, high, order))
+                for half in range(2):   # keys 4 m + 2 half and the next of lane m
+                    pairs = vector_d.bitcast(bf16_pairs, _in_lane_join(low, high, half))
                     for row_acc, row_dims in zip(acc, q_dims):
                         row_acc[half] = DotEngine._mac(row_acc[half], row_dims, pairs)
         first_lane = [16 * (t // 2) + 4 * m + 2 * (t % 2) for m in range(4) for t in range(4)]   # key 4 m + t
@@ -622,10 +625,10 @@ class _PassDispatch(_Dispatch):
         outs = []
         for j in range(width // 32):
             if width == 64:   # in-lane byte interleaves (vpunpck[lh]bw); q's dims follow (prepare_queries)
-                order = [16 * lane + 8 * j + i // 2 + (64 if i % 2 else 0) for lane in range(4) for i in range(16)]
+                joined = _in_lane_join(low, high, j)
             else:
-                order = [32 * j + i // 2 + (64 if i % 2 else 0) for i in range(64)]
-            outs.append(vector_d.bitcast(lanes, vector_d.shuffle(low, high, order)))
+                joined = vector_d.shuffle(low, high, [32 * j + i // 2 + (64 if i % 2 else 0) for i in range(64)])
+            outs.append(vector_d.bitcast(lanes, joined))
         return outs
 
     def pair_dim(self, first: int, j: int, pair: int) -> int:
