@@ -13,10 +13,19 @@ unexport PYTHONDONTWRITEBYTECODE
 
 venv: $(STAMP)
 
+# The install: uv (the same pins from the same registry and local wheels, unpacked in parallel:
+# 13-14 s against pip's 24 s for this venv, 2-core AMD EPYC, docs/test-suite.md), pip where uv
+# cannot install. uv reads no pip configuration: it is given pip's find-links (a local CPU build of
+# torch on the project's machines) and keeps its cache in the venv, hard-linked to what it installs.
+FIND_LINKS = $(foreach links,$(PIP_FIND_LINKS) $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null),\
+	--find-links $(links))
+UV_INSTALL = $(VENV)/bin/uv pip install --quiet --native-tls --cache-dir $(VENV)/uv-cache --python $(PY) \
+	$(FIND_LINKS) -c constraints.txt
+
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --no-compile --upgrade pip
-	$(PIP_INSTALL) -e '.[test,conformance,hf]'
+	($(PY) -m pip install --quiet --no-compile uv && $(UV_INSTALL) -e '.[test,conformance,hf]') || \
+	  ($(PY) -m pip install --quiet --no-compile --upgrade pip && $(PIP_INSTALL) -e '.[test,conformance,hf]')
 	touch $(STAMP)
 
 demo: $(STAMP)
