@@ -85,7 +85,7 @@ def cached_bundle(specs, target: Target, cache: ArtifactCache) -> list[tuple[byt
         shared = len({_kernel_of(specs[i]) for i in missing}) > 1   # kernels of one shape: renamed
 
         def build() -> bytes:   # under the first missing member's lock: another process waits for it
-            texts = [located_ir(specs[i], target) for i in missing]
+            texts = [keys[i] for i in missing]   # a bundle's text has no locations (mlir/bundle.py: bundled)
             symbols = [member_symbol(specs[i]) for i in missing] if shared else None
             bundle["vmfb"] = compile_ir(bundled(texts, symbols), target, " + ".join(specs[i].name for i in missing))
             return bundle["vmfb"]
