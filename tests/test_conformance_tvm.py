@@ -22,20 +22,31 @@ query row), so sizes are small.
 from __future__ import annotations
 
 import functools
+import importlib.util
 
 import numpy as np
 import pytest
 
-_INSTALL = "apache-tvm is not installed (pip install -e '.[conformance]')"
-tvm = pytest.importorskip("tvm", reason=_INSTALL)
-_prefill = pytest.importorskip("tvm.relax.frontend.nn.llm._prefill_kernels", reason=_INSTALL)
+from linalg_prefill.mlir import PagedPrefillSpec, RaggedPrefillSpec
+from linalg_prefill.mlir.decode import DecodeSpec
+from linalg_prefill.runtime import reference as R
+from linalg_prefill.runtime.examples import indptr, page_table
 
-from linalg_prefill.mlir import PagedPrefillSpec, RaggedPrefillSpec  # noqa: E402
-from linalg_prefill.mlir.decode import DecodeSpec  # noqa: E402
-from linalg_prefill.runtime import reference as R  # noqa: E402
-from linalg_prefill.runtime.examples import indptr, page_table  # noqa: E402
+if importlib.util.find_spec("tvm") is None:
+    pytest.skip("apache-tvm is not installed (pip install -e '.[conformance]')", allow_module_level=True)
 
-pytestmark = pytest.mark.conformance
+#: One worker runs the file, and imports apache-tvm (3.7 s) in its first test rather than at
+#: collection in every worker (docs/test-suite.md).
+pytestmark = [pytest.mark.conformance, pytest.mark.xdist_group("conformance_tvm")]
+
+
+@functools.cache
+def _tvm():
+    """apache-tvm and the seed's prefill kernels (its ``_prefill_kernels`` module)."""
+    import tvm
+    from tvm.relax.frontend.nn.llm import _prefill_kernels
+
+    return tvm, _prefill_kernels
 
 # The seed's kernels are float32 attention too: they are held to the error bound of the same call
 # (runtime/error_model.py) on the rows with a valid key.
@@ -55,7 +66,8 @@ ROPE = {
 
 @functools.cache
 def _paged_kernel(h_kv, h_q, d, page_size, sliding, rope_name, window_size=1024):
-    f = _prefill._attention_prefill_cpu(
+    tvm, prefill = _tvm()
+    f = prefill._attention_prefill_cpu(
         h_kv, h_q, d, "float32", sliding, ROPE[rope_name], page_size=page_size, sliding_window_size=window_size
     )
     return tvm.compile(tvm.IRModule({"main": f}), target={"kind": "llvm"})["main"]
@@ -63,11 +75,13 @@ def _paged_kernel(h_kv, h_q, d, page_size, sliding, rope_name, window_size=1024)
 
 @functools.cache
 def _ragged_kernel(h_kv, h_q, d_qk, d_v, rope_name):
-    f = _prefill._attention_prefill_ragged_cpu(h_kv, h_q, d_qk, d_v, "float32", ROPE[rope_name])
+    tvm, prefill = _tvm()
+    f = prefill._attention_prefill_ragged_cpu(h_kv, h_q, d_qk, d_v, "float32", ROPE[rope_name])
     return tvm.compile(tvm.IRModule({"main": f}), target={"kind": "llvm"})["main"]
 
 
 def _run(kernel, inputs, out_shape, lse_shape, scalars):
+    tvm = _tvm()[0]
     dev = tvm.cpu()
     out = np.zeros(out_shape, np.float32)
     lse = np.zeros(lse_shape, np.float32)
