@@ -24,7 +24,7 @@ UV_INSTALL = $(VENV)/bin/uv pip install --quiet --native-tls --cache-dir $(VENV)
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	($(PY) -m pip install --quiet --no-compile uv && $(UV_INSTALL) -e '.[test,conformance,hf]') || \
+	($(PY) -m pip install --quiet --no-compile -c constraints.txt uv && $(UV_INSTALL) -e '.[test,conformance,hf]') || \
 	  ($(PY) -m pip install --quiet --no-compile --upgrade pip && $(PIP_INSTALL) -e '.[test,conformance,hf]')
 	touch $(STAMP)
 
