@@ -16,9 +16,10 @@ venv: $(STAMP)
 # The install: uv (the same pins from the same registry and local wheels, unpacked in parallel:
 # 13-14 s against pip's 24 s for this venv, 2-core AMD EPYC, docs/test-suite.md), pip where uv
 # cannot install. uv reads no pip configuration: it is given pip's find-links (a local CPU build of
-# torch on the project's machines) and keeps its cache in the venv, hard-linked to what it installs.
+# torch on the project's machines; a folder that does not exist is left out: uv would stop there) and
+# keeps its cache in the venv, hard-linked to what it installs.
 FIND_LINKS = $(foreach links,$(PIP_FIND_LINKS) $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null),\
-	--find-links $(links))
+	$(if $(or $(findstring ://,$(links)),$(wildcard $(links))),--find-links $(links)))
 UV_INSTALL = $(VENV)/bin/uv pip install --quiet --native-tls --cache-dir $(VENV)/uv-cache --python $(PY) \
 	$(FIND_LINKS) -c constraints.txt
 
