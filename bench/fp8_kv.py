@@ -12,7 +12,8 @@ mla``: bench/mla_serving.py's steps (h_q=16, d_latent=512, d_rope=64, one latent
 latent pages quantised with one scale (quantize_latent), read by ``MlaPagedPrefillWrapper.run``. ``ratio`` = bf16 ms / fp8 ms (above 1: the 8-bit cache is faster);
 GB/s columns: the KV bytes each step reads (sum of kv_len rows of K and V, in each pool's dtype)
 per second; ``stream GB/s``: the machine's read bandwidth in the same run (torch's ``sum``,
-serving_batches.streaming_gbps), and each pool's share of it. ``max|diff|``: the two outputs' largest difference (the quantisation's effect).
+serving_batches.streaming_gbps), and each pool's share of it. ``max|diff|``: the two outputs'
+largest difference (the quantisation's effect).
 """
 
 from __future__ import annotations

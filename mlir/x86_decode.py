@@ -200,8 +200,8 @@ def pass_engine_type(spec: DecodeSpec, cpu: X86Cpu = XEON_WITH_AMX) -> type:
 def pass_blocks(spec: DecodeSpec, cpu: X86Cpu = XEON_WITH_AMX) -> tuple[int, int]:
     """(rows of a workgroup, keys of a KV step) of the pass on ``cpu``:
     KeyRowsEngine works on one 16-row tile, ByteKeysDotEngine on one block of 4 rows, AmxEngine on
-    32 or 64 rows (pairs of 16-row tiles), the FMA blocks on multiples of 4; 64 keys a step; buffers and the two staging buffers within
-    STACK_BUDGET."""
+    32 or 64 rows (pairs of 16-row tiles), the FMA blocks on multiples of 4; 64 keys a step;
+    buffers and the two staging buffers within STACK_BUDGET."""
     engine = pass_engine_type(spec, cpu)
     operand = engine.OPERAND_BYTES
     rows = spec.rows
@@ -254,6 +254,12 @@ def _transposed(rows: list[ir.Value]) -> list[ir.Value]:
             a, b = rows[r], rows[r + m]
             rows[r], rows[r + m] = vector_d.shuffle(a, b, low), vector_d.shuffle(a, b, high)
     return rows
+
+
+def _join(low: ir.Value, high: ir.Value, first: int) -> ir.Value:
+    """Bytes [first, first + 32) of the looked-up ``low`` and ``high`` bytes (64 i8 each)
+    interleaved into 32 bf16 (as 64 i8), in their order."""
+    return vector_d.shuffle(low, high, [first + i // 2 + (64 if i % 2 else 0) for i in range(64)])
 
 
 def _in_lane_join(low: ir.Value, high: ir.Value, half: int) -> ir.Value:
@@ -627,7 +633,7 @@ class _PassDispatch(_Dispatch):
             if width == 64:   # in-lane byte interleaves (vpunpck[lh]bw); q's dims follow (prepare_queries)
                 joined = _in_lane_join(low, high, j)
             else:
-                joined = vector_d.shuffle(low, high, [32 * j + i // 2 + (64 if i % 2 else 0) for i in range(64)])
+                joined = _join(low, high, 32 * j)
             outs.append(vector_d.bitcast(lanes, joined))
         return outs
 
@@ -643,9 +649,7 @@ class _PassDispatch(_Dispatch):
         shuffles that join them."""
         width, (low, high) = self._row_lookup(1, row, first)
         halves = ir.VectorType.get([32], ir.BF16Type.get())
-        return [vector_d.bitcast(halves, vector_d.shuffle(low, high, [32 * j + i // 2 + (64 if i % 2 else 0)
-                                                                      for i in range(64)]))
-                for j in range(width // 32)]
+        return [vector_d.bitcast(halves, _join(low, high, 32 * j)) for j in range(width // 32)]
 
     def _row_lookup(self, which: int, row, first: int) -> tuple[int, tuple[ir.Value, ir.Value]]:
         """(width, :meth:`lookup` of them) for the 8-bit elements [first, first + width) of the K
@@ -691,7 +695,7 @@ class _PassDispatch(_Dispatch):
         two vcvtneps2bf16."""
         raw = llvm_load(ir.VectorType.get([32], ir.IntegerType.get_signless(8)), pointer)
         low, high = self.lookup(which, vector_d.shuffle(raw, raw, list(range(64))))   # the upper half unused
-        return vector_d.shuffle(low, high, [i // 2 + (64 if i % 2 else 0) for i in range(64)])
+        return _join(low, high, 0)
 
     def _widened(self, which: int, pointer) -> ir.Value:
         """16 8-bit elements at ``pointer`` as f32 times the head's scale (:meth:`_scaled`)."""
