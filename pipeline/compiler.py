@@ -27,10 +27,20 @@ class CompileError(RuntimeError):
     """IREE rejected a module; the message carries the flags and IREE's diagnostics."""
 
 
+def run_flags() -> list[str]:
+    """iree-compile flags of how it runs, not of what it writes, so in no artifact's key: its check
+    of the module after every pass off (``--verify=false``; the module is still verified as it is
+    parsed). Off, the vmfb is the same bytes (an x86 bundle, a fused CPU kernel, a CUDA kernel) and
+    the compile takes 14-30% less time (docs/test-suite.md, twenty-sixth session).
+    ``LINALG_PREFILL_COMPILER_VERIFY=1`` turns the checks on, to find the pass that breaks a module."""
+    verify = os.environ.get("LINALG_PREFILL_COMPILER_VERIFY", "0") not in ("0", "")
+    return [] if verify else ["--verify=false"]
+
+
 def compile_ir(ir_text: str, target: Target, name: str = "module") -> bytes:
     """vmfb bytes for MLIR text; raises CompileError with the flags and diagnostics. ``name``
     (the spec's) only labels the log lines."""
-    flags = target.flags()
+    flags = [*target.flags(), *run_flags()]
     log.info("compiling %s for %s", name, target.tag)
     start = time.perf_counter()
     try:
