@@ -321,7 +321,7 @@ def pytest_collection_finish(session):
 
 #: What a run prints before its pre-build: without it a fresh clone's run shows nothing for minutes.
 PREBUILD_NOTICE = ("pre-build: compiling the {what} the collected tests declare before the first test "
-                   "(tests/conftest.py; the whole suite's from an empty cache: about 4-5 minutes on 2 cores)")
+                   "(tests/conftest.py; the whole suite's from an empty cache: about 4 minutes on 2 cores)")
 
 
 def _announce(config, what: str) -> None:
