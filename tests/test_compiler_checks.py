@@ -22,12 +22,16 @@ def test_the_checks_are_off_unless_the_environment_asks_for_them(monkeypatch):
     assert run_flags() == []
 
 
-def test_a_module_compiles_to_the_same_bytes_with_the_checks_on(monkeypatch):
-    text = tuned_ir(DecodeSpec(PagedPrefillSpec(8, 2, 64, "float32", page_size=16), 4), LINALG_CPU)
+@pytest.mark.parametrize("spec, target", [
+    (DecodeSpec(PagedPrefillSpec(8, 2, 64, "float32", page_size=16), 4), LINALG_CPU),
+    (PagedPrefillSpec(8, 2, 64, "float16", page_size=16), Target("cuda", "sm_80")),
+], ids=["llvm-cpu-pass", "cuda-kernel"])
+def test_a_module_compiles_to_the_same_bytes_with_the_checks_on(monkeypatch, spec, target):
+    text = tuned_ir(spec, target)
     monkeypatch.delenv("LINALG_PREFILL_COMPILER_VERIFY", raising=False)
-    unchecked = compile_ir(text, LINALG_CPU)
+    unchecked = compile_ir(text, target)
     monkeypatch.setenv("LINALG_PREFILL_COMPILER_VERIFY", "1")
-    assert compile_ir(text, LINALG_CPU) == unchecked
+    assert compile_ir(text, target) == unchecked
 
 
 def test_a_module_that_does_not_verify_is_refused_with_the_checks_off(monkeypatch):
