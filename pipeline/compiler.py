@@ -33,7 +33,7 @@ def run_flags() -> list[str]:
     parsed). Off, the vmfb is the same bytes (an x86 bundle, a fused CPU kernel, a CUDA kernel) and
     the compile takes 14-30% less time (docs/test-suite.md, twenty-sixth session).
     ``LINALG_PREFILL_COMPILER_VERIFY=1`` turns the checks on, to find the pass that breaks a module."""
-    verify = os.environ.get("LINALG_PREFILL_COMPILER_VERIFY", "0") not in ("0", "")
+    verify = os.environ.get("LINALG_PREFILL_COMPILER_VERIFY", "0").lower() not in ("", "0", "false", "off", "no")
     return [] if verify else ["--verify=false"]
 
 

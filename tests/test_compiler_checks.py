@@ -18,6 +18,9 @@ LINALG_CPU = Target("llvm-cpu", "znver3")   # the linalg pass on any x86 host
 def test_the_checks_are_off_unless_the_environment_asks_for_them(monkeypatch):
     monkeypatch.delenv("LINALG_PREFILL_COMPILER_VERIFY", raising=False)
     assert run_flags() == ["--verify=false"]
+    for off in ("0", "false", "Off", "no"):
+        monkeypatch.setenv("LINALG_PREFILL_COMPILER_VERIFY", off)
+        assert run_flags() == ["--verify=false"], off
     monkeypatch.setenv("LINALG_PREFILL_COMPILER_VERIFY", "1")
     assert run_flags() == []
 
