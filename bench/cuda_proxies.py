@@ -24,6 +24,7 @@ from iree.compiler import tools as iree_tools
 from linalg_prefill.mlir import MaskedSequencePrefillSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec
 from linalg_prefill.mlir import DecodeSpec, SequencePrefillSpec
 from linalg_prefill.pipeline import Target
+from linalg_prefill.pipeline.compiler import run_flags
 from linalg_prefill.pipeline.tuning import tuned_ir
 from linalg_prefill.pipeline.vm_structure import host_blocking_calls_in_loops, tensor_core_instructions
 
@@ -90,7 +91,7 @@ def main() -> None:
         folder.mkdir(parents=True)
         vmfb_path, stats = folder / "kernel.vmfb", folder / "statistics.txt"
         iree_tools.compile_str(tuned_ir(spec, target), input_type="auto", output_file=str(vmfb_path), extra_args=[
-            *target.flags(), f"--iree-hal-dump-executable-binaries-to={folder}",
+            *target.flags(), *run_flags(), f"--iree-hal-dump-executable-binaries-to={folder}",
             f"--iree-scheduling-dump-statistics-file={stats}", "--iree-scheduling-dump-statistics-format=pretty"])
         everywhere = sum(host_blocking_calls_in_loops(vmfb_path).values())
         innermost = sum(host_blocking_calls_in_loops(vmfb_path, innermost=True).values())
