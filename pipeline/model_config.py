@@ -12,7 +12,10 @@ and DeepSeek's MLA keys (``kv_lora_rank``, ``qk_rope_head_dim``, ``qk_nope_head_
 ``v_head_dim``; the yarn ``mscale_all_dim`` folds into ``sm_scale``). ``model_type`` ``gpt_oss``
 sets ``head_sinks``: every layer has one learned sink logit per query head (transformers'
 ``GptOssAttention.sinks``, passed to attention as ``s_aux``; semantics §13), so every kernel of
-the model takes ``sinks``.
+the model takes ``sinks``. ``model_type`` ``llama4`` / ``llama4_text``: chunked-attention layers
+(``attention_chunk_size``), NoPE layers (``no_rope_layers``) with their query temperature
+(``attn_temperature_tuning``, ``floor_scale``, ``attn_scale``) and RoPE on interleaved pairs
+(semantics §16).
 
 RoPE comes in either transformers format:
 
@@ -49,6 +52,8 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from ..mlir import (
     MaskedSequencePrefillSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec,
 )
@@ -69,7 +74,7 @@ class MlaConfig:
 
 
 #: The layer types the kernels run (Hugging Face ``layer_types`` values).
-LAYER_TYPES = ("full_attention", "sliding_attention")
+LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 #: The masked-sequence kernels a model build makes: the seed's two padding modes. A custom mask
 #: (speculative-decoding trees, semantics §14) is per call; build it on request.
 MODEL_MASK_MODES = ("padded", "causal_padded_left")
@@ -84,6 +89,12 @@ class LayerAttention:
     ``rope_scaling`` the compile-time dict of its kernels, ``rotary_dim`` the rotating dims (None:
     the whole head), ``sm_scale`` and ``logits_soft_cap`` its softmax scale and cap,
     ``head_sinks`` whether it has per-head sink logits (its kernels take ``sinks [h_q]``).
+
+    Llama 4: ``chunk``, a chunked-attention layer: a query at position p sees the keys from
+    ``p - p % chunk`` to p (its own chunk; entries split at multiples of ``chunk``, semantics
+    §16); ``rope`` False, a NoPE layer: its kernels are called with ``rotary_mode`` 0;
+    ``temperature_tuning`` ``(floor_scale, attn_scale)``: the caller scales the layer's q rows by
+    :meth:`query_scales` before the call, as transformers' ``Llama4TextAttention`` does.
     """
 
     sliding: bool
@@ -95,6 +106,19 @@ class LayerAttention:
     sm_scale: float
     logits_soft_cap: float
     head_sinks: bool = False
+    chunk: int | None = None
+    rope: bool = True
+    temperature_tuning: tuple[float, float] | None = None
+
+    def query_scales(self, positions) -> np.ndarray:
+        """float64 ``[n]``: the factor each q row at ``positions [n]`` is multiplied by before the
+        call, ``1 + attn_scale * log1p(floor((p + 1) / floor_scale))`` (ones without
+        ``temperature_tuning``)."""
+        positions = np.asarray(positions, dtype=np.float64)
+        if self.temperature_tuning is None:
+            return np.ones_like(positions)
+        floor_scale, attn_scale = self.temperature_tuning
+        return 1.0 + attn_scale * np.log1p(np.floor((positions + 1.0) / floor_scale))
 
 
 @dataclass(frozen=True)
@@ -138,6 +162,14 @@ class ModelConfig:
     layer_types: tuple[str, ...] | None = None
     #: Per-head sink logits in every layer (gpt-oss): every kernel takes ``sinks [h_q]``.
     head_sinks: bool = False
+    #: The chunk of the ``chunked_attention`` layers in tokens (Hugging Face
+    #: ``attention_chunk_size``, Llama 4), set when a layer is chunked.
+    attention_chunk: int | None = None
+    #: The layers without RoPE (Llama 4's NoPE layers, by index): called with ``rotary_mode`` 0.
+    nope_layers: tuple[int, ...] = ()
+    #: Llama 4's query temperature of the NoPE layers, ``(floor_scale, attn_scale)``
+    #: (:meth:`LayerAttention.query_scales`); None: off.
+    temperature_tuning: tuple[float, float] | None = None
 
     def __post_init__(self):
         for key in ("h_q", "h_kv", "head_dim", "v_head_dim", "page_size"):
@@ -154,8 +186,8 @@ class ModelConfig:
         if self.mla is not None:
             mla = self.mla if isinstance(self.mla, MlaConfig) else MlaConfig(**self.mla)
             object.__setattr__(self, "mla", mla)
-            if self.sliding_window:
-                raise ValueError("sliding_window: MLA models with a sliding window are not supported")
+            if self.sliding_window or self.attention_chunk:
+                raise ValueError("sliding_window: MLA models with a sliding window or chunks are not supported")
         if self.sm_scale is not None and not self.sm_scale > 0:
             raise ValueError(f"sm_scale: must be positive, got {self.sm_scale!r}")
         if not self.logits_soft_cap >= 0:
@@ -171,20 +203,43 @@ class ModelConfig:
 
     def _check_layers(self) -> None:
         """``window`` a positive int only with ``sliding_window``; ``layer_types`` a non-empty
-        sequence of :data:`LAYER_TYPES`, stored as a tuple."""
-        if self.window is not None:
-            if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window <= 0:
-                raise ValueError(f"window: must be a positive int or None, got {self.window!r}")
-            if not self.sliding_window:
-                raise ValueError("window: set, but sliding_window is off")
-        if self.layer_types is None:
+        sequence of :data:`LAYER_TYPES`, stored as a tuple; ``attention_chunk`` a positive int
+        exactly when a layer is ``chunked_attention``; ``nope_layers`` layer indices, stored as a
+        tuple; ``temperature_tuning`` two positive numbers, only with NoPE layers."""
+        for key in ("window", "attention_chunk"):
+            value = getattr(self, key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+                raise ValueError(f"{key}: must be a positive int or None, got {value!r}")
+        if self.window is not None and not self.sliding_window:
+            raise ValueError("window: set, but sliding_window is off")
+        if self.layer_types is not None:
+            if isinstance(self.layer_types, str) or not self.layer_types:
+                raise ValueError(f"layer_types: expected a non-empty list of layer types, got {self.layer_types!r}")
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+            unknown = [kind for kind in self.layer_types if kind not in LAYER_TYPES]
+            if unknown:
+                raise ValueError(f"layer_types: {unknown[0]!r} is not supported; expected {LAYER_TYPES}")
+        chunked = "chunked_attention" in (self.layer_types or ())
+        if chunked != (self.attention_chunk is not None):
+            raise ValueError("attention_chunk: set exactly when a layer is chunked_attention (layer_types)")
+        self._check_nope_layers()
+
+    def _check_nope_layers(self) -> None:
+        nope = self.nope_layers
+        if isinstance(nope, str) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in nope):
+            raise ValueError(f"nope_layers: expected layer indices, got {nope!r}")
+        object.__setattr__(self, "nope_layers", tuple(sorted(set(nope))))
+        if self.layer_types is not None and any(i >= len(self.layer_types) for i in nope):
+            raise ValueError(f"nope_layers: {max(nope)} is past the {len(self.layer_types)} layers of layer_types")
+        tuning = self.temperature_tuning
+        if tuning is None:
             return
-        if isinstance(self.layer_types, str) or not self.layer_types:
-            raise ValueError(f"layer_types: expected a non-empty list of layer types, got {self.layer_types!r}")
-        object.__setattr__(self, "layer_types", tuple(self.layer_types))
-        unknown = [kind for kind in self.layer_types if kind not in LAYER_TYPES]
-        if unknown:
-            raise ValueError(f"layer_types: {unknown[0]!r} is not supported; expected {LAYER_TYPES}")
+        if len(tuning) != 2 or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
+                                       for x in tuning):
+            raise ValueError(f"temperature_tuning: expected (floor_scale, attn_scale), both > 0, got {tuning!r}")
+        if not nope:
+            raise ValueError("temperature_tuning: set, but no layer is a NoPE layer (nope_layers)")
+        object.__setattr__(self, "temperature_tuning", (float(tuning[0]), float(tuning[1])))
 
     @property
     def attention_scale(self) -> float:
@@ -201,15 +256,16 @@ class ModelConfig:
 
     def layer(self, i: int) -> LayerAttention:
         """The attention layer ``i`` runs."""
-        return self._attention_of(self.layer_type(i))
+        return self._attention_of(self.layer_type(i), rope=i not in self.nope_layers)
 
     def layer_attentions(self) -> list[LayerAttention]:
         """The distinct attentions of the model's layers, full-attention layers first."""
-        kinds = self.layer_types or (self.layer_type(0),)
-        attentions = [self._attention_of(kind) for kind in LAYER_TYPES if kind in kinds]
+        count = len(self.layer_types) if self.layer_types else max(self.nope_layers, default=0) + 1
+        order = sorted(range(count), key=lambda i: LAYER_TYPES.index(self.layer_type(i)))
+        attentions = [self.layer(i) for i in order]
         return [a for n, a in enumerate(attentions) if a not in attentions[:n]]
 
-    def _attention_of(self, kind: str) -> LayerAttention:
+    def _attention_of(self, kind: str, rope: bool = True) -> LayerAttention:
         local = kind == "sliding_attention"
 
         def pick(local_value, value):
@@ -222,7 +278,8 @@ class ModelConfig:
             rope_scale=pick(self.local_rope_scale, self.rope_scale),
             rope_scaling=pick(self.local_rope_scaling, self.rope_scaling),
             rotary_dim=self.rotary_dim, sm_scale=self.attention_scale, logits_soft_cap=self.logits_soft_cap,
-            head_sinks=self.head_sinks)
+            head_sinks=self.head_sinks, chunk=self.attention_chunk if kind == "chunked_attention" else None,
+            rope=rope, temperature_tuning=None if rope else self.temperature_tuning)
 
     def ragged_spec(self, layer: LayerAttention) -> RaggedPrefillSpec:
         """The ragged self-attention kernel ``layer`` runs with its RoPE inline: d_qk = head_dim,
@@ -237,6 +294,9 @@ class ModelConfig:
         fields = dataclasses.asdict(self)
         if self.layer_types is not None:
             fields["layer_types"] = list(self.layer_types)
+        fields["nope_layers"] = list(self.nope_layers)
+        if self.temperature_tuning is not None:
+            fields["temperature_tuning"] = list(self.temperature_tuning)
         return fields
 
 
@@ -308,7 +368,8 @@ def _hf_fields(raw: dict) -> dict:
     h_kv = raw.get("num_key_value_heads") or h_q
     if not isinstance(h_kv, int) or h_kv <= 0 or h_q % h_kv:
         raise ValueError(f"num_key_value_heads: {h_kv!r} must divide num_attention_heads ({h_q})")
-    _reject_unsupported(raw)
+    llama4 = raw.get("model_type") in LLAMA4_TYPES
+    _reject_unsupported(raw, llama4)
     slides = _slides(raw)
     fields = {
         "h_q": h_q,
@@ -318,6 +379,7 @@ def _hf_fields(raw: dict) -> dict:
         "layer_types": _hf_layer_types(raw),
         "logits_soft_cap": float(raw.get("attn_logit_softcapping") or 0.0),
         "head_sinks": raw.get("model_type") in SINK_MODEL_TYPES,
+        **(_llama4_layers(raw) if llama4 else {}),
     }
     torch_dtype = raw.get("torch_dtype", raw.get("dtype"))
     if torch_dtype is not None:
@@ -328,6 +390,8 @@ def _hf_fields(raw: dict) -> dict:
         return {**fields, **_mla_fields(raw)}
     head_dim = raw.get("head_dim") or _required(raw, "hidden_size") // h_q
     fields.update(head_dim=head_dim, v_head_dim=head_dim, **_hf_rope_fields(raw, fields["layer_types"], head_dim))
+    if llama4:
+        fields["rope_scaling"] = _interleaved(fields["rope_scaling"])
     if raw.get("query_pre_attn_scalar") is not None:
         fields["sm_scale"] = float(raw["query_pre_attn_scalar"]) ** -0.5
     return fields
@@ -342,6 +406,42 @@ def _mla_fields(raw: dict) -> dict:
     return dict(head_dim=head_dim, v_head_dim=mla.v_head_dim, mla=mla, rope_scaling={}, rope_scale=1.0,
                 rope_theta=float(rope.get("rope_theta") or raw.get("rope_theta") or DEFAULT_ROPE_THETA),
                 sm_scale=head_dim ** -0.5 * _deepseek_mscale(rope) ** 2)
+
+
+#: Hugging Face model types of Llama 4's language model (``Llama4TextConfig``).
+LLAMA4_TYPES = ("llama4", "llama4_text")
+
+
+def _llama4_layers(raw: dict) -> dict:
+    """Llama 4's layers as ``Llama4TextConfig`` derives them: ``no_rope_layers`` (1: the layer
+    rotates; empty or missing: a NoPE layer every ``no_rope_layer_interval``-th, default 4), the
+    rotating layers ``chunked_attention`` over ``attention_chunk_size`` tokens (default 8192;
+    None: full) unless ``layer_types`` says otherwise, and the NoPE layers' query temperature
+    (``attn_temperature_tuning``, default on, with ``floor_scale`` 8192 and ``attn_scale`` 0.1)."""
+    layers = _required(raw, "num_hidden_layers")
+    interval = raw.get("no_rope_layer_interval") or 4
+    rotates = raw.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
+    if len(rotates) != layers or any(flag not in (0, 1) for flag in rotates):
+        raise ValueError(f"no_rope_layers: expected {layers} flags of 0 or 1, got {rotates!r}")
+    chunk = raw.get("attention_chunk_size", 8192)
+    layer_types = raw.get("layer_types") or [
+        "chunked_attention" if flag and chunk is not None else "full_attention" for flag in rotates]
+    nope = tuple(i for i, flag in enumerate(rotates) if not flag)
+    tuning = None
+    if nope and raw.get("attn_temperature_tuning", True):
+        tuning = (float(raw.get("floor_scale", 8192)), float(raw.get("attn_scale", 0.1)))
+    return {"layer_types": tuple(layer_types), "nope_layers": nope, "temperature_tuning": tuning,
+            "attention_chunk": chunk if "chunked_attention" in layer_types else None}
+
+
+def _interleaved(rope_scaling: dict) -> dict:
+    """Llama 4 rotates the pairs (2i, 2i + 1) (``apply_rotary_emb``'s complex view): plain RoPE is
+    the kernels' ``gptj``, llama3 bands their ``llama4``; other scalings have no interleaved form."""
+    kind = rope_scaling.get("rope_type", "default")
+    if kind not in ("default", "llama3"):
+        raise ValueError(f"rope_scaling.rope_type: {kind!r} with Llama 4's interleaved pairs is not supported "
+                         "(default, linear or llama3)")
+    return {**rope_scaling, "rope_type": "llama4" if kind == "llama3" else "gptj"}
 
 
 def _hf_layer_types(raw: dict) -> tuple[str, ...] | None:
@@ -391,8 +491,10 @@ def _hf_rope_fields(raw: dict, layer_types: tuple[str, ...] | None, head_dim: in
     rotary_dims = {rope["rotary_dim"] for rope in ropes.values()}
     if len(rotary_dims) > 1:
         raise ValueError("partial_rotary_factor: differs between layer types; one rotary_dim is supported")
-    full = ropes.get("full_attention") or ropes["sliding_attention"]
+    full = ropes.get("full_attention") or next(iter(ropes.values()))
     local = ropes.get("sliding_attention", full)
+    if ropes.get("chunked_attention", full) != full:
+        raise ValueError("rope_parameters.chunked_attention: differs from the full layers' RoPE; not supported")
     fields = {key: full[key] for key in ("rope_theta", "rope_scaling", "rope_scale", "rotary_dim")}
     for key in ("rope_theta", "rope_scaling", "rope_scale"):
         if local[key] != full[key]:
@@ -550,14 +652,20 @@ UNSUPPORTED_ATTENTION_KEYS = {
     "alibi": "ALiBi position biases",
     "use_alibi": "ALiBi position biases",
     "alibi_bias_max": "ALiBi position biases",
-    "attention_chunk_size": "chunked attention (Llama 4)",
-    "attn_temperature_tuning": "query temperature scaling (Llama 4)",
-    "attn_scale": "query temperature scaling (Llama 4)",
+    "attention_chunk_size": "chunked attention outside Llama 4 (model_type llama4)",
+    "attn_temperature_tuning": "query temperature scaling outside Llama 4 (model_type llama4)",
+    "attn_scale": "query temperature scaling outside Llama 4 (model_type llama4)",
 }
+#: The keys of UNSUPPORTED_ATTENTION_KEYS that Llama 4's configs hold and :func:`_llama4_layers` reads.
+LLAMA4_KEYS = ("attention_chunk_size", "attn_temperature_tuning", "attn_scale")
 
 
-def _reject_unsupported(raw: dict) -> None:
+def _reject_unsupported(raw: dict, llama4: bool) -> None:
+    """An error naming the first key of :data:`UNSUPPORTED_ATTENTION_KEYS` that is set (Llama 4's
+    own keys are read for Llama 4's model types)."""
     for key, what in UNSUPPORTED_ATTENTION_KEYS.items():
+        if llama4 and key in LLAMA4_KEYS:
+            continue
         if raw.get(key) not in (None, False, 0):
             raise ValueError(f"{key}: {what} is not supported by these kernels")
 
@@ -618,7 +726,7 @@ def specs_for_model(cfg: ModelConfig) -> list:
         ]
     d, sm_scale, cap = cfg.head_dim, cfg.attention_scale, cfg.logits_soft_cap
     ropes = _distinct_ropes(cfg)
-    windows = (False, True) if cfg.sliding_window else (False,)
+    windows = (False, True) if cfg.sliding_window or cfg.attention_chunk else (False,)
     return [
         *(cfg.ragged_spec(layer) for layer in ropes),
         *(PagedPrefillSpec(cfg.h_q, cfg.h_kv, d, cfg.dtype, cfg.page_size, layer.rope_scaling, sliding_window=sw,

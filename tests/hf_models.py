@@ -23,7 +23,11 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
 def configs() -> dict:
     """Family name -> transformers config: Llama 3 (llama3 scaling), Qwen2 (theta 1e6, and yarn
     with factor 4), Gemma 2 (soft cap 20, query_pre_attn_scalar 32, a sliding window of 8 on
-    alternate layers), gpt-oss (per-head sinks, a window of 8 on alternate layers, 4 experts)."""
+    alternate layers), gpt-oss (per-head sinks, a window of 8 on alternate layers, 4 experts),
+    Llama 4 (a chunked-attention layer, chunks of 8, with llama3 bands on interleaved pairs, then a
+    NoPE full-attention layer whose q rows the model scales by position: ``floor_scale`` 8 and
+    ``attn_scale`` 0.5, up to 1.9x at 40 tokens; no qk norm, as Maverick: a norm would bound the
+    scores that QK_GAIN peaks)."""
     return {
         "llama3": transformers.LlamaConfig(num_hidden_layers=2, rope_parameters=dict(LLAMA3), **TINY),
         "qwen2": transformers.Qwen2Config(num_hidden_layers=2, rope_parameters={"rope_type": "default",
@@ -37,6 +41,10 @@ def configs() -> dict:
                                              num_experts_per_tok=2, rope_parameters={"rope_type": "default",
                                                                                      "rope_theta": 10000.0},
                                              **TINY),
+        "llama4": transformers.Llama4TextConfig(num_hidden_layers=2, no_rope_layer_interval=2, attention_chunk_size=8,
+                                                use_qk_norm=False, floor_scale=8, attn_scale=0.5, num_local_experts=2,
+                                                num_experts_per_tok=1, interleave_moe_layer_step=2,
+                                                intermediate_size_mlp=96, rope_parameters=dict(LLAMA3), **TINY),
     }
 
 

@@ -29,7 +29,7 @@ from conftest import assert_matches_reference  # noqa: E402
 from hf_models import tiny_model  # noqa: E402
 
 CHECKED = "linalg_prefill_checked"
-FAMILIES = ["llama3", "qwen2", "qwen2-yarn", "gemma2"]
+FAMILIES = ["llama3", "qwen2", "qwen2-yarn", "gemma2", "llama4"]
 LOGIT_TOLERANCE = 1e-4
 calls: list = []  # (kernel variant, batch, S_q, S_kv) of every checked call of the running test
 kv_dtypes: list = []  # the KV-cache dtype of every checked call's spec (None: the compute dtype)

@@ -6,6 +6,11 @@ Per layer: the kernel's output is within its error bound of the float64 referenc
 call (the reference applies the loaded config's RoPE), and so is eager's output (eager rotates
 and accumulates in float32 too; measured at 0.01-0.03 of the bound). Measured sensitivity: theta
 off by 5% puts eager 80-700 bounds from the reference, sm_scale off by 2% 360-660 bounds.
+
+Llama 4 (tests/hf_models.py): its chunked layer runs one entry per chunk, its NoPE layer
+``rotary_mode`` 0 on q scaled by the config's query temperature (semantics §16). Each of these
+read wrong fails it: half-split pairs instead of interleaved ones, the temperature left out, the
+chunks left out.
 """
 
 from __future__ import annotations
@@ -18,64 +23,85 @@ import pytest
 torch = pytest.importorskip("torch")  # CI installs the hf extra: these never skip there
 transformers = pytest.importorskip("transformers")
 
+from linalg_prefill.mlir import RaggedPrefillSpec  # noqa: E402
 from linalg_prefill.pipeline.model_config import load_model_config  # noqa: E402
 from linalg_prefill.runtime import error_bound, open_kernel  # noqa: E402
 from linalg_prefill.runtime.compare import reference_for  # noqa: E402
 
 from conftest import assert_matches_reference  # noqa: E402
-from hf_models import tiny_model  # noqa: E402
+from hf_models import LLAMA3, tiny_model  # noqa: E402
 
 #: How far eager may be from the float64 reference, in units of the kernel's bound.
 EAGER_BOUNDS = 1.0
-MODULES = {"llama3": "llama", "qwen2": "qwen2", "qwen2-yarn": "qwen2", "gemma2": "gemma2"}
+MODULES = {"llama3": "llama", "qwen2": "qwen2", "qwen2-yarn": "qwen2", "gemma2": "gemma2", "llama4": "llama4"}
+#: Llama 4's kernel (both of its layers: the NoPE one with rotary_mode 0): llama3's bands on
+#: interleaved pairs, the spec its saved config gives and no other test compiles.
+LLAMA4_RAGGED = RaggedPrefillSpec(4, 2, 16, 16, "float32", {**{key: value for key, value in LLAMA3.items()
+                                                               if key != "rope_theta"}, "rope_type": "llama4"})
 
 
 def _record_layers(family: str, model, ids) -> list[dict]:
-    """Per layer: the pre-RoPE q ``[S, H_q, D]`` and k, v ``[S, H_kv, D]`` and eager's output
+    """Per layer: q ``[S, H_q, D]`` and k ``[S, H_kv, D]`` as the layer's projections give them
+    (before RoPE and Llama 4's query temperature), v ``[S, H_kv, D]`` and eager's output
     ``[S, H_q, D]`` of a batch of one."""
     modeling = importlib.import_module(f"transformers.models.{MODULES[family]}.modeling_{MODULES[family]}")
-    layers: list[dict] = []
-    rotate, eager = modeling.apply_rotary_pos_emb, modeling.eager_attention_forward
+    layers: list[dict] = [{} for _ in model.model.layers]
+    eager = modeling.eager_attention_forward
 
-    def recording_rotate(q, k, cos, sin, *args, **kwargs):
-        layers.append(dict(q=q[0].transpose(0, 1), k=k[0].transpose(0, 1)))
-        return rotate(q, k, cos, sin, *args, **kwargs)
+    def projected(record: dict, name: str, head_dim: int):
+        def hook(module, args, output):
+            record[name] = output[0].reshape(output.shape[1], -1, head_dim)
+        return hook
 
     def recording_eager(module, query, key, value, attention_mask, **kwargs):
         output, weights = eager(module, query, key, value, attention_mask, **kwargs)
-        layers[-1].update(v=value[0].transpose(0, 1), output=output[0])
+        layers[module.layer_idx].update(v=value[0].transpose(0, 1), output=output[0])
         return output, weights
 
+    hooks = [getattr(layer.self_attn, f"{name}_proj").register_forward_hook(
+        projected(record, name, layer.self_attn.head_dim))
+        for record, layer in zip(layers, model.model.layers) for name in ("q", "k")]
     transformers.AttentionInterface.register("eager_recorded", recording_eager)
     transformers.masking_utils.AttentionMaskInterface.register("eager_recorded",
                                                                transformers.masking_utils.eager_mask)
     model.set_attn_implementation("eager_recorded")
-    with pytest.MonkeyPatch.context() as patch, torch.no_grad():
-        patch.setattr(modeling, "apply_rotary_pos_emb", recording_rotate)
-        model(ids)
+    try:
+        with torch.no_grad():
+            model(ids)
+    finally:
+        for hook in hooks:
+            hook.remove()
     return [{name: tensor.contiguous().numpy() for name, tensor in layer.items()} for layer in layers]
 
 
 def _ragged_call(layer, recorded: dict) -> tuple:
     """The ragged kernel's seed-ABI call of one layer: one entry per query (its window of keys,
-    the keys duplicated per entry) for a sliding layer, one causal entry otherwise."""
-    q, k, v = recorded["q"], recorded["k"], recorded["v"]
-    n = len(q)
+    the keys duplicated per entry) for a sliding layer, one causal entry per chunk for a chunked
+    one (its keys from the chunk's start, ``k_rope_pos_offset`` there: semantics §16), one causal
+    entry otherwise; q scaled by the layer's query temperature, RoPE inline unless a NoPE layer."""
+    k, v = recorded["k"], recorded["v"]
+    n = len(k)
     positions = np.arange(n, dtype=np.int32)
+    q = (recorded["q"] * layer.query_scales(positions)[:, None, None]).astype(np.float32)
     if layer.sliding and layer.window and layer.window < n:
         lo = np.maximum(positions - layer.window + 1, 0)
         rows = np.concatenate([np.arange(a, i + 1) for i, a in enumerate(lo)])
         k, v = k[rows], v[rows]
         kv_indptr = np.concatenate([[0], np.cumsum(positions + 1 - lo)]).astype(np.int32)
         q_indptr, k_offset = np.arange(n + 1, dtype=np.int32), lo.astype(np.int32)
+    elif layer.chunk and layer.chunk < n:
+        starts = np.arange(0, n, layer.chunk, dtype=np.int32)
+        q_indptr = kv_indptr = np.append(starts, n).astype(np.int32)
+        k_offset = starts
     else:
         q_indptr = kv_indptr = np.array([0, n], np.int32)
         k_offset = np.zeros(1, np.int32)
-    return (q, q_indptr, k, v, kv_indptr, positions, k_offset, 1, 1, layer.rope_scale, layer.rope_theta,
+    return (q, q_indptr, k, v, kv_indptr, positions, k_offset, 1, int(layer.rope), layer.rope_scale, layer.rope_theta,
             layer.sm_scale)
 
 
-@pytest.mark.parametrize("family", list(MODULES))
+@pytest.mark.parametrize("family", [
+    pytest.param(family, marks=[pytest.mark.compiles(LLAMA4_RAGGED)] * (family == "llama4")) for family in MODULES])
 def test_every_layer_from_the_saved_config_equals_eager(family, tmp_path):
     model = tiny_model(family)
     model.config.save_pretrained(tmp_path)

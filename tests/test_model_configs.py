@@ -78,6 +78,71 @@ def test_qwen2_5_keeps_its_window_off():
     assert len(specs) == 5 and all(s.logits_soft_cap == 0.0 for s in specs)
 
 
+def test_llama_4_scout_chunked_and_nope_layers(tmp_path):
+    """Every 4th layer NoPE (full attention, its q rows scaled by position), the others chunked in
+    8192 tokens with llama3 bands on interleaved pairs (the kernels' ``llama4`` rope): one RoPE,
+    so one ragged kernel and both paged kinds (the chunks are the sliding-window variant's
+    entries). transformers reads the same layers and frequencies from the file."""
+    cfg, specs = _specs("llama-4-scout-17b-16e.json")
+    assert (cfg.h_q, cfg.h_kv, cfg.head_dim, cfg.dtype, cfg.attention_chunk) == (40, 8, 128, "bfloat16", 8192)
+    assert cfg.nope_layers == tuple(range(3, 48, 4)) and cfg.temperature_tuning == (8192.0, 0.1)
+    assert cfg.layer_types == ("chunked_attention",) * 3 + ("full_attention",) + cfg.layer_types[4:]
+    chunked, nope = cfg.layer(0), cfg.layer(3)
+    assert (chunked.chunk, chunked.rope, chunked.temperature_tuning) == (8192, True, None)
+    assert (nope.chunk, nope.rope, nope.temperature_tuning) == (None, False, (8192.0, 0.1))
+    np.testing.assert_allclose(nope.query_scales([0, 8190, 8191, 3 * 8192 - 1]),
+                               [1.0, 1.0, 1.0 + 0.1 * math.log(2.0), 1.0 + 0.1 * math.log(4.0)])
+    assert chunked.query_scales([9000]).tolist() == [1.0]
+    rope = {"rope_type": "llama4", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
+            "original_max_position_embeddings": 8192}
+    assert cfg.rope_scaling == rope and _one(specs, RaggedPrefillSpec).fields()["rope_scaling"] == rope
+    assert [p.sliding_window for p in specs if isinstance(p, PagedPrefillSpec)] == [False, True] and len(specs) == 6
+    t = _transformers()
+    (tmp_path / "config.json").write_text((CONFIGS / "llama-4-scout-17b-16e.json").read_text())
+    text = t.AutoConfig.from_pretrained(tmp_path).get_text_config()
+    assert list(cfg.layer_types) == text.layer_types and [int(i not in cfg.nope_layers) for i in range(48)] == \
+        text.no_rope_layers
+    _assert_layers_match_transformers(cfg, text)
+
+
+def test_llama_4_maverick_plain_rope_is_interleaved(tmp_path):
+    """No rope scaling: the kernels' gptj (plain frequencies, pairs (2i, 2i + 1)); a NoPE layer
+    every 2nd; the temperature off."""
+    t = _transformers()
+    config = t.Llama4TextConfig(**COMMON, head_dim=16, no_rope_layer_interval=2, attention_chunk_size=64,
+                                attn_temperature_tuning=False, rope_parameters={"rope_type": "default",
+                                                                                "rope_theta": 500000.0})
+    cfg = _saved(tmp_path, config)
+    assert (cfg.rope_scaling, cfg.nope_layers, cfg.temperature_tuning) == ({"rope_type": "gptj"}, (1,), None)
+    assert (cfg.layer(0).chunk, cfg.layer(1).rope) == (64, False)
+
+
+@pytest.mark.parametrize("change, key", [
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192}},
+     "rope_scaling.rope_type: 'yarn' with Llama 4"),
+    ({"no_rope_layers": [1, 0, 1]}, "no_rope_layers: expected 48 flags"),
+])
+def test_bad_llama_4_configs_name_the_key(tmp_path, change, key):
+    raw = json.loads((CONFIGS / "llama-4-scout-17b-16e.json").read_text())
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**raw, "text_config": {**raw["text_config"], **change}}))
+    with pytest.raises(ValueError, match=key):
+        load_model_config(path)
+
+
+@pytest.mark.parametrize("fields, key", [
+    ({"layer_types": ["chunked_attention", "full_attention"]}, "attention_chunk: set exactly when"),
+    ({"attention_chunk": 64}, "attention_chunk: set exactly when"),
+    ({"attention_chunk": 0, "layer_types": ["chunked_attention"]}, "attention_chunk: must be a positive int"),
+    ({"nope_layers": [2], "layer_types": ["full_attention"] * 2}, "nope_layers: 2 is past"),
+    ({"temperature_tuning": (8192, 0.1)}, "temperature_tuning: set, but no layer"),
+    ({"nope_layers": [0], "temperature_tuning": (8192, -0.1)}, "temperature_tuning: expected"),
+])
+def test_bad_llama_4_fields_name_the_field(fields, key):
+    with pytest.raises(ValueError, match=key):
+        ModelConfig("m", 4, 2, 16, 16, "float32", **fields)
+
+
 def test_deepseek_v3_mla_with_its_yarn_softmax_scale():
     cfg, specs = _specs("deepseek-v3.json")
     assert specs == [RaggedPrefillSpec(128, 128, 192, 128, "bfloat16"),
@@ -95,7 +160,8 @@ def test_linear_rope_scaling_is_the_runtime_rope_scale(tmp_path):
 
 @pytest.mark.parametrize("name", ["llama-3-8b.json", "mistral-7b.json", "qwen2-0.5b.json", "qwen2.5-7b.json",
                                   "gemma-2-27b.json", "gemma-3-1b.json", "phi-3-mini-4k.json",
-                                  "stablelm-2-1.6b.json", "deepseek-v2-lite.json", "deepseek-v3.json"])
+                                  "stablelm-2-1.6b.json", "deepseek-v2-lite.json", "deepseek-v3.json",
+                                  "llama-4-scout-17b-16e.json"])
 def test_every_example_config_round_trips_through_the_manifest_fields(name):
     """The manifest records each spec's fields; they rebuild the same spec (cap and rotary_dim
     included)."""
