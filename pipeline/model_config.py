@@ -15,7 +15,8 @@ sets ``head_sinks``: every layer has one learned sink logit per query head (tran
 the model takes ``sinks``. ``model_type`` ``llama4`` / ``llama4_text``: chunked-attention layers
 (``attention_chunk_size``), NoPE layers (``no_rope_layers``) with their query temperature
 (``attn_temperature_tuning``, ``floor_scale``, ``attn_scale``) and RoPE on interleaved pairs
-(semantics §16).
+(semantics §16). What other model types' code changes (NoPE layers, interleaved pairs, the
+softmax scale) is in :mod:`.model_types`; a ``model_type`` without a record there is an error.
 
 RoPE comes in either transformers format:
 
@@ -58,6 +59,7 @@ from ..mlir import (
     MaskedSequencePrefillSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec,
 )
 from ..mlir.specs import DTYPES, freeze_rope_scaling
+from .model_types import MODEL_TYPES, interleaved, model_type_of, nope_layers
 
 DEFAULT_PAGE_SIZE = 16
 DEFAULT_ROPE_THETA = 10000.0
@@ -368,8 +370,8 @@ def _hf_fields(raw: dict) -> dict:
     h_kv = raw.get("num_key_value_heads") or h_q
     if not isinstance(h_kv, int) or h_kv <= 0 or h_q % h_kv:
         raise ValueError(f"num_key_value_heads: {h_kv!r} must divide num_attention_heads ({h_q})")
-    llama4 = raw.get("model_type") in LLAMA4_TYPES
-    _reject_unsupported(raw, llama4)
+    kind = model_type_of(raw)
+    _reject_unsupported(raw, kind.chunked)
     slides = _slides(raw)
     fields = {
         "h_q": h_q,
@@ -379,8 +381,9 @@ def _hf_fields(raw: dict) -> dict:
         "layer_types": _hf_layer_types(raw),
         "logits_soft_cap": float(raw.get("attn_logit_softcapping") or 0.0),
         "head_sinks": raw.get("model_type") in SINK_MODEL_TYPES,
-        **(_llama4_layers(raw) if llama4 else {}),
+        **(_llama4_layers(raw) if kind.chunked else {}),
     }
+    fields["nope_layers"] = nope_layers(kind, raw, fields["layer_types"], slides)
     torch_dtype = raw.get("torch_dtype", raw.get("dtype"))
     if torch_dtype is not None:
         if torch_dtype not in DTYPES:
@@ -390,10 +393,12 @@ def _hf_fields(raw: dict) -> dict:
         return {**fields, **_mla_fields(raw)}
     head_dim = raw.get("head_dim") or _required(raw, "hidden_size") // h_q
     fields.update(head_dim=head_dim, v_head_dim=head_dim, **_hf_rope_fields(raw, fields["layer_types"], head_dim))
-    if llama4:
-        fields["rope_scaling"] = _interleaved(fields["rope_scaling"])
+    if kind.interleaved:
+        fields["rope_scaling"] = interleaved(fields["rope_scaling"])
     if raw.get("query_pre_attn_scalar") is not None:
         fields["sm_scale"] = float(raw["query_pre_attn_scalar"]) ** -0.5
+    if kind.scale_key is not None:
+        fields["sm_scale"] = float(_required(raw, kind.scale_key))
     return fields
 
 
@@ -408,40 +413,21 @@ def _mla_fields(raw: dict) -> dict:
                 sm_scale=head_dim ** -0.5 * _deepseek_mscale(rope) ** 2)
 
 
-#: Hugging Face model types of Llama 4's language model (``Llama4TextConfig``).
-LLAMA4_TYPES = ("llama4", "llama4_text")
-
-
 def _llama4_layers(raw: dict) -> dict:
-    """Llama 4's layers as ``Llama4TextConfig`` derives them: ``no_rope_layers`` (1: the layer
-    rotates; empty or missing: a NoPE layer every ``no_rope_layer_interval``-th, default 4), the
-    rotating layers ``chunked_attention`` over ``attention_chunk_size`` tokens (default 8192;
+    """Llama 4's layers as ``Llama4TextConfig`` derives them: the rotating layers (model_types:
+    ``no_rope_layers``) ``chunked_attention`` over ``attention_chunk_size`` tokens (default 8192;
     None: full) unless ``layer_types`` says otherwise, and the NoPE layers' query temperature
     (``attn_temperature_tuning``, default on, with ``floor_scale`` 8192 and ``attn_scale`` 0.1)."""
-    layers = _required(raw, "num_hidden_layers")
-    interval = raw.get("no_rope_layer_interval") or 4
-    rotates = raw.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
-    if len(rotates) != layers or any(flag not in (0, 1) for flag in rotates):
-        raise ValueError(f"no_rope_layers: expected {layers} flags of 0 or 1, got {rotates!r}")
+    nope = nope_layers(MODEL_TYPES["llama4"], raw, None, False)
     chunk = raw.get("attention_chunk_size", 8192)
     layer_types = raw.get("layer_types") or [
-        "chunked_attention" if flag and chunk is not None else "full_attention" for flag in rotates]
-    nope = tuple(i for i, flag in enumerate(rotates) if not flag)
+        "full_attention" if i in nope or chunk is None else "chunked_attention"
+        for i in range(raw["num_hidden_layers"])]
     tuning = None
     if nope and raw.get("attn_temperature_tuning", True):
         tuning = (float(raw.get("floor_scale", 8192)), float(raw.get("attn_scale", 0.1)))
-    return {"layer_types": tuple(layer_types), "nope_layers": nope, "temperature_tuning": tuning,
+    return {"layer_types": tuple(layer_types), "temperature_tuning": tuning,
             "attention_chunk": chunk if "chunked_attention" in layer_types else None}
-
-
-def _interleaved(rope_scaling: dict) -> dict:
-    """Llama 4 rotates the pairs (2i, 2i + 1) (``apply_rotary_emb``'s complex view): plain RoPE is
-    the kernels' ``gptj``, llama3 bands their ``llama4``; other scalings have no interleaved form."""
-    kind = rope_scaling.get("rope_type", "default")
-    if kind not in ("default", "llama3"):
-        raise ValueError(f"rope_scaling.rope_type: {kind!r} with Llama 4's interleaved pairs is not supported "
-                         "(default, linear or llama3)")
-    return {**rope_scaling, "rope_type": "llama4" if kind == "llama3" else "gptj"}
 
 
 def _hf_layer_types(raw: dict) -> tuple[str, ...] | None:
@@ -660,11 +646,11 @@ UNSUPPORTED_ATTENTION_KEYS = {
 LLAMA4_KEYS = ("attention_chunk_size", "attn_temperature_tuning", "attn_scale")
 
 
-def _reject_unsupported(raw: dict, llama4: bool) -> None:
+def _reject_unsupported(raw: dict, chunked: bool) -> None:
     """An error naming the first key of :data:`UNSUPPORTED_ATTENTION_KEYS` that is set (Llama 4's
-    own keys are read for Llama 4's model types)."""
+    own keys are read for Llama 4's model types: ``chunked``)."""
     for key, what in UNSUPPORTED_ATTENTION_KEYS.items():
-        if llama4 and key in LLAMA4_KEYS:
+        if chunked and key in LLAMA4_KEYS:
             continue
         if raw.get(key) not in (None, False, 0):
             raise ValueError(f"{key}: {what} is not supported by these kernels")

@@ -45,19 +45,42 @@ def configs() -> dict:
                                                 use_qk_norm=False, floor_scale=8, attn_scale=0.5, num_local_experts=2,
                                                 num_experts_per_tok=1, interleave_moe_layer_step=2,
                                                 intermediate_size_mlp=96, rope_parameters=dict(LLAMA3), **TINY),
+        **_attention_variants(),
+    }
+
+
+def _attention_variants() -> dict:
+    """Models whose attention differs from Llama's in their code (pipeline/model_types.py), for
+    tests/test_hf_layers.py: SmolLM3 (its 2nd layer NoPE), Cohere 2 (a window of 8, interleaved
+    pairs, the full layer NoPE), EXAONE 4 (the same with half-split pairs and qk norms), Granite
+    (softmax scale 0.15, not head_dim ** -0.5), GLM-4 (interleaved pairs on half the head, q/k
+    biases), Cohere and ERNIE 4.5 (interleaved pairs), Qwen3 and OLMo 2 (qk norms)."""
+    windowed = {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]}
+    return {
+        "smollm3": transformers.SmolLM3Config(num_hidden_layers=2, no_rope_layer_interval=2, pad_token_id=0, **TINY),
+        "cohere2": transformers.Cohere2Config(num_hidden_layers=2, **windowed, **TINY),
+        "exaone4": transformers.Exaone4Config(num_hidden_layers=2, **windowed, **TINY),
+        "granite": transformers.GraniteConfig(num_hidden_layers=2, attention_multiplier=0.15, **TINY),
+        "glm4": transformers.Glm4Config(num_hidden_layers=2, pad_token_id=0, **TINY),
+        "cohere": transformers.CohereConfig(num_hidden_layers=2, **TINY),
+        "ernie4_5": transformers.Ernie4_5Config(num_hidden_layers=2, **TINY),
+        "qwen3": transformers.Qwen3Config(num_hidden_layers=2, **TINY),
+        "olmo2": transformers.Olmo2Config(num_hidden_layers=2, **TINY),
     }
 
 
 def tiny_model(family: str, dtype: torch.dtype = torch.float32, attn_implementation: str = "eager"):
-    """A seeded random-weight causal LM of ``family`` in eval mode, q/k projections scaled by QK_GAIN
-    (gpt-oss: its sink logits uniform in SINK_RANGE, so that they matter)."""
+    """A seeded random-weight causal LM of ``family`` in eval mode, q/k projections (or the qk
+    norms' weights) scaled by QK_GAIN (gpt-oss: its sink logits uniform in SINK_RANGE, so that
+    they matter)."""
     torch.manual_seed(0)
     config = configs()[family]
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
     with torch.no_grad():
         for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(QK_GAIN)
-            layer.self_attn.k_proj.weight.mul_(QK_GAIN)
+            attention = layer.self_attn
+            for name in ("q", "k"):   # the qk norms' weights where the model normalises q and k
+                getattr(attention, f"{name}_norm", getattr(attention, f"{name}_proj")).weight.mul_(QK_GAIN)
             if hasattr(layer.self_attn, "sinks"):
                 layer.self_attn.sinks.uniform_(*SINK_RANGE)
     return model.to(dtype).eval()

@@ -10,7 +10,10 @@ off by 5% puts eager 80-700 bounds from the reference, sm_scale off by 2% 360-66
 Llama 4 (tests/hf_models.py): its chunked layer runs one entry per chunk, its NoPE layer
 ``rotary_mode`` 0 on q scaled by the config's query temperature (semantics §16). Each of these
 read wrong fails it: half-split pairs instead of interleaved ones, the temperature left out, the
-chunks left out.
+chunks left out. The model types whose code changes attention (pipeline/model_types.py: SmolLM3,
+Cohere 2 and EXAONE 4's NoPE layers, interleaved pairs of Cohere, GLM-4 and ERNIE 4.5, Granite's
+scale) each fail it read as a plain Llama; Qwen3 and OLMo 2 normalise q and k before RoPE (q and k
+recorded after the norms).
 """
 
 from __future__ import annotations
@@ -33,11 +36,18 @@ from hf_models import LLAMA3, tiny_model  # noqa: E402
 
 #: How far eager may be from the float64 reference, in units of the kernel's bound.
 EAGER_BOUNDS = 1.0
-MODULES = {"llama3": "llama", "qwen2": "qwen2", "qwen2-yarn": "qwen2", "gemma2": "gemma2", "llama4": "llama4"}
-#: Llama 4's kernel (both of its layers: the NoPE one with rotary_mode 0): llama3's bands on
-#: interleaved pairs, the spec its saved config gives and no other test compiles.
-LLAMA4_RAGGED = RaggedPrefillSpec(4, 2, 16, 16, "float32", {**{key: value for key, value in LLAMA3.items()
-                                                               if key != "rope_theta"}, "rope_type": "llama4"})
+MODULES = {"llama3": "llama", "qwen2": "qwen2", "qwen2-yarn": "qwen2", "gemma2": "gemma2", "llama4": "llama4",
+           **{family: family for family in ("smollm3", "cohere2", "exaone4", "granite", "glm4", "cohere", "ernie4_5",
+                                            "qwen3", "olmo2")}}
+#: The kernels of the families on interleaved pairs, which no other test compiles: Llama 4's
+#: (llama3's bands), Cohere's, Cohere 2's and ERNIE 4.5's (plain), GLM-4's (plain, half the head).
+INTERLEAVED_SPECS = {
+    "llama4": RaggedPrefillSpec(4, 2, 16, 16, "float32", {**{key: value for key, value in LLAMA3.items()
+                                                             if key != "rope_theta"}, "rope_type": "llama4"}),
+    **dict.fromkeys(("cohere", "cohere2", "ernie4_5"),
+                    RaggedPrefillSpec(4, 2, 16, 16, "float32", {"rope_type": "gptj"})),
+    "glm4": RaggedPrefillSpec(4, 2, 16, 16, "float32", {"rope_type": "gptj"}, rotary_dim=8),
+}
 
 
 def _record_layers(family: str, model, ids) -> list[dict]:
@@ -48,9 +58,12 @@ def _record_layers(family: str, model, ids) -> list[dict]:
     layers: list[dict] = [{} for _ in model.model.layers]
     eager = modeling.eager_attention_forward
 
+    length = ids.shape[1]
+
     def projected(record: dict, name: str, head_dim: int):
-        def hook(module, args, output):
-            record[name] = output[0].reshape(output.shape[1], -1, head_dim)
+        def hook(module, args, output):   # [1, S, H * D], [1, S, H, D] or (EXAONE 4's qk norms) [1, H, S, D]
+            tokens_first = output[0] if output.dim() < 4 or output.shape[1] == length else output[0].transpose(0, 1)
+            record[name] = tokens_first.reshape(length, -1, head_dim)
         return hook
 
     def recording_eager(module, query, key, value, attention_mask, **kwargs):
@@ -58,9 +71,9 @@ def _record_layers(family: str, model, ids) -> list[dict]:
         layers[module.layer_idx].update(v=value[0].transpose(0, 1), output=output[0])
         return output, weights
 
-    hooks = [getattr(layer.self_attn, f"{name}_proj").register_forward_hook(
-        projected(record, name, layer.self_attn.head_dim))
-        for record, layer in zip(layers, model.model.layers) for name in ("q", "k")]
+    attentions = [layer.self_attn for layer in model.model.layers]
+    hooks = [getattr(attention, f"{name}_norm", getattr(attention, f"{name}_proj")).register_forward_hook(
+        projected(record, name, attention.head_dim)) for record, attention in zip(layers, attentions) for name in "qk"]
     transformers.AttentionInterface.register("eager_recorded", recording_eager)
     transformers.masking_utils.AttentionMaskInterface.register("eager_recorded",
                                                                transformers.masking_utils.eager_mask)
@@ -101,7 +114,8 @@ def _ragged_call(layer, recorded: dict) -> tuple:
 
 
 @pytest.mark.parametrize("family", [
-    pytest.param(family, marks=[pytest.mark.compiles(LLAMA4_RAGGED)] * (family == "llama4")) for family in MODULES])
+    pytest.param(family, marks=[pytest.mark.compiles(spec) for spec in [INTERLEAVED_SPECS.get(family)] if spec])
+    for family in MODULES])
 def test_every_layer_from_the_saved_config_equals_eager(family, tmp_path):
     model = tiny_model(family)
     model.config.save_pretrained(tmp_path)

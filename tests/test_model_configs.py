@@ -119,7 +119,7 @@ def test_llama_4_maverick_plain_rope_is_interleaved(tmp_path):
 
 @pytest.mark.parametrize("change, key", [
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192}},
-     "rope_scaling.rope_type: 'yarn' with Llama 4"),
+     "rope_scaling.rope_type: 'yarn' on interleaved pairs"),
     ({"no_rope_layers": [1, 0, 1]}, "no_rope_layers: expected 48 flags"),
 ])
 def test_bad_llama_4_configs_name_the_key(tmp_path, change, key):
@@ -127,6 +127,15 @@ def test_bad_llama_4_configs_name_the_key(tmp_path, change, key):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({**raw, "text_config": {**raw["text_config"], **change}}))
     with pytest.raises(ValueError, match=key):
+        load_model_config(path)
+
+
+@pytest.mark.parametrize("model_type", ["gemma3n_text", "jamba", "minimax"])
+def test_a_model_type_the_loader_does_not_know_is_refused_by_name(tmp_path, model_type):
+    """Gemma 3n's shared KV and unit scale, Jamba's attention without RoPE, MiniMax's linear
+    layers: their code changes attention where no key says so (pipeline/model_types.py)."""
+    path = _qwen2_json(tmp_path, model_type=model_type)
+    with pytest.raises(ValueError, match=f"model_type: '{model_type}' is not one whose attention"):
         load_model_config(path)
 
 
