@@ -6,8 +6,10 @@ has a :class:`ModelType` here (:data:`MODEL_TYPES`); any other ``model_type`` is
 so that a model whose attention the record does not describe is refused instead of built wrong.
 A config without ``model_type`` is read by its keys alone.
 
-What the records say (each checked against transformers' own layers by tests/test_hf_layers.py or
-tests/test_model_configs.py):
+What the records say (each record but the plain one checked against transformers' own layers by
+tests/test_hf_layers.py; the plain types are those families' or, in transformers' modular files,
+their attention's parents': Mixtral's is Mistral's, Qwen2-MoE's and Gemma's Llama's, Qwen3-MoE's
+Qwen3's):
 
 * ``interleaved``: RoPE rotates the pairs ``(2i, 2i + 1)`` (Cohere, GLM, ERNIE 4.5 and Llama 4:
   their ``rotate_half`` takes ``x[..., ::2]``); written as the kernels' ``gptj`` / ``llama4``;
@@ -39,14 +41,14 @@ class ModelType:
 
 PLAIN = ModelType()
 MODEL_TYPES = {
-    **dict.fromkeys(("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3", "stablelm",
-                     "gemma", "gemma2", "gemma3", "gemma3_text", "deepseek_v2", "deepseek_v3", "gpt_oss", "olmo2"),
-                    PLAIN),
+    **dict.fromkeys(("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi", "phi3",
+                     "stablelm", "gemma", "gemma2", "gemma3", "gemma3_text", "deepseek_v2", "deepseek_v3", "gpt_oss",
+                     "olmo2", "olmo3", "apertus", "starcoder2", "seed_oss"), PLAIN),
     **dict.fromkeys(("cohere", "glm", "glm4", "ernie4_5"), ModelType(interleaved=True)),
     "cohere2": ModelType(interleaved=True, nope="unwindowed"),
     "exaone4": ModelType(nope="unwindowed_if_windowed"),
     "smollm3": ModelType(nope="no_rope_layers"),
-    "granite": ModelType(scale_key="attention_multiplier"),
+    **dict.fromkeys(("granite", "granitemoe"), ModelType(scale_key="attention_multiplier")),
     "llama4": ModelType(interleaved=True, nope="no_rope_layers", chunked=True),
     "llama4_text": ModelType(interleaved=True, nope="no_rope_layers", chunked=True),
 }

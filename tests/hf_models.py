@@ -54,7 +54,9 @@ def _attention_variants() -> dict:
     tests/test_hf_layers.py: SmolLM3 (its 2nd layer NoPE), Cohere 2 (a window of 8, interleaved
     pairs, the full layer NoPE), EXAONE 4 (the same with half-split pairs and qk norms), Granite
     (softmax scale 0.15, not head_dim ** -0.5), GLM-4 (interleaved pairs on half the head, q/k
-    biases), Cohere and ERNIE 4.5 (interleaved pairs), Qwen3 and OLMo 2 (qk norms)."""
+    biases), Cohere and ERNIE 4.5 (interleaved pairs), Qwen3 and OLMo 2 (qk norms); and plain
+    ones: OLMo 3 (qk norms, a window of 8), Apertus (qk norms, llama3 bands), Granite-MoE (the
+    scale), Phi-2 (half the head rotates), StarCoder2 and Seed-OSS (biases), Gemma."""
     windowed = {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]}
     return {
         "smollm3": transformers.SmolLM3Config(num_hidden_layers=2, no_rope_layer_interval=2, pad_token_id=0, **TINY),
@@ -66,6 +68,13 @@ def _attention_variants() -> dict:
         "ernie4_5": transformers.Ernie4_5Config(num_hidden_layers=2, **TINY),
         "qwen3": transformers.Qwen3Config(num_hidden_layers=2, **TINY),
         "olmo2": transformers.Olmo2Config(num_hidden_layers=2, **TINY),
+        "olmo3": transformers.Olmo3Config(num_hidden_layers=2, **windowed, **TINY),
+        "apertus": transformers.ApertusConfig(num_hidden_layers=2, rope_parameters=dict(LLAMA3), **TINY),
+        "granitemoe": transformers.GraniteMoeConfig(num_hidden_layers=2, attention_multiplier=0.15, **TINY),
+        "phi": transformers.PhiConfig(num_hidden_layers=2, **TINY),
+        "starcoder2": transformers.Starcoder2Config(num_hidden_layers=2, **TINY),
+        "seed_oss": transformers.SeedOssConfig(num_hidden_layers=2, **TINY),
+        "gemma": transformers.GemmaConfig(num_hidden_layers=2, **TINY),
     }
 
 

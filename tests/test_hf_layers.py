@@ -12,8 +12,8 @@ Llama 4 (tests/hf_models.py): its chunked layer runs one entry per chunk, its No
 read wrong fails it: half-split pairs instead of interleaved ones, the temperature left out, the
 chunks left out. The model types whose code changes attention (pipeline/model_types.py: SmolLM3,
 Cohere 2 and EXAONE 4's NoPE layers, interleaved pairs of Cohere, GLM-4 and ERNIE 4.5, Granite's
-scale) each fail it read as a plain Llama; Qwen3 and OLMo 2 normalise q and k before RoPE (q and k
-recorded after the norms).
+scale) each fail it read as a plain Llama; Qwen3, OLMo 2 and 3 and Apertus normalise q and k
+before RoPE (q and k recorded after the norms).
 """
 
 from __future__ import annotations
@@ -38,10 +38,13 @@ from hf_models import LLAMA3, tiny_model  # noqa: E402
 EAGER_BOUNDS = 1.0
 MODULES = {"llama3": "llama", "qwen2": "qwen2", "qwen2-yarn": "qwen2", "gemma2": "gemma2", "llama4": "llama4",
            **{family: family for family in ("smollm3", "cohere2", "exaone4", "granite", "glm4", "cohere", "ernie4_5",
-                                            "qwen3", "olmo2")}}
-#: The kernels of the families on interleaved pairs, which no other test compiles: Llama 4's
-#: (llama3's bands), Cohere's, Cohere 2's and ERNIE 4.5's (plain), GLM-4's (plain, half the head).
-INTERLEAVED_SPECS = {
+                                            "qwen3", "olmo2", "olmo3", "apertus", "granitemoe", "phi", "starcoder2",
+                                            "seed_oss", "gemma")}}
+#: The kernels no other test compiles: those of the families on interleaved pairs (Llama 4's with
+#: llama3's bands; Cohere's, Cohere 2's and ERNIE 4.5's plain; GLM-4's plain on half the head) and
+#: Phi-2's (half the head, half-split pairs).
+OWN_SPECS = {
+    "phi": RaggedPrefillSpec(4, 2, 16, 16, "float32", rotary_dim=8),
     "llama4": RaggedPrefillSpec(4, 2, 16, 16, "float32", {**{key: value for key, value in LLAMA3.items()
                                                              if key != "rope_theta"}, "rope_type": "llama4"}),
     **dict.fromkeys(("cohere", "cohere2", "ernie4_5"),
@@ -114,7 +117,7 @@ def _ragged_call(layer, recorded: dict) -> tuple:
 
 
 @pytest.mark.parametrize("family", [
-    pytest.param(family, marks=[pytest.mark.compiles(spec) for spec in [INTERLEAVED_SPECS.get(family)] if spec])
+    pytest.param(family, marks=[pytest.mark.compiles(spec) for spec in [OWN_SPECS.get(family)] if spec])
     for family in MODULES])
 def test_every_layer_from_the_saved_config_equals_eager(family, tmp_path):
     model = tiny_model(family)
