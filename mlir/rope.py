@@ -5,7 +5,8 @@ lists every rope type), except that all arithmetic is float32 and the rotated va
 the input dtype at the end. Three ``linalg.generic`` ops are emitted:
 
     inverse frequencies  [D/2]      theta^(-2i/D) = exp2(-(2i/D) log2 theta), then the
-                                    llama3/llama4/yarn adjustment (constants from rope_scaling)
+                                    llama3/llama4/yarn adjustment (constants from rope_scaling),
+                                    or LongRoPE's division by its per-pair ext_factors
     cos/sin table        [N, D/2]   c * cos(position * scale * freq) and c * sin(...), once per row
     rotation             [N, H, D]  cos * x + sin * x_rot, every head reading the same table row
 
@@ -21,6 +22,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from typing import Any, Callable
+
+import numpy as np
 
 from .ir import (
     affine_map, arith_d, collapse, const_f32, const_i32, const_index, empty, expand, extract_slice, f32,
@@ -79,18 +82,27 @@ def _rope_type(rs: Mapping[str, Any]) -> str:
 
 
 def _inverse_frequencies(head_dim: int, theta: ir.Value, kind: str, rs: Mapping[str, Any]) -> ir.Value:
-    """f32 tensor ``[D/2]``: the angle per unit of scaled position for each pair ``i``."""
+    """f32 tensor ``[D/2]``: the angle per unit of scaled position for each pair ``i`` (LongRoPE's
+    ``ext_factors``, a constant ``[D/2]``, divide it)."""
     log2_theta = math_d.log2(theta)
     adjust = _frequency_adjustment(head_dim, log2_theta, kind, rs)
+    factors = rs.get("ext_factors") if kind == "longrope" else None
+    if factors is not None and len(factors) != head_dim // 2:
+        raise ValueError(f"rope_scaling: longrope ext_factors has {len(factors)} factors for {head_dim // 2} pairs")
 
-    def body(_out):
+    def body(*args):
         i = arith_d.uitofp(f32(), arith_d.index_cast(i32(), linalg_d.IndexOp(0).result))
         exponent = arith_d.divf(arith_d.addf(i, i), const_f32(float(head_dim)))
         base = _exp2(arith_d.negf(arith_d.mulf(exponent, log2_theta)))
-        return [adjust(i, base)]
+        freq = adjust(i, base)
+        return [freq if factors is None else arith_d.divf(freq, args[0])]
 
     out = empty([head_dim // 2], f32())
-    return generic([], [out], [affine_map(1, (0,))], "p", body)[0]
+    if factors is None:
+        return generic([], [out], [affine_map(1, (0,))], "p", body)[0]
+    table_type = ir.RankedTensorType.get([head_dim // 2], f32())
+    table = arith_d.constant(table_type, ir.DenseElementsAttr.get(np.asarray(factors, np.float32), type=table_type))
+    return generic([table], [out], [affine_map(1, (0,))] * 2, "p", body)[0]
 
 
 def _exp2(x: ir.Value) -> ir.Value:

@@ -270,7 +270,19 @@ def freeze_rope_scaling(rope_scaling) -> tuple:
         items["rope_type"] = items.pop("type")
     if kind == "yarn":
         _check_yarn_options(items)
+    if kind == "longrope" and items.get("ext_factors") is not None:
+        items["ext_factors"] = _ext_factors(items["ext_factors"])
     return tuple(sorted((key, value) for key, value in items.items() if value is not None))
+
+
+def _ext_factors(factors) -> tuple:
+    """LongRoPE's per-pair divisors of the frequencies (transformers' ``short_factor`` or
+    ``long_factor``, the one a kernel is built for): finite floats > 0, as a tuple."""
+    if isinstance(factors, (str, bytes)) or not hasattr(factors, "__len__") or not len(factors):
+        raise SpecError(f"rope_scaling: longrope ext_factors must be a non-empty list of floats, got {factors!r}")
+    if any(isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 < f < float("inf") for f in factors):
+        raise SpecError(f"rope_scaling: longrope ext_factors must be finite floats > 0, got {list(factors)!r}")
+    return tuple(float(f) for f in factors)
 
 
 def _check_yarn_options(items: dict) -> None:
@@ -295,6 +307,15 @@ def _rope_tag(rope_scaling: tuple) -> str:
         return kind
     digest = hashlib.sha256(repr(rope_scaling).encode()).hexdigest()[:8]
     return f"{kind}-{digest}"
+
+
+def _check_ext_factors(spec, head_dim: int) -> None:
+    """LongRoPE's ``ext_factors``: one a rotating pair (``rotary_dim / 2``, or ``head_dim / 2``)."""
+    factors = dict(spec.rope_scaling).get("ext_factors")
+    pairs = (spec.rotary_dim or head_dim) // 2
+    if factors is not None and len(factors) != pairs:
+        raise SpecError(f"rope_scaling: longrope ext_factors has {len(factors)} factors; the rotary dims have "
+                        f"{pairs} pairs")
 
 
 def _check_rotary_dim(spec, head_dim: int) -> None:
@@ -376,6 +397,7 @@ class RaggedPrefillSpec(_SpecBase):
         _check_custom_mask_flag(self)
         _check_common(self)
         _check_rotary_dim(self, self.d_qk)
+        _check_ext_factors(self, self.d_qk)
 
     @property
     def layout(self):
@@ -434,6 +456,7 @@ class PagedPrefillSpec(_OneHeadDim):
         _check_custom_mask_flag(self)
         _check_common(self)
         _check_rotary_dim(self, self.d)
+        _check_ext_factors(self, self.d)
 
     @property
     def layout(self):

@@ -111,6 +111,16 @@ class LayerAttention:
     chunk: int | None = None
     rope: bool = True
     temperature_tuning: tuple[float, float] | None = None
+    long_rope_scaling: dict | None = None
+
+    def at_length(self, length: int) -> "LayerAttention":
+        """The attention of a call whose sequence reaches ``length`` tokens (its largest position
+        plus 1): LongRoPE's long factors (``long_rope_scaling``) past
+        ``original_max_position_embeddings``, as transformers switches them
+        (``longrope_frequency_update``); self otherwise."""
+        if self.long_rope_scaling is None or length <= self.rope_scaling["original_max_position_embeddings"]:
+            return self
+        return dataclasses.replace(self, rope_scaling=self.long_rope_scaling, long_rope_scaling=None)
 
     def query_scales(self, positions) -> np.ndarray:
         """float64 ``[n]``: the factor each q row at ``positions [n]`` is multiplied by before the
@@ -159,6 +169,9 @@ class ModelConfig:
     local_rope_theta: float | None = None
     local_rope_scaling: dict | None = None
     local_rope_scale: float | None = None
+    #: LongRoPE's long factors (``rope_scaling`` with their ``ext_factors``) for the calls whose
+    #: sequence reaches past ``original_max_position_embeddings``; None: one table (or not LongRoPE).
+    long_rope_scaling: dict | None = None
     #: The sliding window in tokens (Hugging Face ``sliding_window``) when any layer slides.
     window: int | None = None
     layer_types: tuple[str, ...] | None = None
@@ -185,6 +198,11 @@ class ModelConfig:
         object.__setattr__(self, "rope_scaling", _normalize_rope(self.rope_scaling))
         if self.local_rope_scaling is not None:
             object.__setattr__(self, "local_rope_scaling", _normalize_rope(self.local_rope_scaling))
+        if self.long_rope_scaling is not None:
+            object.__setattr__(self, "long_rope_scaling", _normalize_rope(self.long_rope_scaling))
+            if "longrope" not in (self.rope_scaling.get("rope_type"), self.long_rope_scaling.get("rope_type")) or \
+                    self.long_rope_scaling.get("rope_type") != self.rope_scaling.get("rope_type"):
+                raise ValueError("long_rope_scaling: LongRoPE's long factors need a longrope rope_scaling")
         if self.mla is not None:
             mla = self.mla if isinstance(self.mla, MlaConfig) else MlaConfig(**self.mla)
             object.__setattr__(self, "mla", mla)
@@ -281,7 +299,8 @@ class ModelConfig:
             rope_scaling=pick(self.local_rope_scaling, self.rope_scaling),
             rotary_dim=self.rotary_dim, sm_scale=self.attention_scale, logits_soft_cap=self.logits_soft_cap,
             head_sinks=self.head_sinks, chunk=self.attention_chunk if kind == "chunked_attention" else None,
-            rope=rope, temperature_tuning=None if rope else self.temperature_tuning)
+            rope=rope, temperature_tuning=None if rope else self.temperature_tuning,
+            long_rope_scaling=self.long_rope_scaling)
 
     def ragged_spec(self, layer: LayerAttention) -> RaggedPrefillSpec:
         """The ragged self-attention kernel ``layer`` runs with its RoPE inline: d_qk = head_dim,
@@ -481,7 +500,11 @@ def _hf_rope_fields(raw: dict, layer_types: tuple[str, ...] | None, head_dim: in
     local = ropes.get("sliding_attention", full)
     if ropes.get("chunked_attention", full) != full:
         raise ValueError("rope_parameters.chunked_attention: differs from the full layers' RoPE; not supported")
-    fields = {key: full[key] for key in ("rope_theta", "rope_scaling", "rope_scale", "rotary_dim")}
+    if local["long_rope_scaling"] != full["long_rope_scaling"]:
+        raise ValueError("rope_parameters.sliding_attention: LongRoPE factors that differ by layer type are not "
+                         "supported")
+    fields = {key: full[key] for key in ("rope_theta", "rope_scaling", "rope_scale", "rotary_dim",
+                                         "long_rope_scaling")}
     for key in ("rope_theta", "rope_scaling", "rope_scale"):
         if local[key] != full[key]:
             fields[f"local_{key}"] = local[key]
@@ -558,16 +581,11 @@ def _standardize_rope(params: dict, where: str, raw: dict, *, nested: bool) -> d
 
 
 def _check_rope_keys(params: dict, where: str) -> None:
-    """A supported ``rope_type``, no per-dimension LongRoPE factor other than 1, no key the type
-    does not accept."""
+    """A supported ``rope_type``, no key the type does not accept."""
     kind = params["rope_type"]
     if kind not in HF_ROPE_KEYS:
         raise ValueError(f"{where}.rope_type: {kind!r} is not supported by these kernels; "
                          f"expected one of {tuple(HF_ROPE_KEYS)}")
-    for key in ("short_factor", "long_factor"):
-        factors = params.get(key)
-        if factors is not None and any(float(f) != 1.0 for f in factors):
-            raise ValueError(f"{where}.{key}: per-dimension LongRoPE factors are not supported")
     required, optional = HF_ROPE_KEYS[kind]
     for key in params:
         if key not in required + optional + HF_ROPE_ANY_TYPE:
@@ -580,9 +598,11 @@ def _check_rope_keys(params: dict, where: str) -> None:
 
 def _kernel_rope(params: dict, where: str, raw: dict, head_dim: int) -> dict:
     """One standardized rope dict as the kernels take it: ``rope_theta`` and ``rope_scale``
-    (runtime), ``rope_scaling`` (compile time) and ``rotary_dim``."""
+    (runtime), ``rope_scaling`` (compile time), ``long_rope_scaling`` (LongRoPE's long factors,
+    else None) and ``rotary_dim``."""
     kind = params["rope_type"]
-    rope_scale, scaling = 1.0, {}
+    rope_scale, scaling, long_scaling = 1.0, {}, None
+    rotary_dim = _rotary_dim(params.get("partial_rotary_factor"), head_dim, where)
     if kind == "linear":
         rope_scale = 1.0 / float(params["factor"])
     elif kind == "llama3":
@@ -590,9 +610,9 @@ def _kernel_rope(params: dict, where: str, raw: dict, head_dim: int) -> dict:
     elif kind == "yarn":
         scaling = _kernel_yarn(params, raw)
     elif kind == "longrope":
-        scaling = _kernel_longrope(params, where, raw)
+        scaling, long_scaling = _kernel_longrope(params, where, raw, (rotary_dim or head_dim) // 2)
     return {"rope_theta": float(params["rope_theta"]), "rope_scale": rope_scale, "rope_scaling": scaling,
-            "rotary_dim": _rotary_dim(params.get("partial_rotary_factor"), head_dim, where)}
+            "long_rope_scaling": long_scaling, "rotary_dim": rotary_dim}
 
 
 def _kernel_yarn(params: dict, raw: dict) -> dict:
@@ -620,15 +640,26 @@ def _yarn_mscale(factor: float, mscale: float) -> float:
     return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
 
 
-def _kernel_longrope(params: dict, where: str, raw: dict) -> dict:
-    """LongRoPE without per-dimension factors: plain frequencies and the multiplier
-    ``sqrt(1 + ln(factor) / ln(original))``, factor given or ``max_position_embeddings / original``."""
+def _kernel_longrope(params: dict, where: str, raw: dict, pairs: int) -> tuple[dict, dict | None]:
+    """transformers' LongRoPE (``_compute_longrope_parameters``) in the kernels' keys, as two
+    rope dicts: the short factors' (``ext_factors``, left out when all 1) and the long ones' (None
+    when they are the short ones), with the multiplier ``sqrt(1 + ln(factor) / ln(original))``,
+    factor given or ``max_position_embeddings / original``. A call takes the long dict when its
+    sequence reaches past ``original_max_position_embeddings`` (:meth:`LayerAttention.at_length`)."""
     if params.get("attention_factor") is not None:
         raise ValueError(f"{where}.attention_factor: an explicit LongRoPE attention_factor is not supported")
     orig = params["original_max_position_embeddings"]
     factor = params.get("factor") or _required(raw, "max_position_embeddings") / orig
-    return {"rope_type": "longrope", "original_max_position_embeddings": orig,
+    base = {"rope_type": "longrope", "original_max_position_embeddings": orig,
             "max_position_embeddings": float(factor) * orig}
+    tables = []
+    for key in ("short_factor", "long_factor"):
+        factors = [float(f) for f in params.get(key) or [1.0] * pairs]
+        if len(factors) != pairs:
+            raise ValueError(f"{where}.{key}: {len(factors)} factors; the rotary dims have {pairs} pairs")
+        tables.append(base if all(f == 1.0 for f in factors) else {**base, "ext_factors": factors})
+    short, long = tables
+    return short, (None if long == short else long)
 
 
 #: Hugging Face keys that change a layer's attention in ways the kernels do not implement.
@@ -727,7 +758,9 @@ def specs_for_model(cfg: ModelConfig) -> list:
 
 
 def _distinct_ropes(cfg: ModelConfig) -> list[LayerAttention]:
-    """One layer attention per distinct compile-time ``rope_scaling``, in layer-type order."""
+    """One layer attention per distinct compile-time ``rope_scaling``, in layer-type order, then
+    their LongRoPE long tables'."""
     layers = cfg.layer_attentions()
+    layers += [layer.at_length(math.inf) for layer in layers if layer.long_rope_scaling is not None]
     return [layer for n, layer in enumerate(layers)
             if all(layer.rope_scaling != other.rope_scaling for other in layers[:n])]

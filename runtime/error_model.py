@@ -231,13 +231,16 @@ def _angle_errors(angles: np.ndarray, rope_scale: float, rope_theta: float, rope
     angle is s * f_p with s = position * rope_scale (rounded unless rope_scale is a power of
     two) and f_p = 2^-x_p, x_p = (2p / D) log2 theta, whose exp2 and frequency adjustments cost
     (3 + ln2 x_p) u32 relative, times what llama3's smoothing amplifies (f_0 = 1 exactly, and
-    s * f_0 is exact), then the mod-2 pi reduction, cos and sin 4 u32."""
+    s * f_0 is exact), LongRoPE's division by its f32-rounded ext_factors 1 u32 more (f_0 too),
+    then the mod-2 pi reduction, cos and sin 4 u32."""
     pairs = angles.shape[-1]
     x_p = 2.0 * np.arange(pairs) / (2 * pairs) * math.log2(max(rope_theta, 2.0))
     mantissa, _ = math.frexp(abs(rope_scale)) if rope_scale else (0.5, 0)
     scaled = 0.0 if mantissa == 0.5 else 0.5
     relative = (3.0 + math.log(2.0) * x_p) * _smoothing_gain(2.0 ** -x_p, rope_scaling) + 0.5
     frequency = np.where(np.arange(pairs) == 0, 0.0, relative)
+    if dict(rope_scaling or {}).get("ext_factors") is not None:  # LongRoPE's divisors: rounded to f32, a division
+        frequency = frequency + 1.0
     return np.abs(angles) * (scaled + frequency) * U32 + 4.0 * U32
 
 

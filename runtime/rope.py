@@ -41,7 +41,7 @@ Frequencies per ``rope_scaling["rope_type"]`` (``e(i) = 2i / D``)::
                                      else (step form, as HF):
                                          angle = s * (f / factor if 2 pi / f > orig / lff else f)
     "llama4"            interleaved  same formulas as llama3 (interleaved pair index)
-    "longrope"          half         angle = s * theta^-e(i)
+    "longrope"          half         angle = s * theta^-e(i) / ext_factors[i]  (ext_factors: 1 if absent)
                                      c = sqrt(1 + ln(M / orig) / ln(orig)) if M / orig > 1 else 1
     "yarn"              half         p = theta^e(i), f_extra = 1 / p, f_inter = 1 / (factor p)
                                      lo = D ln(orig / (2 pi beta_fast)) * ilts
@@ -191,7 +191,10 @@ def rope_pair_angles(
     elif kind in ("llama3", "llama4"):
         freqs = _llama_freqs(base, rs)
     elif kind == "longrope":
-        freqs = base
+        factors = rs.get("ext_factors")
+        if factors is not None and len(factors) != head_dim // 2:
+            raise ValueError(f"rope_scaling: longrope ext_factors has {len(factors)} factors for {head_dim // 2} pairs")
+        freqs = base if factors is None else base / np.asarray(factors, dtype=np.float64)
         ratio = float(rs["max_position_embeddings"]) / float(rs["original_max_position_embeddings"])
         if ratio > 1.0:
             orig = float(rs["original_max_position_embeddings"])

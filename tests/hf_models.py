@@ -18,11 +18,16 @@ TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_d
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 16, "rope_theta": 500000.0}
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 1000000.0}
+#: Phi-3.5's LongRoPE, scaled down: per-pair divisors of the frequencies, the long ones past 16 tokens.
+LONGROPE = {"rope_type": "longrope", "original_max_position_embeddings": 16, "rope_theta": 10000.0,
+            "short_factor": [1.0, 1.02, 1.05, 1.1, 1.3, 1.6, 2.1, 2.5],
+            "long_factor": [1.0, 1.3, 2.2, 4.1, 7.9, 13.0, 21.5, 32.0]}
 
 
 def configs() -> dict:
     """Family name -> transformers config: Llama 3 (llama3 scaling), Qwen2 (theta 1e6, and yarn
-    with factor 4), Gemma 2 (soft cap 20, query_pre_attn_scalar 32, a sliding window of 8 on
+    with factor 4), Llama with LongRoPE's per-pair factors (:data:`LONGROPE`, 16x: 41 tokens take
+    the long ones), Gemma 2 (soft cap 20, query_pre_attn_scalar 32, a sliding window of 8 on
     alternate layers), gpt-oss (per-head sinks, a window of 8 on alternate layers, 4 experts),
     Llama 4 (a chunked-attention layer, chunks of 8, with llama3 bands on interleaved pairs, then a
     NoPE full-attention layer whose q rows the model scales by position: ``floor_scale`` 8 and
@@ -34,6 +39,7 @@ def configs() -> dict:
                                                                                   "rope_theta": 1000000.0}, **TINY),
         "qwen2-yarn": transformers.Qwen2Config(num_hidden_layers=2, rope_parameters=dict(YARN),
                                                 **dict(TINY, max_position_embeddings=128)),
+        "llama-longrope": transformers.LlamaConfig(num_hidden_layers=2, rope_parameters=dict(LONGROPE), **TINY),
         "gemma2": transformers.Gemma2Config(num_hidden_layers=2, query_pre_attn_scalar=32, attn_logit_softcapping=20.0,
                                             final_logit_softcapping=None, sliding_window=8,
                                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **TINY),

@@ -32,19 +32,23 @@ from linalg_prefill.runtime import error_bound, open_kernel  # noqa: E402
 from linalg_prefill.runtime.compare import reference_for  # noqa: E402
 
 from conftest import assert_matches_reference  # noqa: E402
-from hf_models import LLAMA3, tiny_model  # noqa: E402
+from hf_models import LLAMA3, LONGROPE, tiny_model  # noqa: E402
 
 #: How far eager may be from the float64 reference, in units of the kernel's bound.
 EAGER_BOUNDS = 1.0
 MODULES = {"llama3": "llama", "qwen2": "qwen2", "qwen2-yarn": "qwen2", "gemma2": "gemma2", "llama4": "llama4",
+           "llama-longrope": "llama",
            **{family: family for family in ("smollm3", "cohere2", "exaone4", "granite", "glm4", "cohere", "ernie4_5",
                                             "qwen3", "olmo2", "olmo3", "apertus", "granitemoe", "phi", "starcoder2",
                                             "seed_oss", "gemma")}}
 #: The kernels no other test compiles: those of the families on interleaved pairs (Llama 4's with
 #: llama3's bands; Cohere's, Cohere 2's and ERNIE 4.5's plain; GLM-4's plain on half the head) and
-#: Phi-2's (half the head, half-split pairs).
+#: Phi-2's (half the head, half-split pairs) and the long LongRoPE table of 41 tokens.
 OWN_SPECS = {
     "phi": RaggedPrefillSpec(4, 2, 16, 16, "float32", rotary_dim=8),
+    "llama-longrope": RaggedPrefillSpec(4, 2, 16, 16, "float32", {
+        "rope_type": "longrope", "original_max_position_embeddings": 16, "max_position_embeddings": 256.0,
+        "ext_factors": LONGROPE["long_factor"]}),
     "llama4": RaggedPrefillSpec(4, 2, 16, 16, "float32", {**{key: value for key, value in LLAMA3.items()
                                                              if key != "rope_theta"}, "rope_type": "llama4"}),
     **dict.fromkeys(("cohere", "cohere2", "ernie4_5"),
@@ -127,7 +131,7 @@ def test_every_layer_from_the_saved_config_equals_eager(family, tmp_path):
     recorded = _record_layers(family, model, ids)
     assert len(recorded) == model.config.num_hidden_layers
     for index, layer_record in enumerate(recorded):
-        layer = config.layer(index)
+        layer = config.layer(index).at_length(len(layer_record["k"]))
         spec = config.ragged_spec(layer)
         args = _ragged_call(layer, layer_record)
         want = reference_for(spec, args)

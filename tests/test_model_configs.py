@@ -105,6 +105,33 @@ def test_llama_4_scout_chunked_and_nope_layers(tmp_path):
     _assert_layers_match_transformers(cfg, text)
 
 
+def test_phi_3_5_longrope_short_and_long_factors(tmp_path):
+    """LongRoPE's 48 per-pair factors of each table: the short ones' kernels for calls up to 4096
+    tokens, the long ones' past them (transformers' switch), both with the multiplier of factor
+    32; transformers gives the same frequencies for each table."""
+    cfg, specs = _specs("phi-3.5-mini.json")
+    assert ModelConfig(**cfg.to_dict()) == cfg
+    raw = json.loads((CONFIGS / "phi-3.5-mini.json").read_text())["rope_scaling"]
+    short, long = cfg.layer(0), cfg.layer(0).at_length(4097)
+    assert cfg.layer(0).at_length(4096) == short and long.long_rope_scaling is None
+    assert list(short.rope_scaling["ext_factors"]) == raw["short_factor"]
+    assert list(long.rope_scaling["ext_factors"]) == raw["long_factor"]
+    assert short.rope_scaling["max_position_embeddings"] == long.rope_scaling["max_position_embeddings"] == 131072
+    assert [s.fields()["rope_scaling"]["ext_factors"] == short.rope_scaling["ext_factors"]
+            for s in specs if isinstance(s, RaggedPrefillSpec)] == [True, False]
+    assert len([s for s in specs if isinstance(s, PagedPrefillSpec)]) == 4
+    t = _transformers()
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    (tmp_path / "config.json").write_text((CONFIGS / "phi-3.5-mini.json").read_text())
+    config = t.AutoConfig.from_pretrained(tmp_path)
+    _assert_layers_match_transformers(cfg, config)   # the short table
+    inv_freq, factor = ROPE_INIT_FUNCTIONS["longrope"](config, "cpu", seq_len=4097)
+    angles, mult = rope_pair_angles(np.ones(1), head_dim=96, rope_theta=long.rope_theta, rope_scale=1.0,
+                                    rope_scaling=long.rope_scaling)
+    np.testing.assert_allclose(angles[0], inv_freq.numpy().astype(np.float64), rtol=1e-6)
+    assert mult == pytest.approx(factor, rel=1e-6)
+
+
 def test_llama_4_maverick_plain_rope_is_interleaved(tmp_path):
     """No rope scaling: the kernels' gptj (plain frequencies, pairs (2i, 2i + 1)); a NoPE layer
     every 2nd; the temperature off."""
@@ -170,7 +197,7 @@ def test_linear_rope_scaling_is_the_runtime_rope_scale(tmp_path):
 @pytest.mark.parametrize("name", ["llama-3-8b.json", "mistral-7b.json", "qwen2-0.5b.json", "qwen2.5-7b.json",
                                   "gemma-2-27b.json", "gemma-3-1b.json", "phi-3-mini-4k.json",
                                   "stablelm-2-1.6b.json", "deepseek-v2-lite.json", "deepseek-v3.json",
-                                  "llama-4-scout-17b-16e.json"])
+                                  "llama-4-scout-17b-16e.json", "phi-3.5-mini.json"])
 def test_every_example_config_round_trips_through_the_manifest_fields(name):
     """The manifest records each spec's fields; they rebuild the same spec (cap and rotary_dim
     included)."""

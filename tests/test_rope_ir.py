@@ -21,6 +21,9 @@ YARN_ILTS = {**YARN, "inv_theta_log_scale": 0.05}
 YARN_FLAT = {**YARN, "beta_fast": 8, "beta_slow": 8}  # low == high: the ramp is a 0.001-wide step
 # transformers' yarn: bounds (10.47, 22.51) at theta 1e4 become (10, 23), (9.74, 20.94) at 2e4 (9, 21)
 YARN_TRUNCATED = {**YARN, "truncate": True, "attention_factor": 1.25}
+# Phi-3.5's kind of long_factor: per-pair divisors from 1 to about 40, not monotonic
+LONGROPE_FACTORS = {**LONGROPE, "ext_factors": [round(float(f), 4) for f in
+                                                 np.geomspace(1.0, 40.0, 32) * (1 + 0.1 * np.sin(np.arange(32)))]}
 
 # (rope_scaling, head_dim, theta): each compiled kernel runs at (theta, 0.5) and (2 theta, 2.0).
 F32_CASES = {
@@ -31,6 +34,7 @@ F32_CASES = {
     "llama3-step": (LLAMA3_STEP, 64, 500000.0),
     "llama4": (LLAMA4, 128, 500000.0),
     "longrope": (LONGROPE, 64, 10000.0),
+    "longrope-factors": (LONGROPE_FACTORS, 64, 10000.0),
     "yarn": (YARN, 128, 10000.0),
     "yarn-ilts": (YARN_ILTS, 64, 1000000.0),
     "yarn-flat": (YARN_FLAT, 64, 10000.0),
