@@ -132,6 +132,20 @@ def test_phi_3_5_longrope_short_and_long_factors(tmp_path):
     assert mult == pytest.approx(factor, rel=1e-6)
 
 
+def test_phi_4_mini_longrope_on_part_of_the_head(tmp_path):
+    """Phi-4-mini's form: LongRoPE on 3/4 of the head, a factor a rotating pair (6 of head dim
+    16); the short table all 1 is no table at all."""
+    t = _transformers()
+    params = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+              "short_factor": [1.0] * 6, "long_factor": [1.0, 1.5, 3.0, 6.0, 12.0, 24.0]}
+    config = t.Phi3Config(**COMMON, max_position_embeddings=1024, original_max_position_embeddings=64,
+                          rope_parameters=params)
+    cfg = _saved(tmp_path, config)
+    assert cfg.rotary_dim == 12 and "ext_factors" not in cfg.rope_scaling
+    assert cfg.long_rope_scaling["ext_factors"] == (1.0, 1.5, 3.0, 6.0, 12.0, 24.0)
+    assert len([s for s in specs_for_model(cfg) if isinstance(s, RaggedPrefillSpec)]) == 2
+
+
 def test_llama_4_maverick_plain_rope_is_interleaved(tmp_path):
     """No rope scaling: the kernels' gptj (plain frequencies, pairs (2i, 2i + 1)); a NoPE layer
     every 2nd; the temperature off."""
