@@ -200,8 +200,7 @@ class ModelConfig:
             object.__setattr__(self, "local_rope_scaling", _normalize_rope(self.local_rope_scaling))
         if self.long_rope_scaling is not None:
             object.__setattr__(self, "long_rope_scaling", _normalize_rope(self.long_rope_scaling))
-            if "longrope" not in (self.rope_scaling.get("rope_type"), self.long_rope_scaling.get("rope_type")) or \
-                    self.long_rope_scaling.get("rope_type") != self.rope_scaling.get("rope_type"):
+            if {self.rope_scaling.get("rope_type"), self.long_rope_scaling.get("rope_type")} != {"longrope"}:
                 raise ValueError("long_rope_scaling: LongRoPE's long factors need a longrope rope_scaling")
         if self.mla is not None:
             mla = self.mla if isinstance(self.mla, MlaConfig) else MlaConfig(**self.mla)
@@ -292,15 +291,16 @@ class ModelConfig:
             return local_value if local and local_value is not None else value
 
         sliding = local and self.sliding_window
+        rope_scaling = pick(self.local_rope_scaling, self.rope_scaling)
         return LayerAttention(
             sliding=sliding, window=self.window if sliding else None,
             rope_theta=pick(self.local_rope_theta, self.rope_theta),
             rope_scale=pick(self.local_rope_scale, self.rope_scale),
-            rope_scaling=pick(self.local_rope_scaling, self.rope_scaling),
+            rope_scaling=rope_scaling,
             rotary_dim=self.rotary_dim, sm_scale=self.attention_scale, logits_soft_cap=self.logits_soft_cap,
             head_sinks=self.head_sinks, chunk=self.attention_chunk if kind == "chunked_attention" else None,
             rope=rope, temperature_tuning=None if rope else self.temperature_tuning,
-            long_rope_scaling=self.long_rope_scaling)
+            long_rope_scaling=self.long_rope_scaling if rope_scaling == self.rope_scaling else None)
 
     def ragged_spec(self, layer: LayerAttention) -> RaggedPrefillSpec:
         """The ragged self-attention kernel ``layer`` runs with its RoPE inline: d_qk = head_dim,

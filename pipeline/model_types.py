@@ -71,7 +71,9 @@ def nope_layers(kind: ModelType, raw: dict, layer_types: tuple[str, ...] | None,
     """The indices of the layers without RoPE (module docstring); ``windowed``: the model has a
     sliding window."""
     if kind.nope == "no_rope_layers":
-        layers = raw["num_hidden_layers"]
+        layers = raw.get("num_hidden_layers")
+        if not isinstance(layers, int) or layers <= 0:
+            raise ValueError(f"num_hidden_layers: expected a positive int, got {layers!r}")
         interval = raw.get("no_rope_layer_interval") or 4
         rotates = raw.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
         if len(rotates) != layers or any(flag not in (0, 1) for flag in rotates):

@@ -146,6 +146,20 @@ def test_phi_4_mini_longrope_on_part_of_the_head(tmp_path):
     assert len([s for s in specs_for_model(cfg) if isinstance(s, RaggedPrefillSpec)]) == 2
 
 
+def test_long_factors_belong_to_the_layers_on_longrope():
+    """A native config whose sliding layers have their own plain RoPE: only the full layers switch
+    to the long table; long factors without LongRoPE are refused by name."""
+    short = {"rope_type": "longrope", "original_max_position_embeddings": 64, "max_position_embeddings": 1024}
+    long = {**short, "ext_factors": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 48.0, 64.0]}
+    cfg = ModelConfig("m", 4, 2, 16, 16, "float32", rope_scaling=short, long_rope_scaling=long, local_rope_scaling={},
+                      sliding_window=True, layer_types=["sliding_attention", "full_attention"])
+    assert cfg.layer(0).at_length(10 ** 6).rope_scaling == {}
+    assert cfg.layer(1).at_length(10 ** 6).rope_scaling["ext_factors"] == tuple(long["ext_factors"])
+    assert cfg.layer(1).at_length(64) == cfg.layer(1)
+    with pytest.raises(ValueError, match="long_rope_scaling: LongRoPE's long factors need a longrope"):
+        ModelConfig("m", 4, 2, 16, 16, "float32", long_rope_scaling=long)
+
+
 def test_llama_4_maverick_plain_rope_is_interleaved(tmp_path):
     """No rope scaling: the kernels' gptj (plain frequencies, pairs (2i, 2i + 1)); a NoPE layer
     every 2nd; the temperature off."""
