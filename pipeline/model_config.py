@@ -92,11 +92,13 @@ class LayerAttention:
     the whole head), ``sm_scale`` and ``logits_soft_cap`` its softmax scale and cap,
     ``head_sinks`` whether it has per-head sink logits (its kernels take ``sinks [h_q]``).
 
-    Llama 4: ``chunk``, a chunked-attention layer: a query at position p sees the keys from
+    ``chunk`` (Llama 4): a chunked-attention layer: a query at position p sees the keys from
     ``p - p % chunk`` to p (its own chunk; entries split at multiples of ``chunk``, semantics
-    §16); ``rope`` False, a NoPE layer: its kernels are called with ``rotary_mode`` 0;
-    ``temperature_tuning`` ``(floor_scale, attn_scale)``: the caller scales the layer's q rows by
-    :meth:`query_scales` before the call, as transformers' ``Llama4TextAttention`` does.
+    §16); ``rope`` False, a NoPE layer (Llama 4, SmolLM3, Cohere 2, EXAONE 4): its kernels are
+    called with ``rotary_mode`` 0; ``temperature_tuning`` ``(floor_scale, attn_scale)`` (Llama
+    4's NoPE layers): the caller scales the layer's q rows by :meth:`query_scales` before the
+    call, as transformers' ``Llama4TextAttention`` does; ``long_rope_scaling``: LongRoPE's long
+    table (semantics §11.14), which :meth:`at_length` picks.
     """
 
     sliding: bool
@@ -180,7 +182,8 @@ class ModelConfig:
     #: The chunk of the ``chunked_attention`` layers in tokens (Hugging Face
     #: ``attention_chunk_size``, Llama 4), set when a layer is chunked.
     attention_chunk: int | None = None
-    #: The layers without RoPE (Llama 4's NoPE layers, by index): called with ``rotary_mode`` 0.
+    #: The layers without RoPE (NoPE layers: Llama 4, SmolLM3, Cohere 2, EXAONE 4; by index):
+    #: called with ``rotary_mode`` 0.
     nope_layers: tuple[int, ...] = ()
     #: Llama 4's query temperature of the NoPE layers, ``(floor_scale, attn_scale)``
     #: (:meth:`LayerAttention.query_scales`); None: off.
@@ -206,7 +209,8 @@ class ModelConfig:
             mla = self.mla if isinstance(self.mla, MlaConfig) else MlaConfig(**self.mla)
             object.__setattr__(self, "mla", mla)
             if self.sliding_window or self.attention_chunk:
-                raise ValueError("sliding_window: MLA models with a sliding window or chunks are not supported")
+                key = "sliding_window" if self.sliding_window else "attention_chunk"
+                raise ValueError(f"{key}: MLA models with a sliding window or chunks are not supported")
         if self.sm_scale is not None and not self.sm_scale > 0:
             raise ValueError(f"sm_scale: must be positive, got {self.sm_scale!r}")
         if not self.logits_soft_cap >= 0:
