@@ -15,6 +15,10 @@ entries, and :func:`paged_arguments` writes the entries' page table over a paged
   ``(hi - 1) // page_size``, ``sw_off = lo % page_size`` (the sliding-window variant's
   ``length_info``, no sink rows), so no key is copied twice, however the entries overlap.
 
+:func:`chunked_call` does the same for chunked attention (Llama 4, semantics §16) over the
+caller's own page table: each run of a sequence's queries within one chunk is an entry from the
+chunk's first key.
+
 Everything here is host-side numpy over int64 index arrays.
 """
 
@@ -106,3 +110,64 @@ def paged_arguments(entries: Entries, pages_per_row: int, page_size: int) -> tup
     sw_off = np.where(seen, entries.lo - first * page_size, 0)
     length_info = np.stack([last_page_len, sw_off, np.zeros_like(sw_off)])
     return page_indptr.astype(np.int32), page_values.astype(np.int32), length_info.astype(np.int32)
+
+
+@dataclass(frozen=True)
+class ChunkedCall:
+    """The paged sliding-window variant's arguments of a chunked-attention call (Llama 4,
+    semantics §16), every array int32: ``q_indptr [n+1]``, ``page_indptr [n+1]``, ``page_values``,
+    ``length_info [3, n]`` (last_page_len, sw_off, sink 0) and ``k_rope_pos_offset [n]`` of its
+    ``n`` entries. The queries keep their rows: a sequence's are split where they cross a chunk,
+    so the output comes back in the caller's row order."""
+
+    q_indptr: np.ndarray
+    page_indptr: np.ndarray
+    page_values: np.ndarray
+    length_info: np.ndarray
+    k_rope_pos_offset: np.ndarray
+
+
+def chunked_call(q_indptr, page_indptr, page_values, last_page_len, k_rope_pos_offset, *, chunk: int,
+                 page_size: int) -> ChunkedCall:
+    """A paged call of B sequences, as chunked attention's entries (vLLM's "virtual batches").
+
+    Sequence ``b`` has queries ``[q_indptr[b], q_indptr[b+1])`` at the end of its ``kv_len`` keys
+    (pages ``page_values[page_indptr[b]:page_indptr[b+1]]``, the last holding
+    ``last_page_len[b]`` rows: the seed's paged layout without a window), query t at position
+    ``kv_len - q_len + t``, its keys at ``k_rope_pos_offset[b] + row``. A query at position p sees
+    the keys from ``p - p % chunk`` to p: each run of a sequence's queries within one chunk is an
+    entry over its chunk's pages from the chunk's first key (``sw_off``), causal
+    (bottom-right) within it. Run it causal, RoPE as the call's. Every sequence needs its queries'
+    keys in its pages (``kv_len >= q_len``); ValueError naming the argument otherwise."""
+    q_indptr, page_indptr = np.asarray(q_indptr, np.int64), np.asarray(page_indptr, np.int64)
+    page_values, last = np.asarray(page_values, np.int64), np.asarray(last_page_len, np.int64)
+    offsets = np.asarray(k_rope_pos_offset, np.int64)
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
+        raise ValueError(f"chunk: must be a positive int, got {chunk!r}")
+    pages = page_indptr[1:] - page_indptr[:-1]
+    kv_lens = np.where(pages > 0, (pages - 1) * page_size + last, 0)
+    q_lens = q_indptr[1:] - q_indptr[:-1]
+    if np.any(kv_lens < q_lens):
+        b = int(np.flatnonzero(kv_lens < q_lens)[0])
+        raise ValueError(f"page_indptr: sequence {b} has {kv_lens[b]} keys for {q_lens[b]} queries; its queries' "
+                         "keys must be in its pages")
+    q_bounds, page_counts, values, lengths, rope_offsets = [0], [], [], [], []
+    for b, (q_len, kv_len) in enumerate(zip(q_lens.tolist(), kv_lens.tolist())):
+        first_position = kv_len - q_len
+        for start in range(first_position - first_position % chunk, kv_len, chunk) if q_len else [first_position]:
+            lo, hi = start, min(start + chunk, kv_len)                   # the keys of this chunk's last query
+            q_bounds.append(q_bounds[-1] + hi - max(lo, first_position))
+            first_page, last_page = lo // page_size, (hi - 1) // page_size
+            if hi <= lo:                                               # a sequence without queries or keys
+                page_counts.append(0)
+                lengths.append((1, 0, 0))
+            else:
+                page_counts.append(last_page - first_page + 1)
+                values.append(page_values[page_indptr[b] + first_page:page_indptr[b] + last_page + 1])
+                lengths.append((hi - last_page * page_size, lo - first_page * page_size, 0))
+            rope_offsets.append(offsets[b] + lo)
+    table = np.concatenate(values) if values else np.zeros(0)
+    arrays = (q_bounds, np.concatenate([[0], np.cumsum(page_counts)]), table, np.array(lengths).T.reshape(3, -1),
+              rope_offsets)
+    return ChunkedCall(*(np.ascontiguousarray(array, np.int32) for array in arrays))
+
