@@ -15,8 +15,9 @@ sets ``head_sinks``: every layer has one learned sink logit per query head (tran
 the model takes ``sinks``. ``model_type`` ``llama4`` / ``llama4_text``: chunked-attention layers
 (``attention_chunk_size``), NoPE layers (``no_rope_layers``) with their query temperature
 (``attn_temperature_tuning``, ``floor_scale``, ``attn_scale``) and RoPE on interleaved pairs
-(semantics §16). What other model types' code changes (NoPE layers, interleaved pairs, the
-softmax scale) is in :mod:`.model_types`; a ``model_type`` without a record there is an error.
+(semantics §16); ``ministral3``: every layer's q rows scaled by position (its rope parameters'
+``llama_4_scaling_beta``). What other model types' code changes (NoPE layers, interleaved pairs,
+the softmax scale) is in :mod:`.model_types`; a ``model_type`` without a record there is an error.
 
 RoPE comes in either transformers format:
 
@@ -95,9 +96,11 @@ class LayerAttention:
     ``chunk`` (Llama 4): a chunked-attention layer: a query at position p sees the keys from
     ``p - p % chunk`` to p (its own chunk; entries split at multiples of ``chunk``, semantics
     §16); ``rope`` False, a NoPE layer (Llama 4, SmolLM3, Cohere 2, EXAONE 4): its kernels are
-    called with ``rotary_mode`` 0; ``temperature_tuning`` ``(floor_scale, attn_scale)`` (Llama
-    4's NoPE layers): the caller scales the layer's q rows by :meth:`query_scales` before the
-    call, as transformers' ``Llama4TextAttention`` does; ``long_rope_scaling``: LongRoPE's long
+    called with ``rotary_mode`` 0; ``temperature_tuning`` ``(floor_scale, attn_scale,
+    position_offset)`` (Llama 4's NoPE layers, every layer of Ministral 3): the caller scales the
+    layer's q rows by :meth:`query_scales` before the call, as transformers'
+    ``Llama4TextAttention`` and ``Ministral3Attention`` do (after RoPE there: a row's factor
+    commutes with its rotation); ``long_rope_scaling``: LongRoPE's long
     table (semantics §11.14), which :meth:`at_length` picks.
     """
 
@@ -112,7 +115,7 @@ class LayerAttention:
     head_sinks: bool = False
     chunk: int | None = None
     rope: bool = True
-    temperature_tuning: tuple[float, float] | None = None
+    temperature_tuning: tuple[float, float, float] | None = None
     long_rope_scaling: dict | None = None
 
     def at_length(self, length: int) -> "LayerAttention":
@@ -126,13 +129,13 @@ class LayerAttention:
 
     def query_scales(self, positions) -> np.ndarray:
         """float64 ``[n]``: the factor each q row at ``positions [n]`` is multiplied by before the
-        call, ``1 + attn_scale * log1p(floor((p + 1) / floor_scale))`` (ones without
+        call, ``1 + attn_scale * log1p(floor((p + position_offset) / floor_scale))`` (ones without
         ``temperature_tuning``)."""
         positions = np.asarray(positions, dtype=np.float64)
         if self.temperature_tuning is None:
             return np.ones_like(positions)
-        floor_scale, attn_scale = self.temperature_tuning
-        return 1.0 + attn_scale * np.log1p(np.floor((positions + 1.0) / floor_scale))
+        floor_scale, attn_scale, offset = self.temperature_tuning
+        return 1.0 + attn_scale * np.log1p(np.floor((positions + offset) / floor_scale))
 
 
 @dataclass(frozen=True)
@@ -185,9 +188,13 @@ class ModelConfig:
     #: The layers without RoPE (NoPE layers: Llama 4, SmolLM3, Cohere 2, EXAONE 4; by index):
     #: called with ``rotary_mode`` 0.
     nope_layers: tuple[int, ...] = ()
-    #: Llama 4's query temperature of the NoPE layers, ``(floor_scale, attn_scale)``
-    #: (:meth:`LayerAttention.query_scales`); None: off.
-    temperature_tuning: tuple[float, float] | None = None
+    #: The query temperature, ``(floor_scale, attn_scale, position_offset)``
+    #: (:meth:`LayerAttention.query_scales`): Llama 4's ``(floor_scale, attn_scale, 1)`` on its
+    #: NoPE layers, Ministral 3's ``(original_max_position_embeddings, llama_4_scaling_beta, 0)``
+    #: on every layer (``temperature_layers``); None: off.
+    temperature_tuning: tuple[float, float, float] | None = None
+    #: The layers the query temperature scales: ``"nope"`` (the NoPE layers) or ``"every"``.
+    temperature_layers: str = "nope"
 
     def __post_init__(self):
         for key in ("h_q", "h_kv", "head_dim", "v_head_dim", "page_size"):
@@ -228,7 +235,8 @@ class ModelConfig:
         """``window`` a positive int only with ``sliding_window``; ``layer_types`` a non-empty
         sequence of :data:`LAYER_TYPES`, stored as a tuple; ``attention_chunk`` a positive int
         exactly when a layer is ``chunked_attention``; ``nope_layers`` layer indices, stored as a
-        tuple; ``temperature_tuning`` two positive numbers, only with NoPE layers."""
+        tuple; ``temperature_tuning`` (floor_scale > 0, attn_scale > 0, position_offset >= 0), on
+        the NoPE layers (then some) or on every layer."""
         for key in ("window", "attention_chunk"):
             value = getattr(self, key)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
@@ -254,15 +262,18 @@ class ModelConfig:
         object.__setattr__(self, "nope_layers", tuple(sorted(set(nope))))
         if self.layer_types is not None and any(i >= len(self.layer_types) for i in nope):
             raise ValueError(f"nope_layers: {max(nope)} is past the {len(self.layer_types)} layers of layer_types")
+        if self.temperature_layers not in ("nope", "every"):
+            raise ValueError(f"temperature_layers: 'nope' or 'every', got {self.temperature_layers!r}")
         tuning = self.temperature_tuning
         if tuning is None:
             return
-        if len(tuning) != 2 or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
-                                       for x in tuning):
-            raise ValueError(f"temperature_tuning: expected (floor_scale, attn_scale), both > 0, got {tuning!r}")
-        if not nope:
-            raise ValueError("temperature_tuning: set, but no layer is a NoPE layer (nope_layers)")
-        object.__setattr__(self, "temperature_tuning", (float(tuning[0]), float(tuning[1])))
+        numbers = len(tuning) == 3 and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in tuning)
+        if not numbers or not (tuning[0] > 0 and tuning[1] > 0 and tuning[2] >= 0):
+            raise ValueError(f"temperature_tuning: expected (floor_scale > 0, attn_scale > 0, position_offset >= 0), "
+                             f"got {tuning!r}")
+        if self.temperature_layers == "nope" and not nope:
+            raise ValueError("temperature_tuning: set on the NoPE layers, but no layer is one (nope_layers)")
+        object.__setattr__(self, "temperature_tuning", tuple(float(x) for x in tuning))
 
     @property
     def attention_scale(self) -> float:
@@ -303,7 +314,8 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             rotary_dim=self.rotary_dim, sm_scale=self.attention_scale, logits_soft_cap=self.logits_soft_cap,
             head_sinks=self.head_sinks, chunk=self.attention_chunk if kind == "chunked_attention" else None,
-            rope=rope, temperature_tuning=None if rope else self.temperature_tuning,
+            rope=rope, temperature_tuning=self.temperature_tuning if not rope or self.temperature_layers == "every"
+            else None,
             long_rope_scaling=self.long_rope_scaling if rope_scaling == self.rope_scaling else None)
 
     def ragged_spec(self, layer: LayerAttention) -> RaggedPrefillSpec:
@@ -395,6 +407,9 @@ def _hf_fields(raw: dict) -> dict:
         raise ValueError(f"num_key_value_heads: {h_kv!r} must divide num_attention_heads ({h_q})")
     kind = model_type_of(raw)
     _reject_unsupported(raw, kind.chunked)
+    scaled = {}
+    if kind.scaled_queries:
+        raw, scaled = _ministral3_temperature(raw)
     slides = _slides(raw)
     fields = {
         "h_q": h_q,
@@ -405,6 +420,7 @@ def _hf_fields(raw: dict) -> dict:
         "logits_soft_cap": float(raw.get("attn_logit_softcapping") or 0.0),
         "head_sinks": raw.get("model_type") in SINK_MODEL_TYPES,
         **(_llama4_layers(raw) if kind.chunked else {}),
+        **scaled,
     }
     fields["nope_layers"] = nope_layers(kind, raw, fields["layer_types"], slides)
     torch_dtype = raw.get("torch_dtype", raw.get("dtype"))
@@ -448,9 +464,24 @@ def _llama4_layers(raw: dict) -> dict:
         for i in range(raw["num_hidden_layers"])]
     tuning = None
     if nope and raw.get("attn_temperature_tuning", True):
-        tuning = (float(raw.get("floor_scale", 8192)), float(raw.get("attn_scale", 0.1)))
+        tuning = (float(raw.get("floor_scale", 8192)), float(raw.get("attn_scale", 0.1)), 1.0)
     return {"layer_types": tuple(layer_types), "temperature_tuning": tuning,
             "attention_chunk": chunk if "chunked_attention" in layer_types else None}
+
+
+def _ministral3_temperature(raw: dict) -> tuple[dict, dict]:
+    """Ministral 3's query scaling (``get_llama_4_attn_scale``: every layer's q rows times
+    ``1 + beta * log1p(floor(p / original_max_position_embeddings))``), read from its rope
+    parameters' ``llama_4_scaling_beta``: ``(raw without that key, the ModelConfig fields)``."""
+    params, where = _hf_rope_source(raw)
+    beta = params.pop("llama_4_scaling_beta", None)
+    raw = {**raw, where: params}
+    if not beta:
+        return raw, {}
+    original = params.get("original_max_position_embeddings") or raw.get("original_max_position_embeddings")
+    if not original:
+        raise ValueError(f"{where}.original_max_position_embeddings: missing (llama_4_scaling_beta divides by it)")
+    return raw, {"temperature_tuning": (float(original), float(beta), 0.0), "temperature_layers": "every"}
 
 
 def _hf_layer_types(raw: dict) -> tuple[str, ...] | None:

@@ -19,7 +19,9 @@ Qwen3's):
   every layer when the model has no window), ``"unwindowed_if_windowed"`` the same when the model
   has a window, none otherwise (EXAONE 4);
 * ``scale_key``: the key holding the softmax scale (Granite's ``attention_multiplier``);
-* ``chunked``: Llama 4's chunked layers and query temperature (``model_config._llama4_layers``).
+* ``chunked``: Llama 4's chunked layers and query temperature (``model_config._llama4_layers``);
+* ``scaled_queries``: every layer's q rows scaled by position (Ministral 3: its rope parameters'
+  ``llama_4_scaling_beta``, ``model_config._ministral3_temperature``).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class ModelType:
     nope: str | None = None
     scale_key: str | None = None
     chunked: bool = False
+    scaled_queries: bool = False
 
 
 PLAIN = ModelType()
@@ -49,6 +52,7 @@ MODEL_TYPES = {
     "exaone4": ModelType(nope="unwindowed_if_windowed"),
     "smollm3": ModelType(nope="no_rope_layers"),
     **dict.fromkeys(("granite", "granitemoe"), ModelType(scale_key="attention_multiplier")),
+    "ministral3": ModelType(scaled_queries=True),
     "llama4": ModelType(interleaved=True, nope="no_rope_layers", chunked=True),
     "llama4_text": ModelType(interleaved=True, nope="no_rope_layers", chunked=True),
 }

@@ -62,7 +62,8 @@ def _attention_variants() -> dict:
     (softmax scale 0.15, not head_dim ** -0.5), GLM-4 (interleaved pairs on half the head, q/k
     biases), Cohere and ERNIE 4.5 (interleaved pairs), Qwen3 and OLMo 2 (qk norms); and plain
     ones: OLMo 3 (qk norms, a window of 8), Apertus (qk norms, llama3 bands), Granite-MoE (the
-    scale), Phi-2 (half the head rotates), StarCoder2 and Seed-OSS (biases), Gemma."""
+    scale), Phi-2 (half the head rotates), StarCoder2 and Seed-OSS (biases), Gemma; Ministral 3
+    (yarn, every layer's q rows scaled by position: 1.35x from position 8, 1.9x at 40)."""
     windowed = {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]}
     return {
         "smollm3": transformers.SmolLM3Config(num_hidden_layers=2, no_rope_layer_interval=2, pad_token_id=0, **TINY),
@@ -81,6 +82,10 @@ def _attention_variants() -> dict:
         "starcoder2": transformers.Starcoder2Config(num_hidden_layers=2, **TINY),
         "seed_oss": transformers.SeedOssConfig(num_hidden_layers=2, **TINY),
         "gemma": transformers.GemmaConfig(num_hidden_layers=2, **TINY),
+        "ministral3": transformers.Ministral3Config(num_hidden_layers=2, pad_token_id=0, rope_parameters={
+            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "rope_theta": 1e6,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.5},
+            **TINY),
     }
 
 

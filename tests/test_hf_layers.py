@@ -13,7 +13,8 @@ read wrong fails it: half-split pairs instead of interleaved ones, the temperatu
 chunks left out. The model types whose code changes attention (pipeline/model_types.py: SmolLM3,
 Cohere 2 and EXAONE 4's NoPE layers, interleaved pairs of Cohere, GLM-4 and ERNIE 4.5, Granite's
 scale) each fail it read as a plain Llama; Qwen3, OLMo 2 and 3 and Apertus normalise q and k
-before RoPE (q and k recorded after the norms).
+before RoPE (q and k recorded after the norms); Ministral 3's q rows are scaled by the config's
+query temperature (off by one position, it fails).
 """
 
 from __future__ import annotations
@@ -40,12 +41,16 @@ MODULES = {"llama3": "llama", "qwen2": "qwen2", "qwen2-yarn": "qwen2", "gemma2":
            "llama-longrope": "llama",
            **{family: family for family in ("smollm3", "cohere2", "exaone4", "granite", "glm4", "cohere", "ernie4_5",
                                             "qwen3", "olmo2", "olmo3", "apertus", "granitemoe", "phi", "starcoder2",
-                                            "seed_oss", "gemma")}}
+                                            "seed_oss", "gemma", "ministral3")}}
 #: The kernels no other test compiles: those of the families on interleaved pairs (Llama 4's with
 #: llama3's bands; Cohere's, Cohere 2's and ERNIE 4.5's plain; GLM-4's plain on half the head) and
-#: Phi-2's (half the head, half-split pairs) and the long LongRoPE table of 41 tokens.
+#: Phi-2's (half the head, half-split pairs), the long LongRoPE table of 41 tokens and Ministral 3's
+#: yarn.
 OWN_SPECS = {
     "phi": RaggedPrefillSpec(4, 2, 16, 16, "float32", rotary_dim=8),
+    "ministral3": RaggedPrefillSpec(4, 2, 16, 16, "float32", {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "beta_fast": 32.0, "beta_slow": 1.0,
+        "truncate": True, "attention_factor": 1.0}),
     "llama-longrope": RaggedPrefillSpec(4, 2, 16, 16, "float32", {
         "rope_type": "longrope", "original_max_position_embeddings": 16, "max_position_embeddings": 256.0,
         "ext_factors": LONGROPE["long_factor"]}),

@@ -85,11 +85,11 @@ def test_llama_4_scout_chunked_and_nope_layers(tmp_path):
     entries). transformers reads the same layers and frequencies from the file."""
     cfg, specs = _specs("llama-4-scout-17b-16e.json")
     assert (cfg.h_q, cfg.h_kv, cfg.head_dim, cfg.dtype, cfg.attention_chunk) == (40, 8, 128, "bfloat16", 8192)
-    assert cfg.nope_layers == tuple(range(3, 48, 4)) and cfg.temperature_tuning == (8192.0, 0.1)
+    assert cfg.nope_layers == tuple(range(3, 48, 4)) and cfg.temperature_tuning == (8192.0, 0.1, 1.0)
     assert cfg.layer_types == ("chunked_attention",) * 3 + ("full_attention",) + cfg.layer_types[4:]
     chunked, nope = cfg.layer(0), cfg.layer(3)
     assert (chunked.chunk, chunked.rope, chunked.temperature_tuning) == (8192, True, None)
-    assert (nope.chunk, nope.rope, nope.temperature_tuning) == (None, False, (8192.0, 0.1))
+    assert (nope.chunk, nope.rope, nope.temperature_tuning) == (None, False, (8192.0, 0.1, 1.0))
     np.testing.assert_allclose(nope.query_scales([0, 8190, 8191, 3 * 8192 - 1]),
                                [1.0, 1.0, 1.0 + 0.1 * math.log(2.0), 1.0 + 0.1 * math.log(4.0)])
     assert chunked.query_scales([9000]).tolist() == [1.0]
@@ -199,7 +199,9 @@ def test_a_model_type_the_loader_does_not_know_is_refused_by_name(tmp_path, mode
     ({"attention_chunk": 64}, "attention_chunk: set exactly when"),
     ({"attention_chunk": 0, "layer_types": ["chunked_attention"]}, "attention_chunk: must be a positive int"),
     ({"nope_layers": [2], "layer_types": ["full_attention"] * 2}, "nope_layers: 2 is past"),
-    ({"temperature_tuning": (8192, 0.1)}, "temperature_tuning: set, but no layer"),
+    ({"temperature_tuning": (8192, 0.1, 1)}, "temperature_tuning: set on the NoPE layers, but no layer"),
+    ({"temperature_tuning": (8192, 0.1)}, "temperature_tuning: expected"),
+    ({"temperature_tuning": (8192, 0.1, 0), "temperature_layers": "some"}, "temperature_layers: 'nope' or 'every'"),
     ({"nope_layers": [0], "temperature_tuning": (8192, -0.1)}, "temperature_tuning: expected"),
 ])
 def test_bad_llama_4_fields_name_the_field(fields, key):
