@@ -431,6 +431,8 @@ def _hf_fields(raw: dict) -> dict:
     if raw.get("kv_lora_rank") is not None:
         return {**fields, **_mla_fields(raw)}
     head_dim = raw.get("head_dim") or _required(raw, "hidden_size") // h_q
+    if kind.rotary_dim_key and raw.get("rotary_dim") is not None and raw.get("partial_rotary_factor") is None:
+        raw = {**raw, "partial_rotary_factor": raw["rotary_dim"] / head_dim}
     fields.update(head_dim=head_dim, v_head_dim=head_dim, **_hf_rope_fields(raw, fields["layer_types"], head_dim))
     if kind.interleaved:
         fields["rope_scaling"] = interleaved(fields["rope_scaling"])

@@ -21,7 +21,9 @@ Qwen3's):
 * ``scale_key``: the key holding the softmax scale (Granite's ``attention_multiplier``);
 * ``chunked``: Llama 4's chunked layers and query temperature (``model_config._llama4_layers``);
 * ``scaled_queries``: every layer's q rows scaled by position (Ministral 3: its rope parameters'
-  ``llama_4_scaling_beta``, ``model_config._ministral3_temperature``).
+  ``llama_4_scaling_beta``, ``model_config._ministral3_temperature``);
+* ``rotary_dim_key``: partial rotary as a count of dims, ``rotary_dim`` (MiniMax-M2's released
+  checkpoints), where ``partial_rotary_factor`` is missing.
 """
 
 from __future__ import annotations
@@ -40,19 +42,21 @@ class ModelType:
     scale_key: str | None = None
     chunked: bool = False
     scaled_queries: bool = False
+    rotary_dim_key: bool = False
 
 
 PLAIN = ModelType()
 MODEL_TYPES = {
     **dict.fromkeys(("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi", "phi3",
                      "stablelm", "gemma", "gemma2", "gemma3", "gemma3_text", "deepseek_v2", "deepseek_v3", "gpt_oss",
-                     "olmo2", "olmo3", "apertus", "starcoder2", "seed_oss"), PLAIN),
+                     "olmo2", "olmo3", "apertus", "starcoder2", "seed_oss", "glm4_moe"), PLAIN),
     **dict.fromkeys(("cohere", "glm", "glm4", "ernie4_5"), ModelType(interleaved=True)),
     "cohere2": ModelType(interleaved=True, nope="unwindowed"),
     "exaone4": ModelType(nope="unwindowed_if_windowed"),
     "smollm3": ModelType(nope="no_rope_layers"),
     **dict.fromkeys(("granite", "granitemoe"), ModelType(scale_key="attention_multiplier")),
     "ministral3": ModelType(scaled_queries=True),
+    "minimax_m2": ModelType(rotary_dim_key=True),
     "llama4": ModelType(interleaved=True, nope="no_rope_layers", chunked=True),
     "llama4_text": ModelType(interleaved=True, nope="no_rope_layers", chunked=True),
 }

@@ -63,7 +63,9 @@ def _attention_variants() -> dict:
     biases), Cohere and ERNIE 4.5 (interleaved pairs), Qwen3 and OLMo 2 (qk norms); and plain
     ones: OLMo 3 (qk norms, a window of 8), Apertus (qk norms, llama3 bands), Granite-MoE (the
     scale), Phi-2 (half the head rotates), StarCoder2 and Seed-OSS (biases), Gemma; Ministral 3
-    (yarn, every layer's q rows scaled by position: 1.35x from position 8, 1.9x at 40)."""
+    (yarn, every layer's q rows scaled by position: 1.35x from position 8, 1.9x at 40); GLM-4.5
+    (qk norms, half-split pairs on half the head) and MiniMax-M2 (qk norms over all heads, half the
+    head rotating by its legacy ``rotary_dim``)."""
     windowed = {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]}
     return {
         "smollm3": transformers.SmolLM3Config(num_hidden_layers=2, no_rope_layer_interval=2, pad_token_id=0, **TINY),
@@ -86,6 +88,11 @@ def _attention_variants() -> dict:
             "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "rope_theta": 1e6,
             "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.5},
             **TINY),
+        "glm4_moe": transformers.Glm4MoeConfig(num_hidden_layers=2, use_qk_norm=True, n_routed_experts=4,
+                                               num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+                                               pad_token_id=0, **TINY),
+        "minimax_m2": transformers.MiniMaxM2Config(num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2,
+                                                   rotary_dim=8, pad_token_id=0, **TINY),
     }
 
 

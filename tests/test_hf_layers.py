@@ -41,7 +41,7 @@ MODULES = {"llama3": "llama", "qwen2": "qwen2", "qwen2-yarn": "qwen2", "gemma2":
            "llama-longrope": "llama",
            **{family: family for family in ("smollm3", "cohere2", "exaone4", "granite", "glm4", "cohere", "ernie4_5",
                                             "qwen3", "olmo2", "olmo3", "apertus", "granitemoe", "phi", "starcoder2",
-                                            "seed_oss", "gemma", "ministral3")}}
+                                            "seed_oss", "gemma", "ministral3", "glm4_moe", "minimax_m2")}}
 #: The kernels no other test compiles: those of the families on interleaved pairs (Llama 4's with
 #: llama3's bands; Cohere's, Cohere 2's and ERNIE 4.5's plain; GLM-4's plain on half the head) and
 #: Phi-2's (half the head, half-split pairs), the long LongRoPE table of 41 tokens and Ministral 3's

@@ -185,6 +185,14 @@ def test_bad_llama_4_configs_name_the_key(tmp_path, change, key):
         load_model_config(path)
 
 
+def test_minimax_m2_legacy_rotary_dim_is_its_partial_rotary(tmp_path):
+    """MiniMax-M2's released config.json says ``rotary_dim`` 64 of head dim 128, as transformers'
+    MiniMaxM2Config reads it; the same key means nothing to other model types."""
+    path = _qwen2_json(tmp_path, model_type="minimax_m2", head_dim=16, rotary_dim=8)
+    assert load_model_config(path).rotary_dim == 8
+    assert load_model_config(_qwen2_json(tmp_path, head_dim=16, rotary_dim=8)).rotary_dim is None
+
+
 @pytest.mark.parametrize("model_type", ["gemma3n_text", "jamba", "minimax"])
 def test_a_model_type_the_loader_does_not_know_is_refused_by_name(tmp_path, model_type):
     """Gemma 3n's shared KV and unit scale, Jamba's attention without RoPE, MiniMax's linear
