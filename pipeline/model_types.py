@@ -6,10 +6,10 @@ has a :class:`ModelType` here (:data:`MODEL_TYPES`); any other ``model_type`` is
 so that a model whose attention the record does not describe is refused instead of built wrong.
 A config without ``model_type`` is read by its keys alone.
 
-What the records say (every model type here but five checked against transformers' own layers
-by tests/test_hf_layers.py or tests/test_model_configs.py; those five share, in transformers'
-modular files, a checked type's attention: Mixtral's is Mistral's, Qwen2-MoE's Llama's,
-Qwen3-MoE's Qwen3's, GLM's GLM-4's, Gemma 3's multimodal wrapper's its text model's):
+What the records say (every model type here but four checked against transformers' own layers
+by tests/test_hf_layers.py or tests/test_model_configs.py; those four share a checked type's
+attention code: Mixtral's is Mistral's, Qwen2-MoE's Llama's, Qwen3-MoE's Qwen3's in transformers'
+modular files, and GLM rotates interleaved pairs as GLM-4 does):
 
 * ``interleaved``: RoPE rotates the pairs ``(2i, 2i + 1)`` (Cohere, GLM, ERNIE 4.5 and Llama 4:
   their ``rotate_half`` takes ``x[..., ::2]``); written as the kernels' ``gptj`` / ``llama4``;
