@@ -36,7 +36,10 @@ DENSE_SPECS = [
 KV_CACHE_SPECS = [
     RaggedPrefillSpec(32, 8, 128, 128, "float16", LLAMA3),
     RaggedPrefillSpec(16, 16, 192, 128, "bfloat16"),
-    RaggedPrefillSpec(32, 32, 96, 96, "float16", rotary_dim=32),  # Phi-3: d 96, partial rotary
+    # Phi-3.5 and Phi-4-mini's forms: d 96, partial rotary, a LongRoPE table (semantics §11.14)
+    RaggedPrefillSpec(32, 32, 96, 96, "float16", rotary_dim=32, rope_scaling={
+        "rope_type": "longrope", "original_max_position_embeddings": 4096, "max_position_embeddings": 131072,
+        "ext_factors": [1.0 + i * i / 8 for i in range(16)]}),
     PagedPrefillSpec(32, 8, 128, "bfloat16", page_size=16),
     PagedPrefillSpec(32, 8, 128, "float16", page_size=16, sliding_window=True, rope_scaling={"rope_type": "gptj"}),
     # gpt-oss: per-head sinks over a sliding window (semantics §13)
