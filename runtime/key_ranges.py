@@ -99,13 +99,21 @@ def paged_arguments(entries: Entries, pages_per_row: int, page_size: int) -> tup
     sliding-window variant over pages numbered ``b * pages_per_row + p`` (batch row ``b``, its
     ``p``-th page): each entry reads pages ``lo // page_size .. (hi - 1) // page_size`` from row
     ``sw_off = lo % page_size``; an entry without keys has no page."""
+    return _window_arguments(entries, entries.batch * pages_per_row, None, page_size)
+
+
+def _window_arguments(entries: Entries, row_start: np.ndarray, page_table, page_size: int) -> tuple:
+    """:func:`paged_arguments` over a page table: entry ``e``'s row's ``p``-th page is
+    ``page_table[row_start[e] + p]`` (``page_table`` None: the page id is that index)."""
     seen = entries.hi > entries.lo
     first = entries.lo // page_size
     last = np.where(seen, (entries.hi - 1) // page_size, first - 1)
     counts = last - first + 1
     page_indptr = np.concatenate([[0], np.cumsum(counts)])
     offsets = np.arange(page_indptr[-1]) - np.repeat(page_indptr[:-1], counts)
-    page_values = np.repeat(entries.batch * pages_per_row + first, counts) + offsets
+    page_values = np.repeat(row_start + first, counts) + offsets
+    if page_table is not None:
+        page_values = page_table[page_values]
     last_page_len = np.where(seen, entries.hi - last * page_size, 1)
     sw_off = np.where(seen, entries.lo - first * page_size, 0)
     length_info = np.stack([last_page_len, sw_off, np.zeros_like(sw_off)])
@@ -151,23 +159,15 @@ def chunked_call(q_indptr, page_indptr, page_values, last_page_len, k_rope_pos_o
         b = int(np.flatnonzero(kv_lens < q_lens)[0])
         raise ValueError(f"page_indptr: sequence {b} has {kv_lens[b]} keys for {q_lens[b]} queries; its queries' "
                          "keys must be in its pages")
-    q_bounds, page_counts, values, lengths, rope_offsets = [0], [], [], [], []
+    q_bounds, runs = [0], []    # runs: (sequence, first key, end of keys) of each entry
     for b, (q_len, kv_len) in enumerate(zip(q_lens.tolist(), kv_lens.tolist())):
         first_position = kv_len - q_len
         for start in range(first_position - first_position % chunk, kv_len, chunk) if q_len else [first_position]:
-            lo, hi = start, min(start + chunk, kv_len)                   # the keys of this chunk's last query
-            q_bounds.append(q_bounds[-1] + hi - max(lo, first_position))
-            first_page, last_page = lo // page_size, (hi - 1) // page_size
-            if hi <= lo:                                               # a sequence without queries or keys
-                page_counts.append(0)
-                lengths.append((1, 0, 0))
-            else:
-                page_counts.append(last_page - first_page + 1)
-                values.append(page_values[page_indptr[b] + first_page:page_indptr[b] + last_page + 1])
-                lengths.append((hi - last_page * page_size, lo - first_page * page_size, 0))
-            rope_offsets.append(offsets[b] + lo)
-    table = np.concatenate(values) if values else np.zeros(0)
-    arrays = (q_bounds, np.concatenate([[0], np.cumsum(page_counts)]), table, np.array(lengths).T.reshape(3, -1),
-              rope_offsets)
-    return ChunkedCall(*(np.ascontiguousarray(array, np.int32) for array in arrays))
+            end = min(start + chunk, kv_len)                            # the keys of this chunk's last query
+            q_bounds.append(q_bounds[-1] + end - max(start, first_position))
+            runs.append((b, start, end))
+    entries = Entries(np.asarray(q_bounds, np.int32), *np.asarray(runs, np.int64).reshape(-1, 3).T)
+    tables = _window_arguments(entries, page_indptr[entries.batch], page_values, page_size)
+    rope_offsets = (offsets[entries.batch] + entries.lo).astype(np.int32)
+    return ChunkedCall(entries.q_indptr, *tables, rope_offsets)
 
