@@ -60,7 +60,7 @@ from ..mlir import (
     MaskedSequencePrefillSpec, MlaPagedPrefillSpec, PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec,
 )
 from ..mlir.specs import DTYPES, freeze_rope_scaling
-from .model_types import MODEL_TYPES, interleaved, model_type_of, nope_layers
+from .model_types import interleaved, model_type_of, nope_layers
 
 DEFAULT_PAGE_SIZE = 16
 DEFAULT_ROPE_THETA = 10000.0
@@ -411,18 +411,20 @@ def _hf_fields(raw: dict) -> dict:
     if kind.scaled_queries:
         raw, scaled = _ministral3_temperature(raw)
     slides = _slides(raw)
+    layer_types = _hf_layer_types(raw)
+    nope = nope_layers(kind, raw, layer_types, slides)
     fields = {
         "h_q": h_q,
         "h_kv": h_kv,
         "sliding_window": slides,
         "window": raw["sliding_window"] if slides else None,
-        "layer_types": _hf_layer_types(raw),
+        "layer_types": layer_types,
+        "nope_layers": nope,
         "logits_soft_cap": float(raw.get("attn_logit_softcapping") or 0.0),
         "head_sinks": raw.get("model_type") in SINK_MODEL_TYPES,
-        **(_llama4_layers(raw) if kind.chunked else {}),
+        **(_llama4_layers(raw, nope) if kind.chunked else {}),
         **scaled,
     }
-    fields["nope_layers"] = nope_layers(kind, raw, fields["layer_types"], slides)
     torch_dtype = raw.get("torch_dtype", raw.get("dtype"))
     if torch_dtype is not None:
         if torch_dtype not in DTYPES:
@@ -454,12 +456,12 @@ def _mla_fields(raw: dict) -> dict:
                 sm_scale=head_dim ** -0.5 * _deepseek_mscale(rope) ** 2)
 
 
-def _llama4_layers(raw: dict) -> dict:
-    """Llama 4's layers as ``Llama4TextConfig`` derives them: the rotating layers (model_types:
-    ``no_rope_layers``) ``chunked_attention`` over ``attention_chunk_size`` tokens (default 8192;
-    None: full) unless ``layer_types`` says otherwise, and the NoPE layers' query temperature
-    (``attn_temperature_tuning``, default on, with ``floor_scale`` 8192 and ``attn_scale`` 0.1)."""
-    nope = nope_layers(MODEL_TYPES["llama4"], raw, None, False)
+def _llama4_layers(raw: dict, nope: tuple[int, ...]) -> dict:
+    """Llama 4's layers as ``Llama4TextConfig`` derives them: the rotating layers (all but the
+    NoPE layers ``nope``, model_types: ``no_rope_layers``) ``chunked_attention`` over
+    ``attention_chunk_size`` tokens (default 8192; None: full) unless ``layer_types`` says
+    otherwise, and the NoPE layers' query temperature (``attn_temperature_tuning``, default on,
+    with ``floor_scale`` 8192 and ``attn_scale`` 0.1)."""
     chunk = raw.get("attention_chunk_size", 8192)
     layer_types = raw.get("layer_types") or [
         "full_attention" if i in nope or chunk is None else "chunked_attention"
