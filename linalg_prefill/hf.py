@@ -60,7 +60,7 @@ from __future__ import annotations
 try:
     import torch
     from transformers import AttentionInterface, QuantizedCache
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 except ImportError as err:  # pragma: no cover - exercised by tests/test_hf_import.py in a subprocess
     raise ImportError("linalg_prefill.hf needs torch and transformers: pip install 'linalg-prefill[hf]' "
                       f"({err})") from err
@@ -76,7 +76,7 @@ except ImportError:  # pragma: no cover - a transformers before its fp8 cache (5
 
 import numpy as np
 
-from . import hf_batching
+from . import hf_batching, hf_model_arguments
 from .hf_cache import KvCache, appended
 from .mlir import PagedPrefillSpec, RaggedPrefillSpec, SequencePrefillSpec
 from .mlir.specs import KV_DTYPES, SMALL_Q_TILE
@@ -112,11 +112,18 @@ def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int
     """transformers' mask interface: the boolean mask of ``sdpa_mask``, or None where the mask is
     the plain bottom-right causal one (``q_length == kv_length`` or 1, no padding, no binding
     window). sdpa's other shortcut (a static cache's empty tail under a top-left causal mask) is
-    not taken: :func:`attention` aligns causal masks bottom-right."""
+    not taken: :func:`attention` aligns causal masks bottom-right. A model whose attention code
+    computes with its mask as eager's (``kwargs["config"]``: DeepSeek V4,
+    :data:`linalg_prefill.hf_model_arguments.ADDITIVE_MASK_MODELS`) gets eager's additive float
+    mask of ``kwargs["dtype"]``, never None."""
     allow = allow_is_causal_skip and (q_length == kv_length or q_length == 1)
     extra = {key: value for key, value in kwargs.items() if key in ("use_vmap", "device")}
     if mask_function is not None:
         extra["mask_function"] = mask_function
+    if hf_model_arguments.wants_additive_mask(kwargs.get("config")):
+        return eager_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                          kv_offset=kv_offset, attention_mask=attention_mask, local_size=local_size,
+                          dtype=kwargs.get("dtype") or torch.float32, **extra)
     return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                      kv_offset=kv_offset, attention_mask=attention_mask, local_size=local_size,
                      allow_is_causal_skip=allow, **extra)
@@ -127,12 +134,15 @@ class KernelCall:
     """The kernel calls of an attention layer: ``spec``, its seed-ABI ``args`` (torch tensors and
     int32 numpy index arrays) and the ``[B, S_q, H_q, D]`` shape its output takes; or, for a
     decode step of several sequences, ``rows``: the args of one call per batch row (each over
-    that row's own cache tensors), whose outputs are the output's rows (``args`` then empty)."""
+    that row's own cache tensors), whose outputs are the output's rows (``args`` then empty).
+    ``value_dim``: where the kernel's head dim is wider than V's (V zero-padded for a kernel of one
+    head dim), the output's, whose first columns :meth:`run` returns; 0 otherwise."""
 
     spec: object
     args: tuple
     output_shape: tuple
     rows: tuple = ()
+    value_dim: int = 0
 
     def run(self):
         """``output [B, S_q, H_q, D]``, contiguous. A decode step of one sequence runs as a
@@ -143,12 +153,13 @@ class KernelCall:
             kernel = kernel_for(self.spec)
             output = self.rows[0][0].new_empty(self.output_shape)
             for row, args in zip(output, self.rows):
-                kernel(*args, out=row.view(args[0].shape))
+                kernel(*args, out=row.view(*args[0].shape[:-1], row.shape[-1]))
             return output
         if isinstance(self.spec, RaggedPrefillSpec) and self.spec.kv_order == "hnd":
             return hf_batching.planned_decode(self.spec, self.args).view(self.output_shape)
         output, _lse = kernel_for(self.spec)(*self.args)
-        return output.view(self.output_shape)
+        output = output.view(self.output_shape)
+        return output[..., :self.value_dim].contiguous() if self.value_dim else output
 
     def step_lane(self, signature: tuple, window) -> "_StepLane | None":
         """The :class:`_StepLane` this call leaves for the later calls of ``signature`` (a
@@ -173,18 +184,25 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
               s_aux=None, **kwargs):
     """transformers' attention interface (module docstring): ``(output [B, S_q, H_q, D_v], None)``.
     A call with ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (continuous batching, packed sequences) is
-    varlen attention (:func:`linalg_prefill.hf_batching.varlen_attention`)."""
+    varlen attention (:func:`linalg_prefill.hf_batching.varlen_attention`). What some models add
+    (DeepSeek Sparse Attention's ``indices``, sinks named ``sinks``) is read, and what the kernels
+    cannot run refused, by :mod:`linalg_prefill.hf_model_arguments`."""
+    hf_model_arguments.refused_arguments(kwargs)
+    s_aux = hf_model_arguments.sinks_argument(s_aux, kwargs, getattr(query, "shape", (0, 0))[1])
+    indices = kwargs.get("indices")
     if kwargs.get("cu_seq_lens_q") is not None and kwargs.get("cu_seq_lens_k") is not None:
+        if indices is not None:
+            raise InputError("indices: DeepSeek Sparse Attention over packed sequences is not supported")
         return _varlen(module, query, key, value, dropout, scaling, softcap, sliding_window, s_aux, kwargs), None
-    signature = _lane_signature(module, query, key, value, attention_mask, dropout, scaling, softcap, sliding_window,
-                                is_causal, s_aux)
+    signature = None if indices is not None else _lane_signature(
+        module, query, key, value, attention_mask, dropout, scaling, softcap, sliding_window, is_causal, s_aux)
     lane = _step_lane[0]
     if signature is not None and lane is not None and lane.signature == signature:
         output = lane.run(query, key, value)
         if output is not None:
             return output, None
     call = plan_call(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, softcap=softcap,
-                     sliding_window=sliding_window, is_causal=is_causal, s_aux=s_aux)
+                     sliding_window=sliding_window, is_causal=is_causal, s_aux=s_aux, indices=indices)
     output = call.run()
     if signature is not None:
         _step_lane[0] = call.step_lane(signature, sliding_window)
@@ -310,9 +328,11 @@ def _varlen(module, query, key, value, dropout, scaling, softcap, sliding_window
 
 def plan_call(module, query, key, value, attention_mask, *, dropout: float = 0.0, scaling: float | None = None,
               softcap: float | None = None, sliding_window: int | None = None, is_causal: bool | None = None,
-              s_aux=None) -> KernelCall:
+              s_aux=None, indices=None) -> KernelCall:
     """The checked :class:`KernelCall` of one :func:`attention` call (InputError naming the
-    argument for what the kernels cannot run)."""
+    argument for what the kernels cannot run). ``indices``: DeepSeek Sparse Attention's chosen keys
+    ``[B, S_q, top_k]``, folded into the mask
+    (:func:`linalg_prefill.hf_model_arguments.with_selected_keys`)."""
     _check_dropout(dropout)
     _check_tensors(query, key, value)
     sinks = None if s_aux is None else _sinks(s_aux, query.shape[1])
@@ -322,6 +342,9 @@ def plan_call(module, query, key, value, attention_mask, *, dropout: float = 0.0
     scale = float(d ** -0.5 if scaling is None else scaling)
     cap = float(softcap or 0.0)
     window = int(sliding_window) if sliding_window else None
+    if indices is not None:
+        attention_mask = hf_model_arguments.with_selected_keys(indices, attention_mask, batch, q_len, kv_len,
+                                                               causal=causal, window=window)
     if attention_mask is None:
         if (window is None or kv_len <= window) and (q_len == 1 or (batch == 1 and q_len <= SMALL_Q_TILE)):
             return _decode_call(query, key, value, causal, scale, cap, sinks)
@@ -330,16 +353,32 @@ def plan_call(module, query, key, value, attention_mask, *, dropout: float = 0.0
             return _decode_rows_call(query, key, value, lo[:, 0], hi[:, 0], scale, cap, sinks)
         key, value = _widened(key, query.dtype), _widened(value, query.dtype)  # the paths below copy K/V anyway
         if window is None or kv_len <= window:
-            return _dense_call(query, key, value, causal, scale, cap, sinks)
+            return _one_head_dim(_dense_call, query, key, value, causal, scale, cap, sinks)
         ranges = rule_ranges(batch, q_len, kv_len, causal=causal, window=window)
-        return _paged_call(query, key, value, plan_entries(*ranges), scale, cap, sinks)
+        return _one_head_dim(_paged_call, query, key, value, plan_entries(*ranges), scale, cap, sinks)
     allowed, ranges = _read_mask(attention_mask, batch, q_len, kv_len)
     if ranges is not None and q_len == 1:  # a decode step of a padded batch: each row's keys are one range
         return _decode_rows_call(query, key, value, ranges[0][:, 0], ranges[1][:, 0], scale, cap, sinks)
     key, value = _widened(key, query.dtype), _widened(value, query.dtype)
     if ranges is None:
         return _custom_mask_call(query, key, value, allowed, scale, cap, sinks)
-    return _paged_call(query, key, value, plan_entries(*ranges), scale, cap, sinks)
+    return _one_head_dim(_paged_call, query, key, value, plan_entries(*ranges), scale, cap, sinks)
+
+
+def _one_head_dim(build, query, key, value, *rest) -> KernelCall:
+    """``build(query, key, value, *rest)`` (the dense or paged kernel's call, which take one head
+    dim for Q/K and V) where V's head dim differs from Q/K's (MLA as DeepSeek V2/V3 run it: d_qk
+    192, d_v 128): the narrower side zero-padded, which changes no score and no output column
+    (V's padding gives zero columns, cut off again: ``value_dim``; Q/K's adds nothing to a dot
+    product)."""
+    d_qk, d_v = query.shape[3], value.shape[3]
+    if d_v == d_qk:
+        return build(query, key, value, *rest)
+    if d_v < d_qk:
+        call = build(query, key, torch.nn.functional.pad(value, (0, d_qk - d_v)), *rest)
+        return KernelCall(call.spec, call.args, call.output_shape, call.rows, value_dim=d_v)
+    pad = (0, d_v - d_qk)
+    return build(torch.nn.functional.pad(query, pad), torch.nn.functional.pad(key, pad), value, *rest)
 
 
 def _check_dropout(dropout: float) -> None:
@@ -370,9 +409,9 @@ def _check_tensors(query, key, value) -> None:
         if eight_bit and getattr(tensor, SCALE_ATTRIBUTE, None) is None:
             raise InputError(f"{name}: {tensor.dtype} states without their scale (an Fp8KvCache's layers "
                              f"hand them over with it)")
-    if key.shape != value.shape:
-        raise InputError(f"value: shape {tuple(value.shape)} differs from key's {tuple(key.shape)} (these kernels "
-                         "take one head dim for keys and values)")
+    if key.shape[:3] != value.shape[:3]:
+        raise InputError(f"value: shape {tuple(value.shape)} differs from key's {tuple(key.shape)} in batch, heads "
+                         "or length")
     if key.shape[0] != query.shape[0] or key.shape[3] != query.shape[3]:
         raise InputError(f"key: shape {tuple(key.shape)} does not match query {tuple(query.shape)} "
                          "(batch and head dim)")
@@ -402,15 +441,15 @@ def _decode_call(query, key, value, causal: bool, scale: float, cap: float, sink
     _, _, q_len, _ = query.shape
     spec, q, k, v, rows, tail = _folded(query, key, value, cap, sinks)
     args = _ragged_args(q, *_with_room([0, q_len], [0, key.shape[2]], rows), k, v, causal, scale, tail)
-    return KernelCall(spec, args, (query.shape[0], q_len, query.shape[1], query.shape[3]))
+    return KernelCall(spec, args, (query.shape[0], q_len, query.shape[1], value.shape[3]))
 
 
-def _hnd_spec(query, key, heads: int, kv_heads: int, cap: float, sinks) -> RaggedPrefillSpec:
+def _hnd_spec(query, key, value, heads: int, kv_heads: int, cap: float, sinks) -> RaggedPrefillSpec:
     """The head-major ragged spec of a call over ``heads`` query heads and ``kv_heads`` KV heads
-    of the model's ``query`` / ``key`` dtypes (an 8-bit key: its ``kv_dtype``)."""
-    d = query.shape[3]
-    return RaggedPrefillSpec(heads, kv_heads, d, d, DTYPES[query.dtype], logits_soft_cap=cap,
-                             head_sinks=sinks is not None, kv_order="hnd", kv_dtype=_EIGHT_BIT.get(key.dtype))
+    of the model's ``query`` / ``key`` dtypes (an 8-bit key: its ``kv_dtype``) and head dims."""
+    return RaggedPrefillSpec(heads, kv_heads, query.shape[3], value.shape[3], DTYPES[query.dtype],
+                             logits_soft_cap=cap, head_sinks=sinks is not None, kv_order="hnd",
+                             kv_dtype=_EIGHT_BIT.get(key.dtype))
 
 
 def _ragged_args(q, q_indptr, kv_indptr, k, v, causal, scale: float, tail: tuple) -> tuple:
@@ -434,7 +473,7 @@ def _folded(query, key, value, cap: float, sinks) -> tuple:
     q = _token_major(query).view(q_len, heads, d)
     k, v, rows = _kv_rows(key, value)
     tail = (*_scales_arg(key, value, kv_heads), *_sinks_arg(None if sinks is None else np.tile(sinks, batch)))
-    return _hnd_spec(query, key, heads, kv_heads, cap, sinks), q, k, v, rows, tail
+    return _hnd_spec(query, key, value, heads, kv_heads, cap, sinks), q, k, v, rows, tail
 
 
 def _kv_rows(key, value) -> tuple:
@@ -443,8 +482,8 @@ def _kv_rows(key, value) -> tuple:
     (k, rows), (v, value_rows) = _head_rows(key), _head_rows(value)
     if value_rows == rows:
         return k, v, rows
-    batch, heads, tokens, d = key.shape
-    return key.reshape(batch * heads, tokens, d), value.reshape(batch * heads, tokens, d), tokens
+    batch, heads, tokens, _ = key.shape
+    return key.reshape(batch * heads, tokens, -1), value.reshape(batch * heads, tokens, -1), tokens
 
 
 def _head_rows(states) -> tuple:
@@ -481,7 +520,8 @@ def _decode_rows_call(query, key, value, lo, hi, scale: float, cap: float, sinks
     seeing the same range: one call, the batch folded into the heads (:func:`_folded`); else one
     ragged call per batch row over that row's own head-major cache tensors ``key[b]`` /
     ``value[b] [H_kv, S_kv, D]`` (no copy)."""
-    batch, h_q, _, d = query.shape
+    batch, h_q, _, _ = query.shape
+    d = value.shape[3]
     if np.all(lo == lo[0]) and np.all(hi == hi[0]):
         spec, q, k, v, rows, tail = _folded(query, key, value, cap, sinks)
         args = _ragged_args(q, *_with_room([0, 0, 1], [0, lo[0], max(hi[0], lo[0])], rows), k, v, True, scale, tail)
@@ -493,7 +533,7 @@ def _decode_rows_call(query, key, value, lo, hi, scale: float, cap: float, sinks
         k, v, kv_rows = _kv_rows(key[b:b + 1], value[b:b + 1])
         rows.append(_ragged_args(q[b], *_with_room([0, 0, 1], [0, lo[b], max(hi[b], lo[b])], kv_rows), k, v, True,
                                  scale, tail))
-    return KernelCall(_hnd_spec(query, key, h_q, h_kv, cap, sinks), (), (batch, 1, h_q, d), tuple(rows))
+    return KernelCall(_hnd_spec(query, key, value, h_q, h_kv, cap, sinks), (), (batch, 1, h_q, d), tuple(rows))
 
 
 def _sinks_arg(sinks) -> tuple:
@@ -594,16 +634,16 @@ def _custom_mask_call(query, key, value, allowed: np.ndarray, scale: float, cap:
     """The ragged kernel with ``custom_mask``: batch row ``b`` is entry ``b`` (its S_q queries and
     S_kv keys), whose mask block is ``allowed[b]`` (bool ``[B, S_q, S_kv]``, row-major as §14 wants)."""
     batch, h_q, q_len, d = query.shape
-    h_kv, kv_len = key.shape[1], key.shape[2]
-    spec = RaggedPrefillSpec(h_q, h_kv, d, d, DTYPES[query.dtype], logits_soft_cap=cap, head_sinks=sinks is not None,
+    h_kv, kv_len, d_v = key.shape[1], key.shape[2], value.shape[3]
+    spec = RaggedPrefillSpec(h_q, h_kv, d, d_v, DTYPES[query.dtype], logits_soft_cap=cap, head_sinks=sinks is not None,
                              custom_mask=True)
     rows = np.arange(batch + 1, dtype=np.int64)
     q_indptr, kv_indptr, mask_indptr = ((rows * n).astype(np.int32) for n in (q_len, kv_len, q_len * kv_len))
     q = _token_major(query).view(batch * q_len, h_q, d)
-    k, v = (_token_major(t).view(batch * kv_len, h_kv, d) for t in (key, value))
+    k, v = (_token_major(t).view(batch * kv_len, h_kv, t.shape[3]) for t in (key, value))
     args = (q, q_indptr, k, v, kv_indptr, np.zeros(batch * q_len, np.int32), np.zeros(batch, np.int32), 0, 0, 1.0,
             1.0e4, scale, allowed.reshape(-1), mask_indptr, *_sinks_arg(sinks))
-    return KernelCall(spec, args, (batch, q_len, h_q, d))
+    return KernelCall(spec, args, (batch, q_len, h_q, d_v))
 
 
 _mask_cache: dict[int, tuple] = {}

@@ -143,9 +143,10 @@ def varlen_attention(module, query, key, value, *, cu_seq_lens_q, cu_seq_lens_k,
     ``cu_seq_lens_q[r]:cu_seq_lens_q[r + 1]``), bottom-right causal per request, ``sliding_window``
     keys at most (transformers': a query sees itself and the ``window - 1`` keys before it).
     Keys come from ``pages`` (a full-attention layer's cache, read in place) or from ``key`` /
-    ``value [1, H_kv, T_k, D]`` at ``cu_seq_lens_k``. ``sinks``: [H_q] float32 (gpt-oss's s_aux).
-    Returns the output ``[1, T, H_q, D]``."""
+    ``value [1, H_kv, T_k, D_v]`` at ``cu_seq_lens_k`` (D_v may differ from D: then from them, not
+    from ``pages``). ``sinks``: [H_q] float32 (gpt-oss's s_aux). Returns the output ``[1, T, H_q, D_v]``."""
     _, h_q, total, d = query.shape
+    d_v = value.shape[3]
     dtype = DTYPES.get(query.dtype)
     if dtype is None:
         raise InputError(f"query: dtype {query.dtype}; expected one of {sorted(map(str, DTYPES))}")
@@ -154,7 +155,7 @@ def varlen_attention(module, query, key, value, *, cu_seq_lens_q, cu_seq_lens_k,
     cu_k = _int32("cu_seq_lens_k", cu_seq_lens_k)
     cap = float(softcap or 0.0)
     extra = {} if sinks is None else {"sinks": sinks}
-    if pages is not None:
+    if pages is not None and d_v == d:
         spec = PagedPrefillSpec(h_q, pages.pages.shape[3], d, dtype, page_size=pages.page_size, logits_soft_cap=cap,
                                 head_sinks=sinks is not None, kv_order="nhd")
         wrapper = _wrapper(PagedPrefillWrapper, spec)
@@ -166,13 +167,13 @@ def varlen_attention(module, query, key, value, *, cu_seq_lens_q, cu_seq_lens_k,
         k = key[0].transpose(0, 1)
         v = value[0].transpose(0, 1)
         mask = _window_mask(cu_q, cu_k, sliding_window)
-        spec = RaggedPrefillSpec(h_q, k.shape[1], d, d, dtype, logits_soft_cap=cap, head_sinks=sinks is not None,
+        spec = RaggedPrefillSpec(h_q, k.shape[1], d, d_v, dtype, logits_soft_cap=cap, head_sinks=sinks is not None,
                                  custom_mask=mask is not None)
         wrapper = _wrapper(RaggedPrefillWrapper, spec)
         key_ = ("ragged", cu_q.tobytes(), cu_k.tobytes(), None if mask is None else sliding_window, scaling)
         _plan(wrapper, key_, lambda: wrapper.plan(cu_q, cu_k, causal=True, sm_scale=scaling, custom_mask=mask))
         output, _ = wrapper.run(q, k.contiguous(), v.contiguous(), **extra)
-    return output.view(1, total, h_q, d)
+    return output.view(1, total, h_q, d_v)
 
 
 def planned_decode(spec: RaggedPrefillSpec, args: tuple):

@@ -52,6 +52,31 @@ def configs() -> dict:
                                                 num_experts_per_tok=1, interleave_moe_layer_step=2,
                                                 intermediate_size_mlp=96, rope_parameters=dict(LLAMA3), **TINY),
         **_attention_variants(),
+        **_deepseek_attentions(),
+    }
+
+
+def _deepseek_attentions() -> dict:
+    """DeepSeek's attentions, for tests/test_hf_model_arguments.py: V3's MLA as transformers runs it
+    (4 heads of d_qk 24 = 16 + 8 rotating, d_v 16), V3.2's sparse attention on it (its indexer
+    keeps 6 keys a query), V4's (one KV head of 32 that is K and V, per-head sinks, a window of 8,
+    compressed KV slots every 4 tokens (CSA, 6 of them chosen a query) and every 8 (HCA))."""
+    mla = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, intermediate_size=96, vocab_size=96,
+               max_position_embeddings=256, num_hidden_layers=2, moe_intermediate_size=32, n_routed_experts=4,
+               num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=32,
+               qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, head_dim=8, n_group=1, topk_group=1,
+               pad_token_id=0)
+    return {
+        "deepseek_v3": transformers.DeepseekV3Config(**mla),
+        "deepseek_v32": transformers.DeepseekV32Config(index_n_heads=2, index_head_dim=16, index_topk=6, **mla),
+        "deepseek_v4": transformers.DeepseekV4Config(
+            hidden_size=64, num_attention_heads=4, num_key_value_heads=1, head_dim=32, q_lora_rank=32,
+            intermediate_size=96, moe_intermediate_size=32, vocab_size=96, max_position_embeddings=256,
+            num_hidden_layers=2, n_routed_experts=4, num_experts_per_tok=2, o_groups=2, o_lora_rank=16,
+            layer_types=["compressed_sparse_attention", "heavily_compressed_attention"],
+            mlp_layer_types=["moe", "moe"], compress_rates={"compressed_sparse_attention": 4,
+                                                            "heavily_compressed_attention": 8},
+            sliding_window=8, index_n_heads=2, index_head_dim=16, index_topk=6, hc_mult=2, pad_token_id=0),
     }
 
 
@@ -96,6 +121,13 @@ def _attention_variants() -> dict:
     }
 
 
+#: The parts (``{name}_norm`` or ``{name}_proj``) whose weights peak a family's scores, and by how
+#: much, where not q's and k's by QK_GAIN: DeepSeek's MLA (q after its low-rank norm; k's no-RoPE
+#: part and v through ``kv_b``), V4's (q normalised without a weight; its one K=V head's norm).
+_PEAKED = {"deepseek_v3": {"q_b": 20.0, "kv_b": 20.0}, "deepseek_v32": {"q_b": 20.0, "kv_b": 20.0},
+           "deepseek_v4": {"kv": 4.0}}
+
+
 def tiny_model(family: str, dtype: torch.dtype = torch.float32, attn_implementation: str = "eager"):
     """A seeded random-weight causal LM of ``family`` in eval mode, q/k projections (or the qk
     norms' weights) scaled by QK_GAIN (gpt-oss: its sink logits uniform in SINK_RANGE, so that
@@ -106,8 +138,10 @@ def tiny_model(family: str, dtype: torch.dtype = torch.float32, attn_implementat
     with torch.no_grad():
         for layer in model.model.layers:
             attention = layer.self_attn
-            for name in ("q", "k"):   # the qk norms' weights where the model normalises q and k
-                getattr(attention, f"{name}_norm", getattr(attention, f"{name}_proj")).weight.mul_(QK_GAIN)
+            for name, gain in _PEAKED.get(family, {"q": QK_GAIN, "k": QK_GAIN}).items():
+                # the qk norms' weights where the model normalises q and k
+                part = getattr(attention, f"{name}_norm", None) or getattr(attention, f"{name}_proj")
+                part.weight.mul_(gain)
             if hasattr(layer.self_attn, "sinks"):
                 layer.self_attn.sinks.uniform_(*SINK_RANGE)
     return model.to(dtype).eval()

@@ -40,8 +40,8 @@ rows_read: list = []  # (the kernel's K rows a head, the keys the model handed o
 def checked_attention(module, query, key, value, attention_mask, **kwargs):
     """The adapter's call, checked against the float64 reference of the same kernel call."""
     call = hf.plan_call(module, query, key, value, attention_mask, **{
-        name: kwargs[name] for name in ("dropout", "scaling", "softcap", "sliding_window", "is_causal", "s_aux")
-        if name in kwargs})
+        name: kwargs[name] for name in ("dropout", "scaling", "softcap", "sliding_window", "is_causal", "s_aux",
+                                        "indices") if name in kwargs})
     outputs = []
     for args in call.rows or (call.args,):  # one call, or one per batch row (a batch's decode step)
         output, lse = hf.kernel_for(call.spec)(*args)
@@ -56,7 +56,8 @@ def checked_attention(module, query, key, value, attention_mask, **kwargs):
         outputs.append(output)
     calls.append((call.spec.symbol, query.shape[0], query.shape[2], key.shape[2]))
     kv_dtypes.append(getattr(call.spec, "kv_dtype", None))
-    return torch.stack(outputs).view(call.output_shape) if call.rows else outputs[0].view(call.output_shape), None
+    output = torch.stack(outputs).view(call.output_shape) if call.rows else outputs[0].view(call.output_shape)
+    return output[..., :call.value_dim].contiguous() if call.value_dim else output, None
 
 
 @pytest.fixture(scope="module", autouse=True)

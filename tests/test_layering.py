@@ -20,7 +20,7 @@ PACKAGES = {"mlir": "linalg_prefill.mlir", "pipeline": "linalg_prefill.pipeline"
 #: ``__init__`` (version, logging) imports no layer and any layer may read it.
 LAYERS = {"linalg_prefill.mlir": 0, "linalg_prefill.pipeline": 1, "linalg_prefill.runtime": 2,
           "linalg_prefill.cli": 3, "linalg_prefill.demo": 3, "linalg_prefill.bench": 3, "linalg_prefill.hf": 3,
-          "linalg_prefill.hf_batching": 3,
+          "linalg_prefill.hf_batching": 3, "linalg_prefill.hf_model_arguments": 3,
           "linalg_prefill.torch_ops": 3, "linalg_prefill.distributed": 3}
 
 
