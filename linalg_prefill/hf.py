@@ -112,14 +112,16 @@ def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int
     """transformers' mask interface: the boolean mask of ``sdpa_mask``, or None where the mask is
     the plain bottom-right causal one (``q_length == kv_length`` or 1, no padding, no binding
     window). sdpa's other shortcut (a static cache's empty tail under a top-left causal mask) is
-    not taken: :func:`attention` aligns causal masks bottom-right. A model whose attention code
-    computes with its mask as eager's (``kwargs["config"]``: DeepSeek V4,
+    not taken: :func:`attention` aligns causal masks bottom-right. A model whose code computes
+    attention itself is refused (:func:`linalg_prefill.hf_model_arguments.check_model`); one
+    whose attention code computes with its mask as eager's (``kwargs["config"]``: DeepSeek V4,
     :data:`linalg_prefill.hf_model_arguments.ADDITIVE_MASK_MODELS`) gets eager's additive float
     mask of ``kwargs["dtype"]``, never None."""
     allow = allow_is_causal_skip and (q_length == kv_length or q_length == 1)
     extra = {key: value for key, value in kwargs.items() if key in ("use_vmap", "device")}
     if mask_function is not None:
         extra["mask_function"] = mask_function
+    hf_model_arguments.check_model(kwargs.get("config"))
     if hf_model_arguments.wants_additive_mask(kwargs.get("config")):
         return eager_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                           kv_offset=kv_offset, attention_mask=attention_mask, local_size=local_size,

@@ -14,10 +14,14 @@ turned into what :mod:`linalg_prefill.hf` runs (or refused by name).
 * **Refused** (an InputError naming the argument before any kernel runs): ``position_bias`` (a
   relative-position bias added to the scores), ``block_indices`` (block-sparse attention),
   ``sinks`` that are not one logit a query head (Inkling's per-token sinks), ``indices`` with
-  packed sequences.
+  packed sequences; and, when it asks for its mask, a model whose own code computes attention
+  without the interface (:func:`check_model`: Bloom, MPT, XGLM would run their eager code on
+  this implementation's boolean mask, and never call the kernels).
 """
 
 from __future__ import annotations
+
+from functools import lru_cache
 
 import numpy as np
 import torch
@@ -25,7 +29,7 @@ import torch
 from .runtime import InputError
 from .runtime.key_ranges import rule_ranges
 
-__all__ = ["ADDITIVE_MASK_MODELS", "refused_arguments", "sinks_argument", "wants_additive_mask",
+__all__ = ["ADDITIVE_MASK_MODELS", "check_model", "refused_arguments", "sinks_argument", "wants_additive_mask",
            "with_selected_keys"]
 
 #: model_type -> why its attention code needs eager's additive float mask.
@@ -44,6 +48,30 @@ def wants_additive_mask(config) -> bool:
     """Whether the model of ``config`` (a transformers config, or None) computes with its mask as
     eager's additive float mask (:data:`ADDITIVE_MASK_MODELS`)."""
     return getattr(config, "model_type", None) in ADDITIVE_MASK_MODELS
+
+
+def check_model(config) -> None:
+    """InputError naming ``attn_implementation`` for a model (its transformers ``config``) whose
+    code computes attention itself: its class supports neither transformers' attention interface
+    (``_supports_attention_backend``) nor sdpa, so it reads the mask as eager's and calls no
+    attention function (Bloom, MPT, XGLM: their logits silently differed from eager's). A config
+    transformers does not map to a model class passes."""
+    if config is not None and _computes_attention_itself(type(config)):
+        raise InputError(f"attn_implementation: {getattr(config, 'model_type', type(config).__name__)}'s model "
+                         "computes attention in its own code, not through transformers' attention interface, and "
+                         "would not run these kernels; load it with attn_implementation='eager'")
+
+
+@lru_cache(maxsize=None)
+def _computes_attention_itself(config_class) -> bool:
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING
+    try:
+        model_class = MODEL_MAPPING[config_class]
+    except (KeyError, ValueError):
+        return False
+    if isinstance(model_class, (tuple, list)):
+        model_class = model_class[0]
+    return not model_class.is_backend_compatible() and not getattr(model_class, "_supports_sdpa", False)
 
 
 def refused_arguments(kwargs: dict) -> None:

@@ -10,6 +10,8 @@ logits must differ from eager's: the test can fail.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 torch = pytest.importorskip("torch")  # CI installs the hf extra: these never skip there
@@ -155,3 +157,21 @@ def test_values_wider_than_the_keys_run_on_zero_padded_queries_and_keys():
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     assert output.shape == (1, 29, 4, 24)
     assert float((output - want.transpose(1, 2)).abs().max()) <= 1e-5
+
+
+def test_a_model_that_computes_attention_itself_is_refused():
+    """Bloom and MPT (ALiBi in their own code) never call the attention interface: with this
+    implementation they ran their eager code on its boolean mask, logits 0.04-0.6 off eager's,
+    and no kernel. Refused by name when the model asks for its mask; eager still runs them."""
+    for config in (transformers.BloomConfig(hidden_size=64, n_head=4, n_layer=2, vocab_size=96),
+                   transformers.MptConfig(d_model=64, n_heads=4, n_layers=2, vocab_size=96)):
+        ids = torch.arange(3, 12)[None]
+        for implementation in (hf.register(), "eager"):
+            model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config),
+                                                                  attn_implementation=implementation).eval()
+            with torch.no_grad():
+                if implementation == "eager":
+                    assert torch.isfinite(model(ids).logits).all()
+                    continue
+                with pytest.raises(InputError, match=f"^attn_implementation: {config.model_type}'s model"):
+                    model(ids)
