@@ -2,7 +2,7 @@
 linalg_prefill vs sdpa vs eager, in the same run.
 
     python bench/hf_decode.py [--cached 2048] [--steps 16] [--dtypes float32,bfloat16] [--batch 1]
-        [--cache dynamic|fp8|inplace] [--per-module]
+        [--cache dynamic|fp8|inplace] [--per-module] [--model llama|deepseek]
 
 ``--cache fp8``: transformers' 8-bit cache (``QuantizedCache("fp8")``: e4m3 states, one scale per
 tensor) for sdpa and eager, which it dequantises whole every step, and ``hf.Fp8KvCache`` (the
@@ -15,7 +15,9 @@ torch's attention, which reads its views as they lie).
 
 A Llama-3-8B-shaped model cut to 2 layers (hidden 4096, 32 query / 8 KV heads, head dim 128) with
 a thin MLP (1024) and a 4096-token vocabulary, random weights: attention and its cache dominate a
-step. The prompt (``--cached`` tokens) is prefilled once per implementation, each into its own
+step. ``--model deepseek``: DeepSeek-V2-Lite's MLA instead (hidden 2048, 16 heads of d_qk 192 and
+d_v 128; transformers caches the latents and expands every cached key and value each step, so
+the expansion, not the attention, dominates its step). The prompt (``--cached`` tokens) is prefilled once per implementation, each into its own
 DynamicCache; then ``--steps`` decode steps run as ``generate`` runs them (``model(next_token,
 cache=cache)``, the cache appending each step's keys), the implementations taking turns step by
 step, so that a slow phase of a noisy machine hits each of them. Printed: the median ms a step,
@@ -43,6 +45,7 @@ from collections import defaultdict
 import torch
 import transformers
 from transformers.masking_utils import eager_mask, sdpa_mask
+from transformers.models.deepseek_v2 import modeling_deepseek_v2
 from transformers.models.llama import modeling_llama
 
 import linalg_prefill.hf as hf
@@ -51,10 +54,16 @@ from linalg_prefill.bench import cpu_description
 attention_seconds: list[float] = []
 
 
-def model_config() -> transformers.LlamaConfig:
-    return transformers.LlamaConfig(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                                    intermediate_size=1024, num_hidden_layers=2, vocab_size=4096,
-                                    max_position_embeddings=16384)
+MODELS = {
+    "llama": lambda: transformers.LlamaConfig(
+        hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=1024,
+        num_hidden_layers=2, vocab_size=4096, max_position_embeddings=16384),
+    "deepseek": lambda: transformers.DeepseekV2Config(
+        hidden_size=2048, num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, head_dim=64, intermediate_size=1024,
+        num_hidden_layers=2, first_k_dense_replace=2, vocab_size=4096, max_position_embeddings=16384),
+}
+EAGER = {"llama": modeling_llama.eager_attention_forward, "deepseek": modeling_deepseek_v2.eager_attention_forward}
 
 
 def timed(attention):
@@ -66,12 +75,12 @@ def timed(attention):
     return run
 
 
-def register_timed() -> dict:
+def register_timed(model_name: str) -> dict:
     """implementation label -> registered name of its timed attention."""
     hf.register()
     functions = {"linalg_prefill": (hf.attention, hf.attention_mask),
                  "sdpa": (transformers.integrations.sdpa_attention.sdpa_attention_forward, sdpa_mask),
-                 "eager": (modeling_llama.eager_attention_forward, eager_mask)}
+                 "eager": (EAGER[model_name], eager_mask)}
     for label, (attention, mask) in functions.items():
         transformers.AttentionInterface.register(f"timed_{label}", timed(attention))
         transformers.masking_utils.AttentionMaskInterface.register(f"timed_{label}", mask)
@@ -178,8 +187,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--cache", default="dynamic", choices=["dynamic", "fp8", "inplace"])
     parser.add_argument("--per-module", action="store_true", help="each module's and attention call's ms a step")
+    parser.add_argument("--model", default="llama", choices=sorted(MODELS))
     args = parser.parse_args()
-    names = register_timed()
+    names = register_timed(args.model)
     if args.cache == "inplace":
         names = {"linalg_prefill": names["linalg_prefill"], "sdpa": names["sdpa"], "sdpa+KvCache": names["sdpa"],
                  "eager": names["eager"]}
@@ -191,7 +201,7 @@ def main() -> None:
     print("dtype     impl            step_ms  attention_ms  step_ratio  attn_ratio  tokens_as_eager")
     for dtype in args.dtypes.split(","):
         torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(model_config()).to(getattr(torch, dtype)).eval()
+        model = transformers.AutoModelForCausalLM.from_config(MODELS[args.model]()).to(getattr(torch, dtype)).eval()
         prompt = torch.randint(0, model.config.vocab_size, (args.batch, args.cached))
         timer = ModuleTimes(model) if args.per_module else None
         results = decode(model, names, prompt, args.steps, args.cache, timer)

@@ -5,7 +5,9 @@
 Random-weight models with real shapes cut to 2 layers (no download):
 * Llama-3-8B: hidden 4096, 32 query / 8 KV heads, head dim 128, MLP 14336;
 * Gemma-2-9B: hidden 3584, 16 / 8 heads, head dim 256, soft cap 50 (transformers' sdpa refuses
-  a soft cap, so Gemma 2 runs against eager only).
+  a soft cap, so Gemma 2 runs against eager only);
+* DeepSeek-V2-Lite (``--models deepseek``): hidden 2048, MLA with 16 heads of d_qk 192 (128 +
+  64 rotating) and d_v 128 (the adapter's dense kernel on V zero-padded to 192), dense MLPs.
 
 For each row: the median time of a forward of the decoder (``model.model``: the 2 layers, not the
 LM head, whose 2048 x 4096 x vocab product would dominate) and of the attention calls inside it
@@ -25,6 +27,7 @@ from collections import defaultdict
 import torch
 import transformers
 from transformers.masking_utils import eager_mask, sdpa_mask
+from transformers.models.deepseek_v2 import modeling_deepseek_v2
 from transformers.models.gemma2 import modeling_gemma2
 from transformers.models.llama import modeling_llama
 
@@ -43,8 +46,15 @@ MODELS = {
         hidden_size=3584, num_attention_heads=16, num_key_value_heads=8, head_dim=256, intermediate_size=14336,
         num_hidden_layers=2, vocab_size=32000, query_pre_attn_scalar=256, attn_logit_softcapping=50.0,
         sliding_window=4096),
+    "deepseek": lambda: transformers.DeepseekV2Config(
+        hidden_size=2048, num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, head_dim=64, intermediate_size=10944,
+        num_hidden_layers=2, first_k_dense_replace=2, vocab_size=32000, max_position_embeddings=163840),
 }
-EAGER = {"llama": modeling_llama.eager_attention_forward, "gemma2": modeling_gemma2.eager_attention_forward}
+EAGER = {"llama": modeling_llama.eager_attention_forward, "gemma2": modeling_gemma2.eager_attention_forward,
+         "deepseek": modeling_deepseek_v2.eager_attention_forward}
+#: The peers of each model: transformers' sdpa refuses Gemma 2's soft cap.
+PEERS = {"llama": ["sdpa", "eager"], "gemma2": ["eager"], "deepseek": ["sdpa", "eager"]}
 attention_seconds: list[float] = []
 
 
@@ -107,7 +117,7 @@ def main() -> None:
     print("model   dtype     impl            forward_s  attention_s  fwd_ratio  attn_ratio")
     for model_name in args.models.split(","):
         names = register_timed(model_name)
-        peers = ["sdpa", "eager"] if model_name == "llama" else ["eager"]
+        peers = PEERS[model_name]
         for dtype in args.dtypes.split(","):
             torch.manual_seed(0)
             model = transformers.AutoModelForCausalLM.from_config(MODELS[model_name]()).to(getattr(torch, dtype))
