@@ -13,19 +13,19 @@ linalg_prefill/hf_cache.py) for linalg_prefill, transformers' DynamicCache (what
 makes) for sdpa and eager, and sdpa on a KvCache too (``sdpa+KvCache``: the same cache under
 torch's attention, which reads its views as they lie).
 
-A Llama-3-8B-shaped model cut to 2 layers (hidden 4096, 32 query / 8 KV heads, head dim 128) with
-a thin MLP (1024) and a 4096-token vocabulary, random weights: attention and its cache dominate a
+A Llama-3-8B-shaped model cut to 2 layers (hidden 4096, 32 query / 8 KV heads, head dim 128) with a
+thin MLP (1024) and a 4096-token vocabulary, random weights: attention and its cache dominate a
 step. ``--model deepseek``: DeepSeek-V2-Lite's MLA instead (hidden 2048, 16 heads of d_qk 192 and
-d_v 128; transformers caches the latents and expands every cached key and value each step, so
-the expansion, not the attention, dominates its step). The prompt (``--cached`` tokens) is prefilled once per implementation, each into its own
-DynamicCache; then ``--steps`` decode steps run as ``generate`` runs them (``model(next_token,
-cache=cache)``, the cache appending each step's keys), the implementations taking turns step by
-step, so that a slow phase of a noisy machine hits each of them. Printed: the median ms a step,
-the attention calls' share of it (the attention function timed per call), and ``ratio`` = peer
-ms / ours (above 1: ours is faster). The greedy tokens of every implementation are compared with
-eager's (``tokens_as_eager``: True, or the first step that differs). ``--per-module``: also
-each module's median ms a step (forward hooks down to the projections) and each attention
-call's, per implementation: where a step's difference lies.
+d_v 128; transformers caches the latents and expands every cached key and value each step, so the
+expansion, not the attention, dominates its step). The prompt (``--cached`` tokens) is prefilled
+once per implementation, each into its own DynamicCache; then ``--steps`` decode steps run as
+``generate`` runs them (``model(next_token, cache=cache)``, the cache appending each step's keys),
+the implementations taking turns step by step, so that a slow phase of a noisy machine hits each of
+them. Printed: the median ms a step, the attention calls' share of it (the attention function timed
+per call), and ``ratio`` = peer ms / ours (above 1: ours is faster). The greedy tokens of every
+implementation are compared with eager's (``tokens_as_eager``: True, or the first step that
+differs). ``--per-module``: also each module's median ms a step (forward hooks down to the
+projections) and each attention call's, per implementation: where a step's difference lies.
 
 torch's OpenMP threads spin for a while after each parallel op (libgomp's default wait), on the
 cores the kernels' IREE workers then need; ``OMP_WAIT_POLICY=PASSIVE`` or ``GOMP_SPINCOUNT``
