@@ -135,6 +135,7 @@ def test_arguments_the_kernels_cannot_run_are_refused_by_name():
         hf.attention(_Module(), q, k, v, torch.full((1, 1, 3, 5), 0.5), indices=torch.zeros(1, 3, 2, dtype=torch.int32))
 
 
+@pytest.mark.compiles(RaggedPrefillSpec(4, 2, 16, 16, "float32", kv_order="hnd", head_sinks=True))
 def test_a_models_per_head_sinks_named_sinks_are_its_s_aux():
     """``sinks`` of one logit a query head run as gpt-oss's ``s_aux`` do: the same output."""
     q, k, v = _tensors(q_len=1, kv_len=7)
