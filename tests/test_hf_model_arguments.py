@@ -62,11 +62,14 @@ def fresh_calls():
 
 
 def _run(model, implementation: str, ids, mask) -> tuple:
-    """(the prompt's logits, the padded batch's, 10 greedy tokens of the batch) under ``implementation``."""
+    """(the prompt's logits, the padded batch's, 10 greedy tokens of the batch, the logits of its
+    decode steps ``[10, B, vocab]``) under ``implementation``."""
     model.set_attn_implementation(implementation)
     with torch.no_grad():
-        return (model(ids[:1]).logits, model(ids, attention_mask=mask).logits,
-                model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0))
+        generated = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0,
+                                   output_logits=True, return_dict_in_generate=True)
+        return (model(ids[:1]).logits, model(ids, attention_mask=mask).logits, generated.sequences,
+                torch.stack(generated.logits))
 
 
 def _differ(got, want, where) -> float:
@@ -78,8 +81,8 @@ def _differ(got, want, where) -> float:
                                     for family in FAMILIES])
 def test_prompt_padded_batch_and_generate_match_eager(family, monkeypatch):
     """A prompt of 37 tokens, a batch of two left-padded by 11 and its 10 greedy tokens, each call
-    checked and then as the registered attention runs them: logits within LOGIT_TOLERANCE of
-    eager's, the same tokens; the attention sharply peaked (at least half the rows over half
+    checked and then as the registered attention runs them: logits (the decode steps' too) within
+    LOGIT_TOLERANCE of eager's, the same tokens; the attention sharply peaked (at least half the rows over half
     their weight on one key)."""
     model = tiny_model(family)
     ids = torch.randint(3, 96, (2, 37), generator=torch.Generator().manual_seed(1))
@@ -95,6 +98,7 @@ def test_prompt_padded_batch_and_generate_match_eager(family, monkeypatch):
         assert _differ(ours[0], eager[0], everything) <= LOGIT_TOLERANCE
         assert _differ(ours[1], eager[1], kept) <= LOGIT_TOLERANCE
         assert torch.equal(ours[2], eager[2])
+        assert _differ(ours[3], eager[3], torch.ones(ours[3].shape[:2], dtype=torch.bool)) <= LOGIT_TOLERANCE
     assert {spec for spec, *_ in calls} >= {s.symbol for s in SPECS[family] if not isinstance(s, DecodeSpec)}
     if family in WITHOUT:   # the same without the adapter's reading of the family: not eager's
         monkeypatch.setattr(hf_model_arguments, *WITHOUT[family])
@@ -176,3 +180,4 @@ def test_a_model_that_computes_attention_itself_is_refused():
                     continue
                 with pytest.raises(InputError, match=f"^attn_implementation: {config.model_type}'s model"):
                     model(ids)
+
