@@ -58,8 +58,9 @@ def check_model(config) -> None:
     transformers does not map to a model class passes."""
     if config is not None and _computes_attention_itself(type(config)):
         raise InputError(f"attn_implementation: {getattr(config, 'model_type', type(config).__name__)}'s model "
-                         "computes attention in its own code, not through transformers' attention interface, and "
-                         "would not run these kernels; load it with attn_implementation='eager'")
+                         "supports neither transformers' attention interface nor sdpa (its class's "
+                         "_supports_attention_backend and _supports_sdpa are False): it computes attention in its "
+                         "own code and would not run these kernels; load it with attn_implementation='eager'")
 
 
 @lru_cache(maxsize=None)
