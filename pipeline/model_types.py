@@ -11,7 +11,7 @@ by tests/test_hf_layers.py or tests/test_model_configs.py; those four share a ch
 attention code: Mixtral's is Mistral's, Qwen2-MoE's Llama's, Qwen3-MoE's Qwen3's in transformers'
 modular files, and GLM rotates interleaved pairs as GLM-4 does):
 
-* ``interleaved``: RoPE rotates the pairs ``(2i, 2i + 1)`` (Cohere, GLM, ERNIE 4.5 and Llama 4:
+* ``interleaved``: RoPE rotates the pairs ``(2i, 2i + 1)`` (Cohere, GLM, ERNIE 4.5, Helium and Llama 4:
   their ``rotate_half`` takes ``x[..., ::2]``); written as the kernels' ``gptj`` / ``llama4``;
 * ``nope``: the layers that do not rotate (their kernels run with ``rotary_mode`` 0):
   ``"no_rope_layers"`` the 0s of ``no_rope_layers`` (else every ``no_rope_layer_interval``-th,
@@ -49,8 +49,9 @@ PLAIN = ModelType()
 MODEL_TYPES = {
     **dict.fromkeys(("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi", "phi3",
                      "stablelm", "gemma", "gemma2", "gemma3", "gemma3_text", "deepseek_v2", "deepseek_v3", "gpt_oss",
-                     "olmo2", "olmo3", "apertus", "starcoder2", "seed_oss", "glm4_moe"), PLAIN),
-    **dict.fromkeys(("cohere", "glm", "glm4", "ernie4_5"), ModelType(interleaved=True)),
+                     "olmo2", "olmo3", "apertus", "starcoder2", "seed_oss", "glm4_moe", "olmo", "olmoe", "phimoe",
+                     "arcee", "solar_open"), PLAIN),
+    **dict.fromkeys(("cohere", "glm", "glm4", "ernie4_5", "helium"), ModelType(interleaved=True)),
     "cohere2": ModelType(interleaved=True, nope="unwindowed"),
     "exaone4": ModelType(nope="unwindowed_if_windowed"),
     "smollm3": ModelType(nope="no_rope_layers"),

@@ -118,6 +118,22 @@ def _attention_variants() -> dict:
                                                pad_token_id=0, **TINY),
         "minimax_m2": transformers.MiniMaxM2Config(num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2,
                                                    rotary_dim=8, pad_token_id=0, **TINY),
+        **_plain_attentions(),
+    }
+
+
+def _plain_attentions() -> dict:
+    """Model types whose attention is Llama's (pipeline/model_types.py's plain records, and
+    Helium's on interleaved pairs), each checked layer by layer: OLMo (its q/k/v clipped, here at
+    8), OLMoE (qk norms over all heads), PhiMoE, Helium, Arcee, Solar Open."""
+    moe = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+    return {
+        "olmo": transformers.OlmoConfig(num_hidden_layers=2, clip_qkv=8.0, **TINY),
+        "olmoe": transformers.OlmoeConfig(num_hidden_layers=2, num_experts=4, num_experts_per_tok=2, **TINY),
+        "phimoe": transformers.PhimoeConfig(num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2, **TINY),
+        "helium": transformers.HeliumConfig(num_hidden_layers=2, **TINY),
+        "arcee": transformers.ArceeConfig(num_hidden_layers=2, **TINY),
+        "solar_open": transformers.SolarOpenConfig(num_hidden_layers=2, n_routed_experts=4, **moe, **TINY),
     }
 
 

@@ -41,9 +41,10 @@ MODULES = {"llama3": "llama", "qwen2": "qwen2", "qwen2-yarn": "qwen2", "gemma2":
            "llama-longrope": "llama",
            **{family: family for family in ("smollm3", "cohere2", "exaone4", "granite", "glm4", "cohere", "ernie4_5",
                                             "qwen3", "olmo2", "olmo3", "apertus", "granitemoe", "phi", "starcoder2",
-                                            "seed_oss", "gemma", "ministral3", "glm4_moe", "minimax_m2")}}
+                                            "seed_oss", "gemma", "ministral3", "glm4_moe", "minimax_m2", "olmo", "olmoe",
+                                            "phimoe", "helium", "arcee", "solar_open")}}
 #: The kernels no other test compiles: those of the families on interleaved pairs (Llama 4's with
-#: llama3's bands; Cohere's, Cohere 2's and ERNIE 4.5's plain; GLM-4's plain on half the head) and
+#: llama3's bands; Cohere's, Cohere 2's, ERNIE 4.5's and Helium's plain; GLM-4's plain on half the head) and
 #: Phi-2's (half the head, half-split pairs), the long LongRoPE table of 41 tokens and Ministral 3's
 #: yarn.
 OWN_SPECS = {
@@ -56,7 +57,7 @@ OWN_SPECS = {
         "ext_factors": LONGROPE["long_factor"]}),
     "llama4": RaggedPrefillSpec(4, 2, 16, 16, "float32", {**{key: value for key, value in LLAMA3.items()
                                                              if key != "rope_theta"}, "rope_type": "llama4"}),
-    **dict.fromkeys(("cohere", "cohere2", "ernie4_5"),
+    **dict.fromkeys(("cohere", "cohere2", "ernie4_5", "helium"),
                     RaggedPrefillSpec(4, 2, 16, 16, "float32", {"rope_type": "gptj"})),
     "glm4": RaggedPrefillSpec(4, 2, 16, 16, "float32", {"rope_type": "gptj"}, rotary_dim=8),
 }
