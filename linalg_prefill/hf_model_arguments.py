@@ -102,17 +102,20 @@ def with_selected_keys(indices, attention_mask, batch: int, q_len: int, kv_len: 
     row ``b`` sees key ``j`` where ``attention_mask`` allows it (a boolean or additive mask, or,
     when None, the bottom-right causal rule with ``window``) and ``j`` is among
     ``indices[b, i]`` (``[B, S_q, top_k]`` key positions; the indexer may list keys the mask
-    hides, as eager's fold does, so those stay hidden)."""
+    hides, as eager's fold does, so those stay hidden; -1 lists none, as sparse-attention
+    kernels pad a row with fewer keys)."""
     if not isinstance(indices, torch.Tensor) or indices.dim() != 3 or tuple(indices.shape[:2]) != (batch, q_len):
         raise InputError(f"indices: expected [B, S_q, top_k] = [{batch}, {q_len}, top_k] key positions, got "
                          f"{tuple(getattr(indices, 'shape', ()))}")
     if indices.dtype.is_floating_point or indices.dtype == torch.bool:
         raise InputError(f"indices: expected integer key positions, got {indices.dtype}")
     chosen = indices.detach().to(device="cpu", dtype=torch.int64)
-    if chosen.numel() and (int(chosen.min()) < 0 or int(chosen.max()) >= kv_len):
-        raise InputError(f"indices: key positions must lie in [0, {kv_len}), got [{int(chosen.min())}, "
-                         f"{int(chosen.max())}]")
-    selected = torch.zeros((batch, q_len, kv_len), dtype=torch.bool).scatter_(2, chosen, True)
+    if chosen.numel() and (int(chosen.min()) < -1 or int(chosen.max()) >= kv_len):
+        raise InputError(f"indices: key positions must lie in [0, {kv_len}) (or be -1: none), got "
+                         f"[{int(chosen.min())}, {int(chosen.max())}]")
+    # -1 (none) lands in an extra column, dropped
+    selected = torch.zeros((batch, q_len, kv_len + 1), dtype=torch.bool).scatter_(2, chosen % (kv_len + 1), True)
+    selected = selected[..., :kv_len]
     return (_allowed(attention_mask, batch, q_len, kv_len, causal, window) & selected).unsqueeze(1)
 
 

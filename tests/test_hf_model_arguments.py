@@ -132,6 +132,7 @@ def test_arguments_the_kernels_cannot_run_are_refused_by_name():
         hf.attention(_Module(), q, k, v, None, s_aux=torch.zeros(4), sinks=torch.zeros(4))
     for indices, why in ((torch.zeros(1, 3, dtype=torch.int32), "expected"),
                          (torch.full((1, 3, 2), 5, dtype=torch.int32), r"in \[0, 5\)"),
+                         (torch.full((1, 3, 2), -2, dtype=torch.int32), r"in \[0, 5\)"),
                          (torch.zeros(1, 3, 2), "integer")):
         with pytest.raises(InputError, match=f"^indices: .*{why}"):
             hf.attention(_Module(), q, k, v, None, indices=indices)
@@ -181,3 +182,19 @@ def test_a_model_that_computes_attention_itself_is_refused():
                 with pytest.raises(InputError, match=f"^attn_implementation: {config.model_type}'s model"):
                     model(ids)
 
+
+
+@pytest.mark.compiles(RaggedPrefillSpec(4, 2, 16, 16, "float32", custom_mask=True))
+def test_indices_of_minus_one_choose_no_key():
+    """Sparse-attention kernels pad a query's top-k with -1: those choose nothing. A query whose
+    only index is -1 sees no key (output 0); one listing keys 0 and 2 sees those two, as torch's
+    SDPA with that mask."""
+    q, k, v = _tensors(q_len=2, kv_len=5)
+    indices = torch.tensor([[[-1, -1], [0, 2]]], dtype=torch.int32)
+    mask = torch.ones(1, 1, 2, 5, dtype=torch.bool)
+    output, _ = hf.attention(_Module(), q, k, v, mask, indices=indices)
+    assert float(output[0, 0].abs().max()) == 0.0
+    chosen = torch.zeros(1, 1, 1, 5, dtype=torch.bool)
+    chosen[..., [0, 2]] = True
+    want = torch.nn.functional.scaled_dot_product_attention(q[:, :, 1:], k, v, attn_mask=chosen, enable_gqa=True)
+    assert float((output[0, 1] - want[0, :, 0]).abs().max()) <= 1e-5
