@@ -347,6 +347,12 @@ def plan_call(module, query, key, value, attention_mask, *, dropout: float = 0.0
     if indices is not None:
         attention_mask = hf_model_arguments.with_selected_keys(indices, attention_mask, batch, q_len, kv_len,
                                                                causal=causal, window=window)
+        if q_len == 1:   # a decode step: the chosen keys gathered, the others never read
+            chosen = hf_model_arguments.chosen_keys(attention_mask, _widened(key, query.dtype),
+                                                    _widened(value, query.dtype))
+            if chosen is not None:
+                key, value, counts = chosen
+                return _decode_rows_call(query, key, value, np.zeros_like(counts), counts, scale, cap, sinks)
     if attention_mask is None:
         if (window is None or kv_len <= window) and (q_len == 1 or (batch == 1 and q_len <= SMALL_Q_TILE)):
             return _decode_call(query, key, value, causal, scale, cap, sinks)

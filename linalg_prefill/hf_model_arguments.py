@@ -5,8 +5,9 @@ turned into what :mod:`linalg_prefill.hf` runs (or refused by name).
   ``indexed_attention`` layers): under an attention other than eager and sdpa the model passes
   its indexer's choice as ``indices [B, S_q, top_k]`` (int, key positions) beside the causal
   mask, where eager folds it into the mask. :func:`with_selected_keys` folds it the same way:
-  a query sees a key where the mask allows it and the indexer chose it (the kernels then run
-  the keys' mask as a custom mask: every key computed, the unchosen masked, not a sparse gather).
+  a query sees a key where the mask allows it and the indexer chose it. A prefill then runs the
+  mask as a custom mask (every key computed, the unchosen masked); a decode step attends the
+  chosen keys gathered (:func:`chosen_keys`: top_k keys read, not the whole cache).
 * **Masks the model extends as eager's additive float masks** (DeepSeek V4 appends its
   compressed KV slots' bias, 0 / -inf, to the mask it is given, cast to the mask's dtype: a
   boolean mask would turn the bias inside out, and no mask would drop it):
@@ -29,8 +30,8 @@ import torch
 from .runtime import InputError
 from .runtime.key_ranges import rule_ranges
 
-__all__ = ["ADDITIVE_MASK_MODELS", "check_model", "refused_arguments", "sinks_argument", "wants_additive_mask",
-           "with_selected_keys"]
+__all__ = ["ADDITIVE_MASK_MODELS", "check_model", "chosen_keys", "refused_arguments", "sinks_argument",
+           "wants_additive_mask", "with_selected_keys"]
 
 #: model_type -> why its attention code needs eager's additive float mask.
 ADDITIVE_MASK_MODELS = {
@@ -117,6 +118,25 @@ def with_selected_keys(indices, attention_mask, batch: int, q_len: int, kv_len: 
     selected = torch.zeros((batch, q_len, kv_len + 1), dtype=torch.bool).scatter_(2, chosen % (kv_len + 1), True)
     selected = selected[..., :kv_len]
     return (_allowed(attention_mask, batch, q_len, kv_len, causal, window) & selected).unsqueeze(1)
+
+
+def chosen_keys(allowed, key, value):
+    """A decode step's chosen keys gathered: ``(key [B, H_kv, K, D], value [B, H_kv, K, D_v],
+    counts [B])`` of the keys ``allowed [B, 1, 1, S_kv]`` lets each row's query see, in order,
+    the first ``counts[b]`` of row b's K valid (the rest a copy of them, unread); None where no
+    row leaves a key out (the call is then one over the cache as it lies, read in place). A
+    decode step over more keys than the indexer keeps reads top_k of them, not S_kv."""
+    seen = allowed[:, 0, 0, :]
+    counts = seen.sum(dim=1)
+    if int(counts.min()) == seen.shape[1]:
+        return None
+    width = max(int(counts.max()), 1)
+    order = torch.argsort((~seen).to(torch.int8), dim=1, stable=True)[:, :width]   # the seen keys first
+
+    def gathered(states):
+        return states.gather(2, order[:, None, :, None].expand(-1, states.shape[1], -1, states.shape[3]))
+
+    return gathered(key), gathered(value), counts.numpy().astype(np.int64)
 
 
 def _allowed(mask, batch: int, q_len: int, kv_len: int, causal: bool, window: int | None) -> torch.Tensor:

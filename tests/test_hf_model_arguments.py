@@ -28,17 +28,20 @@ from test_hf_adapter import CHECKED, LOGIT_TOLERANCE, calls, checked_attention  
 
 FAMILIES = ("deepseek_v3", "deepseek_v32", "deepseek_v4")
 MLA_HND = RaggedPrefillSpec(4, 4, 24, 16, "float32", kv_order="hnd")
+#: V3.2's decode steps: each row's 6 chosen keys gathered, the two rows folded into 8 heads.
+DSA_HND = RaggedPrefillSpec(8, 8, 24, 16, "float32", kv_order="hnd")
 V4_HND = RaggedPrefillSpec(8, 2, 32, 32, "float32", kv_order="hnd", head_sinks=True)
 #: What each family's prompt, left-padded batch and generate open: V3's dense and paged kernels
 #: of one head dim (24, V padded), its decode steps' head-major ragged one (24 / 16) and pass;
-#: V3.2's mask with the indexer's choice (holes: the custom-mask kernel); V4's custom-mask
+#: V3.2's mask with the indexer's choice (holes: the custom-mask kernel) and its decode steps on
+#: the chosen keys gathered; V4's custom-mask
 #: kernel (one KV head of 32, sinks) and the decode steps whose keys are one range (two rows
 #: folded into 8 heads).
 SPECS = {
     "deepseek_v3": [SequencePrefillSpec(4, 4, 24, "float32", causal=True, sm_scale=24 ** -0.5),
                     PagedPrefillSpec(4, 4, 24, "float32", page_size=hf.PAGE_SIZE, sliding_window=True),
                     MLA_HND, DecodeSpec(MLA_HND)],
-    "deepseek_v32": [RaggedPrefillSpec(4, 4, 24, 16, "float32", custom_mask=True)],
+    "deepseek_v32": [RaggedPrefillSpec(4, 4, 24, 16, "float32", custom_mask=True), DSA_HND, DecodeSpec(DSA_HND)],
     "deepseek_v4": [RaggedPrefillSpec(4, 1, 32, 32, "float32", head_sinks=True, custom_mask=True), V4_HND,
                     DecodeSpec(V4_HND)],
 }
@@ -198,3 +201,26 @@ def test_indices_of_minus_one_choose_no_key():
     chosen[..., [0, 2]] = True
     want = torch.nn.functional.scaled_dot_product_attention(q[:, :, 1:], k, v, attn_mask=chosen, enable_gqa=True)
     assert float((output[0, 1] - want[0, :, 0]).abs().max()) <= 1e-5
+
+
+GATHERED = RaggedPrefillSpec(4, 2, 16, 16, "float32", kv_order="hnd")
+
+
+@pytest.mark.compiles(GATHERED, DecodeSpec(GATHERED))
+def test_a_decode_step_reads_only_the_chosen_keys():
+    """A decode step of two rows over 9 keys whose indexer keeps 3 and 1 (-1 padding): each row's
+    chosen keys gathered and attended, one call a row (their counts differ), as torch's SDPA with
+    the chosen keys as its mask."""
+    generator = torch.Generator().manual_seed(5)
+    q = 4.0 * torch.randn(2, 4, 1, 16, generator=generator)
+    k, v = (torch.randn(2, 2, 9, 16, generator=generator) for _ in range(2))
+    indices = torch.tensor([[[1, 4, 7]], [[2, -1, -1]]], dtype=torch.int32)
+    mask = torch.ones(2, 1, 1, 9, dtype=torch.bool)
+    call = hf.plan_call(_Module(), q, k, v, mask, indices=indices)
+    assert call.spec == GATHERED and [args[2].shape[1] for args in call.rows] == [3, 3]
+    chosen = torch.zeros(2, 1, 1, 9, dtype=torch.bool)
+    chosen[0, ..., [1, 4, 7]] = True
+    chosen[1, ..., 2] = True
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=chosen, enable_gqa=True)
+    output, _ = hf.attention(_Module(), q, k, v, mask, indices=indices)
+    assert float((output - want.transpose(1, 2)).abs().max()) <= 1e-5
