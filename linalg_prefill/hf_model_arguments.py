@@ -133,8 +133,8 @@ def chosen_keys(allowed, key, value):
     width = max(int(counts.max()), 1)
     order = torch.argsort((~seen).to(torch.int8), dim=1, stable=True)[:, :width]   # the seen keys first
 
-    def gathered(states):
-        return states.gather(2, order[:, None, :, None].expand(-1, states.shape[1], -1, states.shape[3]))
+X
+        return torch.stack([states[b].index_select(1, order[b]) for b in range(states.shape[0])])
 
     return gathered(key), gathered(value), counts.numpy().astype(np.int64)
 
