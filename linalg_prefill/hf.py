@@ -47,6 +47,12 @@ An 8-bit cache (:class:`Fp8KvCache`, transformers' fp8 ``QuantizedCache`` whose 
 their stored e4m3 states with the scale): the decode paths above read them in place (the ragged
 kernel with ``kv_dtype``, semantics §15); the others widen them first, as transformers does.
 
+K and V of different head dims (MLA as transformers runs DeepSeek V2/V3: d_qk 192, d_v 128): the
+ragged kernels take both; the dense and paged ones one, V zero-padded and its padding's output
+columns cut off. What some models add beyond these arguments (DeepSeek Sparse Attention's
+``indices``: folded into the mask, a decode step's chosen keys gathered; DeepSeek V4's additive
+mask; the arguments and models refused) is :mod:`linalg_prefill.hf_model_arguments`'s.
+
 A query that sees no key gives 0 (never NaN).
 
 Kernels are compiled once per distinct spec (head counts, head dim, dtype, soft cap, sinks, the
