@@ -112,6 +112,10 @@ def register(name: str = DEFAULT_NAME) -> str:
     return name
 
 
+#: Both functions run outside torch.compile's graphs (a graph break each): they plan on the host
+#: with numpy and build and call IREE kernels, which dynamo cannot trace (``torch.compile(model)``
+#: failed inside the MLIR bindings while building a kernel); the model's other layers compile.
+@torch.compiler.disable
 def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
                    mask_function=None, attention_mask=None, local_size: int | None = None,
                    allow_is_causal_skip: bool = True, **kwargs):
@@ -187,6 +191,7 @@ class KernelCall:
                          int(window) if window else None)
 
 
+@torch.compiler.disable
 def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
               softcap: float | None = None, sliding_window: int | None = None, is_causal: bool | None = None,
               s_aux=None, **kwargs):

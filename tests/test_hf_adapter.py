@@ -533,3 +533,21 @@ def test_key_ranges_plan_staircases_and_single_queries():
     page_indptr, page_values, length_info = paged_arguments(entries, pages_per_row=2, page_size=4)
     assert page_indptr.tolist() == [0, 1, 2, 4, 6] and page_values.tolist() == [0, 0, 0, 1, 0, 1]
     assert length_info.tolist() == [[3, 4, 1, 2], [0, 1, 2, 3], [0, 0, 0, 0]]
+
+
+@pytest.mark.compiles(*_prefill_specs("llama3", "float32")[:1])
+def test_a_compiled_model_runs_the_attention_outside_the_graph():
+    """``torch.compile(model)`` with this attention: dynamo traced into the adapter and failed in
+    the MLIR bindings building a kernel; the attention and mask functions now break the graph
+    (``torch.compiler.disable``) and the rest compiles. A prompt's logits as eager's (aot_eager:
+    dynamo's tracing is what failed, no C++ toolchain needed)."""
+    model = tiny_model("llama3")
+    ids = torch.randint(0, 96, (1, 19), generator=torch.Generator().manual_seed(7))
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        want = model(ids).logits
+    model.set_attn_implementation(hf.register())
+    compiled = torch.compile(model, backend="aot_eager")
+    with torch.no_grad():
+        got = compiled(ids).logits
+    _assert_close(got, want)
