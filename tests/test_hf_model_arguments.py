@@ -184,6 +184,8 @@ def test_a_model_that_computes_attention_itself_is_refused():
                     continue
                 with pytest.raises(InputError, match=f"^attn_implementation: {config.model_type}'s model"):
                     model(ids)
+    hf_model_arguments.check_model(transformers.PretrainedConfig())   # no model class to read: not refused
+    hf_model_arguments.check_model(None)
 
 
 
