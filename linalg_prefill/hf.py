@@ -691,13 +691,7 @@ def _boolean_mask(mask, batch: int, q_len: int, kv_len: int) -> np.ndarray:
     if mask.shape[2] != q_len or mask.shape[3] < kv_len or mask.shape[0] not in (1, batch):
         raise InputError(f"attention_mask: shape {tuple(mask.shape)} does not fit query length {q_len}, "
                          f"key length {kv_len} and batch {batch}")
-    mask = mask[..., :kv_len]
-    if mask.dtype != torch.bool:
-        allowed = mask == 0
-        if not bool(((mask <= torch.finfo(mask.dtype).min / 2) | allowed).all()):
-            raise InputError("attention_mask: an additive mask with values other than 0 and -inf (a bias) is "
-                             "not supported")
-        mask = allowed
+    mask = hf_model_arguments.boolean(mask[..., :kv_len])
     if mask.shape[1] != 1 and not bool((mask == mask[:, :1]).all()):
         raise InputError("attention_mask: masks that differ per head are not supported")
     return np.ascontiguousarray(mask[:, 0].expand(batch, q_len, kv_len).cpu().numpy())

@@ -30,7 +30,7 @@ import torch
 from .runtime import InputError
 from .runtime.key_ranges import rule_ranges
 
-__all__ = ["ADDITIVE_MASK_MODELS", "check_model", "chosen_keys", "refused_arguments", "sinks_argument",
+__all__ = ["ADDITIVE_MASK_MODELS", "boolean", "check_model", "chosen_keys", "refused_arguments", "sinks_argument",
            "wants_additive_mask", "with_selected_keys"]
 
 #: model_type -> why its attention code needs eager's additive float mask.
@@ -149,11 +149,17 @@ def _allowed(mask, batch: int, q_len: int, kv_len: int, causal: bool, window: in
     if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[3] < kv_len:
         raise InputError(f"attention_mask: expected [B, 1, S_q, >= S_kv] with indices, got "
                          f"{tuple(getattr(mask, 'shape', ()))}")
-    mask = mask[:, 0, :, :kv_len].detach().cpu()
-    if mask.dtype != torch.bool:
-        allowed = mask == 0
-        if not bool(((mask <= torch.finfo(mask.dtype).min / 2) | allowed).all()):
-            raise InputError("attention_mask: an additive mask with values other than 0 and -inf (a bias) is "
-                             "not supported")
-        mask = allowed
-    return mask.expand(batch, q_len, kv_len)
+    return boolean(mask[:, 0, :, :kv_len].detach().cpu()).expand(batch, q_len, kv_len)
+
+
+def boolean(mask):
+    """A transformers mask as booleans (True: the key is seen): a boolean mask as it is, an
+    additive one's 0s; InputError for an additive mask with other values than 0 and very
+    negative ones (a bias on the scores)."""
+    if mask.dtype == torch.bool:
+        return mask
+    allowed = mask == 0
+    if not bool(((mask <= torch.finfo(mask.dtype).min / 2) | allowed).all()):
+        raise InputError("attention_mask: an additive mask with values other than 0 and -inf (a bias) is "
+                         "not supported")
+    return allowed

@@ -60,11 +60,16 @@ def checked_attention(module, query, key, value, attention_mask, **kwargs):
     return output[..., :call.value_dim].contiguous() if call.value_dim else output, None
 
 
-@pytest.fixture(scope="module", autouse=True)
-def registered():
+def register_checked() -> None:
+    """Registers the adapter, and :func:`checked_attention` with the adapter's masks as ``CHECKED``."""
     hf.register()
     transformers.AttentionInterface.register(CHECKED, checked_attention)
     transformers.masking_utils.AttentionMaskInterface.register(CHECKED, hf.attention_mask)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registered():
+    register_checked()
 
 
 @pytest.fixture(autouse=True)

@@ -24,7 +24,7 @@ from linalg_prefill.mlir.decode import DecodeSpec  # noqa: E402
 from linalg_prefill.runtime import InputError  # noqa: E402
 
 from hf_models import tiny_model  # noqa: E402
-from test_hf_adapter import CHECKED, LOGIT_TOLERANCE, calls, checked_attention  # noqa: E402
+from test_hf_adapter import CHECKED, LOGIT_TOLERANCE, calls, register_checked  # noqa: E402
 
 FAMILIES = ("deepseek_v3", "deepseek_v32", "deepseek_v4")
 MLA_HND = RaggedPrefillSpec(4, 4, 24, 16, "float32", kv_order="hnd")
@@ -54,9 +54,7 @@ WITHOUT = {
 
 @pytest.fixture(scope="module", autouse=True)
 def registered():
-    hf.register()
-    transformers.AttentionInterface.register(CHECKED, checked_attention)
-    transformers.masking_utils.AttentionMaskInterface.register(CHECKED, hf.attention_mask)
+    register_checked()
 
 
 @pytest.fixture(autouse=True)
