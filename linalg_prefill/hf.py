@@ -359,10 +359,11 @@ def plan_call(module, query, key, value, attention_mask, *, dropout: float = 0.0
         attention_mask = hf_model_arguments.with_selected_keys(indices, attention_mask, batch, q_len, kv_len,
                                                                causal=causal, window=window)
         if q_len == 1:   # a decode step: the chosen keys gathered, the others never read
-            chosen = hf_model_arguments.chosen_keys(attention_mask, _widened(key, query.dtype),
-                                                    _widened(value, query.dtype))
+            chosen = hf_model_arguments.chosen_keys(attention_mask)
             if chosen is not None:
-                key, value, counts = chosen
+                order, counts = chosen
+                key, value = (hf_model_arguments.gathered(_widened(states, query.dtype), order)
+                              for states in (key, value))
                 return _decode_rows_call(query, key, value, np.zeros_like(counts), counts, scale, cap, sinks)
     if attention_mask is None:
         if (window is None or kv_len <= window) and (q_len == 1 or (batch == 1 and q_len <= SMALL_Q_TILE)):

@@ -30,8 +30,8 @@ import torch
 from .runtime import InputError
 from .runtime.key_ranges import rule_ranges
 
-__all__ = ["ADDITIVE_MASK_MODELS", "boolean", "check_model", "chosen_keys", "refused_arguments", "sinks_argument",
-           "wants_additive_mask", "with_selected_keys"]
+__all__ = ["ADDITIVE_MASK_MODELS", "boolean", "check_model", "chosen_keys", "gathered", "refused_arguments",
+           "sinks_argument", "wants_additive_mask", "with_selected_keys"]
 
 #: model_type -> why its attention code needs eager's additive float mask.
 ADDITIVE_MASK_MODELS = {
@@ -120,23 +120,25 @@ def with_selected_keys(indices, attention_mask, batch: int, q_len: int, kv_len: 
     return (_allowed(attention_mask, batch, q_len, kv_len, causal, window) & selected).unsqueeze(1)
 
 
-def chosen_keys(allowed, key, value):
-    """A decode step's chosen keys gathered: ``(key [B, H_kv, K, D], value [B, H_kv, K, D_v],
-    counts [B])`` of the keys ``allowed [B, 1, 1, S_kv]`` lets each row's query see, in order,
-    the first ``counts[b]`` of row b's K valid (the rest a copy of them, unread); None where no
-    row leaves a key out (the call is then one over the cache as it lies, read in place). A
-    decode step over more keys than the indexer keeps reads top_k of them, not S_kv."""
+def chosen_keys(allowed) -> tuple | None:
+    """A decode step's chosen keys: ``(order [B, K], counts [B])``, row b's keys that ``allowed
+    [B, 1, 1, S_kv]`` lets its query see first, in order (``counts[b]`` of them; the rest of the
+    K unread), for :func:`gathered`; None where no row leaves a key out (the call is then one
+    over the cache as it lies, read in place). A decode step over more keys than the indexer
+    keeps reads top_k of them, not S_kv."""
     seen = allowed[:, 0, 0, :]
     counts = seen.sum(dim=1)
     if int(counts.min()) == seen.shape[1]:
         return None
     width = max(int(counts.max()), 1)
     order = torch.argsort((~seen).to(torch.int8), dim=1, stable=True)[:, :width]   # the seen keys first
+    return order, counts.numpy().astype(np.int64)
 
-    def gathered(states):   # whole rows (index_select: 2.5-4x torch's gather of expanded indices on this CPU)
-        return torch.stack([states[b].index_select(1, order[b]) for b in range(states.shape[0])])
 
-    return gathered(key), gathered(value), counts.numpy().astype(np.int64)
+def gathered(states, order):
+    """``states [B, H, S, D]``'s keys ``order [B, K]``: ``[B, H, K, D]``, whole rows
+    (``index_select``: 2.5-4x torch's ``gather`` of expanded indices on a Zen 4)."""
+    return torch.stack([states[b].index_select(1, order[b]) for b in range(states.shape[0])])
 
 
 def _allowed(mask, batch: int, q_len: int, kv_len: int, causal: bool, window: int | None) -> torch.Tensor:
