@@ -85,6 +85,13 @@ class KeyRowsEngine(AmxEngine):
     pairs for the last."""
 
     ROWS = 16
+    #: Keys of a KV step: half of PASS_KV_BLOCK. A step's staged keys and values (an 8-bit
+    #: cache's widened rows, a bf16 cache's value pairs) then take half the L1 they took, beside
+    #: the rows being read and the next step's. Intel Xeon model 167 (AMX), 2 cores, paged 32 x 1
+    #: (ms, 64 -> 32 keys, separate processes): e4m3 vs 4096 24.2-25.7 -> 19.2-19.8, vs 1024
+    #: 4.74 -> 4.04; bf16 vs 1024 6.7-7.4 -> 5.4-5.6, vs 4096 34.6-37.1 -> 30.0-35.1; 32 x 4
+    #: e4m3 vs 4096 31.6 -> 26.6 (docs/performance.md, twenty-ninth session).
+    KV_BLOCK = 32
     #: The share of the next step's keys asked for while the step's keys and values are staged
     #: (the rest by :meth:`scores` and :meth:`accumulate`).
     STAGED_PREFETCH = 0.5
@@ -200,11 +207,13 @@ def pass_engine_type(spec: DecodeSpec, cpu: X86Cpu = XEON_WITH_AMX) -> type:
 def pass_blocks(spec: DecodeSpec, cpu: X86Cpu = XEON_WITH_AMX) -> tuple[int, int]:
     """(rows of a workgroup, keys of a KV step) of the pass on ``cpu``:
     KeyRowsEngine works on one 16-row tile, ByteKeysDotEngine on one block of 4 rows, AmxEngine on
-    32 or 64 rows (pairs of 16-row tiles), the FMA blocks on multiples of 4; 64 keys a step;
-    buffers and the two staging buffers within STACK_BUDGET."""
+    32 or 64 rows (pairs of 16-row tiles), the FMA blocks on multiples of 4; PASS_KV_BLOCK keys a
+    step (an engine's KV_BLOCK where it has one); buffers and the two staging buffers within
+    STACK_BUDGET."""
     engine = pass_engine_type(spec, cpu)
     operand = engine.OPERAND_BYTES
     rows = spec.rows
+    first = getattr(engine, "KV_BLOCK", PASS_KV_BLOCK)
     if engine in (KeyRowsEngine, ByteKeysDotEngine):   # one block of rows: fewer keys a step if need be
         wanted, smaller = engine.ROWS, ((engine.ROWS, 32),)
     elif engine.uses_amx:
@@ -215,7 +224,7 @@ def pass_blocks(spec: DecodeSpec, cpu: X86Cpu = XEON_WITH_AMX) -> tuple[int, int
     d, d_v = spec.d_qk, spec.d_v
     # columns of a staged key: K unless its scores are taken as it is widened, V unless read in place
     staged = (d if engine.keys_staged else 0) + (0 if engine.values_in_place else d_v)
-    for row_block, keys in ((wanted, PASS_KV_BLOCK), *smaller):
+    for row_block, keys in ((wanted, first), *smaller):
         # K (V), the zero row, row pointers, a score tile
         staging = keys * staged * operand + d * operand + 2 * keys * 16 + 1024
         if workgroup_bytes(operand, row_block, keys, d, d_v) + staging <= STACK_BUDGET:

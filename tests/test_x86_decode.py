@@ -112,7 +112,7 @@ def test_the_pass_ir_gathers_with_prefetches_and_runs_tiles_for_bf16_only():
     # pairs of row tiles
     base = SPECS["paged-hnd-bf16-gqa4"]
     assert [pass_engine_type(DecodeSpec(base, q)) for q in (1, 4, 16)] == [KeyRowsEngine, KeyRowsEngine, AmxEngine]
-    assert pass_blocks(DecodeSpec(base, 1)) == (16, 64)
+    assert pass_blocks(DecodeSpec(base, 1)) == (16, KeyRowsEngine.KV_BLOCK) == (16, 32)
     few_rows = tuned_ir(DecodeSpec(base, 1), AMX_CPU)
     assert "llvm.x86.tdpbf16ps.internal" in few_rows and "llvm.x86.avx512bf16.dpbf16ps.512" not in few_rows
     assert "llvm.ptrtoint" in few_rows   # 16 keys at one stride are loaded where the cache holds them
