@@ -24,7 +24,9 @@ from linalg_prefill.mlir.decode import DecodeSpec  # noqa: E402
 from linalg_prefill.runtime import InputError  # noqa: E402
 
 from hf_models import tiny_model  # noqa: E402
-from test_hf_adapter import CHECKED, LOGIT_TOLERANCE, calls, register_checked  # noqa: E402
+from test_hf_adapter import CHECKED, LOGIT_TOLERANCE, calls  # noqa: E402
+# the adapter tests' autouse fixtures: the checked attention registered, its records cleared each test
+from test_hf_adapter import fresh_calls, registered  # noqa: E402,F401
 
 FAMILIES = ("deepseek_v3", "deepseek_v32", "deepseek_v4")
 MLA_HND = RaggedPrefillSpec(4, 4, 24, 16, "float32", kv_order="hnd")
@@ -50,16 +52,6 @@ WITHOUT = {
     "deepseek_v32": ("with_selected_keys", lambda indices, mask, *args, **kwargs: mask),
     "deepseek_v4": ("wants_additive_mask", lambda config: False),
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def registered():
-    register_checked()
-
-
-@pytest.fixture(autouse=True)
-def fresh_calls():
-    calls.clear()
 
 
 def _run(model, implementation: str, ids, mask) -> tuple:
