@@ -72,7 +72,7 @@ except ImportError as err:  # pragma: no cover - exercised by tests/test_hf_impo
                       f"({err})") from err
 
 import atexit
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 import weakref
 
 try:
@@ -170,7 +170,11 @@ class KernelCall:
         if isinstance(self.spec, RaggedPrefillSpec) and self.spec.kv_order == "hnd":
             return hf_batching.planned_decode(self.spec, self.args).view(self.output_shape)
         output, _lse = kernel_for(self.spec)(*self.args)
-        output = output.view(self.output_shape)
+        return self.value_columns(output.view(self.output_shape))
+
+    def value_columns(self, output):
+        """``output`` (the kernel's, viewed as ``output_shape``) without V's padding columns: its
+        first ``value_dim`` columns, contiguous, where V was zero-padded; else as it is."""
         return output[..., :self.value_dim].contiguous() if self.value_dim else output
 
     def step_lane(self, signature: tuple, window) -> "_StepLane | None":
@@ -395,8 +399,7 @@ def _one_head_dim(build, query, key, value, *rest) -> KernelCall:
     if d_v == d_qk:
         return build(query, key, value, *rest)
     if d_v < d_qk:
-        call = build(query, key, torch.nn.functional.pad(value, (0, d_qk - d_v)), *rest)
-        return KernelCall(call.spec, call.args, call.output_shape, call.rows, value_dim=d_v)
+        return replace(build(query, key, torch.nn.functional.pad(value, (0, d_qk - d_v)), *rest), value_dim=d_v)
     pad = (0, d_v - d_qk)
     return build(torch.nn.functional.pad(query, pad), torch.nn.functional.pad(key, pad), value, *rest)
 

@@ -56,8 +56,8 @@ def checked_attention(module, query, key, value, attention_mask, **kwargs):
         outputs.append(output)
     calls.append((call.spec.symbol, query.shape[0], query.shape[2], key.shape[2]))
     kv_dtypes.append(getattr(call.spec, "kv_dtype", None))
-    output = torch.stack(outputs).view(call.output_shape) if call.rows else outputs[0].view(call.output_shape)
-    return output[..., :call.value_dim].contiguous() if call.value_dim else output, None
+    return call.value_columns(torch.stack(outputs).view(call.output_shape) if call.rows
+                              else outputs[0].view(call.output_shape)), None
 
 
 def register_checked() -> None:
