@@ -127,11 +127,15 @@ def stack_bytes(size: int) -> ir.Value:
 
 
 class Tiles:
-    """The AMX intrinsics for full 16 x 64-byte tiles, bf16 products."""
+    """The AMX intrinsics for tiles of ``rows`` x ``row_bytes`` (full 16 x 64-byte tiles unless
+    given), bf16 products: :meth:`dot`'s result and B operand are of that shape, its A operand
+    ``rows`` x 64 bytes (32 bf16 of the contraction a row)."""
 
-    @staticmethod
-    def _shape():
-        return arith_d.constant(i16(), TILE_ROWS), arith_d.constant(i16(), TILE_BYTES_PER_ROW)
+    def __init__(self, rows: int = TILE_ROWS, row_bytes: int = TILE_BYTES_PER_ROW):
+        self.rows, self.row_bytes = rows, row_bytes
+
+    def _shape(self):
+        return arith_d.constant(i16(), self.rows), arith_d.constant(i16(), self.row_bytes)
 
     def zero(self) -> ir.Value:
         rows, cols = self._shape()
@@ -150,7 +154,8 @@ class Tiles:
     def dot(self, acc: ir.Value, lhs: ir.Value, rhs: ir.Value) -> ir.Value:
         """acc + lhs x rhs (A tile x B tile, f32 sums)."""
         rows, cols = self._shape()
-        return llvm_d.call_intrinsic(amx_type(), "llvm.x86.tdpbf16ps.internal", [rows, cols, cols, acc, lhs, rhs],
+        depth = arith_d.constant(i16(), TILE_BYTES_PER_ROW)
+        return llvm_d.call_intrinsic(amx_type(), "llvm.x86.tdpbf16ps.internal", [rows, cols, depth, acc, lhs, rhs],
                                      [], [])
 
 

@@ -117,38 +117,43 @@ class KeyRowsEngine(AmxEngine):
 
     def scores(self, w: "_PassDispatch", q_base, k_block, scores) -> None:
         """scores[16, kv_block] from the key rows of each 16 keys: staged in k_block [kv_block,
-        d], or where :class:`KeyRowsStaging` found them in the cache (``w.key_tiles``)."""
+        d], or where :class:`KeyRowsStaging` found them in the cache (``w.key_tiles``). Of the
+        16 rows only the pass's first :func:`score_columns` are computed (the tiles of q and S^T
+        that many columns wide) and transposed."""
         d, t, v = w.s.d, Tiles(), w.vec
+        columns = score_columns(w.spec.rows)
+        narrow = Tiles(16, 4 * columns)
         for group in range(w.s.kv_block // 16):
             if w.key_tiles is None:
                 first, stride = at(k_block, group * 16 * d * 2), const_i64(d * 2)
             else:
                 first = llvm_d.load(ptr_type(), at(w.key_tiles, group * 16), alignment=8)
                 stride = llvm_load(i64(), at(w.key_tiles, group * 16 + 8))
-            acc = t.zero()
+            acc = narrow.zero()
             for step in range(d // 32):
                 keys = t.load(at(first, step * 64), stride)
-                acc = t.dot(acc, keys, t.load(at(q_base, step * 1024), 64))
-            t.store(w.score_tile, 64, acc)
+                acc = narrow.dot(acc, keys, narrow.load(at(q_base, step * 1024), 64))
+            narrow.store(w.score_tile, 4 * columns, acc)
             rest = w.s.kv_block - w.staged_prefetch   # the next step's keys the staging leaves: half of them here
             w.prefetch_share(w.staged_prefetch, rest // 2, group, w.s.kv_block // 16)
-            rows = _transposed([v.load(at(w.score_tile, key * 64)) for key in range(16)])
+            rows = _key_major_transposed([v.load(at(w.score_tile, j * 64)) for j in range(columns)], columns)
             for row, vector in enumerate(rows):
                 v.store(vector, at(scores, row * w.score_stride + group * 64))
 
     def accumulate(self, w: "_PassDispatch", v_block) -> None:
-        """acc[16, d_v] += probs[16, kv_block] . values, two dim tiles at a time."""
-        t = Tiles()
+        """acc[16, d_v] += probs[16, kv_block] . values, two dim tiles at a time, in tiles of
+        the pass's first :func:`score_columns` rows."""
+        t, short = Tiles(), Tiles(score_columns(w.spec.rows))
         v_dim_tile = w.s.kv_block // 2 * 64
         for pair in range(w.s.d_v // 32):
             c_at = [at(w.acc, (2 * pair + j) * 64) for j in range(2)]
-            acc = [t.load(p, w.acc_stride) for p in c_at]
+            acc = [short.load(p, w.acc_stride) for p in c_at]
             for step in range(w.s.kv_block // 32):
-                probs = t.load(at(w.probs, step * 64), w.prob_stride)
+                probs = short.load(at(w.probs, step * 64), w.prob_stride)
                 values = [t.load(at(v_block, (2 * pair + j) * v_dim_tile + step * 1024), 64) for j in range(2)]
-                acc = [t.dot(acc[j], probs, values[j]) for j in range(2)]
+                acc = [short.dot(acc[j], probs, values[j]) for j in range(2)]
             for p, tile in zip(c_at, acc):
-                t.store(p, w.acc_stride, tile)
+                short.store(p, w.acc_stride, tile)
             rest = w.s.kv_block - w.staged_prefetch   # the other half of what the staging leaves
             w.prefetch_share(w.staged_prefetch + rest // 2, rest - rest // 2, pair, w.s.d_v // 32)
 
@@ -263,6 +268,33 @@ def _transposed(rows: list[ir.Value]) -> list[ir.Value]:
             a, b = rows[r], rows[r + m]
             rows[r], rows[r + m] = vector_d.shuffle(a, b, low), vector_d.shuffle(a, b, high)
     return rows
+
+
+def score_columns(rows: int) -> int:
+    """Columns of KeyRowsEngine's S^T tiles for a pass of ``rows`` rows: 4, 8 or 16."""
+    return next(width for width in (4, 8, 16) if rows <= width)
+
+
+def _key_major_transposed(vectors: list[ir.Value], rows: int) -> list[ir.Value]:
+    """The ``rows`` vectors of 16 keys' scores of a row each, from ``rows`` vectors of 16/rows
+    keys x ``rows`` rows (key-major: lane rows x i + r holds key i's row r), the S^T tile [16
+    keys, rows] as stored: at each stage, two vectors of the same rows and neighbouring keys
+    become two vectors of twice the keys and half the rows (two-source shuffles; log2(rows)
+    stages of ``rows`` shuffles: 8 for 4 rows, against 64 for a 16 x 16 transpose)."""
+    # each vector: (its keys, its rows), lanes key-major
+    parts = [(list(range(j * 16 // rows, (j + 1) * 16 // rows)), list(range(rows)), vector)
+             for j, vector in enumerate(vectors)]
+    while len(parts[0][1]) > 1:
+        merged = []
+        for (keys_a, rows_ab, a), (keys_b, _, b) in zip(parts[::2], parts[1::2]):
+            lanes = {(k, r): i for i, (k, r) in enumerate((k, r) for k in keys_a for r in rows_ab)}
+            lanes.update({(k, r): 16 + i for i, (k, r) in enumerate((k, r) for k in keys_b for r in rows_ab)})
+            keys, half = keys_a + keys_b, len(rows_ab) // 2
+            for part_rows in (rows_ab[:half], rows_ab[half:]):
+                mask = [lanes[(k, r)] for k in keys for r in part_rows]
+                merged.append((keys, part_rows, vector_d.shuffle(a, b, mask)))
+        parts = sorted(merged, key=lambda part: (part[1][0], part[0][0]))
+    return [vector for _, _, vector in parts]
 
 
 def _join(low: ir.Value, high: ir.Value, first: int) -> ir.Value:
@@ -728,18 +760,41 @@ class _PassDispatch(_Dispatch):
         """(K row, V row) pointers of the entry's logical key ``column`` for this head: through
         the table and the layout; the zero row where the column is past the chunk, the entry's
         keys or its table (a -1 block)."""
-        spec, layout = self.spec, cache_layout(self.spec.base)
-        present = arith_d.cmpi(arith_d.CmpIPredicate.slt, column, self.keys.end)
         physical = column
         if self.window is not None:   # semantics §2: sinks, then the window's rows
             sinks, offset = self.window
             physical = arith_d.select(arith_d.cmpi(arith_d.CmpIPredicate.slt, column, sinks), column,
                                       arith_d.addi(arith_d.subi(column, sinks), offset))
-        block = arith_d.minsi(arith_d.divsi(physical, const_i64(spec.block)),
+        table_value, slot = self._table_entry(physical)
+        return self._rows_at(column, table_value, slot)
+
+    def _group_row_pointers(self, first_column) -> list[tuple[ir.Value, ir.Value]]:
+        """:meth:`_row_pointers` of the 16 keys from ``first_column`` (a multiple of 16, where
+        :meth:`_groups_share_blocks`): one table entry for them all."""
+        table_value, slot = self._table_entry(first_column)
+        return [self._rows_at(arith_d.addi(first_column, const_i64(k)), table_value, arith_d.addi(slot, const_i64(k)))
+                for k in range(16)]
+
+    def _groups_share_blocks(self) -> bool:
+        """Whether each 16 keys of a step from a multiple of 16 lie in one table block: whole
+        multiples of 16 keys a block, no sliding window (whose sinks shift the rows)."""
+        return self.window is None and self.spec.block % 16 == 0
+
+    def _table_entry(self, physical) -> tuple[ir.Value, ir.Value]:
+        """(the table's value for the block of the physical key ``physical``, the key's slot in
+        it); the block clamped into the entry's table."""
+        block = arith_d.minsi(arith_d.divsi(physical, const_i64(self.spec.block)),
                               arith_d.subi(self.table_blocks, const_i64(1)))
         block = arith_d.maxsi(block, const_i64(0))
-        slot = arith_d.remsi(physical, const_i64(spec.block))
+        slot = arith_d.remsi(physical, const_i64(self.spec.block))
         table_value = arith_d.extsi(i64(), llvm_load(i32(), at(self.table_row, arith_d.muli(block, const_i64(4)))))
+        return table_value, slot
+
+    def _rows_at(self, column, table_value, slot) -> tuple[ir.Value, ir.Value]:
+        """(K row, V row) pointers of the key ``column`` at ``slot`` of the block whose table value
+        is ``table_value``; the zero row where it is absent."""
+        spec, layout = self.spec, cache_layout(self.spec.base)
+        present = arith_d.cmpi(arith_d.CmpIPredicate.slt, column, self.keys.end)
         present = arith_d.andi(present, arith_d.cmpi(arith_d.CmpIPredicate.ne, table_value, const_i64(-1)))
         pointers = []
         for which in (0, 1):
@@ -778,14 +833,21 @@ class _PassDispatch(_Dispatch):
         row), for :meth:`prefetch_share` to read."""
         def pointers():
             half = self._pointers_of(step)
-            loop = scf_d.ForOp(const_index(0), const_index(self.s.kv_block), const_index(1))
+            grouped = self._groups_share_blocks()
+            loop = scf_d.ForOp(const_index(0), const_index(self.s.kv_block // (16 if grouped else 1)), const_index(1))
             with ir.InsertionPoint(loop.body):
-                key = as_i64(loop.induction_variable)
-                rows = self._row_pointers(arith_d.addi(start, key))
-                for which, row in enumerate(rows):
-                    llvm_store(row, at(half, arith_d.addi(arith_d.muli(key, const_i64(16)), const_i64(8 * which))))
-                    if lines:
-                        self._ask_for(row)
+                if grouped:   # one table entry each 16 keys
+                    first = arith_d.muli(as_i64(loop.induction_variable), const_i64(16))
+                    keys = [(arith_d.addi(first, const_i64(k)), rows)
+                            for k, rows in enumerate(self._group_row_pointers(arith_d.addi(start, first)))]
+                else:
+                    key = as_i64(loop.induction_variable)
+                    keys = [(key, self._row_pointers(arith_d.addi(start, key)))]
+                for key, rows in keys:
+                    for which, row in enumerate(rows):
+                        llvm_store(row, at(half, arith_d.addi(arith_d.muli(key, const_i64(16)), const_i64(8 * which))))
+                        if lines:
+                            self._ask_for(row)
                 scf_d.YieldOp([])
 
         if not lines:
