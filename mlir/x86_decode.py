@@ -47,8 +47,9 @@ _EXECUTABLE = "x86_serving_pass"
 _ENTRY = "stream_chunks"
 
 #: Index scalars of the dispatch, after its tensors: the table's dims, the first KV source's extent
-#: along its layout's ``extent_axis`` and the causal flag; then sm_scale (f32).
-_SCALARS = ("entries", "chunks", "per_chunk", "extent", "causal")
+#: along its layout's ``extent_axis``, the causal flag and the KV heads a workgroup takes
+#: (:func:`pass_heads`); then sm_scale (f32).
+_SCALARS = ("entries", "chunks", "per_chunk", "extent", "causal", "heads")
 #: Keys of a KV step.
 PASS_KV_BLOCK = 64
 #: The locality hint of the passes' prefetches: 1, ``prefetcht2`` (0 would be ``prefetchnta``,
@@ -66,6 +67,13 @@ def dispatch_names(spec: DecodeSpec) -> tuple[str, str]:
     the target into one library."""
     suffix = spec.symbol.removeprefix("decode_entries")
     return _EXECUTABLE + suffix, _ENTRY + suffix
+
+
+#: A call's workgroups take :func:`pass_heads` KV heads each where they are then at least this
+#: many (fewer would leave cores idle), else one head each.
+HEAD_GROUPS_FROM = 16
+#: Bytes of a head's widening tables (K and V: low and high bytes, 128 entries each).
+_TABLE_BYTES = 512
 
 
 #: A bf16 pass of at most this many rows (queries x G) runs KeyRowsEngine (one row tile) rather
@@ -109,11 +117,18 @@ class KeyRowsEngine(AmxEngine):
                     c0, c1 = llvm_load(lanes, at_0), llvm_load(lanes, at_1)
                     llvm_store(vector_d.shuffle(c0, c1, [0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27]), at_0)
                     llvm_store(vector_d.shuffle(c0, c1, [4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31]), at_1)
-        for chunk in range(w.s.d // 32):
+        columns = score_columns(w.spec.rows)
+        for chunk in range(w.s.d // 32):   # each B tile's first ``columns`` rows, packed: q_tile_bytes a tile
             tile = at(w.q_rows, chunk * 1024)
             pairs = _transposed([llvm_load(lanes, at(tile, row * 64)) for row in range(16)])
             for pair, vector in enumerate(pairs):
-                llvm_store(vector, at(tile, pair * 64))
+                first = vector if columns == 16 else vector_d.shuffle(vector, vector, list(range(columns)))
+                llvm_store(first, at(w.q_rows, chunk * self.q_tile_bytes(w) + pair * 4 * columns))
+
+    @staticmethod
+    def q_tile_bytes(w: "_PassDispatch") -> int:
+        """Bytes of a q B tile as :meth:`prepare_queries` packs it: 16 pairs x the score columns."""
+        return 16 * 4 * score_columns(w.spec.rows)
 
     def scores(self, w: "_PassDispatch", q_base, k_block, scores) -> None:
         """scores[16, kv_block] from the key rows of each 16 keys: staged in k_block [kv_block,
@@ -132,7 +147,7 @@ class KeyRowsEngine(AmxEngine):
             acc = narrow.zero()
             for step in range(d // 32):
                 keys = t.load(at(first, step * 64), stride)
-                acc = narrow.dot(acc, keys, narrow.load(at(q_base, step * 1024), 64))
+                acc = narrow.dot(acc, keys, narrow.load(at(q_base, step * self.q_tile_bytes(w)), 4 * columns))
             narrow.store(w.score_tile, 4 * columns, acc)
             rest = w.s.kv_block - w.staged_prefetch   # the next step's keys the staging leaves: half of them here
             w.prefetch_share(w.staged_prefetch, rest // 2, group, w.s.kv_block // 16)
@@ -216,7 +231,6 @@ def pass_blocks(spec: DecodeSpec, cpu: X86Cpu = XEON_WITH_AMX) -> tuple[int, int
     step (an engine's KV_BLOCK where it has one); buffers and the two staging buffers within
     STACK_BUDGET."""
     engine = pass_engine_type(spec, cpu)
-    operand = engine.OPERAND_BYTES
     rows = spec.rows
     first = getattr(engine, "KV_BLOCK", PASS_KV_BLOCK)
     if engine in (KeyRowsEngine, ByteKeysDotEngine):   # one block of rows: fewer keys a step if need be
@@ -226,15 +240,37 @@ def pass_blocks(spec: DecodeSpec, cpu: X86Cpu = XEON_WITH_AMX) -> tuple[int, int
     else:
         wanted = min(64, -(-rows // 4) * 4)
         smaller = ((min(wanted, 32), PASS_KV_BLOCK), (16, PASS_KV_BLOCK))
-    d, d_v = spec.d_qk, spec.d_v
+    for row_block, keys in ((wanted, first), *smaller):
+        if _pass_stack_bytes(spec, engine, row_block, keys) <= STACK_BUDGET:
+            return row_block, keys
+    raise ValueError(f"d_qk={spec.d_qk}, d_v={spec.d_v}: no x86 pass blocks fit the stack budget")
+
+
+def pass_heads(spec: DecodeSpec, cpu: X86Cpu = XEON_WITH_AMX) -> int:
+    """The KV heads a workgroup of the pass takes together where a call has workgroups enough
+    (HEAD_GROUPS_FROM): all h_kv for KeyRowsEngine's passes where each head's q rows, acc and
+    state (and widening tables) fit the stack beside the rest, else 1. Each unit of its loop is
+    a step of one head, the heads of a step one after the other: a page's rows of consecutive
+    heads lie together in the head-major caches (2 KiB of e4m3 K a head, 16 KiB a page's), so a
+    step reads runs of them rather than a run of one head at a random place."""
+    engine = pass_engine_type(spec, cpu)
+    if engine is not KeyRowsEngine or spec.h_kv == 1:
+        return 1
+    row_block, keys = pass_blocks(spec, cpu)
+    operand = engine.OPERAND_BYTES
+    head = row_block * (spec.d_qk * operand + spec.d_v * 4 + 8) + (_TABLE_BYTES if quantized_kv(spec.base) else 0)
+    fits = _pass_stack_bytes(spec, engine, row_block, keys) + spec.h_kv * head <= STACK_BUDGET
+    return spec.h_kv if fits else 1
+
+
+def _pass_stack_bytes(spec: DecodeSpec, engine: type, row_block: int, keys: int) -> int:
+    """Stack bytes of a workgroup of one head: its buffers, the staged K (V), the zero row, the
+    row pointers and a score tile."""
+    operand, d, d_v = engine.OPERAND_BYTES, spec.d_qk, spec.d_v
     # columns of a staged key: K unless its scores are taken as it is widened, V unless read in place
     staged = (d if engine.keys_staged else 0) + (0 if engine.values_in_place else d_v)
-    for row_block, keys in ((wanted, first), *smaller):
-        # K (V), the zero row, row pointers, a score tile
-        staging = keys * staged * operand + d * operand + 2 * keys * 16 + 1024
-        if workgroup_bytes(operand, row_block, keys, d, d_v) + staging <= STACK_BUDGET:
-            return row_block, keys
-    raise ValueError(f"d_qk={d}, d_v={d_v}: no x86 pass blocks fit the stack budget")
+    staging = keys * staged * operand + d * operand + 2 * keys * 16 + 1024
+    return workgroup_bytes(operand, row_block, keys, d, d_v) + staging
 
 
 def pass_unsupported(spec: DecodeSpec, cpu: X86Cpu = XEON_WITH_AMX) -> str | None:
@@ -555,12 +591,22 @@ class _PassDispatch(_Dispatch):
         #: Keys of the next step the staging of values asks for: every key but those the
         #: engine's own products ask for (KeyRowsEngine.STAGED_PREFETCH).
         self.staged_prefetch = int(shapes.kv_block * getattr(engine, "STAGED_PREFETCH", 1.0))
+        #: KV heads a workgroup may take (:func:`pass_heads`): with more than one, each head's q
+        #: rows, acc, softmax state (and widening tables) have a place of their own, and
+        #: :meth:`_use_head` points the engine at the current head's
+        self.max_heads = pass_heads(spec, cpu)
+        if self.max_heads > 1:
+            rows, operand = shapes.row_block, _bytes(engine.operand)
+            self.head_buffers = {"q_rows": rows * shapes.d * operand, "acc": rows * self.acc_stride, "state": rows * 8}
+            for name, size in self.head_buffers.items():
+                setattr(self, f"{name}_heads", stack_bytes(self.max_heads * size))
+            self.table_heads = stack_bytes(self.max_heads * _TABLE_BYTES) if self.byte_tables else None
 
     def emit(self) -> None:
         s, spec = self.s, self.spec
         rows_per_head = spec.rows
         row_groups = -(-rows_per_head // s.row_block)
-        wx, head, entry = workgroup_ids()
+        wx, head_group, entry = workgroup_ids()
         chunk = arith_d.divui(wx, const_i64(row_groups))
         first_row = arith_d.muli(arith_d.remui(wx, const_i64(row_groups)), const_i64(s.row_block))
         rows_valid = arith_d.minsi(const_i64(s.row_block), arith_d.subi(const_i64(rows_per_head), first_row))
@@ -580,39 +626,95 @@ class _PassDispatch(_Dispatch):
         self.table_row = at(self.p["table"], arith_d.muli(
             arith_d.muli(entry, arith_d.muli(self.n["chunks"], self.n["per_chunk"])), const_i64(4)))
         self.table_blocks = arith_d.muli(self.n["chunks"], self.n["per_chunk"])
-        self.head = head
-        if self.kv_format:   # 2^(15 - bias) x the head's scale, per K and V
-            exponent = 2.0 ** (15 - EIGHT_BIT_FORMATS[self.kv_format][1])
-            self.scales = [self.vec.splat(arith_d.mulf(llvm_load(f32(), at(self.p[name], arith_d.muli(head, const_i64(4)))),
-                                                       arith_d.constant(f32(), exponent)))
-                           for name in ("k_scale", "v_scale")]
-            if self.byte_tables:
-                self.tables = [self._bf16_table(which) for which in (0, 1)]
+        heads = self.n["heads"] if self.max_heads > 1 else const_i64(1)   # this call's KV heads a workgroup
+        first_head = arith_d.muli(head_group, heads)
 
-        head_row = arith_d.muli(arith_d.addi(arith_d.muli(entry, const_i64(s.h_kv)), head), const_i64(rows_per_head))
-        self._copy_query_rows(lambda row: arith_d.addi(head_row, row), first_row, const_i64(rows_per_head))
-        if isinstance(self.engine, KeyRowsEngine):
-            self.engine.prepare_queries(self)
-        self._init_rows()
+        def for_heads(body) -> None:
+            loop = scf_d.ForOp(const_index(0), arith_d.index_cast(ir.IndexType.get(), heads), const_index(1))
+            with ir.InsertionPoint(loop.body):
+                body(as_i64(loop.induction_variable))
+                scf_d.YieldOp([])
+
+        def prepare(h) -> None:   # the head's q rows, softmax state and widening tables
+            self._use_head(first_head, h, tables=False)
+            if self.kv_format:
+                self.scales = self._scales_of(self.head)
+                if self.byte_tables:
+                    self.tables = [self._bf16_table(which) for which in (0, 1)]
+                    if self.max_heads > 1:
+                        self._store_tables(h)
+            head_row = arith_d.muli(arith_d.addi(arith_d.muli(entry, const_i64(s.h_kv)), self.head),
+                                    const_i64(rows_per_head))
+            self._copy_query_rows(lambda row: arith_d.addi(head_row, row), first_row, const_i64(rows_per_head))
+            if isinstance(self.engine, KeyRowsEngine):
+                self.engine.prepare_queries(self)
+            self._init_rows()
+
+        for_heads(prepare) if self.max_heads > 1 else prepare(const_i64(0))
         self._zero(self.probs, s.row_block * self.prob_stride)
         self._zero(self.zero_row, self.zero_row_bytes)
-        self._prefetch(chunk_start, steps, const_i64(0))
-        loop = scf_d.ForOp(const_index(0), arith_d.index_cast(ir.IndexType.get(), steps), const_index(1))
+        self._prefetch(chunk_start, steps, const_i64(0), first_head)
+        index = ir.IndexType.get()
+        loop = scf_d.ForOp(const_index(0), arith_d.index_cast(index, steps), const_index(1))
         with ir.InsertionPoint(loop.body):
             step = as_i64(loop.induction_variable)
             start = arith_d.addi(chunk_start, arith_d.muli(step, const_i64(s.kv_block)))
-            following = arith_d.addi(step, const_i64(1))
-            self._prefetch(arith_d.addi(start, const_i64(s.kv_block)), arith_d.subi(steps, following), following,
-                           lines=False)
-            self.next_half = self._pointers_of(following)
-            self._stage(step)
-            self.engine.scores(self, self.q_rows, self.k_stage, self.scores)
-            self._softmax(start, self.scores, first_row)
-            self.engine.accumulate(self, self._pointers_of(step) if self.v_stage is None else self.v_stage)
+
+            def unit(h) -> None:   # step ``step`` of head first_head + h
+                self._use_head(first_head, h)
+                unit = arith_d.addi(arith_d.muli(step, heads), h)
+                following = arith_d.addi(unit, const_i64(1))
+                last = arith_d.cmpi(arith_d.CmpIPredicate.eq, arith_d.addi(h, const_i64(1)), heads)
+                next_start = arith_d.select(last, arith_d.addi(start, const_i64(s.kv_block)), start)
+                next_head = arith_d.select(last, first_head, arith_d.addi(self.head, const_i64(1)))
+                self._prefetch(next_start, None, following, next_head, lines=False)
+                self.next_half = self._pointers_of(following)
+                self._stage(unit)
+                self.engine.scores(self, self.q_rows, self.k_stage, self.scores)
+                self._softmax(start, self.scores, first_row)
+                self.engine.accumulate(self, self._pointers_of(unit) if self.v_stage is None else self.v_stage)
+
+            for_heads(unit) if self.max_heads > 1 else unit(const_i64(0))
             scf_d.YieldOp([])
-        place = arith_d.addi(arith_d.muli(arith_d.addi(arith_d.muli(entry, self.n["chunks"]), chunk), const_i64(s.h_kv)),
-                             head)
-        self._write_partials(arith_d.addi(arith_d.muli(place, const_i64(rows_per_head)), first_row), rows_valid)
+
+        def write(h) -> None:
+            self._use_head(first_head, h, tables=False)
+            place = arith_d.addi(arith_d.muli(arith_d.addi(arith_d.muli(entry, self.n["chunks"]), chunk),
+                                              const_i64(s.h_kv)), self.head)
+            self._write_partials(arith_d.addi(arith_d.muli(place, const_i64(rows_per_head)), first_row), rows_valid)
+
+        for_heads(write) if self.max_heads > 1 else write(const_i64(0))
+
+    def _use_head(self, first_head, h, tables: bool = True) -> None:
+        """Head ``first_head + h``'s buffers as the workgroup's (``h`` an i64 Value below the
+        workgroup's heads): its q rows, acc and softmax state, and with ``tables`` its widening
+        tables (:meth:`_store_tables`)."""
+        self.head = arith_d.addi(first_head, h)
+        if self.max_heads == 1:
+            return
+        for name, size in self.head_buffers.items():
+            setattr(self, name, at(getattr(self, f"{name}_heads"), arith_d.muli(h, const_i64(size))))
+        if tables and self.kv_format:
+            self.scales = self._scales_of(self.head)
+        if tables and self.byte_tables:
+            bytes64 = ir.VectorType.get([64], ir.IntegerType.get_signless(8))
+            base = at(self.table_heads, arith_d.muli(h, const_i64(_TABLE_BYTES)))
+            loaded = [llvm_load(bytes64, at(base, 64 * k)) for k in range(8)]
+            self.tables = [((loaded[4 * w], loaded[4 * w + 1]), (loaded[4 * w + 2], loaded[4 * w + 3])) for w in (0, 1)]
+
+    def _store_tables(self, h) -> None:
+        """The K and V tables of ``self.tables`` into head ``h``'s place in ``table_heads``."""
+        base = at(self.table_heads, arith_d.muli(h, const_i64(_TABLE_BYTES)))
+        vectors = [vector for low, high in self.tables for vector in (*low, *high)]
+        for k, vector in enumerate(vectors):
+            llvm_store(vector, at(base, 64 * k))
+
+    def _scales_of(self, head) -> list[ir.Value]:
+        """2^(15 - bias) x head ``head``'s K and V scales, splat (an 8-bit cache's)."""
+        exponent = 2.0 ** (15 - EIGHT_BIT_FORMATS[self.kv_format][1])
+        return [self.vec.splat(arith_d.mulf(llvm_load(f32(), at(self.p[name], arith_d.muli(head, const_i64(4)))),
+                                            arith_d.constant(f32(), exponent)))
+                for name in ("k_scale", "v_scale")]
 
     def chunk(self, which: int, row, chunk: int, lanes: ir.Type) -> ir.Value:
         """The ``chunk``-th 64 bytes of a K (``which`` 0) or V (1) row in the engine's operand
@@ -756,8 +858,8 @@ class _PassDispatch(_Dispatch):
         for offset in range(0, size, 64):
             self.vec.store(zero, at(buffer, offset))
 
-    def _row_pointers(self, column) -> tuple[ir.Value, ir.Value]:
-        """(K row, V row) pointers of the entry's logical key ``column`` for this head: through
+    def _row_pointers(self, column, head) -> tuple[ir.Value, ir.Value]:
+        """(K row, V row) pointers of the entry's logical key ``column`` for head ``head``: through
         the table and the layout; the zero row where the column is past the chunk, the entry's
         keys or its table (a -1 block)."""
         physical = column
@@ -766,14 +868,14 @@ class _PassDispatch(_Dispatch):
             physical = arith_d.select(arith_d.cmpi(arith_d.CmpIPredicate.slt, column, sinks), column,
                                       arith_d.addi(arith_d.subi(column, sinks), offset))
         table_value, slot = self._table_entry(physical)
-        return self._rows_at(column, table_value, slot)
+        return self._rows_at(column, table_value, slot, head)
 
-    def _group_row_pointers(self, first_column) -> list[tuple[ir.Value, ir.Value]]:
+    def _group_row_pointers(self, first_column, head) -> list[tuple[ir.Value, ir.Value]]:
         """:meth:`_row_pointers` of the 16 keys from ``first_column`` (a multiple of 16, where
         :meth:`_groups_share_blocks`): one table entry for them all."""
         table_value, slot = self._table_entry(first_column)
-        return [self._rows_at(arith_d.addi(first_column, const_i64(k)), table_value, arith_d.addi(slot, const_i64(k)))
-                for k in range(16)]
+        return [self._rows_at(arith_d.addi(first_column, const_i64(k)), table_value, arith_d.addi(slot, const_i64(k)),
+                              head) for k in range(16)]
 
     def _groups_share_blocks(self) -> bool:
         """Whether each 16 keys of a step from a multiple of 16 lie in one table block: whole
@@ -790,15 +892,15 @@ class _PassDispatch(_Dispatch):
         table_value = arith_d.extsi(i64(), llvm_load(i32(), at(self.table_row, arith_d.muli(block, const_i64(4)))))
         return table_value, slot
 
-    def _rows_at(self, column, table_value, slot) -> tuple[ir.Value, ir.Value]:
-        """(K row, V row) pointers of the key ``column`` at ``slot`` of the block whose table value
-        is ``table_value``; the zero row where it is absent."""
+    def _rows_at(self, column, table_value, slot, head) -> tuple[ir.Value, ir.Value]:
+        """(K row, V row) pointers of head ``head``'s key ``column`` at ``slot`` of the block whose
+        table value is ``table_value``; the zero row where it is absent."""
         spec, layout = self.spec, cache_layout(self.spec.base)
         present = arith_d.cmpi(arith_d.CmpIPredicate.slt, column, self.keys.end)
         present = arith_d.andi(present, arith_d.cmpi(arith_d.CmpIPredicate.ne, table_value, const_i64(-1)))
         pointers = []
         for which in (0, 1):
-            source, offset = layout.row_offset(spec.base, which, table_value, slot, self.head, self.n["extent"])
+            source, offset = layout.row_offset(spec.base, which, table_value, slot, head, self.n["extent"])
             row = at(self.p[f"kv{source}"], arith_d.muli(offset, const_i64(self.kv_bytes)))
             pointers.append(arith_d.select(present, row, self.zero_row))
         return pointers[0], pointers[1]
@@ -823,9 +925,9 @@ class _PassDispatch(_Dispatch):
         for line in range(0, self.s.d * self.kv_bytes, 64):
             llvm_d.intr_prefetch(at(row, line), 0, PREFETCH_LOCALITY, 1)
 
-    def _prefetch(self, start, steps_left, step, lines: bool = True) -> None:
-        """The row pointers of keys [start, start + kv_block) (step ``step``'s) into its half of
-        ``row_pointers``, and with ``lines`` their cache lines asked for (when steps are left): the
+    def _prefetch(self, start, steps_left, step, head, lines: bool = True) -> None:
+        """Head ``head``'s row pointers of keys [start, start + kv_block) (unit ``step``'s: a step
+        of one head) into its half of ``row_pointers``, and with ``lines`` their cache lines asked for (when steps are left): the
         gathers of a step then find their rows in cache (without it, a decode pass waited on each
         row's first load: 10 GB/s of the machine's 20; each pointer computed once, not again in
         the gather: the e4m3 pass 1.11 -> 1.20x the bf16 one), as PREFETCH_LOCALITY says. Without
@@ -839,10 +941,10 @@ class _PassDispatch(_Dispatch):
                 if grouped:   # one table entry each 16 keys
                     first = arith_d.muli(as_i64(loop.induction_variable), const_i64(16))
                     keys = [(arith_d.addi(first, const_i64(k)), rows)
-                            for k, rows in enumerate(self._group_row_pointers(arith_d.addi(start, first)))]
+                            for k, rows in enumerate(self._group_row_pointers(arith_d.addi(start, first), head))]
                 else:
                     key = as_i64(loop.induction_variable)
-                    keys = [(key, self._row_pointers(arith_d.addi(start, key)))]
+                    keys = [(key, self._row_pointers(arith_d.addi(start, key), head))]
                 for key, rows in keys:
                     for which, row in enumerate(rows):
                         llvm_store(row, at(half, arith_d.addi(arith_d.muli(key, const_i64(16)), const_i64(8 * which))))
@@ -931,11 +1033,16 @@ def _emit(spec: DecodeSpec, cpu: X86Cpu, shapes: KernelShapes, anchor: ir.Operat
     dyn = [dim(x, axis) for x, t in zip(tensors, types) for axis, size in enumerate(t.shape) if size == DYN]
     row_groups = -(-spec.rows // shapes.row_block)
     h, d = shapes.h_kv, shapes.d_v
+    heads, max_heads = const_index(1), pass_heads(spec, cpu)
+    if max_heads > 1:   # a workgroup a chunk's row group and every head where they are workgroups enough
+        one_head = arith_d.muli(arith_d.muli(chunks, const_index(row_groups * h)), entries)
+        enough = arith_d.cmpi(arith_d.CmpIPredicate.uge, one_head, const_index(HEAD_GROUPS_FROM * max_heads))
+        heads = arith_d.select(enough, const_index(max_heads), heads)
     entry = ir.ArrayAttr.get([ir.SymbolRefAttr.get(list(dispatch_names(spec)))])
     dispatch = flow_d.DispatchOp(
         [tensor_type([DYN, DYN, h, spec.rows, d], f32()), tensor_type([DYN, DYN, h, spec.rows, 2], f32())],
-        [arith_d.muli(chunks, const_index(row_groups)), const_index(h), entries], entry,
-        [*tensors, *dyn, entries, chunks, per_chunk, extent, causal_index, sm_scale],
+        [arith_d.muli(chunks, const_index(row_groups)), arith_d.divui(const_index(h), heads), entries], entry,
+        [*tensors, *dyn, entries, chunks, per_chunk, extent, causal_index, heads, sm_scale],
         dyn, [entries, chunks, entries, chunks])
     products, state = dispatch.results
 

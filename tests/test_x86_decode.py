@@ -8,6 +8,8 @@ with prefill entries, peaked scores, NaN in a cache's unused rows."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -18,7 +20,8 @@ from linalg_prefill.mlir.x86_attention import (
     STACK_BUDGET, WORKER_STACK_BYTES, XEON_WITH_AMX, AmxEngine, FmaEngine, X86Cpu, workgroup_bytes,
 )
 from linalg_prefill.mlir.x86_decode import (
-    ByteKeysDotEngine, DotEngine, InPlaceValues, InPlaceWidenedValues, KeyRowsEngine, pass_blocks, pass_engine_type,
+    HEAD_GROUPS_FROM, ByteKeysDotEngine, DotEngine, InPlaceValues, InPlaceWidenedValues, KeyRowsEngine, pass_blocks,
+    pass_engine_type, pass_heads,
 )
 from linalg_prefill.pipeline import Target, compile_spec
 from linalg_prefill.pipeline.tuning import tuned_ir
@@ -141,15 +144,18 @@ def test_f32_passes_read_values_in_place_and_every_pass_fits_the_workers_stack()
     for spec, cpu in ((f16, ZEN_4), (bf16, X86Cpu(amx=False, vbmi=False, bf16_dot=False))):
         assert [pass_engine_type(DecodeSpec(spec, q), cpu) for q in (1, 16)] == [InPlaceWidenedValues, FmaEngine]
     assert STACK_BUDGET <= WORKER_STACK_BYTES // 2
-    for base in (f32, e4m3, bf16, *WIDE_SPECS.values()):
+    e4m3_bf16 = PagedPrefillSpec(32, 8, 128, "bfloat16", page_size=16, kv_dtype="float8_e4m3fn")
+    for base in (f32, e4m3, bf16, e4m3_bf16, *WIDE_SPECS.values()):
         for queries in (1, 4, 16):
             for cpu in (XEON_WITH_AMX, ZEN_4):
                 spec = DecodeSpec(base, queries)
                 rows, keys = pass_blocks(spec, cpu)
                 engine = pass_engine_type(spec, cpu)
                 staged = (base.d_qk if engine.keys_staged else 0) + (0 if engine.values_in_place else base.d_v)
+                heads = pass_heads(spec, cpu)   # each head's q rows, acc, state and tables beside the rest
+                own = rows * (base.d_qk * engine.OPERAND_BYTES + base.d_v * 4 + 8) + 512
                 assert workgroup_bytes(engine.OPERAND_BYTES, rows, keys, base.d_qk, base.d_v) \
-                    + keys * staged * engine.OPERAND_BYTES <= STACK_BUDGET
+                    + keys * staged * engine.OPERAND_BYTES + (heads * own if heads > 1 else 0) <= STACK_BUDGET
 
 
 #: An AVX-512 CPU without AMX, VBMI or avx512_bf16 (Skylake-SP): the oldest that the rule gives
@@ -238,6 +244,39 @@ def test_x86_passes_on_peaked_scores(name, cache):
     which f32 weights flush to 0: the error model's t32 term)."""
     spec, args = _call(name, np.random.default_rng(2))
     args = list(args)
+    args[0] = (args[0].astype(np.float32) * 40.0).astype(NUMPY_DTYPE[spec.dtype])
+    assert_matches_reference(name, open_kernel(spec, cache=cache)(*args), spec, args)
+
+
+def test_the_passes_of_few_rows_on_amx_take_every_kv_head_of_a_chunk_in_calls_of_many_entries():
+    """KeyRowsEngine's passes (bf16 and 8-bit caches, at most 16 rows, AMX) take every KV head of
+    their chunk in a workgroup where the call has HEAD_GROUPS_FROM such workgroups or more (the IR
+    chooses, from the table's dims); the others, MLA's one head and a CPU without AMX, one head."""
+    e4m3 = PagedPrefillSpec(32, 8, 128, "bfloat16", page_size=16, kv_dtype="float8_e4m3fn")
+    assert [pass_heads(DecodeSpec(e4m3, q)) for q in (1, 4, 16)] == [8, 8, 1]
+    assert pass_heads(DecodeSpec(e4m3, 1), ZEN_4) == 1
+    assert pass_heads(DecodeSpec(PagedPrefillSpec(32, 8, 128, "float32", page_size=16), 1)) == 1
+    assert pass_heads(DecodeSpec(WIDE_SPECS["mla-bf16-h16"], 1)) == 1
+    ir_text = tuned_ir(DecodeSpec(e4m3, 1), AMX_CPU)   # heads a workgroup: 8 where the one-head ones are 16 x 8
+    assert f"arith.constant {HEAD_GROUPS_FROM * 8} : index" in ir_text and "arith.cmpi uge" in ir_text
+    assert re.search(r"arith.divui %c8\w*, %\w+ : index", ir_text)   # the grid's heads axis: h_kv / heads
+
+
+#: 1-query entries of 0 to 1500 keys, twenty: every KV head of a chunk in one workgroup for the
+#: passes of few rows on AMX (their one-head workgroups number h_kv x HEAD_GROUPS_FROM or more).
+MANY_ENTRIES = [(1, kv_len) for kv_len in (1, 0, 37, 300, 1500, 16, 17, 64, 65, 2, 129, 700, 31, 33, 1024, 5, 250,
+                                           100, 48, 999)]
+
+
+@pytest.mark.parametrize("name", _where_x86(["paged-hnd-bf16-gqa4", "paged-window-e4m3-bf16",
+                                             "ragged-dv128-bf16-gqa4"]))
+def test_x86_passes_taking_every_kv_head_of_a_chunk_match_the_reference(name, cache):
+    """Peaked scores (q x 40) over twenty entries: a head's rows read with another's q rows, acc,
+    state or 8-bit scales (each head's own, drawn apart) show."""
+    spec = ALL_SPECS[name]
+    assert len(MANY_ENTRIES) >= HEAD_GROUPS_FROM and pass_heads(DecodeSpec(spec, 1)) == spec.h_kv > 1
+    window = [(k % 7, k % 3) for k in range(len(MANY_ENTRIES))] if getattr(spec, "sliding_window", False) else None
+    args = list(serving_call(spec, np.random.default_rng(7), MANY_ENTRIES, window))
     args[0] = (args[0].astype(np.float32) * 40.0).astype(NUMPY_DTYPE[spec.dtype])
     assert_matches_reference(name, open_kernel(spec, cache=cache)(*args), spec, args)
 
