@@ -333,6 +333,22 @@ def _key_major_transposed(vectors: list[ir.Value], rows: int) -> list[ir.Value]:
     return [vector for _, _, vector in parts]
 
 
+def _lane_groups_transposed(vectors: list[ir.Value]) -> list[ir.Value]:
+    """Four vectors of 16 lanes as four 4 x 4 blocks of 4-lane groups, transposed: group g of
+    vector t becomes group t of vector g (two stages of two-source shuffles)."""
+    def groups(pairs):   # [(vector, group)] of the two sources -> lanes
+        return [4 * group + 16 * source + i for source, group in pairs for i in range(4)]
+
+    a, b, c, e = vectors
+    ab_low, ab_high = (vector_d.shuffle(a, b, groups([(0, g), (1, g), (0, g + 1), (1, g + 1)])) for g in (0, 2))
+    ce_low, ce_high = (vector_d.shuffle(c, e, groups([(0, g), (1, g), (0, g + 1), (1, g + 1)])) for g in (0, 2))
+    out = []
+    for left, right in ((ab_low, ce_low), (ab_high, ce_high)):   # groups (g, g + 1) of a b | c e
+        out.append(vector_d.shuffle(left, right, groups([(0, 0), (0, 1), (1, 0), (1, 1)])))
+        out.append(vector_d.shuffle(left, right, groups([(0, 2), (0, 3), (1, 2), (1, 3)])))
+    return out
+
+
 def _join(low: ir.Value, high: ir.Value, first: int) -> ir.Value:
     """Bytes [first, first + 32) of the looked-up ``low`` and ``high`` bytes (64 i8 each)
     interleaved into 32 bf16 (as 64 i8), in their order."""
@@ -372,6 +388,11 @@ class AmxStaging:
             w.prefetch_share(group_keys, per_group, pair, 8)
             pair_at = at(w.v_stage, arith_d.muli(arith_d.addi(arith_d.muli(group, const_i64(8)), const_i64(pair)),
                                                  const_i64(64)))
+            if w.values_permuted:   # 64 dims of both keys interleaved, then looked up
+                for first in range(0, d, 64):
+                    for j, out in enumerate(w.paired_value_block(rows[2 * pair], rows[2 * pair + 1], first)):
+                        llvm_store(out, at(pair_at, (first // 16 + j) * dim_tile))
+                continue
             for chunk in range(d // 32):
                 if w.byte_tables:   # both keys' bytes in one lookup, interleaved as it ends
                     outs = w.paired_values(rows[2 * pair], rows[2 * pair + 1], chunk)
@@ -580,6 +601,10 @@ class _PassDispatch(_Dispatch):
         #: f32 as a bf16 cache is: FmaStaging)
         bf16 = ir.BF16Type.get()
         self.byte_tables = self.kv_format is not None and (engine.operand == bf16 or self.elem == bf16 and cpu.vbmi)
+        #: Whether the AMX engines' staged 8-bit values, and so acc's columns, come in
+        #: :meth:`paired_value_block`'s order (each 64 dims: column 16 t + 4 g + i holds dim 16 g +
+        #: 4 t + i), put back in order as the partials are written (:meth:`_write_partials`)
+        self.values_permuted = self.byte_tables and engine.uses_amx and shapes.d_v % 64 == 0
         #: The next step's lines are asked for a few keys at a time through the step's work
         #: (:meth:`prefetch_share`: a share for each value pair or row staged, or each K chunk
         #: where values are read in place; KeyRowsEngine's score groups and P.V tiles), not
@@ -816,6 +841,21 @@ class _PassDispatch(_Dispatch):
             outs.append(vector_d.bitcast(halves, vector_d.shuffle(low, high, order)))
         return outs[0], outs[1]
 
+    def paired_value_block(self, a, b, first: int) -> list[ir.Value]:
+        """Dims [first, first + 64) of the 8-bit V rows of keys a and b as four AmxStaging pair
+        vectors (16 (a, b) bf16 pairs each, as 32 i16), vector t holding dims first + 16 g + 4 t
+        + [0, 4) in its lanes 4 g + [0, 4) (:attr:`values_permuted`): the two rows' bytes
+        interleaved by in-lane unpacks, looked up (:meth:`lookup`), low and high bytes joined by
+        in-lane unpacks; no cross-lane shuffle, where :meth:`paired_values` takes two a 32 dims."""
+        bytes64 = ir.VectorType.get([64], ir.IntegerType.get_signless(8))
+        halves = ir.VectorType.get([32], ir.IntegerType.get_signless(16))
+        raw_a, raw_b = (llvm_load(bytes64, at(row, first)) for row in (a, b))
+        outs = []
+        for half in range(2):   # bytes 8 half + [0, 8) of each 128-bit lane: (a, b) byte pairs
+            low, high = self.lookup(1, _in_lane_join(raw_a, raw_b, half))
+            outs += [vector_d.bitcast(halves, _in_lane_join(low, high, j)) for j in range(2)]
+        return outs
+
     def lookup(self, which: int, index) -> tuple[ir.Value, ir.Value]:
         """The low and high bytes of bf16(f32(x) x the head's scale) for 64 8-bit elements x
         (``index``, 64 i8): each magnitude's two bytes from the head's tables (vpermi2b: 128
@@ -983,8 +1023,11 @@ class _PassDispatch(_Dispatch):
             place = arith_d.addi(first_place, r)
             out_at = at(self.p["products"], arith_d.muli(place, const_i64(d * 4)))
             acc_row = self.row_addr(self.acc, r, self.acc_stride)
-            for t in range(d // 16):
-                v.store(v.load(at(acc_row, t * 64)), at(out_at, t * 64))
+            columns = [v.load(at(acc_row, t * 64)) for t in range(d // 16)]
+            if self.values_permuted:
+                columns = [out for first in range(0, d // 16, 4) for out in _lane_groups_transposed(columns[first:first + 4])]
+            for t, column in enumerate(columns):
+                v.store(column, at(out_at, t * 64))
             llvm_store(llvm_load(i64(), self.row_addr(self.state, r, 8)),
                        at(self.p["state"], arith_d.muli(place, const_i64(8))))
 
