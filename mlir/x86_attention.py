@@ -789,22 +789,25 @@ class _Dispatch:
             total = weights[0]
             for w in weights[1:]:
                 total = arith_d.addf(total, w)
-            alpha_v = v.exp2(v.splat(arith_d.subf(old_max, new_max)))
-            alpha = vector_extract(alpha_v)
-            new_sum = arith_d.addf(arith_d.mulf(old_sum, alpha), v.reduce("add", total))
+            # where the max grew, the old sum and acc scaled by 2^(old max - new max); else that
+            # factor is exactly 1 (the exp2 fit is 1 at 0) and neither is touched
+            grew = scf_d.IfOp(arith_d.cmpf(arith_d.CmpFPredicate.OGT, new_max, old_max), [f32()], has_else=True)
+            with ir.InsertionPoint(grew.then_block):
+                alpha_v = v.exp2(v.splat(arith_d.subf(old_max, new_max)))
+                acc_row = self.row_addr(self.acc, r, self.acc_stride)
+                for t in range(s.d_v // 16):
+                    where = at(acc_row, t * 64)
+                    v.store(arith_d.mulf(v.load(where), alpha_v), where)
+                scf_d.YieldOp([arith_d.mulf(old_sum, vector_extract(alpha_v))])
+            with ir.InsertionPoint(grew.else_block):
+                scf_d.YieldOp([old_sum])
+            new_sum = arith_d.addf(grew.results[0], v.reduce("add", total))
             llvm_store(new_max, state_at)
             llvm_store(new_sum, at(state_at, 4))
             prob_row = self.row_addr(self.probs, r, self.prob_stride)
             prob_elem = self.engine.prob_elem
             for c, w in enumerate(weights):
                 v.store(v.narrow(w, prob_elem), at(prob_row, c * 16 * _bytes(prob_elem)))
-            grew = scf_d.IfOp(arith_d.cmpf(arith_d.CmpFPredicate.OGT, new_max, old_max))
-            with ir.InsertionPoint(grew.then_block):
-                acc_row = self.row_addr(self.acc, r, self.acc_stride)
-                for t in range(s.d_v // 16):
-                    where = at(acc_row, t * 64)
-                    v.store(arith_d.mulf(v.load(where), alpha_v), where)
-                scf_d.YieldOp([])
 
         if between is None:
             self._for_rows(self.softmax_rows, row)
