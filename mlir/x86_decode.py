@@ -654,7 +654,10 @@ class _PassDispatch(_Dispatch):
         heads = self.n["heads"] if self.max_heads > 1 else const_i64(1)   # this call's KV heads a workgroup
         first_head = arith_d.muli(head_group, heads)
 
-        def for_heads(body) -> None:
+        def for_heads(body) -> None:   # body(h) for each of the workgroup's heads (h an i64 Value)
+            if self.max_heads == 1:
+                body(const_i64(0))
+                return
             loop = scf_d.ForOp(const_index(0), arith_d.index_cast(ir.IndexType.get(), heads), const_index(1))
             with ir.InsertionPoint(loop.body):
                 body(as_i64(loop.induction_variable))
@@ -675,7 +678,7 @@ class _PassDispatch(_Dispatch):
                 self.engine.prepare_queries(self)
             self._init_rows()
 
-        for_heads(prepare) if self.max_heads > 1 else prepare(const_i64(0))
+        for_heads(prepare)
         self._zero(self.probs, s.row_block * self.prob_stride)
         self._zero(self.zero_row, self.zero_row_bytes)
         self._prefetch(chunk_start, steps, const_i64(0), first_head)
@@ -687,19 +690,19 @@ class _PassDispatch(_Dispatch):
 
             def unit(h) -> None:   # step ``step`` of head first_head + h
                 self._use_head(first_head, h)
-                unit = arith_d.addi(arith_d.muli(step, heads), h)
-                following = arith_d.addi(unit, const_i64(1))
+                this = arith_d.addi(arith_d.muli(step, heads), h)   # the unit's index
+                following = arith_d.addi(this, const_i64(1))
                 last = arith_d.cmpi(arith_d.CmpIPredicate.eq, arith_d.addi(h, const_i64(1)), heads)
                 next_start = arith_d.select(last, arith_d.addi(start, const_i64(s.kv_block)), start)
                 next_head = arith_d.select(last, first_head, arith_d.addi(self.head, const_i64(1)))
                 self._prefetch(next_start, None, following, next_head, lines=False)
                 self.next_half = self._pointers_of(following)
-                self._stage(unit)
+                self._stage(this)
                 self.engine.scores(self, self.q_rows, self.k_stage, self.scores)
                 self._softmax(start, self.scores, first_row)
-                self.engine.accumulate(self, self._pointers_of(unit) if self.v_stage is None else self.v_stage)
+                self.engine.accumulate(self, self._pointers_of(this) if self.v_stage is None else self.v_stage)
 
-            for_heads(unit) if self.max_heads > 1 else unit(const_i64(0))
+            for_heads(unit)
             scf_d.YieldOp([])
 
         def write(h) -> None:
@@ -708,7 +711,7 @@ class _PassDispatch(_Dispatch):
                                               const_i64(s.h_kv)), self.head)
             self._write_partials(arith_d.addi(arith_d.muli(place, const_i64(rows_per_head)), first_row), rows_valid)
 
-        for_heads(write) if self.max_heads > 1 else write(const_i64(0))
+        for_heads(write)
 
     def _use_head(self, first_head, h, tables: bool = True) -> None:
         """Head ``first_head + h``'s buffers as the workgroup's (``h`` an i64 Value below the
@@ -945,9 +948,9 @@ class _PassDispatch(_Dispatch):
             pointers.append(arith_d.select(present, row, self.zero_row))
         return pointers[0], pointers[1]
 
-    def _pointers_of(self, step) -> ir.Value:
-        """Step ``step``'s half of ``row_pointers`` (steps alternate halves)."""
-        return at(self.row_pointers, arith_d.muli(arith_d.remui(step, const_i64(2)), const_i64(self.s.kv_block * 16)))
+    def _pointers_of(self, unit) -> ir.Value:
+        """Unit ``unit``'s half of ``row_pointers`` (units, a step of one head each, alternate halves)."""
+        return at(self.row_pointers, arith_d.muli(arith_d.remui(unit, const_i64(2)), const_i64(self.s.kv_block * 16)))
 
     def prefetch_share(self, first, count: int, part: int, parts: int) -> None:
         """Part ``part`` of ``parts`` of the next step's keys [first, first + count) (``first`` an
@@ -1000,10 +1003,10 @@ class _PassDispatch(_Dispatch):
             pointers()
             scf_d.YieldOp([])
 
-    def _stage(self, step) -> None:
-        """Step ``step``'s keys (their pointers in its half of ``row_pointers``) into the staging
+    def _stage(self, unit) -> None:
+        """Unit ``unit``'s keys (their pointers in its half of ``row_pointers``) into the staging
         buffers, 16 at a time."""
-        half = self._pointers_of(step)
+        half = self._pointers_of(unit)
         loop = scf_d.ForOp(const_index(0), const_index(self.s.kv_block // 16), const_index(1))
         with ir.InsertionPoint(loop.body):
             group = as_i64(loop.induction_variable)
