@@ -257,10 +257,17 @@ def pass_heads(spec: DecodeSpec, cpu: X86Cpu = XEON_WITH_AMX) -> int:
     if engine is not KeyRowsEngine or spec.h_kv == 1:
         return 1
     row_block, keys = pass_blocks(spec, cpu)
-    operand = engine.OPERAND_BYTES
-    head = row_block * (spec.d_qk * operand + spec.d_v * 4 + 8) + (_TABLE_BYTES if quantized_kv(spec.base) else 0)
+    head = sum(_head_buffer_bytes(spec, engine, row_block).values()) + (_TABLE_BYTES if quantized_kv(spec.base) else 0)
     fits = _pass_stack_bytes(spec, engine, row_block, keys) + spec.h_kv * head <= STACK_BUDGET
     return spec.h_kv if fits else 1
+
+
+def _head_buffer_bytes(spec: DecodeSpec, engine: type, row_block: int) -> dict[str, int]:
+    """Bytes of the buffers each head of a many-head workgroup has of its own (:func:`pass_heads`),
+    by the workgroup attribute they stand for: q rows in the engine's operands, acc [rows, d_v]
+    in f32, (max, sum) a row."""
+    return {"q_rows": row_block * spec.d_qk * engine.OPERAND_BYTES, "acc": row_block * spec.d_v * 4,
+            "state": row_block * 8}
 
 
 def _pass_stack_bytes(spec: DecodeSpec, engine: type, row_block: int, keys: int) -> int:
@@ -621,8 +628,7 @@ class _PassDispatch(_Dispatch):
         #: :meth:`_use_head` points the engine at the current head's
         self.max_heads = pass_heads(spec, cpu)
         if self.max_heads > 1:
-            rows, operand = shapes.row_block, _bytes(engine.operand)
-            self.head_buffers = {"q_rows": rows * shapes.d * operand, "acc": rows * self.acc_stride, "state": rows * 8}
+            self.head_buffers = _head_buffer_bytes(spec, type(engine), shapes.row_block)
             for name, size in self.head_buffers.items():
                 setattr(self, f"{name}_heads", stack_bytes(self.max_heads * size))
             self.table_heads = stack_bytes(self.max_heads * _TABLE_BYTES) if self.byte_tables else None
@@ -682,8 +688,7 @@ class _PassDispatch(_Dispatch):
         self._zero(self.probs, s.row_block * self.prob_stride)
         self._zero(self.zero_row, self.zero_row_bytes)
         self._prefetch(chunk_start, steps, const_i64(0), first_head)
-        index = ir.IndexType.get()
-        loop = scf_d.ForOp(const_index(0), arith_d.index_cast(index, steps), const_index(1))
+        loop = scf_d.ForOp(const_index(0), arith_d.index_cast(ir.IndexType.get(), steps), const_index(1))
         with ir.InsertionPoint(loop.body):
             step = as_i64(loop.induction_variable)
             start = arith_d.addi(chunk_start, arith_d.muli(step, const_i64(s.kv_block)))
@@ -970,10 +975,11 @@ class _PassDispatch(_Dispatch):
 
     def _prefetch(self, start, steps_left, step, head, lines: bool = True) -> None:
         """Head ``head``'s row pointers of keys [start, start + kv_block) (unit ``step``'s: a step
-        of one head) into its half of ``row_pointers``, and with ``lines`` their cache lines asked for (when steps are left): the
-        gathers of a step then find their rows in cache (without it, a decode pass waited on each
-        row's first load: 10 GB/s of the machine's 20; each pointer computed once, not again in
-        the gather: the e4m3 pass 1.11 -> 1.20x the bf16 one), as PREFETCH_LOCALITY says. Without
+        of one head) into its half of ``row_pointers``, and with ``lines`` their cache lines asked
+        for (when steps are left): the gathers of a step then find their rows in cache (without
+        it, a decode pass waited on each row's first load: 10 GB/s of the machine's 20; each
+        pointer computed once, not again in the gather: the e4m3 pass 1.11 -> 1.20x the bf16
+        one), as PREFETCH_LOCALITY says. Without
         ``lines`` the pointers are written whether steps are left or not (past the keys: the zero
         row), for :meth:`prefetch_share` to read."""
         def pointers():
@@ -1027,8 +1033,9 @@ class _PassDispatch(_Dispatch):
             out_at = at(self.p["products"], arith_d.muli(place, const_i64(d * 4)))
             acc_row = self.row_addr(self.acc, r, self.acc_stride)
             columns = [v.load(at(acc_row, t * 64)) for t in range(d // 16)]
-            if self.values_permuted:
-                columns = [out for first in range(0, d // 16, 4) for out in _lane_groups_transposed(columns[first:first + 4])]
+            if self.values_permuted:   # each 64 dims' four vectors back in dim order
+                columns = [out for first in range(0, d // 16, 4)
+                           for out in _lane_groups_transposed(columns[first:first + 4])]
             for t, column in enumerate(columns):
                 v.store(column, at(out_at, t * 64))
             llvm_store(llvm_load(i64(), self.row_addr(self.state, r, 8)),
